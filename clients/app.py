@@ -1,0 +1,116 @@
+"""The ClientApp: local DP-SGD with self-distillation on this client's shard (SPEC §5, §8).
+
+Each round it receives the global model and the run's settings, trains E local epochs with
+fedsd's loop, and replies with the new weights and its metrics. Its privacy state (one
+accountant history for the whole run, the RNG state, the step count) lives in context.state,
+so a client never restarts its accounting. A client whose next round would overspend its
+(ε, δ) does not train: its reply carries only metrics with skipped = 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedsd import data as data_lib
+from fedsd import privacy
+from fedsd.config import ConfigError, TrainConfig, validate
+from fedsd.federation import FedOptions, client_config, from_flat, round_epochs
+from fedsd.training import BudgetExhausted, DPTrainer, Model
+from fedsd.central import resolve_device
+
+from .partition import shards
+from .records import load_state, model_to_record, record_to_model, save_state
+
+
+@dataclass
+class Federation:
+    """The data side of a federation, as every party computes it (seeded, so all agree)."""
+
+    cfg: TrainConfig
+    fed: FedOptions
+    images: data_lib.ImageData
+    train_indices: torch.Tensor  # into the full training set (a --subset, or all of it)
+    shards: list[torch.Tensor]  # per client: positions into train_indices
+
+    def shard_sizes(self) -> list[int]:
+        return [len(s) for s in self.shards]
+
+    def client_data(self, partition_id: int, device) -> data_lib.TensorData:
+        return data_lib.prepare(self.images, self.train_indices[self.shards[partition_id]], device)
+
+    def client_plan(self, partition_id: int) -> privacy.PrivacyPlan:
+        c = self.cfg
+        return privacy.plan(c.epsilon, c.delta, len(self.shards[partition_id]), c.batch_size, c.epochs, c.accountant)
+
+
+def build_federation(cfg: TrainConfig, fed: FedOptions) -> Federation:
+    """Load, subset and partition the data; check every client's shard against the settings.
+
+    Raises ConfigError (naming the option, or the client and its size) before any training."""
+    fed.validate()
+    cfg = client_config(cfg, fed)
+    images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)
+    indices = (data_lib.stratified_subset(images.y_train, cfg.subset, cfg.seed)
+               if cfg.subset is not None else torch.arange(len(images.y_train)))
+    if fed.num_clients > len(indices):
+        raise ConfigError(f"--clients: {fed.num_clients} clients but only {len(indices)} training samples")
+    parts = shards(images.y_train[indices], fed, cfg.seed)
+    for k, part in enumerate(parts):
+        if len(part) < cfg.batch_size:
+            raise ConfigError(f"client {k}'s shard has {len(part)} samples, fewer than --batch-size "
+                              f"{cfg.batch_size}; lower --batch-size or use fewer clients")
+    validate(cfg, min(len(p) for p in parts))  # δ < 1/n_k for every client
+    return Federation(cfg, fed, images, indices, parts)
+
+
+_FEDERATIONS: dict[tuple, Federation] = {}
+_TRAINERS: dict[tuple, DPTrainer] = {}
+
+
+def trainer_for(flat: dict, partition_id: int) -> tuple[Federation, DPTrainer]:
+    """The client's DPTrainer, cached per worker process: data tensors, model structure,
+    Opacus wrappers and the calibrated σ do not change between rounds."""
+    key = tuple(sorted(flat.items()))
+    if (key, partition_id) not in _TRAINERS:
+        if key not in _FEDERATIONS:
+            _FEDERATIONS[key] = build_federation(*from_flat(flat))
+        federation = _FEDERATIONS[key]
+        device = resolve_device(federation.cfg.device)
+        _TRAINERS[(key, partition_id)] = DPTrainer(federation.cfg, federation.client_data(partition_id, device),
+                                                  federation.client_plan(partition_id), client=partition_id)
+    return _FEDERATIONS[key], _TRAINERS[(key, partition_id)]
+
+
+app = ClientApp()
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    flat = dict(msg.content["config"])
+    server_round = int(flat.pop("server-round"))
+    partition_id = int(context.node_config["partition-id"])
+    federation, trainer = trainer_for(flat, partition_id)
+    fed = federation.fed
+    # FedProx sends its μ as "proximal-mu" in the round's config (the run config's key of the same name).
+    proximal_mu = float(flat["proximal-mu"]) if fed.strategy == "fedprox" else 0.0
+    state = load_state(context.state)
+    model: Model = record_to_model(msg.content["arrays"])
+    teacher = state.local_model if (fed.teacher == "local-previous" and state is not None) else None
+    base = {"num-examples": trainer.num_train, "partition-id": partition_id}
+    try:
+        model, state, metrics = trainer.local_update(model, state, round_epochs(server_round, fed.local_epochs),
+                                                     teacher=teacher, proximal_mu=proximal_mu)
+    except BudgetExhausted:
+        spent = 0.0 if state is None else privacy.Ledger(trainer.plan.accountant, state.history).epsilon(trainer.plan.delta)
+        return Message(RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "epsilon": spent,
+                                                            "noise-multiplier": trainer.plan.noise_multiplier})}),
+                       reply_to=msg)
+    save_state(context.state, state)
+    reply = MetricRecord({**base, "skipped": 0, "epsilon": metrics["epsilon"],
+                          "noise-multiplier": metrics["noise_multiplier"], "train-loss": metrics["train_loss"],
+                          "seconds": metrics["seconds"], "steps": metrics["steps"]})
+    return Message(RecordDict({"arrays": model_to_record(model), "metrics": reply}), reply_to=msg)
+

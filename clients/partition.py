@@ -1,0 +1,51 @@
+"""Client shards with flwr-datasets' partitioners over the locally loaded labels.
+
+Only an index column and the labels go into a Hugging Face Dataset; the images stay tensors.
+Each shard's indices come back sorted, so one client's shard is the whole training set in
+its original order (the single-client identity).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+from datasets import Dataset
+from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
+
+from fedsd.federation import FedOptions
+
+
+def _partitioner(fed: FedOptions, seed: int):
+    if fed.partition == "iid":
+        return IidPartitioner(num_partitions=fed.num_clients)
+    if fed.partition == "dirichlet":
+        return DirichletPartitioner(num_partitions=fed.num_clients, partition_by="label",
+                                    alpha=fed.dirichlet_alpha,
+                                    shuffle=True, seed=seed)
+    return PathologicalPartitioner(num_partitions=fed.num_clients, partition_by="label",
+                                   num_classes_per_partition=fed.classes_per_client,
+                                   class_assignment_mode="first-deterministic", shuffle=True, seed=seed)
+
+
+@lru_cache(maxsize=8)
+def _all_shards(labels_key: bytes, num_clients: int, partition: str, alpha: float, classes: int,
+                seed: int) -> tuple[np.ndarray, ...]:
+    labels = np.frombuffer(labels_key, dtype=np.int64)
+    fed = FedOptions(num_clients=num_clients, partition=partition, dirichlet_alpha=alpha,
+                     classes_per_client=classes)
+    table = Dataset.from_dict({"index": np.arange(len(labels)), "label": labels})
+    if partition == "iid":  # IidPartitioner cuts contiguous shards: shuffle first, as FederatedDataset does
+        table = table.shuffle(seed=seed)
+    partitioner = _partitioner(fed, seed)
+    partitioner.dataset = table
+    return tuple(np.sort(np.asarray(partitioner.load_partition(i)["index"], dtype=np.int64))
+                 for i in range(num_clients))
+
+
+def shards(labels: torch.Tensor, fed: FedOptions, seed: int) -> list[torch.Tensor]:
+    """Every client's shard: positions into `labels`, sorted ascending (cached per process)."""
+    key = labels.numpy().astype(np.int64).tobytes()
+    parts = _all_shards(key, fed.num_clients, fed.partition, float(fed.dirichlet_alpha),
+                        int(fed.classes_per_client), int(seed))
+    return [torch.from_numpy(p.copy()) for p in parts]

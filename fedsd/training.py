@@ -1,0 +1,244 @@
+"""The one DP training loop, for all five methods, central and federated alike.
+
+A run is a sequence of calls to `DPTrainer.local_update(model, state, epochs)`: from the current
+global model (named groups of weights: the student, and where the method has them the EMA and
+DPKD's teacher) and the carried `TrainState` (accountant history, RNG state, step count), train
+the listed epochs and return the updated groups, the new state and metrics. Central training
+is that call once per epoch; a federated client makes it once per round on its shard. With one
+client, one local epoch a round and FedAvg (the identity on one reply), the two are the same
+computation, which is what makes the single-client identity hold by construction.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from opacus import GradSampleModule
+from opacus.optimizers import DPOptimizer
+
+from . import losses
+from .config import DISTILLING, TrainConfig
+from .data import TensorData
+from .models import build_model, check_private_trainable
+from .privacy import Ledger, PrivacyPlan, steps_per_epoch
+
+Weights = dict[str, torch.Tensor]
+Model = dict[str, Weights]  # "student", and "ema" (dpema) / "kd_teacher" (dpkd stage 2)
+
+
+class BudgetExhausted(RuntimeError):
+    """The next update would spend more than the planned (ε, δ); nothing was trained."""
+
+
+def derive_seed(seed: int, *purpose: int) -> int:
+    """Independent seeds for independent uses (model init, a client's RNG, ...)."""
+    return int(np.random.SeedSequence([seed, *purpose]).generate_state(1, dtype=np.uint32)[0])
+
+
+SEED_MODEL_INIT, SEED_CLIENT_RNG, SEED_KD_STUDENT = 0, 1, 2
+
+
+def initial_model(cfg: TrainConfig, num_classes: int) -> Model:
+    """The global model before any training: the same for every client and the central run."""
+    student = build_model(cfg.model, num_classes, seed=derive_seed(cfg.seed, SEED_MODEL_INIT)).state_dict()
+    model = {"student": student}
+    if cfg.method == "dpema":
+        model["ema"] = {k: v.clone() for k, v in student.items()}
+    return model
+
+
+def released(model: Model) -> Weights:
+    """The weights a run releases and evaluates: the EMA for dpema, else the student."""
+    return model.get("ema", model["student"])
+
+
+@dataclass
+class TrainState:
+    """What one data holder carries from one call to the next (a client: in its context.state)."""
+
+    history: list = field(default_factory=list)  # Opacus accountant history
+    rng_state: torch.Tensor | None = None  # sampling and noise generator
+    steps: int = 0
+    local_model: Weights | None = None  # the end-of-round student, for teacher=local-previous
+    momentum: list[torch.Tensor] | None = None  # SGD momentum buffers, when momentum > 0
+
+
+def _rng_seed(cfg: TrainConfig, client: int) -> int:
+    return derive_seed(cfg.seed, SEED_CLIENT_RNG, client)
+
+
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 4096) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) over a whole split, in large batches."""
+    model.eval()
+    correct, loss_sum = 0, 0.0
+    with torch.no_grad():
+        for i in range(0, len(x), batch_size):
+            logits = model(x[i:i + batch_size])
+            target = y[i:i + batch_size]
+            loss_sum += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
+            correct += (logits.argmax(1) == target).sum().item()
+    model.train()
+    return correct / len(x), loss_sum / len(x)
+
+
+class DPTrainer:
+    """Opacus DP-SGD on one data set (a central training set or one client's shard).
+
+    Built once and reused for every call: the model structure, the Opacus wrappers, the
+    calibrated σ and the data tensors do not change between epochs or rounds.
+    """
+
+    def __init__(self, cfg: TrainConfig, data: TensorData, plan: PrivacyPlan, client: int = 0):
+        self.cfg, self.data, self.plan, self.client = cfg, data, plan, client
+        self.device = data.x_train.device
+        self.num_train = len(data.y_train)
+        self.steps_per_epoch = steps_per_epoch(self.num_train, cfg.batch_size)
+        self.model = check_private_trainable(build_model(cfg.model, data.num_classes)).to(self.device)
+        self.teacher = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.grad_sample_model = GradSampleModule(self.model, batch_first=True, loss_reduction="mean",
+                                                  force_functorch=cfg.grad_sample_mode == "functorch")
+        self.generator = torch.Generator(device=self.device)
+        self.optimizer = DPOptimizer(
+            torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum),
+            noise_multiplier=plan.noise_multiplier, max_grad_norm=cfg.clip,
+            expected_batch_size=cfg.batch_size, loss_reduction="mean", generator=self.generator)
+
+    # -- one call: some epochs from a given global model -------------------------------------
+    def local_update(self, model: Model, state: TrainState | None, epochs: list[int],
+                     teacher: Weights | None = None, proximal_mu: float = 0.0) -> tuple[Model, TrainState, dict]:
+        """Train the given (1-based, global) epochs starting from `model`.
+
+        `teacher` overrides the self-distillation teacher (teacher=local-previous); by default
+        it is a frozen copy of the incoming student (teacher=round-start). `proximal_mu` > 0
+        adds FedProx's pull towards the incoming student. Raises BudgetExhausted, training
+        nothing, when these epochs would overspend the budget.
+        """
+        cfg = self.cfg
+        state = copy.deepcopy(state) if state is not None else TrainState()
+        ledger = Ledger(self.plan.accountant, state.history)
+        steps_to_run = len(epochs) * self.steps_per_epoch
+        after = ledger.epsilon_after(steps_to_run, self.plan.noise_multiplier, self.plan.sample_rate,
+                                     self.plan.delta)
+        if after > self.plan.epsilon * (1 + 1e-9):
+            raise BudgetExhausted(f"{steps_to_run} more steps would spend ε={after:.3f} > budget "
+                                  f"{self.plan.epsilon} (spent so far {ledger.epsilon(self.plan.delta):.3f})")
+        if state.rng_state is None:
+            self.generator.manual_seed(_rng_seed(cfg, self.client))
+        else:
+            self.generator.set_state(state.rng_state)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+
+        model = {k: dict(v) for k, v in model.items()}
+        self._load(self.model, model["student"])
+        self._restore_momentum(state.momentum)
+        self._anchor = ([p.detach().clone() for p in self.model.parameters()] if proximal_mu > 0 else None)
+        self._proximal_mu = proximal_mu
+        if teacher is not None:
+            self._load(self.teacher, teacher)
+        elif cfg.method in DISTILLING:
+            self._load(self.teacher, model["student"])
+        ema = {k: v.detach().clone().to(self.device) for k, v in model["ema"].items()} if "ema" in model else None
+
+        started, loss_sum, steps_run = time.perf_counter(), 0.0, 0
+        for epoch in epochs:
+            loss_fn, uses_teacher = self._loss_for_epoch(epoch, model)
+            for _ in range(self.steps_per_epoch):
+                loss_sum += self._step(loss_fn, uses_teacher)
+                ledger.step(self.plan.noise_multiplier, self.plan.sample_rate)
+                if ema is not None:
+                    self._update_ema(ema, state.steps)
+                state.steps += 1
+                steps_run += 1
+
+        student = self._weights(self.model)
+        model["student"] = student
+        if ema is not None:
+            model["ema"] = ema
+        state.history = ledger.history
+        state.rng_state = self.generator.get_state()
+        state.local_model = student
+        state.momentum = self._momentum()
+        metrics = dict(num_examples=self.num_train, train_loss=loss_sum / max(steps_run, 1), steps=steps_run,
+                       epsilon=ledger.epsilon(self.plan.delta), noise_multiplier=self.plan.noise_multiplier,
+                       seconds=time.perf_counter() - started)
+        return model, state, metrics
+
+    # -- pieces ---------------------------------------------------------------------------
+    def _loss_for_epoch(self, epoch: int, model: Model):
+        """(loss(student_logits, teacher_logits, y), whether it reads the teacher) for a 1-based
+        epoch; for DPKD it also moves the run to stage 2 when that begins."""
+        cfg = self.cfg
+        warm = epoch <= cfg.distill_warmup_epochs
+        if cfg.method == "dp3sd" and warm:
+            return (lambda s, t, y: losses.cross_entropy(s, y, tau=cfg.tau_s)), False
+        if cfg.method == "dp3sd":
+            return (lambda s, t, y: losses.dp3sd_loss(s, t, y, tau_s=cfg.tau_s, tau_t=cfg.tau_t, alpha=cfg.alpha)), True
+        if cfg.method == "dpdsd" and not warm:
+            return (lambda s, t, y: losses.dpdsd_loss(s, t, y, tau=cfg.tau, alpha=cfg.alpha, beta=cfg.beta)), True
+        if cfg.method == "dpkd" and epoch > cfg.kd_teacher_epochs:
+            if "kd_teacher" not in model:
+                # Stage 2 begins: the stage-1 model becomes the fixed teacher, the student starts afresh.
+                model["kd_teacher"] = self._weights(self.model)
+                fresh = build_model(cfg.model, self.data.num_classes,
+                                    seed=derive_seed(cfg.seed, SEED_KD_STUDENT)).state_dict()
+                self._load(self.model, fresh)
+            self._load(self.teacher, model["kd_teacher"])
+            return (lambda s, t, y: losses.kd_loss(s, t, y, tau=cfg.tau, alpha=cfg.alpha)), True
+        return (lambda s, t, y: losses.cross_entropy(s, y)), False
+
+    def _step(self, loss_fn, uses_teacher: bool) -> float:
+        # Poisson sampling (SPEC §1): each sample joins the batch independently with rate q.
+        mask = torch.rand(self.num_train, generator=self.generator, device=self.device) < self.plan.sample_rate
+        x, y = self.data.x_train[mask], self.data.y_train[mask]
+        self.optimizer.zero_grad(set_to_none=True)
+        logits = self.grad_sample_model(x)
+        teacher_logits = None
+        if uses_teacher:
+            with torch.no_grad():
+                teacher_logits = self.teacher(x)
+        # An empty Poisson batch still takes a step (noise only), as the accountant assumes.
+        loss = loss_fn(logits, teacher_logits, y) if len(y) else logits.sum() * 0.0
+        loss.backward()
+        if self._anchor is None:
+            self.optimizer.step()
+        elif self.optimizer.pre_step():  # clip, noise, average: the private gradient
+            # FedProx's term μ(w − w_global) depends on weights only, not on data: it is added
+            # after the noise, as post-processing, so it costs no privacy and is not clipped.
+            for p, anchor in zip(self.model.parameters(), self._anchor):
+                p.grad.add_(p.detach() - anchor, alpha=self._proximal_mu)
+            self.optimizer.original_optimizer.step()
+        return float(loss.detach())
+
+    def _update_ema(self, ema: Weights, t: int) -> None:
+        """θ̄ ← d_t·θ̄ + (1 − d_t)·θ with d_t = min(d, (1 + t)/(10 + t)) (De et al. 2022)."""
+        d = min(self.cfg.ema_decay, (1 + t) / (10 + t))
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                ema[name].mul_(d).add_(p.detach(), alpha=1 - d)
+
+    def _momentum(self) -> list[torch.Tensor] | None:
+        if not self.cfg.momentum:
+            return None
+        state = self.optimizer.original_optimizer.state
+        return [state[p]["momentum_buffer"].clone() for p in self.model.parameters()]
+
+    def _restore_momentum(self, buffers: list[torch.Tensor] | None) -> None:
+        """The trainer is shared between rounds (and, in a worker, between clients): momentum
+        buffers belong to the carried state, never to the trainer."""
+        state = self.optimizer.original_optimizer.state
+        state.clear()
+        if buffers is not None:
+            for p, buf in zip(self.model.parameters(), buffers):
+                state[p]["momentum_buffer"] = buf.clone().to(p.device)
+
+    @staticmethod
+    def _weights(module: torch.nn.Module) -> Weights:
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    @staticmethod
+    def _load(module: torch.nn.Module, weights: Weights) -> None:
+        module.load_state_dict(weights)

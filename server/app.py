@@ -1,0 +1,95 @@
+"""The ServerApp: runs the strategy, evaluates the global model on the test set every round,
+and writes the same files as `fedsd train` (result.json with a `rounds` list, model.pt,
+curve.png)."""
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from pathlib import Path
+
+from flwr.app import ConfigRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+from tqdm.auto import tqdm
+
+from clients.app import build_federation
+from clients.records import model_to_record, record_to_model
+from fedsd import data as data_lib
+from fedsd.central import resolve_device
+from fedsd.config import TrainConfig
+from fedsd.federation import FedOptions, from_flat, to_flat
+from fedsd.models import build_model
+from fedsd.results import staged_out_dir, write_run
+from fedsd.training import evaluate, initial_model, released
+
+from .strategy import RecordingStrategy, base_strategy, round_log
+
+ROUND_TIMEOUT_S = 3600
+
+
+def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None,
+               overwrite: bool = False, progress: bool = False) -> dict:
+    started = time.perf_counter()
+    federation = build_federation(cfg, fed)
+    cfg = federation.cfg
+    device = resolve_device(cfg.device)
+    test_x = federation.images.normalised(federation.images.x_test).to(device)
+    test_y = federation.images.y_test.to(device)
+    net = build_model(cfg.model, federation.images.num_classes).to(device)
+    strategy = RecordingStrategy(base_strategy(fed))
+    rounds: list[dict] = []
+    bar = tqdm(total=fed.rounds, desc=f"{cfg.dataset} {cfg.method} {fed.num_clients} clients", unit="round",
+               disable=not progress)
+    last = [time.perf_counter()]
+
+    def evaluate_global(server_round: int, arrays) -> MetricRecord:
+        net.load_state_dict(released(record_to_model(arrays)))
+        accuracy, loss = evaluate(net, test_x, test_y)
+        if server_round > 0:
+            now = time.perf_counter()
+            epsilons = dict(sorted(strategy.client_epsilon.items()))
+            reports = strategy.round_clients.get(server_round, {})
+            rounds.append(dict(round=server_round, test_accuracy=accuracy, test_loss=loss, seconds=now - last[0],
+                               train_seconds=strategy.train_seconds.get(server_round),
+                               client_epsilon={str(k): v for k, v in epsilons.items()},
+                               trained=sorted(k for k, r in reports.items() if not int(r.get("skipped", 0))),
+                               skipped=sorted(k for k, r in reports.items() if int(r.get("skipped", 0)))))
+            round_log(server_round, fed.rounds, accuracy, max(epsilons.values(), default=0.0), now - last[0])
+            bar.update(1)
+            bar.set_postfix(acc=f"{accuracy:.4f}")
+            last[0] = now
+        return MetricRecord({"test-accuracy": accuracy, "test-loss": loss})
+
+    initial = initial_model(cfg, federation.images.num_classes)
+    outcome = strategy.start(grid=grid, initial_arrays=model_to_record(initial), num_rounds=fed.rounds,
+                             timeout=ROUND_TIMEOUT_S, train_config=ConfigRecord(to_flat(cfg, fed)),
+                             evaluate_fn=evaluate_global)
+    bar.close()
+    final = record_to_model(outcome.arrays) if len(outcome.arrays) else initial
+    plans = {k: federation.client_plan(k) for k in range(fed.num_clients)}
+    result = dict(
+        dataset=cfg.dataset, method=cfg.method, epsilon_target=cfg.epsilon,
+        epsilon_spent=max(strategy.client_epsilon.values(), default=0.0), delta=cfg.delta,
+        noise_multiplier={str(k): p.noise_multiplier for k, p in plans.items()},
+        sample_rate={str(k): p.sample_rate for k, p in plans.items()},
+        steps=sum(r.get("steps", 0) for reps in strategy.round_clients.values() for r in reps.values()),
+        test_accuracy=rounds[-1]["test_accuracy"] if rounds else None, seed=cfg.seed,
+        wall_seconds=time.perf_counter() - started, device=str(device), data_source=federation.images.source,
+        num_clients=fed.num_clients, shard_sizes=federation.shard_sizes(), config=cfg.to_dict(),
+        federation=fed.__dict__.copy(), rounds=rounds)
+    weights = {k: v.cpu() for k, v in released(final).items()}
+    result["_weights"] = weights
+    if out is not None:
+        with staged_out_dir(out, overwrite) as scratch:
+            write_run(scratch, {k: v for k, v in result.items() if k != "_weights"}, weights, "round")
+    return result
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Entry point for `flwr run .`: every setting comes from the run config."""
+    cfg, fed = from_flat(dict(context.run_config))
+    out = fed.out_dir or f"fedsd-runs/{cfg.dataset}-{cfg.method}-{datetime.now():%Y%m%d-%H%M%S}"
+    run_server(grid, cfg, fed, out=Path(out).absolute())

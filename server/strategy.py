@@ -1,0 +1,86 @@
+"""Flower strategies for fedsd: FedAvg / FedAdam / FedProx, optionally wrapped in Flower's
+server-side DP, inside a thin recorder that keeps each client's privacy report per round and
+sets aside replies of clients that did not train (budget exhausted)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from logging import INFO, WARNING
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import (DifferentialPrivacyServerSideFixedClipping, FedAdam, FedAvg, FedProx,
+                                     Strategy)
+
+from fedsd.federation import FedOptions
+
+
+def base_strategy(fed: FedOptions) -> Strategy:
+    """The aggregation rule, weighted by num-examples; central evaluation only (no client eval)."""
+    sampled = max(1, int(fed.num_clients * fed.fraction_train))
+    common = dict(fraction_train=fed.fraction_train, fraction_evaluate=0.0, min_train_nodes=sampled,
+                  min_evaluate_nodes=0, min_available_nodes=fed.num_clients)
+    if fed.strategy == "fedadam":
+        strategy = FedAdam(**common, eta=fed.server_lr)
+    elif fed.strategy == "fedprox":
+        strategy = FedProx(**common, proximal_mu=fed.proximal_mu)
+    else:
+        strategy = FedAvg(**common)
+    if fed.server_dp_noise > 0:
+        # User-level DP on top of the clients' sample-level DP: a separate guarantee (README).
+        strategy = DifferentialPrivacyServerSideFixedClipping(strategy, fed.server_dp_noise, fed.server_dp_clip,
+                                                               num_sampled_clients=sampled)
+    return strategy
+
+
+class RecordingStrategy(Strategy):
+    """Delegates to `inner`; records every reply's metrics, keeps a per-client ε table, and
+    passes on only the replies of clients that trained."""
+
+    def __init__(self, inner: Strategy):
+        self.inner = inner
+        self.client_epsilon: dict[int, float] = {}
+        self.round_clients: dict[int, dict] = {}  # round → {partition id: its metrics}
+        self.train_seconds: dict[int, float] = {}
+        self._round_started = 0.0
+
+    def summary(self) -> None:
+        self.inner.summary()
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        self._round_started = time.perf_counter()
+        return self.inner.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        trained, reports = [], {}
+        for reply in replies:
+            if reply.has_error():
+                log(WARNING, "round %d: node %d failed: %s", server_round, reply.metadata.src_node_id,
+                    reply.error.reason)
+                continue
+            metrics = next(iter(reply.content.metric_records.values()))
+            pid = int(metrics["partition-id"])
+            reports[pid] = dict(metrics)
+            self.client_epsilon[pid] = float(metrics["epsilon"])
+            if int(metrics.get("skipped", 0)):
+                log(WARNING, "round %d: client %d skipped: its privacy budget is spent (ε = %.3f)",
+                    server_round, pid, float(metrics["epsilon"]))
+            else:
+                trained.append(reply)
+        self.round_clients[server_round] = reports
+        result = self.inner.aggregate_train(server_round, trained) if trained else (None, None)
+        self.train_seconds[server_round] = time.perf_counter() - self._round_started
+        return result
+
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        return self.inner.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round, replies):
+        return self.inner.aggregate_evaluate(server_round, replies)
+
+
+def round_log(server_round: int, rounds: int, accuracy: float, max_epsilon: float, seconds: float) -> None:
+    log(INFO, "fedsd round %d/%d: test accuracy %.4f, max client ε %.3f, %.1f s",
+        server_round, rounds, accuracy, max_epsilon, seconds)

@@ -1,0 +1,74 @@
+"""`fedsd simulate`: the Flower app on Flower's simulation engine (Ray backend)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import warnings
+from pathlib import Path
+
+from fedsd.config import TrainConfig
+from fedsd.federation import PARTITIONS, STRATEGIES, TEACHER_MODES, FedOptions
+from fedsd.results import check_out_dir
+
+SIM_OPTIONS = {  # flag: (FedOptions field, type)
+    "clients": ("num_clients", int), "rounds": ("rounds", int), "local-epochs": ("local_epochs", int),
+    "fraction-train": ("fraction_train", float), "dirichlet-alpha": ("dirichlet_alpha", float),
+    "classes-per-client": ("classes_per_client", int), "proximal-mu": ("proximal_mu", float),
+    "server-lr": ("server_lr", float), "budget-rounds": ("budget_rounds", int),
+    "server-dp-noise": ("server_dp_noise", float), "server-dp-clip": ("server_dp_clip", float),
+    "client-cpus": ("client_cpus", float), "client-gpus": ("client_gpus", float),
+}
+
+
+def add_sim_options(p: argparse.ArgumentParser) -> None:
+    defaults = FedOptions()
+    for flag, (field, typ) in SIM_OPTIONS.items():
+        p.add_argument("--" + flag, type=typ, default=getattr(defaults, field))
+    p.add_argument("--partition", choices=PARTITIONS, default=defaults.partition)
+    p.add_argument("--teacher", choices=TEACHER_MODES, default=defaults.teacher)
+    p.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy)
+
+
+def sim_options_from_args(args: argparse.Namespace) -> FedOptions:
+    values = {field: getattr(args, flag.replace("-", "_")) for flag, (field, _) in SIM_OPTIONS.items()}
+    return FedOptions(partition=args.partition, teacher=args.teacher, strategy=args.strategy, **values)
+
+
+def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, overwrite: bool = False,
+             progress: bool = True, ray_cpus: int | None = None) -> dict:
+    """Run a federation of `fed.num_clients` simulated clients; returns the result dict
+    (with "_weights", the released global model) and writes `out` when given.
+
+    Every check (settings, data, shards, privacy budgets) runs before Ray starts."""
+    from clients.app import app as client_app
+    from clients.app import build_federation
+
+    if out is not None:
+        check_out_dir(out, overwrite)
+    federation = build_federation(cfg, fed)
+    for k in range(fed.num_clients):
+        federation.client_plan(k)  # raises BudgetError for a client whose plan cannot fit
+
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    from server.app import run_server
+
+    holder: dict = {}
+    server_app = ServerApp()
+
+    @server_app.main()
+    def _main(grid, context):
+        holder["result"] = run_server(grid, cfg, fed, out=out, overwrite=overwrite, progress=progress)
+
+    backend_config = {"client_resources": {"num_cpus": fed.client_cpus, "num_gpus": fed.client_gpus},
+                      "init_args": {"num_cpus": ray_cpus or os.cpu_count(), "include_dashboard": False,
+                                    "logging_level": logging.ERROR, "log_to_driver": True}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # run_simulation: the Python API of the engine
+        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=fed.num_clients,
+                       backend_config=backend_config)
+    if "result" not in holder:
+        raise RuntimeError("the simulation ended without a result; see the log above")
+    return holder["result"]

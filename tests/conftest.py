@@ -1,0 +1,18 @@
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+if "FEDSD_DATA_DIR" not in os.environ and SHARED_DATA.is_dir():
+    os.environ["FEDSD_DATA_DIR"] = str(SHARED_DATA)
+warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
+
+
+def require(dataset: str):
+    from fedsd.data import locate
+
+    if locate(dataset) is None:
+        pytest.skip(f"{dataset} not available here")

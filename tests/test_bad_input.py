@@ -1,0 +1,77 @@
+"""Every bad option gives one clear error naming it, before any work, and writes nothing."""
+import pytest
+from torch import nn
+
+from fedsd.central import train
+from fedsd.config import TrainConfig
+from fedsd.models import ModelNotPrivateError, check_private_trainable
+from simulations.cli import main
+from tests.conftest import require
+
+BASE = ["train", "--dataset", "mnist", "--method", "dp3sd", "--epochs", "1", "--subset", "1000", "--batch-size", "100"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--epsilon", "0"], "--epsilon"),
+    (["--epsilon", "-1"], "--epsilon"),
+    (["--epsilon", "3", "--delta", "0"], "--delta"),
+    (["--epsilon", "3", "--delta", "0.001"], "--delta"),  # ≥ 1/n for n = 1000
+    (["--epsilon", "3", "--tau-s", "0"], "--tau-s"),
+    (["--epsilon", "3", "--tau-t", "-2"], "--tau-t"),
+    (["--epsilon", "3", "--alpha", "-0.1"], "--alpha"),
+    (["--epsilon", "3", "--alpha", "1.5"], "--alpha"),  # dp3sd: α ∈ [0, 1]
+    (["--epsilon", "3", "--batch-size", "5000"], "--batch-size"),
+    (["--epsilon", "3", "--lr", "0"], "--lr"),
+    (["--epsilon", "3", "--subset", "0"], "--subset"),
+    (["--epsilon", "0.00001", "--epochs", "50"], "--epsilon"),  # no σ fits: refused, not cut short
+])
+def test_bad_option_is_named_and_nothing_written(tmp_path, capsys, extra, needle):
+    require("mnist")
+    out = tmp_path / "out"
+    assert main(BASE + extra + ["--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--method", "dpdsd", "--beta", "-1"], "--beta"),
+    (["--method", "dpdsd", "--tau", "0"], "--tau"),
+])
+def test_bad_dpdsd_options(tmp_path, capsys, extra, needle):
+    require("mnist")
+    args = ["train", "--dataset", "mnist", "--epsilon", "3", "--subset", "1000", "--batch-size", "100"] + extra
+    assert main(args + ["--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [("--dataset", "svhn"), ("--method", "dpfoo"), ("--accountant", "gdp")])
+def test_unknown_choices(tmp_path, capsys, flag, value):
+    args = ["train", "--epsilon", "3", "--out", str(tmp_path / "o"), flag, value]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_unknown_dataset_in_the_library():
+    with pytest.raises(ValueError, match="--dataset"):
+        train(TrainConfig(dataset="svhn"))
+
+
+def test_non_empty_out_is_refused_unless_overwrite(tmp_path, capsys):
+    require("mnist")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(BASE + ["--epsilon", "3", "--out", str(out), "--quiet"]) == 2
+    assert "--out" in capsys.readouterr().err and (out / "keep.txt").read_text() == "mine"
+    assert main(BASE + ["--epsilon", "3", "--out", str(out), "--quiet", "--overwrite", "--batch-size", "500"]) == 0
+    assert not (out / "keep.txt").exists() and (out / "result.json").exists()
+
+
+def test_batchnorm_model_is_refused_or_fixed():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    with pytest.raises(ModelNotPrivateError, match="BatchNorm"):
+        check_private_trainable(model)
+    fixed = check_private_trainable(model, fix=True)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in fixed.modules())

@@ -1,0 +1,106 @@
+"""The Flower app on the simulation engine (Ray): single-client identity, per-client privacy
+across rounds, budget exhaustion, learning, bad input, and `flwr run .`."""
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedsd.central import train
+from fedsd.config import TrainConfig
+from fedsd.federation import FedOptions
+from simulations.cli import main
+from simulations.simulate import simulate
+from tests.conftest import require
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("method", ["dp3sd", "dpdsd", "dpema"])
+def test_single_client_reproduces_central_training(method):
+    """--clients 1 --rounds K --local-epochs 1 gives the weights of `fedsd train --epochs K`."""
+    require("mnist")
+    cfg = TrainConfig(dataset="mnist", method=method, epsilon=3, batch_size=200, subset=2000, seed=5, threads=1,
+                      ema_decay=0.9 if method == "dpema" else None)
+    fed = simulate(cfg, FedOptions(num_clients=1, rounds=3, local_epochs=1), progress=False)
+    central, weights = train(dataclasses.replace(cfg, epochs=3), progress=False)
+    diff = max((fed["_weights"][k] - weights[k]).abs().max().item() for k in weights)
+    assert diff <= 1e-6
+    assert [r["test_accuracy"] for r in fed["rounds"]] == [e["test_accuracy"] for e in central["epochs"]]
+    assert fed["rounds"][-1]["client_epsilon"]["0"] == pytest.approx(central["epsilon_spent"], rel=1e-12)
+
+
+def test_three_clients_learn_and_account_per_client(tmp_path):
+    require("fmnist")
+    cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, batch_size=256, subset=12000, seed=0)
+    result = simulate(cfg, FedOptions(num_clients=3, rounds=3, local_epochs=1), out=tmp_path / "run",
+                      progress=False)
+    assert result["test_accuracy"] >= 0.6
+    assert result["shard_sizes"] == [4000, 4000, 4000]
+    for client in ("0", "1", "2"):
+        eps = [r["client_epsilon"][client] for r in result["rounds"]]
+        assert all(a < b for a, b in zip(eps, eps[1:])), eps  # one accountant, growing every round
+        assert 0.9 * 3 <= eps[-1] <= 3.0
+    written = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert [r["round"] for r in written["rounds"]] == [1, 2, 3]
+    assert (tmp_path / "run" / "model.pt").exists() and (tmp_path / "run" / "curve.png").exists()
+
+
+def test_client_over_budget_is_skipped_not_crashed():
+    """Clients calibrated for 2 rounds are asked for 3: round 3 is refused by every client,
+    the server logs it and finishes, and the model stays that of round 2."""
+    require("mnist")
+    cfg = TrainConfig(dataset="mnist", method="dpsgd", epsilon=2, batch_size=100, subset=1000, seed=0)
+    result = simulate(cfg, FedOptions(num_clients=2, rounds=3, budget_rounds=2), progress=False)
+    r1, r2, r3 = result["rounds"]
+    assert r1["trained"] == [0, 1] and r2["trained"] == [0, 1]
+    assert r3["trained"] == [] and r3["skipped"] == [0, 1]
+    assert r3["client_epsilon"] == r2["client_epsilon"]
+    assert all(0.9 * 2 <= e <= 2.0 for e in r3["client_epsilon"].values())
+    assert r3["test_accuracy"] == r2["test_accuracy"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--clients", "0"], "--clients"),
+    (["--clients", "5000"], "--clients"),
+    (["--rounds", "0"], "--rounds"),
+    (["--fraction-train", "0"], "--fraction-train"),
+    (["--fraction-train", "1.5"], "--fraction-train"),
+    (["--partition", "dirichlet", "--dirichlet-alpha", "0"], "--dirichlet-alpha"),
+    (["--clients", "20", "--batch-size", "200"], "client 0's shard has 150 samples"),
+])
+def test_bad_simulation_input_fails_before_ray(tmp_path, capsys, args, needle):
+    require("mnist")
+    out = tmp_path / "out"
+    code = main(["simulate", "--dataset", "mnist", "--subset", "3000", "--batch-size", "100", *args,
+                 "--out", str(out), "--quiet"])
+    assert code == 2
+    assert needle in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_unknown_strategy_or_partition_is_refused(capsys):
+    for flag, value in (("--strategy", "fedfoo"), ("--partition", "bycity")):
+        with pytest.raises(SystemExit):
+            main(["simulate", flag, value, "--out", "x"])
+        assert flag in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("flwr", path=str(Path(os.sys.executable).parent)) is None, reason="no flwr CLI")
+def test_flwr_run_dot_runs_one_round(tmp_path):
+    require("fmnist")
+    flwr = str(Path(os.sys.executable).parent / "flwr")
+    out = tmp_path / "flwr-run"
+    proc = subprocess.run(
+        [flwr, "run", ".", "--stream", "--federation-config", "num-supernodes=2",
+         "--run-config", f"num-server-rounds=1 num-clients=2 subset=2000 out-dir='{out}'"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert len(result["rounds"]) == 1 and result["num_clients"] == 2
+    assert 0 < result["rounds"][0]["client_epsilon"]["0"] <= 3.0

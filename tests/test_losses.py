@@ -1,0 +1,111 @@
+"""The losses against hand computations of SPEC §3, §4 (plain Python math, sample by sample)."""
+import math
+
+import pytest
+import torch
+
+from fedsd.losses import dp3sd_loss, dpdsd_loss, kd_loss
+
+
+def softmax(z, tau):
+    e = [math.exp(v / tau) for v in z]
+    return [v / sum(e) for v in e]
+
+
+def hand_dp3sd(zs, zt, y, tau_s, tau_t, alpha):
+    ce = -math.log(softmax(zs, tau_s)[y])
+    pt, ps = softmax(zt, tau_t), softmax(zs, tau_t)
+    kl = sum(a * (math.log(a) - math.log(b)) for a, b in zip(pt, ps))
+    return alpha * ce + (1 - alpha) * tau_t ** 2 * kl
+
+
+def hand_dpdsd(zs, zt, y, tau, alpha, beta):
+    T, S = softmax(zt, tau), softmax(zs, tau)
+    gamma = T[y] - 1 / len(zs)
+    tcsd = -math.exp(gamma) * T[y] * math.log(S[y])
+    ncsd = -math.exp(gamma) * sum(T[i] * math.log(S[i]) for i in range(len(zs)) if i != y)
+    ce = -math.log(softmax(zs, 1.0)[y])
+    return ce + alpha * tcsd + beta * ncsd
+
+
+@pytest.fixture
+def batch():
+    g = torch.Generator().manual_seed(3)
+    zs = torch.randn(6, 10, generator=g, dtype=torch.float64) * 3
+    zt = torch.randn(6, 10, generator=g, dtype=torch.float64) * 3
+    y = torch.randint(0, 10, (6,), generator=g)
+    return zs, zt, y
+
+
+@pytest.mark.parametrize("tau_s,tau_t,alpha", [(0.3, 5.0, 0.3), (0.1, 5.0, 0.1),
+                                               (1.0, 5.0, 0.3),  # no sparsity
+                                               (0.3, 1.0, 0.3),  # no smoothing
+                                               (1.0, 1.0, 0.3)])  # neither
+def test_dp3sd_matches_hand_computation(batch, tau_s, tau_t, alpha):
+    zs, zt, y = batch
+    per_sample = dp3sd_loss(zs, zt, y, tau_s=tau_s, tau_t=tau_t, alpha=alpha, reduction="none")
+    expected = [hand_dp3sd(zs[i].tolist(), zt[i].tolist(), int(y[i]), tau_s, tau_t, alpha) for i in range(6)]
+    assert per_sample.tolist() == pytest.approx(expected, rel=1e-10)
+    mean = dp3sd_loss(zs, zt, y, tau_s=tau_s, tau_t=tau_t, alpha=alpha)
+    assert mean.item() == pytest.approx(sum(expected) / 6, rel=1e-10)  # a mean over the batch, not classes
+
+
+@pytest.mark.parametrize("tau,alpha,beta", [(5.0, 0.1, 0.3), (2.0, 0.1, 0.5),
+                                            (5.0, 0.0, 0.3),  # without TCSD
+                                            (5.0, 0.1, 0.0)])  # without NCSD
+def test_dpdsd_matches_hand_computation(batch, tau, alpha, beta):
+    zs, zt, y = batch
+    per_sample = dpdsd_loss(zs, zt, y, tau=tau, alpha=alpha, beta=beta, reduction="none")
+    expected = [hand_dpdsd(zs[i].tolist(), zt[i].tolist(), int(y[i]), tau, alpha, beta) for i in range(6)]
+    assert per_sample.tolist() == pytest.approx(expected, rel=1e-10)
+
+
+def test_dpdsd_gate_shrinks_an_unsure_teacher(batch):
+    """γ < 0 (teacher less sure of the target than uniform) gives e^γ < 1: less taken from it."""
+    zs, _, y = batch
+    unsure = torch.zeros(6, 10, dtype=torch.float64)
+    unsure[torch.arange(6), y] = -10.0  # T_t ≈ 0 → γ ≈ −0.1
+    sure = torch.zeros(6, 10, dtype=torch.float64)
+    sure[torch.arange(6), y] = 10.0
+    kd_unsure = dpdsd_loss(zs, unsure, y, tau=1.0, alpha=0.0, beta=1.0, reduction="none") - \
+        dpdsd_loss(zs, unsure, y, tau=1.0, alpha=0.0, beta=0.0, reduction="none")
+    T = torch.softmax(unsure, 1)
+    gate = torch.exp(T[torch.arange(6), y] - 0.1)
+    assert (gate < 1).all()
+    raw = -(T * torch.log_softmax(zs, 1)).sum(1) + T[torch.arange(6), y] * torch.log_softmax(zs, 1)[torch.arange(6), y]
+    assert torch.allclose(kd_unsure, gate * raw)
+    assert dpdsd_loss(zs, sure, y, tau=1.0, alpha=1.0, beta=0.0).item() != pytest.approx(
+        dpdsd_loss(zs, unsure, y, tau=1.0, alpha=1.0, beta=0.0).item())
+
+
+def test_no_gradient_reaches_the_teacher(batch):
+    zs, zt, y = batch
+    zs, zt = zs.clone().requires_grad_(), zt.clone().requires_grad_()
+    (dp3sd_loss(zs, zt, y, tau_s=0.3, tau_t=5, alpha=0.3) + dpdsd_loss(zs, zt, y, tau=5, alpha=0.1, beta=0.3)
+     + kd_loss(zs, zt, y, tau=5, alpha=0.3)).backward()
+    assert zt.grad is None and zs.grad is not None and zs.grad.abs().sum() > 0
+
+
+def test_kd_loss_is_alpha_ce_plus_scaled_kl(batch):
+    zs, zt, y = batch
+    tau, alpha = 4.0, 0.25
+    ce = torch.nn.functional.cross_entropy(zs, y, reduction="none")
+    pt, log_ps = torch.softmax(zt / tau, 1), torch.log_softmax(zs / tau, 1)
+    kl = (pt * (pt.log() - log_ps)).sum(1)
+    assert torch.allclose(kd_loss(zs, zt, y, tau=tau, alpha=alpha, reduction="none"),
+                          alpha * ce + (1 - alpha) * tau ** 2 * kl)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tau_s=0.0, tau_t=5, alpha=0.3), "tau"), (dict(tau_s=0.3, tau_t=-1, alpha=0.3), "tau"),
+    (dict(tau_s=0.3, tau_t=5, alpha=1.5), "alpha")])
+def test_dp3sd_rejects_bad_settings(batch, kwargs, match):
+    zs, zt, y = batch
+    with pytest.raises(ValueError, match=match):
+        dp3sd_loss(zs, zt, y, **kwargs)
+
+
+def test_bad_reduction(batch):
+    zs, zt, y = batch
+    with pytest.raises(ValueError, match="reduction"):
+        dpdsd_loss(zs, zt, y, tau=5, alpha=0.1, beta=0.3, reduction="sum")

@@ -1,0 +1,49 @@
+"""flwr-datasets partitioners over the local labels give the sizes and labels they claim."""
+import numpy as np
+import pytest
+import torch
+
+from clients.partition import shards
+from fedsd.federation import FedOptions
+
+
+@pytest.fixture(scope="module")
+def labels():
+    return torch.from_numpy(np.repeat(np.arange(10), 600))  # 6,000 samples, 600 a class
+
+
+def test_iid_shards_cover_the_data_once_and_are_balanced(labels):
+    parts = shards(labels, FedOptions(num_clients=6, partition="iid"), seed=0)
+    assert [len(p) for p in parts] == [1000] * 6
+    joined = torch.cat(parts)
+    assert sorted(joined.tolist()) == list(range(6000))
+    for p in parts:
+        assert torch.equal(p, p.sort().values)
+        counts = torch.bincount(labels[p], minlength=10)
+        assert counts.min() >= 60 and counts.max() <= 140  # ~100 a class: a random 1/6 of each
+
+
+def test_one_client_gets_everything_in_order(labels):
+    (only,) = shards(labels, FedOptions(num_clients=1, partition="iid"), seed=3)
+    assert torch.equal(only, torch.arange(6000))
+
+
+def test_dirichlet_is_skewed_and_seeded(labels):
+    fed = FedOptions(num_clients=5, partition="dirichlet", dirichlet_alpha=0.1)
+    a, b = shards(labels, fed, seed=1), shards(labels, fed, seed=1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert sorted(torch.cat(a).tolist()) == list(range(6000))
+    top_share = [torch.bincount(labels[p], minlength=10).max().item() / len(p) for p in a]
+    assert max(top_share) > 0.4  # α = 0.1: a client is dominated by few classes (IID would be 0.1)
+    c = shards(labels, fed, seed=2)
+    assert any(len(x) != len(y) or not torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_pathological_gives_each_client_its_classes(labels):
+    parts = shards(labels, FedOptions(num_clients=5, partition="pathological", classes_per_client=2), seed=0)
+    for p in parts:
+        assert len(torch.unique(labels[p])) == 2
+    joined = torch.cat(parts)
+    assert len(set(joined.tolist())) == len(joined)  # disjoint
+    used = torch.unique(labels[joined])
+    assert len(joined) == 600 * len(used)  # every sample of a class in use goes to some client

@@ -1,0 +1,54 @@
+"""σ calibration and the spent ε agree with Opacus' own accountants."""
+import pytest
+from opacus.accountants import PRVAccountant, RDPAccountant
+
+from fedsd.privacy import BudgetError, Ledger, plan, steps_per_epoch
+
+
+@pytest.mark.parametrize("accountant,cls", [("rdp", RDPAccountant), ("prv", PRVAccountant)])
+def test_plan_spends_at_most_the_budget_per_opacus(accountant, cls):
+    p = plan(epsilon=3.0, delta=1e-5, num_samples=60000, batch_size=1600, epochs=60, accountant=accountant)
+    assert p.sample_rate == pytest.approx(1600 / 60000)
+    assert p.planned_steps == 60 * steps_per_epoch(60000, 1600) == 60 * 38
+    opacus = cls()
+    for _ in range(p.planned_steps):
+        opacus.step(noise_multiplier=p.noise_multiplier, sample_rate=p.sample_rate)
+    spent = opacus.get_epsilon(delta=1e-5)
+    assert 0.99 * 3.0 <= spent <= 3.0
+    ledger = Ledger(accountant)
+    for _ in range(p.planned_steps):
+        ledger.step(p.noise_multiplier, p.sample_rate)
+    assert ledger.epsilon(1e-5) == pytest.approx(spent, rel=1e-9)
+    if accountant == "rdp":
+        assert p.noise_multiplier == pytest.approx(2.05, abs=0.03)  # SPEC §7: 2.04 under Opacus' q = 1/38
+
+
+def test_ledger_across_rounds_equals_one_accountant():
+    """A client's history carried round to round is one accountant, never a fresh one per round."""
+    one = Ledger("rdp")
+    for _ in range(30):
+        one.step(1.1, 0.05)
+    carried = Ledger("rdp")
+    for _ in range(3):
+        carried = Ledger("rdp", carried.history)
+        for _ in range(10):
+            carried.step(1.1, 0.05)
+    assert carried.steps == 30
+    assert carried.epsilon(1e-5) == pytest.approx(one.epsilon(1e-5), rel=1e-12)
+    fresh_per_round = Ledger("rdp")
+    for _ in range(10):
+        fresh_per_round.step(1.1, 0.05)
+    assert carried.epsilon(1e-5) > 1.2 * fresh_per_round.epsilon(1e-5)  # 3 rounds spend more than 1
+
+
+def test_epsilon_after_is_a_dry_run():
+    ledger = Ledger("rdp")
+    ledger.step(1.0, 0.1)
+    before = ledger.epsilon(1e-5)
+    after = ledger.epsilon_after(20, 1.0, 0.1, 1e-5)
+    assert after > before and ledger.epsilon(1e-5) == before and ledger.steps == 1
+
+
+def test_impossible_budget_is_refused():
+    with pytest.raises(BudgetError, match="--epsilon"):
+        plan(epsilon=1e-4, delta=1e-5, num_samples=1000, batch_size=1000, epochs=10000)
