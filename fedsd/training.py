@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from opacus import GradSampleModule
-from opacus.optimizers import DPOptimizer
+from opacus.grad_sample import GradSampleModuleFastGradientClipping
+from opacus.grad_sample.utils import prepare_module
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 
 from . import losses
 from .config import DISTILLING, TrainConfig
@@ -98,13 +99,22 @@ class DPTrainer:
         self.steps_per_epoch = steps_per_epoch(self.num_train, cfg.batch_size)
         self.model = check_private_trainable(build_model(cfg.model, data.num_classes)).to(self.device)
         self.teacher = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.grad_sample_model = GradSampleModule(self.model, batch_first=True, loss_reduction="mean",
-                                                  force_functorch=cfg.grad_sample_mode == "functorch")
         self.generator = torch.Generator(device=self.device)
-        self.optimizer = DPOptimizer(
-            torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum),
-            noise_multiplier=plan.noise_multiplier, max_grad_norm=cfg.clip,
-            expected_batch_size=cfg.batch_size, loss_reduction="mean", generator=self.generator)
+        self._anchor, self._proximal_mu = None, 0.0  # FedProx's pull, set per call
+        self.ghost = cfg.grad_sample_mode == "ghost"
+        sgd = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        dp = dict(noise_multiplier=plan.noise_multiplier, max_grad_norm=cfg.clip, expected_batch_size=cfg.batch_size,
+                  loss_reduction="mean", generator=self.generator)
+        if self.ghost:
+            # Ghost clipping: per-sample gradient norms without per-sample gradients, then a
+            # second backward pass of the loss reweighted by the clipping factors.
+            self.grad_sample_model = GradSampleModuleFastGradientClipping(
+                self.model, batch_first=True, loss_reduction="mean", max_grad_norm=cfg.clip, use_ghost_clipping=True)
+            self.optimizer = DPOptimizerFastGradientClipping(sgd, **dp)
+        else:  # hooks, functorch or ew: per-sample gradients, clipped by DPOptimizer
+            self.grad_sample_model = prepare_module(self.model, cfg.grad_sample_mode, batch_first=True,
+                                                    loss_reduction="mean")
+            self.optimizer = DPOptimizer(sgd, **dp)
 
     # -- one call: some epochs from a given global model -------------------------------------
     def local_update(self, model: Model, state: TrainState | None, epochs: list[int],
@@ -169,16 +179,18 @@ class DPTrainer:
 
     # -- pieces ---------------------------------------------------------------------------
     def _loss_for_epoch(self, epoch: int, model: Model):
-        """(loss(student_logits, teacher_logits, y), whether it reads the teacher) for a 1-based
-        epoch; for DPKD it also moves the run to stage 2 when that begins."""
-        cfg = self.cfg
+        """(per-sample loss(student_logits, teacher_logits, y), whether it reads the teacher) for
+        a 1-based epoch; for DPKD it also moves the run to stage 2 when that begins."""
+        cfg, none = self.cfg, "none"
         warm = epoch <= cfg.distill_warmup_epochs
         if cfg.method == "dp3sd" and warm:
-            return (lambda s, t, y: losses.cross_entropy(s, y, tau=cfg.tau_s)), False
+            return (lambda s, t, y: losses.cross_entropy(s, y, tau=cfg.tau_s, reduction=none)), False
         if cfg.method == "dp3sd":
-            return (lambda s, t, y: losses.dp3sd_loss(s, t, y, tau_s=cfg.tau_s, tau_t=cfg.tau_t, alpha=cfg.alpha)), True
+            return (lambda s, t, y: losses.dp3sd_loss(s, t, y, tau_s=cfg.tau_s, tau_t=cfg.tau_t, alpha=cfg.alpha,
+                                                      reduction=none)), True
         if cfg.method == "dpdsd" and not warm:
-            return (lambda s, t, y: losses.dpdsd_loss(s, t, y, tau=cfg.tau, alpha=cfg.alpha, beta=cfg.beta)), True
+            return (lambda s, t, y: losses.dpdsd_loss(s, t, y, tau=cfg.tau, alpha=cfg.alpha, beta=cfg.beta,
+                                                      reduction=none)), True
         if cfg.method == "dpkd" and epoch > cfg.kd_teacher_epochs:
             if "kd_teacher" not in model:
                 # Stage 2 begins: the stage-1 model becomes the fixed teacher, the student starts afresh.
@@ -187,22 +199,44 @@ class DPTrainer:
                                     seed=derive_seed(cfg.seed, SEED_KD_STUDENT)).state_dict()
                 self._load(self.model, fresh)
             self._load(self.teacher, model["kd_teacher"])
-            return (lambda s, t, y: losses.kd_loss(s, t, y, tau=cfg.tau, alpha=cfg.alpha)), True
-        return (lambda s, t, y: losses.cross_entropy(s, y)), False
+            return (lambda s, t, y: losses.kd_loss(s, t, y, tau=cfg.tau, alpha=cfg.alpha, reduction=none)), True
+        return (lambda s, t, y: losses.cross_entropy(s, y, reduction=none)), False
 
     def _step(self, loss_fn, uses_teacher: bool) -> float:
         # Poisson sampling (SPEC §1): each sample joins the batch independently with rate q.
         mask = torch.rand(self.num_train, generator=self.generator, device=self.device) < self.plan.sample_rate
-        x, y = self.data.x_train[mask], self.data.y_train[mask]
+        return self.train_on_batch(self.data.x_train[mask], self.data.y_train[mask], loss_fn, uses_teacher)
+
+    def train_on_batch(self, x: torch.Tensor, y: torch.Tensor, loss_fn, uses_teacher: bool) -> float:
+        """One DP-SGD step on a given batch: per-sample clipping, noise, the update."""
         self.optimizer.zero_grad(set_to_none=True)
+        if not len(y):
+            # An empty Poisson batch still takes a step (noise only), as the accountant assumes.
+            for p in self.model.parameters():
+                p.grad_sample = torch.zeros((0, *p.shape), device=p.device)
+                p.grad = torch.zeros_like(p)
+            self._optimizer_step()
+            return 0.0
         logits = self.grad_sample_model(x)
         teacher_logits = None
         if uses_teacher:
             with torch.no_grad():
                 teacher_logits = self.teacher(x)
-        # An empty Poisson batch still takes a step (noise only), as the accountant assumes.
-        loss = loss_fn(logits, teacher_logits, y) if len(y) else logits.sum() * 0.0
-        loss.backward()
+        per_sample = loss_fn(logits, teacher_logits, y)
+        loss = per_sample.mean()
+        if self.ghost:  # as Opacus' DPTensorFastGradientClipping.backward
+            loss.backward(retain_graph=True)
+            self.optimizer.zero_grad()
+            coeff = self.grad_sample_model.get_clipping_coef()
+            self.grad_sample_model.disable_hooks()
+            (coeff.to(per_sample.device) * per_sample).sum().backward()
+            self.grad_sample_model.enable_hooks()
+        else:
+            loss.backward()
+        self._optimizer_step()
+        return float(loss.detach())
+
+    def _optimizer_step(self) -> None:
         if self._anchor is None:
             self.optimizer.step()
         elif self.optimizer.pre_step():  # clip, noise, average: the private gradient
@@ -211,7 +245,6 @@ class DPTrainer:
             for p, anchor in zip(self.model.parameters(), self._anchor):
                 p.grad.add_(p.detach() - anchor, alpha=self._proximal_mu)
             self.optimizer.original_optimizer.step()
-        return float(loss.detach())
 
     def _update_ema(self, ema: Weights, t: int) -> None:
         """θ̄ ← d_t·θ̄ + (1 − d_t)·θ with d_t = min(d, (1 + t)/(10 + t)) (De et al. 2022)."""
