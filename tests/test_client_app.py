@@ -1,0 +1,90 @@
+"""The ClientApp called in-process with real Flower Messages and Context (no Ray): the teacher
+modes, what a reply carries, and a client that has spent its budget."""
+import pytest
+import torch
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+from clients.app import app, build_federation
+from clients.records import model_to_record, record_to_model
+from fedsd.config import TrainConfig
+from fedsd.federation import FedOptions, to_flat
+from fedsd.training import initial_model
+from tests.conftest import require
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    """What Flower's runtime sets before it calls an app."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 11, 1
+
+
+def make(teacher: str, budget_rounds: int = 0):
+    cfg = TrainConfig(dataset="mnist", method="dp3sd", epsilon=3, batch_size=100, subset=1000, seed=4,
+                      distill_warmup_epochs=0, threads=1)
+    fed = FedOptions(num_clients=2, rounds=3, teacher=teacher, budget_rounds=budget_rounds)
+    federation = build_federation(cfg, fed)
+    flat = to_flat(federation.cfg, fed)
+    context = Context(run_id=1, node_id=11, node_config={"partition-id": 1, "num-partitions": 2},
+                      state=RecordDict(), run_config={})
+    return federation, flat, context
+
+
+def send(flat, context, model, server_round):
+    msg = Message(RecordDict({"arrays": model_to_record(model),
+                              "config": ConfigRecord({**flat, "server-round": server_round})}),
+                  dst_node_id=11, message_type="train")
+    return app(msg, context)
+
+
+def test_local_previous_teacher_is_the_clients_own_last_model():
+    require("mnist")
+    federation, flat_prev, ctx_prev = make("local-previous")
+    _, flat_start, ctx_start = make("round-start")
+    start = initial_model(federation.cfg, 10)
+    # Round 1: no previous local model yet, so local-previous falls back to round-start.
+    r1_prev = record_to_model(send(flat_prev, ctx_prev, start, 1).content["arrays"])
+    r1_start = record_to_model(send(flat_start, ctx_start, start, 1).content["arrays"])
+    assert all(torch.equal(r1_prev["student"][k], r1_start["student"][k]) for k in r1_start["student"])
+    # Round 2 from a global model that is NOT this client's round-1 model: the teachers differ.
+    other = initial_model(TrainConfig(**{**federation.cfg.__dict__, "seed": 99}), 10)
+    r2_prev = record_to_model(send(flat_prev, ctx_prev, other, 2).content["arrays"])
+    r2_start = record_to_model(send(flat_start, ctx_start, other, 2).content["arrays"])
+    assert any(not torch.equal(r2_prev["student"][k], r2_start["student"][k]) for k in r2_start["student"])
+    # ...and when the global model is the client's own last model, the two modes agree.
+    _, flat_a, ctx_a = make("local-previous")
+    _, flat_b, ctx_b = make("round-start")
+    own_a = record_to_model(send(flat_a, ctx_a, start, 1).content["arrays"])
+    own_b = record_to_model(send(flat_b, ctx_b, start, 1).content["arrays"])
+    a = record_to_model(send(flat_a, ctx_a, own_a, 2).content["arrays"])
+    b = record_to_model(send(flat_b, ctx_b, own_b, 2).content["arrays"])
+    assert all(torch.equal(a["student"][k], b["student"][k]) for k in b["student"])
+
+
+def test_reply_carries_model_arrays_and_metrics_only():
+    require("mnist")
+    federation, flat, context = make("round-start")
+    reply = send(flat, context, initial_model(federation.cfg, 10), 1)
+    content = reply.content
+    assert set(content.array_records) == {"arrays"} and set(content.metric_records) == {"metrics"}
+    assert set(content.config_records) == set()
+    model_shapes = {f"student/{k}": tuple(v.shape) for k, v in initial_model(federation.cfg, 10)["student"].items()}
+    assert {k: tuple(a.shape) for k, a in content["arrays"].items()} == model_shapes
+    metrics = dict(content["metrics"])
+    assert set(metrics) == {"num-examples", "partition-id", "skipped", "epsilon", "noise-multiplier", "train-loss",
+                            "seconds", "steps"}
+    assert metrics["num-examples"] == 500 and metrics["skipped"] == 0 and 0 < metrics["epsilon"] < 3
+
+
+def test_spent_client_replies_skipped_without_arrays():
+    require("mnist")
+    federation, flat, context = make("round-start", budget_rounds=1)
+    model = initial_model(federation.cfg, 10)
+    first = send(flat, context, model, 1)
+    spent = first.content["metrics"]["epsilon"]
+    assert 0.99 * 3 <= spent <= 3.0
+    second = send(flat, context, record_to_model(first.content["arrays"]), 2)
+    assert second.content["metrics"]["skipped"] == 1
+    assert second.content["metrics"]["epsilon"] == pytest.approx(spent)
+    assert len(second.content.array_records) == 0
