@@ -104,3 +104,18 @@ def test_flwr_run_dot_runs_one_round(tmp_path):
     result = json.loads((out / "result.json").read_text())
     assert len(result["rounds"]) == 1 and result["num_clients"] == 2
     assert 0 < result["rounds"][0]["client_epsilon"]["0"] <= 3.0
+
+
+def test_server_side_dp_adds_the_noise_it_promises():
+    """Flower's server-side fixed clipping on top: clipped client updates averaged, plus
+    N(0, (z·c/n)²) per coordinate. With z = 0.5, c = 1, n = 2 that noise (std 0.25) dwarfs the
+    clipped updates, so the global model's change from its start shows it."""
+    require("mnist")
+    from fedsd.training import initial_model
+
+    cfg = TrainConfig(dataset="mnist", method="dpsgd", epsilon=3, batch_size=100, subset=1000, seed=0)
+    result = simulate(cfg, FedOptions(num_clients=2, rounds=1, server_dp_noise=0.5, server_dp_clip=1.0),
+                      progress=False)
+    start = initial_model(TrainConfig(**{**cfg.__dict__, "epochs": 1}).resolved(), 10)["student"]
+    change = torch.cat([(result["_weights"][k] - start[k]).flatten() for k in start])
+    assert change.std().item() == pytest.approx(0.25, rel=0.05)
