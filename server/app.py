@@ -7,7 +7,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from logging import INFO
+
 from flwr.app import ConfigRecord, Context, MetricRecord
+from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from tqdm.auto import tqdm
 
@@ -31,6 +34,8 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     started = time.perf_counter()
     federation = build_federation(cfg, fed)
     cfg = federation.cfg
+    log(INFO, "fedsd: %d clients, %s partition, shard sizes %s", fed.num_clients, fed.partition,
+        federation.shard_sizes())
     device = resolve_device(cfg.device)
     test_x = federation.images.normalised(federation.images.x_test).to(device)
     test_y = federation.images.y_test.to(device)
