@@ -13,7 +13,8 @@ METHODS = ("dpsgd", "dpema", "dpkd", "dp3sd", "dpdsd")
 DISTILLING = ("dp3sd", "dpdsd")  # methods whose teacher is the model itself (self-distillation)
 ACCOUNTANTS = ("rdp", "prv")
 DEVICES = ("cpu", "cuda", "auto")
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost")  # Opacus' ways to clip per sample
+# Opacus' ways to clip per sample, and fedsd's book-keeping (fedsd.bookkeeping)
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost", "bk")
 
 # SPEC §7: B, η, C, epochs; DP3SD (τs, τt, α); DPDSD (τ, α, β).
 PAPER = {

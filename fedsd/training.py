@@ -21,6 +21,7 @@ from opacus.grad_sample.utils import prepare_module
 from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 
 from . import losses
+from .bookkeeping import BookKeepingClipper
 from .config import DISTILLING, TrainConfig
 from .data import TensorData
 from .models import build_model, check_private_trainable
@@ -102,10 +103,17 @@ class DPTrainer:
         self.generator = torch.Generator(device=self.device)
         self._anchor, self._proximal_mu = None, 0.0  # FedProx's pull, set per call
         self.ghost = cfg.grad_sample_mode == "ghost"
+        self.bookkeeping = None
         sgd = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         dp = dict(noise_multiplier=plan.noise_multiplier, max_grad_norm=cfg.clip, expected_batch_size=cfg.batch_size,
                   loss_reduction="mean", generator=self.generator)
-        if self.ghost:
+        if cfg.grad_sample_mode == "bk":
+            # Book-keeping: clipped per-sample gradient sums from one backward pass (fedsd.bookkeeping);
+            # Opacus adds the noise and averages, as for its own ghost clipping.
+            self.bookkeeping = BookKeepingClipper(self.model, cfg.clip)
+            self.grad_sample_model = self.model
+            self.optimizer = DPOptimizerFastGradientClipping(sgd, **dp)
+        elif self.ghost:
             # Ghost clipping: per-sample gradient norms without per-sample gradients, then a
             # second backward pass of the loss reweighted by the clipping factors.
             self.grad_sample_model = GradSampleModuleFastGradientClipping(
@@ -224,7 +232,9 @@ class DPTrainer:
                 teacher_logits = self.teacher(x)
         per_sample = loss_fn(logits, teacher_logits, y)
         loss = per_sample.mean()
-        if self.ghost:  # as Opacus' DPTensorFastGradientClipping.backward
+        if self.bookkeeping is not None:
+            self.bookkeeping.backward(loss, len(y))
+        elif self.ghost:  # as Opacus' DPTensorFastGradientClipping.backward
             loss.backward(retain_graph=True)
             self.optimizer.zero_grad()
             coeff = self.grad_sample_model.get_clipping_coef()

@@ -31,7 +31,7 @@ def add_bench_parser(sub) -> None:
     step.add_argument("--model", choices=["mnist-cnn", "cifar-cnn"], default="mnist-cnn")
     step.add_argument("--batch-size", type=int, default=None, help="default: the paper's (1600 / 1000)")
     step.add_argument("--method", default="dp3sd", help="dp3sd also times the teacher's forward pass")
-    step.add_argument("--grad-sample-mode", nargs="+", default=["hooks", "functorch", "ew", "ghost"])
+    step.add_argument("--grad-sample-mode", nargs="+", default=["hooks", "functorch", "ew", "ghost", "bk"])
     step.add_argument("--device", default="cpu")
     step.add_argument("--repeats", type=int, default=20)
     step.add_argument("--warmup", type=int, default=3)

@@ -79,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_sim_options(p_sim)
         p_sim.set_defaults(func=cmd_simulate)
     from simulations.bench import add_bench_parser
+    from simulations.reproduce import add_reproduce_parser
 
     add_bench_parser(sub)
+    add_reproduce_parser(sub)
     return parser
 
 

@@ -10,17 +10,17 @@ from fedsd.training import DPTrainer, initial_model
 from tests.conftest import require
 
 
-def run(mode: str, method: str, epochs=(1, 2)):
-    cfg = TrainConfig(dataset="mnist", method=method, epsilon=3, epochs=2, batch_size=50, subset=300, seed=2,
+def run(mode: str, method: str, epochs=(1, 2), dataset="mnist"):
+    cfg = TrainConfig(dataset=dataset, method=method, epsilon=3, epochs=2, batch_size=50, subset=300, seed=2,
                       grad_sample_mode=mode, distill_warmup_epochs=1, threads=1).resolved()
-    images = data_lib.load("mnist")
+    images = data_lib.load(dataset)
     tensors = data_lib.prepare(images, data_lib.stratified_subset(images.y_train, 300, 0))
     trainer = DPTrainer(cfg, tensors, plan(3, 1e-5, 300, 50, 2))
     model, state, metrics = trainer.local_update(initial_model(cfg, 10), None, list(epochs))
     return model["student"], metrics["epsilon"]
 
 
-@pytest.mark.parametrize("mode", ["functorch", "ew", "ghost"])
+@pytest.mark.parametrize("mode", ["functorch", "ew", "ghost", "bk"])
 @pytest.mark.parametrize("method", ["dpsgd", "dp3sd"])
 def test_mode_matches_hooks(mode, method):
     require("mnist")
@@ -34,7 +34,26 @@ def test_mode_matches_hooks(mode, method):
     assert moved > 100 * worst  # the match is not trivial: training moved the weights
 
 
-@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("mode", ["ghost", "bk"])
+def test_cifar_cnn_mode_matches_hooks(mode):
+    """cifar-cnn: average pooling, and the ghost-norm branch of book-keeping (small late maps)."""
+    require("cifar10")
+    reference, eps_ref = run("hooks", "dp3sd", dataset="cifar10")
+    fast, eps = run(mode, "dp3sd", dataset="cifar10")
+    assert eps == eps_ref
+    assert max((fast[k] - reference[k]).abs().max().item() for k in reference) < 1e-4
+
+
+def test_bookkeeping_refuses_layers_it_has_no_rule_for():
+    from torch import nn
+
+    from fedsd.bookkeeping import BookKeepingClipper
+
+    with pytest.raises(ValueError, match="GroupNorm"):
+        BookKeepingClipper(nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4)), 1.0)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bk"])
 def test_empty_batch_takes_a_noise_only_step(mode):
     require("mnist")
     cfg = TrainConfig(dataset="mnist", method="dpsgd", epsilon=3, epochs=1, batch_size=50, subset=300,
