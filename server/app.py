@@ -40,7 +40,8 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     test_x = federation.images.normalised(federation.images.x_test).to(device)
     test_y = federation.images.y_test.to(device)
     net = build_model(cfg.model, federation.images.num_classes).to(device)
-    strategy = RecordingStrategy(base_strategy(fed))
+    shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+    strategy = RecordingStrategy(base_strategy(fed), shapes)
     rounds: list[dict] = []
     bar = tqdm(total=fed.rounds, desc=f"{cfg.dataset} {cfg.method} {fed.num_clients} clients", unit="round",
                disable=not progress)
@@ -56,8 +57,10 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
             rounds.append(dict(round=server_round, test_accuracy=accuracy, test_loss=loss, seconds=now - last[0],
                                train_seconds=strategy.train_seconds.get(server_round),
                                client_epsilon={str(k): v for k, v in epsilons.items()},
-                               trained=sorted(k for k, r in reports.items() if not int(r.get("skipped", 0))),
-                               skipped=sorted(k for k, r in reports.items() if int(r.get("skipped", 0)))))
+                               trained=sorted(k for k, r in reports.items()
+                                              if not int(r.get("skipped", 0)) and "rejected" not in r),
+                               skipped=sorted(k for k, r in reports.items() if int(r.get("skipped", 0))),
+                               rejected={str(k): r["rejected"] for k, r in reports.items() if "rejected" in r}))
             round_log(server_round, fed.rounds, accuracy, max(epsilons.values(), default=0.0), now - last[0])
             bar.update(1)
             bar.set_postfix(acc=f"{accuracy:.4f}")

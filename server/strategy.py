@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+
+import numpy as np
 from logging import INFO, WARNING
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -34,12 +36,34 @@ def base_strategy(fed: FedOptions) -> Strategy:
     return strategy
 
 
-class RecordingStrategy(Strategy):
-    """Delegates to `inner`; records every reply's metrics, keeps a per-client ε table, and
-    passes on only the replies of clients that trained."""
+MODEL_GROUPS = ("student", "ema", "kd_teacher")
 
-    def __init__(self, inner: Strategy):
+
+def reply_problem(arrays: ArrayRecord, shapes: dict[str, tuple]) -> str | None:
+    """Why a reply's arrays do not fit the model (`shapes`: parameter name → shape), or None."""
+    names = set()
+    for key, array in arrays.items():
+        group, _, name = key.partition("/")
+        if group not in MODEL_GROUPS or name not in shapes:
+            return f"unknown array {key!r}"
+        if tuple(array.shape) != shapes[name]:
+            return f"{key} has shape {tuple(array.shape)}, the model's is {shapes[name]}"
+        if not np.isfinite(array.numpy()).all():
+            return f"{key} holds NaN or Inf"
+        if group == "student":
+            names.add(name)
+    missing = set(shapes) - names
+    return f"student arrays missing: {sorted(missing)}" if missing else None
+
+
+class RecordingStrategy(Strategy):
+    """Delegates to `inner`; records every reply's metrics, keeps a per-client ε table, sets
+    aside replies whose arrays do not fit the model (wrong shapes, NaN or Inf), and passes on
+    only the replies of clients that trained."""
+
+    def __init__(self, inner: Strategy, shapes: dict[str, tuple] | None = None):
         self.inner = inner
+        self.shapes = shapes
         self.client_epsilon: dict[int, float] = {}
         self.round_clients: dict[int, dict] = {}  # round → {partition id: its metrics}
         self.train_seconds: dict[int, float] = {}
@@ -67,6 +91,14 @@ class RecordingStrategy(Strategy):
             if int(metrics.get("skipped", 0)):
                 log(WARNING, "round %d: client %d skipped: its privacy budget is spent (ε = %.3f)",
                     server_round, pid, float(metrics["epsilon"]))
+                continue
+            problem = None
+            if self.shapes is not None:
+                arrays = list(reply.content.array_records.values())
+                problem = reply_problem(arrays[0], self.shapes) if len(arrays) == 1 else "no single ArrayRecord"
+            if problem:
+                log(WARNING, "round %d: reply of client %d rejected: %s", server_round, pid, problem)
+                reports[pid]["rejected"] = problem
             else:
                 trained.append(reply)
         self.round_clients[server_round] = reports

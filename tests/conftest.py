@@ -16,3 +16,11 @@ def require(dataset: str):
 
     if locate(dataset) is None:
         pytest.skip(f"{dataset} not available here")
+
+
+@pytest.fixture
+def flower_task():
+    """What Flower's runtime sets before it calls an app or builds a Message."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 11, 1

@@ -12,12 +12,7 @@ from fedsd.training import initial_model
 from tests.conftest import require
 
 
-@pytest.fixture(autouse=True)
-def task_identity():
-    """What Flower's runtime sets before it calls an app."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 11, 1
+pytestmark = pytest.mark.usefixtures("flower_task")
 
 
 def make(teacher: str, budget_rounds: int = 0):
