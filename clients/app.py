@@ -53,8 +53,7 @@ def build_federation(cfg: TrainConfig, fed: FedOptions) -> Federation:
     fed.validate()
     cfg = client_config(cfg, fed)
     images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)
-    indices = (data_lib.stratified_subset(images.y_train, cfg.subset, cfg.seed)
-               if cfg.subset is not None else torch.arange(len(images.y_train)))
+    indices = data_lib.training_indices(images, cfg.subset, cfg.seed)
     if fed.num_clients > len(indices):
         raise ConfigError(f"--clients: {fed.num_clients} clients but only {len(indices)} training samples")
     parts = shards(images.y_train[indices], fed, cfg.seed)

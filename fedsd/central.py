@@ -36,8 +36,7 @@ def prepare_run(cfg: TrainConfig) -> PreparedRun:
     """Everything that can fail on bad input, before any work: settings, data, model, device."""
     cfg = cfg.resolved()
     images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)
-    indices = (data_lib.stratified_subset(images.y_train, cfg.subset, cfg.seed)
-               if cfg.subset is not None else torch.arange(len(images.y_train)))
+    indices = data_lib.training_indices(images, cfg.subset, cfg.seed)
     validate(cfg, len(indices))
     check_private_trainable(build_model(cfg.model, images.num_classes))
     return PreparedRun(cfg, images, indices, resolve_device(cfg.device))

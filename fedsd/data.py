@@ -195,6 +195,11 @@ def stratified_subset(labels: torch.Tensor, size: int, seed: int) -> torch.Tenso
     return torch.sort(torch.cat(chosen)).values
 
 
+def training_indices(data: ImageData, subset: int | None, seed: int) -> torch.Tensor:
+    """The training samples a run uses: a seeded stratified --subset, or all of them."""
+    return stratified_subset(data.y_train, subset, seed) if subset is not None else torch.arange(len(data.y_train))
+
+
 @dataclass
 class TensorData:
     """Normalised training and test tensors, ready for a training run (possibly on a GPU)."""
