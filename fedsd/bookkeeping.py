@@ -18,9 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PARAMETER_FREE = (nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Flatten, nn.Identity, nn.Dropout)
-
-
 class BookKeepingClipper:
     def __init__(self, model: nn.Module, max_grad_norm: float):
         self.layers = []
@@ -62,7 +59,7 @@ class BookKeepingClipper:
                     norms2 += g.pow(2).sum(1)
                 kept.append((layer, a, g))
                 continue
-            n, p, T = g.shape[0], g.shape[1], g.shape[2] * g.shape[3]
+            p, T = g.shape[1], g.shape[2] * g.shape[3]
             d = layer.weight[0].numel()
             # Ghost norms need im2col, slow on CPU: only where they are clearly cheaper (small maps).
             if 4 * T * T * (d + p) < T * d * p:

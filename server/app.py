@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
-from pathlib import Path
-
 from logging import INFO
+from pathlib import Path
 
 from flwr.app import ConfigRecord, Context, MetricRecord
 from flwr.common import log
@@ -16,7 +15,6 @@ from tqdm.auto import tqdm
 
 from clients.app import build_federation
 from clients.records import model_to_record, record_to_model
-from fedsd import data as data_lib
 from fedsd.central import resolve_device
 from fedsd.config import TrainConfig
 from fedsd.federation import FedOptions, from_flat, to_flat
