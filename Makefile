@@ -4,6 +4,8 @@ PYTHON ?= python3
 PY      = $(VENV)/bin/python
 FEDSD   = $(VENV)/bin/fedsd
 RUN_OUT ?= runs/default
+# Flower's tools (flwr, flower-superlink, flower-supernode) start one another by name.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: run test data venv clean
 

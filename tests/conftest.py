@@ -24,3 +24,56 @@ def flower_task():
     from flwr.supercore.task_identity import TaskIdentity
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 11, 1
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_processes_mentioning(marker: str):
+    """Kill every process whose command line contains `marker` (a test's private folder), and
+    their descendants (Flower's SuperExec and app processes)."""
+    import signal
+    import subprocess
+
+    def pgrep(*args):
+        return [int(p) for p in subprocess.run(["pgrep", *args], capture_output=True, text=True).stdout.split()]
+
+    found, todo = set(), [p for p in pgrep("-f", marker) if p != os.getpid()]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += pgrep("-P", str(pid))
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def flower_env(tmp_path):
+    """Environment for Flower's own command-line tools: the venv's bin on PATH (they start one
+    another by name), a private FLWR_HOME and free ports (so the managed local SuperLink that
+    `flwr run` starts is this test's own, not a user's), and no per-run `uv sync` of the app's
+    dependencies (the venv already has them and CI has no route to every index). Whatever
+    Flower left running under that home is stopped afterwards."""
+    import sys
+
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    venv_bin = Path(sys.executable).parent
+    env = {**os.environ,
+           "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
+           "FLWR_HOME": str(home),
+           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+           "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    yield env
+    stop_processes_mentioning(str(home))

@@ -92,14 +92,13 @@ def test_unknown_strategy_or_partition_is_refused(capsys):
 
 
 @pytest.mark.skipif(shutil.which("flwr", path=str(Path(os.sys.executable).parent)) is None, reason="no flwr CLI")
-def test_flwr_run_dot_runs_one_round(tmp_path):
+def test_flwr_run_dot_runs_one_round(tmp_path, flower_env):
     require("fmnist")
-    flwr = str(Path(os.sys.executable).parent / "flwr")
     out = tmp_path / "flwr-run"
     proc = subprocess.run(
-        [flwr, "run", ".", "--stream", "--federation-config", "num-supernodes=2",
+        ["flwr", "run", ".", "--stream", "--federation-config", "num-supernodes=2",
          "--run-config", f"num-server-rounds=1 num-clients=2 subset=2000 out-dir='{out}'"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=flower_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
     assert len(result["rounds"]) == 1 and result["num_clients"] == 2
