@@ -3,12 +3,16 @@
 Each round it receives the global model and the run's settings, trains E local epochs with
 fedsd's loop, and replies with the new weights and its metrics. Its privacy state (one
 accountant history for the whole run, the RNG state, the step count) lives in context.state,
-so a client never restarts its accounting. A client whose next round would overspend its
-(ε, δ) does not train: its reply carries only metrics with skipped = 1.
+and, under the server's experiment id, on the client's own disk (a resumed server or a
+restarted SuperNode finds it there), so a client never restarts its accounting. A client
+whose next round would overspend its (ε, δ) does not train: its reply carries only metrics
+with skipped = 1.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
@@ -18,7 +22,7 @@ from fedsd import data as data_lib
 from fedsd import privacy
 from fedsd.config import ConfigError, TrainConfig, validate
 from fedsd.federation import FedOptions, client_config, from_flat, round_epochs
-from fedsd.training import BudgetExhausted, DPTrainer, Model
+from fedsd.training import BudgetExhausted, DPTrainer, Model, load_train_state, save_train_state
 from fedsd.central import resolve_device
 
 from .partition import shards
@@ -86,16 +90,46 @@ def trainer_for(flat: dict, partition_id: int) -> tuple[Federation, DPTrainer]:
 app = ClientApp()
 
 
+def client_state_file(node_config, experiment_id: str, partition_id: int) -> Path | None:
+    """Where this client keeps its privacy state on its own disk: the SuperNode's
+    --node-config state-dir, else FEDSD_CLIENT_STATE_DIR, else ~/.cache/fedsd/client-state;
+    one file per experiment (the server's id for the run, kept across --resume) and client."""
+    if not experiment_id:
+        return None
+    root = node_config.get("state-dir") or os.environ.get("FEDSD_CLIENT_STATE_DIR") \
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fedsd" / "client-state"
+    return Path(root) / experiment_id / f"client-{partition_id}.pt"
+
+
+def node_settings(flat: dict, node_config) -> int:
+    """This node's partition id, checked against the run; its own data folder, if it names one."""
+    partition_id = int(node_config["partition-id"])
+    num_clients = int(flat.get("num-clients", FedOptions().num_clients))
+    if "num-partitions" in node_config and int(node_config["num-partitions"]) != num_clients:
+        raise ConfigError(f"node-config num-partitions={node_config['num-partitions']} but the run has "
+                          f"num-clients={num_clients}")
+    if not 0 <= partition_id < num_clients:
+        raise ConfigError(f"node-config partition-id={partition_id} is outside [0, {num_clients})")
+    if node_config.get("data-dir"):
+        flat["data-dir"] = str(node_config["data-dir"])
+    return partition_id
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     flat = dict(msg.content["config"])
     server_round = int(flat.pop("server-round"))
-    partition_id = int(context.node_config["partition-id"])
+    partition_id = node_settings(flat, context.node_config)
     federation, trainer = trainer_for(flat, partition_id)
     fed = federation.fed
     # FedProx sends its μ as "proximal-mu" in the round's config (the run config's key of the same name).
     proximal_mu = float(flat["proximal-mu"]) if fed.strategy == "fedprox" else 0.0
+    # The state of this run (context.state), else what this client left on its disk in an
+    # earlier launch of the same experiment (a resumed server, a restarted SuperNode).
+    state_file = client_state_file(context.node_config, fed.experiment_id, partition_id)
     state = load_state(context.state)
+    if state is None and state_file is not None and state_file.is_file():
+        state = load_train_state(state_file)
     model: Model = record_to_model(msg.content["arrays"])
     teacher = state.local_model if (fed.teacher == "local-previous" and state is not None) else None
     base = {"num-examples": trainer.num_train, "partition-id": partition_id}
@@ -108,8 +142,10 @@ def train(msg: Message, context: Context) -> Message:
                                                             "noise-multiplier": trainer.plan.noise_multiplier})}),
                        reply_to=msg)
     save_state(context.state, state)
+    if state_file is not None:  # before replying: the spent budget is on disk before anyone can use it
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        save_train_state(state_file, state)
     reply = MetricRecord({**base, "skipped": 0, "epsilon": metrics["epsilon"],
                           "noise-multiplier": metrics["noise_multiplier"], "train-loss": metrics["train_loss"],
                           "seconds": metrics["seconds"], "steps": metrics["steps"]})
     return Message(RecordDict({"arrays": model_to_record(model), "metrics": reply}), reply_to=msg)
-

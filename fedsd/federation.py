@@ -33,6 +33,10 @@ class FedOptions:
     client_cpus: float = 1.0
     client_gpus: float = 0.0
     out_dir: str = ""
+    resume_dir: str = ""  # continue the run whose checkpoint.pt is there
+    round_timeout: float = 3600.0  # seconds the server waits for a round's replies
+    min_nodes: int = 0  # nodes that must be connected before a round starts; 0 = every client
+    experiment_id: str = ""  # set by the server: names each client's on-disk privacy state
 
     @property
     def planned_rounds(self) -> int:
@@ -59,6 +63,9 @@ class FedOptions:
         check(self.server_dp_clip > 0, "--server-dp-clip", "must be > 0", self.server_dp_clip)
         check(self.client_cpus > 0, "--client-cpus", "must be > 0", self.client_cpus)
         check(self.client_gpus >= 0, "--client-gpus", "must be >= 0", self.client_gpus)
+        check(self.round_timeout > 0, "--round-timeout", "must be > 0 seconds", self.round_timeout)
+        check(0 <= self.min_nodes <= self.num_clients, "--min-nodes", f"must be in [0, {self.num_clients}]",
+              self.min_nodes)
 
 
 def client_config(cfg: TrainConfig, fed: FedOptions) -> TrainConfig:

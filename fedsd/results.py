@@ -42,11 +42,29 @@ def staged_out_dir(out: str | os.PathLike, overwrite: bool = False):
     os.replace(scratch, out)
 
 
+@contextmanager
+def atomic_path(path: str | os.PathLike):
+    """Yield a temporary path beside `path`; once written it replaces `path` in one rename
+    (a reader, or a run resumed after a crash, sees the old file or the new one, never half of
+    one). On failure the temporary file is removed."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_json(path: Path, obj) -> None:
-    """Atomically: a reader sees the old file or the new one, never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=_jsonable) + "\n")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, default=_jsonable) + "\n")
+
+
+def save_atomic(path: str | os.PathLike, obj) -> None:
+    """torch.save, atomically (checkpoints, client privacy state)."""
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def _jsonable(o):
@@ -58,7 +76,7 @@ def _jsonable(o):
 
 
 def save_model(path: Path, weights: dict[str, torch.Tensor]) -> None:
-    torch.save({k: v.detach().cpu() for k, v in weights.items()}, path)
+    save_atomic(path, {k: v.detach().cpu() for k, v in weights.items()})
 
 
 def plot_curve(path: Path, points: list[dict], x_key: str, title: str) -> None:
@@ -75,14 +93,16 @@ def plot_curve(path: Path, points: list[dict], x_key: str, title: str) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 
 def write_run(out: Path, result: dict, weights: dict[str, torch.Tensor], x_key: str) -> None:
-    """The three files of a run, into a (staged) folder."""
-    write_json(out / "result.json", result)
+    """The three files of a run, each written atomically, result.json last: a folder with a
+    result.json holds a finished run."""
     save_model(out / "model.pt", weights)
     points = result["epochs"] if x_key == "epoch" else result["rounds"]
     title = f"{result['dataset']} {result['method']} ε={result['epsilon_target']}"
     plot_curve(out / "curve.png", points, x_key, title)
+    write_json(out / "result.json", result)

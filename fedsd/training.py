@@ -11,6 +11,7 @@ computation, which is what makes the single-client identity hold by construction
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -66,6 +67,18 @@ class TrainState:
     steps: int = 0
     local_model: Weights | None = None  # the end-of-round student, for teacher=local-previous
     momentum: list[torch.Tensor] | None = None  # SGD momentum buffers, when momentum > 0
+
+
+def save_train_state(path, state: TrainState) -> None:
+    """A data holder's state on its own disk, atomically: a restarted client (or a resumed
+    federation) goes on with its accountant, never a fresh one."""
+    from .results import save_atomic
+
+    save_atomic(path, dataclasses.asdict(state))
+
+
+def load_train_state(path) -> TrainState:
+    return TrainState(**torch.load(path, weights_only=True))
 
 
 def _rng_seed(cfg: TrainConfig, client: int) -> int:

@@ -1,9 +1,11 @@
 """The ServerApp: runs the strategy, evaluates the global model on the test set every round,
-and writes the same files as `fedsd train` (result.json with a `rounds` list, model.pt,
-curve.png)."""
+checkpoints every completed round (checkpoint.pt, for --resume), and writes the same files as
+`fedsd train` (result.json with a `rounds` list, model.pt, curve.png)."""
 from __future__ import annotations
 
+import shutil
 import time
+import uuid
 from datetime import datetime
 from logging import INFO
 from pathlib import Path
@@ -19,18 +21,36 @@ from fedsd.central import resolve_device
 from fedsd.config import TrainConfig
 from fedsd.federation import FedOptions, from_flat, to_flat
 from fedsd.models import build_model
-from fedsd.results import staged_out_dir, write_run
+from fedsd.results import check_out_dir, write_run
 from fedsd.training import evaluate, initial_model, released
 
+from . import checkpoint
 from .strategy import RecordingStrategy, base_strategy, round_log
 
-ROUND_TIMEOUT_S = 3600
+def prepare_out_dir(out: Path, overwrite: bool) -> None:
+    """A fresh run's folder: new or empty (or emptied with overwrite). It then holds the
+    per-round checkpoint.pt while the run goes on, and result.json (written last) once done."""
+    check_out_dir(out, overwrite)
+    if overwrite and out.is_dir():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None,
                overwrite: bool = False, progress: bool = False) -> dict:
+    """Run the federation (or, with fed.resume_dir, go on with the one checkpointed there)."""
     started = time.perf_counter()
-    federation = build_federation(cfg, fed)
+    resumed = checkpoint.load(fed.resume_dir) if fed.resume_dir else None
+    if resumed is not None:
+        cfg, fed = checkpoint.resumed_settings(fed.resume_dir)
+        out = Path(fed.resume_dir)
+        log(INFO, "fedsd: resuming %s after round %d of %d", out, resumed["round"], fed.rounds)
+    elif out is not None:
+        out = Path(out)
+        check_out_dir(out, overwrite)
+    federation = build_federation(cfg, fed)  # every check, before anything is written
+    if out is not None and resumed is None:
+        prepare_out_dir(out, overwrite)
     cfg = federation.cfg
     log(INFO, "fedsd: %d clients, %s partition, shard sizes %s", fed.num_clients, fed.partition,
         federation.shard_sizes())
@@ -39,16 +59,24 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     test_y = federation.images.y_test.to(device)
     net = build_model(cfg.model, federation.images.num_classes).to(device)
     shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
-    strategy = RecordingStrategy(base_strategy(fed), shapes)
-    rounds: list[dict] = []
-    bar = tqdm(total=fed.rounds, desc=f"{cfg.dataset} {cfg.method} {fed.num_clients} clients", unit="round",
-               disable=not progress)
+    start_round = resumed["round"] if resumed else 0
+    strategy = RecordingStrategy(base_strategy(fed), fed, shapes, round_offset=start_round)
+    settings = checkpoint.settings(cfg, fed)
+    experiment_id = resumed["experiment_id"] if resumed else uuid.uuid4().hex
+    rounds: list[dict] = list(resumed["rounds"]) if resumed else []
+    if resumed:
+        strategy.restore(resumed["recorder"])
+        checkpoint.restore_strategy_state(strategy.inner, resumed["strategy"])
+    bar = tqdm(total=fed.rounds, initial=start_round, unit="round", disable=not progress,
+               desc=f"{cfg.dataset} {cfg.method} {fed.num_clients} clients")
     last = [time.perf_counter()]
 
-    def evaluate_global(server_round: int, arrays) -> MetricRecord:
-        net.load_state_dict(released(record_to_model(arrays)))
+    def evaluate_global(launch_round: int, arrays) -> MetricRecord:
+        model = record_to_model(arrays)
+        net.load_state_dict(released(model))
         accuracy, loss = evaluate(net, test_x, test_y)
-        if server_round > 0:
+        if launch_round > 0:
+            server_round = launch_round + start_round
             now = time.perf_counter()
             epsilons = dict(sorted(strategy.client_epsilon.items()))
             reports = strategy.round_clients.get(server_round, {})
@@ -58,17 +86,22 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
                                trained=sorted(k for k, r in reports.items()
                                               if not int(r.get("skipped", 0)) and "rejected" not in r),
                                skipped=sorted(k for k, r in reports.items() if int(r.get("skipped", 0))),
-                               rejected={str(k): r["rejected"] for k, r in reports.items() if "rejected" in r}))
+                               rejected={str(k): r["rejected"] for k, r in reports.items() if "rejected" in r},
+                               missed=strategy.missed.get(server_round, [])))
+            if out is not None:
+                checkpoint.save(out, round=server_round, model=model, settings=settings,
+                                experiment_id=experiment_id, rounds=rounds, recorder=strategy.recorded(),
+                                strategy=strategy.inner)
             round_log(server_round, fed.rounds, accuracy, max(epsilons.values(), default=0.0), now - last[0])
             bar.update(1)
             bar.set_postfix(acc=f"{accuracy:.4f}")
             last[0] = now
         return MetricRecord({"test-accuracy": accuracy, "test-loss": loss})
 
-    initial = initial_model(cfg, federation.images.num_classes)
-    outcome = strategy.start(grid=grid, initial_arrays=model_to_record(initial), num_rounds=fed.rounds,
-                             timeout=ROUND_TIMEOUT_S, train_config=ConfigRecord(to_flat(cfg, fed)),
-                             evaluate_fn=evaluate_global)
+    initial = resumed["model"] if resumed else initial_model(cfg, federation.images.num_classes)
+    train_config = ConfigRecord({**to_flat(cfg, fed), "experiment-id": experiment_id})
+    outcome = strategy.start(grid=grid, initial_arrays=model_to_record(initial), num_rounds=fed.rounds - start_round,
+                             timeout=fed.round_timeout, train_config=train_config, evaluate_fn=evaluate_global)
     bar.close()
     final = record_to_model(outcome.arrays) if len(outcome.arrays) else initial
     plans = {k: federation.client_plan(k) for k in range(fed.num_clients)}
@@ -81,12 +114,12 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
         test_accuracy=rounds[-1]["test_accuracy"] if rounds else None, seed=cfg.seed,
         wall_seconds=time.perf_counter() - started, device=str(device), data_source=federation.images.source,
         num_clients=fed.num_clients, shard_sizes=federation.shard_sizes(), config=cfg.to_dict(),
-        federation=fed.__dict__.copy(), rounds=rounds)
+        federation=fed.__dict__.copy(), experiment_id=experiment_id, resumed_after_round=start_round or None,
+        missed={str(r["round"]): r["missed"] for r in rounds if r["missed"]}, rounds=rounds)
     weights = {k: v.cpu() for k, v in released(final).items()}
     result["_weights"] = weights
     if out is not None:
-        with staged_out_dir(out, overwrite) as scratch:
-            write_run(scratch, {k: v for k, v in result.items() if k != "_weights"}, weights, "round")
+        write_run(out, {k: v for k, v in result.items() if k != "_weights"}, weights, "round")
     return result
 
 
@@ -97,5 +130,8 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """Entry point for `flwr run .`: every setting comes from the run config."""
     cfg, fed = from_flat(dict(context.run_config))
+    if fed.resume_dir:  # the checkpoint's settings and folder; the run config's others are not used
+        run_server(grid, cfg, fed)
+        return
     out = fed.out_dir or f"fedsd-runs/{cfg.dataset}-{cfg.method}-{datetime.now():%Y%m%d-%H%M%S}"
     run_server(grid, cfg, fed, out=Path(out).absolute())

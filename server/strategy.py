@@ -20,7 +20,7 @@ from fedsd.federation import FedOptions
 
 def base_strategy(fed: FedOptions) -> Strategy:
     """The aggregation rule, weighted by num-examples; central evaluation only (no client eval)."""
-    sampled = max(1, int(fed.num_clients * fed.fraction_train))
+    sampled = sampled_clients(fed)
     common = dict(fraction_train=fed.fraction_train, fraction_evaluate=0.0, min_train_nodes=sampled,
                   min_evaluate_nodes=0, min_available_nodes=fed.num_clients)
     if fed.strategy == "fedadam":
@@ -34,6 +34,16 @@ def base_strategy(fed: FedOptions) -> Strategy:
         strategy = DifferentialPrivacyServerSideFixedClipping(strategy, fed.server_dp_noise, fed.server_dp_clip,
                                                                num_sampled_clients=sampled)
     return strategy
+
+
+def sampled_clients(fed: FedOptions) -> int:
+    return max(1, int(fed.num_clients * fed.fraction_train))
+
+
+def min_nodes(fed: FedOptions) -> int:
+    """Connected nodes a round after the first needs: --min-nodes, or by default half the
+    sampled clients (at least 1), so that losing a node does not stop the federation."""
+    return fed.min_nodes or max(1, sampled_clients(fed) // 2)
 
 
 MODEL_GROUPS = ("student", "ema", "kd_teacher")
@@ -57,17 +67,37 @@ def reply_problem(arrays: ArrayRecord, shapes: dict[str, tuple]) -> str | None:
 
 
 class RecordingStrategy(Strategy):
-    """Delegates to `inner`; records every reply's metrics, keeps a per-client ε table, sets
-    aside replies whose arrays do not fit the model (wrong shapes, NaN or Inf), and passes on
-    only the replies of clients that trained."""
+    """Delegates to `inner`; records every reply's metrics, keeps a per-client ε table, notes
+    the clients that missed a round (node failed or timed out), sets aside replies whose arrays
+    do not fit the model (wrong shapes, NaN or Inf), and passes on only the replies of clients
+    that trained.
 
-    def __init__(self, inner: Strategy, shapes: dict[str, tuple] | None = None):
+    Rounds are numbered globally: a run resumed after round r starts Flower's loop at 1 with
+    `round_offset = r`. The first round waits for every client to connect; later rounds go on
+    with whoever is there, as long as `min_nodes` are (a node lost mid-run does not stall it)."""
+
+    RECORDED = ("client_epsilon", "round_clients", "train_seconds", "missed", "node_partition")
+
+    def __init__(self, inner: Strategy, fed: FedOptions, shapes: dict[str, tuple] | None = None,
+                 round_offset: int = 0):
         self.inner = inner
         self.shapes = shapes
+        self.num_clients, self.sampled, self.min_nodes = fed.num_clients, sampled_clients(fed), min_nodes(fed)
+        self.round_offset = round_offset
         self.client_epsilon: dict[int, float] = {}
         self.round_clients: dict[int, dict] = {}  # round → {partition id: its metrics}
         self.train_seconds: dict[int, float] = {}
+        self.missed: dict[int, list] = {}  # round → [{client, node_id, reason}]
+        self.node_partition: dict[int, int] = {}  # Flower node id → partition id, as replies tell
         self._round_started = 0.0
+        self._sent: dict[int, int] = {}  # node id → message id, this round
+
+    def recorded(self) -> dict:
+        return {name: getattr(self, name) for name in self.RECORDED}
+
+    def restore(self, recorded: dict) -> None:
+        for name in self.RECORDED:
+            setattr(self, name, recorded[name])
 
     def summary(self) -> None:
         self.inner.summary()
@@ -75,17 +105,28 @@ class RecordingStrategy(Strategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         self._round_started = time.perf_counter()
-        return self.inner.configure_train(server_round, arrays, config, grid)
+        base = list(_inner_strategies(self.inner))[-1]
+        if server_round == 1:  # a launch (fresh or resumed) waits for the whole federation
+            base.min_available_nodes, base.min_train_nodes = self.num_clients, self.sampled
+        else:
+            base.min_available_nodes, base.min_train_nodes = self.min_nodes, min(self.sampled, self.min_nodes)
+        messages = list(self.inner.configure_train(server_round + self.round_offset, arrays, config, grid))
+        self._sent = {m.metadata.dst_node_id: m.metadata.message_id for m in messages}
+        return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        trained, reports = [], {}
+        server_round += self.round_offset
+        trained, reports, missed, answered = [], {}, [], set()
         for reply in replies:
+            node = reply.metadata.src_node_id
+            answered.add(node)
             if reply.has_error():
-                log(WARNING, "round %d: node %d failed: %s", server_round, reply.metadata.src_node_id,
-                    reply.error.reason)
+                log(WARNING, "round %d: node %d failed: %s", server_round, node, reply.error.reason)
+                missed.append(dict(client=self.node_partition.get(node), node_id=node, reason=reply.error.reason))
                 continue
             metrics = next(iter(reply.content.metric_records.values()))
             pid = int(metrics["partition-id"])
+            self.node_partition[node] = pid
             reports[pid] = dict(metrics)
             self.client_epsilon[pid] = float(metrics["epsilon"])
             if int(metrics.get("skipped", 0)):
@@ -101,16 +142,27 @@ class RecordingStrategy(Strategy):
                 reports[pid]["rejected"] = problem
             else:
                 trained.append(reply)
+        for node in sorted(set(self._sent) - answered):
+            log(WARNING, "round %d: node %d did not reply in time", server_round, node)
+            missed.append(dict(client=self.node_partition.get(node), node_id=node, reason="no reply before the timeout"))
         self.round_clients[server_round] = reports
+        self.missed[server_round] = missed
         result = self.inner.aggregate_train(server_round, trained) if trained else (None, None)
         self.train_seconds[server_round] = time.perf_counter() - self._round_started
         return result
 
     def configure_evaluate(self, server_round, arrays, config, grid):
-        return self.inner.configure_evaluate(server_round, arrays, config, grid)
+        return self.inner.configure_evaluate(server_round + self.round_offset, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round, replies):
-        return self.inner.aggregate_evaluate(server_round, replies)
+        return self.inner.aggregate_evaluate(server_round + self.round_offset, replies)
+
+
+def _inner_strategies(strategy):
+    """The strategy and those it wraps (Flower's DP wrappers keep theirs in `.strategy`)."""
+    while strategy is not None:
+        yield strategy
+        strategy = getattr(strategy, "strategy", None)
 
 
 def round_log(server_round: int, rounds: int, accuracy: float, max_epsilon: float, seconds: float) -> None:

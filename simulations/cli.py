@@ -17,7 +17,7 @@ TRAIN_OPTIONS = {
 }
 
 
-def add_train_options(p: argparse.ArgumentParser, epsilon_required: bool = True) -> None:
+def add_train_options(p: argparse.ArgumentParser, epsilon_required: bool = True, out_required: bool = True) -> None:
     p.add_argument("--dataset", choices=DATASETS, default="fmnist")
     p.add_argument("--method", choices=METHODS, default="dp3sd")
     p.add_argument("--accountant", choices=ACCOUNTANTS, default="rdp")
@@ -32,7 +32,7 @@ def add_train_options(p: argparse.ArgumentParser, epsilon_required: bool = True)
             p.add_argument(flag, type=typ, default=None)
     p.add_argument("--data-dir", default=None, help="root with mnist/, fashion-mnist/, cifar10/ (or FEDSD_DATA_DIR)")
     p.add_argument("--download", action="store_true", help="download with torchvision when not found")
-    p.add_argument("--out", required=True, help="result folder (must be new or empty)")
+    p.add_argument("--out", required=out_required, help="result folder (must be new or empty)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -57,8 +57,12 @@ def cmd_train(args) -> int:
 def cmd_simulate(args) -> int:
     from simulations.simulate import simulate, sim_options_from_args
 
-    result = simulate(config_from_args(args), sim_options_from_args(args), args.out,
-                      overwrite=args.overwrite, progress=not args.quiet)
+    fed = sim_options_from_args(args)
+    if args.resume:
+        fed.resume_dir = args.resume
+    elif not args.out:
+        raise ValueError("--out is required (or --resume DIR)")
+    result = simulate(config_from_args(args), fed, args.out, overwrite=args.overwrite, progress=not args.quiet)
     print(json.dumps({k: result[k] for k in ("dataset", "method", "test_accuracy", "wall_seconds")}, indent=2))
     return 0
 
@@ -75,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_sim_options = None
     if add_sim_options is not None:
         p_sim = sub.add_parser("simulate", help="federated simulation on Flower's Ray engine")
-        add_train_options(p_sim, epsilon_required=False)
+        add_train_options(p_sim, epsilon_required=False, out_required=False)
         add_sim_options(p_sim)
         p_sim.set_defaults(func=cmd_simulate)
     from simulations.bench import add_bench_parser

@@ -18,6 +18,7 @@ SIM_OPTIONS = {  # flag: (FedOptions field, type)
     "server-lr": ("server_lr", float), "budget-rounds": ("budget_rounds", int),
     "server-dp-noise": ("server_dp_noise", float), "server-dp-clip": ("server_dp_clip", float),
     "client-cpus": ("client_cpus", float), "client-gpus": ("client_gpus", float),
+    "round-timeout": ("round_timeout", float), "min-nodes": ("min_nodes", int),
 }
 
 
@@ -28,6 +29,8 @@ def add_sim_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", choices=PARTITIONS, default=defaults.partition)
     p.add_argument("--teacher", choices=TEACHER_MODES, default=defaults.teacher)
     p.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy)
+    p.add_argument("--resume", metavar="DIR", default=None,
+                   help="go on with the run in DIR after its last completed round (its settings, its folder)")
 
 
 def sim_options_from_args(args: argparse.Namespace) -> FedOptions:
@@ -40,11 +43,17 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
     """Run a federation of `fed.num_clients` simulated clients; returns the result dict
     (with "_weights", the released global model) and writes `out` when given.
 
-    Every check (settings, data, shards, privacy budgets) runs before Ray starts."""
+    Every check (settings, data, shards, privacy budgets) runs before Ray starts. With
+    fed.resume_dir, the settings and folder are those of the checkpointed run."""
     from clients.app import app as client_app
     from clients.app import build_federation
 
-    if out is not None:
+    if fed.resume_dir:
+        from server.checkpoint import resumed_settings
+
+        cfg, fed = resumed_settings(fed.resume_dir)
+        out = None  # the run's own folder
+    elif out is not None:
         check_out_dir(out, overwrite)
     federation = build_federation(cfg, fed)
     for k in range(fed.num_clients):

@@ -34,7 +34,8 @@ def test_bad_reply_is_rejected_and_the_round_goes_on(break_it, needle):
     bad = good(5.0)
     break_it(bad)
     assert needle in reply_problem(ArrayRecord({k: Array(v) for k, v in bad.items()}), SHAPES)
-    strategy = RecordingStrategy(base_strategy(FedOptions(num_clients=3)), SHAPES)
+    fed = FedOptions(num_clients=3)
+    strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
     arrays, _ = strategy.aggregate_train(1, [reply(0, good(1.0)), reply(1, bad), reply(2, good(3.0), n=300)])
     assert needle in strategy.round_clients[1][1]["rejected"]
     # Only clients 0 and 2 are averaged, weighted 100 : 300.
