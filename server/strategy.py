@@ -83,6 +83,7 @@ class RecordingStrategy(Strategy):
         self.inner = inner
         self.shapes = shapes
         self.num_clients, self.sampled, self.min_nodes = fed.num_clients, sampled_clients(fed), min_nodes(fed)
+        self.fraction_train = fed.fraction_train
         self.round_offset = round_offset
         self.client_epsilon: dict[int, float] = {}
         self.round_clients: dict[int, dict] = {}  # round → {partition id: its metrics}
@@ -90,7 +91,7 @@ class RecordingStrategy(Strategy):
         self.missed: dict[int, list] = {}  # round → [{client, node_id, reason}]
         self.node_partition: dict[int, int] = {}  # Flower node id → partition id, as replies tell
         self._round_started = 0.0
-        self._sent: dict[int, int] = {}  # node id → message id, this round
+        self._sent: dict[str, int] = {}  # message id → node id, this round's
 
     def recorded(self) -> dict:
         return {name: getattr(self, name) for name in self.RECORDED}
@@ -111,14 +112,15 @@ class RecordingStrategy(Strategy):
         else:
             base.min_available_nodes, base.min_train_nodes = self.min_nodes, min(self.sampled, self.min_nodes)
         messages = list(self.inner.configure_train(server_round + self.round_offset, arrays, config, grid))
-        self._sent = {m.metadata.dst_node_id: m.metadata.message_id for m in messages}
+        self._sent = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         server_round += self.round_offset
         trained, reports, missed, answered = [], {}, [], set()
         for reply in replies:
-            node = reply.metadata.src_node_id
+            # An error reply made by the SuperLink (node gone) names the node only by the message it answers.
+            node = self._sent.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
             answered.add(node)
             if reply.has_error():
                 log(WARNING, "round %d: node %d failed: %s", server_round, node, reply.error.reason)
@@ -142,9 +144,16 @@ class RecordingStrategy(Strategy):
                 reports[pid]["rejected"] = problem
             else:
                 trained.append(reply)
-        for node in sorted(set(self._sent) - answered):
+        for node in sorted(set(self._sent.values()) - answered):
             log(WARNING, "round %d: node %d did not reply in time", server_round, node)
             missed.append(dict(client=self.node_partition.get(node), node_id=node, reason="no reply before the timeout"))
+        unknown = any(m["client"] is None for m in missed)
+        if self.fraction_train >= 1 and not unknown:  # every connected client was asked: the rest were not there
+            seen = set(reports) | {m["client"] for m in missed}
+            known = {pid: node for node, pid in self.node_partition.items()}
+            for pid in range(self.num_clients):
+                if pid not in seen:
+                    missed.append(dict(client=pid, node_id=known.get(pid), reason="not connected"))
         self.round_clients[server_round] = reports
         self.missed[server_round] = missed
         result = self.inner.aggregate_train(server_round, trained) if trained else (None, None)

@@ -1,0 +1,325 @@
+"""A real Flower deployment on this machine: one `flower-superlink` and N `flower-supernode`
+processes on loopback, with TLS and SuperNode authentication, the run submitted with
+`flwr run`. `scripts/deploy-local.sh` is this module's command line; the fault tests drive
+the same `LocalDeployment` (kill a SuperNode, restart the SuperLink, bring an unknown key).
+
+Each process gets its own process group, so stopping one stops what it spawned (SuperExec,
+the ServerApp / ClientApp processes); every process started is stopped on the way out, also
+on failure, Ctrl-C or SIGTERM. Everything Flower writes (its home, the SuperLink's database,
+the installed app, logs, credentials, each client's privacy state) goes under one work folder.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from fedsd.data import DATASETS
+from fedsd.results import check_out_dir, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+FEDERATION = "fedsd"  # the SuperLink connection's name in the deployment's Flower config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config_arg(values: dict) -> str:
+    """A dict as `flwr run --run-config` reads it (TOML values)."""
+    def toml(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return "'" + v.replace("'", "") + "'"
+        return repr(v)
+    return " ".join(f"{k}={toml(v)}" for k, v in values.items())
+
+
+class DeploymentError(RuntimeError):
+    pass
+
+
+class LocalDeployment:
+    """Start, inspect and stop a TLS + node-authenticated federation on 127.0.0.1."""
+
+    def __init__(self, work: Path, num_clients: int, env: dict | None = None):
+        self.work = Path(work)
+        self.num_clients = num_clients
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.credentials = self.work / "credentials"
+        self.ca = self.credentials / "certificates" / "ca.crt"
+        self.logs = self.work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.flwr_home = self.work / "flwr-home"
+        self.flwr_home.mkdir(exist_ok=True)
+        venv_bin = str(Path(sys.executable).parent)
+        self.env = {**os.environ, **(env or {}), "FLWR_HOME": str(self.flwr_home),
+                    "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
+                    # The venv holds the app's dependencies: no per-run `uv sync` (needs an index).
+                    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+        self.superlink: subprocess.Popen | None = None
+        self.supernodes: dict[int, subprocess.Popen] = {}
+        self._all: list[subprocess.Popen] = []
+
+    # -- processes ---------------------------------------------------------------------------
+    def _start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "ab")
+        proc = subprocess.Popen(cmd, env=self.env, cwd=self.work, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own group: stop it with its children
+        log.close()
+        self._all.append(proc)
+        return proc
+
+    @staticmethod
+    def stop(proc: subprocess.Popen | None, grace: float = 5.0) -> None:
+        if proc is None or proc.poll() is not None and not _group_alive(proc.pid):
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(proc.pid):
+                time.sleep(0.1)
+            if not _group_alive(proc.pid):
+                break
+        try:
+            proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop_all(self) -> None:
+        for proc in reversed(self._all):
+            self.stop(proc, grace=2.0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_all()
+
+    # -- set-up --------------------------------------------------------------------------------
+    def make_credentials(self, extra_keys: int = 0) -> None:
+        """CA, SuperLink certificate, and one key pair per client (+ extra_keys never registered)."""
+        subprocess.run([sys.executable, str(ROOT / "deploy" / "make_credentials.py"), "--out", str(self.credentials),
+                        "--nodes", str(self.num_clients + extra_keys)], check=True, capture_output=True)
+        (self.flwr_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{FEDERATION}"\n\n[superlink.{FEDERATION}]\n'
+            f'address = "{self.address}"\nroot-certificates = "{self.ca}"\n')
+
+    def start_superlink(self, timeout: float = 60) -> None:
+        certs = self.credentials / "certificates"
+        self.superlink = self._start("superlink", [
+            "flower-superlink", "--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile", str(certs / "server.pem"),
+            "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth", "--host", "127.0.0.1",
+            "--port", str(self.port), "--database", str(self.work / "superlink.db"),
+            "--disable-runtime-dependency-installation"])
+        deadline = time.monotonic() + timeout
+        while not self._tls_ready():
+            if self.superlink.poll() is not None:
+                raise DeploymentError(f"flower-superlink exited with code {self.superlink.returncode}; "
+                                      f"see {self.logs / 'superlink.log'}")
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"flower-superlink did not listen on {self.address} within {timeout:.0f} s")
+            time.sleep(0.3)
+
+    def _tls_ready(self) -> bool:
+        context = ssl.create_default_context(cafile=str(self.ca))
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=2) as raw:
+                with context.wrap_socket(raw, server_hostname="127.0.0.1"):
+                    return True
+        except OSError:
+            return False
+
+    def flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(["flwr", *args], env=self.env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout)
+
+    def register(self, key_index: int) -> int:
+        """Put node key `key_index` on the SuperLink's list; returns the node id Flower gave it."""
+        pub = self.credentials / "keys" / f"node-{key_index}.pub"
+        proc = self.flwr("supernode", "register", str(pub), FEDERATION, "--format", "json")
+        if proc.returncode != 0:
+            raise DeploymentError(f"flwr supernode register {pub.name} failed:\n{proc.stdout}{proc.stderr}")
+        return int(json.loads(proc.stdout)["node-id"])
+
+    def start_supernode(self, partition_id: int, key_index: int | None = None, max_retries: int | None = None,
+                        name: str | None = None) -> subprocess.Popen:
+        key = self.credentials / "keys" / f"node-{partition_id if key_index is None else key_index}"
+        node_config = f"partition-id={partition_id} num-partitions={self.num_clients} " \
+                      f"state-dir='{self.work / 'client-state' / str(partition_id)}'"
+        cmd = ["flower-supernode", "--root-certificates", str(self.ca), "--superlink", self.address,
+               "--auth-supernode-private-key", str(key), "--node-config", node_config, "--port", str(free_port())]
+        if max_retries is not None:
+            cmd += ["--max-retries", str(max_retries)]
+        proc = self._start(name or f"supernode-{partition_id}", cmd)
+        if key_index is None:
+            self.supernodes[partition_id] = proc
+        return proc
+
+    def online_nodes(self) -> int:
+        proc = self.flwr("supernode", "list", FEDERATION, "--format", "json")
+        if proc.returncode != 0:
+            return 0
+        return sum(n.get("status") == "online" for n in json.loads(proc.stdout).get("nodes", []))
+
+    def wait_online(self, count: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while self.online_nodes() < count:
+            dead = [k for k, p in self.supernodes.items() if p.poll() is not None]
+            if dead:
+                raise DeploymentError(f"SuperNode(s) {dead} exited; see {self.logs}")
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"fewer than {count} SuperNodes online after {timeout:.0f} s; see {self.logs}")
+            time.sleep(1)
+
+    def start(self) -> None:
+        """Credentials, SuperLink, every client registered and online."""
+        self.make_credentials()
+        self.start_superlink()
+        for k in range(self.num_clients):
+            self.register(k)
+        for k in range(self.num_clients):
+            self.start_supernode(k)
+        self.wait_online(self.num_clients)
+
+    def submit(self, run_config: dict, timeout: float = 3600) -> subprocess.Popen:
+        """`flwr run . <federation> --stream` in the background (its output in logs/flwr-run.log)."""
+        return self._start("flwr-run", ["flwr", "run", str(ROOT), FEDERATION, "--stream",
+                                        "--run-config", run_config_arg(run_config)])
+
+    def run(self, run_config: dict, timeout: float = 3600) -> None:
+        proc = self.submit(run_config)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise DeploymentError(f"the run did not end within {timeout:.0f} s; see {self.logs}") from None
+        if proc.returncode != 0:
+            raise DeploymentError(f"flwr run exited with code {proc.returncode}; see {self.logs / 'flwr-run.log'}")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, work: Path | None = None,
+                 timeout: float = 3600) -> dict:
+    """Start the deployment, run it, write out/result.json (the schema of `fedsd simulate`,
+    plus tls / node_auth and the deployment's facts), stop everything."""
+    out = out.absolute()
+    work = Path(work or tempfile.mkdtemp(prefix="fedsd-deploy-"))
+    started = time.perf_counter()
+    with LocalDeployment(work, num_clients) as deployment:
+        deployment.start()
+        ready = time.perf_counter() - started
+        deployment.run({**run_config, "num-server-rounds": rounds, "num-clients": num_clients, "out-dir": str(out)},
+                       timeout=timeout)
+    result_path = out / "result.json"
+    if not result_path.is_file():
+        raise DeploymentError(f"the run ended without {result_path}; see {deployment.logs}")
+    result = json.loads(result_path.read_text())
+    result.update(tls=True, node_auth=True, deployment=dict(
+        superlink=deployment.address, supernodes=num_clients, processes="separate, loopback",
+        startup_seconds=ready, total_seconds=time.perf_counter() - started, work_dir=str(work)))
+    write_json(result_path, result)
+    return result
+
+
+def add_deploy_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clients", type=int, required=True)
+    p.add_argument("--rounds", type=int, required=True)
+    p.add_argument("--dataset", choices=DATASETS, default="fmnist")
+    p.add_argument("--subset", type=int, default=None, help="train on a seeded, stratified subset")
+    p.add_argument("--method", default=None)
+    p.add_argument("--epsilon", type=float, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--run-config", default="", help="more run-config settings, as k=v pairs")
+    p.add_argument("--work", default=None, help="folder for Flower's state, logs and credentials "
+                                                "(default: a new temporary folder)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds the whole run may take")
+    p.add_argument("--out", required=True, help="result folder (new or empty)")
+
+
+def run_config_from_args(args: argparse.Namespace) -> dict:
+    """The run config the options ask for; ConfigError (naming the option) when one is bad."""
+    from fedsd.config import ConfigError
+    from fedsd.federation import from_flat
+
+    values = {"dataset": args.dataset}
+    for key, value in (("subset", args.subset), ("method", args.method), ("epsilon", args.epsilon),
+                       ("batch-size", args.batch_size)):
+        if value is not None:
+            values[key] = value
+    for pair in args.run_config.split():
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ConfigError(f"--run-config: k=v pairs, got {pair!r}")
+        values[key] = value.strip("'\"")
+    cfg, fed = from_flat({**values, "num-clients": args.clients, "num-server-rounds": args.rounds})
+    fed.validate()  # --clients, --rounds, partition, strategy, ...
+    cfg.resolved()  # --method
+    return values
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="deploy-local.sh", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_deploy_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        run_config = run_config_from_args(args)
+        check_out_dir(args.out)
+        # A simulation's checks, before any process starts: data found, every shard, every budget.
+        from clients.app import build_federation
+        from fedsd.federation import from_flat
+
+        federation = build_federation(*from_flat({**run_config, "num-clients": args.clients,
+                                                  "num-server-rounds": args.rounds}))
+        for k in range(args.clients):
+            federation.client_plan(k)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"deploy-local: error: {e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        result = deploy_local(args.clients, args.rounds, Path(args.out), run_config,
+                              work=Path(args.work) if args.work else None, timeout=args.timeout)
+    except KeyboardInterrupt:
+        print("deploy-local: interrupted; every process it started is stopped", file=sys.stderr)
+        return 130
+    except DeploymentError as e:
+        print(f"deploy-local: error: {e}", file=sys.stderr)
+        return 1
+    rounds = result["rounds"]
+    print(json.dumps({"test_accuracy": result["test_accuracy"], "rounds": len(rounds), "tls": True,
+                      "node_auth": True, "seconds_per_round": [round(r["seconds"], 2) for r in rounds],
+                      "out": str(Path(args.out).absolute())}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Deployment with real processes on loopback: `flower-superlink` and `flower-supernode` with TLS
+and SuperNode authentication, runs submitted with `flwr run`, and the faults a deployment
+must survive: a SuperNode killed mid-round, the server side stopped and resumed, a SuperNode
+with an unknown key."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from simulations.deploy import LocalDeployment
+from tests.conftest import require
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+# Small and quick: 2 clients of 1000 MNIST images, 10 DP steps a round.
+RUN = {"dataset": "mnist", "subset": 2000, "batch-size": 100, "num-clients": 2, "threads": 1}
+
+
+def processes_mentioning(marker: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def clientapp_starts(deployment: LocalDeployment, partition_id: int) -> int:
+    log = deployment.logs / f"supernode-{partition_id}.log"
+    return log.read_text().count("Start `flwr-clientapp` process") if log.exists() else 0
+
+
+def checkpoint_round(out: Path) -> int:
+    path = out / "checkpoint.pt"
+    return torch.load(path, weights_only=False)["round"] if path.exists() else 0
+
+
+def test_deploy_local_script_runs_with_tls_and_node_auth(tmp_path):
+    require("mnist")
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.run([str(ROOT / "scripts" / "deploy-local.sh"), "--clients", "2", "--rounds", "2",
+                           "--dataset", "mnist", "--subset", "2000", "--batch-size", "100", "--out", str(out),
+                           "--work", str(work)],
+                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["tls"] is True and result["node_auth"] is True
+    assert [r["round"] for r in result["rounds"]] == [1, 2] and result["num_clients"] == 2
+    assert all(r["trained"] == [0, 1] and r["missed"] == [] for r in result["rounds"])
+    epsilons = result["rounds"][-1]["client_epsilon"]
+    assert set(epsilons) == {"0", "1"} and all(2.5 < e <= 3.0 for e in epsilons.values())  # planned budget, spent
+    assert result["test_accuracy"] > 0.2  # two rounds of 10 noisy steps; chance is 0.1
+    # Every client's privacy state is on its own disk (the SuperNode's state-dir).
+    assert sorted(p.name for p in (work / "client-state").rglob("client-*.pt")) == ["client-0.pt", "client-1.pt"]
+    # The SuperLink served HTTPS only, and nothing the script started is left running.
+    assert "Uvicorn running on https://" in (work / "logs" / "superlink.log").read_text()
+    assert processes_mentioning(str(work)) == []
+
+
+def test_bad_input_is_refused_before_any_process_starts(tmp_path):
+    for args, needle in ((["--clients", "0", "--rounds", "2"], "--clients"),
+                         (["--clients", "2", "--rounds", "0"], "--rounds"),
+                         (["--clients", "2", "--rounds", "1", "--run-config", "partition=zipf"], "--partition")):
+        proc = subprocess.run([str(ROOT / "scripts" / "deploy-local.sh"), *args, "--out", str(tmp_path / "o"),
+                               "--work", str(tmp_path / "w")],
+                              env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+        assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()
+
+
+def test_unknown_supernode_key_is_refused(tmp_path):
+    with LocalDeployment(tmp_path / "work", num_clients=1) as deployment:
+        deployment.make_credentials(extra_keys=1)
+        deployment.start_superlink()
+        deployment.register(0)
+        deployment.start_supernode(0)
+        stranger = deployment.start_supernode(0, key_index=1, max_retries=0, name="stranger")  # key never registered
+        assert stranger.wait(timeout=120) != 0
+        deployment.wait_online(1)
+        time.sleep(2)
+        assert deployment.online_nodes() == 1  # only the registered one
+        assert "No SuperNode found with the given public key" in (deployment.logs / "superlink.log").read_text()
+
+
+def test_supernode_killed_mid_round_the_federation_goes_on(tmp_path):
+    require("mnist")
+    out = tmp_path / "out"
+    with LocalDeployment(tmp_path / "work", num_clients=2) as deployment:
+        deployment.start()
+        run = deployment.submit({**RUN, "num-server-rounds": 3, "out-dir": str(out)})
+        # Round 2 has reached client 1 (its ClientApp process is starting): kill its SuperNode.
+        wait_for(lambda: clientapp_starts(deployment, 1) >= 2, 600, "round 2 at client 1")
+        os.killpg(deployment.supernodes[1].pid, signal.SIGKILL)
+        assert run.wait(timeout=900) == 0
+    result = json.loads((out / "result.json").read_text())
+    trained = [r["trained"] for r in result["rounds"]]
+    assert trained == [[0, 1], [0], [0]], trained
+    missed = {rnd: [m["client"] for m in entries] for rnd, entries in result["missed"].items()}
+    assert missed == {"2": [1], "3": [1]}, result["missed"]
+    assert "heartbeat" in result["missed"]["2"][0]["reason"] or "timeout" in result["missed"]["2"][0]["reason"]
+    assert result["rounds"][-1]["test_accuracy"] > result["rounds"][0]["test_accuracy"]
+
+
+def test_server_stopped_and_resumed_goes_on_with_every_clients_privacy_state(tmp_path):
+    """The SuperLink (and its ServerApp) killed after round 1 of 3, restarted on the same
+    database; `flwr run` with resume-dir continues at round 2. Each client's ε goes on from
+    its own disk: at the end it is the full plan's (about the target), where a reset ledger
+    would show the ε of two rounds only."""
+    require("mnist")
+    out = tmp_path / "out"
+    with LocalDeployment(tmp_path / "work", num_clients=2) as deployment:
+        deployment.start()
+        deployment.submit({**RUN, "num-server-rounds": 3, "out-dir": str(out)})
+        wait_for(lambda: checkpoint_round(out) >= 1, 600, "round 1's checkpoint")
+        deployment.stop(deployment.superlink, grace=0)  # SIGKILL-like: the ServerApp dies with it
+        before = torch.load(out / "checkpoint.pt", weights_only=False)
+        assert not (out / "result.json").exists()
+        deployment.start_superlink()
+        deployment.wait_online(2, timeout=180)  # the SuperNodes reconnect on their own
+        deployment.run({"resume-dir": str(out)}, timeout=900)
+    result = json.loads((out / "result.json").read_text())
+    done = before["round"]
+    assert result["resumed_after_round"] == done
+    assert [r["round"] for r in result["rounds"]] == [1, 2, 3]
+    assert result["rounds"][:done] == before["rounds"]  # nothing of a completed round is lost
+    assert result["experiment_id"] == before["experiment_id"]
+    for pid, eps in result["rounds"][-1]["client_epsilon"].items():
+        assert eps > before["rounds"][-1]["client_epsilon"][pid]
+        assert 2.9 < eps <= 3.0, (pid, eps)  # the whole plan was spent: no reset
