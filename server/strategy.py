@@ -91,7 +91,7 @@ class RecordingStrategy(Strategy):
         self.missed: dict[int, list] = {}  # round → [{client, node_id, reason}]
         self.node_partition: dict[int, int] = {}  # Flower node id → partition id, as replies tell
         self._round_started = 0.0
-        self._sent: dict[str, int] = {}  # message id → node id, this round's
+        self._sent: list[Message] = []  # this round's, as sent
 
     def recorded(self) -> dict:
         return {name: getattr(self, name) for name in self.RECORDED}
@@ -112,15 +112,16 @@ class RecordingStrategy(Strategy):
         else:
             base.min_available_nodes, base.min_train_nodes = self.min_nodes, min(self.sampled, self.min_nodes)
         messages = list(self.inner.configure_train(server_round + self.round_offset, arrays, config, grid))
-        self._sent = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
+        self._sent = messages  # the Grid sets each one's message id in place when it pushes it
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         server_round += self.round_offset
         trained, reports, missed, answered = [], {}, [], set()
+        sent = {m.metadata.message_id: m.metadata.dst_node_id for m in self._sent}
         for reply in replies:
             # An error reply made by the SuperLink (node gone) names the node only by the message it answers.
-            node = self._sent.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+            node = sent.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
             answered.add(node)
             if reply.has_error():
                 log(WARNING, "round %d: node %d failed: %s", server_round, node, reply.error.reason)
@@ -144,7 +145,7 @@ class RecordingStrategy(Strategy):
                 reports[pid]["rejected"] = problem
             else:
                 trained.append(reply)
-        for node in sorted(set(self._sent.values()) - answered):
+        for node in sorted(set(sent.values()) - answered):
             log(WARNING, "round %d: node %d did not reply in time", server_round, node)
             missed.append(dict(client=self.node_partition.get(node), node_id=node, reason="no reply before the timeout"))
         unknown = any(m["client"] is None for m in missed)

@@ -4,7 +4,9 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -129,3 +131,34 @@ def test_other_strategies_learn(strategy):
     accuracies = [r["test_accuracy"] for r in result["rounds"]]
     # 3 short rounds of 10 noisy steps: learning shows as a rise every round, well above chance (0.1).
     assert all(a < b for a, b in zip(accuracies, accuracies[1:])) and accuracies[-1] > 0.22, accuracies
+
+
+def test_simulate_killed_after_a_round_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """`fedsd simulate` SIGKILLed once round 1 is checkpointed; `--resume DIR` goes on from
+    there. Rounds already done are kept as they were, and every client's accountant goes on
+    from its on-disk state: at the end each has spent its whole plan (about ε = 3), where a
+    fresh accountant would show the ε of the remaining rounds only."""
+    require("mnist")
+    monkeypatch.setenv("FEDSD_CLIENT_STATE_DIR", str(tmp_path / "client-state"))
+    out = tmp_path / "run"
+    proc = subprocess.Popen([str(Path(os.sys.executable).parent / "fedsd"), "simulate", "--dataset", "mnist",
+                             "--subset", "2000", "--batch-size", "100", "--clients", "2", "--rounds", "3",
+                             "--threads", "1", "--quiet", "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "checkpoint.pt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    before = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert not (out / "result.json").exists()
+    assert main(["simulate", "--resume", str(out), "--quiet"]) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["resumed_after_round"] == before["round"] and [r["round"] for r in result["rounds"]] == [1, 2, 3]
+    assert result["rounds"][:before["round"]] == before["rounds"]
+    for pid, eps in result["rounds"][-1]["client_epsilon"].items():
+        assert 2.9 < eps <= 3.0, (pid, eps)
+    assert main(["simulate", "--resume", str(tmp_path / "nowhere"), "--quiet"]) == 2

@@ -40,3 +40,40 @@ def test_bad_reply_is_rejected_and_the_round_goes_on(break_it, needle):
     assert needle in strategy.round_clients[1][1]["rejected"]
     # Only clients 0 and 2 are averaged, weighted 100 : 300.
     assert np.allclose(arrays["student/0.weight"].numpy(), 2.5)
+
+
+def test_checkpoint_restores_strategy_state_recorder_and_settings(tmp_path):
+    """What --resume needs from checkpoint.pt: FedAdam's moments (inside Flower's DP wrapper),
+    the node-sampling RNG, the per-client records, and the run's settings."""
+    import random
+
+    from fedsd.config import ConfigError, TrainConfig
+    from server import checkpoint
+
+    fed = FedOptions(num_clients=2, strategy="fedadam", server_dp_noise=0.5, rounds=4)
+    cfg = TrainConfig(dataset="mnist", method="dpdsd", epsilon=2.0, subset=500).resolved()
+    first = RecordingStrategy(base_strategy(fed), fed, SHAPES)
+    first.inner.strategy.m_t = {"student/0.weight": np.full((2, 2), 0.5)}
+    first.inner.strategy.v_t = {"student/0.weight": np.full((2, 2), 0.25)}
+    first.client_epsilon = {0: 1.25, 1: 1.5}
+    first.missed = {2: [{"client": 1, "node_id": 7, "reason": "not connected"}]}
+    random.seed(11)
+    checkpoint.save(tmp_path, round=2, model={"student": {}}, settings=checkpoint.settings(cfg, fed),
+                    experiment_id="abc", rounds=[{"round": 1}, {"round": 2}], recorder=first.recorded(),
+                    strategy=first.inner)
+    next_draw = random.random()
+
+    random.seed(0)
+    again = RecordingStrategy(base_strategy(fed), fed, SHAPES, round_offset=2)
+    saved = checkpoint.load(tmp_path)
+    again.restore(saved["recorder"])
+    checkpoint.restore_strategy_state(again.inner, saved["strategy"])
+    assert np.array_equal(again.inner.strategy.m_t["student/0.weight"], np.full((2, 2), 0.5))
+    assert np.array_equal(again.inner.strategy.v_t["student/0.weight"], np.full((2, 2), 0.25))
+    assert again.client_epsilon == {0: 1.25, 1: 1.5} and again.missed[2][0]["client"] == 1
+    assert random.random() == next_draw
+    cfg2, fed2 = checkpoint.resumed_settings(tmp_path)
+    assert (cfg2.method, cfg2.epsilon, cfg2.subset, fed2.strategy, fed2.rounds) == ("dpdsd", 2.0, 500, "fedadam", 4)
+    assert fed2.resume_dir == fed2.out_dir == str(tmp_path.absolute())
+    with pytest.raises(ConfigError, match="--resume"):
+        checkpoint.load(tmp_path / "nothing-here")
