@@ -57,7 +57,7 @@ def build_federation(cfg: TrainConfig, fed: FedOptions) -> Federation:
     fed.validate()
     cfg = client_config(cfg, fed)
     images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)
-    indices = data_lib.training_indices(images, cfg.subset, cfg.seed)
+    indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation)
     if fed.num_clients > len(indices):
         raise ConfigError(f"--clients: {fed.num_clients} clients but only {len(indices)} training samples")
     parts = shards(images.y_train[indices], fed, cfg.seed)

@@ -36,7 +36,7 @@ def prepare_run(cfg: TrainConfig) -> PreparedRun:
     """Everything that can fail on bad input, before any work: settings, data, model, device."""
     cfg = cfg.resolved()
     images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)
-    indices = data_lib.training_indices(images, cfg.subset, cfg.seed)
+    indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation)
     validate(cfg, len(indices))
     check_private_trainable(build_model(cfg.model, images.num_classes))
     return PreparedRun(cfg, images, indices, resolve_device(cfg.device))
@@ -60,6 +60,9 @@ def train(cfg: TrainConfig, out: str | Path | None = None, overwrite: bool = Fal
     tensors = data_lib.prepare(run.data, run.train_indices, run.device)
     trainer = DPTrainer(cfg, tensors, plan)
     model, state = initial_model(cfg, tensors.num_classes), None
+    held_out = data_lib.validation_indices(run.data, cfg.validation)
+    val_x = run.data.normalised(run.data.x_train[held_out]).to(run.device)
+    val_y = run.data.y_train[held_out].to(run.device)
     epochs = []
     bar = tqdm(range(1, cfg.epochs + 1), desc=f"{cfg.dataset} {cfg.method} ε={cfg.epsilon}",
                unit="epoch", disable=not progress)
@@ -69,11 +72,14 @@ def train(cfg: TrainConfig, out: str | Path | None = None, overwrite: bool = Fal
         accuracy, loss = evaluate(trainer.model, tensors.x_test, tensors.y_test)
         epochs.append(dict(epoch=epoch, test_accuracy=accuracy, test_loss=loss, epsilon=metrics["epsilon"],
                            train_loss=metrics["train_loss"], seconds=metrics["seconds"]))
+        if cfg.validation:
+            epochs[-1]["validation_accuracy"] = evaluate(trainer.model, val_x, val_y)[0]
         bar.set_postfix(acc=f"{accuracy:.4f}", eps=f"{metrics['epsilon']:.3f}")
     result = dict(
         dataset=cfg.dataset, method=cfg.method, epsilon_target=cfg.epsilon,
         epsilon_spent=epochs[-1]["epsilon"], delta=cfg.delta, noise_multiplier=plan.noise_multiplier,
         sample_rate=plan.sample_rate, steps=state.steps, num_train=n, test_accuracy=epochs[-1]["test_accuracy"],
+        validation_accuracy=epochs[-1].get("validation_accuracy"),
         seed=cfg.seed, wall_seconds=time.perf_counter() - started, device=str(run.device),
         data_source=run.data.source, config=cfg.to_dict(), privacy=plan.to_dict(), epochs=epochs)
     weights = {k: v.cpu() for k, v in released(model).items()}

@@ -55,6 +55,7 @@ class TrainConfig:
     kd_teacher_epochs: int | None = None  # DPKD: epochs of stage 1 (the teacher); the rest train the student
     accountant: str = "rdp"
     subset: int | None = None
+    validation: int = 0  # training samples held out (fixed, stratified) for choosing open settings
     seed: int = 0
     device: str = "cpu"
     model: str | None = None
@@ -139,3 +140,4 @@ def validate(c: TrainConfig, num_train: int) -> None:
                f"must be in [1, epochs) = [1, {c.epochs}) so both stages train", c.kd_teacher_epochs)
     if c.subset is not None:
         _check(c.subset >= 1, "--subset", "must be >= 1", c.subset)
+    _check(c.validation >= 0, "--validation", "must be >= 0", c.validation)

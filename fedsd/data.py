@@ -195,9 +195,33 @@ def stratified_subset(labels: torch.Tensor, size: int, seed: int) -> torch.Tenso
     return torch.sort(torch.cat(chosen)).values
 
 
-def training_indices(data: ImageData, subset: int | None, seed: int) -> torch.Tensor:
-    """The training samples a run uses: a seeded stratified --subset, or all of them."""
-    return stratified_subset(data.y_train, subset, seed) if subset is not None else torch.arange(len(data.y_train))
+# One held-out set per data set and size, whatever the run's seed: every run of a sweep is
+# judged on the same samples, and none of them is ever trained on.
+VALIDATION_SEED = 7919
+
+
+def validation_indices(data: ImageData, size: int) -> torch.Tensor:
+    """The --validation split: `size` training samples, fixed and class-stratified."""
+    if size == 0:
+        return torch.zeros(0, dtype=torch.long)
+    if not 1 <= size < len(data.y_train):
+        raise ValueError(f"--validation: must be in [0, {len(data.y_train)}) for this training set, got {size}")
+    return stratified_subset(data.y_train, size, VALIDATION_SEED)
+
+
+def training_indices(data: ImageData, subset: int | None, seed: int, validation: int = 0) -> torch.Tensor:
+    """The training samples a run uses: the training set less the --validation split, then a
+    seeded stratified --subset of that, or all of it."""
+    pool = torch.arange(len(data.y_train))
+    if validation:
+        keep = torch.ones(len(pool), dtype=torch.bool)
+        keep[validation_indices(data, validation)] = False
+        pool = pool[keep]
+    if subset is None:
+        return pool
+    if subset > len(pool):
+        raise ValueError(f"--subset: must be between 1 and the {len(pool)} training samples left, got {subset}")
+    return pool[stratified_subset(data.y_train[pool], subset, seed)]
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The `fedsd` command: train (central), simulate (federated, Ray), bench."""
+"""The `fedsd` command: train (central), simulate (federated, Ray), bench, reproduce, sweep."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ TRAIN_OPTIONS = {
     "epsilon": float, "delta": float, "epochs": int, "batch_size": int, "lr": float, "clip": float,
     "momentum": float, "tau_s": float, "tau_t": float, "tau": float, "alpha": float, "beta": float,
     "ema_decay": float, "distill_warmup_epochs": int, "kd_teacher_epochs": int, "subset": int,
-    "seed": int, "threads": int,
+    "seed": int, "threads": int, "validation": int,
 }
 
 
@@ -84,9 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         p_sim.set_defaults(func=cmd_simulate)
     from simulations.bench import add_bench_parser
     from simulations.reproduce import add_reproduce_parser
+    from simulations.sweep import add_sweep_parser
 
     add_bench_parser(sub)
     add_reproduce_parser(sub)
+    add_sweep_parser(sub)
     return parser
 
 

@@ -79,6 +79,26 @@ def _run_one(config: dict, out: str) -> dict:
     return result
 
 
+def run_jobs(todo: list[tuple[dict, str]], total: int, jobs: int, desc: str, quiet: bool = False) -> None:
+    """Run (config, out) pairs as `fedsd train` runs, `jobs` processes at once, with one progress
+    bar over `total` runs (those already done count as done)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, initial=total - len(todo), desc=desc, unit="run", disable=quiet)
+    if todo:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+            futures = {pool.submit(_run_one, config, run_out): run_out for config, run_out in todo}
+            for future in as_completed(futures):
+                result = future.result()
+                bar.set_postfix_str(f"{Path(futures[future]).name}: {100 * result['test_accuracy']:.2f}%")
+                bar.update(1)
+    bar.close()
+
+
+def threads_per_job(device: str, jobs: int) -> int:
+    return max(1, (os.cpu_count() or 1) // jobs) if device == "cpu" else 0
+
+
 def add_reproduce_parser(sub) -> None:
     p = sub.add_parser("reproduce", help="the papers' Table 1 / Table 2, resumable, several runs at once")
     p.add_argument("--table", type=int, choices=[1, 2], default=1)
@@ -97,14 +117,12 @@ def add_reproduce_parser(sub) -> None:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
     if args.seeds < 1 or args.jobs < 1:
         raise ValueError("--seeds and --jobs must be >= 1")
     cells = table2_cells() if args.table == 2 else table1_cells(args.datasets, args.methods, args.epsilons)
     out = Path(args.out)
     runs_dir = out / "runs" / f"table{args.table}"
-    threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.device == "cpu" else 0
+    threads = threads_per_job(args.device, args.jobs)
     todo = []
     for cell in cells:
         for seed in range(args.seeds):
@@ -115,16 +133,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                           device=args.device, threads=threads, epochs=args.epochs, subset=args.subset,
                           data_dir=args.data_dir, **cell.overrides)
             todo.append((config, str(run_out)))
-    total = len(cells) * args.seeds
-    bar = tqdm(total=total, initial=total - len(todo), desc=f"table {args.table}", unit="run", disable=args.quiet)
-    if todo:
-        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
-            futures = {pool.submit(_run_one, config, run_out): run_out for config, run_out in todo}
-            for future in as_completed(futures):
-                result = future.result()
-                bar.set_postfix_str(f"{Path(futures[future]).name}: {100 * result['test_accuracy']:.2f}%")
-                bar.update(1)
-    bar.close()
+    run_jobs(todo, len(cells) * args.seeds, args.jobs, f"table {args.table}", args.quiet)
     write_tables(args.table, cells, args.seeds, runs_dir, out)
     print(f"wrote {out / f'table{args.table}.json'} and {out / f'table{args.table}.md'}")
     return 0

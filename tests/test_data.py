@@ -66,3 +66,21 @@ def test_stratified_subset_is_seeded_and_balanced():
     assert counts == [120, 100, 140, 120, 120, 120, 120, 120, 120, 120]
     with pytest.raises(ValueError, match="--subset"):
         data_lib.stratified_subset(labels, 0, seed=1)
+
+
+def test_validation_split_is_fixed_stratified_and_never_trained_on():
+    require("mnist")
+    images = data_lib.load("mnist")
+    val = data_lib.validation_indices(images, 5000)
+    assert len(val) == 5000 and torch.equal(val, data_lib.validation_indices(images, 5000))
+    share = torch.bincount(images.y_train[val], minlength=10).double() / 5000
+    assert torch.allclose(share, torch.bincount(images.y_train).double() / len(images.y_train), atol=1e-3)
+    for seed in (0, 1):
+        train = data_lib.training_indices(images, None, seed, validation=5000)
+        assert len(train) == 55000 and not set(val.tolist()) & set(train.tolist())
+        subset = data_lib.training_indices(images, 2000, seed, validation=5000)
+        assert len(subset) == 2000 and not set(val.tolist()) & set(subset.tolist())
+    # No validation: exactly the indices runs used before there was one.
+    assert torch.equal(data_lib.training_indices(images, 2000, 3), data_lib.stratified_subset(images.y_train, 2000, 3))
+    with pytest.raises(ValueError, match="--validation"):
+        data_lib.validation_indices(images, 60000)

@@ -30,3 +30,23 @@ def test_reproduce_runs_resumes_and_writes_tables(tmp_path):
     stamp = (tmp_path / "runs" / "table1" / "mnist-dpsgd-eps3-seed0" / "result.json").stat().st_mtime_ns
     assert main(args) == 0  # resumes: nothing is run again
     assert (tmp_path / "runs" / "table1" / "mnist-dpsgd-eps3-seed0" / "result.json").stat().st_mtime_ns == stamp
+
+
+def test_sweep_chooses_on_validation_only(tmp_path, capsys):
+    require("mnist")
+    out = tmp_path / "sweep"
+    args = ["sweep", "--dataset", "mnist", "--method", "dpema", "--grid", "ema-decay=0.5,0.9", "--validation", "2000",
+            "--subset", "1200", "--epochs", "1", "--out", str(out), "--quiet"]
+    assert main(args) == 0
+    summary = json.loads((out / "sweep.json").read_text())
+    runs = summary["runs"]
+    assert [r["settings"] for r in runs] == [{"ema_decay": 0.5}, {"ema_decay": 0.9}]
+    best = max(runs, key=lambda r: r["validation_mean"])
+    assert summary["choice"] == {"settings": best["settings"], "validation_accuracy": best["validation_mean"]}
+    for r in runs:
+        result = json.loads(next((out / "runs").glob(f"emadecay{r['settings']['ema_decay']:g}-seed0/result.json")).read_text())
+        assert result["config"]["validation"] == 2000 and result["num_train"] == 1200
+        assert 10 < r["validation_accuracy"][0] <= 100
+    assert "chosen" in (out / "sweep.md").read_text()
+    assert main(["sweep", "--dataset", "mnist", "--method", "dpema", "--grid", "color=1,2", "--out", str(tmp_path / "x")]) == 2
+    assert "cannot be swept" in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -1,0 +1,130 @@
+"""`fedsd sweep`: choose settings the papers leave open (EMA decay; DPKD's τ, α, stage split;
+the run length) on a validation split carved from the training set, never the test set.
+
+    fedsd sweep --dataset fmnist --method dpema --grid ema-decay=0.99,0.995,0.999 \\
+        --validation 10000 --out results/sweeps/fmnist-dpema
+
+Every combination of the --grid values is a `fedsd train` run with --validation held out
+(the same samples for every run; none trained on). The choice is the combination with the
+best final validation accuracy (mean over seeds). Writes DIR/sweep.json and DIR/sweep.md; the
+test accuracy is recorded beside it for the reader but plays no part in the choice. Resumes:
+a finished run (DIR/runs/<run>/result.json) is not run again.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from dataclasses import fields
+from pathlib import Path
+
+from fedsd.config import METHODS, ConfigError, TrainConfig
+from fedsd.data import DATASETS
+
+from .reproduce import run_jobs, threads_per_job
+
+SWEEPABLE = {f.name: f for f in fields(TrainConfig)
+             if f.name in ("ema_decay", "tau", "tau_s", "tau_t", "alpha", "beta", "kd_teacher_epochs", "epochs",
+                           "lr", "clip", "momentum", "batch_size", "distill_warmup_epochs")}
+
+
+def parse_grid(items: list[str]) -> dict[str, list]:
+    """["ema-decay=0.99,0.999", ...] → {"ema_decay": [0.99, 0.999], ...}; ConfigError when bad."""
+    grid = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        name = key.strip().replace("-", "_")
+        if not sep or not values:
+            raise ConfigError(f"--grid: KEY=V1,V2,... got {item!r}")
+        if name not in SWEEPABLE:
+            allowed = ", ".join(sorted(k.replace("_", "-") for k in SWEEPABLE))
+            raise ConfigError(f"--grid: {key!r} cannot be swept; choose from {allowed}")
+        typ = int if "int" in str(SWEEPABLE[name].type) else float
+        try:
+            grid[name] = [typ(v) for v in values.split(",")]
+        except ValueError:
+            raise ConfigError(f"--grid: {key} takes {typ.__name__} values, got {values!r}") from None
+    if not grid:
+        raise ConfigError("--grid: give at least one KEY=V1,V2,...")
+    return grid
+
+
+def slug(settings: dict) -> str:
+    return "-".join(f"{k.replace('_', '')}{v:g}" for k, v in settings.items())
+
+
+def add_sweep_parser(sub) -> None:
+    p = sub.add_parser("sweep", help="choose open settings on a validation split (never the test set)")
+    p.add_argument("--dataset", choices=DATASETS, required=True)
+    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--epsilon", type=float, default=3.0)
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...")
+    p.add_argument("--validation", type=int, default=10000, help="training samples held out (default 10000)")
+    p.add_argument("--epochs", type=int, default=None, help="run length (default: the paper's)")
+    p.add_argument("--subset", type=int, default=None, help="train on a subset of what is left (quick checks)")
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--out", required=True)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_sweep)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from fedsd.central import prepare_run
+
+    grid = parse_grid(args.grid)
+    if args.validation < 1:
+        raise ConfigError(f"--validation: a sweep needs a validation split (>= 1 samples), got {args.validation}")
+    if args.seeds < 1 or args.jobs < 1:
+        raise ConfigError("--seeds and --jobs must be >= 1")
+    combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    base = dict(dataset=args.dataset, method=args.method, epsilon=args.epsilon, validation=args.validation,
+                epochs=args.epochs, subset=args.subset, device=args.device, data_dir=args.data_dir,
+                threads=threads_per_job(args.device, args.jobs))
+    for combo in combos:  # every setting checked (and the data found) before any run starts
+        prepare_run(TrainConfig(**{**base, **combo}))
+    out = Path(args.out)
+    todo = []
+    for combo in combos:
+        for seed in range(args.seeds):
+            run_out = out / "runs" / f"{slug(combo)}-seed{seed}"
+            if not (run_out / "result.json").exists():
+                todo.append(({**base, **combo, "seed": seed}, str(run_out)))
+    run_jobs(todo, len(combos) * args.seeds, args.jobs, f"sweep {args.dataset} {args.method}", args.quiet)
+    summary = write_sweep(out, args, grid, combos)
+    print(f"chose {summary['choice']['settings']} (validation accuracy {summary['choice']['validation_accuracy']:.2f} %); "
+          f"wrote {out / 'sweep.json'} and {out / 'sweep.md'}")
+    return 0
+
+
+def write_sweep(out: Path, args: argparse.Namespace, grid: dict, combos: list[dict]) -> dict:
+    from fedsd.results import write_json
+
+    rows = []
+    for combo in combos:
+        results = [json.loads((out / "runs" / f"{slug(combo)}-seed{s}" / "result.json").read_text())
+                   for s in range(args.seeds)]
+        val = [100 * r["validation_accuracy"] for r in results]
+        rows.append(dict(settings=combo, validation_accuracy=val, validation_mean=statistics.mean(val),
+                         test_accuracy=[100 * r["test_accuracy"] for r in results],
+                         noise_multiplier=results[0]["noise_multiplier"], epochs=results[0]["config"]["epochs"]))
+    best = max(rows, key=lambda r: r["validation_mean"])
+    summary = dict(dataset=args.dataset, method=args.method, epsilon=args.epsilon, validation=args.validation,
+                   subset=args.subset, seeds=args.seeds, grid=grid, runs=rows,
+                   choice=dict(settings=best["settings"], validation_accuracy=best["validation_mean"]),
+                   rule="highest final validation accuracy, mean over seeds; the test set is not used")
+    write_json(out / "sweep.json", summary)
+    keys = list(grid)
+    lines = [f"# Sweep: {args.dataset} {args.method}, ε = {args.epsilon:g}, {args.validation} validation samples held out",
+             "", "Chosen by validation accuracy only; test accuracy shown for the record.", "",
+             "| " + " | ".join(k.replace("_", "-") for k in keys) + " | validation (%) | test (%) | |",
+             "|" + "---|" * (len(keys) + 3)]
+    for r in sorted(rows, key=lambda r: -r["validation_mean"]):
+        mark = "**chosen**" if r is best else ""
+        lines.append("| " + " | ".join(f"{r['settings'][k]:g}" for k in keys)
+                     + f" | {r['validation_mean']:.2f} | {statistics.mean(r['test_accuracy']):.2f} | {mark} |")
+    (out / "sweep.md").write_text("\n".join(lines) + "\n")
+    return summary
