@@ -84,8 +84,9 @@ def make_node_keys(out: Path, nodes: int, first: int = 0) -> None:
     (out / "keys").mkdir(exist_ok=True)
     for i in range(first, first + nodes):
         key = ec.generate_private_key(ec.SECP384R1())
-        _write(out / "keys" / f"node-{i}", key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()), private=True)
+        pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                serialization.NoEncryption())
+        _write(out / "keys" / f"node-{i}", pem, private=True)
         _write(out / "keys" / f"node-{i}.pub", key.public_key().public_bytes(
             serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + f" fedsd-node-{i}\n".encode())
 

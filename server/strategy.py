@@ -147,7 +147,8 @@ class RecordingStrategy(Strategy):
                 trained.append(reply)
         for node in sorted(set(sent.values()) - answered):
             log(WARNING, "round %d: node %d did not reply in time", server_round, node)
-            missed.append(dict(client=self.node_partition.get(node), node_id=node, reason="no reply before the timeout"))
+            missed.append(dict(client=self.node_partition.get(node), node_id=node,
+                               reason="no reply before the timeout"))
         unknown = any(m["client"] is None for m in missed)
         if self.fraction_train >= 1 and not unknown:  # every connected client was asked: the rest were not there
             seen = set(reports) | {m["client"] for m in missed}

@@ -95,7 +95,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 todo.append(({**base, **combo, "seed": seed}, str(run_out)))
     run_jobs(todo, len(combos) * args.seeds, args.jobs, f"sweep {args.dataset} {args.method}", args.quiet)
     summary = write_sweep(out, args, grid, combos)
-    print(f"chose {summary['choice']['settings']} (validation accuracy {summary['choice']['validation_accuracy']:.2f} %); "
+    choice = summary["choice"]
+    print(f"chose {choice['settings']} (validation accuracy {choice['validation_accuracy']:.2f} %); "
           f"wrote {out / 'sweep.json'} and {out / 'sweep.md'}")
     return 0
 
@@ -118,7 +119,8 @@ def write_sweep(out: Path, args: argparse.Namespace, grid: dict, combos: list[di
                    rule="highest final validation accuracy, mean over seeds; the test set is not used")
     write_json(out / "sweep.json", summary)
     keys = list(grid)
-    lines = [f"# Sweep: {args.dataset} {args.method}, ε = {args.epsilon:g}, {args.validation} validation samples held out",
+    lines = [f"# Sweep: {args.dataset} {args.method}, ε = {args.epsilon:g}, "
+             f"{args.validation} validation samples held out",
              "", "Chosen by validation accuracy only; test accuracy shown for the record.", "",
              "| " + " | ".join(k.replace("_", "-") for k in keys) + " | validation (%) | test (%) | |",
              "|" + "---|" * (len(keys) + 3)]

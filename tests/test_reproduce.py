@@ -44,9 +44,11 @@ def test_sweep_chooses_on_validation_only(tmp_path, capsys):
     best = max(runs, key=lambda r: r["validation_mean"])
     assert summary["choice"] == {"settings": best["settings"], "validation_accuracy": best["validation_mean"]}
     for r in runs:
-        result = json.loads(next((out / "runs").glob(f"emadecay{r['settings']['ema_decay']:g}-seed0/result.json")).read_text())
+        run = out / "runs" / f"emadecay{r['settings']['ema_decay']:g}-seed0"
+        result = json.loads((run / "result.json").read_text())
         assert result["config"]["validation"] == 2000 and result["num_train"] == 1200
         assert 10 < r["validation_accuracy"][0] <= 100
     assert "chosen" in (out / "sweep.md").read_text()
-    assert main(["sweep", "--dataset", "mnist", "--method", "dpema", "--grid", "color=1,2", "--out", str(tmp_path / "x")]) == 2
+    bad = ["sweep", "--dataset", "mnist", "--method", "dpema", "--grid", "color=1,2", "--out", str(tmp_path / "x")]
+    assert main(bad) == 2
     assert "cannot be swept" in capsys.readouterr().err and not (tmp_path / "x").exists()
