@@ -6,7 +6,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from clients.app import app, build_federation
 from clients.records import model_to_record, record_to_model
-from fedsd.config import TrainConfig
+from fedsd.config import ConfigError, TrainConfig
 from fedsd.federation import FedOptions, to_flat
 from fedsd.training import initial_model
 from tests.conftest import require
@@ -83,3 +83,32 @@ def test_spent_client_replies_skipped_without_arrays():
     assert second.content["metrics"]["skipped"] == 1
     assert second.content["metrics"]["epsilon"] == pytest.approx(spent)
     assert len(second.content.array_records) == 0
+
+
+def test_client_state_survives_on_its_own_disk(tmp_path):
+    """A new Flower run (empty context.state) of the same experiment, as after a server
+    restart, finds the client's accountant on its disk: ε goes on, exactly as if the client had
+    kept its context.state; another experiment starts fresh. A node-config that disagrees with
+    the run is refused."""
+    require("mnist")
+    federation, flat, kept = make("round-start")
+    flat = {**flat, "experiment-id": "exp-1"}
+    start = initial_model(federation.cfg, 10)
+    node_config = {"partition-id": 1, "num-partitions": 2, "state-dir": str(tmp_path)}
+
+    def context():
+        return Context(run_id=1, node_id=11, node_config=node_config, state=RecordDict(), run_config={})
+    first = context()
+    eps = lambda reply: reply.content["metrics"]["epsilon"]  # noqa: E731
+    e1 = eps(send(flat, first, start, 1))
+    assert (tmp_path / "exp-1" / "client-1.pt").is_file()
+    e2_restarted = send(flat, context(), start, 2)
+    e2_kept = send(flat, first, start, 2)
+    assert eps(e2_restarted) == eps(e2_kept) > e1
+    assert all(torch.equal(torch.from_numpy(a.numpy()), torch.from_numpy(b.numpy()))
+               for a, b in zip(e2_restarted.content["arrays"].values(), e2_kept.content["arrays"].values()))
+    assert eps(send({**flat, "experiment-id": "exp-2"}, context(), start, 1)) == e1
+    wrong = Context(run_id=1, node_id=11, node_config={"partition-id": 1, "num-partitions": 5}, state=RecordDict(),
+                    run_config={})
+    with pytest.raises(ConfigError, match="num-partitions=5"):  # Flower turns it into an error reply
+        send(flat, wrong, start, 1)
