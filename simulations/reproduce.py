@@ -95,6 +95,23 @@ def run_jobs(todo: list[tuple[dict, str]], total: int, jobs: int, desc: str, qui
     bar.close()
 
 
+# Where a run went does not change what it computed.
+NOT_SETTINGS = ("device", "threads", "data_dir", "download")
+
+
+def finished_with(run_out: Path, config: dict) -> bool:
+    """A finished run in `run_out` made with these settings (a run made with other settings,
+    e.g. before a default changed, is run again)."""
+    from fedsd.config import TrainConfig
+
+    path = run_out / "result.json"
+    if not path.exists():
+        return False
+    done = json.loads(path.read_text())["config"]
+    wanted = TrainConfig(**config).resolved().to_dict()
+    return all(done.get(k) == v for k, v in wanted.items() if k not in NOT_SETTINGS)
+
+
 def threads_per_job(device: str, jobs: int) -> int:
     return max(1, (os.cpu_count() or 1) // jobs) if device == "cpu" else 0
 
@@ -127,12 +144,11 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     for cell in cells:
         for seed in range(args.seeds):
             run_out = runs_dir / f"{cell.name}-seed{seed}"
-            if (run_out / "result.json").exists():
-                continue
             config = dict(dataset=cell.dataset, method=cell.method, epsilon=cell.epsilon, seed=seed,
                           device=args.device, threads=threads, epochs=args.epochs, subset=args.subset,
                           data_dir=args.data_dir, **cell.overrides)
-            todo.append((config, str(run_out)))
+            if not finished_with(run_out, config):
+                todo.append((config, str(run_out)))
     run_jobs(todo, len(cells) * args.seeds, args.jobs, f"table {args.table}", args.quiet)
     write_tables(args.table, cells, args.seeds, runs_dir, out)
     print(f"wrote {out / f'table{args.table}.json'} and {out / f'table{args.table}.md'}")

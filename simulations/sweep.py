@@ -22,7 +22,7 @@ from pathlib import Path
 from fedsd.config import METHODS, ConfigError, TrainConfig
 from fedsd.data import DATASETS
 
-from .reproduce import run_jobs, threads_per_job
+from .reproduce import finished_with, run_jobs, threads_per_job
 
 SWEEPABLE = {f.name: f for f in fields(TrainConfig)
              if f.name in ("ema_decay", "tau", "tau_s", "tau_t", "alpha", "beta", "kd_teacher_epochs", "epochs",
@@ -91,7 +91,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for combo in combos:
         for seed in range(args.seeds):
             run_out = out / "runs" / f"{slug(combo)}-seed{seed}"
-            if not (run_out / "result.json").exists():
+            if not finished_with(run_out, {**base, **combo, "seed": seed}):
                 todo.append(({**base, **combo, "seed": seed}, str(run_out)))
     run_jobs(todo, len(combos) * args.seeds, args.jobs, f"sweep {args.dataset} {args.method}", args.quiet)
     summary = write_sweep(out, args, grid, combos)
