@@ -121,7 +121,7 @@ def bench_step(args: argparse.Namespace) -> int:
         loss_fn, uses_teacher = trainer._loss_for_epoch(1, {})
         plain = copy.deepcopy(trainer.teacher).train().requires_grad_(True)
         teacher = trainer.teacher
-        sgd = torch.optim.SGD(plain.parameters(), lr=cfg.lr)
+        sgd = torch.optim.SGD(plain.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # as the DP step
 
         def nonprivate_step():
             sgd.zero_grad(set_to_none=True)
