@@ -35,7 +35,7 @@ class FedOptions:
     out_dir: str = ""
     resume_dir: str = ""  # continue the run whose checkpoint.pt is there
     round_timeout: float = 3600.0  # seconds the server waits for a round's replies
-    min_nodes: int = 0  # nodes that must be connected before a round starts; 0 = every client
+    min_nodes: int = 0  # nodes a round after a launch's first needs connected; 0 = half the sampled clients
     experiment_id: str = ""  # set by the server: names each client's on-disk privacy state
 
     @property

@@ -27,10 +27,10 @@ from fedsd.training import evaluate, initial_model, released
 from . import checkpoint
 from .strategy import RecordingStrategy, base_strategy, round_log
 
+
 def prepare_out_dir(out: Path, overwrite: bool) -> None:
-    """A fresh run's folder: new or empty (or emptied with overwrite). It then holds the
-    per-round checkpoint.pt while the run goes on, and result.json (written last) once done."""
-    check_out_dir(out, overwrite)
+    """A fresh run's folder (checked by check_out_dir): new, or emptied with overwrite. It then
+    holds the per-round checkpoint.pt while the run goes on, and result.json (written last)."""
     if overwrite and out.is_dir():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -42,7 +42,7 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     started = time.perf_counter()
     resumed = checkpoint.load(fed.resume_dir) if fed.resume_dir else None
     if resumed is not None:
-        cfg, fed = checkpoint.resumed_settings(fed.resume_dir)
+        cfg, fed = checkpoint.resumed_settings(fed.resume_dir, resumed)
         out = Path(fed.resume_dir)
         log(INFO, "fedsd: resuming %s after round %d of %d", out, resumed["round"], fed.rounds)
     elif out is not None:

@@ -18,7 +18,7 @@ from fedsd.config import ConfigError, TrainConfig
 from fedsd.federation import FedOptions, from_flat, to_flat
 from fedsd.results import save_atomic
 
-from .strategy import _inner_strategies
+from .strategy import inner_strategies
 
 CHECKPOINT = "checkpoint.pt"
 # Keys of the flat settings that name places or this launch, not the training itself.
@@ -43,16 +43,17 @@ def load(run_dir: str | Path) -> dict:
     return torch.load(path, weights_only=False)
 
 
-def resumed_settings(run_dir: str | Path) -> tuple[TrainConfig, FedOptions]:
-    """The settings of the run in `run_dir`, set to resume it there."""
-    cfg, fed = from_flat(load(run_dir)["settings"])
+def resumed_settings(run_dir: str | Path, saved: dict | None = None) -> tuple[TrainConfig, FedOptions]:
+    """The settings of the run in `run_dir` (its checkpoint `saved`, if already loaded), set to
+    resume it there."""
+    cfg, fed = from_flat((saved or load(run_dir))["settings"])
     fed.resume_dir = fed.out_dir = str(Path(run_dir).absolute())
     return cfg, fed
 
 
 def strategy_state(strategy) -> dict:
     state = {"python_random": random.getstate()}  # Flower samples nodes with `random`
-    for depth, s in enumerate(_inner_strategies(strategy)):
+    for depth, s in enumerate(inner_strategies(strategy)):
         for name in STRATEGY_STATE:
             if getattr(s, name, None) is not None:
                 state[f"{depth}.{name}"] = getattr(s, name)
@@ -61,7 +62,7 @@ def strategy_state(strategy) -> dict:
 
 def restore_strategy_state(strategy, state: dict) -> None:
     random.setstate(state["python_random"])
-    for depth, s in enumerate(_inner_strategies(strategy)):
+    for depth, s in enumerate(inner_strategies(strategy)):
         for name in STRATEGY_STATE:
             if f"{depth}.{name}" in state:
                 setattr(s, name, state[f"{depth}.{name}"])

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-
-import numpy as np
 from logging import INFO, WARNING
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common import log
 from flwr.serverapp import Grid
@@ -106,7 +105,7 @@ class RecordingStrategy(Strategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         self._round_started = time.perf_counter()
-        base = list(_inner_strategies(self.inner))[-1]
+        base = list(inner_strategies(self.inner))[-1]
         if server_round == 1:  # a launch (fresh or resumed) waits for the whole federation
             base.min_available_nodes, base.min_train_nodes = self.num_clients, self.sampled
         else:
@@ -169,7 +168,7 @@ class RecordingStrategy(Strategy):
         return self.inner.aggregate_evaluate(server_round + self.round_offset, replies)
 
 
-def _inner_strategies(strategy):
+def inner_strategies(strategy):
     """The strategy and those it wraps (Flower's DP wrappers keep theirs in `.strategy`)."""
     while strategy is not None:
         yield strategy

@@ -35,6 +35,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def flower_tool_env(flwr_home: Path) -> dict:
+    """The environment Flower's command-line tools need here: the venv's bin on PATH (they
+    start one another by name), their own FLWR_HOME, and no per-run `uv sync` of the app's
+    dependencies (the venv already holds them, and a package index may not be reachable)."""
+    venv_bin = str(Path(sys.executable).parent)
+    return {**os.environ, "FLWR_HOME": str(flwr_home), "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+
+
 def run_config_arg(values: dict) -> str:
     """A dict as `flwr run --run-config` reads it (TOML values)."""
     def toml(v):
@@ -64,11 +73,7 @@ class LocalDeployment:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.flwr_home = self.work / "flwr-home"
         self.flwr_home.mkdir(exist_ok=True)
-        venv_bin = str(Path(sys.executable).parent)
-        self.env = {**os.environ, **(env or {}), "FLWR_HOME": str(self.flwr_home),
-                    "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
-                    # The venv holds the app's dependencies: no per-run `uv sync` (needs an index).
-                    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+        self.env = {**flower_tool_env(self.flwr_home), **(env or {})}
         self.superlink: subprocess.Popen | None = None
         self.supernodes: dict[int, subprocess.Popen] = {}
         self._all: list[subprocess.Popen] = []
@@ -197,7 +202,7 @@ class LocalDeployment:
             self.start_supernode(k)
         self.wait_online(self.num_clients)
 
-    def submit(self, run_config: dict, timeout: float = 3600) -> subprocess.Popen:
+    def submit(self, run_config: dict) -> subprocess.Popen:
         """`flwr run . <federation> --stream` in the background (its output in logs/flwr-run.log)."""
         return self._start("flwr-run", ["flwr", "run", str(ROOT), FEDERATION, "--stream",
                                         "--run-config", run_config_arg(run_config)])

@@ -26,14 +26,6 @@ def flower_task():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 11, 1
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def stop_processes_mentioning(marker: str):
     """Kill every process whose command line contains `marker` (a test's private folder), and
     their descendants (Flower's SuperExec and app processes)."""
@@ -63,17 +55,12 @@ def flower_env(tmp_path):
     `flwr run` starts is this test's own, not a user's), and no per-run `uv sync` of the app's
     dependencies (the venv already has them and CI has no route to every index). Whatever
     Flower left running under that home is stopped afterwards."""
-    import sys
+    from simulations.deploy import flower_tool_env, free_port
 
     home = tmp_path / "flwr-home"
     home.mkdir()
-    venv_bin = Path(sys.executable).parent
-    env = {**os.environ,
-           "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
-           "FLWR_HOME": str(home),
+    env = {**flower_tool_env(home),
            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
-           "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
-           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "FLWR_DISABLE_UPDATE_CHECK": "1"}
+           "FLWR_LOCAL_CONTROL_API_PORT": str(free_port())}
     yield env
     stop_processes_mentioning(str(home))
