@@ -1,16 +1,20 @@
 """Book-keeping per-sample clipping (Bu et al., 2023) for Conv2d / Linear models.
 
 One backward pass gives each layer's output gradient g (and the forward pass kept its input
-a); weight gradients are never computed by autograd. From (a, g):
-  - per-sample gradient norms: for Linear ‖a_i‖²‖g_i‖² (no per-sample gradient at all); for
-    Conv2d either the ghost norm Σ_{t,t'} (a_t·a_t')(g_t·g_t') over output positions (small
-    maps), or the per-sample gradients from one grouped convolution backward (the batch as
-    groups), whichever is cheaper for that layer's shape (GROUPED_CONV_COST);
-  - the clipped sum Σ_i c_i ∇_i: the layer's ordinary weight gradient with each sample's
-    output gradient scaled by c_i (one matrix product / one convolution backward),
-  written into p.grad. Opacus' DPOptimizerFastGradientClipping then adds the noise and
-  averages, as for its own ghost clipping. The clipping factor is Opacus' own:
-  c_i = min(1, C / (‖∇_i‖ + 1e-6)).
+a); autograd never computes a weight gradient. Per layer, from (a, g):
+  - Linear: the per-sample norm is ‖a_i‖²‖g_i‖², with no per-sample gradient at all, and the
+    clipped sum Σ_i c_i ∇_i is one matrix product of the reweighted output gradients.
+  - Conv2d with small output maps: the ghost norm Σ_{t,t'} (a_t·a_t')(g_t·g_t') over output
+    positions, and the clipped sum as one ordinary convolution weight gradient of the
+    reweighted output gradients.
+  - Conv2d with large maps (T² ≫ d·p): the per-sample gradients G_iᵀA_i from one batched
+    matrix product of the im2col patches, their norms, and the clipped sum cᵀ(∇_1 … ∇_n).
+    That skips both the reweighting of the layer's (large) output gradient and its weight
+    gradient convolution.
+The result is written into p.grad; Opacus' DPOptimizerFastGradientClipping then adds the noise
+and averages, as for its own ghost clipping. The clipping factor is Opacus' own:
+c_i = min(1, C / (‖∇_i‖ + 1e-6)). Everything works on channels-last activations without a
+layout change (results/perf.md).
 """
 from __future__ import annotations
 
@@ -18,27 +22,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The per-sample conv norm: the ghost norm Σ_{t,t'} (a_t·a_t')(g_t·g_t') costs about 2T²(d+p)
-# flops a sample (T output positions, d = c·k·k, p output channels); the per-sample gradient
-# from a grouped convolution backward about T·d·p, but grouped kernels with one group a sample
-# run far below peak (measured on CPU: conv 16→32, k4, on 13×13 maps at B = 1600, ghost 44 ms
-# against grouped 130 ms). Ghost wins unless it costs this many times more flops.
-GROUPED_CONV_COST = 8
+# Ghost norms cost 2T²(d+p) flops a sample (T output positions, d = c·k·k inputs per position,
+# p output channels), per-sample gradients 2T·d·p plus the patches. Measured on this CPU at
+# the papers' batch sizes (results/perf.md), ghost wins up to about twice the flops: mnist-cnn
+# conv2 (0.9×) and cifar-cnn conv3 (1.1×), conv4 (0.15×) take ghost norms; mnist-cnn conv1 (15×)
+# and cifar-cnn conv1 (>100×), conv2 (4.9×) per-sample gradients.
+GHOST_FLOPS_LIMIT = 2.0
 
 
 def _patches(layer: nn.Conv2d, a: torch.Tensor) -> torch.Tensor:
-    """im2col as one strided copy of the channels-last input: (n, T, k·k·c). Faster on CPU than
-    F.unfold; the order of the d features does not matter for the ghost norm."""
-    if tuple(layer.dilation) != (1, 1):
-        return F.unfold(a, layer.kernel_size, padding=layer.padding, stride=layer.stride).transpose(1, 2)
-    ph, pw = layer.padding
-    a = F.pad(a, (pw, pw, ph, ph)) if ph or pw else a
-    a = a.contiguous(memory_format=torch.channels_last)
+    """im2col as (n, T, kh·kw·c): one strided copy of the (padded) channels-last input, in the
+    feature order of a channels-last weight (p, kh, kw, c)."""
     n, c, h, w = a.shape
-    (kh, kw), (sh, sw) = layer.kernel_size, layer.stride
-    th, tw = (h - kh) // sh + 1, (w - kw) // sw + 1
-    sn, sc, sy, sx = a.stride()
-    view = a.as_strided((n, th, tw, kh, kw, c), (sn, sy * sh, sx * sw, sy, sx, sc))
+    (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.stride, layer.dilation
+    ph, pw = layer.padding
+    nhwc = a.permute(0, 2, 3, 1)  # a view when a is channels-last
+    if ph or pw:
+        padded = a.new_zeros((n, h + 2 * ph, w + 2 * pw, c))
+        padded[:, ph:ph + h, pw:pw + w] = nhwc
+        nhwc = padded
+    else:
+        nhwc = nhwc.contiguous()
+    hp, wp = nhwc.shape[1:3]
+    th, tw = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
+    sn, sy, sx, sc = nhwc.stride()
+    view = nhwc.as_strided((n, th, tw, kh, kw, c), (sn, sy * sh, sx * sw, sy * dh, sx * dw, sc))
     return view.reshape(n, th * tw, kh * kw * c)
 
 
@@ -65,14 +73,18 @@ class BookKeepingClipper:
             self._inputs[module] = inputs[0].detach()
             self._outputs[module] = output
 
+    @staticmethod
+    def uses_ghost_norm(layer: nn.Conv2d, g: torch.Tensor) -> bool:
+        T, p, d = g.shape[2] * g.shape[3], g.shape[1], layer.weight[0].numel()
+        return 2 * T * T * (d + p) < GHOST_FLOPS_LIMIT * 2 * T * d * p
+
     def backward(self, loss: torch.Tensor, batch_size: int) -> None:
         """Set p.grad to the sum over the batch of the clipped per-sample gradients of the
         per-sample losses (`loss` is their mean over `batch_size` samples)."""
         layers = self.layers
-        outputs = [self._outputs[m] for m in layers]
-        grads = torch.autograd.grad(loss, outputs)  # output gradients only: no weight gradients
+        grads = torch.autograd.grad(loss, [self._outputs[m] for m in layers])  # no weight gradients
         norms2 = torch.zeros(batch_size, device=loss.device, dtype=loss.dtype)
-        kept = []
+        kept = []  # (layer, a, g, per-sample weight gradients or None, per-sample bias gradients or None)
         for layer, g in zip(layers, grads):  # g: gradients of the batch mean, 1/n of each sample's own
             a = self._inputs[layer]
             if isinstance(layer, nn.Linear):
@@ -81,24 +93,34 @@ class BookKeepingClipper:
                 norms2 += a.pow(2).sum(1) * g.pow(2).sum(1)
                 if layer.bias is not None:
                     norms2 += g.pow(2).sum(1)
-                kept.append((layer, a, g))
+                kept.append((layer, a, g, None, None))
                 continue
-            p, T = g.shape[1], g.shape[2] * g.shape[3]
-            d = layer.weight[0].numel()
-            if 2 * T * T * (d + p) < GROUPED_CONV_COST * T * d * p:
+            n, p, th, tw = g.shape
+            per_sample_bias = g.sum((2, 3)) if layer.bias is not None else None
+            if per_sample_bias is not None:
+                norms2 += per_sample_bias.pow(2).sum(1)
+            if self.uses_ghost_norm(layer, g):
                 A = _patches(layer, a)  # (n, T, d)
-                G = g.flatten(2)  # (n, p, T)
-                norms2 += (torch.bmm(A, A.transpose(1, 2)) * torch.bmm(G.transpose(1, 2), G)).sum((1, 2))
-            else:  # ∇_i for every sample at once: one convolution backward with the batch as groups
-                norms2 += self._per_sample_conv_grads(layer, a, g).pow(2).sum(1)
-            if layer.bias is not None:
-                norms2 += g.sum((2, 3)).pow(2).sum(1)
-            kept.append((layer, a, g))
+                G = g.permute(0, 2, 3, 1).reshape(n, th * tw, p)  # (n, T, p), a view when channels-last
+                norms2 += (torch.bmm(A, A.transpose(1, 2)) * torch.bmm(G, G.transpose(1, 2))).sum((1, 2))
+                kept.append((layer, a, g, None, None))
+            else:
+                G = g.permute(0, 2, 3, 1).reshape(n, th * tw, p)
+                per_sample = torch.bmm(G.transpose(1, 2), _patches(layer, a))  # (n, p, kh·kw·c)
+                norms2 += per_sample.pow(2).sum((1, 2))
+                kept.append((layer, a, g, per_sample, per_sample_bias))
         # Scale back from the mean's gradients to each sample's own (×n), in the norms and in the
         # weights of the sum, rather than in every output gradient.
         norms = norms2.sqrt() * batch_size
         coeff = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0) * batch_size
-        for layer, a, g in kept:
+        for layer, a, g, per_sample, per_sample_bias in kept:
+            if per_sample is not None:  # Σ_i c_i ∇_i straight from the per-sample gradients
+                p, c, kh, kw = layer.weight.shape
+                summed = (coeff @ per_sample.flatten(1)).view(p, kh, kw, c).permute(0, 3, 1, 2)
+                layer.weight.grad = summed.contiguous(memory_format=_format_of(layer.weight))
+                if per_sample_bias is not None:
+                    layer.bias.grad = coeff @ per_sample_bias
+                continue
             weighted = g * coeff.view(-1, *([1] * (g.dim() - 1)))
             if isinstance(layer, nn.Linear):
                 layer.weight.grad = weighted.t() @ a
@@ -114,14 +136,8 @@ class BookKeepingClipper:
         self._inputs.clear()
         self._outputs.clear()
 
-    @staticmethod
-    def _per_sample_conv_grads(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """(n, weight size) per-sample weight gradients: the n samples as n groups of one conv."""
-        n, c, h, w = a.shape
-        p = g.shape[1]
-        shape = (n * p, c, *layer.kernel_size)
-        grads = torch.ops.aten.convolution_backward(
-            g.reshape(1, n * p, *g.shape[2:]), a.reshape(1, n * c, h, w), torch.empty(shape, device=a.device),
-            None, list(layer.stride), list(layer.padding), list(layer.dilation), False, [0, 0], n,
-            [False, True, False])[1]
-        return grads.reshape(n, -1)
+
+def _format_of(weight: torch.Tensor) -> torch.memory_format:
+    """A gradient in its parameter's layout, so the optimizer's updates need no conversion."""
+    return torch.channels_last if weight.is_contiguous(memory_format=torch.channels_last) \
+        and not weight.is_contiguous() else torch.contiguous_format

@@ -57,11 +57,12 @@ def train(cfg: TrainConfig, out: str | Path | None = None, overwrite: bool = Fal
         torch.set_num_threads(cfg.threads)
 
     started = time.perf_counter()
-    tensors = data_lib.prepare(run.data, run.train_indices, run.device)
-    trainer = DPTrainer(cfg, tensors, plan)
+    trainer = DPTrainer(cfg, data_lib.prepare(run.data, run.train_indices, run.device), plan)
+    tensors = trainer.data  # in the trainer's memory format, for evaluation too
     model, state = initial_model(cfg, tensors.num_classes), None
     held_out = data_lib.validation_indices(run.data, cfg.validation)
-    val_x = run.data.normalised(run.data.x_train[held_out]).to(run.device)
+    val_x = run.data.normalised(run.data.x_train[held_out]).to(run.device).contiguous(
+        memory_format=trainer.memory_format)
     val_y = run.data.y_train[held_out].to(run.device)
     epochs = []
     bar = tqdm(range(1, cfg.epochs + 1), desc=f"{cfg.dataset} {cfg.method} ε={cfg.epsilon}",

@@ -23,7 +23,7 @@ from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 
 from . import losses
 from .bookkeeping import BookKeepingClipper
-from .config import DISTILLING, TrainConfig
+from .config import DISTILLING, TrainConfig, check_layout
 from .data import TensorData
 from .models import build_model, check_private_trainable
 from .privacy import Ledger, PrivacyPlan, steps_per_epoch
@@ -81,6 +81,11 @@ def load_train_state(path) -> TrainState:
     return TrainState(**torch.load(path, weights_only=True))
 
 
+def torch_memory_format(cfg: TrainConfig) -> torch.memory_format:
+    """The layout of a run's images, student and teacher (TrainConfig.channels_last)."""
+    return torch.channels_last if cfg.channels_last else torch.contiguous_format
+
+
 def _rng_seed(cfg: TrainConfig, client: int) -> int:
     return derive_seed(cfg.seed, SEED_CLIENT_RNG, client)
 
@@ -107,11 +112,16 @@ class DPTrainer:
     """
 
     def __init__(self, cfg: TrainConfig, data: TensorData, plan: PrivacyPlan, client: int = 0):
-        self.cfg, self.data, self.plan, self.client = cfg, data, plan, client
+        check_layout(cfg)
+        self.memory_format = torch_memory_format(cfg)
         self.device = data.x_train.device
+        # The data, the student and the teacher share one layout, so no step converts any of them.
+        self.data = data.to(self.device, self.memory_format)
+        self.cfg, self.plan, self.client = cfg, plan, client
         self.num_train = len(data.y_train)
         self.steps_per_epoch = steps_per_epoch(self.num_train, cfg.batch_size)
-        self.model = check_private_trainable(build_model(cfg.model, data.num_classes)).to(self.device)
+        self.model = check_private_trainable(build_model(cfg.model, data.num_classes))
+        self.model = self.model.to(self.device, memory_format=self.memory_format)
         self.teacher = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.generator = torch.Generator(device=self.device)
         self._anchor, self._proximal_mu = None, 0.0  # FedProx's pull, set per call

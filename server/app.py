@@ -22,7 +22,7 @@ from fedsd.config import TrainConfig
 from fedsd.federation import FedOptions, from_flat, to_flat
 from fedsd.models import build_model
 from fedsd.results import check_out_dir, write_run
-from fedsd.training import evaluate, initial_model, released
+from fedsd.training import evaluate, initial_model, released, torch_memory_format
 
 from . import checkpoint
 from .strategy import RecordingStrategy, base_strategy, round_log
@@ -55,9 +55,10 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     log(INFO, "fedsd: %d clients, %s partition, shard sizes %s", fed.num_clients, fed.partition,
         federation.shard_sizes())
     device = resolve_device(cfg.device)
-    test_x = federation.images.normalised(federation.images.x_test).to(device)
+    layout = torch_memory_format(cfg)  # as the clients train
+    test_x = federation.images.normalised(federation.images.x_test).to(device).contiguous(memory_format=layout)
     test_y = federation.images.y_test.to(device)
-    net = build_model(cfg.model, federation.images.num_classes).to(device)
+    net = build_model(cfg.model, federation.images.num_classes).to(device, memory_format=layout)
     shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
     start_round = resumed["round"] if resumed else 0
     strategy = RecordingStrategy(base_strategy(fed), fed, shapes, round_offset=start_round)

@@ -2,8 +2,9 @@
 
     fedsd bench federated   steady-state seconds per federated round vs seconds per central
                             epoch of the same DP training on the same data
-    fedsd bench step        one DP-SGD step as fedsd runs it vs a non-private step of the same
-                            model, loss and batch
+    fedsd bench step        one DP-SGD step in every clipping mode vs the eager NCHW non-private
+                            step a user would write and the fastest non-private step
+    fedsd bench epoch       a central DP epoch with evaluation: the default path vs hooks on NCHW
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import argparse
 import json
 import statistics
 import sys
+
+from fedsd.config import GRAD_SAMPLE_MODES
 
 
 def add_bench_parser(sub) -> None:
@@ -27,16 +30,26 @@ def add_bench_parser(sub) -> None:
     fed.add_argument("--ray-workers", type=int, default=2, help="Ray CPUs, one client at a time on each")
     fed.add_argument("--json", action="store_true")
     fed.set_defaults(func=bench_federated)
-    step = what.add_parser("step", help="DP step vs non-private step, same model, loss and batch")
+    step = what.add_parser("step", help="every DP mode vs the eager NCHW and the fastest non-private step")
     step.add_argument("--model", choices=["mnist-cnn", "cifar-cnn"], default="mnist-cnn")
     step.add_argument("--batch-size", type=int, default=None, help="default: the paper's (1600 / 1000)")
     step.add_argument("--method", default="dp3sd", help="dp3sd also times the teacher's forward pass")
-    step.add_argument("--grad-sample-mode", nargs="+", default=["hooks", "functorch", "ew", "ghost", "bk"])
+    step.add_argument("--grad-sample-mode", nargs="+", default=list(GRAD_SAMPLE_MODES))
+    step.add_argument("--no-compile", action="store_true",
+                      help="leave torch.compile out of the non-private candidates (it takes ~20 s to compile)")
     step.add_argument("--device", default="cpu")
-    step.add_argument("--repeats", type=int, default=20)
+    step.add_argument("--threads", type=int, default=0, help="torch threads; 0 leaves torch's default")
+    step.add_argument("--repeats", type=int, default=15)
     step.add_argument("--warmup", type=int, default=3)
     step.add_argument("--json", action="store_true")
     step.set_defaults(func=bench_step)
+    epoch = what.add_parser("epoch", help="a central DP epoch with evaluation: the default path vs hooks on NCHW")
+    epoch.add_argument("--dataset", default="fmnist")
+    epoch.add_argument("--method", default="dp3sd")
+    epoch.add_argument("--epochs", type=int, default=2, help="timed epochs of each path, interleaved")
+    epoch.add_argument("--threads", type=int, default=0, help="torch threads; 0 leaves torch's default")
+    epoch.add_argument("--json", action="store_true")
+    epoch.set_defaults(func=bench_epoch)
 
 
 def bench_federated(args: argparse.Namespace) -> int:
@@ -60,12 +73,14 @@ def bench_federated(args: argparse.Namespace) -> int:
                   round_seconds_all=[r["train_seconds"] for r in fed_result["rounds"]],
                   epoch_seconds_all=[e["seconds"] for e in central["epochs"]])
     report["ratio"] = report["federated_round_seconds"] / report["central_epoch_seconds"]
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(f"central epoch: {report['central_epoch_seconds']:.2f} s   "
-              f"federated round ({args.clients} clients, {args.ray_workers} Ray workers): "
-              f"{report['federated_round_seconds']:.2f} s   ratio {report['ratio']:.3f}", file=sys.stdout)
+    return _emit(args, report, f"central epoch: {report['central_epoch_seconds']:.2f} s   "
+                               f"federated round ({args.clients} clients, {args.ray_workers} Ray workers): "
+                               f"{report['federated_round_seconds']:.2f} s   ratio {report['ratio']:.3f}")
+
+
+def _emit(args: argparse.Namespace, report, text: str) -> int:
+    """A bench's result: the JSON with --json, else the human-readable text."""
+    print(json.dumps(report, indent=2) if args.json else text, file=sys.stdout)
     return 0
 
 
@@ -91,17 +106,25 @@ def _timer(device):
     return timed
 
 
-def bench_step(args: argparse.Namespace) -> int:
-    import copy
+# The reference a user would write: eager PyTorch, NCHW, hooks for DP (Opacus' default).
+BASELINE = dict(grad_sample_mode="hooks", memory_format="contiguous")
 
+
+def bench_step(args: argparse.Namespace) -> int:
+    """Every variant is timed once per round, round after round (interleaved), so all see the
+    same machine state; medians after the warm-up rounds."""
     import torch
+    import torch.nn.functional as F
 
     from fedsd.central import resolve_device
     from fedsd.config import TrainConfig
     from fedsd.data import TensorData
+    from fedsd.models import build_model
     from fedsd.privacy import plan
     from fedsd.training import DPTrainer
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dataset = "fmnist" if args.model == "mnist-cnn" else "cifar10"
     shape = (1, 28, 28) if args.model == "mnist-cnn" else (3, 32, 32)
@@ -112,44 +135,110 @@ def bench_step(args: argparse.Namespace) -> int:
     # Timing only: the values do not matter, the shapes do (no accuracy is claimed here).
     x = torch.randn(batch, *shape, generator=g).to(device)
     y = torch.randint(0, 10, (batch,), generator=g).to(device)
-    data = TensorData(x, y, x[:1], y[:1], 10)
-    timed = _timer(device)
-    rows = []
+    steps = {}
     for mode in args.grad_sample_mode:
         cfg = TrainConfig(**{**base.__dict__, "grad_sample_mode": mode})
-        trainer = DPTrainer(cfg, data, plan(3.0, 1e-5, 10 * batch, batch, 1))
-        loss_fn, uses_teacher = trainer._loss_for_epoch(1, {})
-        plain = copy.deepcopy(trainer.teacher).train().requires_grad_(True)
-        teacher = trainer.teacher
-        sgd = torch.optim.SGD(plain.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # as the DP step
+        trainer = DPTrainer(cfg, TensorData(x, y, x[:1], y[:1], 10), plan(3.0, 1e-5, 10 * batch, batch, 1))
+        loss_fn, uses_teacher = trainer._loss_for_epoch(1, {})  # every step times the same loss
+        steps["dp:" + mode] = (lambda t=trainer, f=loss_fn, u=uses_teacher:
+                               t.train_on_batch(t.data.x_train, y, f, u))
 
-        def nonprivate_step():
+    def nonprivate(layout, compiled):
+        """A plain SGD step of the same model, loss, teacher and momentum, without privacy."""
+        student = build_model(args.model).to(device, memory_format=layout)
+        teacher = build_model(args.model).to(device, memory_format=layout).eval().requires_grad_(False)
+        forward, teacher_forward = student, teacher
+        if compiled:
+            forward, teacher_forward = torch.compile(student), torch.compile(teacher)
+        sgd = torch.optim.SGD(student.parameters(), lr=base.lr, momentum=base.momentum)
+        xs = x.contiguous(memory_format=layout)
+
+        def step():
             sgd.zero_grad(set_to_none=True)
             t = None
             if uses_teacher:
                 with torch.no_grad():
-                    t = teacher(x)
-            loss_fn(plain(x), t, y).mean().backward()
+                    t = teacher_forward(xs)
+            loss_fn(forward(xs), t, y).mean().backward()
             sgd.step()
+        return step
 
-        def dp_step():
-            trainer.train_on_batch(x, y, loss_fn, uses_teacher)
-
-        dp_times, np_times = [], []
-        for i in range(args.warmup + args.repeats):  # interleaved, so both see the same machine state
-            d, n = timed(dp_step), timed(nonprivate_step)
+    steps["nonprivate:eager-nchw"] = nonprivate(torch.contiguous_format, False)
+    steps["nonprivate:eager-channels-last"] = nonprivate(torch.channels_last, False)
+    if not args.no_compile:
+        steps["nonprivate:compiled-channels-last"] = nonprivate(torch.channels_last, True)
+    timed = _timer(device)
+    times = {name: [] for name in steps}
+    for i in range(args.warmup + args.repeats):
+        for name, fn in steps.items():
+            seconds = timed(fn)
             if i >= args.warmup:
-                dp_times.append(d)
-                np_times.append(n)
-        dp_s, np_s = statistics.median(dp_times), statistics.median(np_times)
-        rows.append(dict(model=args.model, batch_size=batch, method=args.method, grad_sample_mode=mode,
-                         device=str(device), threads=torch.get_num_threads(), dp_step_seconds=dp_s,
-                         nonprivate_step_seconds=np_s, ratio=dp_s / np_s))
-    if args.json:
-        print(json.dumps(rows if len(rows) > 1 else rows[0], indent=2))
-    else:
-        for r in rows:
-            print(f"{r['model']} B={r['batch_size']} {r['method']} {r['grad_sample_mode']:>9} on {r['device']}: "
-                  f"dp {r['dp_step_seconds'] * 1000:.1f} ms, non-private {r['nonprivate_step_seconds'] * 1000:.1f} ms, "
-                  f"ratio {r['ratio']:.2f}")
-    return 0
+                times[name].append(seconds)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    eager = median["nonprivate:eager-nchw"]
+    fastest_name = min((n for n in median if n.startswith("nonprivate:")), key=median.get)
+    fastest = median[fastest_name]
+    rows = [dict(model=args.model, batch_size=batch, method=args.method, grad_sample_mode=mode,
+                 default=mode == TrainConfig.grad_sample_mode, device=str(device), threads=torch.get_num_threads(),
+                 dp_step_seconds=median["dp:" + mode], eager_nonprivate_step_seconds=eager,
+                 fastest_nonprivate_step_seconds=fastest, fastest_nonprivate=fastest_name.split(":", 1)[1],
+                 nonprivate_step_seconds={n.split(":", 1)[1]: v for n, v in median.items()
+                                          if n.startswith("nonprivate:")},
+                 ratio_to_eager=median["dp:" + mode] / eager, ratio_to_fastest=median["dp:" + mode] / fastest)
+            for mode in args.grad_sample_mode]
+    lines = [f"{args.model} B={batch} {args.method} on {device}, {torch.get_num_threads()} threads: non-private "
+             + ", ".join(f"{n} {v * 1000:.1f} ms" for n, v in rows[0]["nonprivate_step_seconds"].items())]
+    for r in rows:
+        mark = " (default)" if r["default"] else ""
+        lines.append(f"  dp {r['grad_sample_mode']:>9}{mark:10} {r['dp_step_seconds'] * 1000:7.1f} ms   "
+                     f"ratio to eager NCHW {r['ratio_to_eager']:.2f}   to fastest {r['ratio_to_fastest']:.2f}")
+    return _emit(args, rows, "\n".join(lines))
+
+
+def bench_epoch(args: argparse.Namespace) -> int:
+    """A central DP epoch with its test-set evaluation, the default path against the baseline
+    (hooks on NCHW), the same data, settings and privacy plan, epochs interleaved."""
+    import time
+
+    import torch
+
+    from fedsd import data as data_lib
+    from fedsd.central import prepare_run
+    from fedsd.config import TrainConfig
+    from fedsd.privacy import plan
+    from fedsd.training import DPTrainer, evaluate, initial_model, released
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    paths = {"default": TrainConfig(dataset=args.dataset, method=args.method),
+             "baseline": TrainConfig(dataset=args.dataset, method=args.method, **BASELINE)}
+    runs = {}
+    for name, cfg in paths.items():
+        run = prepare_run(cfg)
+        cfg = run.cfg
+        n = len(run.train_indices)
+        trainer = DPTrainer(cfg, data_lib.prepare(run.data, run.train_indices, run.device),
+                            plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant))
+        runs[name] = [cfg, trainer, initial_model(cfg, trainer.data.num_classes), None]
+    seconds = {name: [] for name in runs}
+    for epoch in range(1, args.epochs + 1):
+        for name, r in runs.items():
+            cfg, trainer, model, state = r
+            started = time.perf_counter()
+            model, state, _ = trainer.local_update(model, state, [epoch])
+            trainer.model.load_state_dict(released(model))
+            evaluate(trainer.model, trainer.data.x_test, trainer.data.y_test)
+            seconds[name].append(time.perf_counter() - started)
+            r[2], r[3] = model, state
+    cfg = runs["default"][0]
+    report = dict(dataset=args.dataset, method=args.method, batch_size=cfg.batch_size, threads=torch.get_num_threads(),
+                  steps_per_epoch=runs["default"][1].steps_per_epoch,
+                  grad_sample_mode=cfg.grad_sample_mode, memory_format=cfg.memory_format,
+                  baseline=BASELINE, seconds_per_epoch=statistics.median(seconds["default"]),
+                  baseline_seconds_per_epoch=statistics.median(seconds["baseline"]),
+                  seconds_all=seconds["default"], baseline_seconds_all=seconds["baseline"])
+    report["speedup"] = report["baseline_seconds_per_epoch"] / report["seconds_per_epoch"]
+    return _emit(args, report, f"{args.dataset} {args.method} central DP epoch + evaluation, {report['threads']} "
+                               f"threads: default ({cfg.grad_sample_mode}, {cfg.memory_format}) "
+                               f"{report['seconds_per_epoch']:.2f} s, baseline (hooks, NCHW) "
+                               f"{report['baseline_seconds_per_epoch']:.2f} s, speed-up {report['speedup']:.2f}x")

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from fedsd.config import ACCOUNTANTS, DEVICES, GRAD_SAMPLE_MODES, METHODS, TrainConfig
+from fedsd.config import ACCOUNTANTS, DEVICES, GRAD_SAMPLE_MODES, MEMORY_FORMATS, METHODS, TrainConfig
 from fedsd.data import DATASETS
 
 # TrainConfig fields set from the command line, with their flag's type.
@@ -22,7 +22,11 @@ def add_train_options(p: argparse.ArgumentParser, epsilon_required: bool = True,
     p.add_argument("--method", choices=METHODS, default="dp3sd")
     p.add_argument("--accountant", choices=ACCOUNTANTS, default="rdp")
     p.add_argument("--device", choices=DEVICES, default="cpu")
-    p.add_argument("--grad-sample-mode", choices=GRAD_SAMPLE_MODES, default="hooks")
+    p.add_argument("--grad-sample-mode", choices=GRAD_SAMPLE_MODES, default=TrainConfig.grad_sample_mode,
+                   help="per-sample clipping route; all give the same weights and ε (default: %(default)s, "
+                        "the fastest)")
+    p.add_argument("--memory-format", choices=MEMORY_FORMATS, default=TrainConfig.memory_format,
+                   help="image and activation layout; auto: channels-last where the mode is exact under it")
     p.add_argument("--model", default=None, help="mnist-cnn or cifar-cnn (default: the data set's)")
     for name, typ in TRAIN_OPTIONS.items():
         flag = "--" + name.replace("_", "-")
@@ -40,7 +44,7 @@ def add_train_options(p: argparse.ArgumentParser, epsilon_required: bool = True,
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = {name: getattr(args, name) for name in TRAIN_OPTIONS if getattr(args, name) is not None}
     return TrainConfig(dataset=args.dataset, method=args.method, accountant=args.accountant, device=args.device,
-                       grad_sample_mode=args.grad_sample_mode, model=args.model, data_dir=args.data_dir,
+                       grad_sample_mode=args.grad_sample_mode, memory_format=args.memory_format, model=args.model, data_dir=args.data_dir,
                        download=args.download, **values)
 
 

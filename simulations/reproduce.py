@@ -96,7 +96,10 @@ def run_jobs(todo: list[tuple[dict, str]], total: int, jobs: int, desc: str, qui
 
 
 # Where a run went does not change what it computed.
-NOT_SETTINGS = ("device", "threads", "data_dir", "download")
+# How a run is computed, not what it computes: every clipping mode and layout gives the same
+# weights to float tolerance and the same ε (tests/test_grad_sample_modes.py), so a cell made
+# with another of them is not run again.
+NOT_SETTINGS = ("device", "threads", "data_dir", "download", "grad_sample_mode", "memory_format")
 
 
 def finished_with(run_out: Path, config: dict) -> bool:

@@ -1,18 +1,20 @@
-"""Every per-sample clipping route (Opacus' hooks, functorch, expanded weights, ghost clipping)
-gives the reference path's weights to float tolerance, and the same ε."""
+"""Every per-sample clipping route (Opacus' hooks, functorch, expanded weights, ghost clipping,
+fedsd's book-keeping), in every memory layout it allows, gives the reference weights (Opacus'
+hooks on NCHW tensors) to float tolerance, and the same ε."""
 import pytest
 import torch
 
 from fedsd import data as data_lib
-from fedsd.config import TrainConfig
+from fedsd.config import CHANNELS_LAST_EXACT, ConfigError, TrainConfig
 from fedsd.privacy import plan
 from fedsd.training import DPTrainer, initial_model
 from tests.conftest import require
 
 
-def run(mode: str, method: str, epochs=(1, 2), dataset="mnist"):
+def run(mode: str, method: str, epochs=(1, 2), dataset="mnist", memory_format="auto"):
     cfg = TrainConfig(dataset=dataset, method=method, epsilon=3, epochs=2, batch_size=50, subset=300, seed=2,
-                      grad_sample_mode=mode, distill_warmup_epochs=1, threads=1).resolved()
+                      grad_sample_mode=mode, memory_format=memory_format, distill_warmup_epochs=1,
+                      threads=1).resolved()
     images = data_lib.load(dataset)
     tensors = data_lib.prepare(images, data_lib.stratified_subset(images.y_train, 300, 0))
     trainer = DPTrainer(cfg, tensors, plan(3, 1e-5, 300, 50, 2))
@@ -20,12 +22,17 @@ def run(mode: str, method: str, epochs=(1, 2), dataset="mnist"):
     return model["student"], metrics["epsilon"]
 
 
-@pytest.mark.parametrize("mode", ["functorch", "ew", "ghost", "bk"])
+def layouts(mode):
+    return ["contiguous", "channels-last"] if mode in CHANNELS_LAST_EXACT else ["contiguous"]
+
+
+@pytest.mark.parametrize("mode,memory_format", [(m, f) for m in ["hooks", "functorch", "ew", "ghost", "bk"]
+                                                for f in layouts(m)])
 @pytest.mark.parametrize("method", ["dpsgd", "dp3sd"])
-def test_mode_matches_hooks(mode, method):
+def test_mode_matches_hooks(mode, memory_format, method):
     require("mnist")
-    reference, eps_ref = run("hooks", method)
-    fast, eps = run(mode, method)
+    reference, eps_ref = run("hooks", method, memory_format="contiguous")
+    fast, eps = run(mode, method, memory_format=memory_format)
     assert eps == eps_ref
     worst = max((fast[k] - reference[k]).abs().max().item() for k in reference)
     assert worst < 1e-4, worst
@@ -36,12 +43,31 @@ def test_mode_matches_hooks(mode, method):
 
 @pytest.mark.parametrize("mode", ["ghost", "bk"])
 def test_cifar_cnn_mode_matches_hooks(mode):
-    """cifar-cnn: average pooling, and the ghost-norm branch of book-keeping (small late maps)."""
+    """cifar-cnn: average pooling, three channels, and both of book-keeping's conv routes
+    (per-sample gradients for the large early maps, ghost norms for the small late ones)."""
     require("cifar10")
     reference, eps_ref = run("hooks", "dp3sd", dataset="cifar10")
     fast, eps = run(mode, "dp3sd", dataset="cifar10")
     assert eps == eps_ref
     assert max((fast[k] - reference[k]).abs().max().item() for k in reference) < 1e-4
+
+
+def test_default_is_bookkeeping_on_channels_last():
+    cfg = TrainConfig().resolved()
+    assert cfg.grad_sample_mode == "bk" and cfg.channels_last
+    assert not TrainConfig(grad_sample_mode="hooks").channels_last  # auto: NCHW where Opacus needs it
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_channels_last_refused_where_opacus_gets_it_wrong(mode):
+    """Opacus' hooks and ghost clipping unfold NCHW-strided memory: on channels-last tensors
+    they give wrong per-sample gradients, so that combination is refused, not run."""
+    cfg = TrainConfig(dataset="mnist", method="dpsgd", grad_sample_mode=mode, memory_format="channels-last",
+                      subset=300, batch_size=50).resolved()
+    x = torch.zeros(60, 1, 28, 28)
+    with pytest.raises(ConfigError, match="--memory-format.*channels-last.*wrong per-sample gradients"):
+        DPTrainer(cfg, data_lib.TensorData(x, torch.zeros(60, dtype=torch.long), x, torch.zeros(60), 10),
+                  plan(3, 1e-5, 60, 50, 1))
 
 
 def test_bookkeeping_refuses_layers_it_has_no_rule_for():
@@ -64,7 +90,7 @@ def test_empty_batch_takes_a_noise_only_step(mode):
     trainer = DPTrainer(cfg, tensors, p)
     trainer.generator.manual_seed(0)
     before = [w.detach().clone() for w in trainer.model.parameters()]
-    trainer.train_on_batch(tensors.x_train[:0], tensors.y_train[:0], lambda s, t, y: s.sum(1), False)
+    trainer.train_on_batch(trainer.data.x_train[:0], tensors.y_train[:0], lambda s, t, y: s.sum(1), False)
     deltas = torch.cat([(w.detach() - b).flatten() for w, b in zip(trainer.model.parameters(), before)])
     expected_std = cfg.lr * p.noise_multiplier * cfg.clip / cfg.batch_size
     assert deltas.std().item() == pytest.approx(expected_std, rel=0.05)
