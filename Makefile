@@ -7,7 +7,7 @@ RUN_OUT ?= runs/default
 # Flower's tools (flwr, flower-superlink, flower-supernode) start one another by name.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test data venv clean
+.PHONY: run test test-fast test-slow data venv clean
 
 venv: $(VENV)/.installed
 
@@ -30,8 +30,16 @@ run: data
 	$(FEDSD) simulate --dataset fmnist --method dp3sd --epsilon 3 --clients 10 --rounds 10 \
 	    --batch-size 256 --out $(RUN_OUT) --overwrite
 
+# Tiers: test-fast is unit tests and in-process Flower messages (a few minutes); test-slow is
+# every test that trains for real or starts Ray or Flower processes; test is both.
 test: data
 	$(PY) -m pytest -q
+
+test-fast: data
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: data
+	$(PY) -m pytest -q -m slow
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
+from . import settings
 from .config import ConfigError, TrainConfig
+from .settings import setting
 
 PARTITIONS = ("iid", "dirichlet", "pathological")
 STRATEGIES = ("fedavg", "fedadam", "fedprox")
@@ -16,27 +18,35 @@ TEACHER_MODES = ("round-start", "local-previous")
 
 @dataclass
 class FedOptions:
-    num_clients: int = 10
-    rounds: int = 5
-    local_epochs: int = 1
-    fraction_train: float = 1.0
-    partition: str = "iid"
-    dirichlet_alpha: float = 0.5
-    classes_per_client: int = 2
-    teacher: str = "round-start"
-    strategy: str = "fedavg"
-    proximal_mu: float = 0.01  # FedProx
-    server_lr: float = 0.1  # FedAdam's η
-    budget_rounds: int = 0  # rounds a client calibrates σ for; 0 = every round of the run
-    server_dp_noise: float = 0.0  # user-level DP at the server (Flower's fixed clipping); 0 = off
-    server_dp_clip: float = 1.0
-    client_cpus: float = 1.0
-    client_gpus: float = 0.0
-    out_dir: str = ""
-    resume_dir: str = ""  # continue the run whose checkpoint.pt is there
-    round_timeout: float = 3600.0  # seconds the server waits for a round's replies
-    min_nodes: int = 0  # nodes a round after a launch's first needs connected; 0 = half the sampled clients
-    experiment_id: str = ""  # set by the server: names each client's on-disk privacy state
+    """What a federation adds to a TrainConfig (fedsd.settings: each setting declared once)."""
+
+    num_clients: int = setting(10, "clients in the federation (a shard of the training set each)",
+                               flag="--clients")
+    rounds: int = setting(5, "federated rounds", key="num-server-rounds")  # Flower's own name for it
+    local_epochs: int = setting(1, "local epochs a client trains each round")
+    fraction_train: float = setting(1.0, "fraction of the clients sampled each round")
+    partition: str = setting("iid", "how the training set is split across clients", choices=PARTITIONS)
+    dirichlet_alpha: float = setting(0.5, "dirichlet partition: concentration α (smaller: more skewed)")
+    classes_per_client: int = setting(2, "pathological partition: classes per client")
+    teacher: str = setting("round-start", "self-distillation teacher: the round's global model, or the "
+                           "client's own model from its previous round", choices=TEACHER_MODES)
+    strategy: str = setting("fedavg", "server aggregation", choices=STRATEGIES)
+    proximal_mu: float = setting(0.01, "FedProx: weight μ of the pull towards the global model")
+    server_lr: float = setting(0.1, "FedAdam: the server's learning rate η")
+    budget_rounds: int = setting(0, "rounds each client calibrates σ for; 0 = every round of the run")
+    server_dp_noise: float = setting(0.0, "user-level DP at the server (Flower's fixed clipping): noise "
+                                     "multiplier; 0 = off. A separate guarantee, not in ε")
+    server_dp_clip: float = setting(1.0, "server-side DP: clipping norm of a client's update")
+    client_cpus: float = setting(1.0, "CPUs a simulated client takes (Ray's scheduler)")
+    client_gpus: float = setting(0.0, "GPUs a simulated client takes (fractional shares one)")
+    out_dir: str = setting("", "result folder of a Flower run; \"\" = fedsd-runs/<dataset>-<method>-<time>",
+                           cli=False)  # the command line has --out
+    resume_dir: str = setting("", "go on with the run in this folder after its last completed round",
+                              flag="--resume")
+    round_timeout: float = setting(3600.0, "seconds the server waits for a round's replies")
+    min_nodes: int = setting(0, "nodes a round after a launch's first needs connected; 0 = half the "
+                             "sampled clients")
+    experiment_id: str = setting("", "set by the server: names each client's on-disk privacy state", cli=False)
 
     @property
     def planned_rounds(self) -> int:
@@ -79,58 +89,12 @@ def round_epochs(server_round: int, local_epochs: int) -> list[int]:
     return list(range((server_round - 1) * local_epochs + 1, server_round * local_epochs + 1))
 
 
-# -- the flat form: kebab-case keys, no None (TOML and ConfigRecord have none) ----------------
-# -1 (or "") stands for "not set": the paper's default; never 0, since α = 0 is a real ablation.
-_NONE = {int: -1, float: -1.0, str: ""}
-_SKIP = {"extra"}
-
-
-_KEYS = {"rounds": "num-server-rounds"}  # Flower's own name for it
-
-
-def _kebab(name: str) -> str:
-    return _KEYS.get(name, name.replace("_", "-"))
-
-
-def _field_types(cls) -> dict[str, type]:
-    hints = {}
-    for f in fields(cls):
-        if f.name in _SKIP:
-            continue
-        t = str(f.type)
-        hints[f.name] = bool if "bool" in t else int if "int" in t else float if "float" in t else str
-    return hints
-
-
+# -- the flat form: what Flower's run config, each round's ConfigRecord and a checkpoint hold -
 def to_flat(cfg: TrainConfig, fed: FedOptions) -> dict:
-    flat = {}
-    for cls, obj in ((TrainConfig, cfg), (FedOptions, fed)):
-        for name, typ in _field_types(cls).items():
-            value = getattr(obj, name)
-            flat[_kebab(name)] = _NONE.get(typ, value) if value is None else value
-    return flat
+    return settings.to_flat(cfg, fed)
 
 
 def from_flat(flat: dict) -> tuple[TrainConfig, FedOptions]:
     """Inverse of to_flat; a missing key keeps its default, and -1 / "" in an optional
     TrainConfig setting means "the paper's default for this data set"."""
-    flat = {k.replace("_", "-"): v for k, v in flat.items()}
-    out = []
-    for cls in (TrainConfig, FedOptions):
-        defaults = cls()
-        values = {}
-        for name, typ in _field_types(cls).items():
-            key = _kebab(name)
-            if key not in flat:
-                continue
-            value = flat[key]
-            optional = cls is TrainConfig and getattr(defaults, name) is None
-            if optional and value in (-1, -1.0, ""):
-                value = None
-            elif typ is bool:
-                value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
-            elif value is not None:
-                value = typ(value)
-            values[name] = value
-        out.append(cls(**values))
-    return out[0], out[1]
+    return settings.from_flat(flat, TrainConfig, FedOptions)

@@ -18,10 +18,11 @@ from tqdm.auto import tqdm
 from clients.app import build_federation
 from clients.records import model_to_record, record_to_model
 from fedsd.central import resolve_device
-from fedsd.config import TrainConfig
+from fedsd.config import ConfigError, TrainConfig
 from fedsd.federation import FedOptions, from_flat, to_flat
 from fedsd.models import build_model
 from fedsd.results import check_out_dir, write_run
+from fedsd.settings import flags_to_keys
 from fedsd.training import evaluate, initial_model, released, torch_memory_format
 
 from . import checkpoint
@@ -129,10 +130,14 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Entry point for `flwr run .`: every setting comes from the run config."""
-    cfg, fed = from_flat(dict(context.run_config))
-    if fed.resume_dir:  # the checkpoint's settings and folder; the run config's others are not used
-        run_server(grid, cfg, fed)
-        return
-    out = fed.out_dir or f"fedsd-runs/{cfg.dataset}-{cfg.method}-{datetime.now():%Y%m%d-%H%M%S}"
-    run_server(grid, cfg, fed, out=Path(out).absolute())
+    """Entry point for `flwr run .`: every setting comes from the run config. A bad setting
+    stops the run with an error that names it as the run config's key (what the user typed)."""
+    try:
+        cfg, fed = from_flat(dict(context.run_config))
+        if fed.resume_dir:  # the checkpoint's settings and folder; the run config's others are not used
+            run_server(grid, cfg, fed)
+            return
+        out = fed.out_dir or f"fedsd-runs/{cfg.dataset}-{cfg.method}-{datetime.now():%Y%m%d-%H%M%S}"
+        run_server(grid, cfg, fed, out=Path(out).absolute())
+    except ConfigError as e:
+        raise ConfigError(flags_to_keys(str(e), TrainConfig, FedOptions)) from None

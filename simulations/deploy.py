@@ -22,8 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedsd.data import DATASETS
+from fedsd.config import TrainConfig
+from fedsd.federation import FedOptions
 from fedsd.results import check_out_dir, write_json
+from fedsd.settings import add_options, given_flat
 
 ROOT = Path(__file__).resolve().parents[1]
 FEDERATION = "fedsd"  # the SuperLink connection's name in the deployment's Flower config
@@ -251,13 +253,9 @@ def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, wor
 
 
 def add_deploy_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--clients", type=int, required=True)
-    p.add_argument("--rounds", type=int, required=True)
-    p.add_argument("--dataset", choices=DATASETS, default="fmnist")
-    p.add_argument("--subset", type=int, default=None, help="train on a seeded, stratified subset")
-    p.add_argument("--method", default=None)
-    p.add_argument("--epsilon", type=float, default=None)
-    p.add_argument("--batch-size", type=int, default=None)
+    # Every training and federation setting, as `fedsd simulate` has them (declared once).
+    add_options(p, TrainConfig)
+    add_options(p, FedOptions, required=("num_clients", "rounds"), skip=("resume_dir",))
     p.add_argument("--run-config", default="", help="more run-config settings, as k=v pairs")
     p.add_argument("--work", default=None, help="folder for Flower's state, logs and credentials "
                                                 "(default: a new temporary folder)")
@@ -270,17 +268,13 @@ def run_config_from_args(args: argparse.Namespace) -> dict:
     from fedsd.config import ConfigError
     from fedsd.federation import from_flat
 
-    values = {"dataset": args.dataset}
-    for key, value in (("subset", args.subset), ("method", args.method), ("epsilon", args.epsilon),
-                       ("batch-size", args.batch_size)):
-        if value is not None:
-            values[key] = value
+    values = given_flat(args, TrainConfig, FedOptions)
     for pair in args.run_config.split():
         key, sep, value = pair.partition("=")
         if not sep:
             raise ConfigError(f"--run-config: k=v pairs, got {pair!r}")
         values[key] = value.strip("'\"")
-    cfg, fed = from_flat({**values, "num-clients": args.clients, "num-server-rounds": args.rounds})
+    cfg, fed = from_flat({**values, "num-clients": args.num_clients, "num-server-rounds": args.rounds})
     fed.validate()  # --clients, --rounds, partition, strategy, ...
     cfg.resolved()  # --method
     return values
@@ -302,16 +296,16 @@ def main(argv: list[str] | None = None) -> int:
         from clients.app import build_federation
         from fedsd.federation import from_flat
 
-        federation = build_federation(*from_flat({**run_config, "num-clients": args.clients,
+        federation = build_federation(*from_flat({**run_config, "num-clients": args.num_clients,
                                                   "num-server-rounds": args.rounds}))
-        for k in range(args.clients):
+        for k in range(args.num_clients):
             federation.client_plan(k)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"deploy-local: error: {e}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        result = deploy_local(args.clients, args.rounds, Path(args.out), run_config,
+        result = deploy_local(args.num_clients, args.rounds, Path(args.out), run_config,
                               work=Path(args.work) if args.work else None, timeout=args.timeout)
     except KeyboardInterrupt:
         print("deploy-local: interrupted; every process it started is stopped", file=sys.stderr)

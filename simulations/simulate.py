@@ -8,34 +8,17 @@ import warnings
 from pathlib import Path
 
 from fedsd.config import TrainConfig
-from fedsd.federation import PARTITIONS, STRATEGIES, TEACHER_MODES, FedOptions
+from fedsd.federation import FedOptions
 from fedsd.results import check_out_dir
-
-SIM_OPTIONS = {  # flag: (FedOptions field, type)
-    "clients": ("num_clients", int), "rounds": ("rounds", int), "local-epochs": ("local_epochs", int),
-    "fraction-train": ("fraction_train", float), "dirichlet-alpha": ("dirichlet_alpha", float),
-    "classes-per-client": ("classes_per_client", int), "proximal-mu": ("proximal_mu", float),
-    "server-lr": ("server_lr", float), "budget-rounds": ("budget_rounds", int),
-    "server-dp-noise": ("server_dp_noise", float), "server-dp-clip": ("server_dp_clip", float),
-    "client-cpus": ("client_cpus", float), "client-gpus": ("client_gpus", float),
-    "round-timeout": ("round_timeout", float), "min-nodes": ("min_nodes", int),
-}
-
+from fedsd.settings import add_options, from_args
 
 def add_sim_options(p: argparse.ArgumentParser) -> None:
-    defaults = FedOptions()
-    for flag, (field, typ) in SIM_OPTIONS.items():
-        p.add_argument("--" + flag, type=typ, default=getattr(defaults, field))
-    p.add_argument("--partition", choices=PARTITIONS, default=defaults.partition)
-    p.add_argument("--teacher", choices=TEACHER_MODES, default=defaults.teacher)
-    p.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy)
-    p.add_argument("--resume", metavar="DIR", default=None,
-                   help="go on with the run in DIR after its last completed round (its settings, its folder)")
+    """Every FedOptions setting as an option (declared once, in fedsd.federation)."""
+    add_options(p, FedOptions)
 
 
 def sim_options_from_args(args: argparse.Namespace) -> FedOptions:
-    values = {field: getattr(args, flag.replace("-", "_")) for flag, (field, _) in SIM_OPTIONS.items()}
-    return FedOptions(partition=args.partition, teacher=args.teacher, strategy=args.strategy, **values)
+    return from_args(FedOptions, args)
 
 
 def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, overwrite: bool = False,

@@ -12,9 +12,13 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 
 def require(dataset: str):
+    """Skip a test whose data set is not on this machine; with FEDSD_REQUIRE_DATA=1 (CI) fail
+    instead, so a machine without the data cannot pass on little coverage."""
     from fedsd.data import locate
 
     if locate(dataset) is None:
+        if os.environ.get("FEDSD_REQUIRE_DATA") == "1":
+            pytest.fail(f"{dataset} not found and FEDSD_REQUIRE_DATA=1: tests need the real data")
         pytest.skip(f"{dataset} not available here")
 
 

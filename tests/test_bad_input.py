@@ -58,6 +58,7 @@ def test_unknown_dataset_in_the_library():
         train(TrainConfig(dataset="svhn"))
 
 
+@pytest.mark.slow
 def test_non_empty_out_is_refused_unless_overwrite(tmp_path, capsys):
     require("mnist")
     out = tmp_path / "out"

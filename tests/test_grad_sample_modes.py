@@ -26,6 +26,7 @@ def layouts(mode):
     return ["contiguous", "channels-last"] if mode in CHANNELS_LAST_EXACT else ["contiguous"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,memory_format", [(m, f) for m in ["hooks", "functorch", "ew", "ghost", "bk"]
                                                 for f in layouts(m)])
 @pytest.mark.parametrize("method", ["dpsgd", "dp3sd"])
@@ -41,6 +42,7 @@ def test_mode_matches_hooks(mode, memory_format, method):
     assert moved > 100 * worst  # the match is not trivial: training moved the weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ghost", "bk"])
 def test_cifar_cnn_mode_matches_hooks(mode):
     """cifar-cnn: average pooling, three channels, and both of book-keeping's conv routes

@@ -1,6 +1,8 @@
 """`fedsd reproduce`: cells, resume, and the table files (tiny runs: the harness, not the numbers)."""
 import json
 
+import pytest
+
 from simulations.cli import main
 from simulations.reproduce import PAPER_TABLE1, table1_cells, table2_cells
 from tests.conftest import require
@@ -16,6 +18,7 @@ def test_cells_cover_the_table():
                                                                       {"tau_s": 1.0, "tau_t": 1.0}]
 
 
+@pytest.mark.slow
 def test_reproduce_runs_resumes_and_writes_tables(tmp_path):
     require("mnist")
     args = ["reproduce", "--table", "1", "--datasets", "mnist", "--methods", "dpsgd", "dp3sd", "--epsilons", "3",
@@ -32,6 +35,7 @@ def test_reproduce_runs_resumes_and_writes_tables(tmp_path):
     assert (tmp_path / "runs" / "table1" / "mnist-dpsgd-eps3-seed0" / "result.json").stat().st_mtime_ns == stamp
 
 
+@pytest.mark.slow
 def test_sweep_chooses_on_validation_only(tmp_path, capsys):
     require("mnist")
     out = tmp_path / "sweep"

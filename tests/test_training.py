@@ -22,6 +22,7 @@ def test_fmnist_dp3sd_three_epochs_learns():
     assert result["steps"] == 3 * 47
 
 
+@pytest.mark.slow
 def test_same_seed_same_weights_bit_for_bit():
     require("mnist")
     cfg = TrainConfig(dataset="mnist", method="dpdsd", epsilon=2, epochs=2, batch_size=128, subset=1500, seed=7,
@@ -33,6 +34,7 @@ def test_same_seed_same_weights_bit_for_bit():
     assert any(not torch.equal(a[k], c[k]) for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["dpsgd", "dpema", "dpkd", "dp3sd", "dpdsd"])
 def test_every_method_trains_and_spends_its_budget(method):
     require("mnist")
@@ -47,6 +49,7 @@ def test_every_method_trains_and_spends_its_budget(method):
     build_model("mnist-cnn").load_state_dict(weights)
 
 
+@pytest.mark.slow
 def test_dpema_releases_the_average_not_the_last_iterate():
     require("mnist")
     from fedsd import data as data_lib
@@ -67,6 +70,7 @@ def test_dpema_releases_the_average_not_the_last_iterate():
     assert (ema - w).abs().sum() < (w0 - w).abs().sum()
 
 
+@pytest.mark.slow
 def test_cli_writes_result_model_and_curve(tmp_path):
     require("mnist")
     out = tmp_path / "run"

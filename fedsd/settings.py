@@ -1,0 +1,156 @@
+"""Each setting declared once: a dataclass field whose metadata holds its command-line flag,
+its key in the flat form (Flower's run config, a round's ConfigRecord, a checkpoint), its
+allowed values and one line of help. Its type comes from the annotation and its default from
+the field. The command-line options and the flat form are derived from those declarations, so
+a run's settings do not depend on the door it came through (`fedsd train`, `fedsd simulate`,
+`flwr run`, a deployment).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+# In the flat form (TOML and Flower's records have no None): -1 / "" mean "not set", i.e. the
+# paper's value for the data set. Never 0, since α = 0 is a real ablation.
+_UNSET = {int: -1, float: -1.0, str: ""}
+
+
+def setting(default, help: str, *, choices=None, flag: str | None = None, key: str | None = None,
+            default_text: str | None = None, cli: bool = True):
+    """A dataclass field declaring one setting. `flag` and `key` default to the field's name in
+    kebab case; `default_text` describes a default of None (e.g. the paper's value per data
+    set); `cli=False` keeps a setting off the command line (set by the server, or by another
+    option)."""
+    return field(default=default, metadata=dict(help=help, choices=choices, flag=flag, key=key,
+                                                 default_text=default_text, cli=cli))
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    type: type  # int, float, str or bool
+    optional: bool  # None allowed (it means: the paper's value for the data set)
+    default: object
+    help: str
+    choices: tuple | None
+    flag: str
+    key: str
+    default_text: str | None
+    cli: bool
+
+
+def settings_of(cls) -> list[Setting]:
+    """The declared settings of a dataclass, in declaration order (fields without a
+    declaration, such as TrainConfig.extra, are not settings)."""
+    hints = typing.get_type_hints(cls)
+    found = []
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if "help" not in meta:
+            continue
+        typ, optional = _base_type(hints[f.name])
+        kebab = f.name.replace("_", "-")
+        found.append(Setting(f.name, typ, optional, f.default, meta["help"],
+                             tuple(meta["choices"]) if meta["choices"] else None,
+                             meta["flag"] or "--" + kebab, meta["key"] or kebab, meta["default_text"], meta["cli"]))
+    return found
+
+
+def _base_type(hint) -> tuple[type, bool]:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            raise TypeError(f"a setting has one type (or that type | None), got {hint}")
+        return rest[0], True
+    return hint, False
+
+
+# -- the command line -------------------------------------------------------------------------
+def add_options(parser: argparse.ArgumentParser, cls, *, required: tuple[str, ...] = (),
+                skip: tuple[str, ...] = ()) -> None:
+    """One option per declared setting of `cls`. An option not given stays unset (the
+    dataclass's default applies), so the default is declared in one place only."""
+    for s in settings_of(cls):
+        if not s.cli or s.name in skip:
+            continue
+        kwargs = dict(dest=s.name, default=argparse.SUPPRESS, help=_help_text(s))
+        if s.type is bool:
+            parser.add_argument(s.flag, action="store_true", **kwargs)
+            continue
+        metavar = None if s.choices else {int: "N", float: "X"}.get(s.type, s.name.split("_")[-1].upper())
+        parser.add_argument(s.flag, type=s.type, choices=s.choices, metavar=metavar,
+                            required=s.name in required, **kwargs)
+
+
+def _help_text(s: Setting) -> str:
+    text = s.help
+    if s.choices:
+        text += f"; one of {', '.join(map(str, s.choices))}"
+    if s.default is None and s.default_text:
+        return f"{text} (default: {s.default_text})"
+    if s.type is bool:
+        return text
+    return f"{text} (default: {s.default!r})" if s.type is str else f"{text} (default: {s.default})"
+
+
+def from_args(cls, args: argparse.Namespace, **overrides):
+    """An instance of `cls` from the options the user gave; the rest keep their defaults."""
+    given = {s.name: getattr(args, s.name) for s in settings_of(cls) if hasattr(args, s.name)}
+    return cls(**{**given, **overrides})
+
+
+def given_flat(args: argparse.Namespace, *classes) -> dict:
+    """The options the user gave, as flat keys (what `flwr run --run-config` would carry)."""
+    return {s.key: getattr(args, s.name) for cls in classes for s in settings_of(cls) if hasattr(args, s.name)}
+
+
+# -- the flat form ----------------------------------------------------------------------------
+def to_flat(*objects) -> dict:
+    """Kebab-case keys and plain values (no None) for every declared setting of the objects."""
+    flat = {}
+    for obj in objects:
+        for s in settings_of(type(obj)):
+            value = getattr(obj, s.name)
+            flat[s.key] = _UNSET[s.type] if value is None else value
+    return flat
+
+
+def from_flat(flat: dict, *classes) -> tuple:
+    """Instances of `classes` from a flat dict (a missing key keeps its default; -1 / "" for an
+    optional setting means unset). Raises ConfigError naming the key of a value of the wrong
+    type."""
+    from .config import ConfigError
+
+    flat = {k.replace("_", "-"): v for k, v in flat.items()}
+    out = []
+    for cls in classes:
+        values = {}
+        for s in settings_of(cls):
+            if s.key not in flat:
+                continue
+            value = flat[s.key]
+            if s.optional and value in (-1, -1.0, ""):
+                value = None
+            elif s.type is bool:
+                value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+            elif value is not None:
+                try:
+                    value = s.type(value)
+                except (TypeError, ValueError):
+                    raise ConfigError(f"{s.key}: expects {s.type.__name__}, got {value!r}") from None
+            values[s.name] = value
+        out.append(cls(**values))
+    return tuple(out)
+
+
+def flags_to_keys(message: str, *classes) -> str:
+    """An error message about settings, with each `--flag` written as its run-config key: what
+    a user of `flwr run --run-config` typed."""
+    for cls in classes:
+        for s in sorted(settings_of(cls), key=lambda s: -len(s.flag)):  # --tau-s before --tau
+            message = message.replace(s.flag + ":", s.key + ":").replace(s.flag + " ", s.key + " ")
+    return message

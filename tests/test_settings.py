@@ -1,0 +1,88 @@
+"""Each setting is declared once (fedsd.settings); the command line, the flat form and the Flower
+app's defaults are derived from, or checked against, that declaration."""
+import argparse
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from fedsd.config import ConfigError, TrainConfig
+from fedsd.federation import FedOptions, from_flat, to_flat
+from fedsd.settings import add_options, flags_to_keys, from_args, settings_of
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pyproject_app_config_is_the_declared_defaults():
+    app_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    declared = to_flat(TrainConfig(), FedOptions())
+    assert set(app_config) == set(declared), set(app_config) ^ set(declared)
+    differing = {k: (app_config[k], declared[k]) for k in declared if app_config[k] != declared[k]}
+    assert not differing, f"pyproject.toml (left) disagrees with the declared default (right): {differing}"
+
+
+def _other_value(s):
+    """A valid value for setting `s` that is not its default."""
+    if s.choices:
+        return next(c for c in s.choices if c != s.default)
+    if s.type is bool:
+        return not s.default
+    if s.type is int:
+        return 7 if s.default in (None, 0) else s.default + 3
+    if s.type is float:
+        return 0.375 if s.default in (None, 0.0) else s.default * 2 + 0.125
+    return "some/folder"
+
+
+@pytest.mark.parametrize("cls", [TrainConfig, FedOptions])
+def test_flat_form_round_trips_every_setting(cls):
+    changed = cls(**{s.name: _other_value(s) for s in settings_of(cls)})
+    other = FedOptions() if cls is TrainConfig else TrainConfig()
+    pair = (changed, other) if cls is TrainConfig else (other, changed)
+    flat = to_flat(*pair)
+    assert all(v is not None for v in flat.values())  # TOML and Flower's records have no None
+    assert from_flat(flat) == pair
+    assert from_flat(to_flat(TrainConfig(), FedOptions())) == (TrainConfig(), FedOptions())
+
+
+def test_flat_form_types_come_from_the_annotations():
+    cfg, fed = from_flat({"batch-size": "64", "lr": "0.5", "download": "true", "num-server-rounds": "4"})
+    assert (cfg.batch_size, cfg.lr, cfg.download, fed.rounds) == (64, 0.5, True, 4)
+    assert type(cfg.batch_size) is int and type(cfg.lr) is float
+    with pytest.raises(ConfigError, match="batch-size: expects int"):
+        from_flat({"batch-size": "many"})
+
+
+def test_command_line_options_are_derived_and_unset_ones_keep_the_declared_default():
+    parser = argparse.ArgumentParser()
+    add_options(parser, TrainConfig)
+    add_options(parser, FedOptions)
+    args = parser.parse_args(["--tau-s", "0.2", "--clients", "3", "--rounds", "4", "--download",
+                              "--resume", "runs/x"])
+    assert from_args(TrainConfig, args) == TrainConfig(tau_s=0.2, download=True)
+    assert from_args(FedOptions, args) == FedOptions(num_clients=3, rounds=4, resume_dir="runs/x")
+    flags = {a.option_strings[0] for a in parser._actions if a.option_strings}
+    for cls in (TrainConfig, FedOptions):
+        assert {s.flag for s in settings_of(cls) if s.cli} <= flags
+    with pytest.raises(SystemExit):  # choices come from the declaration
+        parser.parse_args(["--partition", "sorted"])
+
+
+def test_help_says_what_and_the_default(capsys):
+    from simulations.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "per-sample clipping norm C (default: the paper's value for the data set: MNIST 0.1" in text
+    assert "--grad-sample-mode" in text and "(default: 'bk')" in text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--clients N clients in the federation" in text and "(default: 10)" in text
+
+
+def test_errors_name_the_setting_as_the_user_typed_it():
+    message = "--batch-size: must be >= 1, got 0; --rounds: must be >= 1; --tau-s: a temperature must be > 0"
+    assert flags_to_keys(message, TrainConfig, FedOptions) == (
+        "batch-size: must be >= 1, got 0; num-server-rounds: must be >= 1; tau-s: a temperature must be > 0")
