@@ -10,16 +10,22 @@ with skipped = 1.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsd import data as data_lib
 from fedsd import privacy
+from fedsd.client_data import DataError, load_holder_data, normalised, task_for
+from fedsd.results import write_json
 from fedsd.config import ConfigError, TrainConfig, validate
 from fedsd.federation import FedOptions, client_config, from_flat, round_epochs
 from fedsd.training import BudgetExhausted, DPTrainer, Model, load_train_state, save_train_state
@@ -96,9 +102,62 @@ def client_state_file(node_config, experiment_id: str, partition_id: int) -> Pat
     one file per experiment (the server's id for the run, kept across --resume) and client."""
     if not experiment_id:
         return None
+    return state_root(node_config) / experiment_id / f"client-{partition_id}.pt"
+
+
+def state_root(node_config) -> Path:
+    """This client's own folder: privacy state, its lifetime ledgers, its prepared data."""
     root = node_config.get("state-dir") or os.environ.get("FEDSD_CLIENT_STATE_DIR") \
         or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fedsd" / "client-state"
-    return Path(root) / experiment_id / f"client-{partition_id}.pt"
+    return Path(root)
+
+
+def own_trainer(flat: dict, node_config, partition_id: int) -> tuple[TrainConfig, FedOptions, DPTrainer, str]:
+    """The trainer for the data this SuperNode names (`data` in its --node-config), prepared
+    once for the run's task and cached on its disk. Returns (cfg, fed, trainer, the data's
+    fingerprint). Raises DataError / ConfigError naming the file or setting, before any step."""
+    cfg, fed = from_flat(flat)
+    fed.validate()
+    cfg = client_config(cfg, fed)
+    task = task_for(cfg)
+    held = load_holder_data(node_config["data"], task, state_root(node_config) / "data-cache")
+    key = (tuple(sorted(flat.items())), "own", held.fingerprint, partition_id)
+    if key not in _TRAINERS:
+        n = len(held.y_train)
+        if n < cfg.batch_size:
+            raise DataError(f"data={held.source}: {n} training samples, fewer than the batch size {cfg.batch_size}")
+        validate(cfg, n)
+        tensors = data_lib.TensorData(normalised(held.x_train, task), held.y_train, normalised(held.x_test, task),
+                                      held.y_test, len(task.classes)).to(resolve_device(cfg.device))
+        plan = privacy.plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant)
+        _TRAINERS.clear()  # one data set a process: a fresh ClientApp process, or one Ray worker's client
+        _TRAINERS[key] = DPTrainer(cfg, tensors, plan, client=partition_id)
+    return cfg, fed, _TRAINERS[key], held.fingerprint
+
+
+def shard_fingerprint(federation: Federation, partition_id: int) -> str:
+    """A simulated client's data: its shard of a built-in data set."""
+    indices = federation.train_indices[federation.shards[partition_id]].numpy().tobytes()
+    return hashlib.sha256(federation.cfg.dataset.encode() + indices).hexdigest()[:32]
+
+
+@contextmanager
+def lifetime_ledger(node_config, fingerprint: str):
+    """The owner's lifetime privacy filter for this data (None without max-epsilon), locked
+    against other runs on this machine while a round is admitted and recorded."""
+    if "max-epsilon" not in node_config:
+        yield None
+        return
+    path = state_root(node_config) / f"ledger-{fingerprint}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    max_eps = float(node_config["max-epsilon"])
+    max_delta = float(node_config.get("max-delta", 1e-5))
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ledger = (privacy.PrivacyFilter.from_state_dict(json.loads(path.read_text()), max_eps, max_delta)
+                  if path.is_file() else privacy.PrivacyFilter(max_eps, max_delta))
+        yield ledger
+        write_json(path, ledger.state_dict())
 
 
 def node_settings(flat: dict, node_config) -> int:
@@ -120,8 +179,14 @@ def train(msg: Message, context: Context) -> Message:
     flat = dict(msg.content["config"])
     server_round = int(flat.pop("server-round"))
     partition_id = node_settings(flat, context.node_config)
-    federation, trainer = trainer_for(flat, partition_id)
-    fed = federation.fed
+    if flat.get("client-data") == "own":  # this SuperNode's own files
+        if not context.node_config.get("data"):
+            raise ConfigError("client-data=own: this run trains on each client's own data; start the SuperNode "
+                              "with --node-config \"data='/path/to/folder-or.npz' ...\"")
+        cfg, fed, trainer, fingerprint = own_trainer(flat, context.node_config, partition_id)
+    else:  # a simulation: this client's shard of a built-in data set
+        federation, trainer = trainer_for(flat, partition_id)
+        fed, fingerprint = federation.fed, shard_fingerprint(federation, partition_id)
     # FedProx sends its μ as "proximal-mu" in the round's config (the run config's key of the same name).
     proximal_mu = float(flat["proximal-mu"]) if fed.strategy == "fedprox" else 0.0
     # The state of this run (context.state), else what this client left on its disk in an
@@ -132,20 +197,31 @@ def train(msg: Message, context: Context) -> Message:
         state = load_train_state(state_file)
     model: Model = record_to_model(msg.content["arrays"])
     teacher = state.local_model if (fed.teacher == "local-previous" and state is not None) else None
-    base = {"num-examples": trainer.num_train, "partition-id": partition_id}
+    base = {"num-examples": trainer.num_train, "partition-id": partition_id,
+            "noise-multiplier": trainer.plan.noise_multiplier, "sample-rate": trainer.plan.sample_rate}
+    epochs = round_epochs(server_round, fed.local_epochs)
+    plan = trainer.plan
     try:
-        model, state, metrics = trainer.local_update(model, state, round_epochs(server_round, fed.local_epochs),
-                                                     teacher=teacher, proximal_mu=proximal_mu)
-    except BudgetExhausted:
-        spent = 0.0 if state is None else privacy.Ledger(trainer.plan.accountant, state.history).epsilon(trainer.plan.delta)
-        return Message(RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "epsilon": spent,
-                                                            "noise-multiplier": trainer.plan.noise_multiplier})}),
-                       reply_to=msg)
+        trainer.check_budget(state, epochs)  # the run's own plan, before the owner's ledger is charged
+        with lifetime_ledger(context.node_config, fingerprint) as ledger:
+            if ledger is not None:
+                if state is None:  # this client's first round of the run: the whole plan must fit
+                    ledger.check(plan.epsilon, plan.delta, plan.noise_multiplier, plan.sample_rate, plan.planned_steps)
+                # Charged before the steps run: a round cut short still counts as spent.
+                ledger.spend(plan.noise_multiplier, plan.sample_rate, len(epochs) * trainer.steps_per_epoch,
+                             run=fed.experiment_id)
+    except (BudgetExhausted, privacy.BudgetRefused) as e:
+        spent = 0.0 if state is None else privacy.Ledger(plan.accountant, state.history).epsilon(plan.delta)
+        refused = isinstance(e, privacy.BudgetRefused)
+        reply = RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "refused": int(refused), "epsilon": spent})})
+        if refused:
+            reply["refusal"] = ConfigRecord({"reason": str(e)})
+        return Message(reply, reply_to=msg)
+    model, state, metrics = trainer.local_update(model, state, epochs, teacher=teacher, proximal_mu=proximal_mu)
     save_state(context.state, state)
     if state_file is not None:  # before replying: the spent budget is on disk before anyone can use it
         state_file.parent.mkdir(parents=True, exist_ok=True)
         save_train_state(state_file, state)
-    reply = MetricRecord({**base, "skipped": 0, "epsilon": metrics["epsilon"],
-                          "noise-multiplier": metrics["noise_multiplier"], "train-loss": metrics["train_loss"],
+    reply = MetricRecord({**base, "skipped": 0, "epsilon": metrics["epsilon"], "train-loss": metrics["train_loss"],
                           "seconds": metrics["seconds"], "steps": metrics["steps"]})
     return Message(RecordDict({"arrays": model_to_record(model), "metrics": reply}), reply_to=msg)

@@ -12,6 +12,7 @@ from .data import DATASETS
 from .models import DEFAULT_MODEL, MODELS
 
 METHODS = ("dpsgd", "dpema", "dpkd", "dp3sd", "dpdsd")
+CUSTOM = "custom"  # a task whose data only the clients hold (fedsd.client_data)
 DISTILLING = ("dp3sd", "dpdsd")  # methods whose teacher is the model itself (self-distillation)
 ACCOUNTANTS = ("rdp", "prv")
 DEVICES = ("cpu", "cuda", "auto")
@@ -69,7 +70,8 @@ def _paper_text(key: str, methods: tuple[str, ...] = ()) -> str:
 class TrainConfig:
     """A training run's settings, central or one client's (fedsd.settings: each declared once)."""
 
-    dataset: str = setting("fmnist", "data set", choices=DATASETS)
+    dataset: str = setting("fmnist", "data set; custom: each client's own data, described by classes, "
+                           "image-size and channels", choices=DATASETS + (CUSTOM,))
     method: str = setting("dp3sd", "training method", choices=METHODS)
     epsilon: float = setting(3.0, "privacy budget ε of the whole run (a client's, federated)")
     delta: float = setting(1e-5, "privacy δ; must be below 1/n")
@@ -107,6 +109,12 @@ class TrainConfig:
                                     "(bk, the default, is the fastest)", choices=GRAD_SAMPLE_MODES)
     memory_format: str = setting("auto", "image and activation layout; auto: channels-last where the "
                                  "clipping mode is exact under it", choices=MEMORY_FORMATS)
+    classes: str = setting("", "dataset=custom: the class names in label order, comma-separated")
+    image_size: int = setting(0, "dataset=custom: the square size images are resized to")
+    channels: int = setting(0, "dataset=custom: 1 (grey) or 3 (RGB)")
+    mean: str = setting("", "normalisation mean per channel, comma-separated; \"\" = the built-in data "
+                        "set's standard constants (never statistics of a client's private data)")
+    std: str = setting("", "normalisation std per channel, comma-separated (as mean)")
     data_dir: str | None = setting(None, "root holding mnist/, fashion-mnist/, cifar10/",
                                    default_text="FEDSD_DATA_DIR, then Debian's fashion-mnist")
     download: bool = setting(False, "download the data set with torchvision when it is not found")
@@ -114,10 +122,14 @@ class TrainConfig:
 
     def resolved(self) -> "TrainConfig":
         """A copy with every open setting filled with the papers' default for this data set."""
-        _check_choice("--dataset", self.dataset, DATASETS)
+        _check_choice("--dataset", self.dataset, DATASETS + (CUSTOM,))
         _check_choice("--method", self.method, METHODS)
-        paper = PAPER[self.dataset]
         c = dataclasses.replace(self)
+        if c.model is None and c.dataset == CUSTOM:
+            c.model = "mnist-cnn" if (c.channels, c.image_size) == (1, 28) else "cifar-cnn"
+        # A custom task takes the papers' settings of the data set its model was made for.
+        reference = c.dataset if c.dataset != CUSTOM else ("fmnist" if c.model == "mnist-cnn" else "cifar10")
+        paper = PAPER[reference]
         for key in ("epochs", "batch_size", "lr", "clip"):
             if getattr(c, key) is None:
                 setattr(c, key, paper[key])
@@ -130,7 +142,7 @@ class TrainConfig:
             if getattr(c, key) is None:
                 setattr(c, key, value)
         if c.momentum is None:
-            c.momentum = OPEN_DEFAULTS["momentum"][c.dataset]
+            c.momentum = OPEN_DEFAULTS["momentum"][reference]
         if c.method == "dpema" and c.ema_decay is None:
             c.ema_decay = OPEN_DEFAULTS["ema_decay"]
         if c.model is None:

@@ -12,6 +12,7 @@ from .config import ConfigError, TrainConfig
 from .settings import setting
 
 PARTITIONS = ("iid", "dirichlet", "pathological")
+CLIENT_DATA = ("partition", "own")
 STRATEGIES = ("fedavg", "fedadam", "fedprox")
 TEACHER_MODES = ("round-start", "local-previous")
 
@@ -23,6 +24,9 @@ class FedOptions:
     num_clients: int = setting(10, "clients in the federation (a shard of the training set each)",
                                flag="--clients")
     rounds: int = setting(5, "federated rounds", key="num-server-rounds")  # Flower's own name for it
+    client_data: str = setting("partition", "where a client's training data comes from: partition = its shard "
+                               "of the built-in data set (simulations); own = the data its SuperNode names "
+                               "(--node-config data=...), which the server never sees", choices=CLIENT_DATA)
     local_epochs: int = setting(1, "local epochs a client trains each round")
     fraction_train: float = setting(1.0, "fraction of the clients sampled each round")
     partition: str = setting("iid", "how the training set is split across clients", choices=PARTITIONS)
@@ -60,6 +64,8 @@ class FedOptions:
         check(self.rounds >= 1, "--rounds", "must be >= 1", self.rounds)
         check(self.local_epochs >= 1, "--local-epochs", "must be >= 1", self.local_epochs)
         check(0 < self.fraction_train <= 1, "--fraction-train", "must be in (0, 1]", self.fraction_train)
+        check(self.client_data in CLIENT_DATA, "--client-data", f"choose one of {', '.join(CLIENT_DATA)}",
+              self.client_data)
         check(self.partition in PARTITIONS, "--partition", f"choose one of {', '.join(PARTITIONS)}", self.partition)
         check(self.strategy in STRATEGIES, "--strategy", f"choose one of {', '.join(STRATEGIES)}", self.strategy)
         check(self.teacher in TEACHER_MODES, "--teacher", f"choose one of {', '.join(TEACHER_MODES)}", self.teacher)

@@ -83,3 +83,81 @@ class Ledger:
         """ε spent if `steps` more steps were taken (asks a scratch copy; this ledger is unchanged)."""
         scratch = Ledger(self.kind, self.history + [[noise_multiplier, sample_rate, steps]])
         return scratch.epsilon(delta)
+
+
+class BudgetRefused(ValueError):
+    """A data holder's lifetime budget does not admit what a run asks for; nothing was spent."""
+
+
+class PrivacyFilter:
+    """A data owner's lifetime budget (max ε, max δ) for one data set, across every run and
+    every experiment, whatever the server asks: a Rényi privacy filter.
+
+    It keeps everything ever admitted as Opacus RDP history entries (σ, q, steps). A request is
+    admitted only if the RDP curve of everything so far plus the request still converts to
+    ε ≤ max ε at δ = max δ for some order of a set fixed in advance. That is the condition
+    under which adaptively chosen mechanisms (the next run may depend on earlier results)
+    compose soundly: Feldman & Zrnic 2021 for one order, Lécuyer 2021 for several at once.
+    A run's own ε may still come from a tighter accountant (PRV) for its fixed plan; the
+    lifetime check is RDP's. Saved as JSON in the owner's state folder, one file per data
+    fingerprint, so new experiment ids, new runs and restarted SuperNodes all continue it.
+    """
+
+    # Opacus' orders reach 63; more (to 512) keep the optimal order inside the set for the
+    # small per-step ε of long DP-SGD runs (no "optimal order is the largest alpha").
+    ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [80, 96, 128, 192, 256, 384, 512]
+
+    def __init__(self, max_epsilon: float, max_delta: float, entries: list | None = None):
+        if not (math.isfinite(max_epsilon) and max_epsilon > 0):
+            raise BudgetError(f"max-epsilon: must be > 0, got {max_epsilon!r}")
+        if not 0 < max_delta < 1:
+            raise BudgetError(f"max-delta: must be in (0, 1), got {max_delta!r}")
+        self.max_epsilon, self.max_delta = float(max_epsilon), float(max_delta)
+        self.entries = [dict(e) for e in (entries or [])]  # {noise_multiplier, sample_rate, steps, run}
+
+    def epsilon(self, extra: list[tuple[float, float, int]] = ()) -> float:
+        """ε at max δ of everything admitted so far, plus `extra` (σ, q, steps) entries."""
+        from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+        entries = [(e["noise_multiplier"], e["sample_rate"], e["steps"]) for e in self.entries] + list(extra)
+        if not entries:
+            return 0.0
+        rdp = sum(compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=self.ORDERS)
+                  for sigma, q, steps in entries)
+        eps, _ = get_privacy_spent(orders=self.ORDERS, rdp=rdp, delta=self.max_delta)
+        return float(eps)
+
+    def check(self, epsilon: float, delta: float, noise_multiplier: float, sample_rate: float, steps: int) -> None:
+        """Raise BudgetRefused, with the reason, unless a run of this (ε, δ) and plan fits."""
+        if epsilon > self.max_epsilon * (1 + 1e-9):
+            raise BudgetRefused(f"run asks ε={epsilon:g}, this client allows at most {self.max_epsilon:g}")
+        if delta > self.max_delta * (1 + 1e-9):
+            raise BudgetRefused(f"run asks δ={delta:g}, this client allows at most {self.max_delta:g}")
+        after = self.epsilon([(noise_multiplier, sample_rate, steps)])
+        if after > self.max_epsilon * (1 + 1e-9):
+            raise BudgetRefused(f"lifetime budget left: {self.left():.3g} of ε={self.max_epsilon:g}; this run's "
+                                f"{steps} steps at σ={noise_multiplier:.3f}, q={sample_rate:.3g} would bring it "
+                                f"to ε={after:.3f}")
+
+    def left(self) -> float:
+        return max(0.0, self.max_epsilon - self.epsilon())
+
+    def spend(self, noise_multiplier: float, sample_rate: float, steps: int, run: str = "") -> None:
+        """Admit `steps` steps (raises BudgetRefused when they do not fit) and record them."""
+        after = self.epsilon([(noise_multiplier, sample_rate, steps)])
+        if after > self.max_epsilon * (1 + 1e-9):
+            raise BudgetRefused(f"lifetime budget left: {self.left():.3g} of ε={self.max_epsilon:g}; {steps} more "
+                                f"steps would bring it to ε={after:.3f}")
+        self.entries.append(dict(noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps, run=run))
+
+    def state_dict(self) -> dict:
+        return dict(mechanism="subsampled-gaussian", accountant="rdp", max_epsilon=self.max_epsilon,
+                    max_delta=self.max_delta, entries=self.entries)
+
+    @classmethod
+    def from_state_dict(cls, state: dict, max_epsilon: float, max_delta: float) -> "PrivacyFilter":
+        """The saved ledger under the owner's current limits (a lowered limit applies at once;
+        what was spent stays spent)."""
+        if state.get("mechanism") != "subsampled-gaussian" or state.get("accountant") != "rdp":
+            raise BudgetError(f"privacy ledger of an unknown kind: {state.get('mechanism')}/{state.get('accountant')}")
+        return cls(max_epsilon, max_delta, state["entries"])

@@ -71,11 +71,11 @@ def _base_type(hint) -> tuple[type, bool]:
 
 # -- the command line -------------------------------------------------------------------------
 def add_options(parser: argparse.ArgumentParser, cls, *, required: tuple[str, ...] = (),
-                skip: tuple[str, ...] = ()) -> None:
-    """One option per declared setting of `cls`. An option not given stays unset (the
-    dataclass's default applies), so the default is declared in one place only."""
+                skip: tuple[str, ...] = (), only: tuple[str, ...] = ()) -> None:
+    """One option per declared setting of `cls` (or only those named). An option not given
+    stays unset (the dataclass's default applies), so the default is declared in one place."""
     for s in settings_of(cls):
-        if not s.cli or s.name in skip:
+        if not s.cli or s.name in skip or (only and s.name not in only):
             continue
         kwargs = dict(dest=s.name, default=argparse.SUPPRESS, help=_help_text(s))
         if s.type is bool:

@@ -158,14 +158,9 @@ class DPTrainer:
         nothing, when these epochs would overspend the budget.
         """
         cfg = self.cfg
+        self.check_budget(state, epochs)
         state = copy.deepcopy(state) if state is not None else TrainState()
         ledger = Ledger(self.plan.accountant, state.history)
-        steps_to_run = len(epochs) * self.steps_per_epoch
-        after = ledger.epsilon_after(steps_to_run, self.plan.noise_multiplier, self.plan.sample_rate,
-                                     self.plan.delta)
-        if after > self.plan.epsilon * (1 + 1e-9):
-            raise BudgetExhausted(f"{steps_to_run} more steps would spend ε={after:.3f} > budget "
-                                  f"{self.plan.epsilon} (spent so far {ledger.epsilon(self.plan.delta):.3f})")
         if state.rng_state is None:
             self.generator.manual_seed(_rng_seed(cfg, self.client))
         else:
@@ -207,6 +202,16 @@ class DPTrainer:
                        epsilon=ledger.epsilon(self.plan.delta), noise_multiplier=self.plan.noise_multiplier,
                        seconds=time.perf_counter() - started)
         return model, state, metrics
+
+    def check_budget(self, state: TrainState | None, epochs: list[int]) -> None:
+        """Raise BudgetExhausted when these epochs would spend more than this run's (ε, δ)."""
+        ledger = Ledger(self.plan.accountant, state.history if state is not None else [])
+        steps_to_run = len(epochs) * self.steps_per_epoch
+        after = ledger.epsilon_after(steps_to_run, self.plan.noise_multiplier, self.plan.sample_rate,
+                                     self.plan.delta)
+        if after > self.plan.epsilon * (1 + 1e-9):
+            raise BudgetExhausted(f"{steps_to_run} more steps would spend ε={after:.3f} > budget "
+                                  f"{self.plan.epsilon} (spent so far {ledger.epsilon(self.plan.delta):.3f})")
 
     # -- pieces ---------------------------------------------------------------------------
     def _loss_for_epoch(self, epoch: int, model: Model):

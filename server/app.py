@@ -18,8 +18,10 @@ from tqdm.auto import tqdm
 from clients.app import build_federation
 from clients.records import model_to_record, record_to_model
 from fedsd.central import resolve_device
-from fedsd.config import ConfigError, TrainConfig
-from fedsd.federation import FedOptions, from_flat, to_flat
+from fedsd import data as data_lib
+from fedsd.client_data import task_for
+from fedsd.config import CUSTOM, ConfigError, TrainConfig
+from fedsd.federation import FedOptions, client_config, from_flat, to_flat
 from fedsd.models import build_model
 from fedsd.results import check_out_dir, write_run
 from fedsd.settings import flags_to_keys
@@ -49,17 +51,14 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     elif out is not None:
         out = Path(out)
         check_out_dir(out, overwrite)
-    federation = build_federation(cfg, fed)  # every check, before anything is written
+    cfg, num_classes, test, source = public_side(cfg, fed)  # every check, before anything is written
     if out is not None and resumed is None:
         prepare_out_dir(out, overwrite)
-    cfg = federation.cfg
-    log(INFO, "fedsd: %d clients, %s partition, shard sizes %s", fed.num_clients, fed.partition,
-        federation.shard_sizes())
     device = resolve_device(cfg.device)
     layout = torch_memory_format(cfg)  # as the clients train
-    test_x = federation.images.normalised(federation.images.x_test).to(device).contiguous(memory_format=layout)
-    test_y = federation.images.y_test.to(device)
-    net = build_model(cfg.model, federation.images.num_classes).to(device, memory_format=layout)
+    if test is not None:
+        test_x, test_y = test[0].to(device).contiguous(memory_format=layout), test[1].to(device)
+    net = build_model(cfg.model, num_classes).to(device, memory_format=layout)
     shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
     start_round = resumed["round"] if resumed else 0
     strategy = RecordingStrategy(base_strategy(fed), fed, shapes, round_offset=start_round)
@@ -76,18 +75,21 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     def evaluate_global(launch_round: int, arrays) -> MetricRecord:
         model = record_to_model(arrays)
         net.load_state_dict(released(model))
-        accuracy, loss = evaluate(net, test_x, test_y)
+        # A custom task has no public test split at the server: nothing is evaluated there.
+        accuracy, loss = evaluate(net, test_x, test_y) if test is not None else (float("nan"), float("nan"))
         if launch_round > 0:
             server_round = launch_round + start_round
             now = time.perf_counter()
             epsilons = dict(sorted(strategy.client_epsilon.items()))
             reports = strategy.round_clients.get(server_round, {})
-            rounds.append(dict(round=server_round, test_accuracy=accuracy, test_loss=loss, seconds=now - last[0],
+            rounds.append(dict(round=server_round, test_accuracy=_number(accuracy), test_loss=_number(loss),
+                               seconds=now - last[0],
                                train_seconds=strategy.train_seconds.get(server_round),
                                client_epsilon={str(k): v for k, v in epsilons.items()},
                                trained=sorted(k for k, r in reports.items()
                                               if not int(r.get("skipped", 0)) and "rejected" not in r),
                                skipped=sorted(k for k, r in reports.items() if int(r.get("skipped", 0))),
+                               refused={str(k): r["refused"] for k, r in reports.items() if "refused" in r},
                                rejected={str(k): r["rejected"] for k, r in reports.items() if "rejected" in r},
                                missed=strategy.missed.get(server_round, [])))
             if out is not None:
@@ -100,22 +102,23 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
             last[0] = now
         return MetricRecord({"test-accuracy": accuracy, "test-loss": loss})
 
-    initial = resumed["model"] if resumed else initial_model(cfg, federation.images.num_classes)
+    initial = resumed["model"] if resumed else initial_model(cfg, num_classes)
     train_config = ConfigRecord({**to_flat(cfg, fed), "experiment-id": experiment_id})
     outcome = strategy.start(grid=grid, initial_arrays=model_to_record(initial), num_rounds=fed.rounds - start_round,
                              timeout=fed.round_timeout, train_config=train_config, evaluate_fn=evaluate_global)
     bar.close()
     final = record_to_model(outcome.arrays) if len(outcome.arrays) else initial
-    plans = {k: federation.client_plan(k) for k in range(fed.num_clients)}
+    reported = client_facts(strategy.round_clients)  # what the clients said, not what the server computed
     result = dict(
         dataset=cfg.dataset, method=cfg.method, epsilon_target=cfg.epsilon,
         epsilon_spent=max(strategy.client_epsilon.values(), default=0.0), delta=cfg.delta,
-        noise_multiplier={str(k): p.noise_multiplier for k, p in plans.items()},
-        sample_rate={str(k): p.sample_rate for k, p in plans.items()},
+        noise_multiplier={str(k): r.get("noise-multiplier") for k, r in reported.items()},
+        sample_rate={str(k): r.get("sample-rate") for k, r in reported.items()},
         steps=sum(r.get("steps", 0) for reps in strategy.round_clients.values() for r in reps.values()),
         test_accuracy=rounds[-1]["test_accuracy"] if rounds else None, seed=cfg.seed,
-        wall_seconds=time.perf_counter() - started, device=str(device), data_source=federation.images.source,
-        num_clients=fed.num_clients, shard_sizes=federation.shard_sizes(), config=cfg.to_dict(),
+        wall_seconds=time.perf_counter() - started, device=str(device), data_source=source,
+        num_clients=fed.num_clients,
+        shard_sizes=[reported.get(k, {}).get("num-examples") for k in range(fed.num_clients)], config=cfg.to_dict(),
         federation=fed.__dict__.copy(), experiment_id=experiment_id, resumed_after_round=start_round or None,
         missed={str(r["round"]): r["missed"] for r in rounds if r["missed"]}, rounds=rounds)
     weights = {k: v.cpu() for k, v in released(final).items()}
@@ -123,6 +126,40 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     if out is not None:
         write_run(out, {k: v for k, v in result.items() if k != "_weights"}, weights, "round")
     return result
+
+
+def public_side(cfg: TrainConfig, fed: FedOptions):
+    """What the server holds: the resolved settings, the number of classes, the public test
+    split (normalised; None for a custom task) and where it came from. With client-data=own
+    it loads no training data at all: each client's data stays on its machine."""
+    if fed.client_data == "own":
+        fed.validate()
+        cfg = client_config(cfg, fed)
+        task = task_for(cfg)
+        if cfg.dataset == CUSTOM:
+            return cfg, len(task.classes), None, "each client's own data"
+        images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)  # the public test split only
+        return cfg, len(task.classes), (images.normalised(images.x_test), images.y_test.clone()), images.source
+    if cfg.dataset == CUSTOM:
+        raise ConfigError("--dataset: custom data lives on the clients only; set --client-data own")
+    federation = build_federation(cfg, fed)
+    log(INFO, "fedsd: %d clients, %s partition, shard sizes %s", fed.num_clients, fed.partition,
+        federation.shard_sizes())
+    images = federation.images
+    return federation.cfg, images.num_classes, (images.normalised(images.x_test), images.y_test.clone()), images.source
+
+
+def client_facts(round_clients: dict) -> dict[int, dict]:
+    """Each client's last reported metrics (shard size, σ, q, ε), over every round."""
+    facts: dict[int, dict] = {}
+    for server_round in sorted(round_clients):
+        for pid, metrics in round_clients[server_round].items():
+            facts.setdefault(int(pid), {}).update(metrics)
+    return dict(sorted(facts.items()))
+
+
+def _number(x: float) -> float | None:
+    return None if x != x else x  # NaN (not evaluated) is null in JSON
 
 
 app = ServerApp()

@@ -131,6 +131,12 @@ class RecordingStrategy(Strategy):
             self.node_partition[node] = pid
             reports[pid] = dict(metrics)
             self.client_epsilon[pid] = float(metrics["epsilon"])
+            if int(metrics.get("refused", 0)):  # the client's owner's limits, with the client's reason
+                reason = str(reply.content.config_records["refusal"]["reason"]) \
+                    if "refusal" in reply.content.config_records else "no reason given"
+                reports[pid]["refused"] = reason
+                log(WARNING, "round %d: client %d refused: %s", server_round, pid, reason)
+                continue
             if int(metrics.get("skipped", 0)):
                 log(WARNING, "round %d: client %d skipped: its privacy budget is spent (ε = %.3f)",
                     server_round, pid, float(metrics["epsilon"]))

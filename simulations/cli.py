@@ -58,11 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
         p_sim.set_defaults(func=cmd_simulate)
     from simulations.bench import add_bench_parser
     from simulations.reproduce import add_reproduce_parser
+    from simulations.split_data import add_split_data_parser
     from simulations.sweep import add_sweep_parser
 
     add_bench_parser(sub)
     add_reproduce_parser(sub)
     add_sweep_parser(sub)
+    add_split_data_parser(sub)
     return parser
 
 

@@ -7,7 +7,7 @@ import os
 import warnings
 from pathlib import Path
 
-from fedsd.config import TrainConfig
+from fedsd.config import ConfigError, TrainConfig
 from fedsd.federation import FedOptions
 from fedsd.results import check_out_dir
 from fedsd.settings import add_options, from_args
@@ -38,6 +38,9 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
         out = None  # the run's own folder
     elif out is not None:
         check_out_dir(out, overwrite)
+    if fed.client_data == "own":
+        raise ConfigError("--client-data: own needs clients that hold data of their own, on their machines; a "
+                          "simulation's clients have none. Deploy (scripts/deploy-local.sh --client-data DIR)")
     federation = build_federation(cfg, fed)
     for k in range(fed.num_clients):
         federation.client_plan(k)  # raises BudgetError for a client whose plan cannot fit

@@ -67,8 +67,9 @@ def test_reply_carries_model_arrays_and_metrics_only():
     model_shapes = {f"student/{k}": tuple(v.shape) for k, v in initial_model(federation.cfg, 10)["student"].items()}
     assert {k: tuple(a.shape) for k, a in content["arrays"].items()} == model_shapes
     metrics = dict(content["metrics"])
-    assert set(metrics) == {"num-examples", "partition-id", "skipped", "epsilon", "noise-multiplier", "train-loss",
-                            "seconds", "steps"}
+    # sample-rate is q = B/n: it says no more than num-examples does
+    assert set(metrics) == {"num-examples", "partition-id", "skipped", "epsilon", "noise-multiplier", "sample-rate",
+                            "train-loss", "seconds", "steps"}
     assert metrics["num-examples"] == 500 and metrics["skipped"] == 0 and 0 < metrics["epsilon"] < 3
 
 

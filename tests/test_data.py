@@ -22,6 +22,8 @@ def test_fashion_mnist_debian_package():
     d = data_lib.load("fmnist")
     assert d.x_train.shape == (60000, 1, 28, 28) and d.num_classes == 10
     assert torch.bincount(d.y_train).tolist() == [6000] * 10
+    mean, std = d.channel_stats
+    assert (mean.item(), std.item()) == pytest.approx((0.2860, 0.3530), abs=1e-4)  # STANDARD_STATS
     x = d.normalised(d.x_train[:5000])
     assert x.dtype == torch.float32 and abs(x.mean().item()) < 0.05
 
@@ -30,8 +32,9 @@ def test_cifar10_npz_and_torchvision_batches_agree(tmp_path):
     require("cifar10")
     d = data_lib.load("cifar10")
     assert d.x_train.shape == (50000, 3, 32, 32) and d.y_train.shape == (50000,)
-    mean, _ = d.channel_stats
+    mean, std = d.channel_stats
     assert (mean * 255).tolist() == pytest.approx([125.307, 122.950, 113.865], abs=0.01)
+    assert std.tolist() == pytest.approx(list(data_lib.STANDARD_STATS["cifar10"][1]), abs=1e-4)
     # The same images written in torchvision's pickled layout load identically.
     import pickle
     folder = tmp_path / "cifar-10-batches-py"

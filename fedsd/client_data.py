@@ -1,0 +1,268 @@
+"""A data holder's own data: an image folder tree or an .npz file on its own machine.
+
+The run's task (a built-in data set's shape and classes, or `dataset=custom` with `classes`,
+`image-size`, `channels`) says what the model expects; the holder's files are decoded once,
+converted and resized to that, checked, and cached on the holder's disk under a fingerprint of
+their content. Flower starts a fresh ClientApp process for every message, so a later message
+finds the prepared tensors instead of decoding the images again.
+
+Normalisation uses fixed constants (the built-in data sets' standard ones, or the run's
+`mean`/`std`), never statistics of the holder's data: those would be a release about the
+private data that no accountant covers.
+
+Layouts (torchvision's ImageFolder convention, or arrays):
+  DIR/train/<class>/<image>  and optionally  DIR/test/<class>/<image>   (PNG or JPEG, any size)
+  FILE.npz with x_train (uint8, N×H×W or N×H×W×C), y_train (integers), optionally x_test, y_test
+  (or a folder holding such a data.npz, as `fedsd split-data --format npz` writes)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .data import STANDARD_STATS
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+BUILTIN_SHAPES = {"mnist": (1, 28), "fmnist": (1, 28), "cifar10": (3, 32)}  # channels, image size
+
+
+class DataError(ValueError):
+    """A holder's data that cannot be used; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """What the model expects: classes (names in label order), channels, square image size,
+    and the fixed normalisation constants."""
+
+    classes: tuple[str, ...]
+    channels: int
+    image_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps([self.classes, self.channels, self.image_size]).encode()).hexdigest()[:16]
+
+
+def builtin_task(dataset: str) -> Task:
+    """A built-in data set's task: classes named by their label ("0" … "9")."""
+    channels, size = BUILTIN_SHAPES[dataset]
+    mean, std = STANDARD_STATS[dataset]
+    return Task(tuple(str(i) for i in range(10)), channels, size, mean, std)
+
+
+@dataclass
+class HolderData:
+    """Prepared uint8 images (N, C, H, W) and int64 labels; the test split may be empty."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    fingerprint: str  # of the files' content: the key of the holder's privacy ledger
+    source: str
+
+
+def _content_fingerprint(path: Path, files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(path) if f != path else f.name).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def _listing(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def _stat_key(files: list[Path]) -> str:
+    """Cheap to compute every message: names, sizes and modification times."""
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:32]
+
+
+def load_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.PathLike) -> HolderData:
+    """The holder's data prepared for `task`, from its cache when the files are unchanged.
+    Raises DataError naming the file and the problem."""
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise DataError(f"data={path}: no such file or folder")
+    if path.is_dir() and not (path / "train").exists() and (path / "data.npz").is_file():
+        path = path / "data.npz"  # a folder of `fedsd split-data --format npz`
+    if path.is_file() and path.suffix != ".npz":
+        raise DataError(f"data={path}: expected a folder (train/<class>/<image>) or an .npz file")
+    files = _listing(path)
+    cache = Path(cache_dir)
+    index = cache / f"index-{_stat_key(files)}.json"
+    fingerprint = json.loads(index.read_text())["fingerprint"] if index.is_file() else None
+    if fingerprint is None:
+        fingerprint = _content_fingerprint(path, files)
+    prepared = cache / f"prepared-{fingerprint}-{task.key}.pt"
+    if prepared.is_file():
+        saved = torch.load(prepared, weights_only=True)
+        return HolderData(**saved, fingerprint=fingerprint, source=str(path))
+    arrays = _load_npz(path, task) if path.is_file() else _load_folder(path, task)
+    if not len(arrays["y_train"]):
+        raise DataError(f"data={path}: the training split is empty")
+    from .results import save_atomic, write_json
+
+    cache.mkdir(parents=True, exist_ok=True)
+    save_atomic(prepared, arrays)
+    write_json(index, {"fingerprint": fingerprint, "data": str(path)})
+    return HolderData(**arrays, fingerprint=fingerprint, source=str(path))
+
+
+def _to_task(images: torch.Tensor, task: Task, what: str) -> torch.Tensor:
+    """uint8 (N, C, H, W) in the task's channels and size: grey ↔ RGB converted, resized with
+    antialiasing when the size differs."""
+    from torchvision.transforms.v2 import functional as TF
+
+    c = images.shape[1]
+    if c not in (1, 3, 4):
+        raise DataError(f"{what}: {c} channels; expected 1 (grey), 3 (RGB) or 4 (RGBA)")
+    if c == 4:
+        images, c = images[:, :3], 3
+    if c != task.channels:
+        images = TF.rgb_to_grayscale(images) if task.channels == 1 else images.expand(-1, 3, -1, -1)
+    if tuple(images.shape[2:]) != (task.image_size, task.image_size):
+        images = TF.resize(images, [task.image_size, task.image_size], antialias=True)
+    return images.contiguous()
+
+
+def _labels(raw: np.ndarray, task: Task, what: str) -> torch.Tensor:
+    if raw.ndim != 1 or not np.issubdtype(raw.dtype, np.integer):
+        raise DataError(f"{what}: labels must be one integer per image, got dtype {raw.dtype}, shape {raw.shape}")
+    bad = raw[(raw < 0) | (raw >= len(task.classes))]
+    if len(bad):
+        raise DataError(f"{what}: label {int(bad[0])} is out of range: the task has {len(task.classes)} classes "
+                        f"(labels 0 … {len(task.classes) - 1})")
+    return torch.from_numpy(raw.astype(np.int64))
+
+
+def _load_npz(path: Path, task: Task) -> dict:
+    try:
+        z = np.load(path, allow_pickle=False)
+    except Exception as e:  # noqa: BLE001  (a corrupt file: name it and say why)
+        raise DataError(f"data={path}: not a readable .npz file ({e})") from None
+    with z:
+        for key in ("x_train", "y_train"):
+            if key not in z.files:
+                raise DataError(f"data={path}: no array {key!r}; it holds {', '.join(z.files) or 'nothing'}")
+        out = {}
+        for split in ("train", "test"):
+            if f"x_{split}" not in z.files:
+                out[f"x_{split}"] = torch.zeros((0, task.channels, task.image_size, task.image_size), dtype=torch.uint8)
+                out[f"y_{split}"] = torch.zeros(0, dtype=torch.long)
+                continue
+            x, y = z[f"x_{split}"], z.get(f"y_{split}")
+            what = f"data={path} x_{split}"
+            if x.dtype != np.uint8:
+                raise DataError(f"{what}: dtype {x.dtype}; expected uint8 pixels (0 … 255)")
+            if x.ndim == 3:
+                x = x[:, :, :, None]
+            if x.ndim != 4:
+                raise DataError(f"{what}: shape {x.shape}; expected N×H×W or N×H×W×C")
+            if y is None or len(y) != len(x):
+                raise DataError(f"data={path} y_{split}: expected {len(x)} labels, one per image in x_{split}")
+            images = torch.from_numpy(np.ascontiguousarray(x)).permute(0, 3, 1, 2)
+            out[f"x_{split}"] = _to_task(images, task, what)
+            out[f"y_{split}"] = _labels(np.asarray(y), task, f"data={path} y_{split}")
+    return out
+
+
+def _load_folder(path: Path, task: Task) -> dict:
+    from torchvision.io import ImageReadMode, decode_image, read_file
+
+    mode = ImageReadMode.GRAY if task.channels == 1 else ImageReadMode.RGB
+    out = {}
+    for split in ("train", "test"):
+        root = path / split
+        images, labels = [], []
+        if root.is_dir():
+            for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+                if folder.name not in task.classes:
+                    raise DataError(f"data={folder}: class folder {folder.name!r} is not one of the task's "
+                                    f"classes ({', '.join(task.classes)})")
+                label = task.classes.index(folder.name)
+                for f in sorted(folder.iterdir(), key=_natural):
+                    if f.suffix.lower() not in IMAGE_SUFFIXES:
+                        continue
+                    try:
+                        image = decode_image(read_file(str(f)), mode=mode)
+                    except Exception as e:  # noqa: BLE001  (name the file and say why)
+                        raise DataError(f"data={f}: not a readable PNG or JPEG image ({e})") from None
+                    images.append(_to_task(image[None], task, f"data={f}")[0])
+                    labels.append(label)
+        elif split == "train":
+            raise DataError(f"data={path}: no train/ folder (expected train/<class>/<image>)")
+        shape = (0, task.channels, task.image_size, task.image_size)
+        out[f"x_{split}"] = torch.stack(images) if images else torch.zeros(shape, dtype=torch.uint8)
+        out[f"y_{split}"] = torch.tensor(labels, dtype=torch.long)
+    return out
+
+
+def _natural(path: Path) -> tuple:
+    """File order 2.png before 10.png: numbered files load in their numbers' order."""
+    return (0, int(path.stem), "") if path.stem.isdigit() else (1, 0, path.name)
+
+
+def normalised(images: torch.Tensor, task: Task) -> torch.Tensor:
+    """float32 in [0, 1], then normalised with the task's fixed constants."""
+    mean = torch.tensor(task.mean).view(1, -1, 1, 1)
+    std = torch.tensor(task.std).view(1, -1, 1, 1)
+    return (images.to(torch.float32) / 255.0 - mean) / std
+
+
+def _floats(text: str, option: str, channels: int) -> tuple[float, ...]:
+    from .config import ConfigError
+
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{option}: comma-separated numbers, one per channel, got {text!r}") from None
+    if len(values) != channels:
+        raise ConfigError(f"{option}: {channels} value(s), one per channel, got {text!r}")
+    return values
+
+
+def task_for(cfg) -> Task:
+    """The task a (resolved) TrainConfig describes; ConfigError naming the setting when the
+    task and the model do not fit."""
+    from .config import CUSTOM, ConfigError
+
+    if cfg.dataset != CUSTOM:
+        task = builtin_task(cfg.dataset)
+    else:
+        classes = tuple(c.strip() for c in cfg.classes.split(",") if c.strip())
+        if len(classes) < 2 or len(set(classes)) != len(classes):
+            raise ConfigError(f"--classes: dataset=custom needs two or more distinct class names in label order, "
+                              f"comma-separated, got {cfg.classes!r}")
+        if cfg.channels not in (1, 3):
+            raise ConfigError(f"--channels: dataset=custom needs 1 (grey) or 3 (RGB), got {cfg.channels}")
+        if cfg.image_size < 8:
+            raise ConfigError(f"--image-size: dataset=custom needs a size >= 8, got {cfg.image_size}")
+        # Fixed constants, never the data's own statistics: 0.5 maps [0, 1] to [-1, 1].
+        task = Task(classes, cfg.channels, cfg.image_size, (0.5,) * cfg.channels, (0.5,) * cfg.channels)
+    mean = _floats(cfg.mean, "--mean", task.channels) if cfg.mean else task.mean
+    std = _floats(cfg.std, "--std", task.channels) if cfg.std else task.std
+    if any(v <= 0 for v in std):
+        raise ConfigError(f"--std: every value must be > 0, got {cfg.std!r}")
+    needs = {"mnist-cnn": "1 channel, 28×28 images", "cifar-cnn": "3 channels"}
+    fits = (task.channels, task.image_size) == (1, 28) if cfg.model == "mnist-cnn" else task.channels == 3
+    if not fits:
+        raise ConfigError(f"--model: {cfg.model} takes {needs[cfg.model]}; the task has {task.channels} channel(s) "
+                          f"at {task.image_size}×{task.image_size}")
+    return Task(task.classes, task.channels, task.image_size, mean, std)

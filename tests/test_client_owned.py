@@ -1,0 +1,204 @@
+"""A client that owns its data and its privacy budget (issue 9), through the ClientApp called
+in-process with real Flower Messages: its own files (image folders or .npz, prepared once and
+cached), its lifetime ledger across experiments, and clear errors for bad data."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+from clients.app import app
+from clients.records import model_to_record, record_to_model
+from fedsd import client_data
+from fedsd.client_data import DataError, builtin_task, load_holder_data
+from fedsd.config import ConfigError, TrainConfig
+from fedsd.federation import FedOptions, to_flat
+from fedsd.privacy import PrivacyFilter, plan
+from fedsd.training import initial_model
+from simulations.cli import main
+from tests.conftest import require
+
+pytestmark = pytest.mark.usefixtures("flower_task")
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    """Two clients' folders of real MNIST images, in both formats (the same images)."""
+    require("mnist")
+    root = tmp_path_factory.mktemp("split")
+    for fmt in ("imagefolder", "npz"):
+        assert main(["split-data", "--dataset", "mnist", "--clients", "2", "--subset", "600", "--format", fmt,
+                     "--out", str(root / fmt)]) == 0
+    return root
+
+
+def run_config(epsilon=3.0, rounds=2, experiment="exp-a", batch_size=60):
+    cfg = TrainConfig(dataset="mnist", method="dp3sd", epsilon=epsilon, batch_size=batch_size, seed=1, threads=1,
+                      distill_warmup_epochs=0)
+    fed = FedOptions(num_clients=2, rounds=rounds, client_data="own", experiment_id=experiment)
+    return cfg, to_flat(cfg, fed)
+
+
+def send(flat, node_config, model, server_round, state=None):
+    context = Context(run_id=1, node_id=11, node_config=node_config, state=state or RecordDict(), run_config={})
+    msg = Message(RecordDict({"arrays": model_to_record(model),
+                              "config": ConfigRecord({**flat, "server-round": server_round})}),
+                  dst_node_id=11, message_type="train")
+    return app(msg, context), context
+
+
+def _samples(held):
+    return sorted((int(y), x.numpy().tobytes()) for x, y in zip(held.x_train, held.y_train))
+
+
+def test_own_data_trains_and_both_formats_hold_the_same_samples(split, tmp_path):
+    cfg, flat = run_config()
+    start = initial_model(cfg.resolved(), 10)
+    for fmt in ("imagefolder", "npz"):
+        node = {"partition-id": 0, "data": str(split / fmt / "client-0"), "state-dir": str(tmp_path / fmt)}
+        reply, _ = send(flat, node, start, 1)
+        assert reply.content["metrics"]["skipped"] == 0
+        assert reply.content["metrics"]["num-examples"] == 300  # its own shard, not the server's idea of it
+        trained = record_to_model(reply.content["arrays"])["student"]
+        assert max((trained[k] - start["student"][k]).abs().max().item() for k in start["student"]) > 1e-3
+    # PNG is lossless: the folder and the arrays hold the same pixels and labels (in another order).
+    task = builtin_task("mnist")
+    folder = load_holder_data(split / "imagefolder" / "client-0", task, tmp_path / "c1")
+    arrays = load_holder_data(split / "npz" / "client-0", task, tmp_path / "c2")
+    assert _samples(folder) == _samples(arrays) and len(_samples(arrays)) == 300
+
+
+def test_prepared_data_is_cached_by_fingerprint(split, tmp_path, monkeypatch):
+    task = builtin_task("mnist")
+    first = load_holder_data(split / "imagefolder" / "client-1", task, tmp_path)
+    monkeypatch.setattr(client_data, "_load_folder", lambda *a: pytest.fail("decoded the images again"))
+    again = load_holder_data(split / "imagefolder" / "client-1", task, tmp_path)
+    assert again.fingerprint == first.fingerprint and torch.equal(again.x_train, first.x_train)
+    # The same content elsewhere (a copied folder) is the same data set, so the same ledger:
+    # moving the data does not reset its budget.
+    import shutil
+
+    shutil.copytree(split / "imagefolder" / "client-1", tmp_path / "copy")
+    monkeypatch.undo()
+    assert load_holder_data(tmp_path / "copy", task, tmp_path / "other-cache").fingerprint == first.fingerprint
+    assert load_holder_data(split / "imagefolder" / "client-0", task, tmp_path).fingerprint != first.fingerprint
+
+
+def test_run_asking_more_than_the_owner_allows_is_refused_before_any_step(split, tmp_path):
+    cfg, flat = run_config(epsilon=50)
+    node = {"partition-id": 0, "data": str(split / "npz" / "client-0"), "state-dir": str(tmp_path),
+            "max-epsilon": 3.0}
+    reply, context = send(flat, node, initial_model(cfg.resolved(), 10), 1)
+    assert not reply.content.array_records  # no model: nothing was trained
+    assert reply.content["metrics"]["refused"] == 1 and reply.content["metrics"]["epsilon"] == 0.0
+    assert reply.content["refusal"]["reason"] == "run asks ε=50, this client allows at most 3"
+    ledgers = list(tmp_path.glob("ledger-*.json"))
+    assert not ledgers or json.loads(ledgers[0].read_text())["entries"] == []
+
+
+def test_lifetime_budget_spans_experiments(split, tmp_path):
+    """A fresh experiment id (a fresh accountant) does not reset what the data has spent."""
+    node = {"partition-id": 1, "data": str(split / "npz" / "client-1"), "state-dir": str(tmp_path),
+            "max-epsilon": 3.0, "max-delta": 1e-5}
+    cfg, flat = run_config(epsilon=2.5, experiment="exp-1")
+    model, state = initial_model(cfg.resolved(), 10), None
+    for server_round in (1, 2):
+        reply, context = send(flat, node, model, server_round, state)
+        assert reply.content["metrics"]["skipped"] == 0
+        model, state = record_to_model(reply.content["arrays"]), context.state
+    ledger = json.loads(next(tmp_path.glob("ledger-*.json")).read_text())
+    assert [e["run"] for e in ledger["entries"]] == ["exp-1", "exp-1"]
+    spent = PrivacyFilter.from_state_dict(ledger, 3.0, 1e-5).epsilon()
+    assert 2.0 < spent <= 2.5 + 1e-6
+    # A second experiment over the same data, asking 2.5 again: it does not fit what is left.
+    _, flat2 = run_config(epsilon=2.5, experiment="exp-2")
+    reply, _ = send(flat2, node, model, 1)
+    assert reply.content["metrics"]["refused"] == 1
+    assert reply.content["refusal"]["reason"].startswith(f"lifetime budget left: {3.0 - spent:.3g} of ε=3")
+    # ...and a small run that fits what is left is admitted.
+    _, flat3 = run_config(epsilon=0.3, rounds=1, experiment="exp-3")
+    reply, _ = send(flat3, node, model, 1)
+    assert reply.content["metrics"]["skipped"] == 0
+
+
+def test_privacy_filter_matches_opacus_rdp_and_refuses_what_does_not_fit():
+    from opacus.accountants import RDPAccountant
+
+    p = plan(3.0, 1e-5, 30000, 256, 5)
+    f = PrivacyFilter(3.0, 1e-5)
+    f.spend(p.noise_multiplier, p.sample_rate, p.planned_steps)
+    accountant = RDPAccountant()
+    accountant.history = [(p.noise_multiplier, p.sample_rate, p.planned_steps)]
+    assert f.epsilon() == pytest.approx(accountant.get_epsilon(1e-5), rel=0.02)  # more orders: as tight or tighter
+    assert f.epsilon() <= accountant.get_epsilon(1e-5) + 1e-9
+    with pytest.raises(Exception, match="lifetime budget left"):
+        f.spend(p.noise_multiplier, p.sample_rate, p.planned_steps)
+    restored = PrivacyFilter.from_state_dict(json.loads(json.dumps(f.state_dict())), 3.0, 1e-5)
+    assert restored.epsilon() == f.epsilon() and len(restored.entries) == 1
+
+
+def _png(path, array):
+    from torchvision.io import write_png
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_png(torch.from_numpy(array), str(path))
+
+
+def test_custom_task_from_an_image_folder_of_any_size(tmp_path):
+    rng = np.random.default_rng(0)
+    for cls in ("cat", "dog"):
+        for i in range(3):
+            _png(tmp_path / "pets" / "train" / cls / f"{i}.png", rng.integers(0, 255, (3, 40 + i, 50), dtype=np.uint8))
+    cfg = TrainConfig(dataset="custom", classes="cat,dog", channels=3, image_size=32).resolved()
+    held = load_holder_data(tmp_path / "pets", client_data.task_for(cfg), tmp_path / "cache")
+    assert held.x_train.shape == (6, 3, 32, 32) and held.y_train.tolist() == [0, 0, 0, 1, 1, 1]
+    assert cfg.model == "cifar-cnn" and len(held.y_test) == 0
+
+
+def _file(path, content: bytes):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    return path
+
+
+def _npz(path, **arrays):
+    np.savez(path, **arrays)
+    return path
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda d: _npz(d / "a.npz", x_train=np.zeros((4, 28, 28), np.float32), y_train=np.zeros(4, int)),
+     r"a.npz x_train: dtype float32; expected uint8"),
+    (lambda d: _npz(d / "b.npz", x_train=np.zeros((4, 28), np.uint8), y_train=np.zeros(4, int)),
+     r"b.npz x_train: shape \(4, 28\); expected N×H×W or N×H×W×C"),
+    (lambda d: _npz(d / "c.npz", x_train=np.zeros((4, 28, 28), np.uint8), y_train=np.array([0, 1, 2, 10])),
+     r"c.npz y_train: label 10 is out of range: the task has 10 classes"),
+    (lambda d: _npz(d / "d.npz", x_train=np.zeros((0, 28, 28), np.uint8), y_train=np.zeros(0, int)),
+     r"d.npz: the training split is empty"),
+    (lambda d: _npz(d / "e.npz", images=np.zeros((4, 28, 28), np.uint8)),
+     r"e.npz: no array 'x_train'; it holds images"),
+    (lambda d: (d / "f.npz").write_bytes(b"not a zip") and d / "f.npz", r"f.npz: not a readable .npz file"),
+    (lambda d: _file(d / "g" / "train" / "3" / "x.png", b"junk") and d / "g", r"x.png: not a readable PNG or JPEG image"),
+    (lambda d: (d / "h" / "train" / "eleven").mkdir(parents=True) or d / "h",
+     r"class folder 'eleven' is not one of the task's classes"),
+    (lambda d: (d / "i").mkdir() or d / "i", r"i: no train/ folder"),
+    (lambda d: d / "missing", r"missing: no such file or folder"),
+])
+def test_bad_data_is_named_with_its_problem(tmp_path, make, needle):
+    path = make(tmp_path)
+    with pytest.raises(DataError, match=needle):
+        load_holder_data(path, builtin_task("mnist"), tmp_path / "cache")
+
+
+def test_fewer_samples_than_the_batch_size_is_refused_before_any_step(split, tmp_path):
+    cfg, flat = run_config(batch_size=1000)
+    node = {"partition-id": 0, "data": str(split / "npz" / "client-0"), "state-dir": str(tmp_path)}
+    with pytest.raises(DataError, match="300 training samples, fewer than the batch size 1000"):
+        send(flat, node, initial_model(cfg.resolved(), 10), 1)
+
+
+def test_own_data_run_without_data_says_how_to_start_the_node(tmp_path):
+    cfg, flat = run_config()
+    with pytest.raises(ConfigError, match="start the SuperNode with --node-config"):
+        send(flat, {"partition-id": 0, "state-dir": str(tmp_path)}, initial_model(cfg.resolved(), 10), 1)
