@@ -64,9 +64,12 @@ class DeploymentError(RuntimeError):
 class LocalDeployment:
     """Start, inspect and stop a TLS + node-authenticated federation on 127.0.0.1."""
 
-    def __init__(self, work: Path, num_clients: int, env: dict | None = None):
+    def __init__(self, work: Path, num_clients: int, env: dict | None = None, client_data: Path | None = None,
+                 node_config: str = ""):
         self.work = Path(work)
         self.num_clients = num_clients
+        self.client_data = Path(client_data).absolute() if client_data else None  # client k: client_data/client-k
+        self.node_config = node_config  # more k=v pairs for every SuperNode (max-epsilon=3 ...)
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.credentials = self.work / "credentials"
@@ -120,9 +123,12 @@ class LocalDeployment:
 
     # -- set-up --------------------------------------------------------------------------------
     def make_credentials(self, extra_keys: int = 0) -> None:
-        """CA, SuperLink certificate, and one key pair per client (+ extra_keys never registered)."""
-        subprocess.run([sys.executable, str(ROOT / "deploy" / "make_credentials.py"), "--out", str(self.credentials),
-                        "--nodes", str(self.num_clients + extra_keys)], check=True, capture_output=True)
+        """CA, SuperLink certificate, and one key pair per client (+ extra_keys never registered);
+        a --work used before keeps its credentials, as a machine keeps its keys."""
+        if not self.ca.is_file():
+            subprocess.run([sys.executable, str(ROOT / "deploy" / "make_credentials.py"), "--out",
+                            str(self.credentials), "--nodes", str(self.num_clients + extra_keys)],
+                           check=True, capture_output=True)
         (self.flwr_home / "config.toml").write_text(
             f'[superlink]\ndefault = "{FEDERATION}"\n\n[superlink.{FEDERATION}]\n'
             f'address = "{self.address}"\nroot-certificates = "{self.ca}"\n')
@@ -169,6 +175,10 @@ class LocalDeployment:
         key = self.credentials / "keys" / f"node-{partition_id if key_index is None else key_index}"
         node_config = f"partition-id={partition_id} num-partitions={self.num_clients} " \
                       f"state-dir='{self.work / 'client-state' / str(partition_id)}'"
+        if self.client_data is not None:
+            node_config += f" data='{self.client_data / f'client-{partition_id}'}'"
+        if self.node_config:
+            node_config += " " + self.node_config
         cmd = ["flower-supernode", "--root-certificates", str(self.ca), "--superlink", self.address,
                "--auth-supernode-private-key", str(key), "--node-config", node_config, "--port", str(free_port())]
         if max_retries is not None:
@@ -195,7 +205,11 @@ class LocalDeployment:
             time.sleep(1)
 
     def start(self) -> None:
-        """Credentials, SuperLink, every client registered and online."""
+        """Credentials, SuperLink, every client registered and online. The SuperLink starts from
+        an empty database; what a client keeps (its state-dir: ledgers, privacy state, prepared
+        data) stays from one start to the next."""
+        for old in self.work.glob("superlink.db*"):
+            old.unlink()
         self.make_credentials()
         self.start_superlink()
         for k in range(self.num_clients):
@@ -230,13 +244,13 @@ def _group_alive(pgid: int) -> bool:
 
 
 def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, work: Path | None = None,
-                 timeout: float = 3600) -> dict:
+                 timeout: float = 3600, client_data: Path | None = None, node_config: str = "") -> dict:
     """Start the deployment, run it, write out/result.json (the schema of `fedsd simulate`,
     plus tls / node_auth and the deployment's facts), stop everything."""
     out = out.absolute()
     work = Path(work or tempfile.mkdtemp(prefix="fedsd-deploy-"))
     started = time.perf_counter()
-    with LocalDeployment(work, num_clients) as deployment:
+    with LocalDeployment(work, num_clients, client_data=client_data, node_config=node_config) as deployment:
         deployment.start()
         ready = time.perf_counter() - started
         deployment.run({**run_config, "num-server-rounds": rounds, "num-clients": num_clients, "out-dir": str(out)},
@@ -255,8 +269,14 @@ def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, wor
 def add_deploy_arguments(p: argparse.ArgumentParser) -> None:
     # Every training and federation setting, as `fedsd simulate` has them (declared once).
     add_options(p, TrainConfig)
-    add_options(p, FedOptions, required=("num_clients", "rounds"), skip=("resume_dir",))
+    # --client-data DIR (below) names the clients' folders and so means client-data=own.
+    add_options(p, FedOptions, required=("num_clients", "rounds"), skip=("resume_dir", "client_data"))
     p.add_argument("--run-config", default="", help="more run-config settings, as k=v pairs")
+    p.add_argument("--client-data", dest="client_folders", default=None, metavar="DIR",
+                   help="each client trains on its own data: client k on DIR/client-k (fedsd split-data writes "
+                        "such folders); the server loads no training data")
+    p.add_argument("--node-config", default="", metavar="'K=V ...'",
+                   help="more --node-config pairs for every SuperNode, e.g. 'max-epsilon=3 max-delta=1e-5'")
     p.add_argument("--work", default=None, help="folder for Flower's state, logs and credentials "
                                                 "(default: a new temporary folder)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds the whole run may take")
@@ -269,6 +289,17 @@ def run_config_from_args(args: argparse.Namespace) -> dict:
     from fedsd.federation import from_flat
 
     values = given_flat(args, TrainConfig, FedOptions)
+    if args.client_folders:
+        values["client-data"] = "own"
+    for pair in args.node_config.split():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--node-config: k=v pairs, got {pair!r}")
+        if key in ("max-epsilon", "max-delta"):
+            try:
+                float(value)
+            except ValueError:
+                raise ConfigError(f"--node-config: {key} must be a number, got {value!r}") from None
     for pair in args.run_config.split():
         key, sep, value = pair.partition("=")
         if not sep:
@@ -292,21 +323,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_config = run_config_from_args(args)
         check_out_dir(args.out)
-        # A simulation's checks, before any process starts: data found, every shard, every budget.
-        from clients.app import build_federation
         from fedsd.federation import from_flat
 
-        federation = build_federation(*from_flat({**run_config, "num-clients": args.num_clients,
-                                                  "num-server-rounds": args.rounds}))
-        for k in range(args.num_clients):
-            federation.client_plan(k)
+        if args.client_folders:  # each client's folder is there (its own checks run on its node)
+            missing = [k for k in range(args.num_clients) if not (Path(args.client_folders) / f"client-{k}").exists()]
+            if missing:
+                raise FileNotFoundError(f"--client-data: no {args.client_folders}/client-{missing[0]} "
+                                        f"(fedsd split-data --clients {args.num_clients} ... --out {args.client_folders})")
+        else:  # a simulation's checks, before any process starts: data found, every shard, every budget
+            from clients.app import build_federation
+
+            federation = build_federation(*from_flat({**run_config, "num-clients": args.num_clients,
+                                                      "num-server-rounds": args.rounds}))
+            for k in range(args.num_clients):
+                federation.client_plan(k)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"deploy-local: error: {e}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         result = deploy_local(args.num_clients, args.rounds, Path(args.out), run_config,
-                              work=Path(args.work) if args.work else None, timeout=args.timeout)
+                              work=Path(args.work) if args.work else None, timeout=args.timeout,
+                              client_data=Path(args.client_folders) if args.client_folders else None,
+                              node_config=args.node_config)
     except KeyboardInterrupt:
         print("deploy-local: interrupted; every process it started is stopped", file=sys.stderr)
         return 130
@@ -314,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deploy-local: error: {e}", file=sys.stderr)
         return 1
     rounds = result["rounds"]
-    print(json.dumps({"test_accuracy": result["test_accuracy"], "rounds": len(rounds), "tls": True,
+    refused = {c: why for r in rounds for c, why in r.get("refused", {}).items()}
+    print(json.dumps({"test_accuracy": result["test_accuracy"], "rounds": len(rounds), "tls": True, "refused": refused,
                       "node_auth": True, "seconds_per_round": [round(r["seconds"], 2) for r in rounds],
                       "out": str(Path(args.out).absolute())}, indent=2))
     return 0

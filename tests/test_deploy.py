@@ -137,3 +137,44 @@ def test_server_stopped_and_resumed_goes_on_with_every_clients_privacy_state(tmp
     for pid, eps in result["rounds"][-1]["client_epsilon"].items():
         assert eps > before["rounds"][-1]["client_epsilon"][pid]
         assert 2.9 < eps <= 3.0, (pid, eps)  # the whole plan was spent: no reset
+
+
+def deploy_local(args: list[str], out: Path) -> dict:
+    proc = subprocess.run([str(ROOT / "scripts" / "deploy-local.sh"), *args, "--out", str(out)],
+                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads((out / "result.json").read_text())
+
+
+def test_clients_own_their_data_and_lifetime_budget(tmp_path):
+    """Each SuperNode trains on its own files (fedsd split-data) under its owner's limit
+    (max-epsilon in its --node-config); the server never loads training data. A run asking
+    more than the owners allow is refused at round 1 with their reason, and once a run has
+    spent the lifetime budget, a new experiment on the same machines trains nothing."""
+    require("mnist")
+    from simulations.cli import main
+
+    data, work = tmp_path / "data", tmp_path / "work"
+    assert main(["split-data", "--dataset", "mnist", "--clients", "2", "--subset", "1200", "--format", "imagefolder",
+                 "--out", str(data)]) == 0
+    common = ["--clients", "2", "--dataset", "mnist", "--batch-size", "100", "--threads", "1",
+              "--client-data", str(data), "--node-config", "max-epsilon=2.5", "--work", str(work)]
+
+    asks_too_much = deploy_local([*common, "--rounds", "1", "--epsilon", "50"], tmp_path / "asks-too-much")
+    first = asks_too_much["rounds"][0]
+    assert first["trained"] == [] and first["refused"] == {
+        "0": "run asks ε=50, this client allows at most 2.5", "1": "run asks ε=50, this client allows at most 2.5"}
+
+    fits = deploy_local([*common, "--rounds", "2", "--epsilon", "2"], tmp_path / "fits")
+    assert all(r["trained"] == [0, 1] and r["refused"] == {} for r in fits["rounds"])
+    assert fits["shard_sizes"] == [600, 600]  # as the clients reported them
+    assert fits["config"]["dataset"] == "mnist" and fits["federation"]["client_data"] == "own"
+    assert fits["test_accuracy"] > 0.2  # 12 noisy steps on each client's own images; chance is 0.1
+    ledgers = sorted((work / "client-state").rglob("ledger-*.json"))
+    assert len(ledgers) == 2 and all(len(json.loads(p.read_text())["entries"]) == 2 for p in ledgers)
+
+    again = deploy_local([*common, "--rounds", "1", "--epsilon", "2"], tmp_path / "again")
+    refused = again["rounds"][0]["refused"]
+    assert again["rounds"][0]["trained"] == [] and set(refused) == {"0", "1"}
+    assert all(reason.startswith("lifetime budget left: ") for reason in refused.values()), refused
+    assert processes_mentioning(str(work)) == []
