@@ -15,8 +15,8 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from tqdm.auto import tqdm
 
-from clients.app import build_federation
-from clients.records import model_to_record, record_to_model
+from task.federation import build_federation
+from task.records import model_to_record, record_to_model
 from fedsd.central import resolve_device
 from fedsd import data as data_lib
 from fedsd.client_data import task_for

@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise FileNotFoundError(f"--client-data: no {args.client_folders}/client-{missing[0]} "
                                         f"(fedsd split-data --clients {args.num_clients} ... --out {args.client_folders})")
         else:  # a simulation's checks, before any process starts: data found, every shard, every budget
-            from clients.app import build_federation
+            from task.federation import build_federation
 
             federation = build_federation(*from_flat({**run_config, "num-clients": args.num_clients,
                                                       "num-server-rounds": args.rounds}))

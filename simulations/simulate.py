@@ -29,7 +29,7 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
     Every check (settings, data, shards, privacy budgets) runs before Ray starts. With
     fed.resume_dir, the settings and folder are those of the checkpointed run."""
     from clients.app import app as client_app
-    from clients.app import build_federation
+    from task.federation import build_federation
 
     if fed.resume_dir:
         from server.checkpoint import resumed_settings

@@ -35,7 +35,7 @@ def add_split_data_parser(sub) -> None:
 
 
 def cmd_split_data(args: argparse.Namespace) -> int:
-    from clients.partition import shards
+    from task.partition import shards
     from fedsd import data as data_lib
     from fedsd.results import check_out_dir, staged_out_dir
 

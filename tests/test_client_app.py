@@ -4,8 +4,9 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-from clients.app import app, build_federation
-from clients.records import model_to_record, record_to_model
+from clients.app import app
+from task.federation import build_federation
+from task.records import model_to_record, record_to_model
 from fedsd.config import ConfigError, TrainConfig
 from fedsd.federation import FedOptions, to_flat
 from fedsd.training import initial_model

@@ -9,7 +9,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from clients.app import app
-from clients.records import model_to_record, record_to_model
+from task.records import model_to_record, record_to_model
 from fedsd import client_data
 from fedsd.client_data import DataError, builtin_task, load_holder_data
 from fedsd.config import ConfigError, TrainConfig

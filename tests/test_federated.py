@@ -99,7 +99,7 @@ def test_flwr_run_dot_runs_one_round(tmp_path, flower_env):
     out = tmp_path / "flwr-run"
     proc = subprocess.run(
         ["flwr", "run", ".", "--stream", "--federation-config", "num-supernodes=2",
-         "--run-config", f"num-server-rounds=1 num-clients=2 subset=2000 out-dir='{out}'"],
+         "--run-config", f"num-server-rounds=1 num-clients=2 subset=2000 batch-size=100 out-dir='{out}'"],
         cwd=ROOT, env=flower_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from clients.partition import shards
+from task.partition import shards
 from fedsd.federation import FedOptions
 
 

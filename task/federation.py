@@ -1,0 +1,56 @@
+"""A simulated federation's data side, as every party computes it from the public data set
+(seeded, so the ServerApp, every ClientApp and the command line agree): the shards of a
+built-in data set and each client's privacy plan. Clients that hold their own data
+(client-data=own) do not use it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fedsd import data as data_lib
+from fedsd import privacy
+from fedsd.config import ConfigError, TrainConfig, validate
+from fedsd.federation import FedOptions, client_config
+
+from .partition import shards
+
+
+@dataclass
+class Federation:
+    """The data side of a federation, as every party computes it (seeded, so all agree)."""
+
+    cfg: TrainConfig
+    fed: FedOptions
+    images: data_lib.ImageData
+    train_indices: torch.Tensor  # into the full training set (a --subset, or all of it)
+    shards: list[torch.Tensor]  # per client: positions into train_indices
+
+    def shard_sizes(self) -> list[int]:
+        return [len(s) for s in self.shards]
+
+    def client_data(self, partition_id: int, device) -> data_lib.TensorData:
+        return data_lib.prepare(self.images, self.train_indices[self.shards[partition_id]], device)
+
+    def client_plan(self, partition_id: int) -> privacy.PrivacyPlan:
+        c = self.cfg
+        return privacy.plan(c.epsilon, c.delta, len(self.shards[partition_id]), c.batch_size, c.epochs, c.accountant)
+
+
+def build_federation(cfg: TrainConfig, fed: FedOptions) -> Federation:
+    """Load, subset and partition the data; check every client's shard against the settings.
+
+    Raises ConfigError (naming the option, or the client and its size) before any training."""
+    fed.validate()
+    cfg = client_config(cfg, fed)
+    images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)
+    indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation)
+    if fed.num_clients > len(indices):
+        raise ConfigError(f"--clients: {fed.num_clients} clients but only {len(indices)} training samples")
+    parts = shards(images.y_train[indices], fed, cfg.seed)
+    for k, part in enumerate(parts):
+        if len(part) < cfg.batch_size:
+            raise ConfigError(f"client {k}'s shard has {len(part)} samples, fewer than --batch-size "
+                              f"{cfg.batch_size}; lower --batch-size or use fewer clients")
+    validate(cfg, min(len(p) for p in parts))  # δ < 1/n_k for every client
+    return Federation(cfg, fed, images, indices, parts)
