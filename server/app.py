@@ -52,6 +52,8 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
         out = Path(out)
         check_out_dir(out, overwrite)
     cfg, num_classes, test, source = public_side(cfg, fed)  # every check, before anything is written
+    if resumed is None:  # a resumed run's SuperNodes reconnect at their own pace: it waits for them
+        check_federation_size(grid, fed.num_clients)
     if out is not None and resumed is None:
         prepare_out_dir(out, overwrite)
     device = resolve_device(cfg.device)
@@ -147,6 +149,30 @@ def public_side(cfg: TrainConfig, fed: FedOptions):
         federation.shard_sizes())
     images = federation.images
     return federation.cfg, images.num_classes, (images.normalised(images.x_test), images.y_test.clone()), images.source
+
+
+# A fresh run waits for its SuperNodes until their number has not changed for this long.
+FEDERATION_SETTLE_SECONDS = 10.0
+
+
+def check_federation_size(grid: Grid, num_clients: int, settle: float = FEDERATION_SETTLE_SECONDS) -> None:
+    """Wait for num-clients SuperNodes. Stop with a ConfigError naming both numbers, and how to
+    fix either, when the federation has more, or has settled with fewer (Flower's default local
+    simulation has 2 SuperNodes: without this, the run would wait for the rest forever)."""
+    count, changed = -1, time.monotonic()
+    while True:
+        connected = len(grid.get_node_ids())
+        if connected != count:
+            count, changed = connected, time.monotonic()
+        if count == num_clients:
+            return
+        if count > num_clients or time.monotonic() - changed > settle:
+            raise ConfigError(
+                f"the federation has {count} SuperNode(s) connected but the run has num-clients={num_clients}: "
+                f"run with --run-config \"num-clients={count}\", or give the federation {num_clients} SuperNodes "
+                f"(local simulation: --federation-config \"num-supernodes={num_clients}\"; a deployment: start "
+                f"{num_clients - count if num_clients > count else 'fewer'} more/other SuperNodes)")
+        time.sleep(0.5)
 
 
 def client_facts(round_clients: dict) -> dict[int, dict]:

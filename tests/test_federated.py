@@ -162,3 +162,30 @@ def test_simulate_killed_after_a_round_resumes_from_its_checkpoint(tmp_path, mon
     for pid, eps in result["rounds"][-1]["client_epsilon"].items():
         assert 2.9 < eps <= 3.0, (pid, eps)
     assert main(["simulate", "--resume", str(tmp_path / "nowhere"), "--quiet"]) == 2
+
+
+@pytest.mark.skipif(shutil.which("flwr", path=str(Path(os.sys.executable).parent)) is None, reason="no flwr CLI")
+def test_readme_flwr_run_command_runs_as_written(flower_env):
+    """The README's `flwr run .` line, exactly as written, ends with every round done."""
+    require("fmnist")
+    import shlex
+
+    line = next(l for l in (ROOT / "README.md").read_text().splitlines() if l.startswith("flwr run . "))
+    proc = subprocess.run(shlex.split(line), cwd=ROOT, env=flower_env, capture_output=True, text=True, timeout=900)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Exit Code" not in output, output[-3000:]
+    assert "fedsd round 3/3: test accuracy" in output, output[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("flwr", path=str(Path(os.sys.executable).parent)) is None, reason="no flwr CLI")
+def test_flwr_run_with_too_few_supernodes_stops_with_both_numbers(tmp_path, flower_env):
+    """Flower's default local federation has 2 SuperNodes; the app's num-clients is 10. The run
+    stops within seconds and says how to fix either number, instead of waiting forever."""
+    require("fmnist")
+    started = time.monotonic()
+    proc = subprocess.run(["flwr", "run", ".", "--stream", "--run-config", "num-server-rounds=1 batch-size=256"],
+                          cwd=ROOT, env=flower_env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert "the federation has 2 SuperNode(s) connected but the run has num-clients=10" in output, output[-3000:]
+    assert 'num-supernodes=10' in output and 'num-clients=2' in output
+    assert time.monotonic() - started < 180
