@@ -6,6 +6,7 @@ is always read from it.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -39,9 +40,13 @@ class PrivacyPlan:
                     accountant=self.accountant)
 
 
+@functools.lru_cache(maxsize=1024)
 def plan(epsilon: float, delta: float, num_samples: int, batch_size: int, epochs: int,
          accountant: str = "rdp") -> PrivacyPlan:
-    """Calibrate σ so that `epochs` epochs of Poisson-sampled DP-SGD spend at most (ε, δ)."""
+    """Calibrate σ so that `epochs` epochs of Poisson-sampled DP-SGD spend at most (ε, δ).
+
+    A pure function of its arguments, and its binary search costs seconds, so it is cached:
+    the clients of a federation with equal shards share one search (the plan is frozen)."""
     q = batch_size / num_samples
     steps = epochs * steps_per_epoch(num_samples, batch_size)
     try:
