@@ -1,12 +1,14 @@
-"""The ClientApp: local DP-SGD with self-distillation on this client's shard (SPEC §5, §8).
+"""The ClientApp: local DP-SGD with self-distillation on this client's data (SPEC §5, §8).
 
-Each round it receives the global model and the run's settings, trains E local epochs with
-fedsd's loop, and replies with the new weights and its metrics. Its privacy state (one
-accountant history for the whole run, the RNG state, the step count) lives in context.state,
-and, under the server's experiment id, on the client's own disk (a resumed server or a
-restarted SuperNode finds it there), so a client never restarts its accounting. A client
-whose next round would overspend its (ε, δ) does not train: its reply carries only metrics
-with skipped = 1.
+Its data is its SuperNode's own (`--node-config data=...`, with client-data=own), or in a
+simulation its shard of a built-in data set. Each round it receives the global model and the
+run's settings, trains E local epochs with fedsd's loop, and replies with the new weights and
+its metrics. Its privacy state (one accountant history for the run, the RNG state, the step
+count) lives in context.state and, under the server's experiment id, on the client's own disk,
+so a client never restarts its accounting. With `max-epsilon` in its node config, the owner's
+lifetime ledger (a Rényi privacy filter per data set) admits each run and charges each round
+before it runs, whatever the server asks. A client that may not train replies with metrics
+only: skipped = 1, and refused = 1 with its reason when the owner's limits said no.
 """
 from __future__ import annotations
 
@@ -23,12 +25,12 @@ from flwr.clientapp import ClientApp
 
 from fedsd import data as data_lib
 from fedsd import privacy
+from fedsd.central import resolve_device
 from fedsd.client_data import DataError, load_holder_data, normalised, task_for
-from fedsd.results import write_json
 from fedsd.config import ConfigError, TrainConfig, validate
 from fedsd.federation import FedOptions, client_config, from_flat, round_epochs
+from fedsd.results import write_json
 from fedsd.training import BudgetExhausted, DPTrainer, Model, load_train_state, save_train_state
-from fedsd.central import resolve_device
 
 from task.federation import Federation, build_federation
 from task.records import load_state, model_to_record, record_to_model, save_state
