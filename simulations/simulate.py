@@ -57,6 +57,9 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
     def _main(grid, context):
         holder["result"] = run_server(grid, cfg, fed, out=out, overwrite=overwrite, progress=progress)
 
+    # Ray's notice that a future version stops overriding CUDA_VISIBLE_DEVICES for CPU-only
+    # workers: opting in to that behaviour now silences it (fedsd sets devices itself).
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     backend_config = {"client_resources": {"num_cpus": fed.client_cpus, "num_gpus": fed.client_gpus},
                       "init_args": {"num_cpus": ray_cpus or os.cpu_count(), "include_dashboard": False,
                                     "logging_level": logging.ERROR, "log_to_driver": True}}
