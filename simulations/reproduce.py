@@ -112,7 +112,9 @@ def finished_with(run_out: Path, config: dict) -> bool:
         return False
     done = json.loads(path.read_text())["config"]
     wanted = TrainConfig(**config).resolved().to_dict()
-    return all(done.get(k) == v for k, v in wanted.items() if k not in NOT_SETTINGS)
+    # A setting added since that run was made is absent from its config: it ran as the default.
+    defaults = TrainConfig().to_dict()
+    return all(done.get(k, defaults.get(k)) == v for k, v in wanted.items() if k not in NOT_SETTINGS)
 
 
 def threads_per_job(device: str, jobs: int) -> int:

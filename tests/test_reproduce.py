@@ -56,3 +56,16 @@ def test_sweep_chooses_on_validation_only(tmp_path, capsys):
     bad = ["sweep", "--dataset", "mnist", "--method", "dpema", "--grid", "color=1,2", "--out", str(tmp_path / "x")]
     assert main(bad) == 2
     assert "cannot be swept" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_a_setting_added_later_does_not_make_a_finished_run_stale(tmp_path):
+    """A run made before a setting existed ran as that setting's default: it is not run again."""
+    from fedsd.config import TrainConfig
+    from simulations.reproduce import finished_with
+
+    config = dict(dataset="mnist", method="dpsgd", epsilon=3.0, seed=0)
+    saved = TrainConfig(**config).resolved().to_dict()
+    del saved["classes"]  # as in a result.json written before custom tasks existed
+    (tmp_path / "result.json").write_text(json.dumps({"config": saved}))
+    assert finished_with(tmp_path, config)
+    assert not finished_with(tmp_path, {**config, "epsilon": 2.0})  # a real change still counts
