@@ -106,22 +106,27 @@ def load_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.Pa
         raise DataError(f"data={path}: expected a folder (train/<class>/<image>) or an .npz file")
     files = _listing(path)
     cache = Path(cache_dir)
+    from .results import save_atomic, write_json
+
+    cache = Path(cache_dir)
+    # Names, sizes and times map to the content's fingerprint, so an unchanged folder is not
+    # read and hashed again on every message; changed (or copied) files are hashed once more.
     index = cache / f"index-{_stat_key(files)}.json"
-    fingerprint = json.loads(index.read_text())["fingerprint"] if index.is_file() else None
-    if fingerprint is None:
+    if index.is_file():
+        fingerprint = json.loads(index.read_text())["fingerprint"]
+    else:
         fingerprint = _content_fingerprint(path, files)
     prepared = cache / f"prepared-{fingerprint}-{task.key}.pt"
     if prepared.is_file():
-        saved = torch.load(prepared, weights_only=True)
-        return HolderData(**saved, fingerprint=fingerprint, source=str(path))
-    arrays = _load_npz(path, task) if path.is_file() else _load_folder(path, task)
-    if not len(arrays["y_train"]):
-        raise DataError(f"data={path}: the training split is empty")
-    from .results import save_atomic, write_json
-
-    cache.mkdir(parents=True, exist_ok=True)
-    save_atomic(prepared, arrays)
-    write_json(index, {"fingerprint": fingerprint, "data": str(path)})
+        arrays = torch.load(prepared, weights_only=True)
+    else:
+        arrays = _load_npz(path, task) if path.is_file() else _load_folder(path, task)
+        if not len(arrays["y_train"]):
+            raise DataError(f"data={path}: the training split is empty")
+        cache.mkdir(parents=True, exist_ok=True)
+        save_atomic(prepared, arrays)
+    if not index.is_file():
+        write_json(index, {"fingerprint": fingerprint, "data": str(path)})
     return HolderData(**arrays, fingerprint=fingerprint, source=str(path))
 
 

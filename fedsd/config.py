@@ -6,10 +6,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .settings import setting
-
 from .data import DATASETS
 from .models import DEFAULT_MODEL, MODELS
+from .settings import setting
 
 METHODS = ("dpsgd", "dpema", "dpkd", "dp3sd", "dpdsd")
 CUSTOM = "custom"  # a task whose data only the clients hold (fedsd.client_data)

@@ -138,21 +138,22 @@ class PrivacyFilter:
             raise BudgetRefused(f"run asks ε={epsilon:g}, this client allows at most {self.max_epsilon:g}")
         if delta > self.max_delta * (1 + 1e-9):
             raise BudgetRefused(f"run asks δ={delta:g}, this client allows at most {self.max_delta:g}")
+        self._admit(noise_multiplier, sample_rate, steps,
+                    f"this run's {steps} steps at σ={noise_multiplier:.3f}, q={sample_rate:.3g}")
+
+    def _admit(self, noise_multiplier: float, sample_rate: float, steps: int, request: str) -> None:
+        """Raise BudgetRefused unless everything so far plus these steps stays within max ε."""
         after = self.epsilon([(noise_multiplier, sample_rate, steps)])
         if after > self.max_epsilon * (1 + 1e-9):
-            raise BudgetRefused(f"lifetime budget left: {self.left():.3g} of ε={self.max_epsilon:g}; this run's "
-                                f"{steps} steps at σ={noise_multiplier:.3f}, q={sample_rate:.3g} would bring it "
-                                f"to ε={after:.3f}")
+            raise BudgetRefused(f"lifetime budget left: {self.left():.3g} of ε={self.max_epsilon:g}; {request} "
+                                f"would bring it to ε={after:.3f}")
 
     def left(self) -> float:
         return max(0.0, self.max_epsilon - self.epsilon())
 
     def spend(self, noise_multiplier: float, sample_rate: float, steps: int, run: str = "") -> None:
         """Admit `steps` steps (raises BudgetRefused when they do not fit) and record them."""
-        after = self.epsilon([(noise_multiplier, sample_rate, steps)])
-        if after > self.max_epsilon * (1 + 1e-9):
-            raise BudgetRefused(f"lifetime budget left: {self.left():.3g} of ε={self.max_epsilon:g}; {steps} more "
-                                f"steps would bring it to ε={after:.3f}")
+        self._admit(noise_multiplier, sample_rate, steps, f"{steps} more steps")
         self.entries.append(dict(noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps, run=run))
 
     def state_dict(self) -> dict:

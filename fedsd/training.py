@@ -263,21 +263,20 @@ class DPTrainer:
         loss = per_sample.mean()
         if self.bookkeeping is not None:
             self.bookkeeping.backward(loss, len(y))
-            self._optimizer_step()
-            return float(loss.detach())
-        with warnings.catch_warnings():
-            # Opacus' hooks sit on the first layer, whose input needs no gradient; PyTorch warns
-            # about that on every step, and it is expected there: no news to the user.
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            if self.ghost:  # as Opacus' DPTensorFastGradientClipping.backward
-                loss.backward(retain_graph=True)
-                self.optimizer.zero_grad()
-                coeff = self.grad_sample_model.get_clipping_coef()
-                self.grad_sample_model.disable_hooks()
-                (coeff.to(per_sample.device) * per_sample).sum().backward()
-                self.grad_sample_model.enable_hooks()
-            else:
-                loss.backward()
+        else:
+            with warnings.catch_warnings():
+                # Opacus' hooks sit on the first layer, whose input needs no gradient; PyTorch warns
+                # about that on every step, and it is expected there: no news to the user.
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                if self.ghost:  # as Opacus' DPTensorFastGradientClipping.backward
+                    loss.backward(retain_graph=True)
+                    self.optimizer.zero_grad()
+                    coeff = self.grad_sample_model.get_clipping_coef()
+                    self.grad_sample_model.disable_hooks()
+                    (coeff.to(per_sample.device) * per_sample).sum().backward()
+                    self.grad_sample_model.enable_hooks()
+                else:
+                    loss.backward()
         self._optimizer_step()
         return float(loss.detach())
 

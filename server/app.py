@@ -15,10 +15,8 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from tqdm.auto import tqdm
 
-from task.federation import build_federation
-from task.records import model_to_record, record_to_model
-from fedsd.central import resolve_device
 from fedsd import data as data_lib
+from fedsd.central import resolve_device
 from fedsd.client_data import task_for
 from fedsd.config import CUSTOM, ConfigError, TrainConfig
 from fedsd.federation import FedOptions, client_config, from_flat, to_flat
@@ -26,6 +24,8 @@ from fedsd.models import build_model
 from fedsd.results import check_out_dir, write_run
 from fedsd.settings import flags_to_keys
 from fedsd.training import evaluate, initial_model, released, torch_memory_format
+from task.federation import build_federation
+from task.records import model_to_record, record_to_model
 
 from . import checkpoint
 from .strategy import RecordingStrategy, base_strategy, round_log
@@ -170,8 +170,9 @@ def check_federation_size(grid: Grid, num_clients: int, settle: float = FEDERATI
             raise ConfigError(
                 f"the federation has {count} SuperNode(s) connected but the run has num-clients={num_clients}: "
                 f"run with --run-config \"num-clients={count}\", or give the federation {num_clients} SuperNodes "
-                f"(local simulation: --federation-config \"num-supernodes={num_clients}\"; a deployment: start "
-                f"{num_clients - count if num_clients > count else 'fewer'} more/other SuperNodes)")
+                f"(local simulation: --federation-config \"num-supernodes={num_clients}\"; a deployment: "
+                + (f"start {num_clients - count} more SuperNode(s))" if count < num_clients
+                   else f"stop {count - num_clients} SuperNode(s))"))
         time.sleep(0.5)
 
 

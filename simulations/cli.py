@@ -8,6 +8,7 @@ import sys
 from fedsd.config import TrainConfig
 from fedsd.settings import add_options, from_args
 
+
 def add_train_options(p: argparse.ArgumentParser, epsilon_required: bool = True, out_required: bool = True) -> None:
     """Every TrainConfig setting as an option (declared once, in fedsd.config), and the run's folder."""
     add_options(p, TrainConfig, required=("epsilon",) if epsilon_required else ())

@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedsd.config import TrainConfig
-from fedsd.federation import FedOptions
+from fedsd.config import ConfigError, TrainConfig
+from fedsd.federation import FedOptions, from_flat
 from fedsd.results import check_out_dir, write_json
 from fedsd.settings import add_options, given_flat
 
@@ -285,30 +285,33 @@ def add_deploy_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_config_from_args(args: argparse.Namespace) -> dict:
     """The run config the options ask for; ConfigError (naming the option) when one is bad."""
-    from fedsd.config import ConfigError
-    from fedsd.federation import from_flat
-
     values = given_flat(args, TrainConfig, FedOptions)
     if args.client_folders:
         values["client-data"] = "own"
-    for pair in args.node_config.split():
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--node-config: k=v pairs, got {pair!r}")
+    for key, value in _pairs(args.node_config, "--node-config").items():
         if key in ("max-epsilon", "max-delta"):
             try:
                 float(value)
             except ValueError:
                 raise ConfigError(f"--node-config: {key} must be a number, got {value!r}") from None
-    for pair in args.run_config.split():
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ConfigError(f"--run-config: k=v pairs, got {pair!r}")
-        values[key] = value.strip("'\"")
-    cfg, fed = from_flat({**values, "num-clients": args.num_clients, "num-server-rounds": args.rounds})
+    values.update(_pairs(args.run_config, "--run-config"))
+    values.update({"num-clients": args.num_clients, "num-server-rounds": args.rounds})
+    cfg, fed = from_flat(values)
     fed.validate()  # --clients, --rounds, partition, strategy, ...
     cfg.resolved()  # --method
     return values
+
+
+def _pairs(text: str, option: str) -> dict[str, str]:
+    """'k=v k2=v2 …' as a dict (values without spaces; quotes around a value dropped);
+    ConfigError naming the option."""
+    pairs = {}
+    for pair in text.split():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{option}: k=v pairs, got {pair!r}")
+        pairs[key] = value.strip("'\"")
+    return pairs
 
 
 def _interrupt(signum, frame):
@@ -323,8 +326,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_config = run_config_from_args(args)
         check_out_dir(args.out)
-        from fedsd.federation import from_flat
-
         if args.client_folders:  # each client's folder is there (its own checks run on its node)
             missing = [k for k in range(args.num_clients) if not (Path(args.client_folders) / f"client-{k}").exists()]
             if missing:
@@ -333,8 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         else:  # a simulation's checks, before any process starts: data found, every shard, every budget
             from task.federation import build_federation
 
-            federation = build_federation(*from_flat({**run_config, "num-clients": args.num_clients,
-                                                      "num-server-rounds": args.rounds}))
+            federation = build_federation(*from_flat(run_config))
             for k in range(args.num_clients):
                 federation.client_plan(k)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
