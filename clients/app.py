@@ -30,7 +30,7 @@ from fedsd.client_data import DataError, load_holder_data, normalised, task_for
 from fedsd.config import ConfigError, TrainConfig, validate
 from fedsd.federation import FedOptions, client_config, from_flat, round_epochs
 from fedsd.results import write_json
-from fedsd.training import BudgetExhausted, DPTrainer, Model, load_train_state, save_train_state
+from fedsd.training import BudgetExhausted, DPTrainer, Model, load_train_state, released, save_train_state
 
 from task.federation import Federation, build_federation
 from task.records import load_state, model_to_record, record_to_model, save_state
@@ -135,21 +135,44 @@ def node_settings(flat: dict, node_config) -> int:
     return partition_id
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
+def client_side(msg: Message, context: Context):
+    """(round, partition id, fed, trainer, the data's fingerprint, its test split) for a
+    message: this SuperNode's own files with client-data=own, else (a simulation) this
+    client's shard of a built-in data set and its share of the public test split."""
     flat = dict(msg.content["config"])
     server_round = int(flat.pop("server-round"))
     partition_id = node_settings(flat, context.node_config)
-    if flat.get("client-data") == "own":  # this SuperNode's own files
+    if flat.get("client-data") == "own":
         if not context.node_config.get("data"):
             raise ConfigError("client-data=own: this run trains on each client's own data; start the SuperNode "
                               "with --node-config \"data='/path/to/folder-or.npz' ...\"")
         cfg, fed, trainer, fingerprint = own_trainer(flat, context.node_config, partition_id)
-    else:  # a simulation: this client's shard of a built-in data set
+        test = trainer.data.x_test, trainer.data.y_test
+    else:
         federation, trainer = trainer_for(flat, partition_id)
         fed, fingerprint = federation.fed, shard_fingerprint(federation, partition_id)
-    # FedProx sends its μ as "proximal-mu" in the round's config (the run config's key of the same name).
-    proximal_mu = float(flat["proximal-mu"]) if fed.strategy == "fedprox" else 0.0
+        share = federation.client_test_share(partition_id).to(trainer.device)
+        test = trainer.data.x_test[share], trainer.data.y_test[share]
+    return server_round, partition_id, fed, trainer, fingerprint, test
+
+
+@app.evaluate()
+def evaluate_global(msg: Message, context: Context) -> Message:
+    """Federated evaluation: the global model on this client's own test split (no training
+    step, nothing spent from the budget; the accuracy it sends is outside the DP guarantee)."""
+    _, partition_id, _, trainer, _, (x_test, y_test) = client_side(msg, context)
+    accuracy, loss = (trainer.evaluate(released(record_to_model(msg.content["arrays"])), x_test, y_test)
+                      if len(y_test) else (0.0, 0.0))  # no test split: weight 0 in the average
+    return Message(RecordDict({"metrics": MetricRecord({"num-examples": len(y_test), "partition-id": partition_id,
+                                                        "test-accuracy": accuracy, "test-loss": loss})}),
+                   reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    server_round, partition_id, fed, trainer, fingerprint, _ = client_side(msg, context)
+    # FedProx sends its μ as "proximal-mu" in the round's config: the run config's key of that name.
+    proximal_mu = fed.proximal_mu if fed.strategy == "fedprox" else 0.0
     # The state of this run (context.state), else what this client left on its disk in an
     # earlier launch of the same experiment (a resumed server, a restarted SuperNode).
     state_file = client_state_file(context.node_config, fed.experiment_id, partition_id)

@@ -37,6 +37,10 @@ class FedOptions:
     strategy: str = setting("fedavg", "server aggregation", choices=STRATEGIES)
     proximal_mu: float = setting(0.01, "FedProx: weight μ of the pull towards the global model")
     server_lr: float = setting(0.1, "FedAdam: the server's learning rate η")
+    federated_evaluation: bool = setting(False, "clients also evaluate each round's global model on their own "
+                                         "test split and the server averages (weighted by count); a custom "
+                                         "task, which has no public test split, always does. Releases each "
+                                         "client's test accuracy, outside the DP guarantee")
     budget_rounds: int = setting(0, "rounds each client calibrates σ for; 0 = every round of the run")
     server_dp_noise: float = setting(0.0, "user-level DP at the server (Flower's fixed clipping): noise "
                                      "multiplier; 0 = off. A separate guarantee, not in ε")

@@ -41,6 +41,7 @@ class ModelNotPrivateError(ValueError):
 
 def check_private_trainable(model: nn.Module, fix: bool = False) -> nn.Module:
     """Refuse (or, with fix=True, repair via Opacus' ModuleValidator) a model DP-SGD cannot train."""
+    from . import _opacus  # noqa: F401  (Opacus without its root-logger handler)
     from opacus.validators import ModuleValidator
 
     errors = ModuleValidator.validate(model, strict=False)

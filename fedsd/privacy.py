@@ -10,10 +10,21 @@ import functools
 import math
 from dataclasses import dataclass
 
+from . import _opacus  # noqa: F401  (first: Opacus without its root-logger handler)
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 
 EPSILON_TOLERANCE = 0.01
+# Rényi orders of every RDP computation here. Opacus' default set stops at 63, and a run whose
+# per-step privacy loss is small (small q, long DP-SGD, a small ε) has its best order beyond
+# that: Opacus then warns "Optimal order is the largest alpha" and reports a looser ε than the
+# mechanism has. Orders to 512 keep the best one inside the set.
+RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [80, 96, 128, 192, 256, 384, 512]
+
+
+def _orders(accountant: str) -> dict:
+    """Keyword arguments for an Opacus accountant's get_epsilon (orders exist only for RDP)."""
+    return {"alphas": RDP_ORDERS} if accountant == "rdp" else {}
 
 
 class BudgetError(ValueError):
@@ -52,7 +63,7 @@ def plan(epsilon: float, delta: float, num_samples: int, batch_size: int, epochs
     try:
         sigma = get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=q,
                                      steps=steps, accountant=accountant,
-                                     epsilon_tolerance=EPSILON_TOLERANCE)
+                                     epsilon_tolerance=EPSILON_TOLERANCE, **_orders(accountant))
     except ValueError as e:  # Opacus: "The privacy budget is too low."
         raise BudgetError(f"--epsilon: no noise level fits ε={epsilon}, δ={delta} for {steps} steps at "
                           f"sample rate {q:.4g} ({e}); raise --epsilon or lower --epochs") from e
@@ -82,7 +93,7 @@ class Ledger:
     def epsilon(self, delta: float) -> float:
         if not self._accountant.history:
             return 0.0
-        return float(self._accountant.get_epsilon(delta=delta))
+        return float(self._accountant.get_epsilon(delta=delta, **_orders(self.kind)))
 
     def epsilon_after(self, steps: int, noise_multiplier: float, sample_rate: float, delta: float) -> float:
         """ε spent if `steps` more steps were taken (asks a scratch copy; this ledger is unchanged)."""
@@ -108,9 +119,7 @@ class PrivacyFilter:
     fingerprint, so new experiment ids, new runs and restarted SuperNodes all continue it.
     """
 
-    # Opacus' orders reach 63; more (to 512) keep the optimal order inside the set for the
-    # small per-step ε of long DP-SGD runs (no "optimal order is the largest alpha").
-    ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [80, 96, 128, 192, 256, 384, 512]
+    ORDERS = RDP_ORDERS
 
     def __init__(self, max_epsilon: float, max_delta: float, entries: list | None = None):
         if not (math.isfinite(max_epsilon) and max_epsilon > 0):

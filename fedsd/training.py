@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from . import _opacus  # noqa: F401  (first: Opacus without its root-logger handler)
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from opacus.grad_sample.utils import prepare_module
 from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
@@ -126,6 +127,7 @@ class DPTrainer:
         self.teacher = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.generator = torch.Generator(device=self.device)
         self._anchor, self._proximal_mu = None, 0.0  # FedProx's pull, set per call
+        self._evaluation_model: torch.nn.Module | None = None  # built on first use
         self.ghost = cfg.grad_sample_mode == "ghost"
         self.bookkeeping = None
         sgd = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
@@ -203,6 +205,15 @@ class DPTrainer:
                        epsilon=ledger.epsilon(self.plan.delta), noise_multiplier=self.plan.noise_multiplier,
                        seconds=time.perf_counter() - started)
         return model, state, metrics
+
+    def evaluate(self, weights: Weights, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        """(accuracy, mean loss) of `weights` on (x, y), in a plain copy of the model: no
+        training step, so nothing is spent (what it releases is the caller's to say)."""
+        if self._evaluation_model is None:
+            self._evaluation_model = copy.deepcopy(self.teacher)
+        self._load(self._evaluation_model, weights)
+        return evaluate(self._evaluation_model, x.to(self.device).contiguous(memory_format=self.memory_format),
+                        y.to(self.device))
 
     def check_budget(self, state: TrainState | None, epochs: list[int]) -> None:
         """Raise BudgetExhausted when these epochs would spend more than this run's (ε, δ)."""

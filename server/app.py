@@ -10,10 +10,9 @@ from datetime import datetime
 from logging import INFO
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, MetricRecord
+from flwr.app import ConfigRecord, Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
-from tqdm.auto import tqdm
 
 from fedsd import data as data_lib
 from fedsd.central import resolve_device
@@ -23,12 +22,13 @@ from fedsd.federation import FedOptions, client_config, from_flat, to_flat
 from fedsd.models import build_model
 from fedsd.results import check_out_dir, write_run
 from fedsd.settings import flags_to_keys
-from fedsd.training import evaluate, initial_model, released, torch_memory_format
+from fedsd.training import initial_model, released, torch_memory_format
 from task.federation import build_federation
 from task.records import model_to_record, record_to_model
 
 from . import checkpoint
-from .strategy import RecordingStrategy, base_strategy, round_log
+from .rounds import RoundBook
+from .strategy import RecordingStrategy, base_strategy
 
 
 def prepare_out_dir(out: Path, overwrite: bool) -> None:
@@ -59,56 +59,32 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     device = resolve_device(cfg.device)
     layout = torch_memory_format(cfg)  # as the clients train
     if test is not None:
-        test_x, test_y = test[0].to(device).contiguous(memory_format=layout), test[1].to(device)
+        test = test[0].to(device).contiguous(memory_format=layout), test[1].to(device)
     net = build_model(cfg.model, num_classes).to(device, memory_format=layout)
     shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
     start_round = resumed["round"] if resumed else 0
-    strategy = RecordingStrategy(base_strategy(fed), fed, shapes, round_offset=start_round)
-    settings = checkpoint.settings(cfg, fed)
+    # A custom task has no public test split at the server: its clients evaluate on their own.
+    federated_evaluation = fed.federated_evaluation or test is None
+    strategy = RecordingStrategy(base_strategy(fed, federated_evaluation), fed, shapes, round_offset=start_round)
     experiment_id = resumed["experiment_id"] if resumed else uuid.uuid4().hex
-    rounds: list[dict] = list(resumed["rounds"]) if resumed else []
     if resumed:
         strategy.restore(resumed["recorder"])
         checkpoint.restore_strategy_state(strategy.inner, resumed["strategy"])
-    bar = tqdm(total=fed.rounds, initial=start_round, unit="round", disable=not progress,
-               desc=f"{cfg.dataset} {cfg.method} {fed.num_clients} clients")
-    last = [time.perf_counter()]
-
-    def evaluate_global(launch_round: int, arrays) -> MetricRecord:
-        model = record_to_model(arrays)
-        net.load_state_dict(released(model))
-        # A custom task has no public test split at the server: nothing is evaluated there.
-        accuracy, loss = evaluate(net, test_x, test_y) if test is not None else (float("nan"), float("nan"))
-        if launch_round > 0:
-            server_round = launch_round + start_round
-            now = time.perf_counter()
-            epsilons = dict(sorted(strategy.client_epsilon.items()))
-            reports = strategy.round_clients.get(server_round, {})
-            rounds.append(dict(round=server_round, test_accuracy=_number(accuracy), test_loss=_number(loss),
-                               seconds=now - last[0],
-                               train_seconds=strategy.train_seconds.get(server_round),
-                               client_epsilon={str(k): v for k, v in epsilons.items()},
-                               trained=sorted(k for k, r in reports.items()
-                                              if not int(r.get("skipped", 0)) and "rejected" not in r),
-                               skipped=sorted(k for k, r in reports.items() if int(r.get("skipped", 0))),
-                               refused={str(k): r["refused"] for k, r in reports.items() if "refused" in r},
-                               rejected={str(k): r["rejected"] for k, r in reports.items() if "rejected" in r},
-                               missed=strategy.missed.get(server_round, [])))
-            if out is not None:
-                checkpoint.save(out, round=server_round, model=model, settings=settings,
-                                experiment_id=experiment_id, rounds=rounds, recorder=strategy.recorded(),
-                                strategy=strategy.inner)
-            round_log(server_round, fed.rounds, accuracy, max(epsilons.values(), default=0.0), now - last[0])
-            bar.update(1)
-            bar.set_postfix(acc=f"{accuracy:.4f}")
-            last[0] = now
-        return MetricRecord({"test-accuracy": accuracy, "test-loss": loss})
+    book = RoundBook(strategy, net, test, rounds_total=fed.rounds, start_round=start_round,
+                     rounds=list(resumed["rounds"]) if resumed else [], out=out,
+                     settings=checkpoint.settings(cfg, fed), experiment_id=experiment_id, progress=progress,
+                     description=f"{cfg.dataset} {cfg.method} {fed.num_clients} clients")
 
     initial = resumed["model"] if resumed else initial_model(cfg, num_classes)
     train_config = ConfigRecord({**to_flat(cfg, fed), "experiment-id": experiment_id})
-    outcome = strategy.start(grid=grid, initial_arrays=model_to_record(initial), num_rounds=fed.rounds - start_round,
-                             timeout=fed.round_timeout, train_config=train_config, evaluate_fn=evaluate_global)
-    bar.close()
+    try:
+        outcome = strategy.start(grid=grid, initial_arrays=model_to_record(initial),
+                                 num_rounds=fed.rounds - start_round, timeout=fed.round_timeout,
+                                 train_config=train_config, evaluate_config=ConfigRecord(dict(train_config)),
+                                 evaluate_fn=book.evaluate_global)
+    finally:
+        book.close()
+    rounds = book.rounds
     final = record_to_model(outcome.arrays) if len(outcome.arrays) else initial
     reported = client_facts(strategy.round_clients)  # what the clients said, not what the server computed
     result = dict(
@@ -117,7 +93,8 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
         noise_multiplier={str(k): r.get("noise-multiplier") for k, r in reported.items()},
         sample_rate={str(k): r.get("sample-rate") for k, r in reported.items()},
         steps=sum(r.get("steps", 0) for reps in strategy.round_clients.values() for r in reps.values()),
-        test_accuracy=rounds[-1]["test_accuracy"] if rounds else None, seed=cfg.seed,
+        test_accuracy=book.final_accuracy(), evaluated_by="server" if test is not None else "clients",
+        seed=cfg.seed,
         wall_seconds=time.perf_counter() - started, device=str(device), data_source=source,
         num_clients=fed.num_clients,
         shard_sizes=[reported.get(k, {}).get("num-examples") for k in range(fed.num_clients)], config=cfg.to_dict(),
@@ -183,10 +160,6 @@ def client_facts(round_clients: dict) -> dict[int, dict]:
         for pid, metrics in round_clients[server_round].items():
             facts.setdefault(int(pid), {}).update(metrics)
     return dict(sorted(facts.items()))
-
-
-def _number(x: float) -> float | None:
-    return None if x != x else x  # NaN (not evaluated) is null in JSON
 
 
 app = ServerApp()

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (DifferentialPrivacyServerSideFixedClipping, FedAdam, FedAvg, FedProx,
@@ -17,11 +17,13 @@ from flwr.serverapp.strategy import (DifferentialPrivacyServerSideFixedClipping,
 from fedsd.federation import FedOptions
 
 
-def base_strategy(fed: FedOptions) -> Strategy:
-    """The aggregation rule, weighted by num-examples; central evaluation only (no client eval)."""
+def base_strategy(fed: FedOptions, federated_evaluation: bool = False) -> Strategy:
+    """The aggregation rule, weighted by num-examples. Every client that trained evaluates too
+    with federated_evaluation; otherwise only the server evaluates, on its public test split."""
     sampled = sampled_clients(fed)
-    common = dict(fraction_train=fed.fraction_train, fraction_evaluate=0.0, min_train_nodes=sampled,
-                  min_evaluate_nodes=0, min_available_nodes=fed.num_clients)
+    common = dict(fraction_train=fed.fraction_train, fraction_evaluate=1.0 if federated_evaluation else 0.0,
+                  min_train_nodes=sampled, min_evaluate_nodes=0, min_available_nodes=fed.num_clients,
+                  train_metrics_aggr_fn=train_metrics, evaluate_metrics_aggr_fn=evaluation_metrics)
     if fed.strategy == "fedadam":
         strategy = FedAdam(**common, eta=fed.server_lr)
     elif fed.strategy == "fedprox":
@@ -33,6 +35,36 @@ def base_strategy(fed: FedOptions) -> Strategy:
         strategy = DifferentialPrivacyServerSideFixedClipping(strategy, fed.server_dp_noise, fed.server_dp_clip,
                                                                num_sampled_clients=sampled)
     return strategy
+
+
+def _metrics(records: list[RecordDict]) -> list[MetricRecord]:
+    return [next(iter(r.metric_records.values())) for r in records]
+
+
+def train_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
+    """What a round's training replies mean together (Flower's default would average every key,
+    partition ids and σ included): the sample-weighted train loss, the largest ε a client has
+    spent, and the clients, samples and steps of the round."""
+    metrics = _metrics(records)
+    weights = [float(m[weight_key]) for m in metrics]
+    return MetricRecord({
+        "clients": len(metrics), "num-examples": sum(weights),
+        "steps": sum(float(m.get("steps", 0)) for m in metrics),
+        "train-loss": sum(w * float(m.get("train-loss", 0.0)) for w, m in zip(weights, metrics)) / max(sum(weights), 1.0),
+        "max-epsilon": max(float(m.get("epsilon", 0.0)) for m in metrics)})
+
+
+def evaluation_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
+    """The clients' evaluations of the global model on their own test splits, weighted by how
+    many samples each evaluated; a client without a test split (count 0) adds nothing."""
+    metrics = [m for m in _metrics(records) if float(m[weight_key]) > 0]
+    total = sum(float(m[weight_key]) for m in metrics)
+    if not total:
+        return MetricRecord({"clients": 0, "num-examples": 0.0})
+    return MetricRecord({
+        "clients": len(metrics), "num-examples": total,
+        **{key: sum(float(m[weight_key]) * float(m[key]) for m in metrics) / total
+           for key in ("test-accuracy", "test-loss")}})
 
 
 def sampled_clients(fed: FedOptions) -> int:
@@ -75,7 +107,7 @@ class RecordingStrategy(Strategy):
     `round_offset = r`. The first round waits for every client to connect; later rounds go on
     with whoever is there, as long as `min_nodes` are (a node lost mid-run does not stall it)."""
 
-    RECORDED = ("client_epsilon", "round_clients", "train_seconds", "missed", "node_partition")
+    RECORDED = ("client_epsilon", "round_clients", "train_seconds", "missed", "node_partition", "evaluations")
 
     def __init__(self, inner: Strategy, fed: FedOptions, shapes: dict[str, tuple] | None = None,
                  round_offset: int = 0):
@@ -89,6 +121,7 @@ class RecordingStrategy(Strategy):
         self.train_seconds: dict[int, float] = {}
         self.missed: dict[int, list] = {}  # round → [{client, node_id, reason}]
         self.node_partition: dict[int, int] = {}  # Flower node id → partition id, as replies tell
+        self.evaluations: dict[int, dict] = {}  # round → the clients' federated evaluation
         self._round_started = 0.0
         self._sent: list[Message] = []  # this round's, as sent
 
@@ -97,7 +130,7 @@ class RecordingStrategy(Strategy):
 
     def restore(self, recorded: dict) -> None:
         for name in self.RECORDED:
-            setattr(self, name, recorded[name])
+            setattr(self, name, recorded.get(name, {}))  # a checkpoint from before a record was kept
 
     def summary(self) -> None:
         self.inner.summary()
@@ -171,7 +204,21 @@ class RecordingStrategy(Strategy):
         return self.inner.configure_evaluate(server_round + self.round_offset, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round, replies):
-        return self.inner.aggregate_evaluate(server_round + self.round_offset, replies)
+        replies = list(replies)
+        server_round += self.round_offset
+        aggregated = self.inner.aggregate_evaluate(server_round, replies)
+        if aggregated is not None:
+            per_client = {}
+            for reply in replies:
+                if not reply.has_error():
+                    m = next(iter(reply.content.metric_records.values()))
+                    per_client[str(int(m["partition-id"]))] = dict(
+                        num_examples=int(m["num-examples"]),
+                        test_accuracy=float(m["test-accuracy"]) if m["num-examples"] else None)
+            self.evaluations[server_round] = dict(
+                test_accuracy=aggregated.get("test-accuracy"), test_loss=aggregated.get("test-loss"),
+                num_examples=int(aggregated["num-examples"]), clients=per_client)
+        return aggregated
 
 
 def inner_strategies(strategy):

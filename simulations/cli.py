@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from pathlib import Path
 
 from fedsd.config import TrainConfig
 from fedsd.settings import add_options, from_args
@@ -25,9 +25,7 @@ def cmd_train(args) -> int:
     from fedsd.central import train
 
     result, _ = train(config_from_args(args), args.out, overwrite=args.overwrite, progress=not args.quiet)
-    summary = {k: result[k] for k in ("dataset", "method", "epsilon_target", "epsilon_spent",
-                                      "noise_multiplier", "steps", "test_accuracy", "wall_seconds")}
-    print(json.dumps(summary, indent=2))
+    print(run_summary(result, args.out))
     return 0
 
 
@@ -37,9 +35,29 @@ def cmd_simulate(args) -> int:
     fed = sim_options_from_args(args)
     if not fed.resume_dir and not args.out:
         raise ValueError("--out is required (or --resume DIR)")
-    result = simulate(config_from_args(args), fed, args.out, overwrite=args.overwrite, progress=not args.quiet)
-    print(json.dumps({k: result[k] for k in ("dataset", "method", "test_accuracy", "wall_seconds")}, indent=2))
+    result = simulate(config_from_args(args), fed, args.out, overwrite=args.overwrite, progress=not args.quiet,
+                      verbose=args.verbose)
+    print(run_summary(result, fed.resume_dir or args.out))
     return 0
+
+
+def run_summary(result: dict, out) -> str:
+    """A finished run in a few lines: what ran, its accuracy, the ε it spent (the range across
+    clients in a federation), its time and where its files are."""
+    clients = result.get("num_clients")
+    what = f"{result['dataset']} {result['method']}" + (f", {clients} clients" if clients else ", central")
+    accuracy = result["test_accuracy"]
+    if clients:
+        spent = [e for e in (result["rounds"][-1]["client_epsilon"] if result["rounds"] else {}).values()]
+        eps = f"{min(spent):.3f}–{max(spent):.3f} across clients" if spent else "nothing"
+    else:
+        eps = f"{result['epsilon_spent']:.3f}"
+    by = " (clients' own test splits)" if result.get("evaluated_by") == "clients" else ""
+    lines = [f"fedsd: {what} finished in {result['wall_seconds']:.0f} s",
+             f"  test accuracy  {accuracy * 100:.2f} %{by}" if accuracy is not None else "  test accuracy  -",
+             f"  ε spent        {eps} (target {result['epsilon_target']:g}, δ {result['delta']:g})",
+             f"  files          {Path(out).absolute()}/ (result.json, model.pt, curve.png)"]
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ import argparse
 import logging
 import os
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 from fedsd.config import ConfigError, TrainConfig
@@ -15,6 +16,51 @@ from fedsd.settings import add_options, from_args
 def add_sim_options(p: argparse.ArgumentParser) -> None:
     """Every FedOptions setting as an option (declared once, in fedsd.federation)."""
     add_options(p, FedOptions)
+    p.add_argument("--verbose", action="store_true",
+                   help="Flower's full log (every message, with timestamps) and the clients' output")
+
+
+# Flower's notices that say nothing to a user of `fedsd simulate`: fedsd calls the engine's
+# Python API itself, and evaluates at the server unless asked for federated evaluation.
+NOT_NEWS = ("DEPRECATED FEATURE: The `run_simulation`", "fraction_evaluate is set to 0.0")
+
+
+class _AboveTheBar:
+    """A stream that writes above tqdm's progress bar, so log lines never break it."""
+
+    def write(self, text: str) -> None:
+        from tqdm.auto import tqdm
+
+        if text.strip():
+            tqdm.write(text.rstrip("\n"))
+
+    def flush(self) -> None:
+        pass
+
+
+@contextmanager
+def flower_log(verbose: bool):
+    """Flower's console log for the run: by default warnings and errors only, printed above
+    the progress bar, without NOT_NEWS; with verbose, everything Flower logs, timestamped."""
+    from flwr.common.logger import console_handler
+
+    level, stream, timestamps = console_handler.level, console_handler.stream, console_handler.timestamps
+    not_news = logging.Filter()
+    not_news.filter = lambda record: verbose or not record.getMessage().lstrip().startswith(NOT_NEWS)
+    console_handler.addFilter(not_news)
+    if verbose:
+        console_handler.setLevel(logging.DEBUG)
+        console_handler.timestamps = True
+    else:
+        console_handler.setLevel(logging.WARNING)
+        console_handler.setStream(_AboveTheBar())
+    try:
+        yield
+    finally:
+        console_handler.removeFilter(not_news)
+        console_handler.setLevel(level)
+        console_handler.setStream(stream)
+        console_handler.timestamps = timestamps
 
 
 def sim_options_from_args(args: argparse.Namespace) -> FedOptions:
@@ -22,7 +68,7 @@ def sim_options_from_args(args: argparse.Namespace) -> FedOptions:
 
 
 def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, overwrite: bool = False,
-             progress: bool = True, ray_cpus: int | None = None) -> dict:
+             progress: bool = True, ray_cpus: int | None = None, verbose: bool = False) -> dict:
     """Run a federation of `fed.num_clients` simulated clients; returns the result dict
     (with "_weights", the released global model) and writes `out` when given.
 
@@ -62,11 +108,11 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     backend_config = {"client_resources": {"num_cpus": fed.client_cpus, "num_gpus": fed.client_gpus},
                       "init_args": {"num_cpus": ray_cpus or os.cpu_count(), "include_dashboard": False,
-                                    "logging_level": logging.ERROR, "log_to_driver": True}}
-    with warnings.catch_warnings():
+                                    "logging_level": logging.ERROR, "log_to_driver": verbose}}
+    with warnings.catch_warnings(), flower_log(verbose):
         warnings.simplefilter("ignore", DeprecationWarning)  # run_simulation: the Python API of the engine
         run_simulation(server_app=server_app, client_app=client_app, num_supernodes=fed.num_clients,
-                       backend_config=backend_config)
+                       backend_config=backend_config, verbose_logging=verbose)
     if "result" not in holder:
         raise RuntimeError("the simulation ended without a result; see the log above")
     return holder["result"]

@@ -32,6 +32,12 @@ class Federation:
     def client_data(self, partition_id: int, device) -> data_lib.TensorData:
         return data_lib.prepare(self.images, self.train_indices[self.shards[partition_id]], device)
 
+    def client_test_share(self, partition_id: int) -> torch.Tensor:
+        """A simulated client's own test split, for federated evaluation: an IID share of the
+        public test split (seeded; positions into it, ascending)."""
+        order = torch.randperm(len(self.images.y_test), generator=torch.Generator().manual_seed(self.cfg.seed))
+        return order[partition_id::self.fed.num_clients].sort().values
+
     def client_plan(self, partition_id: int) -> privacy.PrivacyPlan:
         c = self.cfg
         return privacy.plan(c.epsilon, c.delta, len(self.shards[partition_id]), c.batch_size, c.epochs, c.accountant)

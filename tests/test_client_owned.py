@@ -15,7 +15,8 @@ from fedsd.client_data import DataError, builtin_task, load_holder_data
 from fedsd.config import ConfigError, TrainConfig
 from fedsd.federation import FedOptions, to_flat
 from fedsd.privacy import PrivacyFilter, plan
-from fedsd.training import initial_model
+from fedsd.models import build_model
+from fedsd.training import evaluate, initial_model
 from simulations.cli import main
 from tests.conftest import require
 
@@ -202,3 +203,36 @@ def test_own_data_run_without_data_says_how_to_start_the_node(tmp_path):
     cfg, flat = run_config()
     with pytest.raises(ConfigError, match="start the SuperNode with --node-config"):
         send(flat, {"partition-id": 0, "state-dir": str(tmp_path)}, initial_model(cfg.resolved(), 10), 1)
+
+
+def evaluate_on_client(flat, node_config, model):
+    context = Context(run_id=1, node_id=11, node_config=node_config, state=RecordDict(), run_config={})
+    msg = Message(RecordDict({"arrays": model_to_record(model), "config": ConfigRecord({**flat, "server-round": 1})}),
+                  dst_node_id=11, message_type="evaluate")
+    return next(iter(app(msg, context).content.metric_records.values()))
+
+
+def test_federated_evaluation_uses_the_clients_own_test_split_and_spends_nothing(split, tmp_path):
+    cfg, flat = run_config()
+    data = split / "npz" / "client-1"
+    node = {"partition-id": 1, "data": str(data), "state-dir": str(tmp_path), "max-epsilon": 3}
+    model, _ = send(flat, {**node, "state-dir": str(tmp_path / "trained")}, initial_model(cfg.resolved(), 10), 1)
+    model = record_to_model(model.content["arrays"])
+    metrics = evaluate_on_client(flat, node, model)
+    held = load_holder_data(data, builtin_task("mnist"), tmp_path / "check")
+    net = build_model("mnist-cnn", 10)
+    net.load_state_dict(model["student"])
+    accuracy, loss = evaluate(net, client_data.normalised(held.x_test, builtin_task("mnist")), held.y_test)
+    assert metrics["num-examples"] == len(held.y_test) == 5000 and metrics["partition-id"] == 1
+    assert metrics["test-accuracy"] == pytest.approx(accuracy, abs=1e-9) and accuracy > 0.15  # chance: 0.1
+    assert metrics["test-loss"] == pytest.approx(loss, rel=1e-5)
+    assert not list(tmp_path.glob("ledger-*.json"))  # evaluation is no training step: no ledger entry
+
+
+def test_a_client_without_a_test_split_evaluates_with_weight_zero(split, tmp_path):
+    cfg, flat = run_config()
+    with np.load(split / "npz" / "client-0" / "data.npz") as z:
+        np.savez(tmp_path / "train-only.npz", x_train=z["x_train"], y_train=z["y_train"])
+    node = {"partition-id": 0, "data": str(tmp_path / "train-only.npz"), "state-dir": str(tmp_path)}
+    metrics = evaluate_on_client(flat, node, initial_model(cfg.resolved(), 10))
+    assert metrics["num-examples"] == 0

@@ -40,9 +40,13 @@ def test_single_client_reproduces_central_training(method):
 def test_three_clients_learn_and_account_per_client(tmp_path):
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, batch_size=256, subset=12000, seed=0)
-    result = simulate(cfg, FedOptions(num_clients=3, rounds=3, local_epochs=1), out=tmp_path / "run",
-                      progress=False)
+    result = simulate(cfg, FedOptions(num_clients=3, rounds=3, local_epochs=1, federated_evaluation=True),
+                      out=tmp_path / "run", progress=False)
     assert result["test_accuracy"] >= 0.6
+    for r in result["rounds"]:  # the clients' shares of the test split, weighted, are the whole split
+        federated = r["federated_evaluation"]
+        assert federated["num_examples"] == 10000 and sorted(federated["clients"]) == ["0", "1", "2"]
+        assert federated["test_accuracy"] == pytest.approx(r["test_accuracy"], abs=1e-12)
     assert result["shard_sizes"] == [4000, 4000, 4000]
     for client in ("0", "1", "2"):
         eps = [r["client_epsilon"][client] for r in result["rounds"]]

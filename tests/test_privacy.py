@@ -52,3 +52,22 @@ def test_epsilon_after_is_a_dry_run():
 def test_impossible_budget_is_refused():
     with pytest.raises(BudgetError, match="--epsilon"):
         plan(epsilon=1e-4, delta=1e-5, num_samples=1000, batch_size=1000, epochs=10000)
+
+
+def test_rdp_orders_reach_the_optimum_and_opacus_root_logging_is_left_alone():
+    """A short run at a high sample rate has its best Rényi order above Opacus' 63: with fedsd's
+    orders no "optimal order is the largest alpha" warning arises (its cause is fixed), and
+    importing fedsd gives the root logger no handler (Opacus' basicConfig is undone)."""
+    import subprocess
+    import sys
+    import warnings
+
+    from fedsd.privacy import Ledger, plan
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = plan(3.0, 1e-5, 1000, 128, 2, "rdp")
+        ledger = Ledger("rdp", [[p.noise_multiplier, p.sample_rate, p.planned_steps]])
+        assert ledger.epsilon(1e-5) <= 3.0
+    code = "import logging, fedsd.training, fedsd.privacy; assert not logging.getLogger().handlers"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

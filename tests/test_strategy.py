@@ -6,7 +6,7 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from fedsd.federation import FedOptions
 from fedsd.models import build_model
-from server.strategy import RecordingStrategy, base_strategy, reply_problem
+from server.strategy import RecordingStrategy, base_strategy, evaluation_metrics, reply_problem, train_metrics
 
 pytestmark = pytest.mark.usefixtures("flower_task")
 SHAPES = {k: tuple(v.shape) for k, v in build_model("mnist-cnn").state_dict().items()}
@@ -77,3 +77,21 @@ def test_checkpoint_restores_strategy_state_recorder_and_settings(tmp_path):
     assert fed2.resume_dir == fed2.out_dir == str(tmp_path.absolute())
     with pytest.raises(ConfigError, match="--resume"):
         checkpoint.load(tmp_path / "nothing-here")
+
+
+def test_aggregated_metrics_mean_something():
+    """Federated evaluation weighs each client by the samples it evaluated (a client without a
+    test split adds nothing); training metrics keep the largest ε; no partition id is averaged."""
+    def reply(**m):
+        return RecordDict({"metrics": MetricRecord(m)})
+    evaluations = [reply(**{"num-examples": 30, "test-accuracy": 0.5, "test-loss": 1.0, "partition-id": 0}),
+                   reply(**{"num-examples": 10, "test-accuracy": 0.9, "test-loss": 3.0, "partition-id": 1}),
+                   reply(**{"num-examples": 0, "test-accuracy": 0.0, "test-loss": 0.0, "partition-id": 2})]
+    agg = evaluation_metrics(evaluations, "num-examples")
+    assert agg["test-accuracy"] == pytest.approx(0.6) and agg["test-loss"] == pytest.approx(1.5)
+    assert agg["clients"] == 2 and agg["num-examples"] == 40 and "partition-id" not in agg
+    trained = [reply(**{"num-examples": 30, "train-loss": 1.0, "epsilon": 2.5, "steps": 3, "partition-id": 0}),
+               reply(**{"num-examples": 10, "train-loss": 2.0, "epsilon": 2.9, "steps": 1, "partition-id": 1})]
+    agg = train_metrics(trained, "num-examples")
+    assert agg["max-epsilon"] == 2.9 and agg["train-loss"] == pytest.approx(1.25) and agg["steps"] == 4
+    assert "partition-id" not in agg

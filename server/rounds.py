@@ -1,0 +1,91 @@
+"""A run's round-by-round book-keeping, apart from the strategy loop that calls it.
+
+After every round Flower's `Strategy.start` calls `RoundBook.evaluate_global`: it evaluates the
+global model on the server's public test split (when the task has one), records the round
+(accuracy, each client's ε, who trained, refused or missed, the clients' own evaluation),
+checkpoints it for --resume, logs one line and moves the progress bar.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, MetricRecord
+from tqdm.auto import tqdm
+
+from fedsd.training import evaluate, released
+from task.records import record_to_model
+
+from . import checkpoint
+from .strategy import RecordingStrategy, round_log
+
+
+class RoundBook:
+    def __init__(self, strategy: RecordingStrategy, net: torch.nn.Module,
+                 test: tuple[torch.Tensor, torch.Tensor] | None, *, rounds_total: int, start_round: int,
+                 rounds: list[dict], out: Path | None, settings: dict, experiment_id: str,
+                 progress: bool, description: str):
+        self.strategy, self.net, self.test = strategy, net, test
+        self.rounds_total, self.start_round, self.rounds = rounds_total, start_round, rounds
+        self.out, self.settings, self.experiment_id = out, settings, experiment_id
+        self.bar = tqdm(total=rounds_total, initial=start_round, unit="round", disable=not progress,
+                        desc=description, dynamic_ncols=True)
+        self.last = time.perf_counter()
+
+    def evaluate_global(self, launch_round: int, arrays: ArrayRecord) -> MetricRecord:
+        """Flower's evaluate_fn: round 0 is the initial model (evaluated, not recorded)."""
+        model = record_to_model(arrays)
+        accuracy, loss = self._evaluate(model)
+        if launch_round > 0:
+            self._record(launch_round + self.start_round, model, accuracy, loss)
+        return MetricRecord({"test-accuracy": accuracy, "test-loss": loss})
+
+    def _evaluate(self, model) -> tuple[float, float]:
+        # A custom task has no public test split at the server: nothing is evaluated there.
+        if self.test is None:
+            return float("nan"), float("nan")
+        self.net.load_state_dict(released(model))
+        return evaluate(self.net, *self.test)
+
+    def _record(self, server_round: int, model, accuracy: float, loss: float) -> None:
+        s = self.strategy
+        now = time.perf_counter()
+        epsilons = dict(sorted(s.client_epsilon.items()))
+        reports = s.round_clients.get(server_round, {})
+        federated = s.evaluations.get(server_round)
+        self.rounds.append(dict(
+            round=server_round, test_accuracy=_number(accuracy), test_loss=_number(loss),
+            federated_evaluation=federated,
+            seconds=now - self.last, train_seconds=s.train_seconds.get(server_round),
+            client_epsilon={str(k): v for k, v in epsilons.items()},
+            trained=sorted(k for k, r in reports.items() if not int(r.get("skipped", 0)) and "rejected" not in r),
+            skipped=sorted(k for k, r in reports.items() if int(r.get("skipped", 0))),
+            refused={str(k): r["refused"] for k, r in reports.items() if "refused" in r},
+            rejected={str(k): r["rejected"] for k, r in reports.items() if "rejected" in r},
+            missed=s.missed.get(server_round, [])))
+        if self.out is not None:
+            checkpoint.save(self.out, round=server_round, model=model, settings=self.settings,
+                            experiment_id=self.experiment_id, rounds=self.rounds, recorder=s.recorded(),
+                            strategy=s.inner)
+        shown = accuracy if self.test is not None or federated is None else federated["test_accuracy"]
+        round_log(server_round, self.rounds_total, shown, max(epsilons.values(), default=0.0), now - self.last)
+        self.bar.update(1)
+        self.bar.set_postfix(acc=f"{shown:.4f}", eps=f"{max(epsilons.values(), default=0.0):.2f}")
+        self.last = now
+
+    def final_accuracy(self) -> float | None:
+        """The last round's accuracy: the server's, else the clients' weighted one."""
+        if not self.rounds:
+            return None
+        last = self.rounds[-1]
+        if last["test_accuracy"] is None and last["federated_evaluation"]:
+            return last["federated_evaluation"]["test_accuracy"]
+        return last["test_accuracy"]
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _number(x: float) -> float | None:
+    return None if x != x else x  # NaN (not evaluated) is null in JSON
