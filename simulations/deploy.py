@@ -11,8 +11,10 @@ the installed app, logs, credentials, each client's privacy state) goes under on
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -61,17 +63,162 @@ class DeploymentError(RuntimeError):
     pass
 
 
+# --isolate: client k runs under this numeric uid (no account needed), in its own network namespace.
+ISOLATED_UID_BASE = 47000
+
+
+class Isolation:
+    """Every SuperNode on a machine of its own, as far as one machine allows: its own network
+    namespace, reaching the SuperLink over its own veth pair through a bridge whose ports
+    cannot reach one another (only the SuperLink's address, never loopback); its own numeric
+    uid; and its own folder (mode 0700: a copy of its data, its key, its state), which no
+    other client can read. Needs root; `check` says so, before anything starts."""
+
+    def __init__(self, work: Path, num_clients: int):
+        # A subnet fixed by the work folder: a reused --work keeps its address and certificate.
+        tag = int(hashlib.sha256(str(work.absolute()).encode()).hexdigest(), 16)
+        self.net = 20 + tag % 200
+        self.id = f"{tag % 100000:05d}"
+        self.bridge = f"fsd{self.id}br"
+        self.host = f"10.213.{self.net}.1"  # the SuperLink's address, on the bridge
+        self.num_clients = num_clients
+
+    def namespace(self, k: int) -> str:
+        return f"fedsd-{self.id}-{k}"
+
+    def address(self, k: int) -> str:
+        return f"10.213.{self.net}.{k + 2}"
+
+    @staticmethod
+    def uid(k: int) -> int:
+        return ISOLATED_UID_BASE + k
+
+    def check(self) -> None:
+        if os.geteuid() != 0:
+            raise DeploymentError("--isolate needs root: network namespaces, veth pairs and other uids")
+        if not 1 <= self.num_clients <= 250:
+            raise DeploymentError(f"--isolate: at most 250 clients on one subnet, got {self.num_clients}")
+        for tool in ("ip", "bridge", "setpriv"):
+            if shutil.which(tool) is None:
+                raise DeploymentError(f"--isolate needs `{tool}` (iproute2, util-linux)")
+        if _run(["ip", "link", "show", self.bridge]).returncode == 0:
+            raise DeploymentError(f"--isolate: bridge {self.bridge} exists: another deployment uses this --work")
+
+    def up(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.host}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for k in range(self.num_clients):
+            ns, outside, inside = self.namespace(k), f"fsd{self.id}h{k}", f"fsd{self.id}c{k}"
+            _ip("netns", "add", ns)
+            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+            _ip("link", "set", outside, "master", self.bridge)
+            _run(["bridge", "link", "set", "dev", outside, "isolated", "on"], check=True)  # no client to client
+            _ip("link", "set", outside, "up")
+            _ip("link", "set", inside, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{self.address(k)}/24", "dev", inside)
+            _ip("-n", ns, "link", "set", inside, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")  # the SuperNode's own local APIs
+
+    def down(self) -> None:
+        for k in range(self.num_clients):
+            ns = self.namespace(k)
+            for pid in _run(["ip", "netns", "pids", ns]).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _run(["ip", "netns", "del", ns])  # takes its veth pair with it
+        _run(["ip", "link", "del", self.bridge])
+
+    def wrap(self, k: int, cmd: list[str], env: dict, node_dir: Path, needs: list[Path]) -> list[str]:
+        """`cmd` as client k: in its network namespace and a mount namespace of its own, under
+        its uid, with only `env`. A folder on the way to what it `needs` (the interpreter, the
+        project, its own folder) that other users cannot pass (a home such as /root, a private
+        temporary folder) is covered there by an empty one, with just the needed paths put
+        back: the client sees none of the rest, other clients' folders included."""
+        uid = str(self.uid(k))
+        script = ["set -e"]
+        for closed, paths in _closed_ancestors(needs).items():
+            for i, path in enumerate(paths):
+                script.append(f'stage{i}=$(mktemp -d) && mount --bind "{path}" "$stage{i}"')
+            script.append(f'mount -t tmpfs -o mode=0755 fedsd-isolate "{closed}"')
+            for i, path in enumerate(paths):
+                script.append(f'mkdir -p "{path}" && mount --move "$stage{i}" "{path}" && rmdir "$stage{i}"')
+        script.append(f'cd "{node_dir}"')
+        script.append(f'exec setpriv --reuid={uid} --regid={uid} --clear-groups -- env -i "$@"')
+        variables = [f"{name}={value}" for name, value in env.items()]
+        return ["ip", "netns", "exec", self.namespace(k), "unshare", "--mount", "--propagation", "private", "--",
+                "sh", "-c", "\n".join(script), "sh", *variables, *cmd]
+
+    def prepare_node(self, k: int, node_dir: Path, key: Path, ca: Path, data: Path | None) -> dict:
+        """Client k's own folder: its key, the CA certificate, a copy of its data, its state;
+        owned by its uid and closed to everybody else. Returns the paths it uses."""
+        node_dir.mkdir(parents=True, exist_ok=True)
+        paths = dict(key=node_dir / "node.key", ca=node_dir / "ca.crt", state=node_dir / "state",
+                     home=node_dir / "home", data=node_dir / "data" if data is not None else None)
+        shutil.copyfile(key, paths["key"])
+        shutil.copyfile(ca, paths["ca"])
+        if data is not None:  # the client's machine holds its data; copies keep their times and content
+            (shutil.copytree(data, paths["data"], dirs_exist_ok=True) if data.is_dir()
+             else shutil.copy2(data, paths["data"]))
+        for folder in (paths["state"], paths["home"]):
+            folder.mkdir(exist_ok=True)
+        uid = self.uid(k)
+        for path in [node_dir, *node_dir.rglob("*")]:
+            os.chown(path, uid, uid, follow_symlinks=False)
+        node_dir.chmod(0o700)
+        paths["key"].chmod(0o600)
+        for folder in (node_dir.parent, node_dir.parent.parent):  # passable (not listable) on the way there
+            folder.chmod(folder.stat().st_mode | 0o111)  # (a closed folder above them is covered: wrap)
+        return paths
+
+    def can_read(self, k: int, path: Path, node_dir: Path, needs: list[Path]) -> bool:
+        """Whether client k, as it runs, can read `path` (a file's bytes, a folder's listing)."""
+        test = ["test", "-r", str(path)] if path.is_file() else ["ls", str(path)]
+        env = {"PATH": "/usr/bin:/bin"}
+        return _run(self.wrap(k, test, env, node_dir, needs)).returncode == 0
+
+
+def _closed_ancestors(paths: list[Path]) -> dict[Path, list[Path]]:
+    """The highest folder on the way to each path that other users cannot pass (no o+x), and
+    the paths under it: {closed folder: [paths]}; paths with an open way are left out."""
+    closed: dict[Path, list[Path]] = {}
+    for path in dict.fromkeys(Path(p).resolve() for p in paths):
+        for parent in reversed(path.parents):
+            if not parent.stat().st_mode & 0o001:
+                closed.setdefault(parent, []).append(path)
+                break
+    return closed
+
+
+def _run(cmd: list[str], check: bool = False) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise DeploymentError(f"--isolate: `{' '.join(cmd)}` failed: {proc.stderr.strip()}")
+    return proc
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args], check=True)
+
+
 class LocalDeployment:
-    """Start, inspect and stop a TLS + node-authenticated federation on 127.0.0.1."""
+    """Start, inspect and stop a TLS + node-authenticated federation on this machine: on
+    127.0.0.1, or with `isolate` each SuperNode in its own network namespace and uid."""
 
     def __init__(self, work: Path, num_clients: int, env: dict | None = None, client_data: Path | None = None,
-                 node_config: str = ""):
-        self.work = Path(work)
+                 node_config: str = "", isolate: bool = False):
+        self.work = Path(work).absolute()
         self.num_clients = num_clients
         self.client_data = Path(client_data).absolute() if client_data else None  # client k: client_data/client-k
         self.node_config = node_config  # more k=v pairs for every SuperNode (max-epsilon=3 ...)
+        self.isolation = Isolation(self.work, num_clients) if isolate else None
+        if self.isolation is not None:
+            self.isolation.check()
+        self.host = self.isolation.host if self.isolation else "127.0.0.1"
         self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{self.host}:{self.port}"
         self.credentials = self.work / "credentials"
         self.ca = self.credentials / "certificates" / "ca.crt"
         self.logs = self.work / "logs"
@@ -82,6 +229,7 @@ class LocalDeployment:
         self.superlink: subprocess.Popen | None = None
         self.supernodes: dict[int, subprocess.Popen] = {}
         self._all: list[subprocess.Popen] = []
+        self._network_up = False
 
     # -- processes ---------------------------------------------------------------------------
     def _start(self, name: str, cmd: list[str]) -> subprocess.Popen:
@@ -114,6 +262,9 @@ class LocalDeployment:
     def stop_all(self) -> None:
         for proc in reversed(self._all):
             self.stop(proc, grace=2.0)
+        if self.isolation is not None and self._network_up:
+            self.isolation.down()
+            self._network_up = False
 
     def __enter__(self):
         return self
@@ -125,10 +276,12 @@ class LocalDeployment:
     def make_credentials(self, extra_keys: int = 0) -> None:
         """CA, SuperLink certificate, and one key pair per client (+ extra_keys never registered);
         a --work used before keeps its credentials, as a machine keeps its keys."""
+        if self.ca.is_file() and not _certificate_names(self.credentials / "certificates" / "server.pem", self.host):
+            shutil.rmtree(self.credentials)  # made for another address: new ones (nodes register anew)
         if not self.ca.is_file():
             subprocess.run([sys.executable, str(ROOT / "deploy" / "make_credentials.py"), "--out",
-                            str(self.credentials), "--nodes", str(self.num_clients + extra_keys)],
-                           check=True, capture_output=True)
+                            str(self.credentials), "--nodes", str(self.num_clients + extra_keys),
+                            "--host", self.host], check=True, capture_output=True)
         (self.flwr_home / "config.toml").write_text(
             f'[superlink]\ndefault = "{FEDERATION}"\n\n[superlink.{FEDERATION}]\n'
             f'address = "{self.address}"\nroot-certificates = "{self.ca}"\n')
@@ -137,7 +290,7 @@ class LocalDeployment:
         certs = self.credentials / "certificates"
         self.superlink = self._start("superlink", [
             "flower-superlink", "--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile", str(certs / "server.pem"),
-            "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth", "--host", "127.0.0.1",
+            "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth", "--host", self.host,
             "--port", str(self.port), "--database", str(self.work / "superlink.db"),
             "--disable-runtime-dependency-installation"])
         deadline = time.monotonic() + timeout
@@ -152,8 +305,8 @@ class LocalDeployment:
     def _tls_ready(self) -> bool:
         context = ssl.create_default_context(cafile=str(self.ca))
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=2) as raw:
-                with context.wrap_socket(raw, server_hostname="127.0.0.1"):
+            with socket.create_connection((self.host, self.port), timeout=2) as raw:
+                with context.wrap_socket(raw, server_hostname=self.host):
                     return True
         except OSError:
             return False
@@ -173,20 +326,43 @@ class LocalDeployment:
     def start_supernode(self, partition_id: int, key_index: int | None = None, max_retries: int | None = None,
                         name: str | None = None) -> subprocess.Popen:
         key = self.credentials / "keys" / f"node-{partition_id if key_index is None else key_index}"
-        node_config = f"partition-id={partition_id} num-partitions={self.num_clients} " \
-                      f"state-dir='{self.work / 'client-state' / str(partition_id)}'"
-        if self.client_data is not None:
-            node_config += f" data='{self.client_data / f'client-{partition_id}'}'"
+        data = self.client_data / f"client-{partition_id}" if self.client_data is not None else None
+        ca, state, env = self.ca, self.work / "client-state" / str(partition_id), None
+        if self.isolation is not None:  # its own folder, uid and network namespace
+            own = self.isolation.prepare_node(partition_id, self.node_dir(partition_id), key, self.ca, data)
+            key, ca, state, data = own["key"], own["ca"], own["state"], own["data"]
+            env = {"PATH": self.env["PATH"], "HOME": str(own["home"]), "FLWR_HOME": str(own["home"] / "flwr"),
+                   **{k: v for k, v in self.env.items() if k.startswith(("FLWR_", "FEDSD_", "OMP_", "LANG"))
+                      and k != "FLWR_HOME"}}
+        node_config = f"partition-id={partition_id} num-partitions={self.num_clients} state-dir='{state}'"
+        if data is not None:
+            node_config += f" data='{data}'"
         if self.node_config:
             node_config += " " + self.node_config
-        cmd = ["flower-supernode", "--root-certificates", str(self.ca), "--superlink", self.address,
+        cmd = ["flower-supernode", "--root-certificates", str(ca), "--superlink", self.address,
                "--auth-supernode-private-key", str(key), "--node-config", node_config, "--port", str(free_port())]
         if max_retries is not None:
             cmd += ["--max-retries", str(max_retries)]
+        if self.isolation is not None:
+            cmd = self.isolation.wrap(partition_id, cmd, env, self.node_dir(partition_id), self.node_needs(partition_id))
         proc = self._start(name or f"supernode-{partition_id}", cmd)
         if key_index is None:
             self.supernodes[partition_id] = proc
         return proc
+
+    def node_dir(self, k: int) -> Path:
+        """Client k's own folder under --isolate (its machine's disk)."""
+        return self.work / "nodes" / str(k)
+
+    def node_needs(self, k: int) -> list[Path]:
+        """What client k's processes must reach: the interpreter and its environment, the project
+        (the app's code), its own folder, and the public data sets (built-in tasks)."""
+        needs = [Path(sys.base_prefix), Path(sys.prefix), ROOT, self.node_dir(k)]
+        return needs + [Path(p) for p in (self.env.get("FEDSD_DATA_DIR"),) if p and Path(p).is_dir()]
+
+    def client_can_read(self, k: int, path: Path) -> bool:
+        """Whether client k, under --isolate, can read `path` (for tests and the guide)."""
+        return self.isolation.can_read(k, Path(path), self.node_dir(k), self.node_needs(k))
 
     def online_nodes(self) -> int:
         proc = self.flwr("supernode", "list", FEDERATION, "--format", "json")
@@ -211,6 +387,9 @@ class LocalDeployment:
         for old in self.work.glob("superlink.db*"):
             old.unlink()
         self.make_credentials()
+        if self.isolation is not None:
+            self._network_up = True  # from here on stop_all takes the network down, whatever fails
+            self.isolation.up()
         self.start_superlink()
         for k in range(self.num_clients):
             self.register(k)
@@ -233,6 +412,17 @@ class LocalDeployment:
             raise DeploymentError(f"flwr run exited with code {proc.returncode}; see {self.logs / 'flwr-run.log'}")
 
 
+def _certificate_names(pem: Path, host: str) -> bool:
+    """Whether the certificate in `pem` names `host` (an IP address) among its subject's names."""
+    import ipaddress
+
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(pem.read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return ipaddress.ip_address(host) in names.get_values_for_type(x509.IPAddress)
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -244,13 +434,15 @@ def _group_alive(pgid: int) -> bool:
 
 
 def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, work: Path | None = None,
-                 timeout: float = 3600, client_data: Path | None = None, node_config: str = "") -> dict:
+                 timeout: float = 3600, client_data: Path | None = None, node_config: str = "",
+                 isolate: bool = False) -> dict:
     """Start the deployment, run it, write out/result.json (the schema of `fedsd simulate`,
     plus tls / node_auth and the deployment's facts), stop everything."""
     out = out.absolute()
     work = Path(work or tempfile.mkdtemp(prefix="fedsd-deploy-"))
     started = time.perf_counter()
-    with LocalDeployment(work, num_clients, client_data=client_data, node_config=node_config) as deployment:
+    with LocalDeployment(work, num_clients, client_data=client_data, node_config=node_config,
+                         isolate=isolate) as deployment:
         deployment.start()
         ready = time.perf_counter() - started
         deployment.run({**run_config, "num-server-rounds": rounds, "num-clients": num_clients, "out-dir": str(out)},
@@ -260,7 +452,11 @@ def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, wor
         raise DeploymentError(f"the run ended without {result_path}; see {deployment.logs}")
     result = json.loads(result_path.read_text())
     result.update(tls=True, node_auth=True, deployment=dict(
-        superlink=deployment.address, supernodes=num_clients, processes="separate, loopback",
+        superlink=deployment.address, supernodes=num_clients,
+        processes="separate, each in its own network namespace and uid" if isolate else "separate, loopback",
+        isolation=dict(node_addresses=[deployment.isolation.address(k) for k in range(num_clients)],
+                       namespaces=[deployment.isolation.namespace(k) for k in range(num_clients)],
+                       uids=[deployment.isolation.uid(k) for k in range(num_clients)]) if isolate else None,
         startup_seconds=ready, total_seconds=time.perf_counter() - started, work_dir=str(work)))
     write_json(result_path, result)
     return result
@@ -277,6 +473,9 @@ def add_deploy_arguments(p: argparse.ArgumentParser) -> None:
                         "such folders); the server loads no training data")
     p.add_argument("--node-config", default="", metavar="'K=V ...'",
                    help="more --node-config pairs for every SuperNode, e.g. 'max-epsilon=3 max-delta=1e-5'")
+    p.add_argument("--isolate", action="store_true",
+                   help="each SuperNode in its own network namespace (its own veth pair to the SuperLink, not "
+                        "loopback) under its own uid, with only its own data readable by it (needs root)")
     p.add_argument("--work", default=None, help="folder for Flower's state, logs and credentials "
                                                 "(default: a new temporary folder)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds the whole run may take")
@@ -345,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         result = deploy_local(args.num_clients, args.rounds, Path(args.out), run_config,
                               work=Path(args.work) if args.work else None, timeout=args.timeout,
                               client_data=Path(args.client_folders) if args.client_folders else None,
-                              node_config=args.node_config)
+                              node_config=args.node_config, isolate=args.isolate)
     except KeyboardInterrupt:
         print("deploy-local: interrupted; every process it started is stopped", file=sys.stderr)
         return 130

@@ -178,3 +178,53 @@ def test_clients_own_their_data_and_lifetime_budget(tmp_path):
     assert again["rounds"][0]["trained"] == [] and set(refused) == {"0", "1"}
     assert all(reason.startswith("lifetime budget left: ") for reason in refused.values()), refused
     assert processes_mentioning(str(work)) == []
+
+
+def isolation_unavailable() -> str | None:
+    """Why --isolate cannot run on this machine (None when it can): it needs root and the
+    privilege to make network namespaces."""
+    if os.geteuid() != 0:
+        return "not root"
+    probe = f"fedsd-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"no network namespaces: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def test_isolated_clients_train_on_their_own_data_and_cannot_read_each_others(tmp_path):
+    """--isolate: three SuperNodes, each in its own network namespace (reaching the SuperLink on
+    the bridge's address, never loopback), under its own uid, with only its own folder; the
+    run completes on their split-data folders, and no client can read another's data."""
+    reason = isolation_unavailable()
+    if reason:
+        pytest.skip(f"--isolate cannot run here: {reason}")
+    require("mnist")
+    from simulations.cli import main
+
+    data, work, out = tmp_path / "data", tmp_path / "work", tmp_path / "out"
+    assert main(["split-data", "--dataset", "mnist", "--clients", "3", "--subset", "900", "--format", "npz",
+                 "--out", str(data)]) == 0
+    with LocalDeployment(work, 3, client_data=data, node_config="max-epsilon=3", isolate=True) as deployment:
+        deployment.start()
+        assert not deployment.address.startswith("127.")
+        own = deployment.node_dir(0) / "data" / "data.npz"
+        assert deployment.client_can_read(0, own)
+        assert not deployment.client_can_read(0, deployment.node_dir(1) / "data" / "data.npz")
+        assert not deployment.client_can_read(0, deployment.node_dir(1))
+        assert not deployment.client_can_read(0, data / "client-1" / "data.npz")  # the owner's originals
+        assert not deployment.client_can_read(2, own)
+        deployment.run({**RUN, "num-clients": 3, "num-server-rounds": 2, "client-data": "own", "epsilon": 3.0,
+                        "out-dir": str(out)}, timeout=900)
+        namespaces = [deployment.isolation.namespace(k) for k in range(3)]
+    result = json.loads((out / "result.json").read_text())
+    assert all(r["trained"] == [0, 1, 2] and r["refused"] == {} for r in result["rounds"])
+    assert result["shard_sizes"] == [300, 300, 300]
+    assert all(0.5 * 3 < eps <= 3.0 for eps in result["rounds"][-1]["client_epsilon"].values())
+    ledgers = sorted(work.glob("nodes/*/state/ledger-*.json"))  # each on its own client's disk
+    assert len(ledgers) == 3
+    assert [p.stat().st_uid for p in ledgers] == [47000, 47001, 47002]
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(ns in left for ns in namespaces)  # the network is taken down with the processes
+    assert processes_mentioning(str(work)) == []
