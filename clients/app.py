@@ -90,10 +90,23 @@ def own_trainer(flat: dict, node_config, partition_id: int) -> tuple[TrainConfig
         validate(cfg, n)
         tensors = data_lib.TensorData(normalised(held.x_train, task), held.y_train, normalised(held.x_test, task),
                                       held.y_test, len(task.classes)).to(resolve_device(cfg.device))
-        plan = privacy.plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant)
+        plan = stored_plan(node_config, cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant)
         _TRAINERS.clear()  # one data set a process: a fresh ClientApp process, or one Ray worker's client
         _TRAINERS[key] = DPTrainer(cfg, tensors, plan, client=partition_id)
     return cfg, fed, _TRAINERS[key], held.fingerprint
+
+
+def stored_plan(node_config, *args) -> privacy.PrivacyPlan:
+    """privacy.plan(*args), kept on the client's disk: calibrating σ is about a second of
+    search, and a deployed ClientApp is a fresh process for every message (lru_cache forgets)."""
+    path = state_root(node_config) / "plans.json"
+    key = json.dumps(args)
+    plans = json.loads(path.read_text()) if path.is_file() else {}
+    if key not in plans:
+        plans[key] = privacy.plan(*args).to_dict()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, plans)
+    return privacy.PrivacyPlan(**plans[key])
 
 
 def shard_fingerprint(federation: Federation, partition_id: int) -> str:

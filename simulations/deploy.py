@@ -42,10 +42,13 @@ def free_port() -> int:
 def flower_tool_env(flwr_home: Path) -> dict:
     """The environment Flower's command-line tools need here: the venv's bin on PATH (they
     start one another by name), their own FLWR_HOME, and no per-run `uv sync` of the app's
-    dependencies (the venv already holds them, and a package index may not be reachable)."""
+    dependencies (the venv already holds them, and a package index may not be reachable).
+    SuperExec looks for a ClientApp to start every second by default; every round waits for
+    that, so it looks every 0.1 s."""
     venv_bin = str(Path(sys.executable).parent)
     return {**os.environ, "FLWR_HOME": str(flwr_home), "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1")}
 
 
 def run_config_arg(values: dict) -> str:

@@ -10,13 +10,15 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-from datasets import Dataset
-from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
 
 from fedsd.federation import FedOptions
 
 
 def _partitioner(fed: FedOptions, seed: int):
+    # Imported here: Hugging Face datasets takes over a second to import, and a deployed client
+    # with its own data, a fresh process for every message, never partitions anything.
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
+
     if fed.partition == "iid":
         return IidPartitioner(num_partitions=fed.num_clients)
     if fed.partition == "dirichlet":
@@ -31,6 +33,8 @@ def _partitioner(fed: FedOptions, seed: int):
 @lru_cache(maxsize=8)
 def _all_shards(labels_key: bytes, num_clients: int, partition: str, alpha: float, classes: int,
                 seed: int) -> tuple[np.ndarray, ...]:
+    from datasets import Dataset
+
     labels = np.frombuffer(labels_key, dtype=np.int64)
     fed = FedOptions(num_clients=num_clients, partition=partition, dirichlet_alpha=alpha,
                      classes_per_client=classes)
