@@ -185,6 +185,11 @@ def isolation_unavailable() -> str | None:
     privilege to make network namespaces."""
     if os.geteuid() != 0:
         return "not root"
+    import shutil
+
+    missing = [tool for tool in ("ip", "bridge", "setpriv", "unshare") if shutil.which(tool) is None]
+    if missing:
+        return f"no {', '.join(missing)} (iproute2, util-linux)"
     probe = f"fedsd-probe-{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:

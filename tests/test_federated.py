@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -193,3 +194,20 @@ def test_flwr_run_with_too_few_supernodes_stops_with_both_numbers(tmp_path, flow
     assert "the federation has 2 SuperNode(s) connected but the run has num-clients=10" in output, output[-3000:]
     assert 'num-supernodes=10' in output and 'num-clients=2' in output
     assert time.monotonic() - started < 180
+
+
+def test_simulate_prints_a_bar_and_a_summary_and_no_library_noise(tmp_path):
+    """The terminal of a default run: no Flower line twice, no notice that is not news to the
+    user (deprecations of the API fedsd calls, Opacus' order warning), and a short summary."""
+    require("mnist")
+    proc = subprocess.run([sys.executable, "-m", "simulations.cli", "simulate", "--dataset", "mnist", "--subset", "600",
+                           "--clients", "2", "--rounds", "1", "--batch-size", "100", "--epsilon", "3",
+                           "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    for noise in ("DEPRECATED", "Optimal order", "warnings.warn", "INFO", "WARNING", "ClientAppActor"):
+        assert noise not in output, output[-3000:]
+    assert "mnist dp3sd 2 clients: 100%" in proc.stderr
+    summary = proc.stdout.splitlines()
+    assert summary[0].startswith("fedsd: mnist dp3sd, 2 clients finished in ") and len(summary) == 4
+    assert "test accuracy" in summary[1] and "across clients (target 3" in summary[2]
