@@ -189,9 +189,9 @@ def train(msg: Message, context: Context) -> Message:
     # The state of this run (context.state), else what this client left on its disk in an
     # earlier launch of the same experiment (a resumed server, a restarted SuperNode).
     state_file = client_state_file(context.node_config, fed.experiment_id, partition_id)
-    state = load_state(context.state)
+    state = load_state(context.state, trainer.plan)
     if state is None and state_file is not None and state_file.is_file():
-        state = load_train_state(state_file)
+        state = load_train_state(state_file, trainer.plan)
     model: Model = record_to_model(msg.content["arrays"])
     teacher = state.local_model if (fed.teacher == "local-previous" and state is not None) else None
     base = {"num-examples": trainer.num_train, "partition-id": partition_id,
@@ -215,10 +215,10 @@ def train(msg: Message, context: Context) -> Message:
             reply["refusal"] = ConfigRecord({"reason": str(e)})
         return Message(reply, reply_to=msg)
     model, state, metrics = trainer.local_update(model, state, epochs, teacher=teacher, proximal_mu=proximal_mu)
-    save_state(context.state, state)
+    save_state(context.state, state, trainer.plan)
     if state_file is not None:  # before replying: the spent budget is on disk before anyone can use it
         state_file.parent.mkdir(parents=True, exist_ok=True)
-        save_train_state(state_file, state)
+        save_train_state(state_file, state, trainer.plan)
     reply = MetricRecord({**base, "skipped": 0, "epsilon": metrics["epsilon"], "train-loss": metrics["train_loss"],
                           "seconds": metrics["seconds"], "steps": metrics["steps"]})
     return Message(RecordDict({"arrays": model_to_record(model), "metrics": reply}), reply_to=msg)

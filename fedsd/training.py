@@ -11,7 +11,7 @@ computation, which is what makes the single-client identity hold by construction
 from __future__ import annotations
 
 import copy
-import dataclasses
+import json
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -60,9 +60,14 @@ def released(model: Model) -> Weights:
     return model.get("ema", model["student"])
 
 
+class StateMismatch(ValueError):
+    """A saved TrainState accounted under another mechanism (accountant, σ or q) than the run's."""
+
+
 @dataclass
 class TrainState:
-    """What one data holder carries from one call to the next (a client: in its context.state)."""
+    """What one data holder carries from one call to the next (a client: in its context.state
+    and on its own disk, both through state_dict / from_state_dict)."""
 
     history: list = field(default_factory=list)  # Opacus accountant history
     rng_state: torch.Tensor | None = None  # sampling and noise generator
@@ -70,17 +75,43 @@ class TrainState:
     local_model: Weights | None = None  # the end-of-round student, for teacher=local-previous
     momentum: list[torch.Tensor] | None = None  # SGD momentum buffers, when momentum > 0
 
+    def state_dict(self, plan: PrivacyPlan) -> dict:
+        """One flat form for every store: names to tensors or plain values, with the mechanism
+        (accountant, σ, q) the history was accounted under, so a load can check it."""
+        flat = {"mechanism/accountant": plan.accountant, "mechanism/noise_multiplier": plan.noise_multiplier,
+                "mechanism/sample_rate": plan.sample_rate, "history": json.dumps(self.history), "steps": self.steps}
+        if self.rng_state is not None:
+            flat["rng_state"] = self.rng_state
+        flat.update({f"local_model/{k}": v.detach().cpu() for k, v in (self.local_model or {}).items()})
+        flat.update({f"momentum/{i}": v.detach().cpu() for i, v in enumerate(self.momentum or [])})
+        return flat
 
-def save_train_state(path, state: TrainState) -> None:
+    @classmethod
+    def from_state_dict(cls, flat: dict, plan: PrivacyPlan) -> "TrainState":
+        """Inverse of state_dict; StateMismatch when it was accounted under another mechanism
+        than `plan`'s (going on would mix two accountings under one history)."""
+        saved = (flat.get("mechanism/accountant"), flat.get("mechanism/noise_multiplier"),
+                 flat.get("mechanism/sample_rate"))
+        if saved != (plan.accountant, plan.noise_multiplier, plan.sample_rate):
+            raise StateMismatch(f"the saved privacy state was accounted with accountant={saved[0]}, σ={saved[1]}, "
+                                f"q={saved[2]}; this run has accountant={plan.accountant}, "
+                                f"σ={plan.noise_multiplier}, q={plan.sample_rate}")
+        local_model = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith("local_model/")}
+        momentum = [flat[f"momentum/{i}"] for i in range(sum(k.startswith("momentum/") for k in flat))]
+        return cls(history=json.loads(flat["history"]), rng_state=flat.get("rng_state"), steps=int(flat["steps"]),
+                   local_model=local_model or None, momentum=momentum or None)
+
+
+def save_train_state(path, state: TrainState, plan: PrivacyPlan) -> None:
     """A data holder's state on its own disk, atomically: a restarted client (or a resumed
     federation) goes on with its accountant, never a fresh one."""
     from .results import save_atomic
 
-    save_atomic(path, dataclasses.asdict(state))
+    save_atomic(path, state.state_dict(plan))
 
 
-def load_train_state(path) -> TrainState:
-    return TrainState(**torch.load(path, weights_only=True))
+def load_train_state(path, plan: PrivacyPlan) -> TrainState:
+    return TrainState.from_state_dict(torch.load(path, weights_only=True), plan)
 
 
 def torch_memory_format(cfg: TrainConfig) -> torch.memory_format:

@@ -6,12 +6,11 @@ strategy aggregates all groups alike. Arrays travel as float32: an exact round t
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
+from fedsd.privacy import PrivacyPlan
 from fedsd.training import Model, TrainState
 
 STATE_ARRAYS = "fedsd.arrays"
@@ -31,23 +30,17 @@ def record_to_model(record: ArrayRecord) -> Model:
     return model
 
 
-def save_state(store: RecordDict, state: TrainState) -> None:
-    """Write a client's TrainState into its context.state (kept across rounds by Flower)."""
-    arrays = {"rng": Array(state.rng_state.cpu().numpy())}
-    for name, t in (state.local_model or {}).items():
-        arrays[f"local_model/{name}"] = Array(t.detach().cpu().numpy())
-    for i, t in enumerate(state.momentum or []):
-        arrays[f"momentum/{i}"] = Array(t.detach().cpu().numpy())
-    store[STATE_ARRAYS] = ArrayRecord(arrays)
-    store[STATE_CONFIG] = ConfigRecord({"history": json.dumps(state.history), "steps": state.steps})
+def save_state(store: RecordDict, state: TrainState, plan: PrivacyPlan) -> None:
+    """Write a client's TrainState into its context.state (kept across rounds by Flower): its
+    state_dict, tensors in an ArrayRecord and the rest in a ConfigRecord."""
+    flat = state.state_dict(plan)
+    store[STATE_ARRAYS] = ArrayRecord({k: Array(v.numpy()) for k, v in flat.items() if isinstance(v, torch.Tensor)})
+    store[STATE_CONFIG] = ConfigRecord({k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)})
 
 
-def load_state(store: RecordDict) -> TrainState | None:
+def load_state(store: RecordDict, plan: PrivacyPlan) -> TrainState | None:
     if STATE_CONFIG not in store:
         return None
-    config, arrays = store[STATE_CONFIG], store[STATE_ARRAYS]
-    tensors = {k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in arrays.items()}
-    local_model = {k.split("/", 1)[1]: t for k, t in tensors.items() if k.startswith("local_model/")}
-    momentum = [tensors[f"momentum/{i}"] for i in range(sum(k.startswith("momentum/") for k in tensors))]
-    return TrainState(history=json.loads(config["history"]), rng_state=tensors["rng"], steps=int(config["steps"]),
-                      local_model=local_model or None, momentum=momentum or None)
+    flat = dict(store[STATE_CONFIG])
+    flat.update({k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in store[STATE_ARRAYS].items()})
+    return TrainState.from_state_dict(flat, plan)

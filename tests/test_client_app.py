@@ -114,3 +114,31 @@ def test_client_state_survives_on_its_own_disk(tmp_path):
                     run_config={})
     with pytest.raises(ConfigError, match="num-partitions=5"):  # Flower turns it into an error reply
         send(flat, wrong, start, 1)
+
+
+def test_train_state_has_one_form_for_both_stores_and_is_checked_on_load(tmp_path):
+    """context.state and the client's disk hold the same state_dict, with the mechanism (σ, q,
+    accountant) it was accounted under; a load under another mechanism is refused."""
+    import dataclasses
+
+    from flwr.app import RecordDict
+
+    from fedsd.privacy import PrivacyPlan
+    from fedsd.training import StateMismatch, TrainState, load_train_state, save_train_state
+    from task.records import load_state, save_state
+
+    plan = PrivacyPlan(1.1, 0.01, 100, 3.0, 1e-5, "rdp")
+    state = TrainState(history=[[1.1, 0.01, 7]], rng_state=torch.Generator().get_state(), steps=7,
+                       local_model={"conv.weight": torch.randn(3, 2)}, momentum=[torch.randn(2), torch.randn(4)])
+    store = RecordDict()
+    save_state(store, state, plan)
+    save_train_state(tmp_path / "state.pt", state, plan)
+    for loaded in (load_state(store, plan), load_train_state(tmp_path / "state.pt", plan)):
+        assert loaded.history == state.history and loaded.steps == 7
+        assert torch.equal(loaded.rng_state, state.rng_state)
+        assert torch.equal(loaded.local_model["conv.weight"], state.local_model["conv.weight"])
+        assert all(torch.equal(a, b) for a, b in zip(loaded.momentum, state.momentum, strict=True))
+    with pytest.raises(StateMismatch, match="σ=1.1"):
+        load_train_state(tmp_path / "state.pt", dataclasses.replace(plan, noise_multiplier=1.2))
+    with pytest.raises(StateMismatch, match="q=0.01"):
+        load_state(store, dataclasses.replace(plan, sample_rate=0.02))
