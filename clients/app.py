@@ -149,9 +149,9 @@ def node_settings(flat: dict, node_config) -> int:
 
 
 def client_side(msg: Message, context: Context):
-    """(round, partition id, fed, trainer, the data's fingerprint, its test split) for a
-    message: this SuperNode's own files with client-data=own, else (a simulation) this
-    client's shard of a built-in data set and its share of the public test split."""
+    """(round, partition id, fed, trainer, the data's fingerprint, the simulated federation or
+    None) for a message: this SuperNode's own files with client-data=own, else (a simulation)
+    this client's shard of a built-in data set."""
     flat = dict(msg.content["config"])
     server_round = int(flat.pop("server-round"))
     partition_id = node_settings(flat, context.node_config)
@@ -159,21 +159,23 @@ def client_side(msg: Message, context: Context):
         if not context.node_config.get("data"):
             raise ConfigError("client-data=own: this run trains on each client's own data; start the SuperNode "
                               "with --node-config \"data='/path/to/folder-or.npz' ...\"")
-        cfg, fed, trainer, fingerprint = own_trainer(flat, context.node_config, partition_id)
-        test = trainer.data.x_test, trainer.data.y_test
+        _, fed, trainer, fingerprint = own_trainer(flat, context.node_config, partition_id)
+        federation = None
     else:
         federation, trainer = trainer_for(flat, partition_id)
         fed, fingerprint = federation.fed, shard_fingerprint(federation, partition_id)
-        share = federation.client_test_share(partition_id).to(trainer.device)
-        test = trainer.data.x_test[share], trainer.data.y_test[share]
-    return server_round, partition_id, fed, trainer, fingerprint, test
+    return server_round, partition_id, fed, trainer, fingerprint, federation
 
 
 @app.evaluate()
 def evaluate_global(msg: Message, context: Context) -> Message:
     """Federated evaluation: the global model on this client's own test split (no training
     step, nothing spent from the budget; the accuracy it sends is outside the DP guarantee)."""
-    _, partition_id, _, trainer, _, (x_test, y_test) = client_side(msg, context)
+    _, partition_id, _, trainer, _, federation = client_side(msg, context)
+    x_test, y_test = trainer.data.x_test, trainer.data.y_test  # its own test split, or in a simulation
+    if federation is not None:  # its share of the public one
+        share = federation.client_test_share(partition_id).to(trainer.device)
+        x_test, y_test = x_test[share], y_test[share]
     accuracy, loss = (trainer.evaluate(released(record_to_model(msg.content["arrays"])), x_test, y_test)
                       if len(y_test) else (0.0, 0.0))  # no test split: weight 0 in the average
     return Message(RecordDict({"metrics": MetricRecord({"num-examples": len(y_test), "partition-id": partition_id,

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data import STANDARD_STATS
+from .data import STANDARD_STATS, normalise
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 BUILTIN_SHAPES = {"mnist": (1, 28), "fmnist": (1, 28), "cifar10": (3, 32)}  # channels, image size
@@ -105,7 +105,6 @@ def load_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.Pa
     if path.is_file() and path.suffix != ".npz":
         raise DataError(f"data={path}: expected a folder (train/<class>/<image>) or an .npz file")
     files = _listing(path)
-    cache = Path(cache_dir)
     from .results import save_atomic, write_json
 
     cache = Path(cache_dir)
@@ -226,9 +225,7 @@ def _natural(path: Path) -> tuple:
 
 def normalised(images: torch.Tensor, task: Task) -> torch.Tensor:
     """float32 in [0, 1], then normalised with the task's fixed constants."""
-    mean = torch.tensor(task.mean).view(1, -1, 1, 1)
-    std = torch.tensor(task.std).view(1, -1, 1, 1)
-    return (images.to(torch.float32) / 255.0 - mean) / std
+    return normalise(images, task.mean, task.std)
 
 
 def _floats(text: str, option: str, channels: int) -> tuple[float, ...]:

@@ -66,9 +66,13 @@ class ImageData:
 
     def normalised(self, images: torch.Tensor) -> torch.Tensor:
         """Images as float32, scaled to [0, 1], normalised with the data set's fixed constants."""
-        mean, std = (torch.tensor(v) for v in STANDARD_STATS[self.name])
-        x = images.to(torch.float32) / 255.0
-        return (x - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
+        return normalise(images, *STANDARD_STATS[self.name])
+
+
+def normalise(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """uint8 images (N, C, H, W) as float32 in [0, 1], then (x - mean) / std per channel."""
+    x = images.to(torch.float32) / 255.0
+    return (x - torch.tensor(mean).view(1, -1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1)
 
 
 def data_roots(data_dir: str | os.PathLike | None) -> list[Path]:

@@ -119,8 +119,6 @@ class PrivacyFilter:
     fingerprint, so new experiment ids, new runs and restarted SuperNodes all continue it.
     """
 
-    ORDERS = RDP_ORDERS
-
     def __init__(self, max_epsilon: float, max_delta: float, entries: list | None = None):
         if not (math.isfinite(max_epsilon) and max_epsilon > 0):
             raise BudgetError(f"max-epsilon: must be > 0, got {max_epsilon!r}")
@@ -130,16 +128,10 @@ class PrivacyFilter:
         self.entries = [dict(e) for e in (entries or [])]  # {noise_multiplier, sample_rate, steps, run}
 
     def epsilon(self, extra: list[tuple[float, float, int]] = ()) -> float:
-        """ε at max δ of everything admitted so far, plus `extra` (σ, q, steps) entries."""
-        from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
-
-        entries = [(e["noise_multiplier"], e["sample_rate"], e["steps"]) for e in self.entries] + list(extra)
-        if not entries:
-            return 0.0
-        rdp = sum(compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=self.ORDERS)
-                  for sigma, q, steps in entries)
-        eps, _ = get_privacy_spent(orders=self.ORDERS, rdp=rdp, delta=self.max_delta)
-        return float(eps)
+        """ε at max δ of everything admitted so far, plus `extra` (σ, q, steps) entries: the
+        composition of an RDP Ledger over them (the orders RDP_ORDERS, fixed in advance)."""
+        history = [[e["noise_multiplier"], e["sample_rate"], e["steps"]] for e in self.entries]
+        return Ledger("rdp", history + [list(x) for x in extra]).epsilon(self.max_delta)
 
     def check(self, epsilon: float, delta: float, noise_multiplier: float, sample_rate: float, steps: int) -> None:
         """Raise BudgetRefused, with the reason, unless a run of this (ε, δ) and plan fits."""

@@ -16,7 +16,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedsd import data as data_lib
 from fedsd.central import resolve_device
-from fedsd.client_data import task_for
+from fedsd.client_data import normalised, task_for
 from fedsd.config import CUSTOM, ConfigError, TrainConfig
 from fedsd.federation import FedOptions, client_config, from_flat, to_flat
 from fedsd.models import build_model
@@ -118,7 +118,8 @@ def public_side(cfg: TrainConfig, fed: FedOptions):
         if cfg.dataset == CUSTOM:
             return cfg, len(task.classes), None, "each client's own data"
         images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)  # the public test split only
-        return cfg, len(task.classes), (images.normalised(images.x_test), images.y_test.clone()), images.source
+        # Normalised with the task's constants, as the clients normalise theirs (mean/std settings included).
+        return cfg, len(task.classes), (normalised(images.x_test, task), images.y_test.clone()), images.source
     if cfg.dataset == CUSTOM:
         raise ConfigError("--dataset: custom data lives on the clients only; set --client-data own")
     federation = build_federation(cfg, fed)

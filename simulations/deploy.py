@@ -68,6 +68,8 @@ class DeploymentError(RuntimeError):
 
 # --isolate: client k runs under this numeric uid (no account needed), in its own network namespace.
 ISOLATED_UID_BASE = 47000
+# What --isolate runs: iproute2's ip and bridge, util-linux's setpriv and unshare.
+ISOLATION_TOOLS = ("ip", "bridge", "setpriv", "unshare")
 
 
 class Isolation:
@@ -101,7 +103,7 @@ class Isolation:
             raise DeploymentError("--isolate needs root: network namespaces, veth pairs and other uids")
         if not 1 <= self.num_clients <= 250:
             raise DeploymentError(f"--isolate: at most 250 clients on one subnet, got {self.num_clients}")
-        for tool in ("ip", "bridge", "setpriv"):
+        for tool in ISOLATION_TOOLS:
             if shutil.which(tool) is None:
                 raise DeploymentError(f"--isolate needs `{tool}` (iproute2, util-linux)")
         if _run(["ip", "link", "show", self.bridge]).returncode == 0:

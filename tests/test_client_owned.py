@@ -236,3 +236,17 @@ def test_a_client_without_a_test_split_evaluates_with_weight_zero(split, tmp_pat
     node = {"partition-id": 0, "data": str(tmp_path / "train-only.npz"), "state-dir": str(tmp_path)}
     metrics = evaluate_on_client(flat, node, initial_model(cfg.resolved(), 10))
     assert metrics["num-examples"] == 0
+
+
+def test_the_server_normalises_its_public_test_split_as_the_clients_normalise_theirs():
+    """With client-data=own and mean/std set in the run config, the server evaluates on the
+    public test split normalised with those same constants, not the data set's standard ones."""
+    require("mnist")
+    from fedsd import data as data_lib
+    from server.app import public_side
+
+    cfg = TrainConfig(dataset="mnist", method="dp3sd", epsilon=3, mean="0.5", std="0.25")
+    _, classes, (x_test, y_test), _ = public_side(cfg, FedOptions(num_clients=2, rounds=1, client_data="own"))
+    images = data_lib.load("mnist", None, False)
+    assert classes == 10 and torch.equal(y_test, images.y_test)
+    assert torch.allclose(x_test, (images.x_test.float() / 255 - 0.5) / 0.25)

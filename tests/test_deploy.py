@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from simulations.deploy import LocalDeployment
+from simulations.deploy import ISOLATION_TOOLS, LocalDeployment
 from tests.conftest import require
 
 pytestmark = pytest.mark.slow
@@ -187,7 +187,7 @@ def isolation_unavailable() -> str | None:
         return "not root"
     import shutil
 
-    missing = [tool for tool in ("ip", "bridge", "setpriv", "unshare") if shutil.which(tool) is None]
+    missing = [tool for tool in ISOLATION_TOOLS if shutil.which(tool) is None]
     if missing:
         return f"no {', '.join(missing)} (iproute2, util-linux)"
     probe = f"fedsd-probe-{os.getpid()}"
