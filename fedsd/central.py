@@ -42,17 +42,25 @@ def prepare_run(cfg: TrainConfig) -> PreparedRun:
     return PreparedRun(cfg, images, indices, resolve_device(cfg.device))
 
 
+def plan_run(cfg: TrainConfig, out: str | Path | None = None,
+             overwrite: bool = False) -> tuple[PreparedRun, privacy.PrivacyPlan]:
+    """prepare_run, the result folder and the calibrated σ: every check before the first step."""
+    run = prepare_run(cfg)
+    if out is not None:
+        check_out_dir(out, overwrite)
+    cfg = run.cfg
+    return run, privacy.plan(cfg.epsilon, cfg.delta, len(run.train_indices), cfg.batch_size, cfg.epochs,
+                             cfg.accountant)
+
+
 def train(cfg: TrainConfig, out: str | Path | None = None, overwrite: bool = False,
           progress: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
     """Train centrally; write result.json, model.pt and curve.png to `out` (when given).
 
     Returns (result, released weights)."""
-    run = prepare_run(cfg)
+    run, plan = plan_run(cfg, out, overwrite)
     cfg = run.cfg
-    if out is not None:
-        check_out_dir(out, overwrite)
     n = len(run.train_indices)
-    plan = privacy.plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
 

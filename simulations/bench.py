@@ -14,6 +14,7 @@ import statistics
 import sys
 
 from fedsd.config import GRAD_SAMPLE_MODES
+from simulations import dry_run
 
 
 def add_bench_parser(sub) -> None:
@@ -167,6 +168,8 @@ def bench_step(args: argparse.Namespace) -> int:
     steps["nonprivate:eager-channels-last"] = nonprivate(torch.channels_last, False)
     if not args.no_compile:
         steps["nonprivate:compiled-channels-last"] = nonprivate(torch.channels_last, True)
+    dry_run.stop_here(f"time {len(steps)} steps ({', '.join(steps)}) {args.warmup} + {args.repeats} times, "
+                      "interleaved")
     timed = _timer(device)
     times = {name: [] for name in steps}
     for i in range(args.warmup + args.repeats):
@@ -220,6 +223,7 @@ def bench_epoch(args: argparse.Namespace) -> int:
         trainer = DPTrainer(cfg, data_lib.prepare(run.data, run.train_indices, run.device),
                             plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant))
         runs[name] = [cfg, trainer, initial_model(cfg, trainer.data.num_classes), None]
+    dry_run.stop_here(f"time {args.epochs} epochs of each of {', '.join(runs)}, interleaved")
     seconds = {name: [] for name in runs}
     for epoch in range(1, args.epochs + 1):
         for name, r in runs.items():

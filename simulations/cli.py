@@ -1,4 +1,4 @@
-"""The `fedsd` command: train (central), simulate (federated, Ray), bench, reproduce, sweep."""
+"""The `fedsd` command: train (central), simulate (federated, Ray), bench, reproduce, sweep, audit."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ from pathlib import Path
 
 from fedsd.config import TrainConfig
 from fedsd.settings import add_options, from_args
+from simulations import dry_run
 
 
 def add_train_options(p: argparse.ArgumentParser, epsilon_required: bool = True, out_required: bool = True) -> None:
@@ -22,8 +23,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def cmd_train(args) -> int:
-    from fedsd.central import train
+    from fedsd.central import plan_run, train
 
+    if dry_run.requested():  # train() runs the same checks first
+        run, plan = plan_run(config_from_args(args), args.out, args.overwrite)
+        cfg = run.cfg
+        dry_run.stop_here(f"train {cfg.method} on {len(run.train_indices)} {cfg.dataset} samples for {cfg.epochs} "
+                          f"epochs at σ={plan.noise_multiplier:.3f}, q={plan.sample_rate:.4g} "
+                          f"(ε={cfg.epsilon:g}) into {args.out}")
     result, _ = train(config_from_args(args), args.out, overwrite=args.overwrite, progress=not args.quiet)
     print(run_summary(result, args.out))
     return 0
@@ -75,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_train_options(p_sim, epsilon_required=False, out_required=False)
         add_sim_options(p_sim)
         p_sim.set_defaults(func=cmd_simulate)
+    from simulations.audit import add_audit_parser
     from simulations.bench import add_bench_parser
     from simulations.reproduce import add_reproduce_parser
     from simulations.split_data import add_split_data_parser
@@ -84,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_reproduce_parser(sub)
     add_sweep_parser(sub)
     add_split_data_parser(sub)
+    add_audit_parser(sub)
     return parser
 
 
@@ -91,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except dry_run.DryRun as e:
+        print(f"fedsd {args.command}: dry run: every check passed; would {e}")
+        return 0
     except KeyboardInterrupt:
         print("fedsd: interrupted; nothing was written", file=sys.stderr)
         return 130

@@ -28,6 +28,7 @@ from fedsd.config import ConfigError, TrainConfig
 from fedsd.federation import FedOptions, from_flat
 from fedsd.results import check_out_dir, write_json
 from fedsd.settings import add_options, given_flat
+from simulations import dry_run
 
 ROOT = Path(__file__).resolve().parents[1]
 FEDERATION = "fedsd"  # the SuperLink connection's name in the deployment's Flower config
@@ -544,6 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"deploy-local: error: {e}", file=sys.stderr)
         return 2
+    if dry_run.requested():
+        print(f"deploy-local: dry run: every check passed; would start a SuperLink and {args.num_clients} SuperNodes "
+              f"for {args.rounds} rounds into {args.out}")
+        return 0
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         result = deploy_local(args.num_clients, args.rounds, Path(args.out), run_config,

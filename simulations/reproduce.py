@@ -84,6 +84,13 @@ def run_jobs(todo: list[tuple[dict, str]], total: int, jobs: int, desc: str, qui
     bar over `total` runs (those already done count as done)."""
     from tqdm.auto import tqdm
 
+    from fedsd.central import prepare_run
+    from fedsd.config import TrainConfig
+    from simulations import dry_run
+
+    for config, _ in todo:  # every run's settings and data checked before the first starts
+        prepare_run(TrainConfig(**config))
+    dry_run.stop_here(f"run {len(todo)} of {total} runs ({total - len(todo)} done), {jobs} at once")
     bar = tqdm(total=total, initial=total - len(todo), desc=desc, unit="run", disable=quiet)
     if todo:
         with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:

@@ -12,6 +12,7 @@ from fedsd.config import ConfigError, TrainConfig
 from fedsd.federation import FedOptions
 from fedsd.results import check_out_dir
 from fedsd.settings import add_options, from_args
+from simulations import dry_run
 
 def add_sim_options(p: argparse.ArgumentParser) -> None:
     """Every FedOptions setting as an option (declared once, in fedsd.federation)."""
@@ -90,6 +91,8 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
     federation = build_federation(cfg, fed)
     for k in range(fed.num_clients):
         federation.client_plan(k)  # raises BudgetError for a client whose plan cannot fit
+    dry_run.stop_here(f"simulate {fed.num_clients} clients ({fed.partition}) for {fed.rounds} rounds of {cfg.method}"
+                      f" at ε={cfg.epsilon:g} each" + (f" into {out}" if out else ""))
 
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation

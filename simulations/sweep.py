@@ -73,8 +73,6 @@ def add_sweep_parser(sub) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from fedsd.central import prepare_run
-
     grid = parse_grid(args.grid)
     if args.validation < 1:
         raise ConfigError(f"--validation: a sweep needs a validation split (>= 1 samples), got {args.validation}")
@@ -84,8 +82,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     base = dict(dataset=args.dataset, method=args.method, epsilon=args.epsilon, validation=args.validation,
                 epochs=args.epochs, subset=args.subset, device=args.device, data_dir=args.data_dir,
                 threads=threads_per_job(args.device, args.jobs))
-    for combo in combos:  # every setting checked (and the data found) before any run starts
-        prepare_run(TrainConfig(**{**base, **combo}))
     out = Path(args.out)
     todo = []
     for combo in combos:
