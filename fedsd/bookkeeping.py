@@ -50,6 +50,11 @@ def _patches(layer: nn.Conv2d, a: torch.Tensor) -> torch.Tensor:
     return view.reshape(n, th * tw, kh * kw * c)
 
 
+def clip_factor(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """Opacus' per-sample clipping factor (DPOptimizer, ghost clipping): min(1, C / (‖∇_i‖ + 1e-6))."""
+    return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+
+
 class BookKeepingClipper:
     def __init__(self, model: nn.Module, max_grad_norm: float):
         self.layers = []
@@ -112,7 +117,7 @@ class BookKeepingClipper:
         # Scale back from the mean's gradients to each sample's own (×n), in the norms and in the
         # weights of the sum, rather than in every output gradient.
         norms = norms2.sqrt() * batch_size
-        coeff = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0) * batch_size
+        coeff = clip_factor(norms, self.max_grad_norm) * batch_size
         for layer, a, g, per_sample, per_sample_bias in kept:
             if per_sample is not None:  # Σ_i c_i ∇_i straight from the per-sample gradients
                 p, c, kh, kw = layer.weight.shape

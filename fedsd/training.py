@@ -24,7 +24,7 @@ from opacus.grad_sample.utils import prepare_module
 from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 
 from . import losses
-from .bookkeeping import BookKeepingClipper
+from .bookkeeping import BookKeepingClipper, clip_factor
 from .config import DISTILLING, TrainConfig, check_layout
 from .data import TensorData
 from .models import build_model, check_private_trainable
@@ -161,6 +161,7 @@ class DPTrainer:
         self._evaluation_model: torch.nn.Module | None = None  # built on first use
         self.ghost = cfg.grad_sample_mode == "ghost"
         self.bookkeeping = None
+        self.canaries = None  # fedsd.audit.GradientCanaries, only under `fedsd audit`
         sgd = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         dp = dict(noise_multiplier=plan.noise_multiplier, max_grad_norm=cfg.clip, expected_batch_size=cfg.batch_size,
                   loss_reduction="mean", generator=self.generator)
@@ -294,7 +295,7 @@ class DPTrainer:
             for p in self.model.parameters():
                 p.grad_sample = torch.zeros((0, *p.shape), device=p.device)
                 p.grad = torch.zeros_like(p)
-            self._optimizer_step()
+            self._optimizer_step(0)
             return 0.0
         logits = self.grad_sample_model(x)
         teacher_logits = None
@@ -319,10 +320,41 @@ class DPTrainer:
                     self.grad_sample_model.enable_hooks()
                 else:
                     loss.backward()
-        self._optimizer_step()
+        self._optimizer_step(len(y))
         return float(loss.detach())
 
-    def _optimizer_step(self) -> None:
+    def audit_with(self, canaries, noise_scale: float = 1.0) -> None:
+        """`fedsd audit` only: white-box canaries (fedsd.audit.GradientCanaries) join every
+        step's clipped sum, and the noise drawn is noise_scale·σ while the accountant still
+        counts σ (noise_scale < 1: a broken mechanism, which the audit must catch)."""
+        self.canaries = canaries
+        if canaries is not None:  # its coordinates are clipped, noised and stepped with the model's
+            self.optimizer.original_optimizer.add_param_group({"params": [canaries.parameter]})
+        self.optimizer.noise_multiplier = self.plan.noise_multiplier * noise_scale
+
+    def _add_canaries(self, batch_size: int) -> None:
+        """The joined canaries enter where the samples' gradients are clipped: as rows of Opacus'
+        per-sample gradients beside the samples' (hooks, functorch, ew), clipped by Opacus with
+        them; else clipped by the same factor into the clipped sum (ghost, bk). Opacus then adds
+        the noise and averages, on the audit coordinates as on every other."""
+        canaries, audit_parameter = self.canaries, self.canaries.parameter
+        canaries.draw()
+        if self.bookkeeping is not None or self.ghost:
+            audit_parameter.grad = canaries.clipped_sum(lambda norms: clip_factor(norms, self.cfg.clip))
+            return
+        rows = canaries.per_sample_rows()
+        for p in self.model.parameters():
+            p.grad_sample = torch.cat([p.grad_sample, p.grad_sample.new_zeros((len(rows), *p.shape))])
+        audit_parameter.grad_sample = torch.cat([rows.new_zeros((batch_size, canaries.count)), rows])
+
+    def _optimizer_step(self, batch_size: int) -> None:
+        if self.canaries is not None:
+            self._add_canaries(batch_size)
+        self._step_optimizer()
+        if self.canaries is not None:
+            self.canaries.observe()
+
+    def _step_optimizer(self) -> None:
         if self._anchor is None:
             self.optimizer.step()
         elif self.optimizer.pre_step():  # clip, noise, average: the private gradient

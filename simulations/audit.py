@@ -1,0 +1,261 @@
+"""`fedsd audit`: measure the privacy of a real run, not only compute it (fedsd.audit, SPEC §9).
+
+    fedsd audit --dataset mnist --method dp3sd --epsilon 2 --subset 5000 --epochs 10 \\
+        [--canaries 1000] [--threat white|black] [--clients N] [--noise-scale s] --out DIR
+
+trains once with m canaries, each included with probability ½, and writes DIR/audit.json (the
+accountant's ε against the measured lower bound, at the stated confidence, and the guesses),
+DIR/scores.png (included against excluded canaries' scores) and DIR/canaries.json (every
+canary's score and whether it was included).
+
+With --clients N ≥ 2 the run is a federation of N clients and client 0 holds the canaries: its
+canaries join its local steps in every round. The federation runs in this process, with each
+client's training the same DPTrainer.local_update the ClientApp calls and the server's FedAvg
+(the sample-weighted mean): audit settings, --noise-scale above all, are a laboratory's and
+must never travel from a server to a client.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedsd import audit, privacy
+from fedsd import data as data_lib
+from fedsd.config import ConfigError, TrainConfig
+from fedsd.results import atomic_path, check_out_dir, staged_out_dir, write_json
+from fedsd.settings import add_options, from_args
+from fedsd.training import DPTrainer, derive_seed, evaluate, initial_model, released
+from simulations import dry_run
+
+SEED_AUDIT = 3  # canaries: coordinates, signs, inclusion and participation (fedsd.training's purposes 0–2)
+THREATS = ("white", "black")
+
+
+def add_audit_parser(sub) -> None:
+    p = sub.add_parser("audit", help="a one-run privacy audit: a measured lower bound on ε (Steinke et al. 2023)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(p, TrainConfig, required=("epsilon",))
+    p.add_argument("--canaries", type=int, default=1000, help="m, each included with probability ½ (default 1000)")
+    p.add_argument("--threat", choices=THREATS, default="white",
+                   help="white: gradient canaries scored from every released update; black: mislabelled "
+                        "images scored by the final model's loss (default white)")
+    p.add_argument("--noise-scale", type=float, default=1.0,
+                   help="draw s·σ noise while the accountant counts σ: s < 1 simulates a broken mechanism, "
+                        "which the audit must catch (default 1)")
+    p.add_argument("--confidence", type=float, default=0.95, help="1 − β of the lower bound (default 0.95)")
+    p.add_argument("--clients", type=int, default=1,
+                   help="1: central; N ≥ 2: an N-client federation (IID, one local epoch a round, --epochs "
+                        "rounds) in which client 0 holds the canaries (default 1)")
+    p.add_argument("--out", required=True, help="result folder (must be new or empty)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_audit)
+
+
+@dataclasses.dataclass
+class AuditSettings:
+    canaries: int = 1000
+    threat: str = "white"
+    noise_scale: float = 1.0
+    confidence: float = 0.95
+    clients: int = 1
+
+    def validate(self) -> None:
+        def check(ok, option, allowed, value):
+            if not ok:
+                raise ConfigError(f"{option}: {allowed}, got {value!r}")
+        check(self.canaries >= 10, "--canaries", "must be >= 10", self.canaries)
+        check(self.threat in THREATS, "--threat", f"one of {', '.join(THREATS)}", self.threat)
+        check(self.noise_scale > 0, "--noise-scale", "must be > 0", self.noise_scale)
+        check(0 < self.confidence < 1, "--confidence", "must be in (0, 1)", self.confidence)
+        check(self.clients >= 1, "--clients", "must be >= 1", self.clients)
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    settings = AuditSettings(args.canaries, args.threat, args.noise_scale, args.confidence, args.clients)
+    report = run_audit(from_args(TrainConfig, args), settings, args.out, args.overwrite, progress=not args.quiet)
+    print(f"fedsd audit: {report['method']} ({report['threat']}-box, {report['canaries']} canaries): "
+          f"ε lower bound {report['epsilon_lower_bound']:.3f} at {report['confidence']:.0%} confidence, "
+          f"accountant ε {report['epsilon_accountant']:.3f}\n  files          {Path(args.out).absolute()}/ "
+          "(audit.json, scores.png, canaries.json)")
+    return 0
+
+
+@dataclasses.dataclass
+class Party:
+    """One data holder of the audited run (the only one when central)."""
+    trainer: DPTrainer
+    state: object = None
+
+
+def _black_box_canaries(images: data_lib.ImageData, m: int, seed: int):
+    """m test images, each with a wrong label drawn at random: (x, y_wrong, test positions)."""
+    g = torch.Generator().manual_seed(seed)
+    if m > len(images.y_test):
+        raise ConfigError(f"--canaries: black-box canaries come from the {len(images.y_test)} test images, got {m}")
+    positions = torch.randperm(len(images.y_test), generator=g)[:m]
+    shift = torch.randint(1, images.num_classes, (m,), generator=g)
+    wrong = (images.y_test[positions] + shift) % images.num_classes
+    return images.normalised(images.x_test[positions]), wrong, positions
+
+
+def _with_canaries(data: data_lib.TensorData, x: torch.Tensor, y: torch.Tensor, included: torch.Tensor,
+                   positions: torch.Tensor) -> data_lib.TensorData:
+    """A holder's data with the included canaries added to its training set and every canary
+    image taken out of its test set."""
+    keep = torch.ones(len(data.y_test), dtype=torch.bool)
+    keep[positions] = False
+    return data_lib.TensorData(torch.cat([data.x_train, x[included].to(data.x_train)]),
+                               torch.cat([data.y_train, y[included].to(data.y_train)]),
+                               data.x_test[keep.to(data.x_test.device)], data.y_test[keep.to(data.y_test.device)],
+                               data.num_classes)
+
+
+def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bool = False,
+              progress: bool = True) -> dict:
+    """Train once with canaries and measure; returns audit.json's content (and writes `out`)."""
+    settings.validate()
+    if out is not None:
+        check_out_dir(out, overwrite)
+    cfg = cfg.resolved()
+    seed = derive_seed(cfg.seed, SEED_AUDIT)
+    if settings.clients == 1:
+        from fedsd.central import prepare_run
+
+        run = prepare_run(cfg)
+        cfg, images, device = run.cfg, run.data, run.device
+        holders = [data_lib.prepare(images, run.train_indices, device)]
+    else:
+        from fedsd.federation import FedOptions
+        from task.federation import build_federation
+
+        fed = FedOptions(num_clients=settings.clients, rounds=cfg.epochs, local_epochs=1)
+        from fedsd.central import resolve_device
+
+        device = resolve_device(cfg.device)
+        federation = build_federation(cfg, fed)
+        cfg, images = federation.cfg, federation.images
+        holders = [federation.client_data(k, device) for k in range(settings.clients)]
+    black = None
+    if settings.threat == "black":
+        x, y, positions = _black_box_canaries(images, settings.canaries, seed)
+        included = torch.rand(settings.canaries, generator=torch.Generator().manual_seed(seed + 1)) < 0.5
+        black = (x, y, included)
+        holders[0] = _with_canaries(holders[0], x, y, included, positions)
+    plans = [privacy.plan(cfg.epsilon, cfg.delta, len(h.y_train), cfg.batch_size, cfg.epochs, cfg.accountant)
+             for h in holders]
+    parties = [Party(DPTrainer(cfg, h, plan, client=k)) for k, (h, plan) in enumerate(zip(holders, plans))]
+    audited = parties[0].trainer
+    canaries = None
+    if settings.threat == "white":
+        canaries = audit.GradientCanaries(settings.canaries, cfg.clip, plans[0].sample_rate,
+                                          plans[0].noise_multiplier, cfg.batch_size, seed, audited.device)
+    audited.audit_with(canaries, settings.noise_scale)
+    dry_run.stop_here(f"audit {cfg.method} ({settings.threat}-box, {settings.canaries} canaries) over {cfg.epochs} "
+                      f"epochs of {len(holders)} holder(s)")
+
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    model = initial_model(cfg, images.num_classes)
+    for epoch in tqdm(range(1, cfg.epochs + 1), desc=f"audit {cfg.dataset} {cfg.method} ε={cfg.epsilon:g}",
+                      unit="round" if len(parties) > 1 else "epoch", disable=not progress):
+        replies = []
+        for party in parties:
+            trained, party.state, metrics = party.trainer.local_update(model, party.state, [epoch])
+            replies.append((trained, len(party.trainer.data.y_train), metrics))
+        model = fedavg(replies)
+    epsilon_accountant = replies[0][2]["epsilon"]
+    audited.model.load_state_dict(released(model))
+    accuracy, _ = evaluate(audited.model, audited.data.x_test, audited.data.y_test)
+
+    if canaries is not None:
+        scores, included = canaries.scores.numpy(), canaries.included.numpy()
+    else:
+        x, y, included = black
+        audited.model.eval()
+        with torch.no_grad():
+            logits = audited.model(x.to(audited.device).contiguous(memory_format=audited.memory_format))
+            loss = torch.nn.functional.cross_entropy(logits, y.to(audited.device), reduction="none")
+        scores, included = (-loss).double().cpu().numpy(), included.numpy()  # low loss: seen in training
+    outcome = audit.guess(scores, included, cfg.delta, settings.confidence)
+    report = dict(epsilon_accountant=epsilon_accountant, epsilon_lower_bound=outcome.epsilon_lower_bound,
+                  confidence=settings.confidence, canaries=settings.canaries, guesses=outcome.guesses,
+                  correct=outcome.correct, k_plus=outcome.k_plus, k_minus=outcome.k_minus,
+                  threat=settings.threat, method=cfg.method, dataset=cfg.dataset, epsilon_target=cfg.epsilon,
+                  delta=cfg.delta, noise_scale=settings.noise_scale, clients=settings.clients,
+                  audited_client=0 if settings.clients > 1 else None, test_accuracy=accuracy,
+                  noise_multiplier=plans[0].noise_multiplier, sample_rate=plans[0].sample_rate,
+                  steps=parties[0].state.steps, included=int(included.sum()),
+                  wall_seconds=time.perf_counter() - started, config=cfg.to_dict())
+    if out is not None:
+        with staged_out_dir(out, overwrite) as scratch:
+            write_json(scratch / "canaries.json", dict(score=scores.tolist(), included=included.tolist()))
+            plot_scores(scratch / "scores.png", scores, included, report)
+            write_json(scratch / "audit.json", report)
+    return report
+
+
+def fedavg(replies: list[tuple[dict, int, dict]]) -> dict:
+    """FedAvg's sample-weighted mean of every weight group (with one holder: its own model)."""
+    if len(replies) == 1:
+        return replies[0][0]
+    total = sum(n for _, n, _ in replies)
+    return {group: {name: sum(model[group][name].float() * (n / total) for model, n, _ in replies)
+                    .to(replies[0][0][group][name].dtype) for name in weights}
+            for group, weights in replies[0][0].items()}
+
+
+def plot_scores(path: Path, scores: np.ndarray, included: np.ndarray, report: dict) -> None:
+    """Histograms of the included and the excluded canaries' scores."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bins = np.histogram_bin_edges(scores, bins=40)
+    ax.hist(scores[included], bins=bins, alpha=0.6, label=f"included ({included.sum()})")
+    ax.hist(scores[~included], bins=bins, alpha=0.6, label=f"excluded ({(~included).sum()})")
+    ax.set_xlabel("canary score")
+    ax.set_ylabel("canaries")
+    ax.set_title(f"{report['dataset']} {report['method']} {report['threat']}-box: ε ≥ "
+                 f"{report['epsilon_lower_bound']:.2f} (accountant {report['epsilon_accountant']:.2f})")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+
+
+def ceiling(m: int, epsilon: float, delta: float, confidence: float = 0.95) -> float:
+    """What the one-run bound gives for m canaries when every guess is as good as ε allows
+    (each right with probability e^ε/(1 + e^ε), the expected number right): the most any audit
+    of this size can show, so the gap between it and the measured bound is the audit's, and
+    the gap between it and ε is the method's (Steinke et al. 2023, Fig. 1)."""
+    p = 1 / (1 + np.exp(-epsilon))
+    beta = (1 - confidence) / len(audit.GUESS_FRACTIONS)
+    best = 0.0
+    for fraction in audit.GUESS_FRACTIONS:
+        r = 2 * min(max(1, int(round(fraction * m / 2))), m // 2)
+        best = max(best, audit.epsilon_lower_bound(m, r, int(round(r * p)), delta, beta))
+    return best
+
+
+def write_audit_table(run_dirs: list[Path], out: Path) -> None:
+    """results/audit.md from finished `fedsd audit` folders."""
+    rows = [json.loads((Path(d) / "audit.json").read_text()) for d in run_dirs]
+    lines = ["| data set | method | threat | m | accountant ε | measured lower bound | guesses right | "
+             "ceiling for m (perfect scores) | lower bound / accountant |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["dataset"], r["method"], r["epsilon_target"], r["canaries"])):
+        lines.append(f"| {r['dataset']} | {r['method']} | {r['threat']} | {r['canaries']} | "
+                     f"{r['epsilon_accountant']:.3f} | {r['epsilon_lower_bound']:.3f} | "
+                     f"{r['correct']}/{r['guesses']} | {ceiling(r['canaries'], r['epsilon_accountant'], r['delta']):.3f} | "
+                     f"{r['epsilon_lower_bound'] / r['epsilon_accountant']:.2f} |")
+    out.write_text("\n".join(lines) + "\n")
