@@ -8,8 +8,8 @@ stochastically dominated as the paper's Theorem 3 says; the ε at which what was
 probability below β is a lower bound on the run's true ε, at confidence 1 − β.
 
 Two kinds of canaries:
-- `GradientCanaries` (white-box, the strongest): gradient-space vectors of norm C, a ±C spike on
-  a coordinate of their own. An included canary joins a step's clipped sum with the step's
+- `GradientCanaries` (white-box, the strongest): gradient-space vectors of norm C, each C·e_i on
+  a coordinate of its own. An included canary joins a step's clipped sum with the step's
   Poisson rate q, through the same clipping and noise code as the samples (DPTrainer); its score
   is the likelihood ratio of every noised gradient the run released on its coordinate (the
   model updates, all iterates visible: SGD with momentum is an invertible function of them).
@@ -62,17 +62,16 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float, beta: float = 0.05
 GUESS_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
+def guess_counts(m: int, fractions=GUESS_FRACTIONS) -> list[int]:
+    """k (= k₊ = k₋) for each fraction of m canaries guessed: at least 1, at most m/2."""
+    return [min(max(1, int(round(fraction * m / 2))), m // 2) for fraction in fractions]
+
+
 @dataclass
 class AuditOutcome:
     epsilon_lower_bound: float
-    guesses: int  # r = k₊ + k₋
+    guesses: int  # r = k₊ + k₋, with k₊ = k₋
     correct: int  # v
-    k_plus: int
-    k_minus: int
-    confidence: float
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 def guess(scores: np.ndarray, included: np.ndarray, delta: float, confidence: float = 0.95,
@@ -84,14 +83,12 @@ def guess(scores: np.ndarray, included: np.ndarray, delta: float, confidence: fl
     order = np.argsort(-scores, kind="stable")  # highest first
     beta = (1 - confidence) / len(fractions)
     best = None
-    for fraction in fractions:
-        k = max(1, int(round(fraction * m / 2)))
-        k = min(k, m // 2)
+    for k in guess_counts(m, fractions):
         top, bottom = order[:k], order[m - k:]
         correct = int(included[top].sum() + (~included[bottom]).sum())
         eps = epsilon_lower_bound(m, 2 * k, correct, delta, beta)
         if best is None or eps > best.epsilon_lower_bound:
-            best = AuditOutcome(eps, 2 * k, correct, k, k, confidence)
+            best = AuditOutcome(eps, 2 * k, correct)
     return best
 
 
@@ -124,12 +121,11 @@ class GradientCanaries:
     def count(self) -> int:
         return len(self.included)
 
-    def draw(self) -> torch.Tensor:
-        """The included canaries that join this step (each independently with rate q)."""
+    def draw(self) -> None:
+        """Choose the included canaries that join this step (each independently with rate q)."""
         joins = self.included & (torch.rand(self.count, generator=self.generator) < self.sample_rate)
         self._joined = joins.nonzero().flatten()
         self.joins[self._joined] += 1
-        return self._joined
 
     def per_sample_rows(self) -> torch.Tensor:
         """The joined canaries as per-sample gradients of the audit parameter, one row each."""

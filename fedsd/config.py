@@ -164,14 +164,15 @@ def _check_choice(option: str, value, allowed) -> None:
         raise ConfigError(f"{option}: unknown value {value!r}; choose one of {', '.join(map(str, allowed))}")
 
 
-def _check(condition: bool, option: str, allowed: str, value) -> None:
+def check_setting(condition: bool, option: str, allowed: str, value) -> None:
+    """ConfigError naming the option as the user typed it, what is allowed and what was given."""
     if not condition:
         raise ConfigError(f"{option}: {allowed}, got {value!r}")
 
 
 def check_layout(c: TrainConfig) -> None:
     """Refuse a layout under which the per-sample clipping mode computes wrong gradients."""
-    _check(c.memory_format != "channels-last" or c.grad_sample_mode in CHANNELS_LAST_EXACT, "--memory-format",
+    check_setting(c.memory_format != "channels-last" or c.grad_sample_mode in CHANNELS_LAST_EXACT, "--memory-format",
            f"channels-last gives wrong per-sample gradients with --grad-sample-mode {c.grad_sample_mode} "
            f"(Opacus assumes NCHW); use auto, or a mode of {', '.join(CHANNELS_LAST_EXACT)}", c.memory_format)
 
@@ -187,33 +188,33 @@ def validate(c: TrainConfig, num_train: int) -> None:
     _check_choice("--grad-sample-mode", c.grad_sample_mode, GRAD_SAMPLE_MODES)
     _check_choice("--memory-format", c.memory_format, MEMORY_FORMATS)
     check_layout(c)
-    _check(math.isfinite(c.epsilon) and c.epsilon > 0, "--epsilon", "must be > 0", c.epsilon)
-    _check(0 < c.delta < 1.0 / num_train, "--delta",
+    check_setting(math.isfinite(c.epsilon) and c.epsilon > 0, "--epsilon", "must be > 0", c.epsilon)
+    check_setting(0 < c.delta < 1.0 / num_train, "--delta",
            f"must be in (0, 1/n) = (0, {1.0 / num_train:.3g}) for n = {num_train} training samples", c.delta)
-    _check(c.epochs >= 1, "--epochs", "must be >= 1", c.epochs)
-    _check(c.batch_size >= 1, "--batch-size", "must be >= 1", c.batch_size)
-    _check(c.batch_size <= num_train, "--batch-size",
+    check_setting(c.epochs >= 1, "--epochs", "must be >= 1", c.epochs)
+    check_setting(c.batch_size >= 1, "--batch-size", "must be >= 1", c.batch_size)
+    check_setting(c.batch_size <= num_train, "--batch-size",
            f"must not exceed the {num_train} training samples it samples from", c.batch_size)
-    _check(c.lr > 0, "--lr", "must be > 0", c.lr)
-    _check(c.clip > 0, "--clip", "must be > 0", c.clip)
-    _check(c.momentum >= 0, "--momentum", "must be >= 0", c.momentum)
-    _check(c.distill_warmup_epochs >= 0, "--distill-warmup-epochs", "must be >= 0", c.distill_warmup_epochs)
-    _check(c.threads >= 0, "--threads", "must be >= 0", c.threads)
+    check_setting(c.lr > 0, "--lr", "must be > 0", c.lr)
+    check_setting(c.clip > 0, "--clip", "must be > 0", c.clip)
+    check_setting(c.momentum >= 0, "--momentum", "must be >= 0", c.momentum)
+    check_setting(c.distill_warmup_epochs >= 0, "--distill-warmup-epochs", "must be >= 0", c.distill_warmup_epochs)
+    check_setting(c.threads >= 0, "--threads", "must be >= 0", c.threads)
     for name in ("tau_s", "tau_t", "tau"):
         value = getattr(c, name)
         if value is not None:
-            _check(value > 0, "--" + name.replace("_", "-"), "a temperature must be > 0", value)
+            check_setting(value > 0, "--" + name.replace("_", "-"), "a temperature must be > 0", value)
     for name in ("alpha", "beta"):
         value = getattr(c, name)
         if value is not None:
-            _check(value >= 0, f"--{name}", "must be >= 0", value)
+            check_setting(value >= 0, f"--{name}", "must be >= 0", value)
     if c.method in ("dp3sd", "dpkd"):
-        _check(0 <= c.alpha <= 1, "--alpha", f"must be in [0, 1] for {c.method}", c.alpha)
+        check_setting(0 <= c.alpha <= 1, "--alpha", f"must be in [0, 1] for {c.method}", c.alpha)
     if c.method == "dpema":
-        _check(0 <= c.ema_decay < 1, "--ema-decay", "must be in [0, 1)", c.ema_decay)
+        check_setting(0 <= c.ema_decay < 1, "--ema-decay", "must be in [0, 1)", c.ema_decay)
     if c.method == "dpkd":
-        _check(1 <= c.kd_teacher_epochs < c.epochs, "--kd-teacher-epochs",
+        check_setting(1 <= c.kd_teacher_epochs < c.epochs, "--kd-teacher-epochs",
                f"must be in [1, epochs) = [1, {c.epochs}) so both stages train", c.kd_teacher_epochs)
     if c.subset is not None:
-        _check(c.subset >= 1, "--subset", "must be >= 1", c.subset)
-    _check(c.validation >= 0, "--validation", "must be >= 0", c.validation)
+        check_setting(c.subset >= 1, "--subset", "must be >= 1", c.subset)
+    check_setting(c.validation >= 0, "--validation", "must be >= 0", c.validation)

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from . import settings
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, check_setting
 from .settings import setting
 
 PARTITIONS = ("iid", "dirichlet", "pathological")
@@ -61,9 +61,7 @@ class FedOptions:
         return self.budget_rounds or self.rounds
 
     def validate(self) -> None:
-        def check(ok, option, allowed, value):
-            if not ok:
-                raise ConfigError(f"{option}: {allowed}, got {value!r}")
+        check = check_setting
         check(self.num_clients >= 1, "--clients", "must be >= 1", self.num_clients)
         check(self.rounds >= 1, "--rounds", "must be >= 1", self.rounds)
         check(self.local_epochs >= 1, "--local-epochs", "must be >= 1", self.local_epochs)

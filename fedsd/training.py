@@ -295,7 +295,7 @@ class DPTrainer:
             for p in self.model.parameters():
                 p.grad_sample = torch.zeros((0, *p.shape), device=p.device)
                 p.grad = torch.zeros_like(p)
-            self._optimizer_step(0)
+            self._optimizer_step()
             return 0.0
         logits = self.grad_sample_model(x)
         teacher_logits = None
@@ -320,7 +320,7 @@ class DPTrainer:
                     self.grad_sample_model.enable_hooks()
                 else:
                     loss.backward()
-        self._optimizer_step(len(y))
+        self._optimizer_step()
         return float(loss.detach())
 
     def audit_with(self, canaries, noise_scale: float = 1.0) -> None:
@@ -332,7 +332,7 @@ class DPTrainer:
             self.optimizer.original_optimizer.add_param_group({"params": [canaries.parameter]})
         self.optimizer.noise_multiplier = self.plan.noise_multiplier * noise_scale
 
-    def _add_canaries(self, batch_size: int) -> None:
+    def _add_canaries(self) -> None:
         """The joined canaries enter where the samples' gradients are clipped: as rows of Opacus'
         per-sample gradients beside the samples' (hooks, functorch, ew), clipped by Opacus with
         them; else clipped by the same factor into the clipped sum (ghost, bk). Opacus then adds
@@ -343,13 +343,14 @@ class DPTrainer:
             audit_parameter.grad = canaries.clipped_sum(lambda norms: clip_factor(norms, self.cfg.clip))
             return
         rows = canaries.per_sample_rows()
+        batch_size = len(next(self.model.parameters()).grad_sample)
         for p in self.model.parameters():
             p.grad_sample = torch.cat([p.grad_sample, p.grad_sample.new_zeros((len(rows), *p.shape))])
         audit_parameter.grad_sample = torch.cat([rows.new_zeros((batch_size, canaries.count)), rows])
 
-    def _optimizer_step(self, batch_size: int) -> None:
+    def _optimizer_step(self) -> None:
         if self.canaries is not None:
-            self._add_canaries(batch_size)
+            self._add_canaries()
         self._step_optimizer()
         if self.canaries is not None:
             self.canaries.observe()

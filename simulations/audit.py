@@ -27,58 +27,51 @@ import torch
 
 from fedsd import audit, privacy
 from fedsd import data as data_lib
-from fedsd.config import ConfigError, TrainConfig
+from fedsd.central import prepare_run, resolve_device
+from fedsd.config import ConfigError, TrainConfig, check_setting
 from fedsd.results import atomic_path, check_out_dir, staged_out_dir, write_json
-from fedsd.settings import add_options, from_args
+from fedsd.settings import add_options, from_args, setting
 from fedsd.training import DPTrainer, derive_seed, evaluate, initial_model, released
 from simulations import dry_run
 
-SEED_AUDIT = 3  # canaries: coordinates, signs, inclusion and participation (fedsd.training's purposes 0–2)
+SEED_AUDIT = 3  # canaries: inclusion and participation (fedsd.training's purposes 0–2)
 THREATS = ("white", "black")
+
+
+@dataclasses.dataclass
+class AuditSettings:
+    """What `fedsd audit` adds to a TrainConfig (fedsd.settings: each setting declared once)."""
+
+    canaries: int = setting(1000, "m, each included with probability ½")
+    threat: str = setting("white", "white: gradient canaries scored from every released update; black: "
+                          "mislabelled images scored by the final model's loss", choices=THREATS)
+    noise_scale: float = setting(1.0, "draw s·σ noise while the accountant counts σ: s < 1 simulates a broken "
+                                 "mechanism, which the audit must catch")
+    confidence: float = setting(0.95, "1 − β of the lower bound")
+    clients: int = setting(1, "1: central; N ≥ 2: an N-client federation (IID, one local epoch a round, --epochs "
+                           "rounds) in which client 0 holds the canaries")
+
+    def validate(self) -> None:
+        check_setting(self.canaries >= 10, "--canaries", "must be >= 10", self.canaries)
+        check_setting(self.threat in THREATS, "--threat", f"one of {', '.join(THREATS)}", self.threat)
+        check_setting(self.noise_scale > 0, "--noise-scale", "must be > 0", self.noise_scale)
+        check_setting(0 < self.confidence < 1, "--confidence", "must be in (0, 1)", self.confidence)
+        check_setting(self.clients >= 1, "--clients", "must be >= 1", self.clients)
 
 
 def add_audit_parser(sub) -> None:
     p = sub.add_parser("audit", help="a one-run privacy audit: a measured lower bound on ε (Steinke et al. 2023)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(p, TrainConfig, required=("epsilon",))
-    p.add_argument("--canaries", type=int, default=1000, help="m, each included with probability ½ (default 1000)")
-    p.add_argument("--threat", choices=THREATS, default="white",
-                   help="white: gradient canaries scored from every released update; black: mislabelled "
-                        "images scored by the final model's loss (default white)")
-    p.add_argument("--noise-scale", type=float, default=1.0,
-                   help="draw s·σ noise while the accountant counts σ: s < 1 simulates a broken mechanism, "
-                        "which the audit must catch (default 1)")
-    p.add_argument("--confidence", type=float, default=0.95, help="1 − β of the lower bound (default 0.95)")
-    p.add_argument("--clients", type=int, default=1,
-                   help="1: central; N ≥ 2: an N-client federation (IID, one local epoch a round, --epochs "
-                        "rounds) in which client 0 holds the canaries (default 1)")
+    add_options(p, AuditSettings)
     p.add_argument("--out", required=True, help="result folder (must be new or empty)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_audit)
 
 
-@dataclasses.dataclass
-class AuditSettings:
-    canaries: int = 1000
-    threat: str = "white"
-    noise_scale: float = 1.0
-    confidence: float = 0.95
-    clients: int = 1
-
-    def validate(self) -> None:
-        def check(ok, option, allowed, value):
-            if not ok:
-                raise ConfigError(f"{option}: {allowed}, got {value!r}")
-        check(self.canaries >= 10, "--canaries", "must be >= 10", self.canaries)
-        check(self.threat in THREATS, "--threat", f"one of {', '.join(THREATS)}", self.threat)
-        check(self.noise_scale > 0, "--noise-scale", "must be > 0", self.noise_scale)
-        check(0 < self.confidence < 1, "--confidence", "must be in (0, 1)", self.confidence)
-        check(self.clients >= 1, "--clients", "must be >= 1", self.clients)
-
-
 def cmd_audit(args: argparse.Namespace) -> int:
-    settings = AuditSettings(args.canaries, args.threat, args.noise_scale, args.confidence, args.clients)
+    settings = from_args(AuditSettings, args)
     report = run_audit(from_args(TrainConfig, args), settings, args.out, args.overwrite, progress=not args.quiet)
     print(f"fedsd audit: {report['method']} ({report['threat']}-box, {report['canaries']} canaries): "
           f"ε lower bound {report['epsilon_lower_bound']:.3f} at {report['confidence']:.0%} confidence, "
@@ -126,8 +119,6 @@ def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bo
     cfg = cfg.resolved()
     seed = derive_seed(cfg.seed, SEED_AUDIT)
     if settings.clients == 1:
-        from fedsd.central import prepare_run
-
         run = prepare_run(cfg)
         cfg, images, device = run.cfg, run.data, run.device
         holders = [data_lib.prepare(images, run.train_indices, device)]
@@ -135,11 +126,8 @@ def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bo
         from fedsd.federation import FedOptions
         from task.federation import build_federation
 
-        fed = FedOptions(num_clients=settings.clients, rounds=cfg.epochs, local_epochs=1)
-        from fedsd.central import resolve_device
-
         device = resolve_device(cfg.device)
-        federation = build_federation(cfg, fed)
+        federation = build_federation(cfg, FedOptions(num_clients=settings.clients, rounds=cfg.epochs, local_epochs=1))
         cfg, images = federation.cfg, federation.images
         holders = [federation.client_data(k, device) for k in range(settings.clients)]
     black = None
@@ -187,7 +175,7 @@ def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bo
     outcome = audit.guess(scores, included, cfg.delta, settings.confidence)
     report = dict(epsilon_accountant=epsilon_accountant, epsilon_lower_bound=outcome.epsilon_lower_bound,
                   confidence=settings.confidence, canaries=settings.canaries, guesses=outcome.guesses,
-                  correct=outcome.correct, k_plus=outcome.k_plus, k_minus=outcome.k_minus,
+                  correct=outcome.correct, k_plus=outcome.guesses // 2, k_minus=outcome.guesses // 2,
                   threat=settings.threat, method=cfg.method, dataset=cfg.dataset, epsilon_target=cfg.epsilon,
                   delta=cfg.delta, noise_scale=settings.noise_scale, clients=settings.clients,
                   audited_client=0 if settings.clients > 1 else None, test_accuracy=accuracy,
@@ -241,11 +229,7 @@ def ceiling(m: int, epsilon: float, delta: float, confidence: float = 0.95) -> f
     the gap between it and ε is the method's (Steinke et al. 2023, Fig. 1)."""
     p = 1 / (1 + np.exp(-epsilon))
     beta = (1 - confidence) / len(audit.GUESS_FRACTIONS)
-    best = 0.0
-    for fraction in audit.GUESS_FRACTIONS:
-        r = 2 * min(max(1, int(round(fraction * m / 2))), m // 2)
-        best = max(best, audit.epsilon_lower_bound(m, r, int(round(r * p)), delta, beta))
-    return best
+    return max(audit.epsilon_lower_bound(m, 2 * k, int(round(2 * k * p)), delta, beta) for k in audit.guess_counts(m))
 
 
 def write_audit_table(run_dirs: list[Path], out: Path) -> None:
@@ -256,6 +240,7 @@ def write_audit_table(run_dirs: list[Path], out: Path) -> None:
     for r in sorted(rows, key=lambda r: (r["dataset"], r["method"], r["epsilon_target"], r["canaries"])):
         lines.append(f"| {r['dataset']} | {r['method']} | {r['threat']} | {r['canaries']} | "
                      f"{r['epsilon_accountant']:.3f} | {r['epsilon_lower_bound']:.3f} | "
-                     f"{r['correct']}/{r['guesses']} | {ceiling(r['canaries'], r['epsilon_accountant'], r['delta']):.3f} | "
+                     f"{r['correct']}/{r['guesses']} | "
+                     f"{ceiling(r['canaries'], r['epsilon_accountant'], r['delta']):.3f} | "
                      f"{r['epsilon_lower_bound'] / r['epsilon_accountant']:.2f} |")
     out.write_text("\n".join(lines) + "\n")
