@@ -8,7 +8,8 @@ count) lives in context.state and, under the server's experiment id, on the clie
 so a client never restarts its accounting. With `max-epsilon` in its node config, the owner's
 lifetime ledger (a Rényi privacy filter per data set) admits each run and charges each round
 before it runs, whatever the server asks. A client that may not train replies with metrics
-only: skipped = 1, and refused = 1 with its reason when the owner's limits said no.
+only: skipped = 1, and refused = 1 with its reason when the owner's limits said no, or
+diverged = 1 with the reason when its loss exploded (the server then stops the run).
 """
 from __future__ import annotations
 
@@ -30,28 +31,37 @@ from fedsd.client_data import DataError, load_holder_data, normalised, task_for
 from fedsd.config import ConfigError, TrainConfig, validate
 from fedsd.federation import FedOptions, client_config, from_flat, round_epochs
 from fedsd.results import write_json
-from fedsd.training import BudgetExhausted, DPTrainer, Model, load_train_state, released, save_train_state
+from fedsd.training import (BudgetExhausted, DPTrainer, Model, TrainingDiverged, load_train_state, released,
+                            save_train_state)
 
 from task.federation import Federation, build_federation
 from task.records import load_state, model_to_record, record_to_model, save_state
 
 
+# Per worker process: the federation's data side and one DPTrainer, for the latest run only
+# (a Ray worker serves one run at a time). The trainer is re-pointed at each client it serves
+# (DPTrainer.bind): its structure and Opacus wrappers are the same for every client, and what a
+# client carries between rounds is in its context.state. So a worker's memory does not grow
+# with the number of clients it has served, a thousand or more.
 _FEDERATIONS: dict[tuple, Federation] = {}
 _TRAINERS: dict[tuple, DPTrainer] = {}
 
 
 def trainer_for(flat: dict, partition_id: int) -> tuple[Federation, DPTrainer]:
-    """The client's DPTrainer, cached per worker process: data tensors, model structure,
-    Opacus wrappers and the calibrated σ do not change between rounds."""
+    """This worker's trainer, bound to client `partition_id`'s shard and privacy plan."""
     key = tuple(sorted(flat.items()))
-    if (key, partition_id) not in _TRAINERS:
-        if key not in _FEDERATIONS:
-            _FEDERATIONS[key] = build_federation(*from_flat(flat))
-        federation = _FEDERATIONS[key]
-        device = resolve_device(federation.cfg.device)
-        _TRAINERS[(key, partition_id)] = DPTrainer(federation.cfg, federation.client_data(partition_id, device),
-                                                  federation.client_plan(partition_id), client=partition_id)
-    return _FEDERATIONS[key], _TRAINERS[(key, partition_id)]
+    if key not in _FEDERATIONS:
+        _FEDERATIONS.clear()
+        _TRAINERS.clear()
+        _FEDERATIONS[key] = build_federation(*from_flat(flat))
+    federation = _FEDERATIONS[key]
+    device = resolve_device(federation.cfg.device)
+    data, plan = federation.client_data(partition_id, device), federation.client_plan(partition_id)
+    if key not in _TRAINERS:
+        _TRAINERS[key] = DPTrainer(federation.cfg, data, plan, client=partition_id)
+    elif _TRAINERS[key].client != partition_id:
+        _TRAINERS[key].bind(data, plan, client=partition_id)
+    return federation, _TRAINERS[key]
 
 
 app = ClientApp()
@@ -90,23 +100,12 @@ def own_trainer(flat: dict, node_config, partition_id: int) -> tuple[TrainConfig
         validate(cfg, n)
         tensors = data_lib.TensorData(normalised(held.x_train, task), held.y_train, normalised(held.x_test, task),
                                       held.y_test, len(task.classes)).to(resolve_device(cfg.device))
-        plan = stored_plan(node_config, cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant)
+        # Cached on this client's disk: a deployed ClientApp is a fresh process for every message.
+        plan = privacy.plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant,
+                            cache_dir=str(state_root(node_config) / "calibrations"))
         _TRAINERS.clear()  # one data set a process: a fresh ClientApp process, or one Ray worker's client
         _TRAINERS[key] = DPTrainer(cfg, tensors, plan, client=partition_id)
     return cfg, fed, _TRAINERS[key], held.fingerprint
-
-
-def stored_plan(node_config, *args) -> privacy.PrivacyPlan:
-    """privacy.plan(*args), kept on the client's disk: calibrating σ is about a second of
-    search, and a deployed ClientApp is a fresh process for every message (lru_cache forgets)."""
-    path = state_root(node_config) / "plans.json"
-    key = json.dumps(args)
-    plans = json.loads(path.read_text()) if path.is_file() else {}
-    if key not in plans:
-        plans[key] = privacy.plan(*args).to_dict()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, plans)
-    return privacy.PrivacyPlan(**plans[key])
 
 
 def shard_fingerprint(federation: Federation, partition_id: int) -> str:
@@ -216,7 +215,12 @@ def train(msg: Message, context: Context) -> Message:
         if refused:
             reply["refusal"] = ConfigRecord({"reason": str(e)})
         return Message(reply, reply_to=msg)
-    model, state, metrics = trainer.local_update(model, state, epochs, teacher=teacher, proximal_mu=proximal_mu)
+    try:
+        model, state, metrics = trainer.local_update(model, state, epochs, teacher=teacher, proximal_mu=proximal_mu)
+    except TrainingDiverged as e:  # nothing of the round is released; the server stops the run with the reason
+        spent = 0.0 if state is None else privacy.Ledger(plan.accountant, state.history).epsilon(plan.delta)
+        return Message(RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "diverged": 1, "epsilon": spent}),
+                                   "divergence": ConfigRecord({"reason": str(e)})}), reply_to=msg)
     save_state(context.state, state, trainer.plan)
     if state_file is not None:  # before replying: the spent budget is on disk before anyone can use it
         state_file.parent.mkdir(parents=True, exist_ok=True)

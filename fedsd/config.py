@@ -42,6 +42,11 @@ PAPER = {
 # provisional until their sweeps (results/README.md).
 OPEN_DEFAULTS = {"dpkd": dict(tau=5.0, alpha=0.3), "ema_decay": 0.999, "kd_teacher_fraction": 0.5,
                  "momentum": {"mnist": 0.9, "fmnist": 0.9, "cifar10": 0.0}}
+# The papers give one learning rate, for their batch size. At another B the default lr is
+# lr_paper · (B / B_paper)^LR_BATCH_EXPONENT, the exponent chosen on a validation split
+# (results/sweeps/fmnist-dp3sd-batch-lr; results/README.md): the papers' lr of 3 at B = 16
+# diverges within an epoch.
+LR_BATCH_EXPONENT = 1.0
 
 
 class ConfigError(ValueError):
@@ -78,7 +83,8 @@ class TrainConfig:
                                  default_text=_paper_text("epochs"))
     batch_size: int | None = setting(None, "expected batch size B (Poisson sampling at q = B/n)",
                                      default_text=_paper_text("batch_size"))
-    lr: float | None = setting(None, "learning rate", default_text=_paper_text("lr"))
+    lr: float | None = setting(None, "learning rate", default_text=_paper_text("lr") + " at the papers' batch "
+                               f"size; at another B, scaled by (B / B_paper)^{LR_BATCH_EXPONENT:g} (chosen on validation)")
     clip: float | None = setting(None, "per-sample clipping norm C", default_text=_paper_text("clip"))
     momentum: float | None = setting(None, "SGD momentum",
                                      default_text="chosen on validation: MNIST 0.9, FMNIST 0.9, CIFAR-10 0")
@@ -127,11 +133,13 @@ class TrainConfig:
         if c.model is None and c.dataset == CUSTOM:
             c.model = "mnist-cnn" if (c.channels, c.image_size) == (1, 28) else "cifar-cnn"
         # A custom task takes the papers' settings of the data set its model was made for.
-        reference = c.dataset if c.dataset != CUSTOM else ("fmnist" if c.model == "mnist-cnn" else "cifar10")
+        reference = c.reference_dataset
         paper = PAPER[reference]
-        for key in ("epochs", "batch_size", "lr", "clip"):
+        for key in ("epochs", "batch_size", "clip"):
             if getattr(c, key) is None:
                 setattr(c, key, paper[key])
+        if c.lr is None:
+            c.lr = paper["lr"] * (c.batch_size / paper["batch_size"]) ** LR_BATCH_EXPONENT
         per_method = dict(paper.get(c.method, {}))
         if c.method == "dpkd":
             per_method = dict(OPEN_DEFAULTS["dpkd"])
@@ -149,6 +157,14 @@ class TrainConfig:
         return c
 
     @property
+    def reference_dataset(self) -> str:
+        """The data set whose papers' settings this run takes (a custom task: the one its
+        model was made for)."""
+        if self.dataset != CUSTOM:
+            return self.dataset
+        return "fmnist" if (self.model or "mnist-cnn") == "mnist-cnn" else "cifar10"
+
+    @property
     def channels_last(self) -> bool:
         """Whether this run lays its images and activations out channels-last (see MEMORY_FORMATS)."""
         if self.memory_format == "auto":
@@ -157,6 +173,12 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def paper_batch_and_lr(cfg: TrainConfig) -> tuple[int, float]:
+    """The papers' (B, lr) for the data set this run takes its settings from."""
+    paper = PAPER[cfg.reference_dataset]
+    return paper["batch_size"], paper["lr"]
 
 
 def _check_choice(option: str, value, allowed) -> None:

@@ -11,7 +11,7 @@ from . import settings
 from .config import ConfigError, TrainConfig, check_setting
 from .settings import setting
 
-PARTITIONS = ("iid", "dirichlet", "pathological")
+PARTITIONS = ("iid", "dirichlet", "inner-dirichlet", "pathological")
 CLIENT_DATA = ("partition", "own")
 STRATEGIES = ("fedavg", "fedadam", "fedprox")
 TEACHER_MODES = ("round-start", "local-previous")
@@ -29,8 +29,12 @@ class FedOptions:
                                "(--node-config data=...), which the server never sees", choices=CLIENT_DATA)
     local_epochs: int = setting(1, "local epochs a client trains each round")
     fraction_train: float = setting(1.0, "fraction of the clients sampled each round")
-    partition: str = setting("iid", "how the training set is split across clients", choices=PARTITIONS)
-    dirichlet_alpha: float = setting(0.5, "dirichlet partition: concentration α (smaller: more skewed)")
+    partition: str = setting("iid", "how the training set is split across clients (flwr-datasets' partitioners): "
+                             "dirichlet = each class spread over the clients by Dirichlet(α), shard sizes vary; "
+                             "inner-dirichlet = equal shard sizes, each client's labels drawn from Dirichlet(α), "
+                             "which scales to thousands of clients", choices=PARTITIONS)
+    dirichlet_alpha: float = setting(0.5, "dirichlet and inner-dirichlet partitions: concentration α (smaller: "
+                                     "more skewed)")
     classes_per_client: int = setting(2, "pathological partition: classes per client")
     teacher: str = setting("round-start", "self-distillation teacher: the round's global model, or the "
                            "client's own model from its previous round", choices=TEACHER_MODES)

@@ -7,11 +7,18 @@ is always read from it.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 from . import _opacus  # noqa: F401  (first: Opacus without its root-logger handler)
+import opacus
 from opacus.accountants import create_accountant
+from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 from opacus.accountants.utils import get_noise_multiplier
 
 EPSILON_TOLERANCE = 0.01
@@ -51,13 +58,49 @@ class PrivacyPlan:
                     accountant=self.accountant)
 
 
-@functools.lru_cache(maxsize=1024)
+def calibration_cache_dir() -> Path:
+    """Where calibrated σ are kept across processes and runs: FEDSD_CACHE_DIR, else
+    ~/.cache/fedsd (XDG_CACHE_HOME respected), folder calibrations/."""
+    root = os.environ.get("FEDSD_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fedsd"
+    return Path(root) / "calibrations"
+
+
+@functools.lru_cache(maxsize=4096)
 def plan(epsilon: float, delta: float, num_samples: int, batch_size: int, epochs: int,
-         accountant: str = "rdp") -> PrivacyPlan:
+         accountant: str = "rdp", cache_dir: str | None = None) -> PrivacyPlan:
     """Calibrate σ so that `epochs` epochs of Poisson-sampled DP-SGD spend at most (ε, δ).
 
-    A pure function of its arguments, and its binary search costs seconds, so it is cached:
-    the clients of a federation with equal shards share one search (the plan is frozen)."""
+    A pure function of its arguments whose binary search costs 0.3–1.5 s (Opacus' RDP at a
+    large sample rate is slow), so it is cached in memory and on disk (`cache_dir`, default
+    calibration_cache_dir()): clients with the same (n, B, ε, steps) share one search, and a
+    Ray worker or a fresh ClientApp process finds the σ its server already calibrated. The
+    file is keyed by the arguments, the Opacus version and the RDP orders; what it holds is a
+    function of public settings, never of data."""
+    args = (epsilon, delta, num_samples, batch_size, epochs, accountant)
+    path = _calibration_file(Path(cache_dir) if cache_dir else calibration_cache_dir(), args)
+    if path.is_file():
+        try:
+            return PrivacyPlan(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            pass  # an unreadable entry is calibrated again and rewritten
+    calibrated = _calibrate(*args)
+    from .results import write_json  # atomic: a concurrent reader sees the old file or the new one
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, calibrated.to_dict())
+    except OSError:
+        pass  # a read-only home: the search stays cached in this process only
+    return calibrated
+
+
+def _calibration_file(cache_dir: Path, args: tuple) -> Path:
+    key = json.dumps([opacus.__version__, EPSILON_TOLERANCE, RDP_ORDERS, *args])
+    return cache_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def _calibrate(epsilon: float, delta: float, num_samples: int, batch_size: int, epochs: int,
+               accountant: str) -> PrivacyPlan:
     q = batch_size / num_samples
     steps = epochs * steps_per_epoch(num_samples, batch_size)
     try:
@@ -68,6 +111,16 @@ def plan(epsilon: float, delta: float, num_samples: int, batch_size: int, epochs
         raise BudgetError(f"--epsilon: no noise level fits ε={epsilon}, δ={delta} for {steps} steps at "
                           f"sample rate {q:.4g} ({e}); raise --epsilon or lower --epochs") from e
     return PrivacyPlan(float(sigma), q, steps, epsilon, delta, accountant)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rdp_of_one_step(sample_rate: float, noise_multiplier: float) -> np.ndarray:
+    """Opacus' RDP of one subsampled Gaussian step at RDP_ORDERS. RDP composes by adding, so
+    k steps are k times this; cached because a client's round asks for it twice with the same
+    (q, σ), and at a large q (a small shard) it costs ~0.1 s."""
+    rdp = compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=RDP_ORDERS)
+    rdp.flags.writeable = False
+    return rdp
 
 
 class Ledger:
@@ -93,7 +146,12 @@ class Ledger:
     def epsilon(self, delta: float) -> float:
         if not self._accountant.history:
             return 0.0
-        return float(self._accountant.get_epsilon(delta=delta, **_orders(self.kind)))
+        if self.kind != "rdp":
+            return float(self._accountant.get_epsilon(delta=delta, **_orders(self.kind)))
+        # Opacus' RDPAccountant.get_epsilon, with each (q, σ)'s per-step RDP computed once
+        rdp = sum(_rdp_of_one_step(q, sigma) * steps for sigma, q, steps in self._accountant.history)
+        eps, _ = get_privacy_spent(orders=RDP_ORDERS, rdp=rdp, delta=delta)
+        return float(eps)
 
     def epsilon_after(self, steps: int, noise_multiplier: float, sample_rate: float, delta: float) -> float:
         """ε spent if `steps` more steps were taken (asks a scratch copy; this ledger is unchanged)."""

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import time
+from collections import deque
 import warnings
 from dataclasses import dataclass, field
 
@@ -36,6 +38,18 @@ Model = dict[str, Weights]  # "student", and "ema" (dpema) / "kd_teacher" (dpkd 
 
 class BudgetExhausted(RuntimeError):
     """The next update would spend more than the planned (ε, δ); nothing was trained."""
+
+
+class TrainingDiverged(ValueError):
+    """The loss became non-finite or exploded: the run stops at once, naming the likely
+    setting, instead of training on to chance accuracy. Nothing of it is released."""
+
+
+# A run has diverged when a step's loss is not finite, or the mean over the last
+# DIVERGENCE_WINDOW steps exceeds DIVERGENCE_FACTOR × ln(classes) (chance level is ln(classes),
+# ~2.3 for ten; the papers' runs stay below 3 at every step size they use, a diverging
+# lr reaches hundreds within an epoch). The window keeps one unlucky tiny batch from stopping a run.
+DIVERGENCE_WINDOW, DIVERGENCE_FACTOR = 10, 10.0
 
 
 def derive_seed(seed: int, *purpose: int) -> int:
@@ -137,6 +151,17 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_siz
     return correct / len(x), loss_sum / len(x)
 
 
+def divergence_message(cfg: TrainConfig, epoch: int, loss: float, mean: float, limit: float) -> str:
+    from .config import paper_batch_and_lr
+
+    what = f"the loss is {loss:.4g}" if not math.isfinite(loss) else \
+        f"the mean loss of the last steps is {mean:.4g}, above {limit:.3g}"
+    paper_b, paper_lr = paper_batch_and_lr(cfg)
+    return (f"training diverged in epoch {epoch}: {what}. The likely cause is --lr {cfg.lr:g} at "
+            f"--batch-size {cfg.batch_size} (the papers use lr {paper_lr:g} at B = {paper_b}); lower --lr, "
+            f"or leave it unset for the default, which scales with B")
+
+
 class DPTrainer:
     """Opacus DP-SGD on one data set (a central training set or one client's shard).
 
@@ -146,13 +171,9 @@ class DPTrainer:
 
     def __init__(self, cfg: TrainConfig, data: TensorData, plan: PrivacyPlan, client: int = 0):
         check_layout(cfg)
+        self.cfg = cfg
         self.memory_format = torch_memory_format(cfg)
         self.device = data.x_train.device
-        # The data, the student and the teacher share one layout, so no step converts any of them.
-        self.data = data.to(self.device, self.memory_format)
-        self.cfg, self.plan, self.client = cfg, plan, client
-        self.num_train = len(data.y_train)
-        self.steps_per_epoch = steps_per_epoch(self.num_train, cfg.batch_size)
         self.model = check_private_trainable(build_model(cfg.model, data.num_classes))
         self.model = self.model.to(self.device, memory_format=self.memory_format)
         self.teacher = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -181,6 +202,20 @@ class DPTrainer:
             self.grad_sample_model = prepare_module(self.model, cfg.grad_sample_mode, batch_first=True,
                                                     loss_reduction="mean")
             self.optimizer = DPOptimizer(sgd, **dp)
+        self.bind(data, plan, client)
+
+    def bind(self, data: TensorData, plan: PrivacyPlan, client: int = 0) -> "DPTrainer":
+        """Train on another data holder's data under its plan from now on: a Ray worker serves
+        many simulated clients in turn with one trainer. The model structure, the Opacus
+        wrappers and the optimizer are shared (the batch size B, which Opacus averages by, is
+        the run's); all a client carries from round to round is in its TrainState."""
+        # The data, the student and the teacher share one layout, so no step converts any of them.
+        self.data = data.to(self.device, self.memory_format)
+        self.plan, self.client = plan, client
+        self.num_train = len(data.y_train)
+        self.steps_per_epoch = steps_per_epoch(self.num_train, self.cfg.batch_size)
+        self.optimizer.noise_multiplier = plan.noise_multiplier
+        return self
 
     # -- one call: some epochs from a given global model -------------------------------------
     def local_update(self, model: Model, state: TrainState | None, epochs: list[int],
@@ -215,10 +250,13 @@ class DPTrainer:
         ema = {k: v.detach().clone().to(self.device) for k, v in model["ema"].items()} if "ema" in model else None
 
         started, loss_sum, steps_run = time.perf_counter(), 0.0, 0
+        recent = deque(maxlen=DIVERGENCE_WINDOW)
         for epoch in epochs:
             loss_fn, uses_teacher = self._loss_for_epoch(epoch, model)
             for _ in range(self.steps_per_epoch):
-                loss_sum += self._step(loss_fn, uses_teacher)
+                recent.append(self._step(loss_fn, uses_teacher))
+                self._check_divergence(recent, epoch)
+                loss_sum += recent[-1]
                 ledger.step(self.plan.noise_multiplier, self.plan.sample_rate)
                 if ema is not None:
                     self._update_ema(ema, state.steps)
@@ -256,6 +294,13 @@ class DPTrainer:
         if after > self.plan.epsilon * (1 + 1e-9):
             raise BudgetExhausted(f"{steps_to_run} more steps would spend ε={after:.3f} > budget "
                                   f"{self.plan.epsilon} (spent so far {ledger.epsilon(self.plan.delta):.3f})")
+
+    def _check_divergence(self, recent: deque, epoch: int) -> None:
+        limit = DIVERGENCE_FACTOR * math.log(self.data.num_classes)
+        mean = sum(recent) / len(recent)
+        if math.isfinite(recent[-1]) and mean <= limit:
+            return
+        raise TrainingDiverged(divergence_message(self.cfg, epoch, recent[-1], mean, limit))
 
     # -- pieces ---------------------------------------------------------------------------
     def _loss_for_epoch(self, epoch: int, model: Model):

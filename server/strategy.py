@@ -15,6 +15,7 @@ from flwr.serverapp.strategy import (DifferentialPrivacyServerSideFixedClipping,
                                      Strategy)
 
 from fedsd.federation import FedOptions
+from fedsd.training import TrainingDiverged
 
 
 def base_strategy(fed: FedOptions, federated_evaluation: bool = False) -> Strategy:
@@ -149,7 +150,7 @@ class RecordingStrategy(Strategy):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         server_round += self.round_offset
-        trained, reports, missed, answered = [], {}, [], set()
+        trained, reports, missed, answered, failed = [], {}, [], set(), []
         sent = {m.metadata.message_id: m.metadata.dst_node_id for m in self._sent}
         for reply in replies:
             # An error reply made by the SuperLink (node gone) names the node only by the message it answers.
@@ -158,6 +159,8 @@ class RecordingStrategy(Strategy):
             if reply.has_error():
                 log(WARNING, "round %d: node %d failed: %s", server_round, node, reply.error.reason)
                 missed.append(dict(client=self.node_partition.get(node), node_id=node, reason=reply.error.reason))
+                if CLIENT_CODE_FAILED in reply.error.reason:
+                    failed.append(reply.error.reason)
                 continue
             metrics = next(iter(reply.content.metric_records.values()))
             pid = int(metrics["partition-id"])
@@ -170,6 +173,10 @@ class RecordingStrategy(Strategy):
                 reports[pid]["refused"] = reason
                 log(WARNING, "round %d: client %d refused: %s", server_round, pid, reason)
                 continue
+            if int(metrics.get("diverged", 0)):  # training on at chance level helps nobody: stop, saying why
+                reason = str(reply.content.config_records["divergence"]["reason"]) \
+                    if "divergence" in reply.content.config_records else "no reason given"
+                raise TrainingDiverged(f"round {server_round}, client {pid}: {reason}; the run stopped")
             if int(metrics.get("skipped", 0)):
                 log(WARNING, "round %d: client %d skipped: its privacy budget is spent (ε = %.3f)",
                     server_round, pid, float(metrics["epsilon"]))
@@ -194,6 +201,10 @@ class RecordingStrategy(Strategy):
             for pid in range(self.num_clients):
                 if pid not in seen:
                     missed.append(dict(client=pid, node_id=known.get(pid), reason="not connected"))
+        if failed and len(failed) == len(sent):
+            # Every client's own code raised (bad data, a setting the clients refuse): no later
+            # round can do better, and going on would end at the initial model's accuracy.
+            raise ClientsFailed(f"round {server_round}: every client failed; the first said: {_last_line(failed[0])}")
         self.round_clients[server_round] = reports
         self.missed[server_round] = missed
         result = self.inner.aggregate_train(server_round, trained) if trained else (None, None)
@@ -219,6 +230,20 @@ class RecordingStrategy(Strategy):
                 test_accuracy=aggregated.get("test-accuracy"), test_loss=aggregated.get("test-loss"),
                 num_examples=int(aggregated["num-examples"]), clients=per_client)
         return aggregated
+
+
+# Flower's error reason for an exception raised by the ClientApp's own code, not a lost node.
+CLIENT_CODE_FAILED = "ClientAppException"
+
+
+class ClientsFailed(ValueError):
+    """Every client of a round failed in its own code: the run stops with the first reason."""
+
+
+def _last_line(reason: str) -> str:
+    """The client's own message from Flower's error text (it ends "Message: <the exception>")."""
+    text = reason.strip().rstrip("'>").strip()
+    return text.split("Message: ", 1)[-1].strip()
 
 
 def inner_strategies(strategy):

@@ -14,6 +14,7 @@ import statistics
 import sys
 
 from fedsd.config import GRAD_SAMPLE_MODES
+from fedsd.federation import PARTITIONS
 from simulations import dry_run
 
 
@@ -24,11 +25,18 @@ def add_bench_parser(sub) -> None:
     fed.add_argument("--dataset", default="fmnist")
     fed.add_argument("--method", default="dp3sd")
     fed.add_argument("--clients", type=int, default=10)
+    fed.add_argument("--fraction-train", type=float, default=1.0, help="the cohort: clients sampled each round")
+    fed.add_argument("--partition", default="iid", choices=PARTITIONS)
+    fed.add_argument("--dirichlet-alpha", type=float, default=0.5)
     fed.add_argument("--rounds", type=int, default=4, help="the first round (warm-up) is not counted")
-    fed.add_argument("--batch-size", type=int, default=256)
+    fed.add_argument("--batch-size", type=int, default=256, help="per client")
     fed.add_argument("--subset", type=int, default=None)
     fed.add_argument("--epsilon", type=float, default=3.0)
-    fed.add_argument("--ray-workers", type=int, default=2, help="Ray CPUs, one client at a time on each")
+    fed.add_argument("--ray-workers", type=int, default=2, help="Ray CPUs")
+    fed.add_argument("--client-cpus", type=float, default=1.0,
+                     help="CPUs a client takes: 0.5 runs two clients on each CPU, overlapping one's message "
+                          "passing with the other's training")
+    fed.add_argument("--ray-address", default=None, help="a running Ray cluster (as fedsd simulate)")
     fed.add_argument("--json", action="store_true")
     fed.set_defaults(func=bench_federated)
     step = what.add_parser("step", help="every DP mode vs the eager NCHW and the fastest non-private step")
@@ -54,6 +62,9 @@ def add_bench_parser(sub) -> None:
 
 
 def bench_federated(args: argparse.Namespace) -> int:
+    """A federation's steady-state round against a central epoch over as many samples as the
+    round's cohort holds, with the same DP training (B, ε, method), timed in one run; and the
+    peak resident memory of each Ray worker, sampled from /proc while the federation runs."""
     from fedsd.central import train
     from fedsd.config import TrainConfig
     from fedsd.federation import FedOptions
@@ -61,22 +72,73 @@ def bench_federated(args: argparse.Namespace) -> int:
 
     cfg = TrainConfig(dataset=args.dataset, method=args.method, epsilon=args.epsilon, batch_size=args.batch_size,
                       subset=args.subset, distill_warmup_epochs=0)  # every epoch pays for the teacher
-    fed_result = simulate(cfg, FedOptions(num_clients=args.clients, rounds=args.rounds, client_cpus=1.0),
-                          progress=False, ray_cpus=args.ray_workers)
-    central, _ = train(TrainConfig(**{**cfg.__dict__, "epochs": args.rounds}), progress=False)
+    fed = FedOptions(num_clients=args.clients, rounds=args.rounds, client_cpus=args.client_cpus,
+                     fraction_train=args.fraction_train,
+                     partition=args.partition, dirichlet_alpha=args.dirichlet_alpha)
+    with WorkerMemory() as memory:
+        fed_result = simulate(cfg, fed, progress=False, ray_cpus=args.ray_workers, ray_address=args.ray_address)
+    shards = fed_result["shard_sizes"]
+    # The same samples: a central epoch over as many samples as a round's cohort trained on.
+    cohorts = [sum(shards[int(k)] for k in r["trained"]) for r in fed_result["rounds"][1:]]
+    cohort_samples = round(statistics.mean(cohorts))
+    central, _ = train(TrainConfig(**{**cfg.__dict__, "epochs": args.rounds, "subset": cohort_samples}), progress=False)
     # Steady state: leave out the first round / epoch (process start, caches being filled).
     round_seconds = [r["train_seconds"] for r in fed_result["rounds"][1:]]
     epoch_seconds = [e["seconds"] for e in central["epochs"][1:]]
-    report = dict(dataset=args.dataset, method=args.method, clients=args.clients, ray_workers=args.ray_workers,
-                  batch_size=args.batch_size, train_samples=central["num_train"],
+    report = dict(dataset=args.dataset, method=args.method, clients=args.clients, partition=args.partition,
+                  client_cpus=args.client_cpus,
+                  fraction_train=args.fraction_train, cohort_samples=cohort_samples,
+                  ray_workers=args.ray_workers, batch_size=args.batch_size,
                   central_epoch_seconds=statistics.median(epoch_seconds),
                   federated_round_seconds=statistics.median(round_seconds),
                   round_seconds_all=[r["train_seconds"] for r in fed_result["rounds"]],
-                  epoch_seconds_all=[e["seconds"] for e in central["epochs"]])
+                  epoch_seconds_all=[e["seconds"] for e in central["epochs"]],
+                  worker_peak_rss_mb=memory.peak_mb(), test_accuracy=fed_result["test_accuracy"],
+                  client_epsilon_max=max(fed_result["rounds"][-1]["client_epsilon"].values(), default=0.0))
     report["ratio"] = report["federated_round_seconds"] / report["central_epoch_seconds"]
-    return _emit(args, report, f"central epoch: {report['central_epoch_seconds']:.2f} s   "
-                               f"federated round ({args.clients} clients, {args.ray_workers} Ray workers): "
-                               f"{report['federated_round_seconds']:.2f} s   ratio {report['ratio']:.3f}")
+    return _emit(args, report, f"central epoch on {cohort_samples} samples: {report['central_epoch_seconds']:.2f} s   "
+                               f"federated round ({args.clients} clients, cohort {args.fraction_train:g}, "
+                               f"{args.ray_workers} Ray workers): {report['federated_round_seconds']:.2f} s   "
+                               f"ratio {report['ratio']:.3f}   worker peak RSS {report['worker_peak_rss_mb']} MB")
+
+
+class WorkerMemory:
+    """Peak resident memory (VmHWM) of each Ray worker serving clients on this machine, read
+    from /proc every half second while the block runs (Linux)."""
+
+    def __init__(self):
+        import threading
+
+        self.peaks: dict[int, int] = {}  # pid → kB
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        from pathlib import Path
+
+        while not self._stop.wait(0.5):
+            for proc in Path("/proc").iterdir():
+                if not proc.name.isdigit():
+                    continue
+                try:
+                    if not (proc / "cmdline").read_bytes().startswith(b"ray::ClientAppActor"):
+                        continue
+                    status = (proc / "status").read_text()
+                except OSError:  # gone meanwhile
+                    continue
+                kb = next((int(l.split()[1]) for l in status.splitlines() if l.startswith("VmHWM:")), 0)
+                self.peaks[int(proc.name)] = max(self.peaks.get(int(proc.name), 0), kb)
+
+    def peak_mb(self) -> list[int]:
+        return sorted(round(kb / 1024) for kb in self.peaks.values())
 
 
 def _emit(args: argparse.Namespace, report, text: str) -> int:

@@ -75,8 +75,20 @@ def _run_one(config: dict, out: str) -> dict:
     from fedsd.central import train
     from fedsd.config import TrainConfig
 
-    result, _ = train(TrainConfig(**config), out, overwrite=True, progress=False)
+    from fedsd.results import write_json
+    from fedsd.training import TrainingDiverged
+
+    try:
+        result, _ = train(TrainConfig(**config), out, overwrite=True, progress=False)
+    except TrainingDiverged as e:
+        # A sweep's answer too: this setting does not train. Kept, so that it is not run again.
+        Path(out).mkdir(parents=True, exist_ok=True)
+        write_json(Path(out) / DIVERGED, dict(config=TrainConfig(**config).resolved().to_dict(), reason=str(e)))
+        return dict(test_accuracy=float("nan"), diverged=str(e))
     return result
+
+
+DIVERGED = "diverged.json"  # beside where result.json would be, for a run that diverged
 
 
 def run_jobs(todo: list[tuple[dict, str]], total: int, jobs: int, desc: str, quiet: bool = False) -> None:
@@ -97,7 +109,8 @@ def run_jobs(todo: list[tuple[dict, str]], total: int, jobs: int, desc: str, qui
             futures = {pool.submit(_run_one, config, run_out): run_out for config, run_out in todo}
             for future in as_completed(futures):
                 result = future.result()
-                bar.set_postfix_str(f"{Path(futures[future]).name}: {100 * result['test_accuracy']:.2f}%")
+                shown = "diverged" if "diverged" in result else f"{100 * result['test_accuracy']:.2f}%"
+                bar.set_postfix_str(f"{Path(futures[future]).name}: {shown}")
                 bar.update(1)
     bar.close()
 
@@ -115,6 +128,8 @@ def finished_with(run_out: Path, config: dict) -> bool:
     from fedsd.config import TrainConfig
 
     path = run_out / "result.json"
+    if not path.exists():
+        path = run_out / DIVERGED
     if not path.exists():
         return False
     done = json.loads(path.read_text())["config"]

@@ -17,8 +17,38 @@ from simulations import dry_run
 def add_sim_options(p: argparse.ArgumentParser) -> None:
     """Every FedOptions setting as an option (declared once, in fedsd.federation)."""
     add_options(p, FedOptions)
+    p.add_argument("--ray-address", default=None, metavar="auto|HOST:PORT",
+                   help="run on this running Ray cluster (`ray start --head` on one node, `ray start "
+                        "--address=HOST:PORT` on the others) instead of a private Ray instance on this machine; "
+                        "auto: RAY_ADDRESS, else the cluster last started on this machine")
     p.add_argument("--verbose", action="store_true",
                    help="Flower's full log (every message, with timestamps) and the clients' output")
+
+
+def ray_cluster_address(address: str) -> str:
+    """The bootstrap HOST:PORT of the running Ray cluster `address` names (auto or HOST:PORT),
+    checked to answer; ConfigError, before any work, when it does not."""
+    import socket
+
+    from ray._private.services import canonicalize_bootstrap_address
+
+    if "://" in address:
+        raise ConfigError(f"--ray-address: {address!r} is a Ray Client address; run fedsd on a node of the "
+                          f"cluster and give auto or the head's HOST:PORT (default port 6379)")
+    try:
+        resolved = canonicalize_bootstrap_address(address)
+    except Exception as e:  # Ray's own message: a malformed address, a host that does not resolve
+        raise ConfigError(f"--ray-address: {address!r}: {e}; give auto or HOST:PORT") from None
+    if resolved is None:
+        raise ConfigError("--ray-address auto: no running Ray cluster found (RAY_ADDRESS is unset and none was "
+                          "started on this machine); start one with `ray start --head`, or give HOST:PORT")
+    host, _, port = resolved.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ConfigError(f"--ray-address {address}: no Ray cluster answers at {resolved} ({e}); start one with "
+                          f"`ray start --head --port {port}`") from None
+    return resolved
 
 
 # Flower's notices that say nothing to a user of `fedsd simulate`: fedsd calls the engine's
@@ -69,12 +99,17 @@ def sim_options_from_args(args: argparse.Namespace) -> FedOptions:
 
 
 def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, overwrite: bool = False,
-             progress: bool = True, ray_cpus: int | None = None, verbose: bool = False) -> dict:
+             progress: bool = True, ray_cpus: int | None = None, verbose: bool = False,
+             ray_address: str | None = None) -> dict:
     """Run a federation of `fed.num_clients` simulated clients; returns the result dict
     (with "_weights", the released global model) and writes `out` when given.
 
-    Every check (settings, data, shards, privacy budgets) runs before Ray starts. With
-    fed.resume_dir, the settings and folder are those of the checkpointed run."""
+    Every check (settings, data, shards, privacy budgets, the Ray cluster) runs before Ray
+    starts. With fed.resume_dir, the settings and folder are those of the checkpointed run.
+    Without `ray_address` the simulation starts a private Ray instance on this machine
+    (`ray_cpus` CPUs, default all), even when a cluster runs here; with it, the simulation is
+    a job on that running cluster, whose scheduler places each client by --client-cpus and
+    --client-gpus."""
     from clients.app import app as client_app
     from task.federation import build_federation
 
@@ -88,9 +123,10 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
     if fed.client_data == "own":
         raise ConfigError("--client-data: own needs clients that hold data of their own, on their machines; a "
                           "simulation's clients have none. Deploy (scripts/deploy-local.sh --client-data DIR)")
+    if ray_address is not None:
+        ray_address = ray_cluster_address(ray_address)
     federation = build_federation(cfg, fed)
-    for k in range(fed.num_clients):
-        federation.client_plan(k)  # raises BudgetError for a client whose plan cannot fit
+    federation.check_plans()  # raises BudgetError for a client whose plan cannot fit
     dry_run.stop_here(f"simulate {fed.num_clients} clients ({fed.partition}) for {fed.rounds} rounds of {cfg.method}"
                       f" at ε={cfg.epsilon:g} each" + (f" into {out}" if out else ""))
 
@@ -104,18 +140,26 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
 
     @server_app.main()
     def _main(grid, context):
-        holder["result"] = run_server(grid, cfg, fed, out=out, overwrite=overwrite, progress=progress)
+        try:
+            holder["result"] = run_server(grid, cfg, fed, out=out, overwrite=overwrite, progress=progress)
+        except ValueError as e:  # a run stopped for a reason the user can act on (TrainingDiverged)
+            holder["error"] = e
 
     # Ray's notice that a future version stops overriding CUDA_VISIBLE_DEVICES for CPU-only
     # workers: opting in to that behaviour now silences it (fedsd sets devices itself).
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    # A running cluster has its own CPUs and GPUs (Ray refuses num_cpus when attaching); a
+    # private instance is "local" even where a cluster runs on this machine.
+    where = {"address": ray_address} if ray_address else {"address": "local", "num_cpus": ray_cpus or os.cpu_count()}
     backend_config = {"client_resources": {"num_cpus": fed.client_cpus, "num_gpus": fed.client_gpus},
-                      "init_args": {"num_cpus": ray_cpus or os.cpu_count(), "include_dashboard": False,
+                      "init_args": {**where, "include_dashboard": False,
                                     "logging_level": logging.ERROR, "log_to_driver": verbose}}
     with warnings.catch_warnings(), flower_log(verbose):
         warnings.simplefilter("ignore", DeprecationWarning)  # run_simulation: the Python API of the engine
         run_simulation(server_app=server_app, client_app=client_app, num_supernodes=fed.num_clients,
                        backend_config=backend_config, verbose_logging=verbose)
+    if "error" in holder:
+        raise holder["error"]
     if "result" not in holder:
         raise RuntimeError("the simulation ended without a result; see the log above")
     return holder["result"]

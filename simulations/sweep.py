@@ -22,7 +22,7 @@ from pathlib import Path
 from fedsd.config import METHODS, ConfigError, TrainConfig
 from fedsd.data import DATASETS
 
-from .reproduce import finished_with, run_jobs, threads_per_job
+from .reproduce import DIVERGED, finished_with, run_jobs, threads_per_job
 
 SWEEPABLE = {f.name: f for f in fields(TrainConfig)
              if f.name in ("ema_decay", "tau", "tau_s", "tau_t", "alpha", "beta", "kd_teacher_epochs", "epochs",
@@ -102,13 +102,19 @@ def write_sweep(out: Path, args: argparse.Namespace, grid: dict, combos: list[di
 
     rows = []
     for combo in combos:
-        results = [json.loads((out / "runs" / f"{slug(combo)}-seed{s}" / "result.json").read_text())
-                   for s in range(args.seeds)]
+        runs = [out / "runs" / f"{slug(combo)}-seed{s}" for s in range(args.seeds)]
+        if any((run / DIVERGED).exists() for run in runs):  # a setting that does not train is not a choice
+            rows.append(dict(settings=combo, diverged=True, validation_mean=None))
+            continue
+        results = [json.loads((run / "result.json").read_text()) for run in runs]
         val = [100 * r["validation_accuracy"] for r in results]
         rows.append(dict(settings=combo, validation_accuracy=val, validation_mean=statistics.mean(val),
                          test_accuracy=[100 * r["test_accuracy"] for r in results],
                          noise_multiplier=results[0]["noise_multiplier"], epochs=results[0]["config"]["epochs"]))
-    best = max(rows, key=lambda r: r["validation_mean"])
+    trained = [r for r in rows if not r.get("diverged")]
+    if not trained:
+        raise ConfigError(f"every run of the sweep diverged ({out / 'runs'}/*/{DIVERGED}); try smaller --grid lr values")
+    best = max(trained, key=lambda r: r["validation_mean"])
     summary = dict(dataset=args.dataset, method=args.method, epsilon=args.epsilon, validation=args.validation,
                    subset=args.subset, seeds=args.seeds, grid=grid, runs=rows,
                    choice=dict(settings=best["settings"], validation_accuracy=best["validation_mean"]),
@@ -120,9 +126,10 @@ def write_sweep(out: Path, args: argparse.Namespace, grid: dict, combos: list[di
              "", "Chosen by validation accuracy only; test accuracy shown for the record.", "",
              "| " + " | ".join(k.replace("_", "-") for k in keys) + " | validation (%) | test (%) | |",
              "|" + "---|" * (len(keys) + 3)]
-    for r in sorted(rows, key=lambda r: -r["validation_mean"]):
+    for r in sorted(rows, key=lambda r: -(r["validation_mean"] if r in trained else -1.0)):
         mark = "**chosen**" if r is best else ""
-        lines.append("| " + " | ".join(f"{r['settings'][k]:g}" for k in keys)
-                     + f" | {r['validation_mean']:.2f} | {statistics.mean(r['test_accuracy']):.2f} | {mark} |")
+        scores = "diverged | - " if r.get("diverged") else \
+            f"{r['validation_mean']:.2f} | {statistics.mean(r['test_accuracy']):.2f}"
+        lines.append("| " + " | ".join(f"{r['settings'][k]:g}" for k in keys) + f" | {scores} | {mark} |")
     (out / "sweep.md").write_text("\n".join(lines) + "\n")
     return summary

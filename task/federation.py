@@ -4,6 +4,7 @@ built-in data set and each client's privacy plan. Clients that hold their own da
 (client-data=own) do not use it."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,16 @@ class Federation:
         return [len(s) for s in self.shards]
 
     def client_data(self, partition_id: int, device) -> data_lib.TensorData:
-        return data_lib.prepare(self.images, self.train_indices[self.shards[partition_id]], device)
+        """Client `partition_id`'s shard, normalised, with the (shared) normalised test split."""
+        shard = self.train_indices[self.shards[partition_id]]
+        x_test, y_test = self.normalised_test
+        return data_lib.TensorData(self.images.normalised(self.images.x_train[shard]), self.images.y_train[shard].clone(),
+                                   x_test, y_test, self.images.num_classes).to(device)
+
+    @functools.cached_property
+    def normalised_test(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised once per process: a worker serving a thousand clients reuses it."""
+        return self.images.normalised(self.images.x_test), self.images.y_test.clone()
 
     def client_test_share(self, partition_id: int) -> torch.Tensor:
         """A simulated client's own test split, for federated evaluation: an IID share of the
@@ -41,6 +51,14 @@ class Federation:
     def client_plan(self, partition_id: int) -> privacy.PrivacyPlan:
         c = self.cfg
         return privacy.plan(c.epsilon, c.delta, len(self.shards[partition_id]), c.batch_size, c.epochs, c.accountant)
+
+    def check_plans(self) -> None:
+        """Every client's σ calibrated (BudgetError for one whose plan cannot fit), one search per
+        distinct shard size: clients of equal size share it (privacy.plan's caches), and the
+        Ray workers later find it on disk instead of searching again."""
+        first_of_size = {len(shard): k for k, shard in enumerate(self.shards)}
+        for k in first_of_size.values():
+            self.client_plan(k)
 
 
 def build_federation(cfg: TrainConfig, fed: FedOptions) -> Federation:

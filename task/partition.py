@@ -11,16 +11,22 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from fedsd.config import ConfigError
 from fedsd.federation import FedOptions
 
 
-def _partitioner(fed: FedOptions, seed: int):
+def _partitioner(fed: FedOptions, seed: int, num_samples: int):
     # Imported here: Hugging Face datasets takes over a second to import, and a deployed client
     # with its own data, a fresh process for every message, never partitions anything.
-    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
+    from flwr_datasets.partitioner import (DirichletPartitioner, IidPartitioner, InnerDirichletPartitioner,
+                                           PathologicalPartitioner)
 
     if fed.partition == "iid":
         return IidPartitioner(num_partitions=fed.num_clients)
+    if fed.partition == "inner-dirichlet":
+        size, extra = divmod(num_samples, fed.num_clients)
+        return InnerDirichletPartitioner(partition_sizes=[size + (k < extra) for k in range(fed.num_clients)],
+                                         partition_by="label", alpha=fed.dirichlet_alpha, shuffle=True, seed=seed)
     if fed.partition == "dirichlet":
         return DirichletPartitioner(num_partitions=fed.num_clients, partition_by="label",
                                     alpha=fed.dirichlet_alpha,
@@ -41,10 +47,15 @@ def _all_shards(labels_key: bytes, num_clients: int, partition: str, alpha: floa
     table = Dataset.from_dict({"index": np.arange(len(labels)), "label": labels})
     if partition == "iid":  # IidPartitioner cuts contiguous shards: shuffle first, as FederatedDataset does
         table = table.shuffle(seed=seed)
-    partitioner = _partitioner(fed, seed)
+    partitioner = _partitioner(fed, seed, len(labels))
     partitioner.dataset = table
-    return tuple(np.sort(np.asarray(partitioner.load_partition(i)["index"], dtype=np.int64))
-                 for i in range(num_clients))
+    try:
+        return tuple(np.sort(np.asarray(partitioner.load_partition(i)["index"], dtype=np.int64))
+                     for i in range(num_clients))
+    except ValueError as e:  # DirichletPartitioner: no draw gave every client its minimum size
+        raise ConfigError(f"--partition {partition}: {num_clients} clients at --dirichlet-alpha {alpha:g} cannot "
+                          f"all get a usable shard ({e}); use --partition inner-dirichlet (equal shard sizes, each "
+                          f"client's labels drawn from Dirichlet(α)), fewer clients or a larger α") from None
 
 
 def shards(labels: torch.Tensor, fed: FedOptions, seed: int) -> list[torch.Tensor]:

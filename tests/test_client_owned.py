@@ -35,7 +35,7 @@ def split(tmp_path_factory):
 
 
 def run_config(epsilon=3.0, rounds=2, experiment="exp-a", batch_size=60):
-    cfg = TrainConfig(dataset="mnist", method="dp3sd", epsilon=epsilon, batch_size=batch_size, seed=1, threads=1,
+    cfg = TrainConfig(dataset="mnist", method="dp3sd", epsilon=epsilon, batch_size=batch_size, lr=0.8, seed=1, threads=1,
                       distill_warmup_epochs=0)
     fed = FedOptions(num_clients=2, rounds=rounds, client_data="own", experiment_id=experiment)
     return cfg, to_flat(cfg, fed)

@@ -47,3 +47,18 @@ def test_pathological_gives_each_client_its_classes(labels):
     assert len(set(joined.tolist())) == len(joined)  # disjoint
     used = torch.unique(labels[joined])
     assert len(joined) == 600 * len(used)  # every sample of a class in use goes to some client
+
+
+def test_inner_dirichlet_gives_equal_shards_with_skewed_labels_at_a_thousand_clients():
+    """Dirichlet(0.3) over classes per client, equal sizes: the label-skewed split that still
+    gives each of 1000 clients a usable shard (DirichletPartitioner cannot, and says what to use)."""
+    from fedsd.config import ConfigError
+
+    labels = torch.from_numpy(np.repeat(np.arange(10), 6000))  # 60,000 samples
+    parts = shards(labels, FedOptions(num_clients=1000, partition="inner-dirichlet", dirichlet_alpha=0.3), seed=0)
+    assert [len(p) for p in parts] == [60] * 1000
+    assert sorted(torch.cat(parts).tolist()) == list(range(60000))
+    top_class_share = np.mean([torch.bincount(labels[p], minlength=10).max().item() / 60 for p in parts])
+    assert top_class_share > 0.4  # IID would give ~0.17: most of a client's samples are of one or two classes
+    with pytest.raises(ConfigError, match="use --partition inner-dirichlet"):
+        shards(labels, FedOptions(num_clients=1000, partition="dirichlet", dirichlet_alpha=0.3), seed=0)

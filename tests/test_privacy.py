@@ -71,3 +71,34 @@ def test_rdp_orders_reach_the_optimum_and_opacus_root_logging_is_left_alone():
         assert ledger.epsilon(1e-5) <= 3.0
     code = "import logging, fedsd.training, fedsd.privacy; assert not logging.getLogger().handlers"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_ledger_epsilon_is_opacus_rdp_accountant_to_the_bit():
+    """Ledger composes per-step RDP once per (q, σ) (a small shard's q makes Opacus' RDP slow);
+    the ε it reports is the one Opacus' RDPAccountant gives for the same history."""
+    from fedsd.privacy import RDP_ORDERS
+
+    history = [[1.3, 16 / 60, 4], [0.9, 0.02, 100], [1.3, 16 / 60, 8]]
+    opacus = RDPAccountant()
+    opacus.history = [tuple(h) for h in history]
+    for delta in (1e-5, 1e-3):
+        assert Ledger("rdp", history).epsilon(delta) == float(opacus.get_epsilon(delta, alphas=RDP_ORDERS))
+
+
+def test_calibration_is_kept_on_disk_for_other_processes(tmp_path, monkeypatch):
+    """A σ searched once is found again by a fresh process (a Ray worker, a ClientApp) without
+    a search; an unreadable cache file is searched again and rewritten."""
+    import fedsd.privacy as privacy
+
+    args = (3.0, 1e-5, 6000, 16, 2)
+    searched = privacy.plan(*args, cache_dir=str(tmp_path))
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and files[0].suffix == ".json"
+    privacy.plan.cache_clear()  # as a fresh process
+    monkeypatch.setattr(privacy, "_calibrate", lambda *a: pytest.fail("searched again despite the cache"))
+    assert privacy.plan(*args, cache_dir=str(tmp_path)) == searched
+    privacy.plan.cache_clear()
+    files[0].write_text("{not json")
+    monkeypatch.undo()
+    assert privacy.plan(*args, cache_dir=str(tmp_path)) == searched
+    assert privacy.PrivacyPlan(**__import__("json").loads(files[0].read_text())) == searched

@@ -87,3 +87,39 @@ def test_cli_writes_result_model_and_curve(tmp_path):
     build_model("mnist-cnn").load_state_dict(state)
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no scratch folder left behind
+
+
+def test_a_diverging_run_stops_at_once_naming_the_learning_rate():
+    """lr 30 at B = 16 explodes within the first epoch: the run stops there with the reason,
+    instead of training on to chance accuracy."""
+    from fedsd.training import TrainingDiverged
+
+    require("mnist")
+    cfg = TrainConfig(dataset="mnist", method="dp3sd", epsilon=3, epochs=3, batch_size=16, lr=30.0, subset=1600,
+                      seed=0, threads=1)
+    with pytest.raises(TrainingDiverged, match=r"diverged in epoch 1: .*--lr 30 at --batch-size 16 \(the papers use "
+                                               r"lr 0.8 at B = 1200\)"):
+        train(cfg, progress=False)
+
+
+def test_one_trainer_bound_in_turn_to_clients_gives_each_client_its_own_weights():
+    """A Ray worker re-binds one DPTrainer to each client it serves (bounded memory): the
+    weights are those of a trainer built for that client alone, bit for bit."""
+    from fedsd import data as data_lib
+    from fedsd.privacy import plan as calibrate
+    from fedsd.training import DPTrainer, initial_model
+
+    require("mnist")
+    cfg = TrainConfig(dataset="mnist", method="dp3sd", epsilon=3, epochs=2, batch_size=50, lr=0.5, seed=3,
+                      threads=1, distill_warmup_epochs=0).resolved()
+    images = data_lib.load("mnist")
+    shards = [torch.arange(0, 400), torch.arange(400, 1000)]
+    datas = [data_lib.prepare(images, s) for s in shards]
+    plans = [calibrate(3.0, 1e-5, len(s), 50, 2) for s in shards]
+    start = initial_model(cfg, 10)
+    alone = [DPTrainer(cfg, d, p, client=k).local_update(start, None, [1])[0] for k, (d, p) in enumerate(zip(datas, plans))]
+    shared = DPTrainer(cfg, datas[0], plans[0], client=0)
+    for k in (1, 0, 1):
+        got = shared.bind(datas[k], plans[k], client=k).local_update(start, None, [1])[0]
+        assert all(torch.equal(got["student"][n], alone[k]["student"][n]) for n in got["student"])
+    assert shared.optimizer.noise_multiplier == plans[1].noise_multiplier != plans[0].noise_multiplier
