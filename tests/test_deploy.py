@@ -19,7 +19,8 @@ from tests.conftest import require
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 # Small and quick: 2 clients of 1000 MNIST images, 10 DP steps a round.
-RUN = {"dataset": "mnist", "subset": 2000, "batch-size": 100, "num-clients": 2, "threads": 1}
+# The papers' lr (their B is 1200): a few steps at B = 100 must visibly learn.
+RUN = {"dataset": "mnist", "subset": 2000, "batch-size": 100, "lr": 0.8, "num-clients": 2, "threads": 1}
 
 
 def processes_mentioning(marker: str) -> list[str]:
@@ -49,7 +50,7 @@ def test_deploy_local_script_runs_with_tls_and_node_auth(tmp_path):
     require("mnist")
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run([str(ROOT / "scripts" / "deploy-local.sh"), "--clients", "2", "--rounds", "2",
-                           "--dataset", "mnist", "--subset", "2000", "--batch-size", "100", "--out", str(out),
+                           "--dataset", "mnist", "--subset", "2000", "--batch-size", "100", "--lr", "0.8", "--out", str(out),
                            "--work", str(work)],
                           env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -157,7 +158,7 @@ def test_clients_own_their_data_and_lifetime_budget(tmp_path):
     data, work = tmp_path / "data", tmp_path / "work"
     assert main(["split-data", "--dataset", "mnist", "--clients", "2", "--subset", "1200", "--format", "imagefolder",
                  "--out", str(data)]) == 0
-    common = ["--clients", "2", "--dataset", "mnist", "--batch-size", "100", "--threads", "1",
+    common = ["--clients", "2", "--dataset", "mnist", "--batch-size", "100", "--lr", "0.8", "--threads", "1",
               "--client-data", str(data), "--node-config", "max-epsilon=2.5", "--work", str(work)]
 
     asks_too_much = deploy_local([*common, "--rounds", "1", "--epsilon", "50"], tmp_path / "asks-too-much")

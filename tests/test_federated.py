@@ -40,7 +40,7 @@ def test_single_client_reproduces_central_training(method):
 
 def test_three_clients_learn_and_account_per_client(tmp_path):
     require("fmnist")
-    cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, batch_size=256, subset=12000, seed=0)
+    cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, batch_size=256, lr=3.0, subset=12000, seed=0)
     result = simulate(cfg, FedOptions(num_clients=3, rounds=3, local_epochs=1, federated_evaluation=True),
                       out=tmp_path / "run", progress=False)
     assert result["test_accuracy"] >= 0.6
@@ -130,7 +130,7 @@ def test_server_side_dp_adds_the_noise_it_promises():
 @pytest.mark.parametrize("strategy", ["fedadam", "fedprox"])
 def test_other_strategies_learn(strategy):
     require("mnist")
-    cfg = TrainConfig(dataset="mnist", method="dp3sd", epsilon=3, batch_size=100, subset=2000, seed=0)
+    cfg = TrainConfig(dataset="mnist", method="dp3sd", epsilon=3, batch_size=100, lr=0.8, subset=2000, seed=0)
     result = simulate(cfg, FedOptions(num_clients=2, rounds=3, strategy=strategy, server_lr=0.05, proximal_mu=0.1),
                       progress=False)
     accuracies = [r["test_accuracy"] for r in result["rounds"]]

@@ -16,7 +16,7 @@ def test_fmnist_dp3sd_three_epochs_learns():
     """Issue 2: 3 epochs, 12,000-sample subset, ε = 3, B = 256 → test accuracy ≥ 0.68 on CPU."""
     require("fmnist")
     result, _ = train(TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, epochs=3, batch_size=256,
-                                  subset=12000, seed=0), progress=False)
+                                  lr=3.0, subset=12000, seed=0), progress=False)
     assert result["test_accuracy"] >= 0.68
     assert 0.99 * 3 <= result["epsilon_spent"] <= 3.0
     assert result["steps"] == 3 * 47
@@ -39,7 +39,7 @@ def test_same_seed_same_weights_bit_for_bit():
 def test_every_method_trains_and_spends_its_budget(method):
     require("mnist")
     result, weights = train(TrainConfig(dataset="mnist", method=method, epsilon=3, epochs=3, batch_size=200,
-                                        subset=3000, seed=1, ema_decay=0.9 if method == "dpema" else None,
+                                        lr=0.8, subset=3000, seed=1, ema_decay=0.9 if method == "dpema" else None,
                                         kd_teacher_epochs=1 if method == "dpkd" else None),
                             progress=False)
     # 3 short epochs from scratch (chance is 0.1); DPKD's student starts afresh after its teacher's epoch.
