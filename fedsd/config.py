@@ -84,7 +84,8 @@ class TrainConfig:
     batch_size: int | None = setting(None, "expected batch size B (Poisson sampling at q = B/n)",
                                      default_text=_paper_text("batch_size"))
     lr: float | None = setting(None, "learning rate", default_text=_paper_text("lr") + " at the papers' batch "
-                               f"size; at another B, scaled by (B / B_paper)^{LR_BATCH_EXPONENT:g} (chosen on validation)")
+                               "size; at another B, times (B / B_paper)" + (f"^{LR_BATCH_EXPONENT:g}" if LR_BATCH_EXPONENT != 1
+                               else "") + " (chosen on validation)")
     clip: float | None = setting(None, "per-sample clipping norm C", default_text=_paper_text("clip"))
     momentum: float | None = setting(None, "SGD momentum",
                                      default_text="chosen on validation: MNIST 0.9, FMNIST 0.9, CIFAR-10 0")
