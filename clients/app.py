@@ -166,6 +166,11 @@ def client_side(msg: Message, context: Context):
     return server_round, partition_id, fed, trainer, fingerprint, federation
 
 
+def spent_so_far(state, plan: privacy.PrivacyPlan) -> float:
+    """ε this client spent in the run before this round (its carried accountant history)."""
+    return 0.0 if state is None else privacy.Ledger(plan.accountant, state.history).epsilon(plan.delta)
+
+
 @app.evaluate()
 def evaluate_global(msg: Message, context: Context) -> Message:
     """Federated evaluation: the global model on this client's own test split (no training
@@ -209,17 +214,17 @@ def train(msg: Message, context: Context) -> Message:
                 ledger.spend(plan.noise_multiplier, plan.sample_rate, len(epochs) * trainer.steps_per_epoch,
                              run=fed.experiment_id)
     except (BudgetExhausted, privacy.BudgetRefused) as e:
-        spent = 0.0 if state is None else privacy.Ledger(plan.accountant, state.history).epsilon(plan.delta)
         refused = isinstance(e, privacy.BudgetRefused)
-        reply = RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "refused": int(refused), "epsilon": spent})})
+        reply = RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "refused": int(refused),
+                                                     "epsilon": spent_so_far(state, plan)})})
         if refused:
             reply["refusal"] = ConfigRecord({"reason": str(e)})
         return Message(reply, reply_to=msg)
     try:
         model, state, metrics = trainer.local_update(model, state, epochs, teacher=teacher, proximal_mu=proximal_mu)
     except TrainingDiverged as e:  # nothing of the round is released; the server stops the run with the reason
-        spent = 0.0 if state is None else privacy.Ledger(plan.accountant, state.history).epsilon(plan.delta)
-        return Message(RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "diverged": 1, "epsilon": spent}),
+        return Message(RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "diverged": 1,
+                                                            "epsilon": spent_so_far(state, plan)}),
                                    "divergence": ConfigRecord({"reason": str(e)})}), reply_to=msg)
     save_state(context.state, state, trainer.plan)
     if state_file is not None:  # before replying: the spent budget is on disk before anyone can use it

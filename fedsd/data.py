@@ -68,6 +68,12 @@ class ImageData:
         """Images as float32, scaled to [0, 1], normalised with the data set's fixed constants."""
         return normalise(images, *STANDARD_STATS[self.name])
 
+    @cached_property
+    def normalised_x_test(self) -> torch.Tensor:
+        """The test images normalised once: a Ray worker prepares a shard for every client it
+        serves, and each shares this (nothing writes into it)."""
+        return self.normalised(self.x_test)
+
 
 def normalise(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
     """uint8 images (N, C, H, W) as float32 in [0, 1], then (x - mean) / std per channel."""
@@ -259,5 +265,5 @@ def prepare(data: ImageData, train_indices: torch.Tensor | None = None, device="
     x_train, y_train = data.x_train, data.y_train
     if train_indices is not None:
         x_train, y_train = x_train[train_indices], y_train[train_indices]
-    return TensorData(data.normalised(x_train), y_train.clone(), data.normalised(data.x_test),
+    return TensorData(data.normalised(x_train), y_train.clone(), data.normalised_x_test,
                       data.y_test.clone(), data.num_classes).to(device)

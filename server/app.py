@@ -126,7 +126,7 @@ def public_side(cfg: TrainConfig, fed: FedOptions):
     log(INFO, "fedsd: %d clients, %s partition, shard sizes %s", fed.num_clients, fed.partition,
         federation.shard_sizes())
     images = federation.images
-    return federation.cfg, images.num_classes, (images.normalised(images.x_test), images.y_test.clone()), images.source
+    return federation.cfg, images.num_classes, (images.normalised_x_test, images.y_test.clone()), images.source
 
 
 # A fresh run waits for its SuperNodes until their number has not changed for this long.

@@ -168,15 +168,13 @@ class RecordingStrategy(Strategy):
             reports[pid] = dict(metrics)
             self.client_epsilon[pid] = float(metrics["epsilon"])
             if int(metrics.get("refused", 0)):  # the client's owner's limits, with the client's reason
-                reason = str(reply.content.config_records["refusal"]["reason"]) \
-                    if "refusal" in reply.content.config_records else "no reason given"
+                reason = client_reason(reply, "refusal")
                 reports[pid]["refused"] = reason
                 log(WARNING, "round %d: client %d refused: %s", server_round, pid, reason)
                 continue
             if int(metrics.get("diverged", 0)):  # training on at chance level helps nobody: stop, saying why
-                reason = str(reply.content.config_records["divergence"]["reason"]) \
-                    if "divergence" in reply.content.config_records else "no reason given"
-                raise TrainingDiverged(f"round {server_round}, client {pid}: {reason}; the run stopped")
+                raise TrainingDiverged(f"round {server_round}, client {pid}: {client_reason(reply, 'divergence')}; "
+                                       f"the run stopped")
             if int(metrics.get("skipped", 0)):
                 log(WARNING, "round %d: client %d skipped: its privacy budget is spent (ε = %.3f)",
                     server_round, pid, float(metrics["epsilon"]))
@@ -230,6 +228,12 @@ class RecordingStrategy(Strategy):
                 test_accuracy=aggregated.get("test-accuracy"), test_loss=aggregated.get("test-loss"),
                 num_examples=int(aggregated["num-examples"]), clients=per_client)
         return aggregated
+
+
+def client_reason(reply: Message, record: str) -> str:
+    """The reason a client gave in its reply's ConfigRecord `record` (refusal, divergence)."""
+    records = reply.content.config_records
+    return str(records[record]["reason"]) if record in records else "no reason given"
 
 
 # Flower's error reason for an exception raised by the ClientApp's own code, not a lost node.

@@ -539,9 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         else:  # a simulation's checks, before any process starts: data found, every shard, every budget
             from task.federation import build_federation
 
-            federation = build_federation(*from_flat(run_config))
-            for k in range(args.num_clients):
-                federation.client_plan(k)
+            build_federation(*from_flat(run_config)).check_plans()
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"deploy-local: error: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,6 @@ built-in data set and each client's privacy plan. Clients that hold their own da
 (client-data=own) do not use it."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,16 +30,7 @@ class Federation:
         return [len(s) for s in self.shards]
 
     def client_data(self, partition_id: int, device) -> data_lib.TensorData:
-        """Client `partition_id`'s shard, normalised, with the (shared) normalised test split."""
-        shard = self.train_indices[self.shards[partition_id]]
-        x_test, y_test = self.normalised_test
-        return data_lib.TensorData(self.images.normalised(self.images.x_train[shard]), self.images.y_train[shard].clone(),
-                                   x_test, y_test, self.images.num_classes).to(device)
-
-    @functools.cached_property
-    def normalised_test(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalised once per process: a worker serving a thousand clients reuses it."""
-        return self.images.normalised(self.images.x_test), self.images.y_test.clone()
+        return data_lib.prepare(self.images, self.train_indices[self.shards[partition_id]], device)
 
     def client_test_share(self, partition_id: int) -> torch.Tensor:
         """A simulated client's own test split, for federated evaluation: an IID share of the
