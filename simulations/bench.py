@@ -14,7 +14,8 @@ import statistics
 import sys
 
 from fedsd.config import GRAD_SAMPLE_MODES
-from fedsd.federation import PARTITIONS
+from fedsd.federation import FedOptions
+from fedsd.settings import add_options, from_args
 from simulations import dry_run
 
 
@@ -24,18 +25,13 @@ def add_bench_parser(sub) -> None:
     fed = what.add_parser("federated", help="federated round vs central epoch, same data and DP training")
     fed.add_argument("--dataset", default="fmnist")
     fed.add_argument("--method", default="dp3sd")
-    fed.add_argument("--clients", type=int, default=10)
-    fed.add_argument("--fraction-train", type=float, default=1.0, help="the cohort: clients sampled each round")
-    fed.add_argument("--partition", default="iid", choices=PARTITIONS)
-    fed.add_argument("--dirichlet-alpha", type=float, default=0.5)
+    # The federation's settings as `fedsd simulate` declares them (one default each).
+    add_options(fed, FedOptions, only=("num_clients", "fraction_train", "partition", "dirichlet_alpha", "client_cpus"))
     fed.add_argument("--rounds", type=int, default=4, help="the first round (warm-up) is not counted")
     fed.add_argument("--batch-size", type=int, default=256, help="per client")
     fed.add_argument("--subset", type=int, default=None)
     fed.add_argument("--epsilon", type=float, default=3.0)
     fed.add_argument("--ray-workers", type=int, default=2, help="Ray CPUs")
-    fed.add_argument("--client-cpus", type=float, default=1.0,
-                     help="CPUs a client takes: 0.5 runs two clients on each CPU, overlapping one's message "
-                          "passing with the other's training")
     fed.add_argument("--ray-address", default=None, help="a running Ray cluster (as fedsd simulate)")
     fed.add_argument("--json", action="store_true")
     fed.set_defaults(func=bench_federated)
@@ -67,14 +63,11 @@ def bench_federated(args: argparse.Namespace) -> int:
     peak resident memory of each Ray worker, sampled from /proc while the federation runs."""
     from fedsd.central import train
     from fedsd.config import TrainConfig
-    from fedsd.federation import FedOptions
     from simulations.simulate import simulate
 
     cfg = TrainConfig(dataset=args.dataset, method=args.method, epsilon=args.epsilon, batch_size=args.batch_size,
                       subset=args.subset, distill_warmup_epochs=0)  # every epoch pays for the teacher
-    fed = FedOptions(num_clients=args.clients, rounds=args.rounds, client_cpus=args.client_cpus,
-                     fraction_train=args.fraction_train,
-                     partition=args.partition, dirichlet_alpha=args.dirichlet_alpha)
+    fed = from_args(FedOptions, args, rounds=args.rounds)
     with WorkerMemory() as memory:
         fed_result = simulate(cfg, fed, progress=False, ray_cpus=args.ray_workers, ray_address=args.ray_address)
     shards = fed_result["shard_sizes"]
@@ -85,9 +78,8 @@ def bench_federated(args: argparse.Namespace) -> int:
     # Steady state: leave out the first round / epoch (process start, caches being filled).
     round_seconds = [r["train_seconds"] for r in fed_result["rounds"][1:]]
     epoch_seconds = [e["seconds"] for e in central["epochs"][1:]]
-    report = dict(dataset=args.dataset, method=args.method, clients=args.clients, partition=args.partition,
-                  client_cpus=args.client_cpus,
-                  fraction_train=args.fraction_train, cohort_samples=cohort_samples,
+    report = dict(dataset=args.dataset, method=args.method, clients=fed.num_clients, partition=fed.partition,
+                  client_cpus=fed.client_cpus, fraction_train=fed.fraction_train, cohort_samples=cohort_samples,
                   ray_workers=args.ray_workers, batch_size=args.batch_size,
                   central_epoch_seconds=statistics.median(epoch_seconds),
                   federated_round_seconds=statistics.median(round_seconds),
@@ -97,7 +89,7 @@ def bench_federated(args: argparse.Namespace) -> int:
                   client_epsilon_max=max(fed_result["rounds"][-1]["client_epsilon"].values(), default=0.0))
     report["ratio"] = report["federated_round_seconds"] / report["central_epoch_seconds"]
     return _emit(args, report, f"central epoch on {cohort_samples} samples: {report['central_epoch_seconds']:.2f} s   "
-                               f"federated round ({args.clients} clients, cohort {args.fraction_train:g}, "
+                               f"federated round ({fed.num_clients} clients, cohort {fed.fraction_train:g}, "
                                f"{args.ray_workers} Ray workers): {report['federated_round_seconds']:.2f} s   "
                                f"ratio {report['ratio']:.3f}   worker peak RSS {report['worker_peak_rss_mb']} MB")
 
