@@ -40,6 +40,7 @@ PAPER_TABLE2 = [
     ("dpdsd", "without NCSD (β = 0)", {"beta": 0.0}, 86.11),
 ]
 TABLE2_EPSILON = 3.0
+TABLE1_METHODS = ("dpsgd", "dpkd", "dpema", "dp3sd", "dpdsd")  # the papers' row order
 
 
 @dataclass
@@ -144,15 +145,24 @@ def threads_per_job(device: str, jobs: int) -> int:
 
 
 def add_reproduce_parser(sub) -> None:
-    p = sub.add_parser("reproduce", help="the papers' Table 1 / Table 2, resumable, several runs at once")
-    p.add_argument("--table", type=int, choices=[1, 2], default=1)
-    p.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=["dpsgd", "dpkd", "dpema", "dp3sd", "dpdsd"])
-    p.add_argument("--epsilons", nargs="+", type=float, choices=[1.0, 2.0, 3.0], default=[1.0, 2.0, 3.0])
-    p.add_argument("--seeds", type=int, default=3)
+    from .federated_table import FED_PARTITIONS
+
+    p = sub.add_parser("reproduce", help="the papers' Table 1 / Table 2 and the federated table, resumable")
+    p.add_argument("--table", choices=["1", "2", "fed"], default="1",
+                   help="1, 2: the papers' tables (central runs); fed: the federated table (simulations)")
+    p.add_argument("--datasets", nargs="+", choices=DATASETS, default=None,
+                   help="Table 1 (default: all); Table 2 and the federated table are FMNIST's")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=None, help="default: the table's")
+    p.add_argument("--epsilons", nargs="+", type=float, choices=[1.0, 2.0, 3.0], default=[1.0, 2.0, 3.0],
+                   help="Table 1")
+    p.add_argument("--partitions", nargs="+", choices=list(FED_PARTITIONS), default=list(FED_PARTITIONS),
+                   help="the federated table")
+    p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: 3; the federated table 1)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--jobs", type=int, default=1, help="runs at once (processes)")
-    p.add_argument("--epochs", type=int, default=None, help="override the papers' run length (all cells)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at once (processes); the federated table: CPUs its one simulation at a time uses")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="override the run length of every cell (the federated table: its rounds)")
     p.add_argument("--subset", type=int, default=None, help="train on a subset (quick checks only)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--out", default="results")
@@ -161,79 +171,146 @@ def add_reproduce_parser(sub) -> None:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    if args.seeds < 1 or args.jobs < 1:
-        raise ValueError("--seeds and --jobs must be >= 1")
-    cells = table2_cells() if args.table == 2 else table1_cells(args.datasets, args.methods, args.epsilons)
+    from fedsd.config import ConfigError
+
+    for name in ("seeds", "jobs", "epochs", "subset"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name}: must be >= 1, got {value}")
+    if args.table != "1" and args.datasets not in (None, ["fmnist"]):
+        raise ConfigError(f"--datasets: Table {args.table} is Fashion-MNIST's only; leave --datasets out")
     out = Path(args.out)
-    runs_dir = out / "runs" / f"table{args.table}"
+    if args.table == "fed":
+        from .federated_table import FED_METHODS, FED_TABLE_NAME, reproduce_fed
+
+        methods = args.methods or FED_METHODS
+        if not set(methods) <= set(FED_METHODS):
+            raise ConfigError(f"--methods: the federated table has {', '.join(FED_METHODS)}")
+        reproduce_fed(args.partitions, methods, args.seeds or 1, args.jobs, args.epochs, args.subset, args.device,
+                      args.data_dir, out, args.quiet)
+        print(f"wrote {out / f'{FED_TABLE_NAME}.json'} and {out / f'{FED_TABLE_NAME}.md'}")
+        return 0
+    table = int(args.table)
+    methods = args.methods or list(TABLE1_METHODS)
+    cells = table2_cells() if table == 2 else table1_cells(args.datasets or DATASETS, methods, args.epsilons)
+    if table == 2 and args.methods:
+        cells = [c for c in cells if c.method in methods]
+    seeds = args.seeds or 3
+    runs_dir = out / "runs" / f"table{table}"
     threads = threads_per_job(args.device, args.jobs)
     todo = []
     for cell in cells:
-        for seed in range(args.seeds):
+        for seed in range(seeds):
             run_out = runs_dir / f"{cell.name}-seed{seed}"
             config = dict(dataset=cell.dataset, method=cell.method, epsilon=cell.epsilon, seed=seed,
                           device=args.device, threads=threads, epochs=args.epochs, subset=args.subset,
                           data_dir=args.data_dir, **cell.overrides)
             if not finished_with(run_out, config):
                 todo.append((config, str(run_out)))
-    run_jobs(todo, len(cells) * args.seeds, args.jobs, f"table {args.table}", args.quiet)
-    write_tables(args.table, cells, args.seeds, runs_dir, out)
-    print(f"wrote {out / f'table{args.table}.json'} and {out / f'table{args.table}.md'}")
+    run_jobs(todo, len(cells) * seeds, args.jobs, f"table {table}", args.quiet)
+    write_tables(table, table_cells(table, cells, runs_dir), runs_dir, out)
+    print(f"wrote {out / f'table{table}.json'} and {out / f'table{table}.md'}")
     return 0
 
 
-def write_tables(table: int, cells: list[Cell], seeds: int, runs_dir: Path, out: Path) -> None:
+def seeds_run(runs_dir: Path, cell: Cell) -> dict[int, dict]:
+    """The finished runs of `cell` under `runs_dir`, by seed (whatever seeds a reproduce ran)."""
+    found = {}
+    for path in runs_dir.glob(f"{cell.name}-seed*/result.json"):
+        seed = path.parent.name.removeprefix(f"{cell.name}-seed")
+        if seed.isdigit():
+            found[int(seed)] = json.loads(path.read_text())
+    return dict(sorted(found.items()))
+
+
+def table_cells(table: int, asked: list[Cell], runs_dir: Path) -> list[Cell]:
+    """The cells asked for and every other cell of the table that has a run on disk, in the
+    table's order: a reproduce of some cells rewrites the table without dropping the others."""
+    every = table2_cells() if table == 2 else table1_cells(DATASETS, TABLE1_METHODS, [1.0, 2.0, 3.0])
+    names = {c.name for c in asked}
+    return [c for c in every if c.name in names or seeds_run(runs_dir, c)]
+
+
+def write_tables(table: int, cells: list[Cell], runs_dir: Path, out: Path) -> None:
+    """table<N>.json and table<N>.md from every finished run of `cells` (mean ± std over the
+    seeds found), and for Table 1 the gain of each method over dpsgd in the same seeds."""
     from fedsd.results import write_json
 
     rows = []
     for cell in cells:
-        results = [json.loads((runs_dir / f"{cell.name}-seed{s}" / "result.json").read_text())
-                   for s in range(seeds) if (runs_dir / f"{cell.name}-seed{s}" / "result.json").exists()]
+        runs = seeds_run(runs_dir, cell)
+        results = list(runs.values())
         rows.append(dict(
             dataset=cell.dataset, method=cell.method, variant=cell.variant, epsilon=cell.epsilon,
-            accuracies=[100 * r["test_accuracy"] for r in results], paper=cell.paper,
+            seeds=list(runs), accuracies=[100 * r["test_accuracy"] for r in results], paper=cell.paper,
             config=results[0]["config"] if results else None,
             noise_multiplier=results[0]["noise_multiplier"] if results else None,
             epsilon_spent=[r["epsilon_spent"] for r in results], seconds=[r["wall_seconds"] for r in results],
             curves=[[100 * e["test_accuracy"] for e in r["epochs"]] for r in results]))
+    for row in rows:
+        row["gain_over_dpsgd"] = gain_over_dpsgd(row, rows, ("dataset", "epsilon")) if table == 1 else None
     write_json(out / f"table{table}.json", {"cells": rows})
+    gain_head, gain_rule = (" vs dpsgd, same seeds |", "---|") if table == 1 else ("", "")
     lines = [f"# Table {table}: ours (mean ± std over seeds) beside the paper's", "",
-             "| data | method | ε | ours (%) | seeds | paper (%) | ours − paper |", "|---|---|---|---|---|---|---|"]
+             f"| data | method | ε | ours (%) | seeds | paper (%) | ours − paper |{gain_head}",
+             f"|---|---|---|---|---|---|---|{gain_rule}"]
     for r in rows:
         accs = r["accuracies"]
         method = r["method"] + (f" ({r['variant']})" if r["variant"] else "")
+        gain = "" if table != 1 else (f" {r['gain_over_dpsgd']:+.2f} |" if r["gain_over_dpsgd"] is not None
+                                      else " |")
         if accs:
             mean = statistics.mean(accs)
             std = statistics.stdev(accs) if len(accs) > 1 else 0.0
             lines.append(f"| {r['dataset']} | {method} | {r['epsilon']:g} | {mean:.2f} ± {std:.2f} | {len(accs)} "
-                         f"| {r['paper']:.2f} | {mean - r['paper']:+.2f} |")
+                         f"| {r['paper']:.2f} | {mean - r['paper']:+.2f} |{gain}")
         else:
-            lines.append(f"| {r['dataset']} | {method} | {r['epsilon']:g} | not run | 0 | {r['paper']:.2f} | |")
+            lines.append(f"| {r['dataset']} | {method} | {r['epsilon']:g} | not run | 0 | {r['paper']:.2f} | |{gain}")
     (out / f"table{table}.md").write_text("\n".join(lines) + "\n")
     if table == 1:
         _figure3(rows, out)
 
 
+def gain_over_dpsgd(row: dict, rows: list[dict], same: tuple[str, ...], accuracies: str = "accuracies"
+                    ) -> float | None:
+    """Mean, over the seeds both ran, of (this row's accuracy − dpsgd's) in the dpsgd row that
+    agrees on the `same` keys (data set and ε; a partition)."""
+    if row["method"] == "dpsgd":
+        return None
+    base = next((r for r in rows if r["method"] == "dpsgd" and all(r[k] == row[k] for k in same)), None)
+    if base is None:
+        return None
+    base_by_seed = dict(zip(base["seeds"], base[accuracies]))
+    diffs = [a - base_by_seed[s] for s, a in zip(row["seeds"], row[accuracies]) if s in base_by_seed]
+    return statistics.mean(diffs) if diffs else None
+
+
 def _figure3(rows: list[dict], out: Path) -> None:
     """Test accuracy vs epoch, all methods at ε = 3, one figure a data set (the papers' Fig. 3)."""
+    for dataset in sorted({r["dataset"] for r in rows}):
+        curves = [r for r in rows if r["dataset"] == dataset and r["epsilon"] == 3.0 and r["curves"]]
+        if curves:
+            plot_curves(out / f"fig3-{dataset}.png", f"{dataset}, ε = 3", "epoch",
+                        [(r["method"], r["curves"], "-") for r in curves])
+
+
+def plot_curves(path: Path, title: str, xlabel: str, lines: list[tuple[str, list[list[float]], str]]) -> None:
+    """Test accuracy (%) against `xlabel`, one line (label, curves over seeds, line style) each,
+    the mean over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for dataset in sorted({r["dataset"] for r in rows}):
-        curves = [r for r in rows if r["dataset"] == dataset and r["epsilon"] == 3.0 and r["curves"]]
-        if not curves:
-            continue
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for r in curves:
-            mean = [statistics.mean(v) for v in zip(*r["curves"])]
-            ax.plot(range(1, len(mean) + 1), mean, label=r["method"])
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_title(f"{dataset}, ε = 3")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / f"fig3-{dataset}.png", dpi=120)
-        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, curves, style in lines:
+        mean = [statistics.mean(v) for v in zip(*curves)]
+        ax.plot(range(1, len(mean) + 1), mean, linestyle=style, label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,6 +76,10 @@ def flower_log(verbose: bool):
     the progress bar, without NOT_NEWS; with verbose, everything Flower logs, timestamped."""
     from flwr.common.logger import console_handler
 
+    if getattr(console_handler.stream, "closed", False):
+        # Flower made its handler on the sys.stderr of its import, since replaced and closed (a
+        # test's captured stream): logging would fail on it, so it gets today's stderr.
+        console_handler.stream = sys.stderr
     level, stream, timestamps = console_handler.level, console_handler.stream, console_handler.timestamps
     not_news = logging.Filter()
     not_news.filter = lambda record: verbose or not record.getMessage().lstrip().startswith(NOT_NEWS)

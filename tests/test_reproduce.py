@@ -69,3 +69,71 @@ def test_a_setting_added_later_does_not_make_a_finished_run_stale(tmp_path):
     (tmp_path / "result.json").write_text(json.dumps({"config": saved}))
     assert finished_with(tmp_path, config)
     assert not finished_with(tmp_path, {**config, "epsilon": 2.0})  # a real change still counts
+
+
+def _fake_run(runs_dir, name, seed, accuracy):
+    """A finished Table-1 run's result.json, with the fields the table reads."""
+    run = runs_dir / f"{name}-seed{seed}"
+    run.mkdir(parents=True)
+    (run / "result.json").write_text(json.dumps(dict(
+        test_accuracy=accuracy, config={}, noise_multiplier=1.0, epsilon_spent=3.0, wall_seconds=1.0,
+        epochs=[dict(test_accuracy=accuracy)])))
+
+
+def test_a_partial_reproduce_keeps_the_other_cells_and_gains_use_the_same_seeds(tmp_path):
+    from simulations.reproduce import table_cells, write_tables
+
+    runs = tmp_path / "runs" / "table1"
+    _fake_run(runs, "mnist-dpsgd-eps3", 0, 0.90)
+    _fake_run(runs, "mnist-dpsgd-eps3", 1, 0.80)
+    _fake_run(runs, "mnist-dp3sd-eps3", 1, 0.84)  # seed 1 only: its gain is against dpsgd's seed 1
+    _fake_run(runs, "fmnist-dpsgd-eps1", 0, 0.70)
+    asked = table1_cells(["mnist"], ["dp3sd"], [3.0])  # as `reproduce --methods dp3sd --epsilons 3`
+    write_tables(1, table_cells(1, asked, runs), runs, tmp_path)
+    rows = {(c["dataset"], c["method"], c["epsilon"]): c for c in json.loads((tmp_path / "table1.json").read_text())["cells"]}
+    assert set(rows) == {("mnist", "dpsgd", 3.0), ("mnist", "dp3sd", 3.0), ("fmnist", "dpsgd", 1.0)}
+    assert rows[("mnist", "dpsgd", 3.0)]["seeds"] == [0, 1]
+    assert rows[("mnist", "dp3sd", 3.0)]["gain_over_dpsgd"] == pytest.approx(4.0)
+    assert "| mnist | dp3sd | 3 | 84.00 ± 0.00 | 1 | 98.42 | -14.42 | +4.00 |" in (tmp_path / "table1.md").read_text()
+
+
+@pytest.mark.parametrize("bad, says", [
+    (["--table", "fed", "--datasets", "mnist"], "--datasets: Table fed is Fashion-MNIST's only"),
+    (["--table", "fed", "--methods", "dpkd"], "--methods: the federated table has dpsgd, dpema, dp3sd, dpdsd"),
+    (["--table", "fed", "--seeds", "0"], "--seeds: must be >= 1"),
+    (["--table", "fed", "--partitions", "dirichlet0.1", "--subset", "3000"], "fewer than --batch-size 256"),
+])
+def test_the_federated_table_refuses_bad_input_before_any_run(tmp_path, capsys, bad, says):
+    if "--subset" in bad:
+        require("fmnist")
+    assert main(["reproduce", *bad, "--out", str(tmp_path / "out")]) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_federated_table_runs_resumes_and_writes_its_files(tmp_path):
+    require("fmnist")
+    args = ["reproduce", "--table", "fed", "--partitions", "iid", "--methods", "dpsgd", "dp3sd", "--epochs", "2",
+            "--subset", "3000", "--jobs", "2", "--out", str(tmp_path), "--quiet"]
+    assert main(args) == 0
+    table = json.loads((tmp_path / "table-fed.json").read_text())
+    rows = {c["method"]: c for c in table["cells"]}
+    assert set(rows) == {"dpsgd", "dp3sd"} and table["settings"]["num_clients"] == 10
+    for row in rows.values():
+        assert len(row["curves"][0]) == 2 and row["shard_sizes"] == [300] * 10
+        assert 15 < row["final"][0] <= 100  # two rounds on 3,000 samples: well above chance (10 %)
+        assert 2.9 < row["client_epsilon"][0] <= row["client_epsilon"][1] <= 3.0
+        assert row["best_accuracy"] == max(row["curves"][0])
+    assert rows["dp3sd"]["gain_over_dpsgd"] == pytest.approx(rows["dp3sd"]["final"][0] - rows["dpsgd"]["final"][0])
+    assert "| iid | dp3sd | round-start |" in (tmp_path / "table-fed.md").read_text()
+    assert (tmp_path / "fig-fed-iid.png").stat().st_size > 10_000
+    runs = tmp_path / "runs" / "table-fed"
+    done = runs / "fmnist-iid-dpsgd-eps3-seed0" / "result.json"
+    stamp = done.stat().st_mtime_ns
+    stopped = runs / "fmnist-iid-dp3sd-eps3-seed0" / "result.json"
+    stopped.unlink()  # as if stopped after its last checkpoint: it goes on from there, not from round 1
+    assert main(args) == 0
+    assert done.stat().st_mtime_ns == stamp  # a finished run is not run again
+    again = json.loads(stopped.read_text())
+    assert 100 * again["test_accuracy"] == pytest.approx(rows["dp3sd"]["final"][0])
