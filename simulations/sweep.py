@@ -1,7 +1,7 @@
 """`fedsd sweep`: choose settings the papers leave open (EMA decay; DPKD's τ, α, stage split;
 the run length) on a validation split carved from the training set, never the test set.
 
-    fedsd sweep --dataset fmnist --method dpema --grid ema-decay=0.99,0.995,0.999 \\
+    fedsd sweep --dataset fmnist --method dpema --grid ema-decay=0.9,0.98,0.995,0.999 \\
         --validation 10000 --out results/sweeps/fmnist-dpema
 
 Every combination of the --grid values is a `fedsd train` run with --validation held out

@@ -97,3 +97,27 @@ def test_empty_batch_takes_a_noise_only_step(mode):
     expected_std = cfg.lr * p.noise_multiplier * cfg.clip / cfg.batch_size
     assert deltas.std().item() == pytest.approx(expected_std, rel=0.05)
     assert abs(deltas.mean().item()) < 0.05 * expected_std
+
+
+@pytest.mark.parametrize("model", ["mnist-cnn", "cifar-cnn"])
+def test_bookkeeping_in_cache_sized_chunks_matches_the_whole_batch(monkeypatch, model):
+    """Patches made a few samples at a time (CPU) give each sample's gradient norm and the
+    clipped sum of the whole batch at once."""
+    import fedsd.bookkeeping as bk
+    from fedsd.models import build_model
+
+    def clipped(chunk_bytes):
+        monkeypatch.setattr(bk, "PATCH_CHUNK_BYTES", chunk_bytes)
+        net = build_model(model, seed=0).to(memory_format=torch.channels_last)
+        clipper = bk.BookKeepingClipper(net, max_grad_norm=0.05)
+        shape = (1, 28, 28) if model == "mnist-cnn" else (3, 32, 32)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(37, *shape, generator=g).contiguous(memory_format=torch.channels_last)
+        y = torch.randint(0, 10, (37,), generator=g)
+        clipper.backward(torch.nn.functional.cross_entropy(net(x), y), 37)
+        return [p.grad.clone() for p in net.parameters()]
+
+    whole, chunked = clipped(1 << 40), clipped(1)  # one chunk; one sample a chunk
+    for a, b in zip(whole, chunked):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    assert any(a.abs().sum() > 0 for a in whole)
