@@ -46,9 +46,12 @@ class TrainingDiverged(ValueError):
 
 
 # A run has diverged when a step's loss is not finite, or the mean over the last
-# DIVERGENCE_WINDOW steps exceeds DIVERGENCE_FACTOR × ln(classes) (chance level is ln(classes),
-# ~2.3 for ten; the papers' runs stay below 3 at every step size they use, a diverging
-# lr reaches hundreds within an epoch). The window keeps one unlucky tiny batch from stopping a run.
+# DIVERGENCE_WINDOW steps exceeds DIVERGENCE_FACTOR × the objective's chance level: its loss at
+# a student that knows nothing (uniform outputs). That is ln(classes) for cross-entropy (~2.3
+# for ten; the papers' runs stay below 3 at every step size they use, a diverging lr reaches
+# hundreds within an epoch), and up to τ² times more for a distillation term, whose KL is
+# scaled by τ² (DPKD's fresh student at τ = 5 starts near 30: not a divergence). The window
+# keeps one unlucky tiny batch from stopping a run.
 DIVERGENCE_WINDOW, DIVERGENCE_FACTOR = 10, 10.0
 
 
@@ -252,10 +255,10 @@ class DPTrainer:
         started, loss_sum, steps_run = time.perf_counter(), 0.0, 0
         recent = deque(maxlen=DIVERGENCE_WINDOW)
         for epoch in epochs:
-            loss_fn, uses_teacher = self._loss_for_epoch(epoch, model)
+            loss_fn, uses_teacher, chance = self._loss_for_epoch(epoch, model)
             for _ in range(self.steps_per_epoch):
                 recent.append(self._step(loss_fn, uses_teacher))
-                self._check_divergence(recent, epoch)
+                self._check_divergence(recent, epoch, chance)
                 loss_sum += recent[-1]
                 ledger.step(self.plan.noise_multiplier, self.plan.sample_rate)
                 if ema is not None:
@@ -295,8 +298,8 @@ class DPTrainer:
             raise BudgetExhausted(f"{steps_to_run} more steps would spend ε={after:.3f} > budget "
                                   f"{self.plan.epsilon} (spent so far {ledger.epsilon(self.plan.delta):.3f})")
 
-    def _check_divergence(self, recent: deque, epoch: int) -> None:
-        limit = DIVERGENCE_FACTOR * math.log(self.data.num_classes)
+    def _check_divergence(self, recent: deque, epoch: int, chance: float) -> None:
+        limit = DIVERGENCE_FACTOR * chance * math.log(self.data.num_classes)
         mean = sum(recent) / len(recent)
         if math.isfinite(recent[-1]) and mean <= limit:
             return
@@ -304,18 +307,21 @@ class DPTrainer:
 
     # -- pieces ---------------------------------------------------------------------------
     def _loss_for_epoch(self, epoch: int, model: Model):
-        """(per-sample loss(student_logits, teacher_logits, y), whether it reads the teacher) for
-        a 1-based epoch; for DPKD it also moves the run to stage 2 when that begins."""
+        """(per-sample loss(student_logits, teacher_logits, y), whether it reads the teacher, its
+        chance level in units of ln K) for a 1-based epoch; for DPKD it also moves the run to
+        stage 2 when that begins. The chance level bounds the loss of a uniform student: CE is
+        ln K at any temperature, τ²·KL(teacher ‖ uniform) ≤ τ²·ln K, and DPDSD's α·TCSD + β·NCSD ≤
+        e·max(α, β)·ln K (its gate e^γ < e weighs teacher probabilities that sum to 1)."""
         cfg, none = self.cfg, "none"
         warm = epoch <= cfg.distill_warmup_epochs
         if cfg.method == "dp3sd" and warm:
-            return (lambda s, t, y: losses.cross_entropy(s, y, tau=cfg.tau_s, reduction=none)), False
+            return (lambda s, t, y: losses.cross_entropy(s, y, tau=cfg.tau_s, reduction=none)), False, 1.0
         if cfg.method == "dp3sd":
             return (lambda s, t, y: losses.dp3sd_loss(s, t, y, tau_s=cfg.tau_s, tau_t=cfg.tau_t, alpha=cfg.alpha,
-                                                      reduction=none)), True
+                                                      reduction=none)), True, cfg.alpha + (1 - cfg.alpha) * cfg.tau_t ** 2
         if cfg.method == "dpdsd" and not warm:
             return (lambda s, t, y: losses.dpdsd_loss(s, t, y, tau=cfg.tau, alpha=cfg.alpha, beta=cfg.beta,
-                                                      reduction=none)), True
+                                                      reduction=none)), True, 1 + math.e * max(cfg.alpha, cfg.beta)
         if cfg.method == "dpkd" and epoch > cfg.kd_teacher_epochs:
             if "kd_teacher" not in model:
                 # Stage 2 begins: the stage-1 model becomes the fixed teacher, the student starts afresh.
@@ -324,8 +330,9 @@ class DPTrainer:
                                     seed=derive_seed(cfg.seed, SEED_KD_STUDENT)).state_dict()
                 self._load(self.model, fresh)
             self._load(self.teacher, model["kd_teacher"])
-            return (lambda s, t, y: losses.kd_loss(s, t, y, tau=cfg.tau, alpha=cfg.alpha, reduction=none)), True
-        return (lambda s, t, y: losses.cross_entropy(s, y, reduction=none)), False
+            return (lambda s, t, y: losses.kd_loss(s, t, y, tau=cfg.tau, alpha=cfg.alpha, reduction=none)), True, \
+                cfg.alpha + (1 - cfg.alpha) * cfg.tau ** 2
+        return (lambda s, t, y: losses.cross_entropy(s, y, reduction=none)), False, 1.0
 
     def _step(self, loss_fn, uses_teacher: bool) -> float:
         # Poisson sampling (SPEC §1): each sample joins the batch independently with rate q.

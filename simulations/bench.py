@@ -194,7 +194,7 @@ def bench_step(args: argparse.Namespace) -> int:
     for mode in args.grad_sample_mode:
         cfg = TrainConfig(**{**base.__dict__, "grad_sample_mode": mode})
         trainer = DPTrainer(cfg, TensorData(x, y, x[:1], y[:1], 10), plan(3.0, 1e-5, 10 * batch, batch, 1))
-        loss_fn, uses_teacher = trainer._loss_for_epoch(1, {})  # every step times the same loss
+        loss_fn, uses_teacher, _ = trainer._loss_for_epoch(1, {})  # every step times the same loss
         steps["dp:" + mode] = (lambda t=trainer, f=loss_fn, u=uses_teacher:
                                t.train_on_batch(t.data.x_train, y, f, u))
 

@@ -123,3 +123,34 @@ def test_one_trainer_bound_in_turn_to_clients_gives_each_client_its_own_weights(
         got = shared.bind(datas[k], plans[k], client=k).local_update(start, None, [1])[0]
         assert all(torch.equal(got["student"][n], alone[k]["student"][n]) for n in got["student"])
     assert shared.optimizer.noise_multiplier == plans[1].noise_multiplier != plans[0].noise_multiplier
+
+
+@pytest.mark.parametrize("method, settings", [("dp3sd", {}), ("dpdsd", {}), ("dpkd", dict(tau=5.0, alpha=0.3)),
+                                              ("dpsgd", {})])
+def test_the_divergence_limit_scales_with_the_objectives_chance_level(method, settings):
+    """A student that knows nothing (uniform outputs) under a confident teacher sits at its
+    objective's chance level, which bounds what the divergence check allows: DPKD's fresh
+    stage-2 student at τ = 5 starts near 30 (the sweep's run stopped at 32.65 against a limit
+    of 23), which is not a divergence."""
+    import math
+
+    from fedsd.privacy import plan as calibrate
+    from fedsd.training import DIVERGENCE_FACTOR, DPTrainer, initial_model
+
+    require("mnist")
+    from fedsd import data as data_lib
+
+    cfg = TrainConfig(dataset="mnist", method=method, epsilon=3, epochs=4, batch_size=50, seed=0, threads=1,
+                      **settings).resolved()
+    trainer = DPTrainer(cfg, data_lib.prepare(data_lib.load("mnist"), torch.arange(500)), calibrate(3.0, 1e-5, 500, 50, 4))
+    loss_fn, uses_teacher, chance = trainer._loss_for_epoch(cfg.epochs, initial_model(cfg, 10))
+    y = torch.arange(10).repeat(5)
+    teacher = 30.0 * torch.nn.functional.one_hot(y, 10).float()  # confident and right
+    at_chance = loss_fn(torch.zeros(50, 10), teacher, y).mean().item()
+    assert at_chance <= chance * math.log(10) + 1e-6  # the level bounds a uniform student's loss ...
+    assert at_chance >= 0.5 * chance * math.log(10)  # ... and is not loose
+    assert uses_teacher == (method != "dpsgd")
+    if method == "dpkd":
+        assert DIVERGENCE_FACTOR * chance * math.log(10) > 32.65
+    if method == "dpsgd":
+        assert chance == 1.0
