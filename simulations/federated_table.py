@@ -10,6 +10,7 @@ table and figures are made from whatever runs exist.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import statistics
@@ -18,6 +19,10 @@ from pathlib import Path
 
 from fedsd.config import ConfigError, TrainConfig
 from fedsd.federation import FedOptions, client_config
+from fedsd.results import write_json
+from fedsd.training import TrainingDiverged
+
+from .reproduce import DIVERGED
 
 # The issue's settings, declared once. lr 3 is the best of the B = 256 sweep (results/README.md,
 # "The learning rate at batch sizes the papers did not use"); linear scaling would give 0.48.
@@ -71,17 +76,18 @@ def _settings(cfg: TrainConfig, fed: FedOptions) -> dict:
 
 
 def run_state(run_out: Path, cfg: TrainConfig, fed: FedOptions) -> str:
-    """"done" (result.json with these settings), "resume" (a checkpoint with these settings) or
-    "fresh" (nothing, or a run made with other settings, which is replaced)."""
+    """"done" (result.json, or diverged.json, with these settings), "resume" (a checkpoint with
+    these settings) or "fresh" (nothing, or a run made with other settings, which is replaced)."""
     from server import checkpoint
 
     wanted = _settings(cfg, fed)
-    result = run_out / "result.json"
-    if result.exists():
-        done = json.loads(result.read_text())
-        if _settings(TrainConfig(**done["config"]), FedOptions(**done["federation"])) == wanted:
-            return "done"
-    elif checkpoint.path_in(run_out).exists():
+    for name in ("result.json", DIVERGED):
+        if (run_out / name).exists():
+            done = json.loads((run_out / name).read_text())
+            if _settings(TrainConfig(**done["config"]), FedOptions(**done["federation"])) == wanted:
+                return "done"
+            return "fresh"
+    if checkpoint.path_in(run_out).exists():
         if _settings(*checkpoint.resumed_settings(run_out)) == wanted:
             return "resume"
     return "fresh"
@@ -115,27 +121,38 @@ def reproduce_fed(partitions, methods, seeds: int, jobs: int, rounds: int | None
     for k, (cell, cfg, fed, run_out, state) in enumerate(todo, 1):
         if not quiet:
             print(f"[{k}/{len(todo)}] {run_out.name}" + (" (resumed)" if state == "resume" else ""), flush=True)
-        if state == "resume":
-            fed.resume_dir = str(run_out)
-            simulate(cfg, fed, None, progress=not quiet, ray_cpus=jobs)
-        else:
-            if run_out.exists():  # made with other settings
-                shutil.rmtree(run_out)
-            simulate(cfg, fed, run_out, progress=not quiet, ray_cpus=jobs)
+        try:
+            if state == "resume":
+                simulate(cfg, dataclasses.replace(fed, resume_dir=str(run_out)), None, progress=not quiet,
+                         ray_cpus=jobs)
+            else:
+                if run_out.exists():  # made with other settings
+                    shutil.rmtree(run_out)
+                simulate(cfg, fed, run_out, progress=not quiet, ray_cpus=jobs)
+        except TrainingDiverged as e:
+            # An answer of the table too (this method does not train in this federation): kept
+            # beside the run's checkpoints, so it is not run again, and the table goes on.
+            write_json(run_out / DIVERGED, dict(config=cfg.to_dict(), federation=dataclasses.asdict(fed),
+                                                reason=str(e)))
+            if not quiet:
+                print(f"  diverged: {e}", flush=True)
     write_fed_table(fed_cells(), runs_dir, out)
 
 
 def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
     """table-fed.json / .md (final accuracy, best round, client ε range, and the gain over dpsgd
     in the same partition and seeds) and fig-fed-<partition>.png, from the finished runs."""
-    from fedsd.results import write_json
-
     from .reproduce import gain_over_dpsgd
 
     rows = []
     for cell in cells:
         runs = sorted(runs_dir.glob(f"{cell.name}-seed*/result.json"))
         results = [json.loads(p.read_text()) for p in runs]
+        diverged = [json.loads(p.read_text())["reason"] for p in sorted(runs_dir.glob(f"{cell.name}-seed*/{DIVERGED}"))]
+        if diverged and not results:
+            rows.append(dict(partition=cell.partition, method=cell.method, teacher=cell.teacher, seeds=[], final=[],
+                             diverged=diverged, gain_over_dpsgd=None))
+            continue
         if not results:
             continue
         curves = [[100 * r["test_accuracy"] for r in res["rounds"]] for res in results]
@@ -150,12 +167,17 @@ def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
                          shard_sizes=results[0]["shard_sizes"], seconds=[res["wall_seconds"] for res in results],
                          curves=curves))
     for row in rows:
-        row["gain_over_dpsgd"] = gain_over_dpsgd(row, rows, ("partition",), "final")
+        if "diverged" not in row:
+            row["gain_over_dpsgd"] = gain_over_dpsgd(row, rows, ("partition",), "final")
     write_json(out / f"{FED_TABLE_NAME}.json", {"settings": {**FED_TABLE, **FED_SHAPE}, "cells": rows})
     lines = ["# The federated table: Fashion-MNIST, 10 clients, 1 local epoch a round, B = 256, ε = 3 a client",
              "", "| partition | method | teacher | final (%) | seeds | vs dpsgd | best (%) at round | client ε |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "diverged" in r:
+            where = r["diverged"][0].split(": training diverged")[0]  # "round R, client K"
+            lines.append(f"| {r['partition']} | {r['method']} | {r['teacher']} | diverged ({where}) | 0 | | | |")
+            continue
         final = statistics.mean(r["final"])
         std = statistics.stdev(r["final"]) if len(r["final"]) > 1 else 0.0
         gain = f"{r['gain_over_dpsgd']:+.2f}" if r["gain_over_dpsgd"] is not None else ""
@@ -172,6 +194,7 @@ def _figures(rows: list[dict], out: Path) -> None:
     (dashed: the local-previous teacher)."""
     from .reproduce import plot_curves
 
+    rows = [r for r in rows if "diverged" not in r]
     for partition in dict.fromkeys(r["partition"] for r in rows):
         local = lambda r: r["teacher"] == "local-previous"  # noqa: E731
         plot_curves(out / f"fig-fed-{partition}.png", f"fmnist, 10 clients, {partition}, ε = 3 a client", "round",

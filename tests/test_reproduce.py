@@ -137,3 +137,28 @@ def test_federated_table_runs_resumes_and_writes_its_files(tmp_path):
     assert done.stat().st_mtime_ns == stamp  # a finished run is not run again
     again = json.loads(stopped.read_text())
     assert 100 * again["test_accuracy"] == pytest.approx(rows["dp3sd"]["final"][0])
+
+
+def test_a_diverged_federation_is_a_row_of_the_table_and_not_run_again(tmp_path):
+    """A federated run stopped by a client's divergence is recorded (diverged.json with its
+    settings and reason) and shown as such; the table goes on and a reproduce does not run it
+    again."""
+    import dataclasses
+
+    from simulations.federated_table import FedCell, cell_settings, run_state, write_fed_table
+
+    runs = tmp_path / "runs" / "table-fed"
+    cell = FedCell("dirichlet0.1", "dpdsd", "local-previous")
+    cfg, fed = cell_settings(cell, 0)
+    run = runs / f"{cell.name}-seed0"
+    run.mkdir(parents=True)
+    (run / "diverged.json").write_text(json.dumps(dict(
+        config=cfg.to_dict(), federation=dataclasses.asdict(fed),
+        reason="round 2, client 5: training diverged in epoch 2: the mean loss ...")))
+    assert run_state(run, cfg, fed) == "done"
+    assert run_state(run, *cell_settings(cell, 0, rounds=5)) == "fresh"  # other settings: made again
+    write_fed_table([cell], runs, tmp_path)
+    row = json.loads((tmp_path / "table-fed.json").read_text())["cells"][0]
+    assert row["diverged"] and row["final"] == [] and row["gain_over_dpsgd"] is None
+    assert "| dirichlet0.1 | dpdsd | local-previous | diverged (round 2, client 5) | 0 |" in \
+        (tmp_path / "table-fed.md").read_text()
