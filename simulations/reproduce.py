@@ -51,6 +51,7 @@ class Cell:
     paper: float
     variant: str = ""
     overrides: dict = field(default_factory=dict)
+    label: str = ""  # the variant as the paper's table names it
 
     @property
     def name(self) -> str:
@@ -64,7 +65,7 @@ def table1_cells(datasets, methods, epsilons) -> list[Cell]:
 
 def table2_cells() -> list[Cell]:
     slug = lambda s: "".join(c if c.isalnum() else "_" for c in s).strip("_")  # noqa: E731
-    return [Cell("fmnist", m, TABLE2_EPSILON, paper, slug(label), overrides) for m, label, overrides, paper
+    return [Cell("fmnist", m, TABLE2_EPSILON, paper, slug(label), overrides, label) for m, label, overrides, paper
             in PAPER_TABLE2]
 
 
@@ -241,7 +242,7 @@ def write_tables(table: int, cells: list[Cell], runs_dir: Path, out: Path) -> No
         runs = seeds_run(runs_dir, cell)
         results = list(runs.values())
         rows.append(dict(
-            dataset=cell.dataset, method=cell.method, variant=cell.variant, epsilon=cell.epsilon,
+            dataset=cell.dataset, method=cell.method, variant=cell.variant, label=cell.label, epsilon=cell.epsilon,
             seeds=list(runs), accuracies=[100 * r["test_accuracy"] for r in results], paper=cell.paper,
             config=results[0]["config"] if results else None,
             noise_multiplier=results[0]["noise_multiplier"] if results else None,
@@ -256,7 +257,7 @@ def write_tables(table: int, cells: list[Cell], runs_dir: Path, out: Path) -> No
              f"|---|---|---|---|---|---|---|{gain_rule}"]
     for r in rows:
         accs = r["accuracies"]
-        method = r["method"] + (f" ({r['variant']})" if r["variant"] else "")
+        method = r["method"] + (f" ({r['label'] or r['variant']})" if r["variant"] else "")
         gain = "" if table != 1 else (f" {r['gain_over_dpsgd']:+.2f} |" if r["gain_over_dpsgd"] is not None
                                       else " |")
         if accs:
