@@ -142,12 +142,12 @@ def reproduce_fed(partitions, methods, seeds: int, jobs: int, rounds: int | None
 def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
     """table-fed.json / .md (final accuracy, best round, client ε range, and the gain over dpsgd
     in the same partition and seeds) and fig-fed-<partition>.png, from the finished runs."""
-    from .reproduce import gain_over_dpsgd
+    from .reproduce import gain_over_dpsgd, seeds_run
 
     rows = []
     for cell in cells:
-        runs = sorted(runs_dir.glob(f"{cell.name}-seed*/result.json"))
-        results = [json.loads(p.read_text()) for p in runs]
+        runs = seeds_run(runs_dir, cell)
+        results = list(runs.values())
         diverged = [json.loads(p.read_text())["reason"] for p in sorted(runs_dir.glob(f"{cell.name}-seed*/{DIVERGED}"))]
         if diverged and not results:
             rows.append(dict(partition=cell.partition, method=cell.method, teacher=cell.teacher, seeds=[], final=[],
@@ -160,7 +160,7 @@ def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
         best = max(range(len(mean_curve)), key=mean_curve.__getitem__)
         epsilons = [e for res in results for e in res["rounds"][-1]["client_epsilon"].values()]
         rows.append(dict(partition=cell.partition, method=cell.method, teacher=cell.teacher,
-                         seeds=[int(p.parent.name.rsplit("seed", 1)[1]) for p in runs],
+                         seeds=list(runs),
                          final=[100 * res["test_accuracy"] for res in results], best_round=best + 1,
                          best_accuracy=mean_curve[best], client_epsilon=[min(epsilons), max(epsilons)],
                          noise_multiplier=sorted(set(results[0]["noise_multiplier"].values())),
