@@ -45,13 +45,17 @@ class TrainingDiverged(ValueError):
     setting, instead of training on to chance accuracy. Nothing of it is released."""
 
 
-# A run has diverged when a step's loss is not finite, or the mean over the last
-# DIVERGENCE_WINDOW steps exceeds DIVERGENCE_FACTOR × the objective's chance level: its loss at
-# a student that knows nothing (uniform outputs). That is ln(classes) for cross-entropy (~2.3
-# for ten; the papers' runs stay below 3 at every step size they use, a diverging lr reaches
-# hundreds within an epoch), and up to τ² times more for a distillation term, whose KL is
-# scaled by τ² (DPKD's fresh student at τ = 5 starts near 30: not a divergence). The window
-# keeps one unlucky tiny batch from stopping a run.
+# A run has diverged when a step's loss is not finite, or when the mean over the last
+# DIVERGENCE_WINDOW steps stays above DIVERGENCE_FACTOR × the objective's chance level (its loss
+# at a student that knows nothing, uniform outputs) for DIVERGENCE_WINDOW steps in a row, or is
+# still above it when the call ends (the model it would release). The level is ln(classes) for
+# cross-entropy (~2.3 for ten; the papers' runs stay below 3 at every step size they use, a
+# diverging lr reaches hundreds within an epoch and stays there), and up to τ² times more for a
+# distillation term, whose KL is scaled by τ² (DPKD's fresh student at τ = 5 starts near 30: not
+# a divergence). Why a high loss must persist: a small skewed federated shard at B = 256, lr 3
+# spikes and comes back within a round (the Dirichlet(0.1) dpdsd run with local-previous
+# teachers: one 15-step round went 1.7 → 80 → 6.6, and the next round was at 2; a check on the
+# window alone stopped that run). The window keeps one unlucky tiny batch from stopping a run.
 DIVERGENCE_WINDOW, DIVERGENCE_FACTOR = 10, 10.0
 
 
@@ -165,6 +169,35 @@ def divergence_message(cfg: TrainConfig, epoch: int, loss: float, mean: float, l
             f"or leave it unset for the default, which scales with B")
 
 
+class DivergenceCheck:
+    """The divergence rule above, over the steps of one training call."""
+
+    def __init__(self, cfg: TrainConfig, num_classes: int):
+        self.cfg, self.log_classes = cfg, math.log(num_classes)
+        self.recent = deque(maxlen=DIVERGENCE_WINDOW)
+        self.above = 0  # steps in a row whose window mean is above the limit
+        self.epoch, self.limit = 0, math.inf
+
+    def after_step(self, loss: float, epoch: int, chance: float) -> None:
+        self.epoch, self.limit = epoch, DIVERGENCE_FACTOR * chance * self.log_classes
+        self.recent.append(loss)
+        if not math.isfinite(loss):
+            self._stop()
+        self.above = self.above + 1 if self._mean() > self.limit else 0
+        if self.above >= DIVERGENCE_WINDOW:
+            self._stop()
+
+    def at_end(self) -> None:
+        if self.above:
+            self._stop()
+
+    def _mean(self) -> float:
+        return sum(self.recent) / len(self.recent)
+
+    def _stop(self):
+        raise TrainingDiverged(divergence_message(self.cfg, self.epoch, self.recent[-1], self._mean(), self.limit))
+
+
 class DPTrainer:
     """Opacus DP-SGD on one data set (a central training set or one client's shard).
 
@@ -253,19 +286,20 @@ class DPTrainer:
         ema = {k: v.detach().clone().to(self.device) for k, v in model["ema"].items()} if "ema" in model else None
 
         started, loss_sum, steps_run = time.perf_counter(), 0.0, 0
-        recent = deque(maxlen=DIVERGENCE_WINDOW)
+        divergence = DivergenceCheck(self.cfg, self.data.num_classes)
         for epoch in epochs:
             loss_fn, uses_teacher, chance = self._loss_for_epoch(epoch, model)
             for _ in range(self.steps_per_epoch):
-                recent.append(self._step(loss_fn, uses_teacher))
-                self._check_divergence(recent, epoch, chance)
-                loss_sum += recent[-1]
+                loss = self._step(loss_fn, uses_teacher)
+                divergence.after_step(loss, epoch, chance)
+                loss_sum += loss
                 ledger.step(self.plan.noise_multiplier, self.plan.sample_rate)
                 if ema is not None:
                     self._update_ema(ema, state.steps)
                 state.steps += 1
                 steps_run += 1
 
+        divergence.at_end()
         student = self._weights(self.model)
         model["student"] = student
         if ema is not None:
@@ -297,13 +331,6 @@ class DPTrainer:
         if after > self.plan.epsilon * (1 + 1e-9):
             raise BudgetExhausted(f"{steps_to_run} more steps would spend ε={after:.3f} > budget "
                                   f"{self.plan.epsilon} (spent so far {ledger.epsilon(self.plan.delta):.3f})")
-
-    def _check_divergence(self, recent: deque, epoch: int, chance: float) -> None:
-        limit = DIVERGENCE_FACTOR * chance * math.log(self.data.num_classes)
-        mean = sum(recent) / len(recent)
-        if math.isfinite(recent[-1]) and mean <= limit:
-            return
-        raise TrainingDiverged(divergence_message(self.cfg, epoch, recent[-1], mean, limit))
 
     # -- pieces ---------------------------------------------------------------------------
     def _loss_for_epoch(self, epoch: int, model: Model):

@@ -1,5 +1,6 @@
 """Central DP training on real data: accuracy, determinism, the files of a run."""
 import json
+import math
 
 import pytest
 import torch
@@ -100,6 +101,45 @@ def test_a_diverging_run_stops_at_once_naming_the_learning_rate():
     with pytest.raises(TrainingDiverged, match=r"diverged in epoch 1: .*--lr 30 at --batch-size 16 \(the papers use "
                                                r"lr 0.8 at B = 1200\)"):
         train(cfg, progress=False)
+
+
+# One client's round 2 in the Dirichlet(0.1) federation, dpdsd with local-previous teachers
+# (15 steps, B = 256, lr 3): a spike that comes back within the round; round 3 stayed near 2.
+SPIKE_ROUND = [1.7, 1.1, 3.5, 11.2, 28.7, 33.8, 58.6, 80.0, 42.9, 52.7, 38.2, 44.8, 31.6, 13.3, 6.6]
+
+
+def _divergence_check():
+    from fedsd.training import DivergenceCheck
+
+    return DivergenceCheck(TrainConfig(dataset="fmnist", method="dpdsd", epsilon=3, batch_size=256, lr=3.0), 10)
+
+
+def test_a_loss_spike_that_comes_back_is_not_a_divergence():
+    """The window mean of that round crossed dpdsd's limit (41.8) for two steps, then fell."""
+    check, window_means = _divergence_check(), []
+    for loss in SPIKE_ROUND:
+        check.after_step(loss, 2, 1 + math.e * 0.3)
+        window_means.append(check._mean())
+    assert check.limit == pytest.approx(10 * (1 + math.e * 0.3) * math.log(10))
+    assert sum(m > check.limit for m in window_means) == 2  # a check on the window alone would stop here
+    check.at_end()  # nothing raised: the model the round releases is back below the limit
+
+
+@pytest.mark.parametrize("losses, why", [
+    ([2.0] * 5 + [300.0] * 25, "stays above"),       # explodes and stays: stopped within 2 windows
+    ([2.0] * 5 + [300.0] * 8, "ends above"),         # a short call that ends exploded
+    ([2.0, 2.0, float("nan")], "not finite")])
+def test_a_loss_that_stays_high_or_ends_high_or_is_not_finite_stops_the_run(losses, why):
+    from fedsd.training import DIVERGENCE_WINDOW, TrainingDiverged
+
+    check = _divergence_check()
+    with pytest.raises(TrainingDiverged, match=r"diverged in epoch 2: .*--lr 3 at --batch-size 256"):
+        for k, loss in enumerate(losses):
+            check.after_step(loss, 2, 1 + math.e * 0.3)
+            assert k < 5 + 2 * DIVERGENCE_WINDOW  # never later than this
+        check.at_end()
+    if why == "not finite":
+        assert len(check.recent) == 3
 
 
 def test_one_trainer_bound_in_turn_to_clients_gives_each_client_its_own_weights():
