@@ -53,9 +53,10 @@ class TrainingDiverged(ValueError):
 # diverging lr reaches hundreds within an epoch and stays there), and up to τ² times more for a
 # distillation term, whose KL is scaled by τ² (DPKD's fresh student at τ = 5 starts near 30: not
 # a divergence). Why a high loss must persist: a small skewed federated shard at B = 256, lr 3
-# spikes and comes back within a round (the Dirichlet(0.1) dpdsd run with local-previous
-# teachers: one 15-step round went 1.7 → 80 → 6.6, and the next round was at 2; a check on the
-# window alone stopped that run). The window keeps one unlucky tiny batch from stopping a run.
+# can spike and come back within a round (a 3-round Dirichlet(0.1) dpdsd federation with
+# local-previous teachers: one client's 15-step round went 1.7 → 80 → 6.6 and its next round
+# stayed near 2; a check on the window alone stops it). The window keeps one unlucky tiny batch
+# from stopping a run.
 DIVERGENCE_WINDOW, DIVERGENCE_FACTOR = 10, 10.0
 
 

@@ -103,8 +103,9 @@ def test_a_diverging_run_stops_at_once_naming_the_learning_rate():
         train(cfg, progress=False)
 
 
-# One client's round 2 in the Dirichlet(0.1) federation, dpdsd with local-previous teachers
-# (15 steps, B = 256, lr 3): a spike that comes back within the round; round 3 stayed near 2.
+# One client's round 2 in a 3-round Dirichlet(0.1) federation, dpdsd with local-previous
+# teachers (15 steps, B = 256, lr 3): a spike that comes back within the round; round 3 stayed
+# near 2.
 SPIKE_ROUND = [1.7, 1.1, 3.5, 11.2, 28.7, 33.8, 58.6, 80.0, 42.9, 52.7, 38.2, 44.8, 31.6, 13.3, 6.6]
 
 
