@@ -142,13 +142,13 @@ def reproduce_fed(partitions, methods, seeds: int, jobs: int, rounds: int | None
 def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
     """table-fed.json / .md (final accuracy, best round, client ε range, and the gain over dpsgd
     in the same partition and seeds) and fig-fed-<partition>.png, from the finished runs."""
-    from .reproduce import gain_over_dpsgd, seeds_run
+    from .reproduce import gain_over_dpsgd, seed_files, seeds_run
 
     rows = []
     for cell in cells:
         runs = seeds_run(runs_dir, cell)
         results = list(runs.values())
-        diverged = [json.loads(p.read_text())["reason"] for p in sorted(runs_dir.glob(f"{cell.name}-seed*/{DIVERGED}"))]
+        diverged = [json.loads(p.read_text())["reason"] for p in seed_files(runs_dir, cell, DIVERGED).values()]
         if diverged and not results:
             rows.append(dict(partition=cell.partition, method=cell.method, teacher=cell.teacher, seeds=[], final=[],
                              diverged=diverged, gain_over_dpsgd=None))

@@ -214,15 +214,20 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
-def seeds_run(runs_dir: Path, cell) -> dict[int, dict]:
-    """The finished runs (result.json) of `cell` (a Cell or a federated table's FedCell) under
-    `runs_dir`, by seed, in seed order (whatever seeds a reproduce ran)."""
+def seed_files(runs_dir: Path, cell, name: str = "result.json") -> dict[int, Path]:
+    """The file `name` of each run of `cell` (a Cell or a federated table's FedCell) under
+    `runs_dir` that has one, by seed, in seed order (whatever seeds a reproduce ran)."""
     found = {}
-    for path in runs_dir.glob(f"{cell.name}-seed*/result.json"):
+    for path in runs_dir.glob(f"{cell.name}-seed*/{name}"):
         seed = path.parent.name.removeprefix(f"{cell.name}-seed")
         if seed.isdigit():
-            found[int(seed)] = json.loads(path.read_text())
+            found[int(seed)] = path
     return dict(sorted(found.items()))
+
+
+def seeds_run(runs_dir: Path, cell) -> dict[int, dict]:
+    """The finished runs (result.json) of `cell` under `runs_dir`, by seed, in seed order."""
+    return {seed: json.loads(path.read_text()) for seed, path in seed_files(runs_dir, cell).items()}
 
 
 def table_cells(table: int, asked: list[Cell], runs_dir: Path) -> list[Cell]:
@@ -230,7 +235,7 @@ def table_cells(table: int, asked: list[Cell], runs_dir: Path) -> list[Cell]:
     table's order: a reproduce of some cells rewrites the table without dropping the others."""
     every = table2_cells() if table == 2 else table1_cells(DATASETS, TABLE1_METHODS, [1.0, 2.0, 3.0])
     names = {c.name for c in asked}
-    return [c for c in every if c.name in names or any(runs_dir.glob(f"{c.name}-seed*/result.json"))]
+    return [c for c in every if c.name in names or seed_files(runs_dir, c)]
 
 
 def write_tables(table: int, cells: list[Cell], runs_dir: Path, out: Path) -> None:
