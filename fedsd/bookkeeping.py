@@ -11,7 +11,9 @@ a); autograd never computes a weight gradient. Per layer, from (a, g):
     matrix products of the im2col patches, their norms, and the clipped sum cᵀ(∇_1 … ∇_n).
     That skips both the reweighting of the layer's (large) output gradient and its weight
     gradient convolution.
-On CPU the patches are made and used a cache-sized chunk of the batch at a time.
+On CPU, per-sample gradients come from fedsd.conv_kernel, which never writes the patches
+(where it is not built, the patches are made and used a cache-sized chunk of the batch at a
+time).
 The result is written into p.grad; Opacus' DPOptimizerFastGradientClipping then adds the noise
 and averages, as for its own ghost clipping. The clipping factor is Opacus' own:
 c_i = min(1, C / (‖∇_i‖ + 1e-6)). Everything works on channels-last activations without a
@@ -20,15 +22,20 @@ layout change (results/perf.md).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from . import conv_kernel
 
 # Ghost norms cost 2T²(d+p) flops a sample (T output positions, d = c·k·k inputs per position,
 # p output channels), per-sample gradients 2T·d·p plus the patches. Measured on this CPU at
-# the papers' batch sizes (results/perf.md), ghost wins up to about twice the flops: mnist-cnn
-# conv2 (0.9×) and cifar-cnn conv3 (1.1×), conv4 (0.15×) take ghost norms; mnist-cnn conv1 (15×)
-# and cifar-cnn conv1 (>100×), conv2 (4.9×) per-sample gradients.
+# the papers' batch sizes (results/perf.md), with the patches and batched products ghost wins
+# up to about twice the flops: mnist-cnn conv2 (0.9×) and cifar-cnn conv3 (1.1×), conv4 (0.15×)
+# take ghost norms; mnist-cnn conv1 (15×) and cifar-cnn conv1 (>100×), conv2 (4.9×) per-sample
+# gradients. fedsd.conv_kernel's per-sample gradients are faster, so with it ghost norms win
+# only below about half the flops (mnist-cnn conv2: kernel 17 ms, ghost 28; cifar-cnn conv3:
+# 70 against 116; conv4: 65 against 32).
 GHOST_FLOPS_LIMIT = 2.0
+GHOST_FLOPS_LIMIT_WITH_KERNEL = 0.5
 # The im2col patches of a chunk of the batch, in bytes, on CPU: 2 MiB stays in this CPU's cache
 # (measured on mnist-cnn at B = 1600, 1 thread: conv1's per-sample gradients 43 → 28 ms, conv2's
 # ghost norms 31 → 20 ms; chunks of 1–4 MiB within a millisecond of each other).
@@ -95,7 +102,8 @@ def clip_factor(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
 
 
 class BookKeepingClipper:
-    def __init__(self, model: nn.Module, max_grad_norm: float):
+    def __init__(self, model: nn.Module, max_grad_norm: float, kernel: bool = True):
+        """kernel=False: per-sample gradients by PyTorch's batched products, never fedsd.conv_kernel."""
         self.layers = []
         for module in model.modules():
             if isinstance(module, (nn.Conv2d, nn.Linear)):
@@ -107,6 +115,7 @@ class BookKeepingClipper:
                 raise ValueError(f"--grad-sample-mode bk: no book-keeping rule for {type(module).__name__}; "
                                  "use hooks or ghost")
         self.max_grad_norm = max_grad_norm
+        self.kernel = kernel
         self._inputs: dict[nn.Module, torch.Tensor] = {}
         self._outputs: dict[nn.Module, torch.Tensor] = {}
         for layer in self.layers:
@@ -118,9 +127,10 @@ class BookKeepingClipper:
             self._outputs[module] = output
 
     @staticmethod
-    def uses_ghost_norm(layer: nn.Conv2d, g: torch.Tensor) -> bool:
+    def uses_ghost_norm(layer: nn.Conv2d, g: torch.Tensor, kernel: bool) -> bool:
         T, p, d = g.shape[2] * g.shape[3], g.shape[1], layer.weight[0].numel()
-        return 2 * T * T * (d + p) < GHOST_FLOPS_LIMIT * 2 * T * d * p
+        limit = GHOST_FLOPS_LIMIT_WITH_KERNEL if kernel else GHOST_FLOPS_LIMIT
+        return 2 * T * T * (d + p) < limit * 2 * T * d * p
 
     def backward(self, loss: torch.Tensor, batch_size: int) -> None:
         """Set p.grad to the sum over the batch of the clipped per-sample gradients of the
@@ -128,7 +138,9 @@ class BookKeepingClipper:
         layers = self.layers
         grads = torch.autograd.grad(loss, [self._outputs[m] for m in layers])  # no weight gradients
         norms2 = torch.zeros(batch_size, device=loss.device, dtype=loss.dtype)
-        kept = []  # (layer, a, g, per-sample weight gradients or None, per-sample bias gradients or None)
+        # (layer, a, g, per-sample weight gradients or None, per-sample bias gradients or None, whether
+        # the per-sample gradients are (n, kh·kw·c, p) as from the kernel, not (n, p, kh·kw·c))
+        kept = []
         for layer, g in zip(layers, grads):  # g: gradients of the batch mean, 1/n of each sample's own
             a = self._inputs[layer]
             if isinstance(layer, nn.Linear):
@@ -137,28 +149,35 @@ class BookKeepingClipper:
                 norms2 += a.pow(2).sum(1) * g.pow(2).sum(1)
                 if layer.bias is not None:
                     norms2 += g.pow(2).sum(1)
-                kept.append((layer, a, g, None, None))
+                kept.append((layer, a, g, None, None, False))
                 continue
             n, p, th, tw = g.shape
             per_sample_bias = g.sum((2, 3)) if layer.bias is not None else None
             if per_sample_bias is not None:
                 norms2 += per_sample_bias.pow(2).sum(1)
+            kernel = self.kernel and conv_kernel.applies(layer, a, g)
             G = g.permute(0, 2, 3, 1).reshape(n, th * tw, p)  # (n, T, p), a view when channels-last
-            if self.uses_ghost_norm(layer, g):
+            if self.uses_ghost_norm(layer, g, kernel):
                 norms2 += _ghost_norms2(layer, a, G)
-                kept.append((layer, a, g, None, None))
+                kept.append((layer, a, g, None, None, False))
+            elif kernel:
+                per_sample, per_sample_norms2 = conv_kernel.per_sample_grads(layer, a, g)
+                norms2 += per_sample_norms2
+                kept.append((layer, a, g, per_sample, per_sample_bias, True))
             else:
-                per_sample = _per_sample_grads(layer, a, G)  # (n, p, kh·kw·c)
-                norms2 += per_sample.pow(2).sum((1, 2))
-                kept.append((layer, a, g, per_sample, per_sample_bias))
+                per_sample = _per_sample_grads(layer, a, G)
+                norms2 += torch.linalg.vector_norm(per_sample.flatten(1), dim=1).square()
+                kept.append((layer, a, g, per_sample, per_sample_bias, False))
         # Scale back from the mean's gradients to each sample's own (×n), in the norms and in the
         # weights of the sum, rather than in every output gradient.
         norms = norms2.sqrt() * batch_size
         coeff = clip_factor(norms, self.max_grad_norm) * batch_size
-        for layer, a, g, per_sample, per_sample_bias in kept:
+        for layer, a, g, per_sample, per_sample_bias, d_first in kept:
             if per_sample is not None:  # Σ_i c_i ∇_i straight from the per-sample gradients
                 p, c, kh, kw = layer.weight.shape
-                summed = (coeff @ per_sample.flatten(1)).view(p, kh, kw, c).permute(0, 3, 1, 2)
+                summed = coeff @ per_sample.flatten(1)
+                summed = (summed.view(kh, kw, c, p).permute(3, 2, 0, 1) if d_first
+                          else summed.view(p, kh, kw, c).permute(0, 3, 1, 2))
                 layer.weight.grad = summed.contiguous(memory_format=_format_of(layer.weight))
                 if per_sample_bias is not None:
                     layer.bias.grad = coeff @ per_sample_bias

@@ -10,12 +10,12 @@ import functools
 import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from . import _opacus  # noqa: F401  (first: Opacus without its root-logger handler)
+from . import cache_root
 import opacus
 from opacus.accountants import create_accountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
@@ -61,8 +61,7 @@ class PrivacyPlan:
 def calibration_cache_dir() -> Path:
     """Where calibrated σ are kept across processes and runs: FEDSD_CACHE_DIR, else
     ~/.cache/fedsd (XDG_CACHE_HOME respected), folder calibrations/."""
-    root = os.environ.get("FEDSD_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fedsd"
-    return Path(root) / "calibrations"
+    return cache_root() / "calibrations"
 
 
 @functools.lru_cache(maxsize=4096)

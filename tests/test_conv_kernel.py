@@ -1,0 +1,125 @@
+"""fedsd.conv_kernel: each sample's conv weight gradient and its squared norm, as autograd
+gives them one sample at a time, for the papers' six conv layers and shapes they do not have;
+the same bits at any number of threads; the PyTorch route where it does not apply or is not
+built, and book-keeping's clipped sums equal on both routes."""
+import pytest
+import torch
+from torch import nn
+
+from fedsd import conv_kernel
+
+needs_kernel = pytest.mark.skipif(not conv_kernel.available(), reason="no C compiler to build the conv kernel")
+
+LAYERS = {  # (in, out, kernel, stride, padding, dilation, input size)
+    "mnist-cnn conv1": (1, 16, 8, 2, 3, 1, 28),
+    "mnist-cnn conv2": (16, 32, 4, 2, 0, 1, 13),
+    "cifar-cnn conv1": (3, 32, 3, 1, 1, 1, 32),
+    "cifar-cnn conv2": (32, 64, 3, 1, 1, 1, 16),
+    "cifar-cnn conv3": (64, 64, 3, 1, 1, 1, 8),
+    "cifar-cnn conv4": (64, 128, 3, 1, 1, 1, 4),
+    "48 channels, 5 in, dilated": (5, 48, 3, 1, 2, 2, 11),
+    "non-square kernel, uneven padding": (2, 16, (3, 5), (2, 1), (1, 2), 1, 9),
+}
+
+
+def layer_and_gradients(spec, n=7, seed=0):
+    cin, cout, k, s, p, d, hw = spec
+    g = torch.Generator().manual_seed(seed)
+    conv = nn.Conv2d(cin, cout, k, stride=s, padding=p, dilation=d).to(memory_format=torch.channels_last)
+    x = torch.randn(n, cin, hw, hw + 1, generator=g).contiguous(memory_format=torch.channels_last)
+    out_shape = conv(x).shape
+    grad = torch.randn(out_shape, generator=g).contiguous(memory_format=torch.channels_last)
+    return conv, x, grad
+
+
+def autograd_per_sample(conv, x, grad):
+    """(n, p, c, kh, kw): each sample's weight gradient from autograd, one sample at a time."""
+    rows = []
+    for xi, gi in zip(x, grad):
+        conv.weight.grad = None
+        conv(xi[None]).backward(gi[None])
+        rows.append(conv.weight.grad.clone())
+    return torch.stack(rows)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_kernel_gives_each_samples_gradient_and_norm(name):
+    conv, x, grad = layer_and_gradients(LAYERS[name])
+    assert conv_kernel.applies(conv, x, grad)
+    per_sample, norms2 = conv_kernel.per_sample_grads(conv, x, grad)
+    expected = autograd_per_sample(conv, x, grad)  # (n, p, c, kh, kw); the kernel's is (n, kh·kw·c, p)
+    got = per_sample.view(len(x), conv.kernel_size[0], conv.kernel_size[1], x.shape[1], -1).permute(0, 4, 3, 1, 2)
+    scale = expected.abs().max().item()  # sums over up to 1024 positions: float32 rounding grows with them
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
+    torch.testing.assert_close(norms2, expected.flatten(1).pow(2).sum(1), rtol=1e-5, atol=0)
+    assert expected.abs().max() > 1  # not a comparison of zeros
+
+
+@needs_kernel
+def test_kernel_result_does_not_depend_on_the_number_of_threads():
+    conv, x, grad = layer_and_gradients(LAYERS["mnist-cnn conv2"], n=33)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = conv_kernel.per_sample_grads(conv, x, grad)
+        torch.set_num_threads(2)
+        two = conv_kernel.per_sample_grads(conv, x, grad)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+@needs_kernel
+def test_kernel_declines_what_it_cannot_take():
+    conv, x, grad = layer_and_gradients(LAYERS["mnist-cnn conv2"])
+    assert not conv_kernel.applies(conv, x.contiguous(), grad.contiguous())  # NCHW
+    assert not conv_kernel.applies(conv.double(), x.double(), grad.double())
+    narrow = nn.Conv2d(16, 8, 4, stride=2).to(memory_format=torch.channels_last)  # 8 channels: not whole vectors
+    g8 = torch.zeros(len(x), 8, 5, 6).contiguous(memory_format=torch.channels_last)
+    assert not conv_kernel.applies(narrow, x, g8)
+
+
+def test_a_failed_build_falls_back_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDSD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    conv_kernel._library.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="not built.*slower route"):
+            assert not conv_kernel.available()
+    finally:
+        conv_kernel._library.cache_clear()
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv(conv_kernel.ENABLED_ENV, "0")
+    conv_kernel._library.cache_clear()
+    try:
+        assert not conv_kernel.available()
+    finally:
+        conv_kernel._library.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("model", ["mnist-cnn", "cifar-cnn"])
+def test_bookkeeping_clipped_sum_is_the_same_on_both_routes(model):
+    """The kernel's per-sample gradients and PyTorch's patches and batched products give
+    book-keeping the same clipped sum, with clipping active (C below most samples' norms)."""
+    from fedsd.bookkeeping import BookKeepingClipper
+    from fedsd.models import build_model
+
+    def clipped(kernel):
+        net = build_model(model, seed=0).to(memory_format=torch.channels_last)
+        clipper = BookKeepingClipper(net, max_grad_norm=0.05, kernel=kernel)
+        shape = (1, 28, 28) if model == "mnist-cnn" else (3, 32, 32)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(37, *shape, generator=g).contiguous(memory_format=torch.channels_last)
+        y = torch.randint(0, 10, (37,), generator=g)
+        clipper.backward(nn.functional.cross_entropy(net(x), y), 37)
+        return [p.grad.clone() for p in net.parameters()]
+
+    with_kernel, without = clipped(True), clipped(False)
+    for a, b in zip(with_kernel, without):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert all(a.abs().sum() > 0 for a in with_kernel)
