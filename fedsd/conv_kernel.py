@@ -25,6 +25,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -43,6 +44,7 @@ from . import cache_root
 # compiler splits a 16-float vector, AVX2's). The output channels go in vectors of 16, so p must
 # be a multiple of 16 (every conv of the papers' CNNs); other layers take the PyTorch route.
 SOURCE = r"""
+#include <stdint.h>
 #include <string.h>
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 static inline v16 ld(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
@@ -51,13 +53,13 @@ static inline void st(float* p, v16 v) { memcpy(p, &v, 64); }
 /* ∇_i[d][pc .. pc + 16·NV) for d in blocks of DB; off[d] is where patch entry d lies from the
    patch's corner (the rows past D read the corner and are not stored). */
 #define BLOCK(NV, DB) \
-  for (long db = 0; db < D; db += DB) { \
+  for (int64_t db = 0; db < D; db += DB) { \
     v16 acc[DB][NV]; \
     for (int dd = 0; dd < DB; dd++) for (int v = 0; v < NV; v++) acc[dd][v] = (v16){0}; \
-    const long* od = off + db; \
+    const int64_t* od = off + db; \
     for (int ty = 0; ty < TH; ty++) for (int tx = 0; tx < TW; tx++) { \
-      const float* corner = xp + ((long)ty * sh * Wp + (long)tx * sw) * C; \
-      const float* gt = gi + ((long)ty * TW + tx) * P + pc; \
+      const float* corner = xp + ((int64_t)ty * sh * Wp + (int64_t)tx * sw) * C; \
+      const float* gt = gi + ((int64_t)ty * TW + tx) * P + pc; \
       v16 gv[NV]; \
       for (int v = 0; v < NV; v++) gv[v] = ld(gt + 16 * v); \
       for (int dd = 0; dd < DB; dd++) { \
@@ -72,23 +74,23 @@ static inline void st(float* p, v16 v) { memcpy(p, &v, 64); }
   }
 
 /* Samples [i0, i1): x (n, H, W, C), g (n, TH, TW, P), out (n, D, P) with d = (ky, kx, c), and
-   norms2 (n) their squared norms. pad: Hp·Wp·C floats, off: D rounded up to 16 longs, both this
-   call's own. */
-void per_sample_conv_grads(const float* x, const float* g, float* out, float* norms2, long i0, long i1,
+   norms2 (n) their squared norms. pad: Hp·Wp·C floats, off: D rounded up to 16 int64s, both
+   this call's own. */
+void per_sample_conv_grads(const float* x, const float* g, float* out, float* norms2, int64_t i0, int64_t i1,
                            int H, int W, int C, int KH, int KW, int sh, int sw, int ph, int pw,
-                           int dh, int dw, int TH, int TW, int P, float* pad, long* off) {
+                           int dh, int dw, int TH, int TW, int P, float* pad, int64_t* off) {
   const int Hp = H + 2 * ph, Wp = W + 2 * pw;
-  const long D = (long)KH * KW * C, Dr = (D + 15) / 16 * 16;
-  for (long d = 0; d < Dr; d++) {
-    long ky = d / ((long)KW * C), kx = d / C % KW, c = d % C;
+  const int64_t D = (int64_t)KH * KW * C, Dr = (D + 15) / 16 * 16;
+  for (int64_t d = 0; d < Dr; d++) {
+    int64_t ky = d / ((int64_t)KW * C), kx = d / C % KW, c = d % C;
     off[d] = d < D ? (ky * dh * Wp + kx * dw) * C + c : 0;
   }
   if (ph || pw) memset(pad, 0, sizeof(float) * Hp * Wp * C);
-  for (long i = i0; i < i1; i++) {
+  for (int64_t i = i0; i < i1; i++) {
     const float* xp = x + i * H * W * C;
     if (ph || pw) {
       for (int r = 0; r < H; r++)
-        memcpy(pad + ((long)(r + ph) * Wp + pw) * C, xp + (long)r * W * C, sizeof(float) * W * C);
+        memcpy(pad + ((int64_t)(r + ph) * Wp + pw) * C, xp + (int64_t)r * W * C, sizeof(float) * W * C);
       xp = pad;
     }
     const float* gi = g + i * TH * TW * P;
@@ -113,7 +115,7 @@ def _cpu_id() -> str:
         return platform.processor() + platform.machine()
 
 
-def _compile(cc: str, target: Path) -> None:
+def _compile(cc: list[str], target: Path) -> None:
     """Build into a private temporary file and rename it into place, so that processes that
     build at once (Ray workers) never load a half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -121,12 +123,12 @@ def _compile(cc: str, target: Path) -> None:
         src, lib = Path(tmp) / "kernel.c", Path(tmp) / target.name
         src.write_text(SOURCE)
         for arch in (["-march=native"], []):  # -march=native where the compiler has it
-            done = subprocess.run([cc, "-O3", *arch, "-shared", "-fPIC", str(src), "-o", str(lib)],
+            done = subprocess.run([*cc, "-O3", *arch, "-shared", "-fPIC", str(src), "-o", str(lib)],
                                   capture_output=True)
             if done.returncode == 0:
                 os.replace(lib, target)
                 return
-    raise OSError(f"{cc} could not build the conv kernel: {done.stderr.decode(errors='replace')[-500:]}")
+    raise OSError(f"{shlex.join(cc)} could not build the conv kernel: {done.stderr.decode(errors='replace')[-500:]}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -134,14 +136,15 @@ def _library():
     """The loaded kernel, or None (no compiler, a failed build, or FEDSD_CONV_KERNEL=0)."""
     if os.environ.get(ENABLED_ENV, "1") == "0":
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
+    found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not found:
         warnings.warn("no C compiler found (cc, gcc, clang or $CC): --grad-sample-mode bk takes PyTorch's "
                       "slower route for per-sample conv gradients (same results)", RuntimeWarning, stacklevel=2)
         return None
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-        key = hashlib.sha256("\0".join([SOURCE, cc, version, _cpu_id()]).encode()).hexdigest()[:16]
+        cc = shlex.split(found)  # $CC may carry flags ("gcc -m64")
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
+        key = hashlib.sha256("\0".join([SOURCE, found, version, _cpu_id()]).encode()).hexdigest()[:16]
         path = cache_root() / "kernels" / f"per_sample_conv-{key}.so"
         if not path.exists():
             _compile(cc, path)
@@ -152,7 +155,7 @@ def _library():
         return None
     fn = lib.per_sample_conv_grads
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int] * 14 + [ctypes.c_void_p] * 2
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 14 + [ctypes.c_void_p] * 2
     return fn
 
 
