@@ -22,6 +22,24 @@ def require(dataset: str):
         pytest.skip(f"{dataset} not available here")
 
 
+def bookkeeping_clipped_sum(model: str, kernel: bool) -> list:
+    """Each parameter's clipped sum from book-keeping on a fixed batch of 37 samples, clipping
+    active (C = 0.05, below most samples' norms); kernel=False: PyTorch's patches and products."""
+    import torch
+
+    from fedsd.bookkeeping import BookKeepingClipper
+    from fedsd.models import build_model
+
+    net = build_model(model, seed=0).to(memory_format=torch.channels_last)
+    clipper = BookKeepingClipper(net, max_grad_norm=0.05, kernel=kernel)
+    shape = (1, 28, 28) if model == "mnist-cnn" else (3, 32, 32)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, *shape, generator=g).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (37,), generator=g)
+    clipper.backward(torch.nn.functional.cross_entropy(net(x), y), 37)
+    return [p.grad.clone() for p in net.parameters()]
+
+
 @pytest.fixture
 def flower_task():
     """What Flower's runtime sets before it calls an app or builds a Message."""

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from fedsd import conv_kernel
+from tests.conftest import bookkeeping_clipped_sum
 
 needs_kernel = pytest.mark.skipif(not conv_kernel.available(), reason="no C compiler to build the conv kernel")
 
@@ -106,20 +107,7 @@ def test_switched_off_by_environment(monkeypatch):
 def test_bookkeeping_clipped_sum_is_the_same_on_both_routes(model):
     """The kernel's per-sample gradients and PyTorch's patches and batched products give
     book-keeping the same clipped sum, with clipping active (C below most samples' norms)."""
-    from fedsd.bookkeeping import BookKeepingClipper
-    from fedsd.models import build_model
-
-    def clipped(kernel):
-        net = build_model(model, seed=0).to(memory_format=torch.channels_last)
-        clipper = BookKeepingClipper(net, max_grad_norm=0.05, kernel=kernel)
-        shape = (1, 28, 28) if model == "mnist-cnn" else (3, 32, 32)
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(37, *shape, generator=g).contiguous(memory_format=torch.channels_last)
-        y = torch.randint(0, 10, (37,), generator=g)
-        clipper.backward(nn.functional.cross_entropy(net(x), y), 37)
-        return [p.grad.clone() for p in net.parameters()]
-
-    with_kernel, without = clipped(True), clipped(False)
+    with_kernel, without = bookkeeping_clipped_sum(model, kernel=True), bookkeeping_clipped_sum(model, kernel=False)
     for a, b in zip(with_kernel, without):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert all(a.abs().sum() > 0 for a in with_kernel)

@@ -8,7 +8,7 @@ from fedsd import data as data_lib
 from fedsd.config import CHANNELS_LAST_EXACT, ConfigError, TrainConfig
 from fedsd.privacy import plan
 from fedsd.training import DPTrainer, initial_model
-from tests.conftest import require
+from tests.conftest import bookkeeping_clipped_sum, require
 
 
 def run(mode: str, method: str, epochs=(1, 2), dataset="mnist", memory_format="auto"):
@@ -104,18 +104,10 @@ def test_bookkeeping_in_cache_sized_chunks_matches_the_whole_batch(monkeypatch, 
     """Patches made a few samples at a time (CPU, without the conv kernel) give each sample's
     gradient norm and the clipped sum of the whole batch at once."""
     import fedsd.bookkeeping as bk
-    from fedsd.models import build_model
 
     def clipped(chunk_bytes):
         monkeypatch.setattr(bk, "PATCH_CHUNK_BYTES", chunk_bytes)
-        net = build_model(model, seed=0).to(memory_format=torch.channels_last)
-        clipper = bk.BookKeepingClipper(net, max_grad_norm=0.05, kernel=False)
-        shape = (1, 28, 28) if model == "mnist-cnn" else (3, 32, 32)
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(37, *shape, generator=g).contiguous(memory_format=torch.channels_last)
-        y = torch.randint(0, 10, (37,), generator=g)
-        clipper.backward(torch.nn.functional.cross_entropy(net(x), y), 37)
-        return [p.grad.clone() for p in net.parameters()]
+        return bookkeeping_clipped_sum(model, kernel=False)
 
     whole, chunked = clipped(1 << 40), clipped(1)  # one chunk; one sample a chunk
     for a, b in zip(whole, chunked):
