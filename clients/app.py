@@ -13,11 +13,13 @@ diverged = 1 with the reason when its loss exploded (the server then stops the r
 """
 from __future__ import annotations
 
-import fcntl
+# An entry point: fedsd's process-wide speed settings, before torch loads (fedsd/runtime.py).
+from fedsd.runtime import tune_process
+
+tune_process()
+
 import hashlib
-import json
-import os
-from contextlib import contextmanager
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -25,17 +27,20 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsd import data as data_lib
+from fedsd import ledger as ledgers
 from fedsd import privacy
 from fedsd.central import resolve_device
 from fedsd.client_data import DataError, load_holder_data, normalised, task_for
 from fedsd.config import ConfigError, TrainConfig, validate
 from fedsd.federation import FedOptions, client_config, from_flat, round_epochs
-from fedsd.results import write_json
 from fedsd.training import (BudgetExhausted, DPTrainer, Model, TrainingDiverged, load_train_state, released,
                             save_train_state)
 
 from task.federation import Federation, build_federation
 from task.records import load_state, model_to_record, record_to_model, save_state
+
+from clients import node_config as node_configs
+from clients.node_config import NodeConfig, NodeConfigError
 
 
 # Per worker process: the federation's data side and one DPTrainer, for the latest run only
@@ -67,23 +72,15 @@ def trainer_for(flat: dict, partition_id: int) -> tuple[Federation, DPTrainer]:
 app = ClientApp()
 
 
-def client_state_file(node_config, experiment_id: str, partition_id: int) -> Path | None:
-    """Where this client keeps its privacy state on its own disk: the SuperNode's
-    --node-config state-dir, else FEDSD_CLIENT_STATE_DIR, else ~/.cache/fedsd/client-state;
-    one file per experiment (the server's id for the run, kept across --resume) and client."""
+def client_state_file(node: NodeConfig, experiment_id: str, partition_id: int) -> Path | None:
+    """Where this client keeps its privacy state on its own disk (NodeConfig.state_root), one
+    file per experiment (the server's id for the run, kept across --resume) and client."""
     if not experiment_id:
         return None
-    return state_root(node_config) / experiment_id / f"client-{partition_id}.pt"
+    return node.state_root / experiment_id / f"client-{partition_id}.pt"
 
 
-def state_root(node_config) -> Path:
-    """This client's own folder: privacy state, its lifetime ledgers, its prepared data."""
-    root = node_config.get("state-dir") or os.environ.get("FEDSD_CLIENT_STATE_DIR") \
-        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fedsd" / "client-state"
-    return Path(root)
-
-
-def own_trainer(flat: dict, node_config, partition_id: int) -> tuple[TrainConfig, FedOptions, DPTrainer, str]:
+def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[TrainConfig, FedOptions, DPTrainer, str]:
     """The trainer for the data this SuperNode names (`data` in its --node-config), prepared
     once for the run's task and cached on its disk. Returns (cfg, fed, trainer, the data's
     fingerprint). Raises DataError / ConfigError naming the file or setting, before any step."""
@@ -91,7 +88,7 @@ def own_trainer(flat: dict, node_config, partition_id: int) -> tuple[TrainConfig
     fed.validate()
     cfg = client_config(cfg, fed)
     task = task_for(cfg)
-    held = load_holder_data(node_config["data"], task, state_root(node_config) / "data-cache")
+    held = load_holder_data(node.data, task, node.state_root / "data-cache")
     key = (tuple(sorted(flat.items())), "own", held.fingerprint, partition_id)
     if key not in _TRAINERS:
         n = len(held.y_train)
@@ -102,7 +99,7 @@ def own_trainer(flat: dict, node_config, partition_id: int) -> tuple[TrainConfig
                                       held.y_test, len(task.classes)).to(resolve_device(cfg.device))
         # Cached on this client's disk: a deployed ClientApp is a fresh process for every message.
         plan = privacy.plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant,
-                            cache_dir=str(state_root(node_config) / "calibrations"))
+                            cache_dir=str(node.state_root / "calibrations"))
         _TRAINERS.clear()  # one data set a process: a fresh ClientApp process, or one Ray worker's client
         _TRAINERS[key] = DPTrainer(cfg, tensors, plan, client=partition_id)
     return cfg, fed, _TRAINERS[key], held.fingerprint
@@ -114,56 +111,56 @@ def shard_fingerprint(federation: Federation, partition_id: int) -> str:
     return hashlib.sha256(federation.cfg.dataset.encode() + indices).hexdigest()[:32]
 
 
-@contextmanager
-def lifetime_ledger(node_config, fingerprint: str):
-    """The owner's lifetime privacy filter for this data (None without max-epsilon), locked
-    against other runs on this machine while a round is admitted and recorded."""
-    if "max-epsilon" not in node_config:
-        yield None
-        return
-    path = state_root(node_config) / f"ledger-{fingerprint}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    max_eps = float(node_config["max-epsilon"])
-    max_delta = float(node_config.get("max-delta", 1e-5))
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        ledger = (privacy.PrivacyFilter.from_state_dict(json.loads(path.read_text()), max_eps, max_delta)
-                  if path.is_file() else privacy.PrivacyFilter(max_eps, max_delta))
-        yield ledger
-        write_json(path, ledger.state_dict())
+def lifetime_ledger(node: NodeConfig, fingerprint: str):
+    """The owner's lifetime privacy filter for this data (fedsd.ledger), locked against other
+    runs on this machine while a round is admitted and recorded; None for a simulated client
+    whose node sets no max-epsilon (the run's ε is its budget). A node with its own data always
+    has one (NodeConfig.require_budget)."""
+    if node.max_epsilon is None:
+        return nullcontext(None)
+    return ledgers.opened(node.state_root, fingerprint, node.max_epsilon, node.max_delta)
 
 
-def node_settings(flat: dict, node_config) -> int:
-    """This node's partition id, checked against the run; its own data folder, if it names one."""
-    partition_id = int(node_config["partition-id"])
+def node_settings(flat: dict, node_config) -> NodeConfig:
+    """This node's config, checked as a whole and against the run (ConfigError naming the key);
+    its own data folder for the built-in data sets, if it names one."""
+    node = node_configs.parse(node_config)
     num_clients = int(flat.get("num-clients", FedOptions().num_clients))
-    if "num-partitions" in node_config and int(node_config["num-partitions"]) != num_clients:
-        raise ConfigError(f"node-config num-partitions={node_config['num-partitions']} but the run has "
+    if node.num_partitions is not None and node.num_partitions != num_clients:
+        raise NodeConfigError(f"node-config num-partitions={node.num_partitions} but the run has "
                           f"num-clients={num_clients}")
-    if not 0 <= partition_id < num_clients:
-        raise ConfigError(f"node-config partition-id={partition_id} is outside [0, {num_clients})")
-    if node_config.get("data-dir"):
-        flat["data-dir"] = str(node_config["data-dir"])
-    return partition_id
+    if not node.partition_id < num_clients:
+        raise NodeConfigError(f"node-config partition-id={node.partition_id} is outside [0, {num_clients})")
+    if node.data_dir:
+        flat["data-dir"] = node.data_dir
+    return node
 
 
 def client_side(msg: Message, context: Context):
-    """(round, partition id, fed, trainer, the data's fingerprint, the simulated federation or
+    """(round, node config, fed, trainer, the data's fingerprint, the simulated federation or
     None) for a message: this SuperNode's own files with client-data=own, else (a simulation)
-    this client's shard of a built-in data set."""
+    this client's shard of a built-in data set. The node config is checked first, and a node
+    with its own data and no owner's budget refuses (BudgetRefused) before its data is read."""
     flat = dict(msg.content["config"])
     server_round = int(flat.pop("server-round"))
-    partition_id = node_settings(flat, context.node_config)
+    node = node_settings(flat, context.node_config)
+    node.require_budget()
     if flat.get("client-data") == "own":
-        if not context.node_config.get("data"):
+        if not node.owns_data:
             raise ConfigError("client-data=own: this run trains on each client's own data; start the SuperNode "
-                              "with --node-config \"data='/path/to/folder-or.npz' ...\"")
-        _, fed, trainer, fingerprint = own_trainer(flat, context.node_config, partition_id)
+                              "with --node-config \"data='/path/to/folder-or.npz' max-epsilon=… ...\"")
+        _, fed, trainer, fingerprint = own_trainer(flat, node, node.partition_id)
         federation = None
     else:
-        federation, trainer = trainer_for(flat, partition_id)
-        fed, fingerprint = federation.fed, shard_fingerprint(federation, partition_id)
-    return server_round, partition_id, fed, trainer, fingerprint, federation
+        federation, trainer = trainer_for(flat, node.partition_id)
+        fed, fingerprint = federation.fed, shard_fingerprint(federation, node.partition_id)
+    return server_round, node, fed, trainer, fingerprint, federation
+
+
+def refusal(msg: Message, metrics: dict, reason: str) -> Message:
+    """A reply that trains nothing, with the owner's reason for the server's summary."""
+    return Message(RecordDict({"metrics": MetricRecord({**metrics, "skipped": 1, "refused": 1}),
+                               "refusal": ConfigRecord({"reason": reason})}), reply_to=msg)
 
 
 def spent_so_far(state, plan: privacy.PrivacyPlan) -> float:
@@ -175,7 +172,8 @@ def spent_so_far(state, plan: privacy.PrivacyPlan) -> float:
 def evaluate_global(msg: Message, context: Context) -> Message:
     """Federated evaluation: the global model on this client's own test split (no training
     step, nothing spent from the budget; the accuracy it sends is outside the DP guarantee)."""
-    _, partition_id, _, trainer, _, federation = client_side(msg, context)
+    _, node, _, trainer, _, federation = client_side(msg, context)
+    partition_id = node.partition_id
     x_test, y_test = trainer.data.x_test, trainer.data.y_test  # its own test split, or in a simulation
     if federation is not None:  # its share of the public one
         share = federation.client_test_share(partition_id).to(trainer.device)
@@ -189,37 +187,43 @@ def evaluate_global(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    server_round, partition_id, fed, trainer, fingerprint, _ = client_side(msg, context)
+    try:
+        server_round, node, fed, trainer, fingerprint, _ = client_side(msg, context)
+    except (privacy.BudgetRefused, NodeConfigError) as e:  # the node's own settings say no: nothing read or spent
+        partition_id = node_configs.parse_partition_id(context.node_config)
+        if partition_id is None:
+            raise  # without its number the server could not say who refused: a failed reply instead
+        return refusal(msg, {"num-examples": 0, "partition-id": partition_id, "epsilon": 0.0}, str(e))
+    partition_id = node.partition_id
     # FedProx sends its μ as "proximal-mu" in the round's config: the run config's key of that name.
     proximal_mu = fed.proximal_mu if fed.strategy == "fedprox" else 0.0
     # The state of this run (context.state), else what this client left on its disk in an
     # earlier launch of the same experiment (a resumed server, a restarted SuperNode).
-    state_file = client_state_file(context.node_config, fed.experiment_id, partition_id)
+    state_file = client_state_file(node, fed.experiment_id, partition_id)
     state = load_state(context.state, trainer.plan)
     if state is None and state_file is not None and state_file.is_file():
         state = load_train_state(state_file, trainer.plan)
     model: Model = record_to_model(msg.content["arrays"])
     teacher = state.local_model if (fed.teacher == "local-previous" and state is not None) else None
     base = {"num-examples": trainer.num_train, "partition-id": partition_id,
-            "noise-multiplier": trainer.plan.noise_multiplier, "sample-rate": trainer.plan.sample_rate}
+            "noise-multiplier": trainer.plan.noise_multiplier, "sample-rate": trainer.plan.sample_rate,
+            **node.budget()}
     epochs = round_epochs(server_round, fed.local_epochs)
     plan = trainer.plan
     try:
         trainer.check_budget(state, epochs)  # the run's own plan, before the owner's ledger is charged
-        with lifetime_ledger(context.node_config, fingerprint) as ledger:
+        with lifetime_ledger(node, fingerprint) as ledger:
             if ledger is not None:
                 if state is None:  # this client's first round of the run: the whole plan must fit
                     ledger.check(plan.epsilon, plan.delta, plan.noise_multiplier, plan.sample_rate, plan.planned_steps)
                 # Charged before the steps run: a round cut short still counts as spent.
                 ledger.spend(plan.noise_multiplier, plan.sample_rate, len(epochs) * trainer.steps_per_epoch,
-                             run=fed.experiment_id)
-    except (BudgetExhausted, privacy.BudgetRefused) as e:
-        refused = isinstance(e, privacy.BudgetRefused)
-        reply = RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "refused": int(refused),
-                                                     "epsilon": spent_so_far(state, plan)})})
-        if refused:
-            reply["refusal"] = ConfigRecord({"reason": str(e)})
-        return Message(reply, reply_to=msg)
+                             run=fed.experiment_id, flower_run=int(context.run_id), round=server_round)
+    except privacy.BudgetRefused as e:
+        return refusal(msg, {**base, "epsilon": spent_so_far(state, plan)}, str(e))
+    except BudgetExhausted:
+        return Message(RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "refused": 0,
+                                                            "epsilon": spent_so_far(state, plan)})}), reply_to=msg)
     try:
         model, state, metrics = trainer.local_update(model, state, epochs, teacher=teacher, proximal_mu=proximal_mu)
     except TrainingDiverged as e:  # nothing of the round is released; the server stops the run with the reason

@@ -101,9 +101,19 @@ def clip_factor(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
     return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
 
 
+# How a conv layer's per-sample norms and clipped sum are made: ghost norms and a reweighted
+# weight gradient, per-sample gradients from fedsd.conv_kernel, or from PyTorch's patches and
+# batched products.
+CONV_ROUTES = ("ghost", "kernel", "patches")
+
+
 class BookKeepingClipper:
-    def __init__(self, model: nn.Module, max_grad_norm: float, kernel: bool = True):
-        """kernel=False: per-sample gradients by PyTorch's batched products, never fedsd.conv_kernel."""
+    def __init__(self, model: nn.Module, max_grad_norm: float, kernel: bool = True,
+                 conv_routes: dict[int, str] | None = None):
+        """kernel=False: per-sample gradients by PyTorch's batched products, never fedsd.conv_kernel.
+        conv_routes: a route of CONV_ROUTES for each conv layer (by its index among the model's
+        Conv2d/Linear layers), as measured on this machine (fedsd.routes); unset, a flops rule
+        chooses (uses_ghost_norm)."""
         self.layers = []
         for module in model.modules():
             if isinstance(module, (nn.Conv2d, nn.Linear)):
@@ -116,6 +126,8 @@ class BookKeepingClipper:
                                  "use hooks or ghost")
         self.max_grad_norm = max_grad_norm
         self.kernel = kernel
+        self.conv_routes = dict(conv_routes) if conv_routes is not None else None
+        self.taken: dict[int, str] = {}  # the route each conv layer took in the last step (benchmarks)
         self._inputs: dict[nn.Module, torch.Tensor] = {}
         self._outputs: dict[nn.Module, torch.Tensor] = {}
         for layer in self.layers:
@@ -132,70 +144,97 @@ class BookKeepingClipper:
         limit = GHOST_FLOPS_LIMIT_WITH_KERNEL if kernel else GHOST_FLOPS_LIMIT
         return 2 * T * T * (d + p) < limit * 2 * T * d * p
 
+    def route(self, index: int, layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> str:
+        """The route conv layer `index` takes for this (a, g): the measured one where given (the
+        PyTorch route where the kernel does not apply here), else the flops rule."""
+        kernel = self.kernel and conv_kernel.applies(layer, a, g)
+        if self.conv_routes is not None and index in self.conv_routes:
+            chosen = self.conv_routes[index]
+            return "patches" if chosen == "kernel" and not kernel else chosen
+        return "ghost" if self.uses_ghost_norm(layer, g, kernel) else "kernel" if kernel else "patches"
+
+    def captured(self, loss: torch.Tensor) -> list[tuple[nn.Module, torch.Tensor, torch.Tensor]]:
+        """(layer, its input a, its output gradient g) for every layer, from one backward pass
+        that computes no weight gradients (g is of the batch mean: 1/n of each sample's own)."""
+        grads = torch.autograd.grad(loss, [self._outputs[m] for m in self.layers])
+        found = [(layer, self._inputs[layer], g) for layer, g in zip(self.layers, grads)]
+        self._inputs.clear()
+        self._outputs.clear()
+        return found
+
+    @staticmethod
+    def add_layer_norms2(norms2: torch.Tensor, layer: nn.Module, a: torch.Tensor, g: torch.Tensor,
+                         route: str | None) -> tuple:
+        """Add one layer's squared per-sample gradient norms (of the batch mean's gradients) to
+        `norms2`, in place, and return what its clipped sum needs: (per-sample weight gradients
+        or None, per-sample bias gradients or None, whether the former are (n, kh·kw·c, p) as
+        from the kernel)."""
+        if isinstance(layer, nn.Linear):
+            if a.dim() != 2:
+                raise ValueError("--grad-sample-mode bk: Linear layers need (batch, features) inputs")
+            norms2 += a.pow(2).sum(1) * g.pow(2).sum(1)
+            if layer.bias is not None:
+                norms2 += g.pow(2).sum(1)
+            return None, None, False
+        n, p, th, tw = g.shape
+        per_sample_bias = g.sum((2, 3)) if layer.bias is not None else None
+        if per_sample_bias is not None:
+            norms2 += per_sample_bias.pow(2).sum(1)
+        G = g.permute(0, 2, 3, 1).reshape(n, th * tw, p)  # (n, T, p), a view when channels-last
+        if route == "ghost":
+            norms2 += _ghost_norms2(layer, a, G)
+            return None, None, False
+        if route == "kernel":
+            per_sample, per_sample_norms2 = conv_kernel.per_sample_grads(layer, a, g)
+            norms2 += per_sample_norms2
+            return per_sample, per_sample_bias, True
+        per_sample = _per_sample_grads(layer, a, G)
+        norms2 += torch.linalg.vector_norm(per_sample.flatten(1), dim=1).square()
+        return per_sample, per_sample_bias, False
+
+    @staticmethod
+    def layer_clipped_sum(layer: nn.Module, a: torch.Tensor, g: torch.Tensor, kept: tuple,
+                          coeff: torch.Tensor) -> None:
+        """Set the layer's p.grad to Σ_i coeff_i ∇_i."""
+        per_sample, per_sample_bias, d_first = kept
+        if per_sample is not None:  # Σ_i c_i ∇_i straight from the per-sample gradients
+            p, c, kh, kw = layer.weight.shape
+            summed = coeff @ per_sample.flatten(1)
+            summed = (summed.view(kh, kw, c, p).permute(3, 2, 0, 1) if d_first
+                      else summed.view(p, kh, kw, c).permute(0, 3, 1, 2))
+            layer.weight.grad = summed.contiguous(memory_format=_format_of(layer.weight))
+            if per_sample_bias is not None:
+                layer.bias.grad = coeff @ per_sample_bias
+            return
+        weighted = g * coeff.view(-1, *([1] * (g.dim() - 1)))
+        if isinstance(layer, nn.Linear):
+            layer.weight.grad = weighted.t() @ a
+            if layer.bias is not None:
+                layer.bias.grad = weighted.sum(0)
+            return
+        # Σ_i c_i ∇_i is the ordinary weight gradient of the output gradients scaled by c_i.
+        layer.weight.grad = torch.ops.aten.convolution_backward(
+            weighted, a, layer.weight, None, list(layer.stride), list(layer.padding), list(layer.dilation),
+            False, [0, 0], 1, [False, True, False])[1]
+        if layer.bias is not None:
+            layer.bias.grad = weighted.sum((0, 2, 3))
+
     def backward(self, loss: torch.Tensor, batch_size: int) -> None:
         """Set p.grad to the sum over the batch of the clipped per-sample gradients of the
         per-sample losses (`loss` is their mean over `batch_size` samples)."""
-        layers = self.layers
-        grads = torch.autograd.grad(loss, [self._outputs[m] for m in layers])  # no weight gradients
         norms2 = torch.zeros(batch_size, device=loss.device, dtype=loss.dtype)
-        # (layer, a, g, per-sample weight gradients or None, per-sample bias gradients or None, whether
-        # the per-sample gradients are (n, kh·kw·c, p) as from the kernel, not (n, p, kh·kw·c))
         kept = []
-        for layer, g in zip(layers, grads):  # g: gradients of the batch mean, 1/n of each sample's own
-            a = self._inputs[layer]
-            if isinstance(layer, nn.Linear):
-                if a.dim() != 2:
-                    raise ValueError("--grad-sample-mode bk: Linear layers need (batch, features) inputs")
-                norms2 += a.pow(2).sum(1) * g.pow(2).sum(1)
-                if layer.bias is not None:
-                    norms2 += g.pow(2).sum(1)
-                kept.append((layer, a, g, None, None, False))
-                continue
-            n, p, th, tw = g.shape
-            per_sample_bias = g.sum((2, 3)) if layer.bias is not None else None
-            if per_sample_bias is not None:
-                norms2 += per_sample_bias.pow(2).sum(1)
-            kernel = self.kernel and conv_kernel.applies(layer, a, g)
-            G = g.permute(0, 2, 3, 1).reshape(n, th * tw, p)  # (n, T, p), a view when channels-last
-            if self.uses_ghost_norm(layer, g, kernel):
-                norms2 += _ghost_norms2(layer, a, G)
-                kept.append((layer, a, g, None, None, False))
-            elif kernel:
-                per_sample, per_sample_norms2 = conv_kernel.per_sample_grads(layer, a, g)
-                norms2 += per_sample_norms2
-                kept.append((layer, a, g, per_sample, per_sample_bias, True))
-            else:
-                per_sample = _per_sample_grads(layer, a, G)
-                norms2 += torch.linalg.vector_norm(per_sample.flatten(1), dim=1).square()
-                kept.append((layer, a, g, per_sample, per_sample_bias, False))
+        for index, (layer, a, g) in enumerate(self.captured(loss)):
+            route = self.route(index, layer, a, g) if isinstance(layer, nn.Conv2d) else None
+            if route is not None:
+                self.taken[index] = route
+            kept.append((layer, a, g, self.add_layer_norms2(norms2, layer, a, g, route)))
         # Scale back from the mean's gradients to each sample's own (×n), in the norms and in the
         # weights of the sum, rather than in every output gradient.
         norms = norms2.sqrt() * batch_size
         coeff = clip_factor(norms, self.max_grad_norm) * batch_size
-        for layer, a, g, per_sample, per_sample_bias, d_first in kept:
-            if per_sample is not None:  # Σ_i c_i ∇_i straight from the per-sample gradients
-                p, c, kh, kw = layer.weight.shape
-                summed = coeff @ per_sample.flatten(1)
-                summed = (summed.view(kh, kw, c, p).permute(3, 2, 0, 1) if d_first
-                          else summed.view(p, kh, kw, c).permute(0, 3, 1, 2))
-                layer.weight.grad = summed.contiguous(memory_format=_format_of(layer.weight))
-                if per_sample_bias is not None:
-                    layer.bias.grad = coeff @ per_sample_bias
-                continue
-            weighted = g * coeff.view(-1, *([1] * (g.dim() - 1)))
-            if isinstance(layer, nn.Linear):
-                layer.weight.grad = weighted.t() @ a
-                if layer.bias is not None:
-                    layer.bias.grad = weighted.sum(0)
-                continue
-            # Σ_i c_i ∇_i is the ordinary weight gradient of the output gradients scaled by c_i.
-            layer.weight.grad = torch.ops.aten.convolution_backward(
-                weighted, a, layer.weight, None, list(layer.stride), list(layer.padding), list(layer.dilation),
-                False, [0, 0], 1, [False, True, False])[1]
-            if layer.bias is not None:
-                layer.bias.grad = weighted.sum((0, 2, 3))
-        self._inputs.clear()
-        self._outputs.clear()
+        for layer, a, g, needs in kept:
+            self.layer_clipped_sum(layer, a, g, needs, coeff)
 
 
 def _format_of(weight: torch.Tensor) -> torch.memory_format:

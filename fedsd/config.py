@@ -15,8 +15,9 @@ CUSTOM = "custom"  # a task whose data only the clients hold (fedsd.client_data)
 DISTILLING = ("dp3sd", "dpdsd")  # methods whose teacher is the model itself (self-distillation)
 ACCOUNTANTS = ("rdp", "prv")
 DEVICES = ("cpu", "cuda", "auto")
-# Opacus' ways to clip per sample, and fedsd's book-keeping (fedsd.bookkeeping)
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost", "bk")
+# Opacus' ways to clip per sample, fedsd's book-keeping (fedsd.bookkeeping), and auto: the fastest
+# of bk and ew on this machine, measured once and cached (fedsd.routes)
+GRAD_SAMPLE_MODES = ("auto", "hooks", "functorch", "ew", "ghost", "bk")
 # How images and activations are laid out in memory: channels-last runs this project's
 # convolutions about twice as fast on CPU (results/perf.md); "contiguous" is PyTorch's NCHW.
 # Opacus' hooks and ghost clipping compute wrong per-sample convolution gradients on
@@ -24,7 +25,7 @@ GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost", "bk")
 # epochs, tests/test_grad_sample_modes.py), so "auto" takes channels-last only for the modes
 # that are exact under it.
 MEMORY_FORMATS = ("auto", "channels-last", "contiguous")
-CHANNELS_LAST_EXACT = ("functorch", "ew", "bk")
+CHANNELS_LAST_EXACT = ("auto", "functorch", "ew", "bk")
 
 # SPEC §7: B, η, C, epochs; DP3SD (τs, τt, α); DPDSD (τ, α, β).
 PAPER = {
@@ -116,8 +117,9 @@ class TrainConfig:
     device: str = setting("cpu", "where to train", choices=DEVICES)
     model: str | None = setting(None, "network", choices=MODELS, default_text="the data set's")
     threads: int = setting(0, "torch CPU threads; 0 leaves torch's default")
-    grad_sample_mode: str = setting("bk", "per-sample clipping route; all give the same weights and ε "
-                                    "(bk, the default, is the fastest)", choices=GRAD_SAMPLE_MODES)
+    grad_sample_mode: str = setting("auto", "per-sample clipping route; all give the same weights and ε (auto: "
+                                    "the fastest exact route on this machine, measured once and cached)",
+                                    choices=GRAD_SAMPLE_MODES)
     memory_format: str = setting("auto", "image and activation layout; auto: channels-last where the "
                                  "clipping mode is exact under it", choices=MEMORY_FORMATS)
     classes: str = setting("", "dataset=custom: the class names in label order, comma-separated")

@@ -32,6 +32,7 @@ import tempfile
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,49 +40,85 @@ from torch import nn
 
 from . import cache_root
 
-# One block of ∇_i (db rows of d × 16·nv channels) lives in vector registers for a whole sum
-# over the positions: 8 × 32 or 16 × 16 floats, 16 of the 32 AVX-512 registers (or, where the
-# compiler splits a 16-float vector, AVX2's). The output channels go in vectors of 16, so p must
-# be a multiple of 16 (every conv of the papers' CNNs); other layers take the PyTorch route.
+# One block of ∇_i (DB rows of d × NV vectors of output channels) lives in vector registers for
+# a whole sum over the positions, so the block is sized for the target's registers. AVX-512 has
+# 32 registers of 16 floats: blocks of 8 × 2 or 16 × 1 vectors (16 accumulators), as measured
+# on an AVX-512 CPU. AVX2 and SSE have 16 registers: 14 × 1 (14 accumulators, one register for
+# the output gradients and one for the input's broadcast), the fastest of the blocks measured
+# on an AVX2 CPU (results/perf.md; the AVX-512 block built for AVX2 needs 32 of its 16
+# registers and spills, 1.4-1.8× slower). The compiler's target picks the block (-march);
+# -D WIDE_NV=… WIDE_DB=… NARROW_DB=… overrides it for measurement. The output channels go in
+# vectors, so p must be a multiple of 16 (every conv of the papers' CNNs); other layers take
+# the PyTorch route. On the AVX2 CPU measured, even the best block loses to PyTorch's patches
+# and batched products on every layer of the papers' CNNs: fedsd.routes measures and leaves
+# the kernel out there.
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-static inline v16 ld(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
-static inline void st(float* p, v16 v) { memcpy(p, &v, 64); }
+#if defined(__AVX512F__)
+#  define VW 16
+#  define REGS_WIDE_NV 2
+#  define REGS_WIDE_DB 8
+#  define REGS_NARROW_DB 16
+#elif defined(__AVX__)
+#  define VW 8
+#  define REGS_WIDE_NV 1
+#  define REGS_WIDE_DB 14
+#  define REGS_NARROW_DB 14
+#else
+#  define VW 4
+#  define REGS_WIDE_NV 1
+#  define REGS_WIDE_DB 14
+#  define REGS_NARROW_DB 14
+#endif
+#ifndef WIDE_NV
+#  define WIDE_NV REGS_WIDE_NV
+#endif
+#ifndef WIDE_DB
+#  define WIDE_DB REGS_WIDE_DB
+#endif
+#ifndef NARROW_DB
+#  define NARROW_DB REGS_NARROW_DB
+#endif
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+static inline vf ld(const float* p) { vf v; memcpy(&v, p, VW * 4); return v; }
+static inline void st(float* p, vf v) { memcpy(p, &v, VW * 4); }
 
-/* ∇_i[d][pc .. pc + 16·NV) for d in blocks of DB; off[d] is where patch entry d lies from the
+/* The target's vector width in floats (the Python side reports it). */
+int vector_floats(void) { return VW; }
+
+/* ∇_i[d][pc .. pc + VW·NV) for d in blocks of DB; off[d] is where patch entry d lies from the
    patch's corner (the rows past D read the corner and are not stored). */
 #define BLOCK(NV, DB) \
   for (int64_t db = 0; db < D; db += DB) { \
-    v16 acc[DB][NV]; \
-    for (int dd = 0; dd < DB; dd++) for (int v = 0; v < NV; v++) acc[dd][v] = (v16){0}; \
+    vf acc[DB][NV]; \
+    for (int dd = 0; dd < DB; dd++) for (int v = 0; v < NV; v++) acc[dd][v] = (vf){0}; \
     const int64_t* od = off + db; \
     for (int ty = 0; ty < TH; ty++) for (int tx = 0; tx < TW; tx++) { \
       const float* corner = xp + ((int64_t)ty * sh * Wp + (int64_t)tx * sw) * C; \
       const float* gt = gi + ((int64_t)ty * TW + tx) * P + pc; \
-      v16 gv[NV]; \
-      for (int v = 0; v < NV; v++) gv[v] = ld(gt + 16 * v); \
+      vf gv[NV]; \
+      for (int v = 0; v < NV; v++) gv[v] = ld(gt + VW * v); \
       for (int dd = 0; dd < DB; dd++) { \
         float a = corner[od[dd]]; \
         for (int v = 0; v < NV; v++) acc[dd][v] += a * gv[v]; \
       } \
     } \
-    v16 sq = (v16){0}; \
+    vf sq = (vf){0}; \
     for (int dd = 0; dd < DB && db + dd < D; dd++) \
-      for (int v = 0; v < NV; v++) { st(oi + (db + dd) * P + pc + 16 * v, acc[dd][v]); sq += acc[dd][v] * acc[dd][v]; } \
-    for (int k = 0; k < 16; k++) norm2 += sq[k]; \
+      for (int v = 0; v < NV; v++) { st(oi + (db + dd) * P + pc + VW * v, acc[dd][v]); sq += acc[dd][v] * acc[dd][v]; } \
+    for (int k = 0; k < VW; k++) norm2 += sq[k]; \
   }
 
 /* Samples [i0, i1): x (n, H, W, C), g (n, TH, TW, P), out (n, D, P) with d = (ky, kx, c), and
-   norms2 (n) their squared norms. pad: Hp·Wp·C floats, off: D rounded up to 16 int64s, both
-   this call's own. */
+   norms2 (n) their squared norms. pad: Hp·Wp·C floats, off: D + 64 int64s, both this call's
+   own. */
 void per_sample_conv_grads(const float* x, const float* g, float* out, float* norms2, int64_t i0, int64_t i1,
                            int H, int W, int C, int KH, int KW, int sh, int sw, int ph, int pw,
                            int dh, int dw, int TH, int TW, int P, float* pad, int64_t* off) {
   const int Hp = H + 2 * ph, Wp = W + 2 * pw;
-  const int64_t D = (int64_t)KH * KW * C, Dr = (D + 15) / 16 * 16;
-  for (int64_t d = 0; d < Dr; d++) {
+  const int64_t D = (int64_t)KH * KW * C;
+  for (int64_t d = 0; d < D + 64; d++) {
     int64_t ky = d / ((int64_t)KW * C), kx = d / C % KW, c = d % C;
     off[d] = d < D ? (ky * dh * Wp + kx * dw) * C + c : 0;
   }
@@ -97,13 +134,20 @@ void per_sample_conv_grads(const float* x, const float* g, float* out, float* no
     float* oi = out + i * D * P;
     float norm2 = 0;
     int pc = 0;
-    for (; pc + 32 <= P; pc += 32) { BLOCK(2, 8) }
-    for (; pc + 16 <= P; pc += 16) { BLOCK(1, 16) }
+    for (; pc + WIDE_NV * VW <= P; pc += WIDE_NV * VW) { BLOCK(WIDE_NV, WIDE_DB) }
+    for (; pc + VW <= P; pc += VW) { BLOCK(1, NARROW_DB) }
     norms2[i] = norm2;
   }
 }
 """
+# Rows of `off` past D that a block may read: more than any block's DB.
+OFF_PADDING = 64
 ENABLED_ENV = "FEDSD_CONV_KERNEL"  # 0: always the PyTorch route
+# The instruction set the kernel is built for: native (this CPU, the default), or a named target
+# such as x86-64-v3 (AVX2, what most laptops and cloud VMs have) to measure another machine's
+# code on this one (results/perf.md).
+MARCH_ENV = "FEDSD_CONV_KERNEL_MARCH"
+ISA_BY_VECTOR = {16: "avx512", 8: "avx2", 4: "sse"}
 
 
 def _cpu_id() -> str:
@@ -115,14 +159,15 @@ def _cpu_id() -> str:
         return platform.processor() + platform.machine()
 
 
-def _compile(cc: list[str], target: Path) -> None:
+def _compile(cc: list[str], flags: list[str], target: Path, fallback: bool) -> None:
     """Build into a private temporary file and rename it into place, so that processes that
-    build at once (Ray workers) never load a half-written library."""
+    build at once (Ray workers) never load a half-written library. `fallback`: without the
+    -march flag where the compiler has none (not x86)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, lib = Path(tmp) / "kernel.c", Path(tmp) / target.name
         src.write_text(SOURCE)
-        for arch in (["-march=native"], []):  # -march=native where the compiler has it
+        for arch in ([flags, flags[1:]] if fallback else [flags]):
             done = subprocess.run([*cc, "-O3", *arch, "-shared", "-fPIC", str(src), "-o", str(lib)],
                                   capture_output=True)
             if done.returncode == 0:
@@ -131,36 +176,60 @@ def _compile(cc: list[str], target: Path) -> None:
     raise OSError(f"{shlex.join(cc)} could not build the conv kernel: {done.stderr.decode(errors='replace')[-500:]}")
 
 
-@functools.lru_cache(maxsize=1)
-def _library():
-    """The loaded kernel, or None (no compiler, a failed build, or FEDSD_CONV_KERNEL=0)."""
-    if os.environ.get(ENABLED_ENV, "1") == "0":
-        return None
+@dataclass(frozen=True)
+class Kernel:
+    fn: object  # per_sample_conv_grads, through ctypes
+    march: str
+    isa: str  # avx512, avx2, sse: the vector width it was built for
+
+
+def compiled(march: str = "native", defines: tuple[str, ...] = (), load: bool = True) -> Kernel | Path:
+    """The kernel built for `march` (-D `defines` for measurement), cached under
+    FEDSD_CACHE_DIR/kernels by source, compiler, target and CPU; loaded, or with load=False
+    only its path (a target this CPU cannot run can still be built). Raises OSError when it
+    cannot be built."""
     found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not found:
-        warnings.warn("no C compiler found (cc, gcc, clang or $CC): --grad-sample-mode bk takes PyTorch's "
-                      "slower route for per-sample conv gradients (same results)", RuntimeWarning, stacklevel=2)
+        raise OSError("no C compiler found (cc, gcc, clang or $CC)")
+    cc = shlex.split(found)  # $CC may carry flags ("gcc -m64")
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
+    flags = [f"-march={march}", *(f"-D{d}" for d in defines)]
+    key = hashlib.sha256("\0".join([SOURCE, found, version, _cpu_id(), *flags]).encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"per_sample_conv-{key}.so"
+    if not path.exists():
+        _compile(cc, flags, path, fallback=march == "native")
+    if not load:
+        return path
+    lib = ctypes.CDLL(str(path))
+    fn = lib.per_sample_conv_grads
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 14 + [ctypes.c_void_p] * 2
+    lib.vector_floats.restype = ctypes.c_int
+    return Kernel(fn, march, ISA_BY_VECTOR.get(lib.vector_floats(), f"{lib.vector_floats()}-float vectors"))
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> Kernel | None:
+    """The loaded kernel for FEDSD_CONV_KERNEL_MARCH (default native), or None (no compiler, a
+    failed build, or FEDSD_CONV_KERNEL=0)."""
+    if os.environ.get(ENABLED_ENV, "1") == "0":
         return None
     try:
-        cc = shlex.split(found)  # $CC may carry flags ("gcc -m64")
-        version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
-        key = hashlib.sha256("\0".join([SOURCE, found, version, _cpu_id()]).encode()).hexdigest()[:16]
-        path = cache_root() / "kernels" / f"per_sample_conv-{key}.so"
-        if not path.exists():
-            _compile(cc, path)
-        lib = ctypes.CDLL(str(path))
+        return compiled(os.environ.get(MARCH_ENV, "native"))
     except (OSError, subprocess.SubprocessError) as e:
         warnings.warn(f"the per-sample conv kernel was not built ({e}): --grad-sample-mode bk takes PyTorch's "
                       "slower route (same results)", RuntimeWarning, stacklevel=2)
         return None
-    fn = lib.per_sample_conv_grads
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 14 + [ctypes.c_void_p] * 2
-    return fn
 
 
 def available() -> bool:
     return _library() is not None
+
+
+def isa() -> str | None:
+    """The instruction set the loaded kernel was built for (avx512, avx2, …), None without one."""
+    kernel = _library()
+    return kernel.isa if kernel else None
 
 
 def applies(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> bool:
@@ -190,12 +259,13 @@ def _run_split(calls: list) -> None:
         future.result()
 
 
-def per_sample_grads(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def per_sample_grads(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor,
+                     kernel: Kernel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, kh·kw·c, p): each sample's weight gradient GᵢᵀAᵢ, transposed (d before p), and (n)
     their squared norms, summed as they are made rather than read back (for mnist-cnn conv2 at
     B = 1600 that is 52 MB), for a layer `applies` accepts; a is the layer's input, g its output
-    gradient, both (n, c, h, w)."""
-    fn = _library()
+    gradient, both (n, c, h, w). `kernel`: another build than this process's (tests, measurement)."""
+    fn = (kernel or _library()).fn
     n, c, h, w = a.shape
     p, th, tw = g.shape[1:]
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = layer.kernel_size, layer.stride, layer.padding, layer.dilation
@@ -203,7 +273,7 @@ def per_sample_grads(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> tupl
     out, norms2 = a.new_empty((n, d, p)), a.new_empty(n)
     parts = max(1, min(torch.get_num_threads(), n))
     bounds = [n * k // parts for k in range(parts + 1)]
-    scratch = [(a.new_empty((h + 2 * ph) * (w + 2 * pw) * c), torch.empty((d + 15) // 16 * 16, dtype=torch.long))
+    scratch = [(a.new_empty((h + 2 * ph) * (w + 2 * pw) * c), torch.empty(d + OFF_PADDING, dtype=torch.long))
                for _ in range(parts)]
     calls = [functools.partial(fn, a.data_ptr(), g.data_ptr(), out.data_ptr(), norms2.data_ptr(), lo, hi, h, w, c, kh, kw, sh, sw,
                                ph, pw, dh, dw, th, tw, p, pad.data_ptr(), off.data_ptr())

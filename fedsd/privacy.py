@@ -177,12 +177,15 @@ class PrivacyFilter:
     """
 
     def __init__(self, max_epsilon: float, max_delta: float, entries: list | None = None):
-        if not (math.isfinite(max_epsilon) and max_epsilon > 0):
-            raise BudgetError(f"max-epsilon: must be > 0, got {max_epsilon!r}")
+        # inf is an owner's explicit "no limit": nothing is refused, everything is still recorded.
+        if not max_epsilon > 0:  # also NaN
+            raise BudgetError(f"max-epsilon: must be > 0 (or inf for no limit), got {max_epsilon!r}")
         if not 0 < max_delta < 1:
             raise BudgetError(f"max-delta: must be in (0, 1), got {max_delta!r}")
         self.max_epsilon, self.max_delta = float(max_epsilon), float(max_delta)
-        self.entries = [dict(e) for e in (entries or [])]  # {noise_multiplier, sample_rate, steps, run}
+        # {noise_multiplier, sample_rate, steps, run (the experiment id), time (UTC, ISO 8601), and where
+        # known flower_run (Flower's run id) and round}; ledgers written before time was kept have none.
+        self.entries = [dict(e) for e in (entries or [])]
 
     def epsilon(self, extra: list[tuple[float, float, int]] = ()) -> float:
         """ε at max δ of everything admitted so far, plus `extra` (σ, q, steps) entries: the
@@ -209,13 +212,36 @@ class PrivacyFilter:
     def left(self) -> float:
         return max(0.0, self.max_epsilon - self.epsilon())
 
-    def spend(self, noise_multiplier: float, sample_rate: float, steps: int, run: str = "") -> None:
-        """Admit `steps` steps (raises BudgetRefused when they do not fit) and record them."""
+    @property
+    def unlimited(self) -> bool:
+        return math.isinf(self.max_epsilon)
+
+    def spend(self, noise_multiplier: float, sample_rate: float, steps: int, run: str = "", **facts) -> None:
+        """Admit `steps` steps (raises BudgetRefused when they do not fit) and record them, with
+        the experiment id `run`, the time, and `facts` (flower_run, round)."""
+        from datetime import datetime, timezone
+
         self._admit(noise_multiplier, sample_rate, steps, f"{steps} more steps")
-        self.entries.append(dict(noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps, run=run))
+        self.entries.append(dict(noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps, run=run,
+                                 time=datetime.now(timezone.utc).isoformat(timespec="seconds"), **facts))
+
+    def by_experiment(self) -> list[dict]:
+        """What each experiment spent, in the order they started: its id, steps, rounds charged,
+        first and last charge, Flower's run ids, and the ε of its own entries alone at max δ
+        (the ε that experiment's accountant reported, for an RDP run)."""
+        groups: dict[str, list[dict]] = {}
+        for e in self.entries:
+            groups.setdefault(e.get("run", ""), []).append(e)
+        return [dict(experiment=run, steps=sum(e["steps"] for e in es), charges=len(es),
+                     first=es[0].get("time"), last=es[-1].get("time"),
+                     flower_runs=sorted({e["flower_run"] for e in es if "flower_run" in e}),
+                     epsilon=PrivacyFilter(math.inf, self.max_delta, es).epsilon())
+                for run, es in groups.items()]
 
     def state_dict(self) -> dict:
-        return dict(mechanism="subsampled-gaussian", accountant="rdp", max_epsilon=self.max_epsilon,
+        # JSON has no infinity: an unlimited budget is written "inf" (float("inf") reads it back).
+        return dict(mechanism="subsampled-gaussian", accountant="rdp",
+                    max_epsilon="inf" if self.unlimited else self.max_epsilon,
                     max_delta=self.max_delta, entries=self.entries)
 
     @classmethod

@@ -25,7 +25,7 @@ from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from opacus.grad_sample.utils import prepare_module
 from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 
-from . import losses
+from . import losses, routes
 from .bookkeeping import BookKeepingClipper, clip_factor
 from .config import DISTILLING, TrainConfig, check_layout
 from .data import TensorData
@@ -206,27 +206,37 @@ class DPTrainer:
     calibrated σ and the data tensors do not change between epochs or rounds.
     """
 
-    def __init__(self, cfg: TrainConfig, data: TensorData, plan: PrivacyPlan, client: int = 0):
+    def __init__(self, cfg: TrainConfig, data: TensorData, plan: PrivacyPlan, client: int = 0,
+                 route: routes.Route | None = None):
+        """`route`: with --grad-sample-mode auto, the route a resumed run chose when it started
+        (else the one measured and cached for this machine)."""
         check_layout(cfg)
         self.cfg = cfg
-        self.memory_format = torch_memory_format(cfg)
         self.device = data.x_train.device
+        # auto: the route measured fastest on this machine for this configuration (fedsd.routes),
+        # and the layout it runs in
+        self.route = ((route or routes.choose(cfg, data.num_classes, tuple(data.x_train.shape[1:]), self.device))
+                      if cfg.grad_sample_mode == routes.AUTO else None)
+        mode = self.route.mode if self.route is not None else cfg.grad_sample_mode
+        self.memory_format = (routes.LAYOUTS[self.route.memory_format] if self.route is not None
+                              else torch_memory_format(cfg))
         self.model = check_private_trainable(build_model(cfg.model, data.num_classes))
         self.model = self.model.to(self.device, memory_format=self.memory_format)
         self.teacher = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.generator = torch.Generator(device=self.device)
         self._anchor, self._proximal_mu = None, 0.0  # FedProx's pull, set per call
         self._evaluation_model: torch.nn.Module | None = None  # built on first use
-        self.ghost = cfg.grad_sample_mode == "ghost"
+        self.ghost = mode == "ghost"
         self.bookkeeping = None
         self.canaries = None  # fedsd.audit.GradientCanaries, only under `fedsd audit`
         sgd = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         dp = dict(noise_multiplier=plan.noise_multiplier, max_grad_norm=cfg.clip, expected_batch_size=cfg.batch_size,
                   loss_reduction="mean", generator=self.generator)
-        if cfg.grad_sample_mode == "bk":
+        if mode == "bk":
             # Book-keeping: clipped per-sample gradient sums from one backward pass (fedsd.bookkeeping);
             # Opacus adds the noise and averages, as for its own ghost clipping.
-            self.bookkeeping = BookKeepingClipper(self.model, cfg.clip)
+            self.bookkeeping = BookKeepingClipper(self.model, cfg.clip,
+                                                  conv_routes=self.route.conv_routes if self.route else None)
             self.grad_sample_model = self.model
             self.optimizer = DPOptimizerFastGradientClipping(sgd, **dp)
         elif self.ghost:
@@ -236,7 +246,7 @@ class DPTrainer:
                 self.model, batch_first=True, loss_reduction="mean", max_grad_norm=cfg.clip, use_ghost_clipping=True)
             self.optimizer = DPOptimizerFastGradientClipping(sgd, **dp)
         else:  # hooks, functorch or ew: per-sample gradients, clipped by DPOptimizer
-            self.grad_sample_model = prepare_module(self.model, cfg.grad_sample_mode, batch_first=True,
+            self.grad_sample_model = prepare_module(self.model, mode, batch_first=True,
                                                     loss_reduction="mean")
             self.optimizer = DPOptimizer(sgd, **dp)
         self.bind(data, plan, client)

@@ -3,6 +3,11 @@ checkpoints every completed round (checkpoint.pt, for --resume), and writes the 
 `fedsd train` (result.json with a `rounds` list, model.pt, curve.png)."""
 from __future__ import annotations
 
+# An entry point: fedsd's process-wide speed settings, before torch loads (fedsd/runtime.py).
+from fedsd.runtime import tune_process
+
+tune_process()
+
 import shutil
 import time
 import uuid

@@ -7,6 +7,7 @@ checkpoints it for --resume, logs one line and moves the progress bar.
 """
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -63,6 +64,7 @@ class RoundBook:
             skipped=sorted(k for k, r in reports.items() if int(r.get("skipped", 0))),
             refused={str(k): r["refused"] for k, r in reports.items() if "refused" in r},
             rejected={str(k): r["rejected"] for k, r in reports.items() if "rejected" in r},
+            lifetime_budget={str(k): lifetime_budget(r) for k, r in reports.items() if "max-epsilon" in r},
             missed=s.missed.get(server_round, [])))
         if self.out is not None:
             checkpoint.save(self.out, round=server_round, model=model, settings=self.settings,
@@ -85,6 +87,12 @@ class RoundBook:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def lifetime_budget(report: dict) -> dict:
+    """The owner's lifetime limits a client reported ("inf": its owner set no limit)."""
+    eps = float(report["max-epsilon"])
+    return {"max_epsilon": "inf" if math.isinf(eps) else eps, "max_delta": float(report["max-delta"])}
 
 
 def _number(x: float) -> float | None:

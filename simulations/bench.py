@@ -171,6 +171,7 @@ def bench_step(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
+    from fedsd import routes
     from fedsd.central import resolve_device
     from fedsd.config import TrainConfig
     from fedsd.data import TensorData
@@ -190,10 +191,11 @@ def bench_step(args: argparse.Namespace) -> int:
     # Timing only: the values do not matter, the shapes do (no accuracy is claimed here).
     x = torch.randn(batch, *shape, generator=g).to(device)
     y = torch.randint(0, 10, (batch,), generator=g).to(device)
-    steps = {}
+    steps, trainers = {}, {}
     for mode in args.grad_sample_mode:
         cfg = TrainConfig(**{**base.__dict__, "grad_sample_mode": mode})
-        trainer = DPTrainer(cfg, TensorData(x, y, x[:1], y[:1], 10), plan(3.0, 1e-5, 10 * batch, batch, 1))
+        trainer = trainers[mode] = DPTrainer(cfg, TensorData(x, y, x[:1], y[:1], 10),
+                                             plan(3.0, 1e-5, 10 * batch, batch, 1))
         loss_fn, uses_teacher, _ = trainer._loss_for_epoch(1, {})  # every step times the same loss
         steps["dp:" + mode] = (lambda t=trainer, f=loss_fn, u=uses_teacher:
                                t.train_on_batch(t.data.x_train, y, f, u))
@@ -237,6 +239,8 @@ def bench_step(args: argparse.Namespace) -> int:
     fastest = median[fastest_name]
     rows = [dict(model=args.model, batch_size=batch, method=args.method, grad_sample_mode=mode,
                  default=mode == TrainConfig.grad_sample_mode, device=str(device), threads=torch.get_num_threads(),
+                 cpu_isa=torch.backends.cpu.get_cpu_capability().lower(), kernel_isa=routes.cpu_isa(),
+                 **route_taken(trainers[mode]),
                  dp_step_seconds=median["dp:" + mode], eager_nonprivate_step_seconds=eager,
                  fastest_nonprivate_step_seconds=fastest, fastest_nonprivate=fastest_name.split(":", 1)[1],
                  nonprivate_step_seconds={n.split(":", 1)[1]: v for n, v in median.items()
@@ -245,11 +249,32 @@ def bench_step(args: argparse.Namespace) -> int:
             for mode in args.grad_sample_mode]
     lines = [f"{args.model} B={batch} {args.method} on {device}, {torch.get_num_threads()} threads: non-private "
              + ", ".join(f"{n} {v * 1000:.1f} ms" for n, v in rows[0]["nonprivate_step_seconds"].items())]
+    lines[0] += f"; CPU {rows[0]['cpu_isa']}, conv kernel {rows[0]['kernel_isa'] or 'not built'}"
     for r in rows:
         mark = " (default)" if r["default"] else ""
         lines.append(f"  dp {r['grad_sample_mode']:>9}{mark:10} {r['dp_step_seconds'] * 1000:7.1f} ms   "
-                     f"ratio to eager NCHW {r['ratio_to_eager']:.2f}   to fastest {r['ratio_to_fastest']:.2f}")
+                     f"ratio to eager NCHW {r['ratio_to_eager']:.2f}   to fastest {r['ratio_to_fastest']:.2f}   "
+                     f"layers: {' '.join(r['layer_routes'].values())}")
+        if r["chosen"]:
+            lines.append(f"      auto chose {r['chosen']}")
     return _emit(args, rows, "\n".join(lines))
+
+
+def route_taken(trainer) -> dict:
+    """What a trainer's steps ran: the mode (auto's choice), each conv layer's route (bk) and,
+    for auto, why (its measured times, in one line)."""
+    from torch import nn
+
+    mode = trainer.route.mode if trainer.route is not None else trainer.cfg.grad_sample_mode
+    if trainer.bookkeeping is not None:
+        layers = {f"conv{i}": r for i, r in trainer.bookkeeping.taken.items()}
+    else:  # Opacus' modes treat every layer alike
+        layers = {f"conv{i}": mode for i, m in enumerate(m for m in trainer.model.modules()
+                                                         if isinstance(m, (nn.Conv2d, nn.Linear)))
+                  if isinstance(m, nn.Conv2d)}
+    return dict(route=mode, layer_routes=layers,
+                chosen=trainer.route.describe() if trainer.route is not None else None,
+                measured=trainer.route.to_dict() if trainer.route is not None else None)
 
 
 def bench_epoch(args: argparse.Namespace) -> int:
@@ -292,11 +317,12 @@ def bench_epoch(args: argparse.Namespace) -> int:
     report = dict(dataset=args.dataset, method=args.method, batch_size=cfg.batch_size, threads=torch.get_num_threads(),
                   steps_per_epoch=runs["default"][1].steps_per_epoch,
                   grad_sample_mode=cfg.grad_sample_mode, memory_format=cfg.memory_format,
+                  cpu_isa=torch.backends.cpu.get_cpu_capability().lower(), **route_taken(runs["default"][1]),
                   baseline=BASELINE, seconds_per_epoch=statistics.median(seconds["default"]),
                   baseline_seconds_per_epoch=statistics.median(seconds["baseline"]),
                   seconds_all=seconds["default"], baseline_seconds_all=seconds["baseline"])
     report["speedup"] = report["baseline_seconds_per_epoch"] / report["seconds_per_epoch"]
     return _emit(args, report, f"{args.dataset} {args.method} central DP epoch + evaluation, {report['threads']} "
-                               f"threads: default ({cfg.grad_sample_mode}, {cfg.memory_format}) "
+                               f"threads: default ({cfg.grad_sample_mode} → {report['route']}, {cfg.memory_format}) "
                                f"{report['seconds_per_epoch']:.2f} s, baseline (hooks, NCHW) "
                                f"{report['baseline_seconds_per_epoch']:.2f} s, speed-up {report['speedup']:.2f}x")

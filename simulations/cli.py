@@ -1,12 +1,17 @@
 """The `fedsd` command: train (central), simulate (federated, Ray), bench, reproduce, sweep, audit."""
 from __future__ import annotations
 
+# An entry point: fedsd's process-wide speed settings, before torch loads (fedsd/runtime.py).
+from fedsd.runtime import tune_process
+
+tune_process()
+
 import argparse
 import sys
 from pathlib import Path
 
 from fedsd.config import TrainConfig
-from fedsd.settings import add_options, from_args
+from fedsd.settings import add_options, from_args, settings_of
 from simulations import dry_run
 
 
@@ -23,8 +28,24 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def cmd_train(args) -> int:
-    from fedsd.central import plan_run, train
+    from fedsd.central import load_checkpoint, plan_run, train
 
+    if args.resume:
+        given = [s.flag for s in settings_of(TrainConfig) if hasattr(args, s.name)]
+        given += [flag for flag, on in (("--out", args.out), ("--overwrite", args.overwrite)) if on]
+        if given:
+            raise ValueError(f"--resume DIR goes on with that run's own saved settings and folder; leave out "
+                             f"{', '.join(given)}")
+        saved = load_checkpoint(args.resume)  # every check before any work
+        if dry_run.requested():
+            plan_run(saved["config"])
+            dry_run.stop_here(f"resume {args.resume} after epoch {len(saved['epochs'])} of {saved['config'].epochs}")
+        result, _ = train(None, args.resume, resume=True, progress=not args.quiet)
+        print(run_summary(result, args.resume))
+        return 0
+    missing = [flag for flag, value in (("--epsilon", getattr(args, "epsilon", None)), ("--out", args.out)) if value is None]
+    if missing:
+        raise ValueError(f"the following arguments are required: {', '.join(missing)} (or --resume DIR)")
     if dry_run.requested():  # train() runs the same checks first
         run, plan = plan_run(config_from_args(args), args.out, args.overwrite)
         cfg = run.cfg
@@ -71,7 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedsd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="central DP training (the papers' setup)")
-    add_train_options(p_train)
+    add_train_options(p_train, epsilon_required=False, out_required=False)
+    p_train.add_argument("--resume", metavar="DIR", default=None,
+                         help="continue the unfinished run in DIR (stopped at any moment) with its own saved "
+                              "settings; it ends with the weights of a run that was never stopped")
     p_train.set_defaults(func=cmd_train)
     try:
         from simulations.simulate import add_sim_options
@@ -84,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         p_sim.set_defaults(func=cmd_simulate)
     from simulations.audit import add_audit_parser
     from simulations.bench import add_bench_parser
+    from simulations.ledger import add_ledger_parser
     from simulations.reproduce import add_reproduce_parser
     from simulations.split_data import add_split_data_parser
     from simulations.sweep import add_sweep_parser
@@ -93,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sweep_parser(sub)
     add_split_data_parser(sub)
     add_audit_parser(sub)
+    add_ledger_parser(sub)
     return parser
 
 

@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from clients.node_config import parse as parse_node_config
 from fedsd.config import ConfigError, TrainConfig
 from fedsd.federation import FedOptions, from_flat
 from fedsd.results import check_out_dir, write_json
@@ -214,11 +215,12 @@ class LocalDeployment:
     127.0.0.1, or with `isolate` each SuperNode in its own network namespace and uid."""
 
     def __init__(self, work: Path, num_clients: int, env: dict | None = None, client_data: Path | None = None,
-                 node_config: str = "", isolate: bool = False):
+                 node_config: str | list[str] = "", isolate: bool = False):
         self.work = Path(work).absolute()
         self.num_clients = num_clients
         self.client_data = Path(client_data).absolute() if client_data else None  # client k: client_data/client-k
-        self.node_config = node_config  # more k=v pairs for every SuperNode (max-epsilon=3 ...)
+        # more k=v pairs for every SuperNode (max-epsilon=3 ...), or a list of them, one per SuperNode
+        self.node_config = [node_config] * num_clients if isinstance(node_config, str) else list(node_config)
         self.isolation = Isolation(self.work, num_clients) if isolate else None
         if self.isolation is not None:
             self.isolation.check()
@@ -343,8 +345,8 @@ class LocalDeployment:
         node_config = f"partition-id={partition_id} num-partitions={self.num_clients} state-dir='{state}'"
         if data is not None:
             node_config += f" data='{data}'"
-        if self.node_config:
-            node_config += " " + self.node_config
+        if self.node_config[partition_id]:
+            node_config += " " + self.node_config[partition_id]
         cmd = ["flower-supernode", "--root-certificates", str(ca), "--superlink", self.address,
                "--auth-supernode-private-key", str(key), "--node-config", node_config, "--port", str(free_port())]
         if max_retries is not None:
@@ -493,12 +495,14 @@ def run_config_from_args(args: argparse.Namespace) -> dict:
     values = given_flat(args, TrainConfig, FedOptions)
     if args.client_folders:
         values["client-data"] = "own"
-    for key, value in _pairs(args.node_config, "--node-config").items():
-        if key in ("max-epsilon", "max-delta"):
-            try:
-                float(value)
-            except ValueError:
-                raise ConfigError(f"--node-config: {key} must be a number, got {value!r}") from None
+    owner = _pairs(args.node_config, "--node-config")
+    try:  # the keys every SuperNode will check again, with a stand-in for what the script sets itself
+        parse_node_config({"partition-id": 0, **owner})
+    except ConfigError as e:
+        raise ConfigError(f"--node-config: {e}") from None
+    if args.client_folders and "max-epsilon" not in owner:  # every client would refuse (clients/node_config.py)
+        raise ConfigError("--client-data: a client with its own data trains only under its owner's lifetime budget; "
+                          "add --node-config \"max-epsilon=…\" (inf for no limit)")
     values.update(_pairs(args.run_config, "--run-config"))
     values.update({"num-clients": args.num_clients, "num-server-rounds": args.rounds})
     cfg, fed = from_flat(values)
@@ -561,9 +565,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rounds = result["rounds"]
     refused = {c: why for r in rounds for c, why in r.get("refused", {}).items()}
+    budgets = {c: ("unlimited (max-epsilon=inf)" if b["max_epsilon"] == "inf" else f"ε ≤ {b['max_epsilon']:g}")
+               + f", δ ≤ {b['max_delta']:g}" for r in rounds for c, b in r.get("lifetime_budget", {}).items()}
     print(json.dumps({"test_accuracy": result["test_accuracy"], "rounds": len(rounds), "tls": True, "refused": refused,
+                      "lifetime_budget": dict(sorted(budgets.items())),
                       "node_auth": True, "seconds_per_round": [round(r["seconds"], 2) for r in rounds],
-                      "out": str(Path(args.out).absolute())}, indent=2))
+                      "out": str(Path(args.out).absolute())}, indent=2, ensure_ascii=False))
     return 0
 
 

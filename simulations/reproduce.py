@@ -74,14 +74,17 @@ def _run_one(config: dict, out: str) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from fedsd.central import train
+    from fedsd.central import load_checkpoint, train, unfinished
     from fedsd.config import TrainConfig
 
     from fedsd.results import write_json
     from fedsd.training import TrainingDiverged
 
     try:
-        result, _ = train(TrainConfig(**config), out, overwrite=True, progress=False)
+        if unfinished(out) and same_settings(load_checkpoint(out)["config"].to_dict(), config):
+            result, _ = train(None, out, resume=True, progress=False)  # stopped earlier: goes on where it was
+        else:
+            result, _ = train(TrainConfig(**config), out, overwrite=True, progress=False)
     except TrainingDiverged as e:
         # A sweep's answer too: this setting does not train. Kept, so that it is not run again.
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -127,14 +130,18 @@ NOT_SETTINGS = ("device", "threads", "data_dir", "download", "grad_sample_mode",
 def finished_with(run_out: Path, config: dict) -> bool:
     """A finished run in `run_out` made with these settings (a run made with other settings,
     e.g. before a default changed, is run again)."""
-    from fedsd.config import TrainConfig
-
     path = run_out / "result.json"
     if not path.exists():
         path = run_out / DIVERGED
     if not path.exists():
         return False
-    done = json.loads(path.read_text())["config"]
+    return same_settings(json.loads(path.read_text())["config"], config)
+
+
+def same_settings(done: dict, config: dict) -> bool:
+    """Whether a run made with settings `done` (a resolved config) computes what `config` asks."""
+    from fedsd.config import TrainConfig
+
     wanted = TrainConfig(**config).resolved().to_dict()
     # A setting added since that run was made is absent from its config: it ran as the default.
     defaults = TrainConfig().to_dict()

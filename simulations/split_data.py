@@ -61,7 +61,7 @@ def cmd_split_data(args: argparse.Namespace) -> int:
             (_write_npz if args.format == "npz" else _write_imagefolder)(folder, splits)
             print(f"client-{k}: {len(chosen)} training and {len(test)} test images")
     print(f"wrote {fed.num_clients} client folders to {args.out} ({args.format}); start SuperNode k with "
-          f"--node-config \"data='{Path(args.out).absolute()}/client-k' ...\"")
+          f"--node-config \"data='{Path(args.out).absolute()}/client-k' max-epsilon=… ...\"")
     return 0
 
 

@@ -22,16 +22,17 @@ def require(dataset: str):
         pytest.skip(f"{dataset} not available here")
 
 
-def bookkeeping_clipped_sum(model: str, kernel: bool) -> list:
+def bookkeeping_clipped_sum(model: str, kernel: bool, conv_routes: dict[int, str] | None = None) -> list:
     """Each parameter's clipped sum from book-keeping on a fixed batch of 37 samples, clipping
-    active (C = 0.05, below most samples' norms); kernel=False: PyTorch's patches and products."""
+    active (C = 0.05, below most samples' norms); kernel=False: PyTorch's patches and products;
+    conv_routes: each conv layer's route forced (fedsd.bookkeeping.CONV_ROUTES)."""
     import torch
 
     from fedsd.bookkeeping import BookKeepingClipper
     from fedsd.models import build_model
 
     net = build_model(model, seed=0).to(memory_format=torch.channels_last)
-    clipper = BookKeepingClipper(net, max_grad_norm=0.05, kernel=kernel)
+    clipper = BookKeepingClipper(net, max_grad_norm=0.05, kernel=kernel, conv_routes=conv_routes)
     shape = (1, 28, 28) if model == "mnist-cnn" else (3, 32, 32)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(37, *shape, generator=g).contiguous(memory_format=torch.channels_last)

@@ -112,8 +112,9 @@ def test_client_state_survives_on_its_own_disk(tmp_path):
     assert eps(send({**flat, "experiment-id": "exp-2"}, context(), start, 1)) == e1
     wrong = Context(run_id=1, node_id=11, node_config={"partition-id": 1, "num-partitions": 5}, state=RecordDict(),
                     run_config={})
-    with pytest.raises(ConfigError, match="num-partitions=5"):  # Flower turns it into an error reply
-        send(flat, wrong, start, 1)
+    refused = send(flat, wrong, start, 1)  # refused with the key named, for the server's summary
+    assert refused.content["metrics"]["refused"] == 1 and not refused.content.array_records
+    assert refused.content["refusal"]["reason"] == "node-config num-partitions=5 but the run has num-clients=2"
 
 
 def test_train_state_has_one_form_for_both_stores_and_is_checked_on_load(tmp_path):

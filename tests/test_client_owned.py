@@ -57,7 +57,8 @@ def test_own_data_trains_and_both_formats_hold_the_same_samples(split, tmp_path)
     cfg, flat = run_config()
     start = initial_model(cfg.resolved(), 10)
     for fmt in ("imagefolder", "npz"):
-        node = {"partition-id": 0, "data": str(split / fmt / "client-0"), "state-dir": str(tmp_path / fmt)}
+        node = {"partition-id": 0, "data": str(split / fmt / "client-0"), "state-dir": str(tmp_path / fmt),
+                "max-epsilon": 3}
         reply, _ = send(flat, node, start, 1)
         assert reply.content["metrics"]["skipped"] == 0
         assert reply.content["metrics"]["num-examples"] == 300  # its own shard, not the server's idea of it
@@ -194,7 +195,7 @@ def test_bad_data_is_named_with_its_problem(tmp_path, make, needle):
 
 def test_fewer_samples_than_the_batch_size_is_refused_before_any_step(split, tmp_path):
     cfg, flat = run_config(batch_size=1000)
-    node = {"partition-id": 0, "data": str(split / "npz" / "client-0"), "state-dir": str(tmp_path)}
+    node = {"partition-id": 0, "data": str(split / "npz" / "client-0"), "state-dir": str(tmp_path), "max-epsilon": 3}
     with pytest.raises(DataError, match="300 training samples, fewer than the batch size 1000"):
         send(flat, node, initial_model(cfg.resolved(), 10), 1)
 
@@ -233,7 +234,7 @@ def test_a_client_without_a_test_split_evaluates_with_weight_zero(split, tmp_pat
     cfg, flat = run_config()
     with np.load(split / "npz" / "client-0" / "data.npz") as z:
         np.savez(tmp_path / "train-only.npz", x_train=z["x_train"], y_train=z["y_train"])
-    node = {"partition-id": 0, "data": str(tmp_path / "train-only.npz"), "state-dir": str(tmp_path)}
+    node = {"partition-id": 0, "data": str(tmp_path / "train-only.npz"), "state-dir": str(tmp_path), "max-epsilon": 3}
     metrics = evaluate_on_client(flat, node, initial_model(cfg.resolved(), 10))
     assert metrics["num-examples"] == 0
 
@@ -250,3 +251,75 @@ def test_the_server_normalises_its_public_test_split_as_the_clients_normalise_th
     images = data_lib.load("mnist", None, False)
     assert classes == 10 and torch.equal(y_test, images.y_test)
     assert torch.allclose(x_test, (images.x_test.float() / 255 - 0.5) / 0.25)
+
+
+# -- issue 28: own data never trains without its owner's budget ---------------------------------
+def test_own_data_without_a_budget_is_refused_before_its_data_is_read(split, tmp_path):
+    cfg, flat = run_config()
+    node = {"partition-id": 0, "data": str(split / "npz" / "client-0"), "state-dir": str(tmp_path)}
+    reply, _ = send(flat, node, initial_model(cfg.resolved(), 10), 1)
+    assert not reply.content.array_records
+    metrics = reply.content["metrics"]
+    assert metrics["refused"] == 1 and metrics["skipped"] == 1 and metrics["partition-id"] == 0
+    assert reply.content["refusal"]["reason"] == ('this client has no lifetime budget: start its SuperNode with '
+                                                  '--node-config "max-epsilon=…"')
+    assert list(tmp_path.iterdir()) == []  # nothing decoded, cached, calibrated, charged or saved
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"max-epsilon": "three"}, "node-config max-epsilon='three' is not a number"),
+    ({"max-epsilon": True}, "node-config max-epsilon=True is not a number"),
+    ({"max-epsilon": -1.0}, "node-config max-epsilon=-1: must be > 0 (or inf for no limit)"),
+    ({"max-epsilon": 3, "max-delta": 1.5}, "node-config max-delta=1.5: must be in (0, 1)"),
+    ({"max-epsilon": 3, "max-epsilom": 3}, "node-config max-epsilom: not a key fedsd reads; the keys are partition-id"),
+    ({"max-epsilon": 3, "data": "/no/such/folder"}, "node-config data='/no/such/folder': no such file or folder"),
+    ({"max-epsilon": 3, "partition-id": 5}, "node-config partition-id=5 is outside [0, 2)"),
+])
+def test_a_bad_node_config_is_refused_with_the_key_named(split, tmp_path, extra, needle):
+    cfg, flat = run_config()
+    node = {"partition-id": 0, "data": str(split / "npz" / "client-0"), "state-dir": str(tmp_path), **extra}
+    reply, _ = send(flat, node, initial_model(cfg.resolved(), 10), 1)
+    assert reply.content["metrics"]["refused"] == 1 and not reply.content.array_records
+    assert reply.content["refusal"]["reason"].startswith(needle), reply.content["refusal"]["reason"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unlimited_budget_is_explicit_recorded_and_reported(split, tmp_path):
+    cfg, flat = run_config(epsilon=50, rounds=1)  # more than any finite owner's limit in these tests
+    node = {"partition-id": 0, "data": str(split / "npz" / "client-0"), "state-dir": str(tmp_path),
+            "max-epsilon": float("inf")}
+    reply, _ = send(flat, node, initial_model(cfg.resolved(), 10), 1)
+    metrics = reply.content["metrics"]
+    assert metrics["skipped"] == 0 and metrics["max-epsilon"] == float("inf") and metrics["max-delta"] == 1e-5
+    state = json.loads(next(tmp_path.glob("ledger-*.json")).read_text())
+    assert state["max_epsilon"] == "inf" and len(state["entries"]) == 1  # still recorded, in plain JSON
+    assert state["entries"][0]["run"] == "exp-a" and state["entries"][0]["round"] == 1
+
+
+def test_fedsd_ledger_shows_what_two_experiments_spent(split, tmp_path, capsys):
+    node = {"partition-id": 1, "data": str(split / "npz" / "client-1"), "state-dir": str(tmp_path),
+            "max-epsilon": 5.0}
+    reported = {}
+    for experiment, epsilon in (("exp-1", 1.5), ("exp-2", 2.0)):
+        cfg, flat = run_config(epsilon=epsilon, rounds=2, experiment=experiment)
+        model, state = initial_model(cfg.resolved(), 10), None
+        for server_round in (1, 2):
+            reply, context = send(flat, node, model, server_round, state)
+            model, state = record_to_model(reply.content["arrays"]), context.state
+        reported[experiment] = reply.content["metrics"]["epsilon"]  # the run's own accountant, after its last round
+    assert main(["ledger", "--state-dir", str(tmp_path), "--json"]) == 0
+    [ledger] = json.loads(capsys.readouterr().out)
+    by_id = {e["experiment"]: e for e in ledger["experiments"]}
+    assert set(by_id) == {"exp-1", "exp-2"} and all(e["charges"] == 2 for e in by_id.values())
+    for experiment, epsilon in reported.items():  # each experiment's charges are what its run reported
+        assert by_id[experiment]["epsilon"] == pytest.approx(epsilon, rel=1e-6)
+    assert ledger["sum_of_experiments_epsilon"] == pytest.approx(sum(reported.values()), rel=1e-6)
+    # Composed (RDP) the two spend less than their sum, and what is left is the rest of the owner's 5.
+    assert max(reported.values()) < ledger["spent_epsilon"] < sum(reported.values())
+    assert ledger["left_epsilon"] == pytest.approx(5.0 - ledger["spent_epsilon"])
+    assert ledger["steps"] == 2 * 2 * 5  # two rounds of ⌈300 / 60⌉ steps, twice
+    assert by_id["exp-1"]["first"] <= by_id["exp-2"]["last"]
+    assert main(["ledger", "--state-dir", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert f"spent           ε = {ledger['spent_epsilon']:.3f} over 20 steps" in text
+    assert "owner's budget  ε ≤ 5, δ ≤ 1e-05" in text and "exp-1: ε = " in text and "exp-2: ε = " in text

@@ -111,3 +111,37 @@ def test_bookkeeping_clipped_sum_is_the_same_on_both_routes(model):
     for a, b in zip(with_kernel, without):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert all(a.abs().sum() > 0 for a in with_kernel)
+
+
+# Instruction-set targets a user's CPU may have: the kernel's register block follows the target
+# (AVX-512: 16-float vectors, AVX2: 8-float, SSE: 4-float), so each build is checked on its own.
+TARGETS = {"x86-64-v4": ("avx512f",), "x86-64-v3": ("avx2", "fma"), "x86-64": ()}
+
+
+def _cpu_flags() -> set[str]:
+    from pathlib import Path
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return {f for line in info.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+@needs_kernel
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 targets")
+@pytest.mark.parametrize("march,isa", [("x86-64-v4", "avx512"), ("x86-64-v3", "avx2"), ("x86-64", "sse")])
+def test_kernel_builds_for_each_target_and_each_build_this_cpu_runs_is_exact(march, isa, tmp_path, monkeypatch):
+    """Every target builds; where this CPU can run it, its gradients and norms match autograd
+    on every layer (an AVX-512 build cannot run on an AVX2 CPU: it is built, not run)."""
+    monkeypatch.setenv("FEDSD_CACHE_DIR", str(tmp_path))
+    path = conv_kernel.compiled(march, load=False)
+    assert path.is_file() and path.stat().st_size > 0
+    if not set(TARGETS[march]) <= _cpu_flags():
+        pytest.skip(f"built for {march}; this CPU cannot run it")
+    kernel = conv_kernel.compiled(march)
+    assert kernel.isa == isa
+    for name, spec in LAYERS.items():
+        conv, x, grad = layer_and_gradients(spec)
+        per_sample, norms2 = conv_kernel.per_sample_grads(conv, x, grad, kernel=kernel)
+        expected = autograd_per_sample(conv, x, grad)
+        got = per_sample.view(len(x), conv.kernel_size[0], conv.kernel_size[1], x.shape[1], -1).permute(0, 4, 3, 1, 2)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item(), msg=name)
+        torch.testing.assert_close(norms2, expected.flatten(1).pow(2).sum(1), rtol=1e-5, atol=0, msg=name)

@@ -71,7 +71,10 @@ def test_deploy_local_script_runs_with_tls_and_node_auth(tmp_path):
 def test_bad_input_is_refused_before_any_process_starts(tmp_path):
     for args, needle in ((["--clients", "0", "--rounds", "2"], "--clients"),
                          (["--clients", "2", "--rounds", "0"], "--rounds"),
-                         (["--clients", "2", "--rounds", "1", "--run-config", "partition=zipf"], "--partition")):
+                         (["--clients", "2", "--rounds", "1", "--run-config", "partition=zipf"], "--partition"),
+                         (["--clients", "2", "--rounds", "1", "--client-data", str(tmp_path)], "max-epsilon=…"),
+                         (["--clients", "2", "--rounds", "1", "--node-config", "max-epsilon=three"],
+                          "max-epsilon='three' is not a number")):
         proc = subprocess.run([str(ROOT / "scripts" / "deploy-local.sh"), *args, "--out", str(tmp_path / "o"),
                                "--work", str(tmp_path / "w")],
                               env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
@@ -178,6 +181,48 @@ def test_clients_own_their_data_and_lifetime_budget(tmp_path):
     refused = again["rounds"][0]["refused"]
     assert again["rounds"][0]["trained"] == [] and set(refused) == {"0", "1"}
     assert all(reason.startswith("lifetime budget left: ") for reason in refused.values()), refused
+    assert processes_mentioning(str(work)) == []
+
+
+def test_own_data_trains_only_under_an_owners_budget(tmp_path):
+    """Three real SuperNodes with their own data: one whose owner set no max-epsilon, one with
+    an explicit max-epsilon=inf, one with max-epsilon='abc'. Two runs: in each only the second
+    trains; the others refuse with their reasons before reading their data, and the server's
+    result shows the unlimited budget. `fedsd ledger` on the second's state-dir then shows what
+    the two runs spent, each as its run reported it."""
+    require("mnist")
+    from clients.node_config import NO_BUDGET
+    from simulations.cli import main
+
+    data, work = tmp_path / "data", tmp_path / "work"
+    assert main(["split-data", "--dataset", "mnist", "--clients", "3", "--subset", "1800", "--format", "npz",
+                 "--out", str(data)]) == 0
+    owners = ["", "max-epsilon=inf", "max-epsilon='abc'"]
+    runs = [tmp_path / "run-1", tmp_path / "run-2"]
+    with LocalDeployment(work, 3, client_data=data, node_config=owners) as deployment:
+        deployment.start()
+        for out, epsilon in zip(runs, (2.0, 3.0)):
+            deployment.run({**RUN, "num-clients": 3, "num-server-rounds": 1, "client-data": "own", "epsilon": epsilon,
+                            "out-dir": str(out)}, timeout=900)
+    reported = []
+    for out in runs:
+        result = json.loads((out / "result.json").read_text())
+        [first] = result["rounds"]
+        assert first["trained"] == [1], first
+        assert first["refused"] == {"0": NO_BUDGET, "2": "node-config max-epsilon='abc' is not a number"}
+        assert first["lifetime_budget"] == {"1": {"max_epsilon": "inf", "max_delta": 1e-5}}
+        reported.append(first["client_epsilon"]["1"])
+    for refusing in (0, 2):  # no step, no decoding, no ledger: its state folder holds nothing
+        assert not any((work / "client-state" / str(refusing)).rglob("*"))
+    ledger = subprocess.run([sys.executable, "-m", "simulations.cli", "ledger", "--state-dir",
+                             str(work / "client-state" / "1"), "--json"], capture_output=True, text=True, timeout=120)
+    assert ledger.returncode == 0, ledger.stderr
+    [book] = json.loads(ledger.stdout)
+    assert book["max_epsilon"] == "inf" and book["left_epsilon"] == "inf"
+    assert len(book["experiments"]) == 2 and all(e["flower_runs"] for e in book["experiments"])
+    assert sorted(e["epsilon"] for e in book["experiments"]) == pytest.approx(sorted(reported), rel=1e-6)
+    assert book["sum_of_experiments_epsilon"] == pytest.approx(sum(reported), rel=1e-6)
+    assert max(reported) < book["spent_epsilon"] <= sum(reported)  # composed, not added
     assert processes_mentioning(str(work)) == []
 
 

@@ -54,9 +54,9 @@ def test_cifar_cnn_mode_matches_hooks(mode):
     assert max((fast[k] - reference[k]).abs().max().item() for k in reference) < 1e-4
 
 
-def test_default_is_bookkeeping_on_channels_last():
+def test_default_is_the_measured_route():
     cfg = TrainConfig().resolved()
-    assert cfg.grad_sample_mode == "bk" and cfg.channels_last
+    assert cfg.grad_sample_mode == "auto" and cfg.channels_last
     assert not TrainConfig(grad_sample_mode="hooks").channels_last  # auto: NCHW where Opacus needs it
 
 

@@ -75,7 +75,7 @@ def test_help_says_what_and_the_default(capsys):
         build_parser().parse_args(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "per-sample clipping norm C (default: the paper's value for the data set: MNIST 0.1" in text
-    assert "--grad-sample-mode" in text and "(default: 'bk')" in text
+    assert "--grad-sample-mode" in text and "(default: 'auto')" in text
     with pytest.raises(SystemExit):
         build_parser().parse_args(["simulate", "--help"])
     text = " ".join(capsys.readouterr().out.split())

@@ -1,0 +1,72 @@
+"""Process-wide settings that make fedsd's training fast, made only when an entry point asks.
+
+Importing any part of fedsd changes nothing about the process. `tune_process()` does, and
+fedsd's own entry points call it first thing: the `fedsd` command, the ClientApp and ServerApp
+modules (Flower loads them in each process that runs them, Ray workers included), and the
+Ray workers also inherit the environment variables from the `fedsd` process that starts Ray.
+A program that uses fedsd as a library calls it itself, or not at all. FEDSD_TUNE_PROCESS=0
+turns it off everywhere; a value you set for any variable below is kept.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+OPT_OUT_ENV = "FEDSD_TUNE_PROCESS"
+
+# PyTorch's CPU allocator backs large tensors with transparent huge pages when this is set. A
+# training step allocates hundreds of MB of activations and gradients and frees them again,
+# and without huge pages the page faults of touching that fresh memory cost as much as the
+# arithmetic (results/perf.md). It changes no result. PyTorch reads it at its first large
+# allocation.
+HUGE_PAGES = ("THP_MEM_ALLOC_ENABLE", "1")
+# After each parallel region, PyTorch's OpenMP threads (GNU libgomp) spin for about 300,000
+# iterations before they sleep, on the cores book-keeping's conv kernel (fedsd.conv_kernel)
+# needs right after the backward pass (results/perf.md). libgomp reads it when torch loads, so
+# it only takes effect when set before `import torch` (or in a child process's environment).
+OMP_SPIN = ("GOMP_SPINCOUNT", "10000")
+
+
+def tune_process() -> dict:
+    """Set fedsd's process-wide speed settings; returns what was set (empty when
+    FEDSD_TUNE_PROCESS=0). Call it before importing torch for the OpenMP setting to apply."""
+    if os.environ.get(OPT_OUT_ENV, "1") == "0":
+        return {}
+    done = {}
+    for name, value in (HUGE_PAGES, OMP_SPIN):
+        if name not in os.environ:
+            os.environ[name] = value
+            done[name] = value
+    if keep_freed_memory():
+        done["malloc"] = "freed memory kept in the heap (M_MMAP_MAX=0)"
+    return done
+
+
+_kept = False
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc's malloc keep the memory a step frees, for the next step to reuse.
+
+    By default glibc returns every block of over 32 MB to the kernel when it is freed (mmap),
+    and the next step's block of that size is fresh memory again, whose pages the kernel
+    zeroes as they are first touched. A step allocates and frees many such blocks, a DP step
+    more than a plain one (results/perf.md). With mmap off, freed blocks stay in the heap and
+    are reused; the heap stays at its peak. Set MALLOC_MMAP_MAX_ yourself to keep glibc's way
+    (glibc reads it when the process starts, so it is left alone). Returns whether it changed
+    the allocator (only on glibc, once a process).
+    """
+    global _kept
+    if _kept or not sys.platform.startswith("linux") or "MALLOC_MMAP_MAX_" in os.environ:
+        return False
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # glibc's; musl and others have none
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    mallopt(M_MMAP_MAX, 0)
+    mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+    _kept = True
+    return True
