@@ -20,9 +20,9 @@ tune_process()
 
 import hashlib
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -30,8 +30,8 @@ from fedsd import data as data_lib
 from fedsd import ledger as ledgers
 from fedsd import privacy
 from fedsd.central import resolve_device
-from fedsd.client_data import DataError, load_holder_data, normalised, task_for
-from fedsd.config import ConfigError, TrainConfig, validate
+from fedsd.client_data import DataError, HolderData, load_holder_data, normalised, task_for
+from fedsd.config import ConfigError, validate
 from fedsd.federation import FedOptions, client_config, from_flat, round_epochs
 from fedsd.training import (BudgetExhausted, DPTrainer, Model, TrainingDiverged, load_train_state, released,
                             save_train_state)
@@ -70,6 +70,7 @@ def trainer_for(flat: dict, partition_id: int) -> tuple[Federation, DPTrainer]:
 
 
 app = ClientApp()
+SKIPPED_NAMED = 5  # unreadable files named in a reply (with skip-bad-files); the count is always there
 
 
 def client_state_file(node: NodeConfig, experiment_id: str, partition_id: int) -> Path | None:
@@ -80,15 +81,16 @@ def client_state_file(node: NodeConfig, experiment_id: str, partition_id: int) -
     return node.state_root / experiment_id / f"client-{partition_id}.pt"
 
 
-def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[TrainConfig, FedOptions, DPTrainer, str]:
+def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOptions, DPTrainer, HolderData]:
     """The trainer for the data this SuperNode names (`data` in its --node-config), prepared
-    once for the run's task and cached on its disk. Returns (cfg, fed, trainer, the data's
-    fingerprint). Raises DataError / ConfigError naming the file or setting, before any step."""
+    once for the run's task and cached on its disk. Returns (fed, trainer, the data as held:
+    its fingerprint and the files left out). Raises DataError / ConfigError naming the file or
+    setting, before any step."""
     cfg, fed = from_flat(flat)
     fed.validate()
     cfg = client_config(cfg, fed)
     task = task_for(cfg)
-    held = load_holder_data(node.data, task, node.state_root / "data-cache")
+    held = load_holder_data(node.data, task, node.state_root / "data-cache", skip_bad_files=node.skip_bad_files)
     key = (tuple(sorted(flat.items())), "own", held.fingerprint, partition_id)
     if key not in _TRAINERS:
         n = len(held.y_train)
@@ -102,7 +104,7 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[TrainC
                             cache_dir=str(node.state_root / "calibrations"))
         _TRAINERS.clear()  # one data set a process: a fresh ClientApp process, or one Ray worker's client
         _TRAINERS[key] = DPTrainer(cfg, tensors, plan, client=partition_id)
-    return cfg, fed, _TRAINERS[key], held.fingerprint
+    return fed, _TRAINERS[key], held
 
 
 def shard_fingerprint(federation: Federation, partition_id: int) -> str:
@@ -136,11 +138,25 @@ def node_settings(flat: dict, node_config) -> NodeConfig:
     return node
 
 
-def client_side(msg: Message, context: Context):
-    """(round, node config, fed, trainer, the data's fingerprint, the simulated federation or
-    None) for a message: this SuperNode's own files with client-data=own, else (a simulation)
-    this client's shard of a built-in data set. The node config is checked first, and a node
-    with its own data and no owner's budget refuses (BudgetRefused) before its data is read."""
+@dataclass(frozen=True)
+class ClientSide:
+    """What a message is to be answered with: the round, this node's checked config, the run's
+    federation settings, the trainer bound to this client's data, the data's fingerprint (its
+    ledger), the simulated federation (None for own data) and the files its owner chose to
+    leave out (skip-bad-files)."""
+    server_round: int
+    node: NodeConfig
+    fed: FedOptions
+    trainer: DPTrainer
+    fingerprint: str
+    federation: Federation | None
+    skipped_files: list[str]
+
+
+def client_side(msg: Message, context: Context) -> ClientSide:
+    """This SuperNode's own files with client-data=own, else (a simulation) this client's shard
+    of a built-in data set. The node config is checked first, and a node with its own data and
+    no owner's budget refuses (BudgetRefused) before its data is read."""
     flat = dict(msg.content["config"])
     server_round = int(flat.pop("server-round"))
     node = node_settings(flat, context.node_config)
@@ -149,12 +165,11 @@ def client_side(msg: Message, context: Context):
         if not node.owns_data:
             raise ConfigError("client-data=own: this run trains on each client's own data; start the SuperNode "
                               "with --node-config \"data='/path/to/folder-or.npz' max-epsilon=… ...\"")
-        _, fed, trainer, fingerprint = own_trainer(flat, node, node.partition_id)
-        federation = None
-    else:
-        federation, trainer = trainer_for(flat, node.partition_id)
-        fed, fingerprint = federation.fed, shard_fingerprint(federation, node.partition_id)
-    return server_round, node, fed, trainer, fingerprint, federation
+        fed, trainer, held = own_trainer(flat, node, node.partition_id)
+        return ClientSide(server_round, node, fed, trainer, held.fingerprint, None, held.skipped)
+    federation, trainer = trainer_for(flat, node.partition_id)
+    return ClientSide(server_round, node, federation.fed, trainer, shard_fingerprint(federation, node.partition_id),
+                      federation, [])
 
 
 def refusal(msg: Message, metrics: dict, reason: str) -> Message:
@@ -172,8 +187,8 @@ def spent_so_far(state, plan: privacy.PrivacyPlan) -> float:
 def evaluate_global(msg: Message, context: Context) -> Message:
     """Federated evaluation: the global model on this client's own test split (no training
     step, nothing spent from the budget; the accuracy it sends is outside the DP guarantee)."""
-    _, node, _, trainer, _, federation = client_side(msg, context)
-    partition_id = node.partition_id
+    side = client_side(msg, context)
+    trainer, federation, partition_id = side.trainer, side.federation, side.node.partition_id
     x_test, y_test = trainer.data.x_test, trainer.data.y_test  # its own test split, or in a simulation
     if federation is not None:  # its share of the public one
         share = federation.client_test_share(partition_id).to(trainer.device)
@@ -188,12 +203,15 @@ def evaluate_global(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     try:
-        server_round, node, fed, trainer, fingerprint, _ = client_side(msg, context)
-    except (privacy.BudgetRefused, NodeConfigError) as e:  # the node's own settings say no: nothing read or spent
+        side = client_side(msg, context)
+    except (privacy.BudgetRefused, NodeConfigError, DataError) as e:
+        # The node's own settings or its own data say no: nothing trained or spent. A refusal
+        # (not an error) so that the server can name this client and its reason.
         partition_id = node_configs.parse_partition_id(context.node_config)
         if partition_id is None:
             raise  # without its number the server could not say who refused: a failed reply instead
         return refusal(msg, {"num-examples": 0, "partition-id": partition_id, "epsilon": 0.0}, str(e))
+    server_round, node, fed, trainer, fingerprint = side.server_round, side.node, side.fed, side.trainer, side.fingerprint
     partition_id = node.partition_id
     # FedProx sends its μ as "proximal-mu" in the round's config: the run config's key of that name.
     proximal_mu = fed.proximal_mu if fed.strategy == "fedprox" else 0.0
@@ -236,4 +254,8 @@ def train(msg: Message, context: Context) -> Message:
         save_train_state(state_file, state, trainer.plan)
     reply = MetricRecord({**base, "skipped": 0, "epsilon": metrics["epsilon"], "train-loss": metrics["train_loss"],
                           "seconds": metrics["seconds"], "steps": metrics["steps"]})
-    return Message(RecordDict({"arrays": model_to_record(model), "metrics": reply}), reply_to=msg)
+    content = RecordDict({"arrays": model_to_record(model), "metrics": reply})
+    if side.skipped_files:  # the owner's choice (skip-bad-files): the server's summary names them
+        content["skipped-files"] = ConfigRecord({"count": len(side.skipped_files),
+                                                 "first": side.skipped_files[:SKIPPED_NAMED]})
+    return Message(content, reply_to=msg)

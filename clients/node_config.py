@@ -38,6 +38,9 @@ class NodeConfig:
                              default_text="FEDSD_CLIENT_STATE_DIR, else ~/.cache/fedsd/client-state")
     data_dir: str = setting("", "where the built-in data sets are (a simulated client's shard)",
                             default_text="FEDSD_DATA_DIR or the usual places")
+    skip_bad_files: bool = setting(False, "train on the readable images of `data` and leave out unreadable ones "
+                                          "(reported to the server); default: one unreadable image refuses the "
+                                          "whole data set")
 
     @property
     def owns_data(self) -> bool:
@@ -96,6 +99,10 @@ def _value(key: str, value):
     s = KEYS[key]
     if s.type is str:
         return str(value)
+    if s.type is bool:
+        if isinstance(value, bool) or str(value).lower() in ("true", "false"):
+            return value if isinstance(value, bool) else str(value).lower() == "true"
+        raise NodeConfigError(f"node-config {key}={value!r} is not true or false")
     if isinstance(value, bool) or value is None:
         raise NodeConfigError(f"node-config {key}={value!r} is not a number")
     try:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +69,7 @@ class HolderData:
     y_test: torch.Tensor
     fingerprint: str  # of the files' content: the key of the holder's privacy ledger
     source: str
+    skipped: list[str] = field(default_factory=list)  # unreadable files left out (skip_bad_files)
 
 
 def _content_fingerprint(path: Path, files: list[Path]) -> str:
@@ -94,9 +95,13 @@ def _stat_key(files: list[Path]) -> str:
     return h.hexdigest()[:32]
 
 
-def load_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.PathLike) -> HolderData:
+def load_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.PathLike,
+                     skip_bad_files: bool = False) -> HolderData:
     """The holder's data prepared for `task`, from its cache when the files are unchanged.
-    Raises DataError naming the file and the problem."""
+    Raises DataError naming the file and the problem; with `skip_bad_files` an unreadable
+    image is left out instead (HolderData.skipped names them), and the fingerprint, so the
+    ledger, is that of the readable files: the same samples are charged to the same ledger
+    whether or not an unreadable file lies beside them."""
     path = Path(data).expanduser()
     if not path.exists():
         raise DataError(f"data={path}: no such file or folder")
@@ -110,23 +115,31 @@ def load_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.Pa
     cache = Path(cache_dir)
     # Names, sizes and times map to the content's fingerprint, so an unchanged folder is not
     # read and hashed again on every message; changed (or copied) files are hashed once more.
-    index = cache / f"index-{_stat_key(files)}.json"
+    skip = skip_bad_files and path.is_dir()
+    index = cache / f"index-{_stat_key(files)}{'-skip' if skip else ''}.json"
+    arrays, skipped = None, []
     if index.is_file():
-        fingerprint = json.loads(index.read_text())["fingerprint"]
+        known = json.loads(index.read_text())
+        fingerprint, skipped = known["fingerprint"], known.get("skipped", [])
+    elif skip:  # which files are readable is known only once they are decoded
+        arrays, skipped = _load_folder(path, task, skip=True)
+        fingerprint = _content_fingerprint(path, [f for f in files if str(f.relative_to(path)) not in skipped])
     else:
         fingerprint = _content_fingerprint(path, files)
     prepared = cache / f"prepared-{fingerprint}-{task.key}.pt"
-    if prepared.is_file():
+    if arrays is None and prepared.is_file():
         arrays = torch.load(prepared, weights_only=True)
-    else:
-        arrays = _load_npz(path, task) if path.is_file() else _load_folder(path, task)
+    elif arrays is None:
+        arrays, skipped = (_load_npz(path, task), []) if path.is_file() else _load_folder(path, task, skip)
+    if not prepared.is_file():
         if not len(arrays["y_train"]):
-            raise DataError(f"data={path}: the training split is empty")
+            raise DataError(f"data={path}: the training split is empty"
+                            + (f" ({len(skipped)} unreadable file(s) left out)" if skipped else ""))
         cache.mkdir(parents=True, exist_ok=True)
         save_atomic(prepared, arrays)
     if not index.is_file():
-        write_json(index, {"fingerprint": fingerprint, "data": str(path)})
-    return HolderData(**arrays, fingerprint=fingerprint, source=str(path))
+        write_json(index, {"fingerprint": fingerprint, "data": str(path), "skipped": skipped})
+    return HolderData(**arrays, fingerprint=fingerprint, source=str(path), skipped=skipped)
 
 
 def _to_task(images: torch.Tensor, task: Task, what: str) -> torch.Tensor:
@@ -187,11 +200,12 @@ def _load_npz(path: Path, task: Task) -> dict:
     return out
 
 
-def _load_folder(path: Path, task: Task) -> dict:
+def _load_folder(path: Path, task: Task, skip: bool = False) -> tuple[dict, list[str]]:
+    """The folder's splits, and the unreadable images left out (skip; else DataError)."""
     from torchvision.io import ImageReadMode, decode_image, read_file
 
     mode = ImageReadMode.GRAY if task.channels == 1 else ImageReadMode.RGB
-    out = {}
+    out, skipped = {}, []
     for split in ("train", "test"):
         root = path / split
         images, labels = [], []
@@ -207,7 +221,12 @@ def _load_folder(path: Path, task: Task) -> dict:
                     try:
                         image = decode_image(read_file(str(f)), mode=mode)
                     except Exception as e:  # noqa: BLE001  (name the file and say why)
-                        raise DataError(f"data={f}: not a readable PNG or JPEG image ({e})") from None
+                        if skip:
+                            skipped.append(str(f.relative_to(path)))
+                            continue
+                        raise DataError(f"data={f}: not a readable PNG or JPEG image ({e}); start the SuperNode "
+                                        f"with --node-config \"skip-bad-files=true ...\" to train on the "
+                                        f"readable ones") from None
                     images.append(_to_task(image[None], task, f"data={f}")[0])
                     labels.append(label)
         elif split == "train":
@@ -215,7 +234,7 @@ def _load_folder(path: Path, task: Task) -> dict:
         shape = (0, task.channels, task.image_size, task.image_size)
         out[f"x_{split}"] = torch.stack(images) if images else torch.zeros(shape, dtype=torch.uint8)
         out[f"y_{split}"] = torch.tensor(labels, dtype=torch.long)
-    return out
+    return out, skipped
 
 
 def _natural(path: Path) -> tuple:

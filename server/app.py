@@ -33,7 +33,7 @@ from task.records import model_to_record, record_to_model
 
 from . import checkpoint
 from .rounds import RoundBook
-from .strategy import RecordingStrategy, base_strategy
+from .strategy import ClientsFailed, RecordingStrategy, base_strategy
 
 
 def prepare_out_dir(out: Path, overwrite: bool) -> None:
@@ -87,6 +87,11 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
                                  num_rounds=fed.rounds - start_round, timeout=fed.round_timeout,
                                  train_config=train_config, evaluate_config=ConfigRecord(dict(train_config)),
                                  evaluate_fn=book.evaluate_global)
+    except ClientsFailed:
+        # Stopped before any round completed (no client could train): nothing to keep or resume.
+        if out is not None and resumed is None and not (out / checkpoint.CHECKPOINT).exists():
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     finally:
         book.close()
     rounds = book.rounds

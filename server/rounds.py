@@ -65,13 +65,14 @@ class RoundBook:
             refused={str(k): r["refused"] for k, r in reports.items() if "refused" in r},
             rejected={str(k): r["rejected"] for k, r in reports.items() if "rejected" in r},
             lifetime_budget={str(k): lifetime_budget(r) for k, r in reports.items() if "max-epsilon" in r},
+            skipped_files={str(k): r["skipped-files"] for k, r in reports.items() if "skipped-files" in r},
             missed=s.missed.get(server_round, [])))
         if self.out is not None:
             checkpoint.save(self.out, round=server_round, model=model, settings=self.settings,
                             experiment_id=self.experiment_id, rounds=self.rounds, recorder=s.recorded(),
                             strategy=s.inner)
         shown = accuracy if self.test is not None or federated is None else federated["test_accuracy"]
-        round_log(server_round, self.rounds_total, shown, max(epsilons.values(), default=0.0), now - self.last)
+        round_log(self.rounds[-1], self.rounds_total, shown, max(epsilons.values(), default=0.0))
         self.bar.update(1)
         self.bar.set_postfix(acc=f"{shown:.4f}", eps=f"{max(epsilons.values(), default=0.0):.2f}")
         self.last = now

@@ -166,6 +166,9 @@ class RecordingStrategy(Strategy):
             pid = int(metrics["partition-id"])
             self.node_partition[node] = pid
             reports[pid] = dict(metrics)
+            if "skipped-files" in reply.content.config_records:  # the owner's choice: named in the summary
+                left_out = reply.content.config_records["skipped-files"]
+                reports[pid]["skipped-files"] = dict(count=int(left_out["count"]), first=list(left_out["first"]))
             self.client_epsilon[pid] = float(metrics["epsilon"])
             if int(metrics.get("refused", 0)):  # the client's owner's limits, with the client's reason
                 reason = client_reason(reply, "refusal")
@@ -199,6 +202,16 @@ class RecordingStrategy(Strategy):
             for pid in range(self.num_clients):
                 if pid not in seen:
                     missed.append(dict(client=pid, node_id=known.get(pid), reason="not connected"))
+        refused = {pid: r["refused"] for pid, r in reports.items() if "refused" in r}
+        if server_round == 1 and sent and not trained and len(refused) + len(failed) == len(sent):
+            # No client can train: every one refused (its owner's limits) or failed in its own code
+            # (bad data). A later round asks the same of the same clients, and going on would
+            # release the initial model as the run's result.
+            self.round_clients[server_round], self.missed[server_round] = reports, missed
+            why = [f"client {pid} refused: {reason}" for pid, reason in sorted(refused.items())]
+            why += [f"client {m['client'] if m['client'] is not None else '?'} failed: {_last_line(m['reason'])}"
+                    for m in missed if CLIENT_CODE_FAILED in m["reason"]]
+            raise NoClientCanTrain("round 1: no client can train, so the run stops: " + "; ".join(why))
         if failed and len(failed) == len(sent):
             # Every client's own code raised (bad data, a setting the clients refuse): no later
             # round can do better, and going on would end at the initial model's accuracy.
@@ -244,6 +257,10 @@ class ClientsFailed(ValueError):
     """Every client of a round failed in its own code: the run stops with the first reason."""
 
 
+class NoClientCanTrain(ClientsFailed):
+    """In a run's first round every client refused or failed: the run stops with each reason."""
+
+
 def _last_line(reason: str) -> str:
     """The client's own message from Flower's error text (it ends "Message: <the exception>")."""
     text = reason.strip().rstrip("'>").strip()
@@ -257,6 +274,17 @@ def inner_strategies(strategy):
         strategy = getattr(strategy, "strategy", None)
 
 
-def round_log(server_round: int, rounds: int, accuracy: float, max_epsilon: float, seconds: float) -> None:
-    log(INFO, "fedsd round %d/%d: test accuracy %.4f, max client ε %.3f, %.1f s",
-        server_round, rounds, accuracy, max_epsilon, seconds)
+def round_log(record: dict, rounds: int, accuracy: float, max_epsilon: float) -> None:
+    """One line a round: its accuracy, ε, time, and which clients trained, refused or missed it."""
+    who = f"trained {_clients(record['trained'])}"
+    if record["refused"]:
+        who += f", refused {_clients(record['refused'])}"
+    if record["missed"]:
+        who += f", missed {_clients(m['client'] for m in record['missed'])}"
+    log(INFO, "fedsd round %d/%d: test accuracy %.4f, max client ε %.3f, %.1f s; %s",
+        record["round"], rounds, accuracy, max_epsilon, record["seconds"], who)
+
+
+def _clients(ids) -> str:
+    ids = [str(i) if i is not None else "?" for i in ids]
+    return ", ".join(ids) if ids else "none"

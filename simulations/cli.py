@@ -8,11 +8,11 @@ tune_process()
 
 import argparse
 import sys
-from pathlib import Path
 
 from fedsd.config import TrainConfig
 from fedsd.settings import add_options, from_args, settings_of
 from simulations import dry_run
+from simulations.summary import run_summary
 
 
 def add_train_options(p: argparse.ArgumentParser, epsilon_required: bool = True, out_required: bool = True) -> None:
@@ -67,25 +67,6 @@ def cmd_simulate(args) -> int:
                       verbose=args.verbose, ray_address=args.ray_address)
     print(run_summary(result, fed.resume_dir or args.out))
     return 0
-
-
-def run_summary(result: dict, out) -> str:
-    """A finished run in a few lines: what ran, its accuracy, the ε it spent (the range across
-    clients in a federation), its time and where its files are."""
-    clients = result.get("num_clients")
-    what = f"{result['dataset']} {result['method']}" + (f", {clients} clients" if clients else ", central")
-    accuracy = result["test_accuracy"]
-    if clients:
-        spent = [e for e in (result["rounds"][-1]["client_epsilon"] if result["rounds"] else {}).values()]
-        eps = f"{min(spent):.3f}–{max(spent):.3f} across clients" if spent else "nothing"
-    else:
-        eps = f"{result['epsilon_spent']:.3f}"
-    by = " (clients' own test splits)" if result.get("evaluated_by") == "clients" else ""
-    lines = [f"fedsd: {what} finished in {result['wall_seconds']:.0f} s",
-             f"  test accuracy  {accuracy * 100:.2f} %{by}" if accuracy is not None else "  test accuracy  -",
-             f"  ε spent        {eps} (target {result['epsilon_target']:g}, δ {result['delta']:g})",
-             f"  files          {Path(out).absolute()}/ (result.json, model.pt, curve.png)"]
-    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:

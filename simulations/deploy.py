@@ -30,6 +30,7 @@ from fedsd.federation import FedOptions, from_flat
 from fedsd.results import check_out_dir, write_json
 from fedsd.settings import add_options, given_flat
 from simulations import dry_run
+from simulations.summary import run_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 FEDERATION = "fedsd"  # the SuperLink connection's name in the deployment's Flower config
@@ -410,14 +411,52 @@ class LocalDeployment:
         return self._start("flwr-run", ["flwr", "run", str(ROOT), FEDERATION, "--stream",
                                         "--run-config", run_config_arg(run_config)])
 
-    def run(self, run_config: dict, timeout: float = 3600) -> None:
+    def run(self, run_config: dict, timeout: float = 3600, echo=None) -> None:
+        """Submit the run and wait for it. `echo(line)` gets each round's line as the ServerApp
+        logs it (fedsd round k/R: accuracy, ε, who trained, refused or missed)."""
+        log = self.logs / "flwr-run.log"
+        start = seen = log.stat().st_size if log.exists() else 0  # the file gathers every run's output
         proc = self.submit(run_config)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise DeploymentError(f"the run did not end within {timeout:.0f} s; see {self.logs}") from None
-        if proc.returncode != 0:
-            raise DeploymentError(f"flwr run exited with code {proc.returncode}; see {self.logs / 'flwr-run.log'}")
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                self.stop(proc)
+                raise DeploymentError(f"the run did not end within {timeout:.0f} s; see {self.logs}")
+            seen = self._echo_rounds(log, seen, echo)
+            time.sleep(0.5)
+        self._echo_rounds(log, seen, echo)
+        with open(log, "rb") as f:  # this run's output (flwr run exits 0 even when the ServerApp raised)
+            f.seek(start)
+            output = f.read().decode(errors="replace")
+        if proc.returncode != 0 or "ServerApp raised an exception" in output:
+            reason = server_error(output)
+            raise DeploymentError((f"the run stopped: {reason}" if reason else
+                                   f"the run failed (flwr run exit code {proc.returncode})") + f" (log: {log})")
+
+    @staticmethod
+    def _echo_rounds(log: Path, seen: int, echo) -> int:
+        if echo is None or not log.exists():
+            return seen
+        with open(log, "rb") as f:
+            f.seek(seen)
+            new = f.read()
+        done = new.rfind(b"\n") + 1  # whole lines only
+        for line in new[:done].decode(errors="replace").splitlines():
+            if "fedsd round " in line:
+                echo(line[line.index("fedsd round "):].strip())
+        return seen + done
+
+
+# The errors with which fedsd's ServerApp stops a run, each with a reason a person can act on.
+SERVER_ERRORS = ("NoClientCanTrain", "ClientsFailed", "TrainingDiverged", "ConfigError", "DataError", "BudgetError")
+
+
+def server_error(log: str) -> str | None:
+    """The reason fedsd's ServerApp gave for stopping the run, from `flwr run --stream`'s output."""
+    import re
+
+    found = re.findall(rf"\b(?:{'|'.join(SERVER_ERRORS)}): (.+)", log)
+    return found[-1].strip() if found else None
 
 
 def _certificate_names(pem: Path, host: str) -> bool:
@@ -443,7 +482,7 @@ def _group_alive(pgid: int) -> bool:
 
 def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, work: Path | None = None,
                  timeout: float = 3600, client_data: Path | None = None, node_config: str = "",
-                 isolate: bool = False) -> dict:
+                 isolate: bool = False, echo=None) -> dict:
     """Start the deployment, run it, write out/result.json (the schema of `fedsd simulate`,
     plus tls / node_auth and the deployment's facts), stop everything."""
     out = out.absolute()
@@ -454,7 +493,7 @@ def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, wor
         deployment.start()
         ready = time.perf_counter() - started
         deployment.run({**run_config, "num-server-rounds": rounds, "num-clients": num_clients, "out-dir": str(out)},
-                       timeout=timeout)
+                       timeout=timeout, echo=echo)
     result_path = out / "result.json"
     if not result_path.is_file():
         raise DeploymentError(f"the run ended without {result_path}; see {deployment.logs}")
@@ -523,6 +562,10 @@ def _pairs(text: str, option: str) -> dict[str, str]:
     return pairs
 
 
+def print_round(line: str) -> None:
+    print(line, flush=True)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -556,21 +599,16 @@ def main(argv: list[str] | None = None) -> int:
         result = deploy_local(args.num_clients, args.rounds, Path(args.out), run_config,
                               work=Path(args.work) if args.work else None, timeout=args.timeout,
                               client_data=Path(args.client_folders) if args.client_folders else None,
-                              node_config=args.node_config, isolate=args.isolate)
+                              node_config=args.node_config, isolate=args.isolate, echo=print_round)
     except KeyboardInterrupt:
         print("deploy-local: interrupted; every process it started is stopped", file=sys.stderr)
         return 130
     except DeploymentError as e:
         print(f"deploy-local: error: {e}", file=sys.stderr)
         return 1
-    rounds = result["rounds"]
-    refused = {c: why for r in rounds for c, why in r.get("refused", {}).items()}
-    budgets = {c: ("unlimited (max-epsilon=inf)" if b["max_epsilon"] == "inf" else f"ε ≤ {b['max_epsilon']:g}")
-               + f", δ ≤ {b['max_delta']:g}" for r in rounds for c, b in r.get("lifetime_budget", {}).items()}
-    print(json.dumps({"test_accuracy": result["test_accuracy"], "rounds": len(rounds), "tls": True, "refused": refused,
-                      "lifetime_budget": dict(sorted(budgets.items())),
-                      "node_auth": True, "seconds_per_round": [round(r["seconds"], 2) for r in rounds],
-                      "out": str(Path(args.out).absolute())}, indent=2, ensure_ascii=False))
+    print(run_summary(result, args.out))
+    print(f"  deployment     {args.num_clients} SuperNodes, TLS and node authentication"
+          f"{', each in its own network namespace and uid' if args.isolate else ''}")
     return 0
 
 

@@ -7,7 +7,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from clients.app import app
 from task.federation import build_federation
 from task.records import model_to_record, record_to_model
-from fedsd.config import ConfigError, TrainConfig
+from fedsd.config import TrainConfig
 from fedsd.federation import FedOptions, to_flat
 from fedsd.training import initial_model
 from tests.conftest import require

@@ -196,8 +196,9 @@ def test_bad_data_is_named_with_its_problem(tmp_path, make, needle):
 def test_fewer_samples_than_the_batch_size_is_refused_before_any_step(split, tmp_path):
     cfg, flat = run_config(batch_size=1000)
     node = {"partition-id": 0, "data": str(split / "npz" / "client-0"), "state-dir": str(tmp_path), "max-epsilon": 3}
-    with pytest.raises(DataError, match="300 training samples, fewer than the batch size 1000"):
-        send(flat, node, initial_model(cfg.resolved(), 10), 1)
+    reply, _ = send(flat, node, initial_model(cfg.resolved(), 10), 1)  # refused, named, for the server's summary
+    assert reply.content["metrics"]["refused"] == 1 and not reply.content.array_records
+    assert reply.content["refusal"]["reason"].endswith("300 training samples, fewer than the batch size 1000")
 
 
 def test_own_data_run_without_data_says_how_to_start_the_node(tmp_path):
@@ -323,3 +324,28 @@ def test_fedsd_ledger_shows_what_two_experiments_spent(split, tmp_path, capsys):
     text = capsys.readouterr().out
     assert f"spent           ε = {ledger['spent_epsilon']:.3f} over 20 steps" in text
     assert "owner's budget  ε ≤ 5, δ ≤ 1e-05" in text and "exp-1: ε = " in text and "exp-2: ε = " in text
+
+
+def test_skip_bad_files_trains_on_the_readable_images_and_keeps_their_ledger(split, tmp_path):
+    """One unreadable image refuses the data set, naming it; with skip-bad-files it is left out
+    and reported, and the data set's fingerprint (its ledger) is that of the readable images:
+    the same as the folder without the bad file."""
+    import shutil
+
+    folder = tmp_path / "folder"
+    shutil.copytree(split / "imagefolder" / "client-0", folder)
+    cfg, flat = run_config()
+    node = {"partition-id": 0, "data": str(folder), "state-dir": str(tmp_path / "state"), "max-epsilon": 3}
+    clean = load_holder_data(folder, builtin_task("mnist"), tmp_path / "clean-cache")
+    (folder / "train" / "3" / "bad.png").write_bytes(b"junk")
+    reply, _ = send(flat, node, initial_model(cfg.resolved(), 10), 1)
+    assert reply.content["metrics"]["refused"] == 1
+    assert "bad.png: not a readable PNG or JPEG image" in reply.content["refusal"]["reason"]
+    assert "skip-bad-files=true" in reply.content["refusal"]["reason"]  # says what the owner can do
+    reply, _ = send(flat, {**node, "skip-bad-files": True}, initial_model(cfg.resolved(), 10), 1)
+    assert reply.content["metrics"]["skipped"] == 0 and reply.content["metrics"]["num-examples"] == 300
+    assert reply.content["skipped-files"]["count"] == 1
+    assert list(reply.content["skipped-files"]["first"]) == ["train/3/bad.png"]
+    held = load_holder_data(folder, builtin_task("mnist"), tmp_path / "skip-cache", skip_bad_files=True)
+    assert held.fingerprint == clean.fingerprint and held.skipped == ["train/3/bad.png"]
+    assert [p.name for p in (tmp_path / "state").glob("ledger-*.json")] == [f"ledger-{clean.fingerprint}.json"]

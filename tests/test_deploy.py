@@ -143,11 +143,25 @@ def test_server_stopped_and_resumed_goes_on_with_every_clients_privacy_state(tmp
         assert 2.9 < eps <= 3.0, (pid, eps)  # the whole plan was spent: no reset
 
 
-def deploy_local(args: list[str], out: Path) -> dict:
-    proc = subprocess.run([str(ROOT / "scripts" / "deploy-local.sh"), *args, "--out", str(out)],
+def deploy_local_process(args: list[str], out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(ROOT / "scripts" / "deploy-local.sh"), *args, "--out", str(out)],
                           env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=900)
+
+
+def deploy_local(args: list[str], out: Path) -> dict:
+    proc = deploy_local_process(args, out)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads((out / "result.json").read_text())
+
+
+def no_client_can_train(args: list[str], out: Path) -> str:
+    """A run whose every client refuses at round 1: it stops there, non-zero, with each client's
+    reason, reporting no accuracy and leaving no result folder. Returns what it printed."""
+    proc = deploy_local_process(args, out)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "round 1: no client can train, so the run stops: " in proc.stderr, proc.stderr[-3000:]
+    assert "test accuracy" not in proc.stdout and not out.exists()
+    return proc.stderr
 
 
 def test_clients_own_their_data_and_lifetime_budget(tmp_path):
@@ -164,10 +178,9 @@ def test_clients_own_their_data_and_lifetime_budget(tmp_path):
     common = ["--clients", "2", "--dataset", "mnist", "--batch-size", "100", "--lr", "0.8", "--threads", "1",
               "--client-data", str(data), "--node-config", "max-epsilon=2.5", "--work", str(work)]
 
-    asks_too_much = deploy_local([*common, "--rounds", "1", "--epsilon", "50"], tmp_path / "asks-too-much")
-    first = asks_too_much["rounds"][0]
-    assert first["trained"] == [] and first["refused"] == {
-        "0": "run asks ε=50, this client allows at most 2.5", "1": "run asks ε=50, this client allows at most 2.5"}
+    asks_too_much = no_client_can_train([*common, "--rounds", "2", "--epsilon", "50"], tmp_path / "asks-too-much")
+    assert ("client 0 refused: run asks ε=50, this client allows at most 2.5; "
+            "client 1 refused: run asks ε=50, this client allows at most 2.5") in asks_too_much
 
     fits = deploy_local([*common, "--rounds", "2", "--epsilon", "2"], tmp_path / "fits")
     assert all(r["trained"] == [0, 1] and r["refused"] == {} for r in fits["rounds"])
@@ -177,10 +190,8 @@ def test_clients_own_their_data_and_lifetime_budget(tmp_path):
     ledgers = sorted((work / "client-state").rglob("ledger-*.json"))
     assert len(ledgers) == 2 and all(len(json.loads(p.read_text())["entries"]) == 2 for p in ledgers)
 
-    again = deploy_local([*common, "--rounds", "1", "--epsilon", "2"], tmp_path / "again")
-    refused = again["rounds"][0]["refused"]
-    assert again["rounds"][0]["trained"] == [] and set(refused) == {"0", "1"}
-    assert all(reason.startswith("lifetime budget left: ") for reason in refused.values()), refused
+    again = no_client_can_train([*common, "--rounds", "1", "--epsilon", "2"], tmp_path / "again")
+    assert again.count("refused: lifetime budget left: ") == 2, again
     assert processes_mentioning(str(work)) == []
 
 
@@ -223,6 +234,45 @@ def test_own_data_trains_only_under_an_owners_budget(tmp_path):
     assert sorted(e["epsilon"] for e in book["experiments"]) == pytest.approx(sorted(reported), rel=1e-6)
     assert book["sum_of_experiments_epsilon"] == pytest.approx(sum(reported), rel=1e-6)
     assert max(reported) < book["spent_epsilon"] <= sum(reported)  # composed, not added
+    assert processes_mentioning(str(work)) == []
+
+
+def test_operators_see_each_round_who_did_not_train_and_why(tmp_path):
+    """Three clients on their own image folders, one holding an unreadable image, owners'
+    limit ε = 2. At ε = 1.5 each round prints a line (who trained, who missed), and the summary
+    names the client and its file. At ε = 3 every client refuses: the run stops after round 1
+    with each reason. With skip-bad-files=true the third run trains on all three, and the
+    summary names the file left out."""
+    require("mnist")
+    from simulations.cli import main
+
+    data, work = tmp_path / "data", tmp_path / "work"
+    assert main(["split-data", "--dataset", "mnist", "--clients", "3", "--subset", "1800", "--format", "imagefolder",
+                 "--out", str(data)]) == 0
+    (data / "client-1" / "train" / "3" / "bad.png").write_bytes(b"not an image")
+    common = ["--clients", "3", "--dataset", "mnist", "--batch-size", "100", "--lr", "0.8", "--threads", "1",
+              "--client-data", str(data)]
+    first = deploy_local_process([*common, "--rounds", "2", "--epsilon", "1.5", "--node-config", "max-epsilon=2",
+                                  "--work", str(work)], tmp_path / "run-1")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    lines = first.stdout.splitlines()
+    rounds = [line for line in lines if line.startswith("fedsd round ")]
+    assert [line.split(":")[0] for line in rounds] == ["fedsd round 1/2", "fedsd round 2/2"], first.stdout
+    assert all(line.endswith("; trained 0, 2, refused 1") for line in rounds), rounds
+    summary = "\n".join(lines[lines.index(rounds[-1]) + 1:])
+    assert "test accuracy" in summary and "ε spent" in summary and "\\u03b5" not in first.stdout
+    assert "not trained    client 1 in rounds 1–2: refused: data=" in summary, summary
+    assert "bad.png: not a readable PNG or JPEG image" in summary
+    assert "owners' budget client 0: ε ≤ 2, δ ≤ 1e-05" in summary
+    too_much = no_client_can_train([*common, "--rounds", "3", "--epsilon", "3", "--node-config", "max-epsilon=2",
+                                    "--work", str(tmp_path / "work-2")], tmp_path / "run-2")
+    for k in (0, 2):
+        assert f"client {k} refused: run asks ε=3, this client allows at most 2" in too_much
+    assert "client 1 refused: data=" in too_much and "bad.png" in too_much
+    skipping = deploy_local([*common, "--rounds", "1", "--epsilon", "1.5", "--node-config",
+                             "max-epsilon=2 skip-bad-files=true", "--work", str(tmp_path / "work-3")], tmp_path / "run-3")
+    assert skipping["rounds"][0]["trained"] == [0, 1, 2]
+    assert skipping["rounds"][0]["skipped_files"] == {"1": {"count": 1, "first": ["train/3/bad.png"]}}
     assert processes_mentioning(str(work)) == []
 
 

@@ -1,0 +1,99 @@
+"""What a finished run says on the terminal: a few lines a person reads, not a raw dict.
+
+For a federation it also names every client that did not train in some round and why (its
+owner's refusal, a failure of its own, a missed deadline, a spent budget), the budgets its
+owners set, and the files any client skipped."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def run_summary(result: dict, out) -> str:
+    """A finished run in a few lines: what ran, its accuracy, the ε it spent (the range across
+    clients in a federation), its time, the clients that did not train, and where its files are."""
+    clients = result.get("num_clients")
+    what = f"{result['dataset']} {result['method']}" + (f", {clients} clients" if clients else ", central")
+    accuracy = result["test_accuracy"]
+    if clients:
+        spent = [e for e in (result["rounds"][-1]["client_epsilon"] if result["rounds"] else {}).values()]
+        eps = f"{min(spent):.3f}–{max(spent):.3f} across clients" if spent else "nothing"
+    else:
+        eps = f"{result['epsilon_spent']:.3f}"
+    by = " (clients' own test splits)" if result.get("evaluated_by") == "clients" else ""
+    lines = [f"fedsd: {what} finished in {result['wall_seconds']:.0f} s",
+             f"  test accuracy  {accuracy * 100:.2f} %{by}" if accuracy is not None else "  test accuracy  -",
+             f"  ε spent        {eps} (target {result['epsilon_target']:g}, δ {result['delta']:g})"]
+    if clients:
+        lines += _labelled("not trained", not_trained(result["rounds"]))
+        lines += _labelled("owners' budget", [f"client {c}: {text}" for c, text in budgets(result["rounds"]).items()])
+        lines += _labelled("skipped files", [f"client {c}: {text}" for c, text in skipped_files(result["rounds"]).items()])
+    lines.append(f"  files          {Path(out).absolute()}/ (result.json, model.pt, curve.png)")
+    return "\n".join(lines)
+
+
+def _labelled(label: str, items: list[str]) -> list[str]:
+    return [f"  {label if i == 0 else '':<14} {item}" for i, item in enumerate(items)]
+
+
+def outcome(record: dict, client: str) -> str | None:
+    """Why `client` did not train in this round (None: it trained, or was not asked)."""
+    from server.strategy import _last_line
+
+    if client in record.get("refused", {}):
+        return f"refused: {record['refused'][client]}"
+    if client in record.get("rejected", {}):
+        return f"its reply was rejected: {record['rejected'][client]}"
+    for m in record.get("missed", []):
+        if str(m["client"]) == client:
+            return f"missed: {_last_line(m['reason'])}"
+    if int(client) in record.get("skipped", []):
+        return "skipped: its privacy budget for the run is spent"
+    return None
+
+
+def not_trained(rounds: list[dict]) -> list[str]:
+    """'client K in rounds a–b: why', one line per client and reason, in client order."""
+    spans: dict[tuple[str, str], list[int]] = {}
+    clients = sorted({str(c) for r in rounds for c in [*r.get("refused", {}), *r.get("rejected", {}),
+                                                       *(m["client"] for m in r.get("missed", [])),
+                                                       *r.get("skipped", [])] if c is not None}, key=int)
+    for client in clients:
+        for r in rounds:
+            why = outcome(r, client)
+            if why:
+                spans.setdefault((client, why), []).append(r["round"])
+    lines = []
+    for (client, why), numbers in spans.items():
+        which = f"round {numbers[0]}" if len(numbers) == 1 else f"rounds {_ranges(numbers)}"
+        lines.append(f"client {client} in {which}: {why}")
+    return lines
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[1, 2, 3, 5] → '1–3, 5'."""
+    parts, start = [], numbers[0]
+    for prev, cur in zip(numbers, numbers[1:] + [None]):
+        if cur is None or cur != prev + 1:  # a run of consecutive rounds ends at prev
+            parts.append(f"{start}" if start == prev else f"{start}–{prev}")
+            start = cur
+    return ", ".join(parts)
+
+
+def budgets(rounds: list[dict]) -> dict[str, str]:
+    """Each client's owner's lifetime limits, as it last reported them."""
+    found = {}
+    for r in rounds:
+        for client, b in r.get("lifetime_budget", {}).items():
+            limit = "unlimited (max-epsilon=inf)" if b["max_epsilon"] == "inf" else f"ε ≤ {b['max_epsilon']:g}"
+            found[client] = f"{limit}, δ ≤ {b['max_delta']:g}"
+    return dict(sorted(found.items(), key=lambda kv: int(kv[0])))
+
+
+def skipped_files(rounds: list[dict]) -> dict[str, str]:
+    """The unreadable files each client left out of its data (node config skip-bad-files)."""
+    found = {}
+    for r in rounds:
+        for client, s in r.get("skipped_files", {}).items():
+            names = ", ".join(s["first"]) + (", …" if s["count"] > len(s["first"]) else "")
+            found[client] = f"{s['count']} unreadable file(s) left out ({names})"
+    return dict(sorted(found.items(), key=lambda kv: int(kv[0])))
