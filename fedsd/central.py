@@ -39,7 +39,7 @@ def prepare_run(cfg: TrainConfig) -> PreparedRun:
     images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)
     indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation)
     validate(cfg, len(indices))
-    check_private_trainable(build_model(cfg.model, images.num_classes))
+    check_private_trainable(build_model(cfg.model, images.num_classes, activation=cfg.activation))
     return PreparedRun(cfg, images, indices, resolve_device(cfg.device))
 
 

@@ -220,11 +220,11 @@ def _load_folder(path: Path, task: Task, skip: bool = False) -> tuple[dict, list
                         continue
                     try:
                         image = decode_image(read_file(str(f)), mode=mode)
-                    except Exception as e:  # noqa: BLE001  (name the file and say why)
+                    except Exception:  # noqa: BLE001  (whatever the decoder raises: name the file)
                         if skip:
                             skipped.append(str(f.relative_to(path)))
                             continue
-                        raise DataError(f"data={f}: not a readable PNG or JPEG image ({e}); start the SuperNode "
+                        raise DataError(f"data={f}: not a readable PNG or JPEG image; start the SuperNode "
                                         f"with --node-config \"skip-bad-files=true ...\" to train on the "
                                         f"readable ones") from None
                     images.append(_to_task(image[None], task, f"data={f}")[0])

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from .data import DATASETS
-from .models import DEFAULT_MODEL, MODELS
+from .models import ACTIVATIONS, DEFAULT_MODEL, MODELS
 from .settings import setting
 
 METHODS = ("dpsgd", "dpema", "dpkd", "dp3sd", "dpdsd")
@@ -116,6 +116,8 @@ class TrainConfig:
     seed: int = setting(0, "seed of the model, the sampling and the noise")
     device: str = setting("cpu", "where to train", choices=DEVICES)
     model: str | None = setting(None, "network", choices=MODELS, default_text="the data set's")
+    activation: str = setting("relu", "the network's activation: relu (the papers') or tanh (Tramèr & Boneh's "
+                                      "variant)", choices=tuple(ACTIVATIONS))
     threads: int = setting(0, "torch CPU threads; 0 leaves torch's default")
     grad_sample_mode: str = setting("auto", "per-sample clipping route; all give the same weights and ε (auto: "
                                     "the fastest exact route on this machine, measured once and cached)",

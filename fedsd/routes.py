@@ -85,6 +85,7 @@ def choose(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.de
     lock, so concurrent processes on this machine agree) and cached."""
     threads = cfg.threads or torch.get_num_threads()
     key = _key(cfg.model, num_classes, input_shape, cfg.batch_size, device, cfg.memory_format, threads)
+    key["activation"] = cfg.activation
     folder = cache_root() / "routes"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]}.json"
@@ -152,7 +153,7 @@ def measure(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.d
     y = torch.randint(0, num_classes, (batch_size,), generator=generator).to(device)
     # 1. Each conv layer's ways to its norms and clipped sum, on its real input and output gradient.
     bk_layout = LAYOUTS[layout_for("bk", cfg.memory_format)]
-    model = build_model(cfg.model, num_classes).to(device, memory_format=bk_layout)
+    model = build_model(cfg.model, num_classes, activation=cfg.activation).to(device, memory_format=bk_layout)
     clipper = BookKeepingClipper(model, cfg.clip)
     captured = clipper.captured(nn.functional.cross_entropy(model(x.contiguous(memory_format=bk_layout)), y))
     coeff = torch.ones(batch_size, device=device)

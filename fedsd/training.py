@@ -70,7 +70,8 @@ SEED_MODEL_INIT, SEED_CLIENT_RNG, SEED_KD_STUDENT = 0, 1, 2
 
 def initial_model(cfg: TrainConfig, num_classes: int) -> Model:
     """The global model before any training: the same for every client and the central run."""
-    student = build_model(cfg.model, num_classes, seed=derive_seed(cfg.seed, SEED_MODEL_INIT)).state_dict()
+    student = build_model(cfg.model, num_classes, seed=derive_seed(cfg.seed, SEED_MODEL_INIT),
+                          activation=cfg.activation).state_dict()
     model = {"student": student}
     if cfg.method == "dpema":
         model["ema"] = {k: v.clone() for k, v in student.items()}
@@ -220,7 +221,7 @@ class DPTrainer:
         mode = self.route.mode if self.route is not None else cfg.grad_sample_mode
         self.memory_format = (routes.LAYOUTS[self.route.memory_format] if self.route is not None
                               else torch_memory_format(cfg))
-        self.model = check_private_trainable(build_model(cfg.model, data.num_classes))
+        self.model = check_private_trainable(build_model(cfg.model, data.num_classes, activation=cfg.activation))
         self.model = self.model.to(self.device, memory_format=self.memory_format)
         self.teacher = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.generator = torch.Generator(device=self.device)
@@ -364,8 +365,8 @@ class DPTrainer:
             if "kd_teacher" not in model:
                 # Stage 2 begins: the stage-1 model becomes the fixed teacher, the student starts afresh.
                 model["kd_teacher"] = self._weights(self.model)
-                fresh = build_model(cfg.model, self.data.num_classes,
-                                    seed=derive_seed(cfg.seed, SEED_KD_STUDENT)).state_dict()
+                fresh = build_model(cfg.model, self.data.num_classes, seed=derive_seed(cfg.seed, SEED_KD_STUDENT),
+                                    activation=cfg.activation).state_dict()
                 self._load(self.model, fresh)
             self._load(self.teacher, model["kd_teacher"])
             return (lambda s, t, y: losses.kd_loss(s, t, y, tau=cfg.tau, alpha=cfg.alpha, reduction=none)), True, \

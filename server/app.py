@@ -33,6 +33,7 @@ from task.records import model_to_record, record_to_model
 
 from . import checkpoint
 from .rounds import RoundBook
+from .grid import PollingGrid
 from .strategy import ClientsFailed, RecordingStrategy, base_strategy
 
 
@@ -65,7 +66,7 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     layout = torch_memory_format(cfg)  # as the clients train
     if test is not None:
         test = test[0].to(device).contiguous(memory_format=layout), test[1].to(device)
-    net = build_model(cfg.model, num_classes).to(device, memory_format=layout)
+    net = build_model(cfg.model, num_classes, activation=cfg.activation).to(device, memory_format=layout)
     shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
     start_round = resumed["round"] if resumed else 0
     # A custom task has no public test split at the server: its clients evaluate on their own.
@@ -83,7 +84,7 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     initial = resumed["model"] if resumed else initial_model(cfg, num_classes)
     train_config = ConfigRecord({**to_flat(cfg, fed), "experiment-id": experiment_id})
     try:
-        outcome = strategy.start(grid=grid, initial_arrays=model_to_record(initial),
+        outcome = strategy.start(grid=PollingGrid(grid), initial_arrays=model_to_record(initial),
                                  num_rounds=fed.rounds - start_round, timeout=fed.round_timeout,
                                  train_config=train_config, evaluate_config=ConfigRecord(dict(train_config)),
                                  evaluate_fn=book.evaluate_global)

@@ -15,8 +15,11 @@ def run_summary(result: dict, out) -> str:
     what = f"{result['dataset']} {result['method']}" + (f", {clients} clients" if clients else ", central")
     accuracy = result["test_accuracy"]
     if clients:
-        spent = [e for e in (result["rounds"][-1]["client_epsilon"] if result["rounds"] else {}).values()]
-        eps = f"{min(spent):.3f}–{max(spent):.3f} across clients" if spent else "nothing"
+        trained = {str(c) for r in result["rounds"] for c in r["trained"]}
+        last = result["rounds"][-1]["client_epsilon"] if result["rounds"] else {}
+        spent = [e for c, e in last.items() if c in trained]
+        eps = (f"{min(spent):.3f}–{max(spent):.3f} across the {len(spent)} clients that trained" if spent
+               else "nothing: no client trained")
     else:
         eps = f"{result['epsilon_spent']:.3f}"
     by = " (clients' own test splits)" if result.get("evaluated_by") == "clients" else ""

@@ -210,4 +210,4 @@ def test_simulate_prints_a_bar_and_a_summary_and_no_library_noise(tmp_path):
     assert "mnist dp3sd 2 clients: 100%" in proc.stderr
     summary = proc.stdout.splitlines()
     assert summary[0].startswith("fedsd: mnist dp3sd, 2 clients finished in ") and len(summary) == 4
-    assert "test accuracy" in summary[1] and "across clients (target 3" in summary[2]
+    assert "test accuracy" in summary[1] and "across the 2 clients that trained (target 3" in summary[2]

@@ -195,3 +195,18 @@ def test_the_divergence_limit_scales_with_the_objectives_chance_level(method, se
         assert DIVERGENCE_FACTOR * chance * math.log(10) > 32.65
     if method == "dpsgd":
         assert chance == 1.0
+
+
+def test_the_tanh_variant_on_raw_inputs_is_a_tanh_network_and_learns():
+    """Tramèr & Boneh's variant (issue 24): tanh for every ReLU, inputs in [0, 1] (mean 0, std 1)."""
+    require("fmnist")
+    net = build_model("mnist-cnn", activation="tanh")
+    assert sum(isinstance(m, torch.nn.Tanh) for m in net.modules()) == 3
+    assert not any(isinstance(m, torch.nn.ReLU) for m in net.modules())
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, epochs=3, subset=3000, batch_size=300, lr=2.0,
+                      activation="tanh", mean="0", std="1", threads=1)
+    result, weights = train(cfg, progress=False)
+    assert result["config"]["activation"] == "tanh"
+    assert result["test_accuracy"] > 0.5, result["test_accuracy"]  # chance: 0.1
+    with pytest.raises(ValueError, match="--activation: unknown activation 'gelu'"):
+        build_model("mnist-cnn", activation="gelu")
