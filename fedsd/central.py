@@ -13,7 +13,7 @@ from . import data as data_lib
 from . import privacy, routes
 from .config import TrainConfig, validate
 from .models import build_model, check_private_trainable
-from .results import check_out_dir, save_atomic, write_json, write_run
+from .results import check_out_dir, fresh_out_dir, save_atomic, write_json, write_run
 from .training import DPTrainer, TrainingDiverged, TrainState, evaluate, initial_model, released
 
 
@@ -121,7 +121,7 @@ def train(cfg: TrainConfig | None, out: str | Path | None = None, overwrite: boo
     if saved is None:
         model, state, epochs, before = initial_model(cfg, tensors.num_classes), None, [], 0.0
         if out is not None:
-            _fresh_folder(Path(out), overwrite)
+            fresh_out_dir(Path(out), overwrite)
     else:
         model, epochs, before = saved["model"], saved["epochs"], saved["wall_seconds"]
         state = TrainState.from_state_dict(saved["state"], plan) if saved["state"] is not None else None
@@ -170,21 +170,12 @@ def train(cfg: TrainConfig | None, out: str | Path | None = None, overwrite: boo
         validation_accuracy=epochs[-1].get("validation_accuracy"),
         seed=cfg.seed, wall_seconds=before + time.perf_counter() - started, device=str(run.device),
         data_source=run.data.source, config=cfg.to_dict(), privacy=plan.to_dict(),
-        route=trainer.route.to_dict() if trainer.route is not None else None,
-        resumed=saved is not None or None, epochs=epochs)
-    if result["resumed"] is None:
-        del result["resumed"]
+        route=trainer.route.to_dict() if trainer.route is not None else None, epochs=epochs)
+    if saved is not None:
+        result["resumed"] = True
     weights = {k: v.cpu() for k, v in released(model).items()}
     if out is not None:
         write_run(Path(out), result, weights, "epoch")  # result.json last: from here on the run is finished
         for name in (CHECKPOINT, PROGRESS):
             (Path(out) / name).unlink(missing_ok=True)
     return result, weights
-
-
-def _fresh_folder(out: Path, overwrite: bool) -> None:
-    """The run's folder, new or emptied (check_out_dir has already refused a non-empty one
-    without overwrite)."""
-    if out.exists() and overwrite:
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)

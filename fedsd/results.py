@@ -25,6 +25,14 @@ def check_out_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
     return out
 
 
+def fresh_out_dir(out: Path, overwrite: bool) -> None:
+    """A run's folder that fills up as it goes (checkpoints, then result.json last): new, or
+    emptied with overwrite (check_out_dir has already refused a non-empty one without it)."""
+    if overwrite and out.is_dir():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
 @contextmanager
 def staged_out_dir(out: str | os.PathLike, overwrite: bool = False):
     """Yield a scratch folder beside `out`; on success it replaces `out` in one rename, on failure

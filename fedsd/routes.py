@@ -74,18 +74,12 @@ class Route:
         return f"{self.mode}, {self.memory_format} (steps: {steps})" + (f"; bk per layer: {layers}" if layers else "")
 
 
-def cpu_isa() -> str | None:
-    """The instruction set the conv kernel is built for here, None without a kernel."""
-    return conv_kernel.isa()
-
-
 def choose(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.device) -> Route:
     """The measured route for a run of `cfg` (a resolved TrainConfig; its model, batch size,
     clip, layout and threads) on `device`: read from the cache, else measured once (under a
     lock, so concurrent processes on this machine agree) and cached."""
     threads = cfg.threads or torch.get_num_threads()
-    key = _key(cfg.model, num_classes, input_shape, cfg.batch_size, device, cfg.memory_format, threads)
-    key["activation"] = cfg.activation
+    key = _key(cfg, num_classes, input_shape, device, threads)
     folder = cache_root() / "routes"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]}.json"
@@ -109,25 +103,35 @@ def choose(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.de
         return route
 
 
-def _key(model_name, num_classes, input_shape, batch_size, device, memory_format, threads) -> dict:
+def _key(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.device, threads: int) -> dict:
+    """What the measured times depend on: the work (model, activation, classes, input, batch size,
+    layout), where it runs (device, CPU, threads) and the code that does it (torch, the kernel's
+    source and build)."""
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else conv_kernel._cpu_id()
-    return dict(model=model_name, classes=num_classes, input=list(input_shape), batch_size=batch_size,
-                device=device.type, where=where, memory_format=memory_format, threads=threads,
-                torch=torch.__version__, kernel=conv_kernel.SOURCE if conv_kernel.available() else None,
-                kernel_march=os.environ.get(conv_kernel.MARCH_ENV, "native"),
-                cc=os.environ.get("CC", ""), format=FORMAT_VERSION)
+    kernel = hashlib.sha256(conv_kernel.SOURCE.encode()).hexdigest()[:16] if conv_kernel.available() else None
+    return dict(model=cfg.model, activation=cfg.activation, classes=num_classes, input=list(input_shape),
+                batch_size=cfg.batch_size, memory_format=cfg.memory_format, device=device.type, where=where,
+                threads=threads, torch=torch.__version__, kernel=kernel,
+                kernel_march=os.environ.get(conv_kernel.MARCH_ENV, "native"), cc=os.environ.get("CC", ""),
+                format=FORMAT_VERSION)
 
 
-def _timer(device: torch.device):
-    def seconds(fn) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-    return seconds
+def timer(device: torch.device):
+    """A function that runs fn() and returns its seconds (CUDA events on a GPU)."""
+    if device.type == "cuda":
+        def timed(fn) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1000
+    else:
+        def timed(fn) -> float:
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+    return timed
 
 
 def _median_ms(fn, timed) -> float:
@@ -146,7 +150,7 @@ def measure(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.d
     do); see the module's docstring. A candidate that fails on it is left out."""
     from .models import build_model
 
-    timed = _timer(device)
+    timed = timer(device)
     batch_size = cfg.batch_size
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(batch_size, *input_shape, generator=generator).to(device)
@@ -183,7 +187,7 @@ def measure(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.d
                 times[mode].append(seconds)
     step_ms = {mode: 1000 * statistics.median(t) for mode, t in times.items()}
     mode = min(step_ms, key=step_ms.get)
-    return Route(mode, layout_for(mode, cfg.memory_format), conv_routes if mode == "bk" else {}, cpu_isa(),
+    return Route(mode, layout_for(mode, cfg.memory_format), conv_routes if mode == "bk" else {}, conv_kernel.isa(),
                  step_ms, layer_ms)
 
 

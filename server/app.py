@@ -25,7 +25,7 @@ from fedsd.client_data import normalised, task_for
 from fedsd.config import CUSTOM, ConfigError, TrainConfig
 from fedsd.federation import FedOptions, client_config, from_flat, to_flat
 from fedsd.models import build_model
-from fedsd.results import check_out_dir, write_run
+from fedsd.results import check_out_dir, fresh_out_dir, write_run
 from fedsd.settings import flags_to_keys
 from fedsd.training import initial_model, released, torch_memory_format
 from task.federation import build_federation
@@ -35,14 +35,6 @@ from . import checkpoint
 from .rounds import RoundBook
 from .grid import PollingGrid
 from .strategy import ClientsFailed, RecordingStrategy, base_strategy
-
-
-def prepare_out_dir(out: Path, overwrite: bool) -> None:
-    """A fresh run's folder (checked by check_out_dir): new, or emptied with overwrite. It then
-    holds the per-round checkpoint.pt while the run goes on, and result.json (written last)."""
-    if overwrite and out.is_dir():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
 
 
 def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None,
@@ -61,7 +53,7 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     if resumed is None:  # a resumed run's SuperNodes reconnect at their own pace: it waits for them
         check_federation_size(grid, fed.num_clients)
     if out is not None and resumed is None:
-        prepare_out_dir(out, overwrite)
+        fresh_out_dir(out, overwrite)  # holds checkpoint.pt per round, then result.json
     device = resolve_device(cfg.device)
     layout = torch_memory_format(cfg)  # as the clients train
     if test is not None:

@@ -139,28 +139,6 @@ def _emit(args: argparse.Namespace, report, text: str) -> int:
     return 0
 
 
-def _timer(device):
-    """A function that runs fn() and returns its seconds (CUDA events on a GPU)."""
-    import time
-
-    import torch
-
-    if device.type == "cuda":
-        def timed(fn):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / 1000
-    else:
-        def timed(fn):
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-    return timed
-
-
 # The reference a user would write: eager PyTorch, NCHW, hooks for DP (Opacus' default).
 BASELINE = dict(grad_sample_mode="hooks", memory_format="contiguous")
 
@@ -171,7 +149,7 @@ def bench_step(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
-    from fedsd import routes
+    from fedsd import conv_kernel, routes
     from fedsd.central import resolve_device
     from fedsd.config import TrainConfig
     from fedsd.data import TensorData
@@ -226,7 +204,7 @@ def bench_step(args: argparse.Namespace) -> int:
         steps["nonprivate:compiled-channels-last"] = nonprivate(torch.channels_last, True)
     dry_run.stop_here(f"time {len(steps)} steps ({', '.join(steps)}) {args.warmup} + {args.repeats} times, "
                       "interleaved")
-    timed = _timer(device)
+    timed = routes.timer(device)
     times = {name: [] for name in steps}
     for i in range(args.warmup + args.repeats):
         for name, fn in steps.items():
@@ -239,7 +217,7 @@ def bench_step(args: argparse.Namespace) -> int:
     fastest = median[fastest_name]
     rows = [dict(model=args.model, batch_size=batch, method=args.method, grad_sample_mode=mode,
                  default=mode == TrainConfig.grad_sample_mode, device=str(device), threads=torch.get_num_threads(),
-                 cpu_isa=torch.backends.cpu.get_cpu_capability().lower(), kernel_isa=routes.cpu_isa(),
+                 cpu_isa=torch.backends.cpu.get_cpu_capability().lower(), kernel_isa=conv_kernel.isa(),
                  **route_taken(trainers[mode]),
                  dp_step_seconds=median["dp:" + mode], eager_nonprivate_step_seconds=eager,
                  fastest_nonprivate_step_seconds=fastest, fastest_nonprivate=fastest_name.split(":", 1)[1],
