@@ -16,21 +16,24 @@ import argparse
 import itertools
 import json
 import statistics
-from dataclasses import fields
 from pathlib import Path
 
 from fedsd.config import METHODS, ConfigError, TrainConfig
 from fedsd.data import DATASETS
+from fedsd.settings import settings_of
 
 from .reproduce import DIVERGED, finished_with, run_jobs, threads_per_job
 
-SWEEPABLE = {f.name: f for f in fields(TrainConfig)
-             if f.name in ("ema_decay", "tau", "tau_s", "tau_t", "alpha", "beta", "kd_teacher_epochs", "epochs",
-                           "lr", "clip", "momentum", "batch_size", "distill_warmup_epochs")}
+SWEEPABLE = {s.name: s for s in settings_of(TrainConfig)
+             if s.name in ("ema_decay", "tau", "tau_s", "tau_t", "alpha", "beta", "kd_teacher_epochs", "epochs",
+                           "lr", "clip", "momentum", "batch_size", "distill_warmup_epochs", "activation",
+                           "mean", "std")}
 
 
 def parse_grid(items: list[str]) -> dict[str, list]:
-    """["ema-decay=0.99,0.999", ...] → {"ema_decay": [0.99, 0.999], ...}; ConfigError when bad."""
+    """["ema-decay=0.99,0.999", ...] → {"ema_decay": [0.99, 0.999], ...}; ConfigError when bad.
+    A value of a setting with a list in it (--mean 0.5,0.4,0.4) is swept one value at a time;
+    give such a setting one KEY=VALUE --grid entry of one value."""
     grid = {}
     for item in items:
         key, sep, values = item.partition("=")
@@ -40,18 +43,25 @@ def parse_grid(items: list[str]) -> dict[str, list]:
         if name not in SWEEPABLE:
             allowed = ", ".join(sorted(k.replace("_", "-") for k in SWEEPABLE))
             raise ConfigError(f"--grid: {key!r} cannot be swept; choose from {allowed}")
-        typ = int if "int" in str(SWEEPABLE[name].type) else float
+        declared = SWEEPABLE[name]
         try:
-            grid[name] = [typ(v) for v in values.split(",")]
+            grid[name] = [declared.type(v) for v in values.split(",")]
         except ValueError:
-            raise ConfigError(f"--grid: {key} takes {typ.__name__} values, got {values!r}") from None
+            raise ConfigError(f"--grid: {key} takes {declared.type.__name__} values, got {values!r}") from None
+        bad = [v for v in grid[name] if declared.choices and v not in declared.choices]
+        if bad:
+            raise ConfigError(f"--grid: {key} takes {', '.join(map(str, declared.choices))}; got {bad[0]!r}")
     if not grid:
         raise ConfigError("--grid: give at least one KEY=V1,V2,...")
     return grid
 
 
+def shown(value) -> str:
+    return value if isinstance(value, str) else format(value, "g")
+
+
 def slug(settings: dict) -> str:
-    return "-".join(f"{k.replace('_', '')}{v:g}" for k, v in settings.items())
+    return "-".join(f"{k.replace('_', '')}{shown(v)}" for k, v in settings.items())
 
 
 def add_sweep_parser(sub) -> None:
@@ -130,6 +140,6 @@ def write_sweep(out: Path, args: argparse.Namespace, grid: dict, combos: list[di
         mark = "**chosen**" if r is best else ""
         scores = "diverged | - " if r.get("diverged") else \
             f"{r['validation_mean']:.2f} | {statistics.mean(r['test_accuracy']):.2f}"
-        lines.append("| " + " | ".join(f"{r['settings'][k]:g}" for k in keys) + f" | {scores} | {mark} |")
+        lines.append("| " + " | ".join(shown(r["settings"][k]) for k in keys) + f" | {scores} | {mark} |")
     (out / "sweep.md").write_text("\n".join(lines) + "\n")
     return summary

@@ -162,3 +162,16 @@ def test_a_diverged_federation_is_a_row_of_the_table_and_not_run_again(tmp_path)
     assert row["diverged"] and row["final"] == [] and row["gain_over_dpsgd"] is None
     assert "| dirichlet0.1 | dpdsd | local-previous | diverged (round 2, client 5) | 0 |" in \
         (tmp_path / "table-fed.md").read_text()
+
+
+def test_a_grid_sweeps_a_named_choice_and_refuses_one_not_offered():
+    """The activation (relu, tanh) and the input normalisation are swept like numbers, and a
+    run's folder names them; a value outside a setting's choices is refused before any run."""
+    from fedsd.config import ConfigError
+    from simulations.sweep import parse_grid, slug
+
+    grid = parse_grid(["activation=relu,tanh", "lr=1.5,3"])
+    assert grid == {"activation": ["relu", "tanh"], "lr": [1.5, 3.0]}
+    assert slug({"lr": 3.0, "activation": "tanh"}) == "lr3-activationtanh"
+    with pytest.raises(ConfigError, match="activation takes relu, tanh; got 'sigmoid'"):
+        parse_grid(["activation=relu,sigmoid"])
