@@ -1,4 +1,5 @@
-"""The ClientApp: local DP-SGD with self-distillation on this client's data (SPEC §5, §8).
+"""What a client does with a round's message, in whichever process answers it: local DP-SGD
+with self-distillation on this client's data (SPEC §5, §8), or federated evaluation.
 
 Its data is its SuperNode's own (`--node-config data=...`, with client-data=own), or in a
 simulation its shard of a built-in data set. Each round it receives the global model and the
@@ -10,28 +11,27 @@ lifetime ledger (a Rényi privacy filter per data set) admits each run and charg
 before it runs, whatever the server asks. A client that may not train replies with metrics
 only: skipped = 1, and refused = 1 with its reason when the owner's limits said no, or
 diverged = 1 with the reason when its loss exploded (the server then stops the run).
+
+The handlers take a message's content and the Context and return the reply's content, so the
+ClientApp (clients/app.py) can run them in its own process or in the node's warm worker
+(clients/worker.py).
 """
 from __future__ import annotations
-
-# An entry point: fedsd's process-wide speed settings, before torch loads (fedsd/runtime.py).
-from fedsd.runtime import tune_process
-
-tune_process()
 
 import hashlib
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
+from flwr.app import ConfigRecord, Context, MetricRecord, RecordDict
 
 from fedsd import data as data_lib
 from fedsd import ledger as ledgers
 from fedsd import privacy
 from fedsd.central import resolve_device
 from fedsd.client_data import DataError, HolderData, load_holder_data, normalised, task_for
-from fedsd.config import ConfigError, validate
+from fedsd.config import validate
+from fedsd.errors import ConfigError
 from fedsd.federation import FedOptions, client_config, from_flat, round_epochs
 from fedsd.training import (BudgetExhausted, DPTrainer, Model, TrainingDiverged, load_train_state, released,
                             save_train_state)
@@ -69,7 +69,6 @@ def trainer_for(flat: dict, partition_id: int) -> tuple[Federation, DPTrainer]:
     return federation, _TRAINERS[key]
 
 
-app = ClientApp()
 SKIPPED_NAMED = 5  # unreadable files named in a reply (with skip-bad-files); the count is always there
 
 
@@ -153,11 +152,11 @@ class ClientSide:
     skipped_files: list[str]
 
 
-def client_side(msg: Message, context: Context) -> ClientSide:
+def client_side(content: RecordDict, context: Context) -> ClientSide:
     """This SuperNode's own files with client-data=own, else (a simulation) this client's shard
     of a built-in data set. The node config is checked first, and a node with its own data and
     no owner's budget refuses (BudgetRefused) before its data is read."""
-    flat = dict(msg.content["config"])
+    flat = dict(content["config"])
     server_round = int(flat.pop("server-round"))
     node = node_settings(flat, context.node_config)
     node.require_budget()
@@ -172,10 +171,10 @@ def client_side(msg: Message, context: Context) -> ClientSide:
                       federation, [])
 
 
-def refusal(msg: Message, metrics: dict, reason: str) -> Message:
+def refusal(metrics: dict, reason: str) -> RecordDict:
     """A reply that trains nothing, with the owner's reason for the server's summary."""
-    return Message(RecordDict({"metrics": MetricRecord({**metrics, "skipped": 1, "refused": 1}),
-                               "refusal": ConfigRecord({"reason": reason})}), reply_to=msg)
+    return RecordDict({"metrics": MetricRecord({**metrics, "skipped": 1, "refused": 1}),
+                       "refusal": ConfigRecord({"reason": reason})})
 
 
 def spent_so_far(state, plan: privacy.PrivacyPlan) -> float:
@@ -183,34 +182,32 @@ def spent_so_far(state, plan: privacy.PrivacyPlan) -> float:
     return 0.0 if state is None else privacy.Ledger(plan.accountant, state.history).epsilon(plan.delta)
 
 
-@app.evaluate()
-def evaluate_global(msg: Message, context: Context) -> Message:
+def evaluate_reply(content: RecordDict, context: Context) -> RecordDict:
     """Federated evaluation: the global model on this client's own test split (no training
     step, nothing spent from the budget; the accuracy it sends is outside the DP guarantee)."""
-    side = client_side(msg, context)
+    side = client_side(content, context)
     trainer, federation, partition_id = side.trainer, side.federation, side.node.partition_id
     x_test, y_test = trainer.data.x_test, trainer.data.y_test  # its own test split, or in a simulation
     if federation is not None:  # its share of the public one
         share = federation.client_test_share(partition_id).to(trainer.device)
         x_test, y_test = x_test[share], y_test[share]
-    accuracy, loss = (trainer.evaluate(released(record_to_model(msg.content["arrays"])), x_test, y_test)
+    accuracy, loss = (trainer.evaluate(released(record_to_model(content["arrays"])), x_test, y_test)
                       if len(y_test) else (0.0, 0.0))  # no test split: weight 0 in the average
-    return Message(RecordDict({"metrics": MetricRecord({"num-examples": len(y_test), "partition-id": partition_id,
-                                                        "test-accuracy": accuracy, "test-loss": loss})}),
-                   reply_to=msg)
+    return RecordDict({"metrics": MetricRecord({"num-examples": len(y_test), "partition-id": partition_id,
+                                                "test-accuracy": accuracy, "test-loss": loss})})
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
+def train_reply(content: RecordDict, context: Context) -> RecordDict:
+    """One round of local training (or a refusal, with the reason)."""
     try:
-        side = client_side(msg, context)
+        side = client_side(content, context)
     except (privacy.BudgetRefused, NodeConfigError, DataError) as e:
         # The node's own settings or its own data say no: nothing trained or spent. A refusal
         # (not an error) so that the server can name this client and its reason.
         partition_id = node_configs.parse_partition_id(context.node_config)
         if partition_id is None:
             raise  # without its number the server could not say who refused: a failed reply instead
-        return refusal(msg, {"num-examples": 0, "partition-id": partition_id, "epsilon": 0.0}, str(e))
+        return refusal({"num-examples": 0, "partition-id": partition_id, "epsilon": 0.0}, str(e))
     server_round, node, fed, trainer, fingerprint = side.server_round, side.node, side.fed, side.trainer, side.fingerprint
     partition_id = node.partition_id
     # FedProx sends its μ as "proximal-mu" in the round's config: the run config's key of that name.
@@ -221,7 +218,7 @@ def train(msg: Message, context: Context) -> Message:
     state = load_state(context.state, trainer.plan)
     if state is None and state_file is not None and state_file.is_file():
         state = load_train_state(state_file, trainer.plan)
-    model: Model = record_to_model(msg.content["arrays"])
+    model: Model = record_to_model(content["arrays"])
     teacher = state.local_model if (fed.teacher == "local-previous" and state is not None) else None
     base = {"num-examples": trainer.num_train, "partition-id": partition_id,
             "noise-multiplier": trainer.plan.noise_multiplier, "sample-rate": trainer.plan.sample_rate,
@@ -238,24 +235,28 @@ def train(msg: Message, context: Context) -> Message:
                 ledger.spend(plan.noise_multiplier, plan.sample_rate, len(epochs) * trainer.steps_per_epoch,
                              run=fed.experiment_id, flower_run=int(context.run_id), round=server_round)
     except privacy.BudgetRefused as e:
-        return refusal(msg, {**base, "epsilon": spent_so_far(state, plan)}, str(e))
+        return refusal({**base, "epsilon": spent_so_far(state, plan)}, str(e))
     except BudgetExhausted:
-        return Message(RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "refused": 0,
-                                                            "epsilon": spent_so_far(state, plan)})}), reply_to=msg)
+        return RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "refused": 0,
+                                                    "epsilon": spent_so_far(state, plan)})})
     try:
         model, state, metrics = trainer.local_update(model, state, epochs, teacher=teacher, proximal_mu=proximal_mu)
     except TrainingDiverged as e:  # nothing of the round is released; the server stops the run with the reason
-        return Message(RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "diverged": 1,
-                                                            "epsilon": spent_so_far(state, plan)}),
-                                   "divergence": ConfigRecord({"reason": str(e)})}), reply_to=msg)
+        return RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "diverged": 1,
+                                                    "epsilon": spent_so_far(state, plan)}),
+                           "divergence": ConfigRecord({"reason": str(e)})})
     save_state(context.state, state, trainer.plan)
     if state_file is not None:  # before replying: the spent budget is on disk before anyone can use it
         state_file.parent.mkdir(parents=True, exist_ok=True)
         save_train_state(state_file, state, trainer.plan)
     reply = MetricRecord({**base, "skipped": 0, "epsilon": metrics["epsilon"], "train-loss": metrics["train_loss"],
                           "seconds": metrics["seconds"], "steps": metrics["steps"]})
-    content = RecordDict({"arrays": model_to_record(model), "metrics": reply})
+    answer = RecordDict({"arrays": model_to_record(model), "metrics": reply})
     if side.skipped_files:  # the owner's choice (skip-bad-files): the server's summary names them
-        content["skipped-files"] = ConfigRecord({"count": len(side.skipped_files),
-                                                 "first": side.skipped_files[:SKIPPED_NAMED]})
-    return Message(content, reply_to=msg)
+        answer["skipped-files"] = ConfigRecord({"count": len(side.skipped_files),
+                                                "first": side.skipped_files[:SKIPPED_NAMED]})
+    return answer
+
+
+# What each kind of message is answered with (the ClientApp and the warm worker both use this).
+HANDLERS = {"train": train_reply, "evaluate": evaluate_reply}

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from fedsd.config import ConfigError
-from fedsd.privacy import BudgetRefused
+from fedsd.errors import BudgetRefused, ConfigError
 from fedsd.settings import setting, settings_of
 
 NO_BUDGET = ("this client has no lifetime budget: start its SuperNode with "
@@ -38,6 +37,12 @@ class NodeConfig:
                              default_text="FEDSD_CLIENT_STATE_DIR, else ~/.cache/fedsd/client-state")
     data_dir: str = setting("", "where the built-in data sets are (a simulated client's shard)",
                             default_text="FEDSD_DATA_DIR or the usual places")
+    worker: str = setting("auto", "where this node's rounds run. auto: in a warm worker that keeps torch, the data "
+                                  "and the trainer loaded from round to round, when the ClientApp runs as Flower's "
+                                  "fresh per-message process (a deployed SuperNode; clients/worker.py); off: in that "
+                                  "process, paying the start-up every round", choices=("auto", "off"))
+    worker_idle_seconds: float = setting(600.0, "a warm worker exits after this many seconds without a message "
+                                                "(and at once when its SuperNode stops)")
     skip_bad_files: bool = setting(False, "train on the readable images of `data` and leave out unreadable ones "
                                           "(reported to the server); default: one unreadable image refuses the "
                                           "whole data set")
@@ -88,6 +93,8 @@ def parse(node_config: Mapping) -> NodeConfig:
         raise NodeConfigError("node-config partition-id: required (this client's number in the run, 0 … num-clients − 1)")
     if node.partition_id < 0:
         raise NodeConfigError(f"node-config partition-id={node.partition_id}: must be ≥ 0")
+    if not node.worker_idle_seconds > 0:
+        raise NodeConfigError(f"node-config worker-idle-seconds={node.worker_idle_seconds:g}: must be > 0")
     if node.data and not Path(node.data).exists():
         raise NodeConfigError(f"node-config data='{node.data}': no such file or folder")
     return node
@@ -98,6 +105,8 @@ def _value(key: str, value):
     inf (float), '3' (a quoted string); a number may come as any of them, a bool never."""
     s = KEYS[key]
     if s.type is str:
+        if s.choices and str(value) not in s.choices:
+            raise NodeConfigError(f"node-config {key}={value!r}: choose one of {', '.join(s.choices)}")
         return str(value)
     if s.type is bool:
         if isinstance(value, bool) or str(value).lower() in ("true", "false"):

@@ -15,6 +15,7 @@ from .config import TrainConfig, validate
 from .models import build_model, check_private_trainable
 from .results import check_out_dir, fresh_out_dir, save_atomic, write_json, write_run
 from .training import DPTrainer, TrainingDiverged, TrainState, evaluate, initial_model, released
+from .errors import ResumeError  # noqa: F401 (also importable from here)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -59,10 +60,6 @@ def plan_run(cfg: TrainConfig, out: str | Path | None = None,
 # has result.json, model.pt and curve.png, and neither of these.
 CHECKPOINT, PROGRESS = "checkpoint.pt", "progress.json"
 CHECKPOINT_FORMAT = 1
-
-
-class ResumeError(ValueError):
-    """A --resume folder that is not an unfinished run this code can continue; says why."""
 
 
 def unfinished(out: str | Path) -> bool:

@@ -27,13 +27,10 @@ import numpy as np
 import torch
 
 from .data import STANDARD_STATS, normalise
+from .errors import DataError  # noqa: F401 (also importable from here)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 BUILTIN_SHAPES = {"mnist": (1, 28), "fmnist": (1, 28), "cifar10": (3, 32)}  # channels, image size
-
-
-class DataError(ValueError):
-    """A holder's data that cannot be used; the message names the file and the problem."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .errors import DataNotFoundError  # noqa: F401 (also importable from here)
+
 DATASETS = ("mnist", "fmnist", "cifar10")
 # Fixed normalisation constants: the public training sets' per-channel mean and std (checked in
 # tests/test_data.py). Every party uses these, never statistics of anybody's private data,
@@ -36,10 +38,6 @@ HOW_TO_GET = {
     "fmnist": "run `apt-get install dataset-fashion-mnist` (Debian), pass --data-dir, or add --download",
     "cifar10": "pass --data-dir D with D/cifar10/cifar10.npz or D/cifar-10-batches-py/, or add --download",
 }
-
-
-class DataNotFoundError(FileNotFoundError):
-    pass
 
 
 @dataclass

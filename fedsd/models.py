@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .errors import ModelNotPrivateError  # noqa: F401 (also importable from here)
+
 MODELS = ("mnist-cnn", "cifar-cnn")
 DEFAULT_MODEL = {"mnist": "mnist-cnn", "fmnist": "mnist-cnn", "cifar10": "cifar-cnn"}
 # The papers' networks use ReLU; Tramèr & Boneh (ICLR 2021) found tanh better under DP-SGD (its
@@ -38,10 +40,6 @@ class CifarCNN(nn.Sequential):
             nn.Conv2d(64, 128, 3, padding=1), act(),
             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, num_classes),
         )
-
-
-class ModelNotPrivateError(ValueError):
-    pass
 
 
 def check_private_trainable(model: nn.Module, fix: bool = False) -> nn.Module:

@@ -21,6 +21,8 @@ from opacus.accountants import create_accountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 from opacus.accountants.utils import get_noise_multiplier
 
+from .errors import BudgetError, BudgetRefused  # noqa: F401 (also importable from here)
+
 EPSILON_TOLERANCE = 0.01
 # Rényi orders of every RDP computation here. Opacus' default set stops at 63, and a run whose
 # per-step privacy loss is small (small q, long DP-SGD, a small ε) has its best order beyond
@@ -32,10 +34,6 @@ RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [80, 
 def _orders(accountant: str) -> dict:
     """Keyword arguments for an Opacus accountant's get_epsilon (orders exist only for RDP)."""
     return {"alphas": RDP_ORDERS} if accountant == "rdp" else {}
-
-
-class BudgetError(ValueError):
-    """A planned run that cannot fit its privacy budget."""
 
 
 def steps_per_epoch(num_samples: int, batch_size: int) -> int:
@@ -156,10 +154,6 @@ class Ledger:
         """ε spent if `steps` more steps were taken (asks a scratch copy; this ledger is unchanged)."""
         scratch = Ledger(self.kind, self.history + [[noise_multiplier, sample_rate, steps]])
         return scratch.epsilon(delta)
-
-
-class BudgetRefused(ValueError):
-    """A data holder's lifetime budget does not admit what a run asks for; nothing was spent."""
 
 
 class PrivacyFilter:

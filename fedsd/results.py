@@ -10,9 +10,7 @@ from pathlib import Path
 
 import torch
 
-
-class OutputExistsError(FileExistsError):
-    pass
+from .errors import OutputExistsError  # noqa: F401 (also importable from here)
 
 
 def check_out_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:

@@ -31,18 +31,10 @@ from .config import DISTILLING, TrainConfig, check_layout
 from .data import TensorData
 from .models import build_model, check_private_trainable
 from .privacy import Ledger, PrivacyPlan, steps_per_epoch
+from .errors import BudgetExhausted, StateMismatch, TrainingDiverged  # noqa: F401 (also importable from here)
 
 Weights = dict[str, torch.Tensor]
 Model = dict[str, Weights]  # "student", and "ema" (dpema) / "kd_teacher" (dpkd stage 2)
-
-
-class BudgetExhausted(RuntimeError):
-    """The next update would spend more than the planned (ε, δ); nothing was trained."""
-
-
-class TrainingDiverged(ValueError):
-    """The loss became non-finite or exploded: the run stops at once, naming the likely
-    setting, instead of training on to chance accuracy. Nothing of it is released."""
 
 
 # A run has diverged when a step's loss is not finite, or when the mean over the last
@@ -81,10 +73,6 @@ def initial_model(cfg: TrainConfig, num_classes: int) -> Model:
 def released(model: Model) -> Weights:
     """The weights a run releases and evaluates: the EMA for dpema, else the student."""
     return model.get("ema", model["student"])
-
-
-class StateMismatch(ValueError):
-    """A saved TrainState accounted under another mechanism (accountant, σ or q) than the run's."""
 
 
 @dataclass

@@ -5,15 +5,18 @@
     fedsd bench step        one DP-SGD step in every clipping mode vs the eager NCHW non-private
                             step a user would write and the fastest non-private step
     fedsd bench epoch       a central DP epoch with evaluation: the default path vs hooks on NCHW
+    fedsd bench deploy      a simulated round, a deployed round (SuperLink, SuperNodes, TLS, own
+                            data) and Flower's floor (a round that only sends a model back)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
-from fedsd.config import GRAD_SAMPLE_MODES
+from fedsd.config import GRAD_SAMPLE_MODES, ConfigError, TrainConfig
 from fedsd.federation import FedOptions
 from fedsd.settings import add_options, from_args
 from simulations import dry_run
@@ -55,6 +58,15 @@ def add_bench_parser(sub) -> None:
     epoch.add_argument("--threads", type=int, default=0, help="torch threads; 0 leaves torch's default")
     epoch.add_argument("--json", action="store_true")
     epoch.set_defaults(func=bench_epoch)
+    dep = what.add_parser("deploy", help="simulated round vs deployed round vs Flower's floor, same data and settings")
+    add_options(dep, TrainConfig)  # every training setting, as fedsd simulate has them
+    add_options(dep, FedOptions, required=("num_clients", "rounds"),
+                only=("num_clients", "rounds", "local_epochs", "partition", "dirichlet_alpha", "classes_per_client"))
+    dep.add_argument("--work", default=None, help="folder for the clients' data, Flower's state and the runs "
+                                                  "(default: a temporary folder, removed afterwards)")
+    dep.add_argument("--timeout", type=float, default=3600, help="seconds each deployed run may take")
+    dep.add_argument("--json", action="store_true")
+    dep.set_defaults(func=bench_deploy)
 
 
 def bench_federated(args: argparse.Namespace) -> int:
@@ -304,3 +316,89 @@ def bench_epoch(args: argparse.Namespace) -> int:
                                f"threads: default ({cfg.grad_sample_mode} → {report['route']}, {cfg.memory_format}) "
                                f"{report['seconds_per_epoch']:.2f} s, baseline (hooks, NCHW) "
                                f"{report['baseline_seconds_per_epoch']:.2f} s, speed-up {report['speedup']:.2f}x")
+
+
+def bench_deploy(args: argparse.Namespace) -> int:
+    """The same federation three ways, one after the other on this machine: simulated (Ray),
+    deployed (a SuperLink and a SuperNode per client, TLS, node authentication, each client on
+    its own folder of the same shard under max-epsilon=inf), and Flower's floor on the same
+    deployment (deploy/floor: a round that sends a model of the same shapes and gets it back).
+    Each is the median of rounds 2…R (round 1 starts processes and fills caches)."""
+    import shutil
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from fedsd.federation import to_flat
+    from fedsd.results import check_out_dir
+    from server.grid import POLL_ENV, POLL_SECONDS
+    from simulations.deploy import FLOOR_APP, LocalDeployment
+    from simulations.simulate import simulate
+    from simulations.split_data import write_client_folders
+    from task.federation import build_federation
+
+    cfg, fed = from_args(TrainConfig, args), from_args(FedOptions, args)
+    fed.validate()
+    cfg.resolved()  # every setting checked before anything starts
+    if fed.rounds < 2:
+        raise ConfigError("--rounds: at least 2 (round 1 starts processes; rounds 2… are timed)")
+    if args.work:
+        check_out_dir(args.work)
+    build_federation(cfg, fed).check_plans()  # the data found, every client's σ within its budget
+    dry_run.stop_here(f"time {fed.rounds} rounds of {fed.num_clients} clients simulated, deployed and at Flower's "
+                      f"floor in {args.work or 'a temporary folder'}")
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="fedsd-bench-deploy-"))
+
+    def phase(text: str) -> None:
+        print(f"bench deploy: {text}", file=sys.stderr, flush=True)
+
+    try:
+        phase(f"{fed.num_clients} client folders")
+        write_client_folders(cfg, fed, work / "client-data", "npz", echo=lambda line: None)
+        phase("simulated run (Ray)")
+        simulated = simulate(cfg, fed, progress=False)
+        phase("deployment: SuperLink, SuperNodes, TLS, node authentication")
+        with LocalDeployment(work / "deployment", fed.num_clients, client_data=work / "client-data",
+                             node_config="max-epsilon=inf") as deployment:
+            deployment.start()
+            phase("deployed run (clients on their own data)")
+            deployment.run({**to_flat(cfg, fed), "client-data": "own", "num-clients": fed.num_clients,
+                            "num-server-rounds": fed.rounds, "out-dir": str(work / "deployed")}, timeout=args.timeout)
+            # The floor sends what fedsd's ServerApp sends: the model's arrays, as many floats.
+            shapes = [list(v.shape) for v in simulated["_weights"].values()]
+            phase("Flower's floor (deploy/floor) on the same deployment")
+            deployment.run({"num-server-rounds": fed.rounds, "num-clients": fed.num_clients,
+                            "shapes": json.dumps(shapes, separators=(",", ":")),
+                            "grid-poll-seconds": float(deployment.env.get(POLL_ENV, POLL_SECONDS)),
+                            "out-dir": str(work / "floor")}, timeout=args.timeout, app=FLOOR_APP)
+            superexec_poll = float(deployment.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"])
+        deployed = json.loads((work / "deployed" / "result.json").read_text())
+        floor = json.loads((work / "floor" / "floor.json").read_text())["round_seconds"]
+        deployed_weights = torch.load(work / "deployed" / "model.pt", weights_only=True)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    sim_rounds = [r["seconds"] for r in simulated["rounds"]]
+    dep_rounds = [r["seconds"] for r in deployed["rounds"]]
+    report = dict(dataset=cfg.dataset, method=cfg.method, epsilon=cfg.epsilon, batch_size=deployed["config"]["batch_size"],
+                  clients=fed.num_clients, rounds=fed.rounds, local_epochs=fed.local_epochs, partition=fed.partition,
+                  threads=cfg.threads, shard_sizes=deployed["shard_sizes"], cpu_isa=torch.backends.cpu.get_cpu_capability().lower(),
+                  grid_poll_seconds=float(os.environ.get(POLL_ENV, POLL_SECONDS)), superexec_poll_seconds=superexec_poll,
+                  simulated_round_seconds=statistics.median(sim_rounds[1:]),
+                  deployed_round_seconds=statistics.median(dep_rounds[1:]),
+                  floor_round_seconds=statistics.median(floor[1:]),
+                  simulated_rounds=sim_rounds, deployed_rounds=dep_rounds, floor_rounds=floor,
+                  simulated_test_accuracy=simulated["test_accuracy"], deployed_test_accuracy=deployed["test_accuracy"],
+                  max_weight_difference=max(float((simulated["_weights"][k] - v).abs().max())
+                                            for k, v in deployed_weights.items()))
+    report["deployed_over_simulated"] = report["deployed_round_seconds"] / report["simulated_round_seconds"]
+    # What fedsd adds to Flower's floor, per second of a simulated round (issue 25's target: ≤ 1.15).
+    report["fedsd_share"] = (report["deployed_round_seconds"] - report["floor_round_seconds"]) / \
+        report["simulated_round_seconds"]
+    return _emit(args, report, f"{fed.num_clients} clients, {cfg.dataset} {cfg.method}, rounds 2–{fed.rounds} median: "
+                               f"simulated {report['simulated_round_seconds']:.2f} s, deployed "
+                               f"{report['deployed_round_seconds']:.2f} s, Flower's floor "
+                               f"{report['floor_round_seconds']:.2f} s; (deployed − floor) / simulated = "
+                               f"{report['fedsd_share']:.2f}; same model: max |Δw| = {report['max_weight_difference']:.1e}")

@@ -33,6 +33,7 @@ from simulations import dry_run
 from simulations.summary import run_summary
 
 ROOT = Path(__file__).resolve().parents[1]
+FLOOR_APP = ROOT / "deploy" / "floor"  # Flower's floor: a round that only sends and returns a model
 FEDERATION = "fedsd"  # the SuperLink connection's name in the deployment's Flower config
 
 
@@ -406,17 +407,18 @@ class LocalDeployment:
             self.start_supernode(k)
         self.wait_online(self.num_clients)
 
-    def submit(self, run_config: dict) -> subprocess.Popen:
-        """`flwr run . <federation> --stream` in the background (its output in logs/flwr-run.log)."""
-        return self._start("flwr-run", ["flwr", "run", str(ROOT), FEDERATION, "--stream",
+    def submit(self, run_config: dict, app: Path = ROOT) -> subprocess.Popen:
+        """`flwr run <app> <federation> --stream` in the background (its output in
+        logs/flwr-run.log); the app is fedsd's, or another (fedsd bench deploy's floor)."""
+        return self._start("flwr-run", ["flwr", "run", str(app), FEDERATION, "--stream",
                                         "--run-config", run_config_arg(run_config)])
 
-    def run(self, run_config: dict, timeout: float = 3600, echo=None) -> None:
+    def run(self, run_config: dict, timeout: float = 3600, echo=None, app: Path = ROOT) -> None:
         """Submit the run and wait for it. `echo(line)` gets each round's line as the ServerApp
         logs it (fedsd round k/R: accuracy, ε, who trained, refused or missed)."""
         log = self.logs / "flwr-run.log"
         start = seen = log.stat().st_size if log.exists() else 0  # the file gathers every run's output
-        proc = self.submit(run_config)
+        proc = self.submit(run_config, app)
         deadline = time.monotonic() + timeout
         while proc.poll() is None:
             if time.monotonic() > deadline:

@@ -35,22 +35,33 @@ def add_split_data_parser(sub) -> None:
 
 
 def cmd_split_data(args: argparse.Namespace) -> int:
+    cfg, fed = from_args(TrainConfig, args), from_args(FedOptions, args)
+    write_client_folders(cfg, fed, Path(args.out), args.format, args.overwrite)
+    print(f"wrote {fed.num_clients} client folders to {args.out} ({args.format}); start SuperNode k with "
+          f"--node-config \"data='{Path(args.out).absolute()}/client-k' max-epsilon=… ...\"")
+    return 0
+
+
+def write_client_folders(cfg: TrainConfig, fed: FedOptions, out: Path, fmt: str, overwrite: bool = False,
+                         echo=print) -> None:
+    """out/client-K for every client of `fed`: its shard of cfg.dataset's training split (as
+    `fedsd simulate` cuts it) and an even share of the test split, in `fmt`. Checks first;
+    writes into a staging folder that becomes `out` only when every client's is written."""
     from task.partition import shards
     from fedsd import data as data_lib
     from fedsd.results import check_out_dir, staged_out_dir
 
-    cfg, fed = from_args(TrainConfig, args), from_args(FedOptions, args)
     if cfg.dataset not in data_lib.DATASETS:
         raise ConfigError(f"--dataset: split-data cuts a built-in data set; choose one of {', '.join(data_lib.DATASETS)}")
     fed.validate()
-    check_out_dir(args.out, args.overwrite)
+    check_out_dir(out, overwrite)
     images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)
     indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation)
     if fed.num_clients > len(indices):
         raise ConfigError(f"--clients: {fed.num_clients} clients but only {len(indices)} training samples")
     parts = shards(images.y_train[indices], fed, cfg.seed)
     test_parts = np.array_split(np.random.default_rng(cfg.seed).permutation(len(images.y_test)), fed.num_clients)
-    with staged_out_dir(args.out, args.overwrite) as scratch:
+    with staged_out_dir(out, overwrite) as scratch:
         for k, part in enumerate(parts):
             chosen = indices[part]
             test = torch.from_numpy(np.sort(test_parts[k]))
@@ -58,11 +69,8 @@ def cmd_split_data(args: argparse.Namespace) -> int:
                       "test": (images.x_test[test], images.y_test[test])}
             folder = Path(scratch) / f"client-{k}"
             folder.mkdir()
-            (_write_npz if args.format == "npz" else _write_imagefolder)(folder, splits)
-            print(f"client-{k}: {len(chosen)} training and {len(test)} test images")
-    print(f"wrote {fed.num_clients} client folders to {args.out} ({args.format}); start SuperNode k with "
-          f"--node-config \"data='{Path(args.out).absolute()}/client-k' max-epsilon=… ...\"")
-    return 0
+            (_write_npz if fmt == "npz" else _write_imagefolder)(folder, splits)
+            echo(f"client-{k}: {len(chosen)} training and {len(test)} test images")
 
 
 def _write_npz(folder: Path, splits: dict) -> None:

@@ -329,3 +329,27 @@ def test_isolated_clients_train_on_their_own_data_and_cannot_read_each_others(tm
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(ns in left for ns in namespaces)  # the network is taken down with the processes
     assert processes_mentioning(str(work)) == []
+
+
+def test_bench_deploy_times_the_three_rounds_of_one_computation(tmp_path, capsys):
+    """`fedsd bench deploy`: the simulated round, the deployed round (real SuperLink and
+    SuperNodes, TLS, node auth, own data, warm workers) and Flower's floor, in one JSON; the
+    deployed clients train the simulated model exactly."""
+    require("fmnist")
+    from simulations.cli import main
+
+    work = tmp_path / "work"
+    assert main(["bench", "deploy", "--clients", "2", "--rounds", "2", "--subset", "1200", "--batch-size", "100",
+                 "--threads", "1", "--work", str(work), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for kind in ("simulated", "deployed", "floor"):
+        rounds = report[f"{kind}_rounds"]
+        assert len(rounds) == 2 and all(s > 0 for s in rounds)
+        assert report[f"{kind}_round_seconds"] == rounds[1]  # the median of rounds 2…R
+    assert report["max_weight_difference"] == 0.0
+    assert report["deployed_test_accuracy"] == report["simulated_test_accuracy"] > 0.3
+    assert report["fedsd_share"] == pytest.approx(
+        (report["deployed_round_seconds"] - report["floor_round_seconds"]) / report["simulated_round_seconds"])
+    # Each deployed client answered rounds from a warm worker, which stopped with its SuperNode.
+    assert all((work / "deployment" / "client-state" / str(k) / "worker" / "key").is_file() for k in range(2))
+    assert processes_mentioning(str(work)) == []

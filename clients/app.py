@@ -1,0 +1,56 @@
+"""The ClientApp: local DP-SGD with self-distillation on this client's data (clients/local.py).
+
+Where a round runs: in a simulation, in this process (a Ray actor that lives across rounds).
+On a deployed SuperNode, Flower starts this module in a fresh `flwr-clientapp` process for
+every message, which would pay torch's import, the data's loading and the trainer's set-up
+each round; there each message is handed to the node's warm worker (clients/worker.py), which
+pays them once. The node's owner can say `worker=off`. So this module imports Flower and the
+node's settings only; torch and fedsd's training load where the round runs.
+"""
+from __future__ import annotations
+
+# An entry point: fedsd's process-wide speed settings, before torch loads (fedsd/runtime.py).
+from fedsd.runtime import tune_process
+
+tune_process()
+
+from logging import WARNING
+
+from flwr.app import Context, Message, RecordDict
+from flwr.common import log
+from flwr.clientapp import ClientApp
+
+from clients import node_config as node_configs
+from clients import worker
+
+app = ClientApp()
+
+
+def answer(kind: str, msg: Message, context: Context) -> Message:
+    return Message(reply_content(kind, msg.content, context), reply_to=msg)
+
+
+def reply_content(kind: str, content: RecordDict, context: Context) -> RecordDict:
+    """The reply to a message of this kind, from the node's warm worker or from this process."""
+    try:
+        node = node_configs.parse(context.node_config)
+    except node_configs.NodeConfigError:
+        node = None  # said to the server by the round itself (a refusal naming the key)
+    if node is not None and worker.wanted(node):
+        try:
+            return worker.ask(node, kind, content, context)
+        except worker.WorkerUnavailable as e:  # not taken: answered here, at the cold start's cost
+            log(WARNING, "fedsd: %s; answering in the ClientApp's own process", e)
+    from clients import local
+
+    return local.HANDLERS[kind](content, context)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    return answer("train", msg, context)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    return answer("evaluate", msg, context)

@@ -1,0 +1,62 @@
+"""fedsd's errors, in one place and light to import (a ClientApp's forwarder imports them
+without torch).
+
+Every error fedsd raises on purpose is a FedsdError. A UserError is one the user can fix (an
+option, a file, a budget): its message names what to change, and a command prints it as one
+line. Anything else is a bug and keeps its traceback. Each keeps the built-in type it had
+(ValueError, FileNotFoundError, ...) so that `except ValueError` still catches it.
+"""
+from __future__ import annotations
+
+
+class FedsdError(Exception):
+    """An error fedsd raised on purpose."""
+
+
+class UserError(FedsdError):
+    """What the user can fix: the message names the option, file or budget, and what is allowed."""
+
+
+class ConfigError(UserError, ValueError):
+    """A setting that is not allowed; the message names the option and what is allowed."""
+
+
+class BudgetError(UserError, ValueError):
+    """A planned run that cannot fit its privacy budget."""
+
+
+class BudgetRefused(UserError, ValueError):
+    """A data holder's lifetime budget does not admit what a run asks for; nothing was spent."""
+
+
+class DataError(UserError, ValueError):
+    """A holder's data that cannot be used; the message names the file and the problem."""
+
+
+class DataNotFoundError(UserError, FileNotFoundError):
+    """A built-in data set that is not where fedsd looks; the message says where it looked."""
+
+
+class OutputExistsError(UserError, FileExistsError):
+    """An output folder that holds something already (and no --overwrite)."""
+
+
+class ResumeError(UserError, ValueError):
+    """A --resume folder that is not an unfinished run this code can continue; says why."""
+
+
+class ModelNotPrivateError(UserError, ValueError):
+    """A network with a layer DP-SGD cannot train per sample (BatchNorm, ...)."""
+
+
+class TrainingDiverged(UserError, ValueError):
+    """The loss became non-finite or exploded: the run stops at once, naming the likely
+    setting, instead of training on to chance accuracy. Nothing of it is released."""
+
+
+class StateMismatch(FedsdError, ValueError):
+    """A saved TrainState accounted under another mechanism (accountant, σ or q) than the run's."""
+
+
+class BudgetExhausted(FedsdError, RuntimeError):
+    """The next update would spend more than the planned (ε, δ); nothing was trained."""
