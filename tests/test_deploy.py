@@ -347,7 +347,7 @@ def test_bench_deploy_times_the_three_rounds_of_one_computation(tmp_path, capsys
         assert len(rounds) == 2 and all(s > 0 for s in rounds)
         assert report[f"{kind}_round_seconds"] == rounds[1]  # the median of rounds 2…R
     assert report["max_weight_difference"] == 0.0
-    assert report["deployed_test_accuracy"] == report["simulated_test_accuracy"] > 0.3
+    assert report["deployed_test_accuracy"] == report["simulated_test_accuracy"] > 0.15  # chance: 0.10
     assert report["fedsd_share"] == pytest.approx(
         (report["deployed_round_seconds"] - report["floor_round_seconds"]) / report["simulated_round_seconds"])
     # Each deployed client answered rounds from a warm worker, which stopped with its SuperNode.
