@@ -4,8 +4,7 @@ flwr 1.41's deployed Grid (flwr/superlink/grid/http_grid.py, `send_and_receive`)
 after every pull that leaves a reply outstanding, so each round ends up to 3 s after its last
 client replied. This wrapper keeps every other method of the Grid it wraps and implements
 `send_and_receive` over the Grid's public push_messages / pull_messages, pulling every
-POLL_SECONDS instead. A pull is one small request to the SuperLink: ten a second costs nothing
-next to a round of training.
+POLL_SECONDS instead.
 """
 from __future__ import annotations
 
@@ -16,7 +15,9 @@ from collections.abc import Iterable
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-POLL_SECONDS = 0.1
+# Every 0.5 s: at 0.1 s (with SuperExec's poll at 0.1 s too) the pollers took enough of two
+# cores from the training clients to make rounds slower and noisier (results/deploy-vs-sim.md).
+POLL_SECONDS = 0.5
 POLL_ENV = "FEDSD_GRID_POLL_SECONDS"  # another interval (Flower's own is 3), e.g. to measure the difference
 
 

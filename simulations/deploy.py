@@ -48,11 +48,11 @@ def flower_tool_env(flwr_home: Path) -> dict:
     start one another by name), their own FLWR_HOME, and no per-run `uv sync` of the app's
     dependencies (the venv already holds them, and a package index may not be reachable).
     SuperExec looks for a ClientApp to start every second by default; every round waits for
-    that, so it looks every 0.1 s."""
+    that, so it looks every 0.5 s (0.1 s took CPU from the training clients: results/deploy-vs-sim.md)."""
     venv_bin = str(Path(sys.executable).parent)
     return {**os.environ, "FLWR_HOME": str(flwr_home), "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1")}
+            "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.5")}
 
 
 def run_config_arg(values: dict) -> str:
