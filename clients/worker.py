@@ -150,7 +150,7 @@ def ask(node: NodeConfig, kind: str, content: RecordDict, context: Context) -> R
     Context's state becomes the one the worker leaves, as if the handler had run here."""
     folder = folder_of(node)
     address = folder / f"{code_id()}.sock"
-    for attempt in range(2):
+    for _ in range(2):
         with start_lock(folder):
             key = _key(folder)
             conn = _connect(address, key) or _start(folder, address, key, node)

@@ -21,10 +21,15 @@ POLL_SECONDS = 0.5
 POLL_ENV = "FEDSD_GRID_POLL_SECONDS"  # another interval (Flower's own is 3), e.g. to measure the difference
 
 
+def default_poll_seconds() -> float:
+    """The wait between pulls: FEDSD_GRID_POLL_SECONDS, else POLL_SECONDS."""
+    return float(os.environ.get(POLL_ENV, POLL_SECONDS))
+
+
 class PollingGrid(Grid):
     def __init__(self, grid: Grid, poll_seconds: float | None = None):
         self.grid = grid
-        self.poll_seconds = poll_seconds if poll_seconds is not None else float(os.environ.get(POLL_ENV, POLL_SECONDS))
+        self.poll_seconds = poll_seconds if poll_seconds is not None else default_poll_seconds()
 
     # -- everything but the waiting is the wrapped Grid's -----------------------------------
     def set_run(self, run):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 
@@ -333,7 +332,7 @@ def bench_deploy(args: argparse.Namespace) -> int:
 
     from fedsd.federation import to_flat
     from fedsd.results import check_out_dir
-    from server.grid import POLL_ENV, POLL_SECONDS
+    from server.grid import default_poll_seconds
     from simulations.deploy import FLOOR_APP, LocalDeployment
     from simulations.simulate import simulate
     from simulations.split_data import write_client_folders
@@ -371,7 +370,6 @@ def bench_deploy(args: argparse.Namespace) -> int:
             phase("Flower's floor (deploy/floor) on the same deployment")
             deployment.run({"num-server-rounds": fed.rounds, "num-clients": fed.num_clients,
                             "shapes": json.dumps(shapes, separators=(",", ":")),
-                            "grid-poll-seconds": float(deployment.env.get(POLL_ENV, POLL_SECONDS)),
                             "out-dir": str(work / "floor")}, timeout=args.timeout, app=FLOOR_APP)
             superexec_poll = float(deployment.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"])
         deployed = json.loads((work / "deployed" / "result.json").read_text())
@@ -385,7 +383,7 @@ def bench_deploy(args: argparse.Namespace) -> int:
     report = dict(dataset=cfg.dataset, method=cfg.method, epsilon=cfg.epsilon, batch_size=deployed["config"]["batch_size"],
                   clients=fed.num_clients, rounds=fed.rounds, local_epochs=fed.local_epochs, partition=fed.partition,
                   threads=cfg.threads, shard_sizes=deployed["shard_sizes"], cpu_isa=torch.backends.cpu.get_cpu_capability().lower(),
-                  grid_poll_seconds=float(os.environ.get(POLL_ENV, POLL_SECONDS)), superexec_poll_seconds=superexec_poll,
+                  grid_poll_seconds=default_poll_seconds(), superexec_poll_seconds=superexec_poll,
                   simulated_round_seconds=statistics.median(sim_rounds[1:]),
                   deployed_round_seconds=statistics.median(dep_rounds[1:]),
                   floor_round_seconds=statistics.median(floor[1:]),

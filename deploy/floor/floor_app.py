@@ -34,7 +34,7 @@ def echo(msg: Message, context: Context) -> Message:
 def main(grid: Grid, context: Context) -> None:
     config = context.run_config
     rounds, clients = int(config["num-server-rounds"]), int(config["num-clients"])
-    grid = PollingGrid(grid, float(config["grid-poll-seconds"]))
+    grid = PollingGrid(grid)  # pulls as often as fedsd's ServerApp (same environment, same default)
     rng = np.random.default_rng(0)
     arrays = ArrayRecord([rng.standard_normal(shape).astype(np.float32) for shape in json.loads(config["shapes"])])
     nodes = wait_for_nodes(grid, clients, float(config["round-timeout"]))
