@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from scipy import stats
 
+from .callbacks import StepCallback
+
 
 def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
     """P[≥ v correct out of r guesses] for an (ε, δ)-DP run with m canaries (Theorem 3):
@@ -150,3 +152,33 @@ class GradientCanaries:
         q, var = self.sample_rate, self.noise_multiplier ** 2
         self.scores += torch.logaddexp(torch.tensor(math.log1p(-q), dtype=torch.float64),
                                        math.log(q) + (2 * z - 1) / (2 * var))
+
+
+class AuditedSteps(StepCallback):
+    """`fedsd audit`'s step callback on the audited data holder's calls: the white-box
+    canaries (or None: black-box) join every step's clipped sum where the trainer's clipping
+    route clips (fedsd.clippers), and are scored from each step's released gradient; the noise
+    drawn is noise_scale·σ while the accountant still counts σ (noise_scale < 1: a broken
+    mechanism, which the audit must catch)."""
+
+    def __init__(self, canaries: GradientCanaries | None, noise_scale: float = 1.0):
+        self.canaries, self.noise_scale = canaries, noise_scale
+
+    def on_call_start(self, trainer) -> None:
+        groups = trainer.optimizer.original_optimizer.param_groups
+        if self.canaries is not None and not any(p is self.canaries.parameter for g in groups for p in g["params"]):
+            # its coordinates are clipped, noised and stepped with the model's
+            trainer.optimizer.original_optimizer.add_param_group({"params": [self.canaries.parameter]})
+        trainer.optimizer.noise_multiplier = trainer.plan.noise_multiplier * self.noise_scale
+
+    def before_noise(self, trainer) -> None:
+        if self.canaries is not None:
+            self.canaries.draw()
+            trainer.clipper.join_canaries(self.canaries)
+
+    def after_step(self, trainer) -> None:
+        if self.canaries is not None:
+            self.canaries.observe()
+
+    def on_call_end(self, trainer) -> None:
+        trainer.optimizer.noise_multiplier = trainer.plan.noise_multiplier

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from . import conv_kernel
+from .errors import ConfigError
 
 # Ghost norms cost 2T²(d+p) flops a sample (T output positions, d = c·k·k inputs per position,
 # p output channels), per-sample gradients 2T·d·p plus the patches. Measured on this CPU at
@@ -119,10 +120,10 @@ class BookKeepingClipper:
             if isinstance(module, (nn.Conv2d, nn.Linear)):
                 if isinstance(module, nn.Conv2d) and (module.groups != 1 or module.padding_mode != "zeros"
                                                       or isinstance(module.padding, str)):
-                    raise ValueError("--grad-sample-mode bk: Conv2d needs groups=1 and numeric zero padding")
+                    raise ConfigError("--grad-sample-mode bk: Conv2d needs groups=1 and numeric zero padding")
                 self.layers.append(module)
             elif list(module.children()) == [] and list(module.parameters(recurse=False)):
-                raise ValueError(f"--grad-sample-mode bk: no book-keeping rule for {type(module).__name__}; "
+                raise ConfigError(f"--grad-sample-mode bk: no book-keeping rule for {type(module).__name__}; "
                                  "use hooks or ghost")
         self.max_grad_norm = max_grad_norm
         self.kernel = kernel
@@ -171,7 +172,7 @@ class BookKeepingClipper:
         from the kernel)."""
         if isinstance(layer, nn.Linear):
             if a.dim() != 2:
-                raise ValueError("--grad-sample-mode bk: Linear layers need (batch, features) inputs")
+                raise ConfigError("--grad-sample-mode bk: Linear layers need (batch, features) inputs")
             norms2 += a.pow(2).sum(1) * g.pow(2).sum(1)
             if layer.bias is not None:
                 norms2 += g.pow(2).sum(1)

@@ -15,14 +15,14 @@ from .config import TrainConfig, validate
 from .models import build_model, check_private_trainable
 from .results import check_out_dir, fresh_out_dir, save_atomic, write_json, write_run
 from .training import DPTrainer, TrainingDiverged, TrainState, evaluate, initial_model, released
-from .errors import ResumeError  # noqa: F401 (also importable from here)
+from .errors import ConfigError, ResumeError  # noqa: F401 (ResumeError: also importable from here)
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device: cuda was asked for but torch sees no GPU; use cpu or auto")
+        raise ConfigError("--device: cuda was asked for but torch sees no GPU; use cpu or auto")
     return torch.device(name)
 
 

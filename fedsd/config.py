@@ -6,19 +6,20 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from . import clippers, methods
 from .data import DATASETS
+from .methods import dpema, dpkd
 from .models import ACTIVATIONS, DEFAULT_MODEL, MODELS
-from .settings import setting
+from .settings import check_setting, setting
 from .errors import ConfigError  # noqa: F401 (also importable from here)
 
-METHODS = ("dpsgd", "dpema", "dpkd", "dp3sd", "dpdsd")
+METHODS = tuple(methods.METHODS)
 CUSTOM = "custom"  # a task whose data only the clients hold (fedsd.client_data)
-DISTILLING = ("dp3sd", "dpdsd")  # methods whose teacher is the model itself (self-distillation)
 ACCOUNTANTS = ("rdp", "prv")
 DEVICES = ("cpu", "cuda", "auto")
 # Opacus' ways to clip per sample, fedsd's book-keeping (fedsd.bookkeeping), and auto: the fastest
 # of bk and ew on this machine, measured once and cached (fedsd.routes)
-GRAD_SAMPLE_MODES = ("auto", "hooks", "functorch", "ew", "ghost", "bk")
+GRAD_SAMPLE_MODES = ("auto",) + tuple(clippers.CLIPPERS)
 # How images and activations are laid out in memory: channels-last runs this project's
 # convolutions about twice as fast on CPU (results/perf.md); "contiguous" is PyTorch's NCHW.
 # Opacus' hooks and ghost clipping compute wrong per-sample convolution gradients on
@@ -26,7 +27,7 @@ GRAD_SAMPLE_MODES = ("auto", "hooks", "functorch", "ew", "ghost", "bk")
 # epochs, tests/test_grad_sample_modes.py), so "auto" takes channels-last only for the modes
 # that are exact under it.
 MEMORY_FORMATS = ("auto", "channels-last", "contiguous")
-CHANNELS_LAST_EXACT = ("auto", "functorch", "ew", "bk")
+CHANNELS_LAST_EXACT = ("auto",) + clippers.CHANNELS_LAST_EXACT
 
 # SPEC §7: B, η, C, epochs; DP3SD (τs, τt, α); DPDSD (τ, α, β).
 PAPER = {
@@ -37,20 +38,14 @@ PAPER = {
     "cifar10": dict(batch_size=1000, lr=3.0, clip=0.1, epochs=100,
                     dp3sd=dict(tau_s=0.1, tau_t=5.0, alpha=0.3), dpdsd=dict(tau=5.0, alpha=0.1, beta=0.3)),
 }
-# Settings the papers leave open (DPKD's loss and stage split, the EMA decay, SGD's momentum).
+# Settings the papers leave open: SGD's momentum and the DP runs' length (DPKD's loss and stage
+# split and the EMA decay are their methods', fedsd/methods/dpkd.py and dpema.py).
 # Momentum was chosen per data set on a validation split (results/sweeps/*-momentum, dpsgd,
 # ε = 3; MNIST and FMNIST 15 epochs, CIFAR-10 30: 0.9 wins on all three; results/README.md
-# has the numbers). The EMA decay was
-# chosen on FMNIST's validation split at the full 60 epochs (results/sweeps/fmnist-dpema-decay-60:
-# 0.995 85.40 %, 0.999 85.39 %, 0.98 and 0.9 85.02 %). DPKD's τ and α likewise
-# (results/sweeps/fmnist-dpkd-tau-alpha: τ 5, α 0.7 84.61 %; τ 2, α 0.7 84.45 %; τ 2, α 0.3
-# 84.11 %; τ 5, α 0.3 84.27 %), and its stage split
-# (results/sweeps/fmnist-dpkd-stage-split: 20, 30, 40 teacher epochs of 60:
-# 84.10, 84.61, 84.08 %): the half.
+# has the numbers).
 # The DP runs' length, where the validation split chose another than the papers' non-private
 # one (SPEC §7): CIFAR-10 60 epochs (results/sweeps/cifar10-dpsgd-length, ε = 3: 60 beat 100).
-OPEN_DEFAULTS = {"dpkd": dict(tau=5.0, alpha=0.7), "ema_decay": 0.995, "kd_teacher_fraction": 0.5,
-                 "momentum": {"mnist": 0.9, "fmnist": 0.9, "cifar10": 0.9}, "epochs": {"cifar10": 60}}
+OPEN_DEFAULTS = {"momentum": {"mnist": 0.9, "fmnist": 0.9, "cifar10": 0.9}, "epochs": {"cifar10": 60}}
 # The papers give one learning rate, for their batch size. At another B the default lr is
 # lr_paper · (B / B_paper)^LR_BATCH_EXPONENT, the exponent chosen on a validation split
 # (results/sweeps/fmnist-dp3sd-batch-lr; results/README.md): the papers' lr of 3 at B = 16
@@ -69,7 +64,7 @@ def _paper_text(key: str, methods: tuple[str, ...] = ()) -> str:
     parts = []
     for m in methods:
         if m == "dpkd":
-            parts.append(f"DPKD {OPEN_DEFAULTS['dpkd'][key]}, open in the papers")
+            parts.append(f"DPKD {dpkd.DEFAULTS[key]}, open in the papers")
         else:
             parts.append(f"{m.upper()} " + ", ".join(f"{_NAMES[d]} {PAPER[d][m][key]}" for d in PAPER))
     return "the paper's value for the data set and method: " + "; ".join(parts)
@@ -105,7 +100,7 @@ class TrainConfig:
                                   default_text=_paper_text("alpha", ("dp3sd", "dpdsd", "dpkd")))
     beta: float | None = setting(None, "DPDSD: weight β of the non-target classes",
                                  default_text=_paper_text("beta", ("dpdsd",)))
-    ema_decay: float | None = setting(None, "DPEMA: the EMA's decay", default_text=f"{OPEN_DEFAULTS['ema_decay']}, open in the papers, chosen on validation")
+    ema_decay: float | None = setting(None, "DPEMA: the EMA's decay", default_text=f"{dpema.EMA_DECAY}, open in the papers, chosen on validation")
     distill_warmup_epochs: int = setting(1, "epochs of plain cross-entropy before the teacher is used")
     kd_teacher_epochs: int | None = setting(None, "DPKD: epochs of stage 1 (the teacher); the rest train the student",
                                             default_text="half the epochs")
@@ -152,18 +147,11 @@ class TrainConfig:
                 setattr(c, key, paper[key])
         if c.lr is None:
             c.lr = paper["lr"] * (c.batch_size / paper["batch_size"]) ** LR_BATCH_EXPONENT
-        per_method = dict(paper.get(c.method, {}))
-        if c.method == "dpkd":
-            per_method = dict(OPEN_DEFAULTS["dpkd"])
-            if c.kd_teacher_epochs is None:
-                c.kd_teacher_epochs = max(1, round(c.epochs * OPEN_DEFAULTS["kd_teacher_fraction"]))
-        for key, value in per_method.items():
+        for key, value in methods.METHODS[c.method].defaults(c, paper).items():
             if getattr(c, key) is None:
                 setattr(c, key, value)
         if c.momentum is None:
             c.momentum = OPEN_DEFAULTS["momentum"][reference]
-        if c.method == "dpema" and c.ema_decay is None:
-            c.ema_decay = OPEN_DEFAULTS["ema_decay"]
         if c.model is None:
             c.model = DEFAULT_MODEL[c.dataset]
         return c
@@ -196,12 +184,6 @@ def paper_batch_and_lr(cfg: TrainConfig) -> tuple[int, float]:
 def _check_choice(option: str, value, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{option}: unknown value {value!r}; choose one of {', '.join(map(str, allowed))}")
-
-
-def check_setting(condition: bool, option: str, allowed: str, value) -> None:
-    """ConfigError naming the option as the user typed it, what is allowed and what was given."""
-    if not condition:
-        raise ConfigError(f"{option}: {allowed}, got {value!r}")
 
 
 def check_layout(c: TrainConfig) -> None:
@@ -242,13 +224,7 @@ def validate(c: TrainConfig, num_train: int) -> None:
         value = getattr(c, name)
         if value is not None:
             check_setting(value >= 0, f"--{name}", "must be >= 0", value)
-    if c.method in ("dp3sd", "dpkd"):
-        check_setting(0 <= c.alpha <= 1, "--alpha", f"must be in [0, 1] for {c.method}", c.alpha)
-    if c.method == "dpema":
-        check_setting(0 <= c.ema_decay < 1, "--ema-decay", "must be in [0, 1)", c.ema_decay)
-    if c.method == "dpkd":
-        check_setting(1 <= c.kd_teacher_epochs < c.epochs, "--kd-teacher-epochs",
-               f"must be in [1, epochs) = [1, {c.epochs}) so both stages train", c.kd_teacher_epochs)
+    methods.METHODS[c.method].check(c)
     if c.subset is not None:
         check_setting(c.subset >= 1, "--subset", "must be >= 1", c.subset)
     check_setting(c.validation >= 0, "--validation", "must be >= 0", c.validation)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import DataNotFoundError  # noqa: F401 (also importable from here)
+from .errors import ConfigError, DataNotFoundError  # noqa: F401 (DataNotFoundError: also importable from here)
 
 DATASETS = ("mnist", "fmnist", "cifar10")
 # Fixed normalisation constants: the public training sets' per-channel mean and std (checked in
@@ -169,7 +169,7 @@ _CACHE: dict[tuple, ImageData] = {}
 def load(name: str, data_dir=None, download: bool = False) -> ImageData:
     """Load a whole data set; cached per process, so a worker reads the files once."""
     if name not in DATASETS:
-        raise ValueError(f"--dataset: unknown data set {name!r}; choose one of {', '.join(DATASETS)}")
+        raise ConfigError(f"--dataset: unknown data set {name!r}; choose one of {', '.join(DATASETS)}")
     key = (name, str(data_dir), os.environ.get("FEDSD_DATA_DIR"))
     if key in _CACHE:
         return _CACHE[key]
@@ -194,7 +194,7 @@ def stratified_subset(labels: torch.Tensor, size: int, seed: int) -> torch.Tenso
     """
     n = len(labels)
     if not 1 <= size <= n:
-        raise ValueError(f"--subset: must be between 1 and the training set's size {n}, got {size}")
+        raise ConfigError(f"--subset: must be between 1 and the training set's size {n}, got {size}")
     if size == n:
         return torch.arange(n)
     counts = torch.bincount(labels).double()
@@ -220,7 +220,7 @@ def validation_indices(data: ImageData, size: int) -> torch.Tensor:
     if size == 0:
         return torch.zeros(0, dtype=torch.long)
     if not 1 <= size < len(data.y_train):
-        raise ValueError(f"--validation: must be in [0, {len(data.y_train)}) for this training set, got {size}")
+        raise ConfigError(f"--validation: must be in [0, {len(data.y_train)}) for this training set, got {size}")
     return stratified_subset(data.y_train, size, VALIDATION_SEED)
 
 
@@ -235,7 +235,7 @@ def training_indices(data: ImageData, subset: int | None, seed: int, validation:
     if subset is None:
         return pool
     if subset > len(pool):
-        raise ValueError(f"--subset: must be between 1 and the {len(pool)} training samples left, got {subset}")
+        raise ConfigError(f"--subset: must be between 1 and the {len(pool)} training samples left, got {subset}")
     return pool[stratified_subset(data.y_train[pool], subset, seed)]
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .privacy import PrivacyFilter
 from .results import write_json
+from .errors import DataError, DataNotFoundError
 
 PREFIX = "ledger-"
 
@@ -66,14 +67,14 @@ def read_all(root: Path) -> list[LedgerReport]:
     FileNotFoundError for a missing folder and ValueError naming a file that is not a ledger."""
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"--state-dir: {root} is not a folder")
+        raise DataNotFoundError(f"--state-dir: {root} is not a folder")
     reports = []
     for path in sorted(root.glob(f"{PREFIX}*.json")):
         try:
             state = json.loads(path.read_text())
             ledger = PrivacyFilter.from_state_dict(state, float(state["max_epsilon"]), float(state["max_delta"]))
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: not a readable fedsd ledger ({e})") from None
+            raise DataError(f"{path}: not a readable fedsd ledger ({e})") from None
         reports.append(LedgerReport(path.stem[len(PREFIX):], str(path), ledger.max_epsilon, ledger.max_delta,
                                     ledger.epsilon(), ledger.left(), sum(e["steps"] for e in ledger.entries),
                                     ledger.by_experiment()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import ModelNotPrivateError  # noqa: F401 (also importable from here)
+from .errors import ConfigError, ModelNotPrivateError  # noqa: F401 (ModelNotPrivateError: also importable from here)
 
 MODELS = ("mnist-cnn", "cifar-cnn")
 DEFAULT_MODEL = {"mnist": "mnist-cnn", "fmnist": "mnist-cnn", "cifar10": "cifar-cnn"}
@@ -61,9 +61,9 @@ def check_private_trainable(model: nn.Module, fix: bool = False) -> nn.Module:
 def build_model(name: str, num_classes: int = 10, seed: int | None = None, activation: str = "relu") -> nn.Module:
     """A fresh model; with `seed`, its initial weights depend on that seed only."""
     if name not in MODELS:
-        raise ValueError(f"--model: unknown model {name!r}; choose one of {', '.join(MODELS)}")
+        raise ConfigError(f"--model: unknown model {name!r}; choose one of {', '.join(MODELS)}")
     if activation not in ACTIVATIONS:
-        raise ValueError(f"--activation: unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+        raise ConfigError(f"--activation: unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
     cls = MnistCNN if name == "mnist-cnn" else CifarCNN
     if seed is None:
         return cls(num_classes, activation)

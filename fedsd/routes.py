@@ -32,6 +32,7 @@ from torch import nn
 
 from . import cache_root, conv_kernel
 from .bookkeeping import CONV_ROUTES, BookKeepingClipper
+from .methods import cross_entropy
 
 AUTO = "auto"
 # The candidates and the layout each runs in under --memory-format auto: book-keeping
@@ -203,7 +204,6 @@ def _step(mode: str, cfg, x: torch.Tensor, y: torch.Tensor, num_classes: int, co
     plan = PrivacyPlan(1.0, 0.5, 1, 1.0, 1e-5, "rdp")  # timing only: σ and q do not change the work
     run = dataclasses.replace(cfg, grad_sample_mode=mode, memory_format=layout_for(mode, cfg.memory_format))
     trainer = DPTrainer(run, TensorData(x, y, x[:1], y[:1], num_classes), plan)
-    if trainer.bookkeeping is not None:
-        trainer.bookkeeping.conv_routes = dict(conv_routes)
-    loss = lambda logits, teacher_logits, labels: nn.functional.cross_entropy(logits, labels, reduction="none")
-    return lambda: trainer.train_on_batch(trainer.data.x_train, y, loss, False)
+    if mode == "bk":
+        trainer.clipper.conv_routes = dict(conv_routes)
+    return lambda: trainer.train_on_batch(trainer.data.x_train, y, cross_entropy())

@@ -13,9 +13,17 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from .errors import ConfigError
+
 # In the flat form (TOML and Flower's records have no None): -1 / "" mean "not set", i.e. the
 # paper's value for the data set. Never 0, since α = 0 is a real ablation.
 _UNSET = {int: -1, float: -1.0, str: ""}
+
+
+def check_setting(condition: bool, option: str, allowed: str, value) -> None:
+    """ConfigError naming the option as the user typed it, what is allowed and what was given."""
+    if not condition:
+        raise ConfigError(f"{option}: {allowed}, got {value!r}")
 
 
 def setting(default, help: str, *, choices=None, flag: str | None = None, key: str | None = None,
@@ -123,8 +131,6 @@ def from_flat(flat: dict, *classes) -> tuple:
     """Instances of `classes` from a flat dict (a missing key keeps its default; -1 / "" for an
     optional setting means unset). Raises ConfigError naming the key of a value of the wrong
     type."""
-    from .config import ConfigError
-
     flat = {k.replace("_", "-"): v for k, v in flat.items()}
     out = []
     for cls in classes:

@@ -15,26 +15,20 @@ import json
 import math
 import time
 from collections import deque
-import warnings
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
-from . import _opacus  # noqa: F401  (first: Opacus without its root-logger handler)
-from opacus.grad_sample import GradSampleModuleFastGradientClipping
-from opacus.grad_sample.utils import prepare_module
-from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 
-from . import losses, routes
-from .bookkeeping import BookKeepingClipper, clip_factor
-from .config import DISTILLING, TrainConfig, check_layout
+from . import routes
+from .callbacks import ProximalTerm, StepCallback
+from .clippers import CLIPPERS
+from .config import TrainConfig, check_layout
 from .data import TensorData
+from .methods import EpochLoss, Model, Weights, method_of, released  # noqa: F401 (released: also importable from here)
 from .models import build_model, check_private_trainable
 from .privacy import Ledger, PrivacyPlan, steps_per_epoch
+from .seeds import SEED_CLIENT_RNG, SEED_KD_STUDENT, SEED_MODEL_INIT, derive_seed  # noqa: F401 (also from here)
 from .errors import BudgetExhausted, StateMismatch, TrainingDiverged  # noqa: F401 (also importable from here)
-
-Weights = dict[str, torch.Tensor]
-Model = dict[str, Weights]  # "student", and "ema" (dpema) / "kd_teacher" (dpkd stage 2)
 
 
 # A run has diverged when a step's loss is not finite, or when the mean over the last
@@ -52,27 +46,11 @@ Model = dict[str, Weights]  # "student", and "ema" (dpema) / "kd_teacher" (dpkd 
 DIVERGENCE_WINDOW, DIVERGENCE_FACTOR = 10, 10.0
 
 
-def derive_seed(seed: int, *purpose: int) -> int:
-    """Independent seeds for independent uses (model init, a client's RNG, ...)."""
-    return int(np.random.SeedSequence([seed, *purpose]).generate_state(1, dtype=np.uint32)[0])
-
-
-SEED_MODEL_INIT, SEED_CLIENT_RNG, SEED_KD_STUDENT = 0, 1, 2
-
-
 def initial_model(cfg: TrainConfig, num_classes: int) -> Model:
     """The global model before any training: the same for every client and the central run."""
     student = build_model(cfg.model, num_classes, seed=derive_seed(cfg.seed, SEED_MODEL_INIT),
                           activation=cfg.activation).state_dict()
-    model = {"student": student}
-    if cfg.method == "dpema":
-        model["ema"] = {k: v.clone() for k, v in student.items()}
-    return model
-
-
-def released(model: Model) -> Weights:
-    """The weights a run releases and evaluates: the EMA for dpema, else the student."""
-    return model.get("ema", model["student"])
+    return method_of(cfg).initial_model(student)
 
 
 @dataclass
@@ -213,31 +191,15 @@ class DPTrainer:
         self.model = self.model.to(self.device, memory_format=self.memory_format)
         self.teacher = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.generator = torch.Generator(device=self.device)
-        self._anchor, self._proximal_mu = None, 0.0  # FedProx's pull, set per call
+        self.method = method_of(cfg)
         self._evaluation_model: torch.nn.Module | None = None  # built on first use
-        self.ghost = mode == "ghost"
-        self.bookkeeping = None
-        self.canaries = None  # fedsd.audit.GradientCanaries, only under `fedsd audit`
+        # The clipping route: it computes the clipped per-sample gradient sum and owns the Opacus
+        # optimizer that adds the noise and averages (fedsd.clippers).
+        self.clipper = CLIPPERS[mode](self.model, cfg, mode, self.route)
         sgd = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-        dp = dict(noise_multiplier=plan.noise_multiplier, max_grad_norm=cfg.clip, expected_batch_size=cfg.batch_size,
-                  loss_reduction="mean", generator=self.generator)
-        if mode == "bk":
-            # Book-keeping: clipped per-sample gradient sums from one backward pass (fedsd.bookkeeping);
-            # Opacus adds the noise and averages, as for its own ghost clipping.
-            self.bookkeeping = BookKeepingClipper(self.model, cfg.clip,
-                                                  conv_routes=self.route.conv_routes if self.route else None)
-            self.grad_sample_model = self.model
-            self.optimizer = DPOptimizerFastGradientClipping(sgd, **dp)
-        elif self.ghost:
-            # Ghost clipping: per-sample gradient norms without per-sample gradients, then a
-            # second backward pass of the loss reweighted by the clipping factors.
-            self.grad_sample_model = GradSampleModuleFastGradientClipping(
-                self.model, batch_first=True, loss_reduction="mean", max_grad_norm=cfg.clip, use_ghost_clipping=True)
-            self.optimizer = DPOptimizerFastGradientClipping(sgd, **dp)
-        else:  # hooks, functorch or ew: per-sample gradients, clipped by DPOptimizer
-            self.grad_sample_model = prepare_module(self.model, mode, batch_first=True,
-                                                    loss_reduction="mean")
-            self.optimizer = DPOptimizer(sgd, **dp)
+        self.optimizer = self.clipper.make_optimizer(
+            sgd, noise_multiplier=plan.noise_multiplier, max_grad_norm=cfg.clip, expected_batch_size=cfg.batch_size,
+            loss_reduction="mean", generator=self.generator)
         self.bind(data, plan, client)
 
     def bind(self, data: TensorData, plan: PrivacyPlan, client: int = 0) -> "DPTrainer":
@@ -255,12 +217,14 @@ class DPTrainer:
 
     # -- one call: some epochs from a given global model -------------------------------------
     def local_update(self, model: Model, state: TrainState | None, epochs: list[int],
-                     teacher: Weights | None = None, proximal_mu: float = 0.0) -> tuple[Model, TrainState, dict]:
+                     teacher: Weights | None = None, proximal_mu: float = 0.0,
+                     callbacks: list[StepCallback] = ()) -> tuple[Model, TrainState, dict]:
         """Train the given (1-based, global) epochs starting from `model`.
 
         `teacher` overrides the self-distillation teacher (teacher=local-previous); by default
         it is a frozen copy of the incoming student (teacher=round-start). `proximal_mu` > 0
-        adds FedProx's pull towards the incoming student. Raises BudgetExhausted, training
+        adds FedProx's pull towards the incoming student. `callbacks`: this call's own step
+        callbacks (fedsd.callbacks), after the method's. Raises BudgetExhausted, training
         nothing, when these epochs would overspend the budget.
         """
         cfg = self.cfg
@@ -275,35 +239,35 @@ class DPTrainer:
             torch.set_num_threads(cfg.threads)
 
         model = {k: dict(v) for k, v in model.items()}
-        self._load(self.model, model["student"])
+        self.load_student(model["student"])
         self._restore_momentum(state.momentum)
-        self._anchor = ([p.detach().clone() for p in self.model.parameters()] if proximal_mu > 0 else None)
-        self._proximal_mu = proximal_mu
         if teacher is not None:
-            self._load(self.teacher, teacher)
-        elif cfg.method in DISTILLING:
-            self._load(self.teacher, model["student"])
-        ema = {k: v.detach().clone().to(self.device) for k, v in model["ema"].items()} if "ema" in model else None
+            self.load_teacher(teacher)
+        elif self.method.self_distilling:
+            self.load_teacher(model["student"])
+        callbacks = [*self.method.step_callbacks(cfg, model, state.steps, self.device),
+                     *([ProximalTerm(proximal_mu)] if proximal_mu > 0 else []), *callbacks]
+        for callback in callbacks:
+            callback.on_call_start(self)
 
         started, loss_sum, steps_run = time.perf_counter(), 0.0, 0
         divergence = DivergenceCheck(self.cfg, self.data.num_classes)
         for epoch in epochs:
-            loss_fn, uses_teacher, chance = self._loss_for_epoch(epoch, model)
+            self.method.on_epoch_start(cfg, epoch, model, self)
+            objective = self.method.epoch_loss(cfg, epoch)
             for _ in range(self.steps_per_epoch):
-                loss = self._step(loss_fn, uses_teacher)
-                divergence.after_step(loss, epoch, chance)
+                loss = self._step(objective, callbacks)
+                divergence.after_step(loss, epoch, objective.chance)
                 loss_sum += loss
                 ledger.step(self.plan.noise_multiplier, self.plan.sample_rate)
-                if ema is not None:
-                    self._update_ema(ema, state.steps)
                 state.steps += 1
                 steps_run += 1
 
         divergence.at_end()
-        student = self._weights(self.model)
+        for callback in callbacks:
+            callback.on_call_end(self)
+        student = self.student_weights()
         model["student"] = student
-        if ema is not None:
-            model["ema"] = ema
         state.history = ledger.history
         state.rng_state = self.generator.get_state()
         state.local_model = student
@@ -318,7 +282,7 @@ class DPTrainer:
         training step, so nothing is spent (what it releases is the caller's to say)."""
         if self._evaluation_model is None:
             self._evaluation_model = copy.deepcopy(self.teacher)
-        self._load(self._evaluation_model, weights)
+        self._evaluation_model.load_state_dict(weights)
         return evaluate(self._evaluation_model, x.to(self.device).contiguous(memory_format=self.memory_format),
                         y.to(self.device))
 
@@ -332,124 +296,48 @@ class DPTrainer:
             raise BudgetExhausted(f"{steps_to_run} more steps would spend ε={after:.3f} > budget "
                                   f"{self.plan.epsilon} (spent so far {ledger.epsilon(self.plan.delta):.3f})")
 
-    # -- pieces ---------------------------------------------------------------------------
-    def _loss_for_epoch(self, epoch: int, model: Model):
-        """(per-sample loss(student_logits, teacher_logits, y), whether it reads the teacher, its
-        chance level in units of ln K) for a 1-based epoch; for DPKD it also moves the run to
-        stage 2 when that begins. The chance level bounds the loss of a uniform student: CE is
-        ln K at any temperature, τ²·KL(teacher ‖ uniform) ≤ τ²·ln K, and DPDSD's α·TCSD + β·NCSD ≤
-        e·max(α, β)·ln K (its gate e^γ < e weighs teacher probabilities that sum to 1)."""
-        cfg, none = self.cfg, "none"
-        warm = epoch <= cfg.distill_warmup_epochs
-        if cfg.method == "dp3sd" and warm:
-            return (lambda s, t, y: losses.cross_entropy(s, y, tau=cfg.tau_s, reduction=none)), False, 1.0
-        if cfg.method == "dp3sd":
-            return (lambda s, t, y: losses.dp3sd_loss(s, t, y, tau_s=cfg.tau_s, tau_t=cfg.tau_t, alpha=cfg.alpha,
-                                                      reduction=none)), True, cfg.alpha + (1 - cfg.alpha) * cfg.tau_t ** 2
-        if cfg.method == "dpdsd" and not warm:
-            return (lambda s, t, y: losses.dpdsd_loss(s, t, y, tau=cfg.tau, alpha=cfg.alpha, beta=cfg.beta,
-                                                      reduction=none)), True, 1 + math.e * max(cfg.alpha, cfg.beta)
-        if cfg.method == "dpkd" and epoch > cfg.kd_teacher_epochs:
-            if "kd_teacher" not in model:
-                # Stage 2 begins: the stage-1 model becomes the fixed teacher, the student starts afresh.
-                model["kd_teacher"] = self._weights(self.model)
-                fresh = build_model(cfg.model, self.data.num_classes, seed=derive_seed(cfg.seed, SEED_KD_STUDENT),
-                                    activation=cfg.activation).state_dict()
-                self._load(self.model, fresh)
-            self._load(self.teacher, model["kd_teacher"])
-            return (lambda s, t, y: losses.kd_loss(s, t, y, tau=cfg.tau, alpha=cfg.alpha, reduction=none)), True, \
-                cfg.alpha + (1 - cfg.alpha) * cfg.tau ** 2
-        return (lambda s, t, y: losses.cross_entropy(s, y, reduction=none)), False, 1.0
+    # -- the weights a method changes in a call --------------------------------------------
+    def student_weights(self) -> Weights:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
-    def _step(self, loss_fn, uses_teacher: bool) -> float:
+    def load_student(self, weights: Weights) -> None:
+        self.model.load_state_dict(weights)
+
+    def load_teacher(self, weights: Weights) -> None:
+        self.teacher.load_state_dict(weights)
+
+    # -- one step ---------------------------------------------------------------------------
+    def _step(self, objective: EpochLoss, callbacks=()) -> float:
         # Poisson sampling (SPEC §1): each sample joins the batch independently with rate q.
         mask = torch.rand(self.num_train, generator=self.generator, device=self.device) < self.plan.sample_rate
-        return self.train_on_batch(self.data.x_train[mask], self.data.y_train[mask], loss_fn, uses_teacher)
+        return self.train_on_batch(self.data.x_train[mask], self.data.y_train[mask], objective, callbacks)
 
-    def train_on_batch(self, x: torch.Tensor, y: torch.Tensor, loss_fn, uses_teacher: bool) -> float:
+    def train_on_batch(self, x: torch.Tensor, y: torch.Tensor, objective: EpochLoss, callbacks=()) -> float:
         """One DP-SGD step on a given batch: per-sample clipping, noise, the update."""
         self.optimizer.zero_grad(set_to_none=True)
         if not len(y):
-            # An empty Poisson batch still takes a step (noise only), as the accountant assumes.
-            for p in self.model.parameters():
-                p.grad_sample = torch.zeros((0, *p.shape), device=p.device)
-                p.grad = torch.zeros_like(p)
-            self._optimizer_step()
+            self.clipper.empty_batch()
+            self._optimizer_step(callbacks)
             return 0.0
-        logits = self.grad_sample_model(x)
+        logits = self.clipper.module(x)
         teacher_logits = None
-        if uses_teacher:
+        if objective.reads_teacher:
             with torch.no_grad():
                 teacher_logits = self.teacher(x)
-        per_sample = loss_fn(logits, teacher_logits, y)
-        loss = per_sample.mean()
-        if self.bookkeeping is not None:
-            self.bookkeeping.backward(loss, len(y))
-        else:
-            with warnings.catch_warnings():
-                # Opacus' hooks sit on the first layer, whose input needs no gradient; PyTorch warns
-                # about that on every step, and it is expected there: no news to the user.
-                warnings.filterwarnings("ignore", message="Full backward hook is firing")
-                if self.ghost:  # as Opacus' DPTensorFastGradientClipping.backward
-                    loss.backward(retain_graph=True)
-                    self.optimizer.zero_grad()
-                    coeff = self.grad_sample_model.get_clipping_coef()
-                    self.grad_sample_model.disable_hooks()
-                    (coeff.to(per_sample.device) * per_sample).sum().backward()
-                    self.grad_sample_model.enable_hooks()
-                else:
-                    loss.backward()
-        self._optimizer_step()
+        loss = self.clipper.backward(objective.per_sample(logits, teacher_logits, y))
+        self._optimizer_step(callbacks)
         return float(loss.detach())
 
-    def audit_with(self, canaries, noise_scale: float = 1.0) -> None:
-        """`fedsd audit` only: white-box canaries (fedsd.audit.GradientCanaries) join every
-        step's clipped sum, and the noise drawn is noise_scale·σ while the accountant still
-        counts σ (noise_scale < 1: a broken mechanism, which the audit must catch)."""
-        self.canaries = canaries
-        if canaries is not None:  # its coordinates are clipped, noised and stepped with the model's
-            self.optimizer.original_optimizer.add_param_group({"params": [canaries.parameter]})
-        self.optimizer.noise_multiplier = self.plan.noise_multiplier * noise_scale
-
-    def _add_canaries(self) -> None:
-        """The joined canaries enter where the samples' gradients are clipped: as rows of Opacus'
-        per-sample gradients beside the samples' (hooks, functorch, ew), clipped by Opacus with
-        them; else clipped by the same factor into the clipped sum (ghost, bk). Opacus then adds
-        the noise and averages, on the audit coordinates as on every other."""
-        canaries, audit_parameter = self.canaries, self.canaries.parameter
-        canaries.draw()
-        if self.bookkeeping is not None or self.ghost:
-            audit_parameter.grad = canaries.clipped_sum(lambda norms: clip_factor(norms, self.cfg.clip))
-            return
-        rows = canaries.per_sample_rows()
-        batch_size = len(next(self.model.parameters()).grad_sample)
-        for p in self.model.parameters():
-            p.grad_sample = torch.cat([p.grad_sample, p.grad_sample.new_zeros((len(rows), *p.shape))])
-        audit_parameter.grad_sample = torch.cat([rows.new_zeros((batch_size, canaries.count)), rows])
-
-    def _optimizer_step(self) -> None:
-        if self.canaries is not None:
-            self._add_canaries()
-        self._step_optimizer()
-        if self.canaries is not None:
-            self.canaries.observe()
-
-    def _step_optimizer(self) -> None:
-        if self._anchor is None:
-            self.optimizer.step()
-        elif self.optimizer.pre_step():  # clip, noise, average: the private gradient
-            # FedProx's term μ(w − w_global) depends on weights only, not on data: it is added
-            # after the noise, as post-processing, so it costs no privacy and is not clipped.
-            for p, anchor in zip(self.model.parameters(), self._anchor):
-                p.grad.add_(p.detach() - anchor, alpha=self._proximal_mu)
+    def _optimizer_step(self, callbacks) -> None:
+        """Opacus' DPOptimizer.step, with the callbacks' hooks on either side of the noise."""
+        for callback in callbacks:
+            callback.before_noise(self)
+        if self.optimizer.pre_step():  # clip, noise, average: the private gradient
+            for callback in callbacks:
+                callback.after_noise(self)
             self.optimizer.original_optimizer.step()
-
-    def _update_ema(self, ema: Weights, t: int) -> None:
-        """θ̄ ← d_t·θ̄ + (1 − d_t)·θ with d_t = min(d, (1 + t)/(10 + t)) (De et al. 2022)."""
-        d = min(self.cfg.ema_decay, (1 + t) / (10 + t))
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                ema[name].mul_(d).add_(p.detach(), alpha=1 - d)
+        for callback in callbacks:
+            callback.after_step(self)
 
     def _momentum(self) -> list[torch.Tensor] | None:
         if not self.cfg.momentum:
@@ -466,10 +354,3 @@ class DPTrainer:
             for p, buf in zip(self.model.parameters(), buffers):
                 state[p]["momentum_buffer"] = buf.clone().to(p.device)
 
-    @staticmethod
-    def _weights(module: torch.nn.Module) -> Weights:
-        return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-    @staticmethod
-    def _load(module: torch.nn.Module, weights: Weights) -> None:
-        module.load_state_dict(weights)

@@ -15,6 +15,7 @@ from flwr.serverapp.strategy import (DifferentialPrivacyServerSideFixedClipping,
                                      Strategy)
 
 from fedsd.federation import FedOptions
+from fedsd.methods import MODEL_GROUPS
 from fedsd.training import TrainingDiverged
 
 
@@ -76,9 +77,6 @@ def min_nodes(fed: FedOptions) -> int:
     """Connected nodes a round after the first needs: --min-nodes, or by default half the
     sampled clients (at least 1), so that losing a node does not stop the federation."""
     return fed.min_nodes or max(1, sampled_clients(fed) // 2)
-
-
-MODEL_GROUPS = ("student", "ema", "kd_teacher")
 
 
 def reply_problem(arrays: ArrayRecord, shapes: dict[str, tuple]) -> str | None:

@@ -144,7 +144,7 @@ def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bo
     if settings.threat == "white":
         canaries = audit.GradientCanaries(settings.canaries, cfg.clip, plans[0].sample_rate,
                                           plans[0].noise_multiplier, cfg.batch_size, seed, audited.device)
-    audited.audit_with(canaries, settings.noise_scale)
+    audited_steps = [audit.AuditedSteps(canaries, settings.noise_scale)]  # the audited holder's calls only
     dry_run.stop_here(f"audit {cfg.method} ({settings.threat}-box, {settings.canaries} canaries) over {cfg.epochs} "
                       f"epochs of {len(holders)} holder(s)")
 
@@ -156,7 +156,8 @@ def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bo
                       unit="round" if len(parties) > 1 else "epoch", disable=not progress):
         replies = []
         for party in parties:
-            trained, party.state, metrics = party.trainer.local_update(model, party.state, [epoch])
+            trained, party.state, metrics = party.trainer.local_update(
+                model, party.state, [epoch], callbacks=audited_steps if party.trainer is audited else ())
             replies.append((trained, len(party.trainer.data.y_train), metrics))
         model = fedavg(replies)
     epsilon_accountant = replies[0][2]["epsilon"]

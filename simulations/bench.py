@@ -185,9 +185,8 @@ def bench_step(args: argparse.Namespace) -> int:
         cfg = TrainConfig(**{**base.__dict__, "grad_sample_mode": mode})
         trainer = trainers[mode] = DPTrainer(cfg, TensorData(x, y, x[:1], y[:1], 10),
                                              plan(3.0, 1e-5, 10 * batch, batch, 1))
-        loss_fn, uses_teacher, _ = trainer._loss_for_epoch(1, {})  # every step times the same loss
-        steps["dp:" + mode] = (lambda t=trainer, f=loss_fn, u=uses_teacher:
-                               t.train_on_batch(t.data.x_train, y, f, u))
+        objective = trainer.method.epoch_loss(cfg, 1)  # every step times the same loss
+        steps["dp:" + mode] = lambda t=trainer, o=objective: t.train_on_batch(t.data.x_train, y, o)
 
     def nonprivate(layout, compiled):
         """A plain SGD step of the same model, loss, teacher and momentum, without privacy."""
@@ -255,8 +254,8 @@ def route_taken(trainer) -> dict:
     from torch import nn
 
     mode = trainer.route.mode if trainer.route is not None else trainer.cfg.grad_sample_mode
-    if trainer.bookkeeping is not None:
-        layers = {f"conv{i}": r for i, r in trainer.bookkeeping.taken.items()}
+    if mode == "bk":
+        layers = {f"conv{i}": r for i, r in trainer.clipper.taken.items()}
     else:  # Opacus' modes treat every layer alike
         layers = {f"conv{i}": mode for i, m in enumerate(m for m in trainer.model.modules()
                                                          if isinstance(m, (nn.Conv2d, nn.Linear)))

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from fedsd.config import TrainConfig
+from fedsd.errors import ConfigError, UserError
 from fedsd.settings import add_options, from_args, settings_of
 from simulations import dry_run
 from simulations.summary import run_summary
@@ -34,7 +35,7 @@ def cmd_train(args) -> int:
         given = [s.flag for s in settings_of(TrainConfig) if hasattr(args, s.name)]
         given += [flag for flag, on in (("--out", args.out), ("--overwrite", args.overwrite)) if on]
         if given:
-            raise ValueError(f"--resume DIR goes on with that run's own saved settings and folder; leave out "
+            raise ConfigError(f"--resume DIR goes on with that run's own saved settings and folder; leave out "
                              f"{', '.join(given)}")
         saved = load_checkpoint(args.resume)  # every check before any work
         if dry_run.requested():
@@ -45,7 +46,7 @@ def cmd_train(args) -> int:
         return 0
     missing = [flag for flag, value in (("--epsilon", getattr(args, "epsilon", None)), ("--out", args.out)) if value is None]
     if missing:
-        raise ValueError(f"the following arguments are required: {', '.join(missing)} (or --resume DIR)")
+        raise ConfigError(f"the following arguments are required: {', '.join(missing)} (or --resume DIR)")
     if dry_run.requested():  # train() runs the same checks first
         run, plan = plan_run(config_from_args(args), args.out, args.overwrite)
         cfg = run.cfg
@@ -62,7 +63,7 @@ def cmd_simulate(args) -> int:
 
     fed = sim_options_from_args(args)
     if not fed.resume_dir and not args.out:
-        raise ValueError("--out is required (or --resume DIR)")
+        raise ConfigError("--out is required (or --resume DIR)")
     result = simulate(config_from_args(args), fed, args.out, overwrite=args.overwrite, progress=not args.quiet,
                       verbose=args.verbose, ray_address=args.ray_address)
     print(run_summary(result, fed.resume_dir or args.out))
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fedsd: interrupted; nothing was written", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, FileExistsError) as e:  # bad input: one clear line, no traceback
+    except UserError as e:  # bad input: one clear line, no traceback (anything else is a bug: its traceback)
         print(f"fedsd {args.command}: error: {e}", file=sys.stderr)
         return 2
 

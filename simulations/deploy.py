@@ -26,6 +26,7 @@ from pathlib import Path
 
 from clients.node_config import parse as parse_node_config
 from fedsd.config import ConfigError, TrainConfig
+from fedsd.errors import DataNotFoundError, UserError
 from fedsd.federation import FedOptions, from_flat
 from fedsd.results import check_out_dir, write_json
 from fedsd.settings import add_options, given_flat
@@ -583,13 +584,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.client_folders:  # each client's folder is there (its own checks run on its node)
             missing = [k for k in range(args.num_clients) if not (Path(args.client_folders) / f"client-{k}").exists()]
             if missing:
-                raise FileNotFoundError(f"--client-data: no {args.client_folders}/client-{missing[0]} "
+                raise DataNotFoundError(f"--client-data: no {args.client_folders}/client-{missing[0]} "
                                         f"(fedsd split-data --clients {args.num_clients} ... --out {args.client_folders})")
         else:  # a simulation's checks, before any process starts: data found, every shard, every budget
             from task.federation import build_federation
 
             build_federation(*from_flat(run_config)).check_plans()
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except UserError as e:
         print(f"deploy-local: error: {e}", file=sys.stderr)
         return 2
     if dry_run.requested():

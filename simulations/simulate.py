@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fedsd.config import ConfigError, TrainConfig
+from fedsd.errors import UserError
 from fedsd.federation import FedOptions
 from fedsd.results import check_out_dir
 from fedsd.settings import add_options, from_args
@@ -147,7 +148,7 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
     def _main(grid, context):
         try:
             holder["result"] = run_server(grid, cfg, fed, out=out, overwrite=overwrite, progress=progress)
-        except ValueError as e:  # a run stopped for a reason the user can act on (TrainingDiverged)
+        except UserError as e:  # a run stopped for a reason the user can act on (TrainingDiverged)
             holder["error"] = e
 
     # Ray's notice that a future version stops overriding CUDA_VISIBLE_DEVICES for CPU-only

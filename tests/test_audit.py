@@ -89,8 +89,8 @@ def test_canaries_go_through_every_clipping_mode_alike():
         plan = privacy.plan(2.0, 1e-5, 600, 100, 1, "rdp")
         trainer = DPTrainer(run.cfg, data_lib.prepare(run.data, run.train_indices), plan)
         canaries = audit.GradientCanaries(50, run.cfg.clip, plan.sample_rate, plan.noise_multiplier, 100, seed=7)
-        trainer.audit_with(canaries)
-        model, _, _ = trainer.local_update(initial_model(run.cfg, 10), None, [1])
+        model, _, _ = trainer.local_update(initial_model(run.cfg, 10), None, [1],
+                                           callbacks=[audit.AuditedSteps(canaries)])
         scores[mode], students[mode] = canaries.scores.clone(), model["student"]
         assert canaries.joins[~canaries.included].sum() == 0 and canaries.joins[canaries.included].sum() > 0
     for mode in GRAD_SAMPLE_MODES:

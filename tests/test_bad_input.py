@@ -76,3 +76,26 @@ def test_batchnorm_model_is_refused_or_fixed():
         check_private_trainable(model)
     fixed = check_private_trainable(model, fix=True)
     assert not any(isinstance(m, nn.BatchNorm2d) for m in fixed.modules())
+
+
+def test_a_bug_keeps_its_traceback_and_bad_input_is_one_line(monkeypatch, capsys):
+    """The CLI prints a UserError (what the user can fix) as one line and exit code 2; any other
+    exception is a bug and reaches the user whole, with its traceback, even a ValueError."""
+    import simulations.cli as cli
+    from fedsd.errors import ConfigError
+
+    def raising(error):
+        def command(args):
+            raise error
+        return command
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    action = next(a for a in parser._subparsers._group_actions if a.choices)
+    train_parser = action.choices["train"]
+    train_parser.set_defaults(func=raising(ConfigError("--lr: must be > 0, got 0")))
+    assert cli.main(["train", "--epsilon", "3", "--out", "x"]) == 2
+    assert capsys.readouterr().err.strip() == "fedsd train: error: --lr: must be > 0, got 0"
+    train_parser.set_defaults(func=raising(ValueError("a bug's message")))
+    with pytest.raises(ValueError, match="a bug's message"):
+        cli.main(["train", "--epsilon", "3", "--out", "x"])

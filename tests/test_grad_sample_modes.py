@@ -7,6 +7,7 @@ import torch
 from fedsd import data as data_lib
 from fedsd.config import CHANNELS_LAST_EXACT, ConfigError, TrainConfig
 from fedsd.privacy import plan
+from fedsd.methods import EpochLoss
 from fedsd.training import DPTrainer, initial_model
 from tests.conftest import bookkeeping_clipped_sum, require
 
@@ -92,7 +93,7 @@ def test_empty_batch_takes_a_noise_only_step(mode):
     trainer = DPTrainer(cfg, tensors, p)
     trainer.generator.manual_seed(0)
     before = [w.detach().clone() for w in trainer.model.parameters()]
-    trainer.train_on_batch(trainer.data.x_train[:0], tensors.y_train[:0], lambda s, t, y: s.sum(1), False)
+    trainer.train_on_batch(trainer.data.x_train[:0], tensors.y_train[:0], EpochLoss(lambda s, t, y: s.sum(1), False, 1.0))
     deltas = torch.cat([(w.detach() - b).flatten() for w, b in zip(trainer.model.parameters(), before)])
     expected_std = cfg.lr * p.noise_multiplier * cfg.clip / cfg.batch_size
     assert deltas.std().item() == pytest.approx(expected_std, rel=0.05)

@@ -57,17 +57,16 @@ def test_an_auto_trainer_takes_the_cached_choice(cache, monkeypatch, chosen):
     assert trainer.route == chosen
     assert trainer.memory_format == routes.LAYOUTS[chosen.memory_format]
     assert trainer.data.x_train.is_contiguous(memory_format=trainer.memory_format)
+    assert trainer.clipper.mode == chosen.mode
     if chosen.mode == "bk":
-        assert trainer.bookkeeping.conv_routes == chosen.conv_routes
-    else:
-        assert trainer.bookkeeping is None
+        assert trainer.clipper.conv_routes == chosen.conv_routes
 
 
 def test_a_forced_mode_measures_nothing(cache, monkeypatch):
     monkeypatch.setattr(routes, "measure", lambda *a: pytest.fail("measured"))
     x, y = torch.zeros(96, 1, 28, 28), torch.arange(96) % 10
     trainer = DPTrainer(small(grad_sample_mode="bk"), TensorData(x, y, x[:1], y[:1], 10), plan(3.0, 1e-5, 96, 48, 1))
-    assert trainer.route is None and trainer.bookkeeping.conv_routes is None
+    assert trainer.route is None and trainer.clipper.conv_routes is None
 
 
 @pytest.mark.parametrize("model,layers", [("mnist-cnn", 2), ("cifar-cnn", 4)])

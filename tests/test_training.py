@@ -184,7 +184,8 @@ def test_the_divergence_limit_scales_with_the_objectives_chance_level(method, se
     cfg = TrainConfig(dataset="mnist", method=method, epsilon=3, epochs=4, batch_size=50, seed=0, threads=1,
                       **settings).resolved()
     trainer = DPTrainer(cfg, data_lib.prepare(data_lib.load("mnist"), torch.arange(500)), calibrate(3.0, 1e-5, 500, 50, 4))
-    loss_fn, uses_teacher, chance = trainer._loss_for_epoch(cfg.epochs, initial_model(cfg, 10))
+    objective = trainer.method.epoch_loss(cfg, cfg.epochs)
+    loss_fn, uses_teacher, chance = objective.per_sample, objective.reads_teacher, objective.chance
     y = torch.arange(10).repeat(5)
     teacher = 30.0 * torch.nn.functional.one_hot(y, 10).float()  # confident and right
     at_chance = loss_fn(torch.zeros(50, 10), teacher, y).mean().item()

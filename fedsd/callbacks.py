@@ -1,0 +1,64 @@
+"""Step callbacks: what runs around each DP step of one training call, besides the step.
+
+A call's callbacks are made for that call and passed to it (`DPTrainer.local_update(...,
+callbacks=...)`), never kept on the trainer, which a Ray worker shares between clients. The
+hooks, in the order a step runs them:
+  on_call_start(trainer)   before the call's first step
+  before_noise(trainer)    the batch's clipped sum is where the optimizer reads it; no noise yet
+  after_noise(trainer)     p.grad holds the private (clipped, noised, averaged) gradient
+  after_step(trainer)      the weights are updated
+  on_call_end(trainer)     after the call's last step
+What a callback does after the noise is post-processing of a private gradient and costs no
+privacy, as long as it reads no data (FedProx's pull reads weights only).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class StepCallback:
+    def on_call_start(self, trainer) -> None:
+        pass
+
+    def before_noise(self, trainer) -> None:
+        pass
+
+    def after_noise(self, trainer) -> None:
+        pass
+
+    def after_step(self, trainer) -> None:
+        pass
+
+    def on_call_end(self, trainer) -> None:
+        pass
+
+
+class ProximalTerm(StepCallback):
+    """FedProx: the term μ(w − w_global) pulls the local weights towards the call's incoming
+    student. It depends on weights only, not on data, so it is added after the noise, as
+    post-processing: it costs no privacy and is not clipped."""
+
+    def __init__(self, mu: float):
+        self.mu, self.anchor = mu, None
+
+    def on_call_start(self, trainer) -> None:
+        self.anchor = [p.detach().clone() for p in trainer.model.parameters()]
+
+    def after_noise(self, trainer) -> None:
+        for p, anchor in zip(trainer.model.parameters(), self.anchor):
+            p.grad.add_(p.detach() - anchor, alpha=self.mu)
+
+
+class ExponentialAverage(StepCallback):
+    """θ̄ ← d_t·θ̄ + (1 − d_t)·θ after every step, with d_t = min(d, (1 + t)/(10 + t)) (De et al.
+    2022), t counting the data holder's steps since its first call (`first_step` at this call)."""
+
+    def __init__(self, average: dict[str, torch.Tensor], decay: float, first_step: int):
+        self.average, self.decay, self.t = average, decay, first_step
+
+    def after_step(self, trainer) -> None:
+        d = min(self.decay, (1 + self.t) / (10 + self.t))
+        with torch.no_grad():
+            for name, p in trainer.model.named_parameters():
+                self.average[name].mul_(d).add_(p.detach(), alpha=1 - d)
+        self.t += 1

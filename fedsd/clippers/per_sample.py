@@ -1,0 +1,40 @@
+"""Opacus' per-sample gradients (hooks, functorch or expanded weights), clipped by DPOptimizer."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import Clipper
+
+
+class PerSampleGradients(Clipper):
+    modes = ("hooks", "functorch", "ew")
+    # hooks' im2col assumes NCHW strides (wrong gradients on channels-last: fedsd.config);
+    # functorch and expanded weights are exact under either layout.
+    channels_last_exact = ("functorch", "ew")
+    writes_clipped_sum = False
+
+    def __init__(self, model, cfg, mode, route=None):
+        super().__init__(model, cfg, mode, route)
+        from .. import _opacus  # noqa: F401  (first: Opacus without its root-logger handler)
+        from opacus.grad_sample.utils import prepare_module
+
+        self.module = prepare_module(model, mode, batch_first=True, loss_reduction="mean")
+
+    def backward(self, per_sample_loss):
+        loss = per_sample_loss.mean()
+        with warnings.catch_warnings():
+            # Opacus' hooks sit on the first layer, whose input needs no gradient; PyTorch warns
+            # about that on every step, and it is expected there: no news to the user.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            loss.backward()
+        return loss
+
+    def join_canaries(self, canaries) -> None:
+        """As rows of Opacus' per-sample gradients beside the samples', clipped by Opacus with them."""
+        rows = canaries.per_sample_rows()
+        batch_size = len(next(self.model.parameters()).grad_sample)
+        for p in self.model.parameters():
+            p.grad_sample = torch.cat([p.grad_sample, p.grad_sample.new_zeros((len(rows), *p.shape))])
+        canaries.parameter.grad_sample = torch.cat([rows.new_zeros((batch_size, canaries.count)), rows])

@@ -1,0 +1,19 @@
+"""DPDSD: self-distillation decoupled into the target class's term (TCSD, weight α) and the
+non-target classes' (NCSD, weight β), after --distill-warmup-epochs of cross-entropy."""
+import math
+
+from .. import losses
+from . import EpochLoss, Method, warming_up
+
+
+class DPDSD(Method):
+    name = "dpdsd"
+    self_distilling = True
+
+    def epoch_loss(self, cfg, epoch):
+        if warming_up(cfg, epoch):
+            return super().epoch_loss(cfg, epoch)
+        # α·TCSD + β·NCSD ≤ e·max(α, β)·ln K: its gate e^γ < e weighs teacher probabilities that sum to 1
+        return EpochLoss(lambda s, t, y: losses.dpdsd_loss(s, t, y, tau=cfg.tau, alpha=cfg.alpha, beta=cfg.beta,
+                                                           reduction="none"),
+                         True, 1 + math.e * max(cfg.alpha, cfg.beta))

@@ -1,0 +1,6 @@
+"""DP-SGD (Abadi et al. 2016): cross-entropy, the baseline every other method is measured against."""
+from . import Method
+
+
+class DPSGD(Method):
+    name = "dpsgd"
