@@ -22,6 +22,48 @@ def require(dataset: str):
         pytest.skip(f"{dataset} not available here")
 
 
+def write_idx_dataset(folder, n_train: int = 120, n_test: int = 40, seed: int = 0) -> dict:
+    """A small data set in MNIST's own files (four gzipped IDX files) made by the test:
+    random 28×28 uint8 images and labels 0–9. Returns the arrays written."""
+    import gzip
+
+    import numpy as np
+
+    from fedsd.data import IDX_FILES
+
+    rng = np.random.default_rng(seed)
+    arrays = {"train_images": rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
+              "train_labels": rng.integers(0, 10, n_train, dtype=np.uint8),
+              "test_images": rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
+              "test_labels": rng.integers(0, 10, n_test, dtype=np.uint8)}
+    folder.mkdir(parents=True, exist_ok=True)
+    for key, name in IDX_FILES.items():
+        a = arrays[key]
+        header = bytes([0, 0, 8, a.ndim]) + b"".join(d.to_bytes(4, "big") for d in a.shape)
+        with gzip.open(folder / name, "wb") as f:
+            f.write(header + a.tobytes())
+    return arrays
+
+
+def write_cifar_shaped(root, n_train: int = 600, n_test: int = 200):
+    """A CIFAR-10-shaped set made by the test, in CIFAR-10's npz layout (uint8 NHWC 32×32×3,
+    labels 0–9) at root/cifar10/cifar10.npz, so every CIFAR-10 code path (loader, cifar-cnn,
+    its statistics) runs where CIFAR-10 itself is not: real Fashion-MNIST images, padded to
+    32×32 and repeated over three channels, so training on it learns. Returns `root`."""
+    import numpy as np
+
+    from fedsd import data as data_lib
+
+    require("fmnist")
+    images = data_lib.load("fmnist")
+    rgb = lambda x: np.repeat(np.pad(x.numpy()[:, 0], ((0, 0), (2, 2), (2, 2)))[..., None], 3, axis=3)  # noqa: E731
+    (root / "cifar10").mkdir(parents=True, exist_ok=True)
+    np.savez(root / "cifar10" / "cifar10.npz", x_train=rgb(images.x_train[:n_train]),
+             y_train=images.y_train[:n_train].numpy().astype(np.uint8), x_test=rgb(images.x_test[:n_test]),
+             y_test=images.y_test[:n_test].numpy().astype(np.uint8))
+    return root
+
+
 def bookkeeping_clipped_sum(model: str, kernel: bool, conv_routes: dict[int, str] | None = None) -> list:
     """Each parameter's clipped sum from book-keeping on a fixed batch of 37 samples, clipping
     active (C = 0.05, below most samples' norms); kernel=False: PyTorch's patches and products;

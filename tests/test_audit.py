@@ -60,7 +60,7 @@ def test_guess_uses_a_union_bound_over_the_guess_counts():
 
 
 # -- audits of real runs (MNIST subsets) ----------------------------------------------------
-SMALL = dict(dataset="mnist", subset=3000, epochs=4, batch_size=150, lr=0.5, threads=2)
+SMALL = dict(dataset="fmnist", subset=3000, epochs=4, batch_size=150, lr=0.5, threads=2)
 
 
 def small_audit(method="dpsgd", epsilon=2.0, **kw):
@@ -73,7 +73,7 @@ def small_audit(method="dpsgd", epsilon=2.0, **kw):
 def test_canaries_go_through_every_clipping_mode_alike():
     """The canaries are clipped and noised with the samples in every --grad-sample-mode: the
     same run gives the same canary scores (and the same model) whichever mode clips it."""
-    require("mnist")
+    require("fmnist")
     import torch
 
     from fedsd import data as data_lib
@@ -83,7 +83,7 @@ def test_canaries_go_through_every_clipping_mode_alike():
 
     scores, students = {}, {}
     for mode in GRAD_SAMPLE_MODES:
-        cfg = TrainConfig(dataset="mnist", method="dpsgd", epsilon=2.0, subset=600, epochs=1, batch_size=100,
+        cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=2.0, subset=600, epochs=1, batch_size=100,
                           lr=0.5, grad_sample_mode=mode, threads=2, memory_format="contiguous")
         run = prepare_run(cfg)
         plan = privacy.plan(2.0, 1e-5, 600, 100, 1, "rdp")
@@ -103,7 +103,7 @@ def test_canaries_go_through_every_clipping_mode_alike():
 @pytest.mark.parametrize("clients", [1, 2], ids=["central", "client-of-2"])
 @pytest.mark.parametrize("method", ["dpsgd", "dp3sd", "dpdsd"])
 def test_the_audit_is_sound(method, clients):
-    require("mnist")
+    require("fmnist")
     report = small_audit(method, 2.0, clients=clients, **({"batch_size": 75} if clients == 2 else {}))
     assert 1.9 < report["epsilon_accountant"] <= 2.0
     assert report["epsilon_lower_bound"] <= report["epsilon_accountant"], report
@@ -114,11 +114,11 @@ def test_the_audit_is_sound(method, clients):
 def test_the_audit_catches_noise_below_what_is_accounted(tmp_path):
     """--noise-scale 0.1: a tenth of the noise the accountant counts. The white-box lower bound
     rises above the accountant's ε, so the audit shows the mechanism broken; audit.json says so."""
-    require("mnist")
+    require("fmnist")
     from simulations.cli import main
 
     out = tmp_path / "broken"
-    assert main(["audit", "--dataset", "mnist", "--method", "dpsgd", "--epsilon", "2", "--subset", "3000",
+    assert main(["audit", "--dataset", "fmnist", "--method", "dpsgd", "--epsilon", "2", "--subset", "3000",
                  "--epochs", "4", "--batch-size", "150", "--lr", "0.5", "--threads", "2", "--noise-scale", "0.1",
                  "--out", str(out), "--quiet"]) == 0
     report = json.loads((out / "audit.json").read_text())
@@ -137,7 +137,7 @@ def test_the_teacher_costs_no_privacy():
     what dpsgd releases on the canaries' coordinates (the same guesses, the same bound).
     Black-box, canaries that are mislabelled training images, which the teacher sees too: each
     audits below the accountant's ε at ε = 8."""
-    require("mnist")
+    require("fmnist")
     white = {m: small_audit(m, 4.0) for m in ("dpsgd", "dp3sd", "dpdsd")}
     for m in ("dp3sd", "dpdsd"):
         assert white[m]["correct"] == white["dpsgd"]["correct"]
@@ -150,7 +150,7 @@ def test_the_teacher_costs_no_privacy():
 def test_bad_audit_options_are_refused_before_any_work(tmp_path):
     from simulations.cli import main
 
-    base = ["audit", "--dataset", "mnist", "--method", "dpsgd", "--epsilon", "2", "--out", str(tmp_path / "x")]
+    base = ["audit", "--dataset", "fmnist", "--method", "dpsgd", "--epsilon", "2", "--out", str(tmp_path / "x")]
     assert main(base + ["--canaries", "3"]) == 2
     assert main(base + ["--noise-scale", "0"]) == 2
     assert main(base + ["--confidence", "1.5"]) == 2

@@ -8,7 +8,7 @@ from fedsd.models import ModelNotPrivateError, check_private_trainable
 from simulations.cli import main
 from tests.conftest import require
 
-BASE = ["train", "--dataset", "mnist", "--method", "dp3sd", "--epochs", "1", "--subset", "1000", "--batch-size", "100"]
+BASE = ["train", "--dataset", "fmnist", "--method", "dp3sd", "--epochs", "1", "--subset", "1000", "--batch-size", "100"]
 
 
 @pytest.mark.parametrize("extra,needle", [
@@ -26,7 +26,7 @@ BASE = ["train", "--dataset", "mnist", "--method", "dp3sd", "--epochs", "1", "--
     (["--epsilon", "0.00001", "--epochs", "50"], "--epsilon"),  # no σ fits: refused, not cut short
 ])
 def test_bad_option_is_named_and_nothing_written(tmp_path, capsys, extra, needle):
-    require("mnist")
+    require("fmnist")
     out = tmp_path / "out"
     assert main(BASE + extra + ["--out", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err
@@ -39,8 +39,8 @@ def test_bad_option_is_named_and_nothing_written(tmp_path, capsys, extra, needle
     (["--method", "dpdsd", "--tau", "0"], "--tau"),
 ])
 def test_bad_dpdsd_options(tmp_path, capsys, extra, needle):
-    require("mnist")
-    args = ["train", "--dataset", "mnist", "--epsilon", "3", "--subset", "1000", "--batch-size", "100"] + extra
+    require("fmnist")
+    args = ["train", "--dataset", "fmnist", "--epsilon", "3", "--subset", "1000", "--batch-size", "100"] + extra
     assert main(args + ["--out", str(tmp_path / "o"), "--quiet"]) == 2
     assert needle in capsys.readouterr().err
 
@@ -60,7 +60,7 @@ def test_unknown_dataset_in_the_library():
 
 @pytest.mark.slow
 def test_non_empty_out_is_refused_unless_overwrite(tmp_path, capsys):
-    require("mnist")
+    require("fmnist")
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("flower_task")
 
 
 def make(teacher: str, budget_rounds: int = 0):
-    cfg = TrainConfig(dataset="mnist", method="dp3sd", epsilon=3, batch_size=100, subset=1000, seed=4,
+    cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, batch_size=100, subset=1000, seed=4,
                       distill_warmup_epochs=0, threads=1)
     fed = FedOptions(num_clients=2, rounds=3, teacher=teacher, budget_rounds=budget_rounds)
     federation = build_federation(cfg, fed)
@@ -35,7 +35,7 @@ def send(flat, context, model, server_round):
 
 
 def test_local_previous_teacher_is_the_clients_own_last_model():
-    require("mnist")
+    require("fmnist")
     federation, flat_prev, ctx_prev = make("local-previous")
     _, flat_start, ctx_start = make("round-start")
     start = initial_model(federation.cfg, 10)
@@ -59,7 +59,7 @@ def test_local_previous_teacher_is_the_clients_own_last_model():
 
 
 def test_reply_carries_model_arrays_and_metrics_only():
-    require("mnist")
+    require("fmnist")
     federation, flat, context = make("round-start")
     reply = send(flat, context, initial_model(federation.cfg, 10), 1)
     content = reply.content
@@ -75,7 +75,7 @@ def test_reply_carries_model_arrays_and_metrics_only():
 
 
 def test_spent_client_replies_skipped_without_arrays():
-    require("mnist")
+    require("fmnist")
     federation, flat, context = make("round-start", budget_rounds=1)
     model = initial_model(federation.cfg, 10)
     first = send(flat, context, model, 1)
@@ -92,7 +92,7 @@ def test_client_state_survives_on_its_own_disk(tmp_path):
     restart, finds the client's accountant on its disk: ε goes on, exactly as if the client had
     kept its context.state; another experiment starts fresh. A node-config that disagrees with
     the run is refused."""
-    require("mnist")
+    require("fmnist")
     federation, flat, kept = make("round-start")
     flat = {**flat, "experiment-id": "exp-1"}
     start = initial_model(federation.cfg, 10)

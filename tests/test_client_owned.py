@@ -26,16 +26,16 @@ pytestmark = pytest.mark.usefixtures("flower_task")
 @pytest.fixture(scope="module")
 def split(tmp_path_factory):
     """Two clients' folders of real MNIST images, in both formats (the same images)."""
-    require("mnist")
+    require("fmnist")
     root = tmp_path_factory.mktemp("split")
     for fmt in ("imagefolder", "npz"):
-        assert main(["split-data", "--dataset", "mnist", "--clients", "2", "--subset", "600", "--format", fmt,
+        assert main(["split-data", "--dataset", "fmnist", "--clients", "2", "--subset", "600", "--format", fmt,
                      "--out", str(root / fmt)]) == 0
     return root
 
 
 def run_config(epsilon=3.0, rounds=2, experiment="exp-a", batch_size=60):
-    cfg = TrainConfig(dataset="mnist", method="dp3sd", epsilon=epsilon, batch_size=batch_size, lr=0.8, seed=1, threads=1,
+    cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=epsilon, batch_size=batch_size, lr=0.8, seed=1, threads=1,
                       distill_warmup_epochs=0)
     fed = FedOptions(num_clients=2, rounds=rounds, client_data="own", experiment_id=experiment)
     return cfg, to_flat(cfg, fed)
@@ -65,14 +65,14 @@ def test_own_data_trains_and_both_formats_hold_the_same_samples(split, tmp_path)
         trained = record_to_model(reply.content["arrays"])["student"]
         assert max((trained[k] - start["student"][k]).abs().max().item() for k in start["student"]) > 1e-3
     # PNG is lossless: the folder and the arrays hold the same pixels and labels (in another order).
-    task = builtin_task("mnist")
+    task = builtin_task("fmnist")
     folder = load_holder_data(split / "imagefolder" / "client-0", task, tmp_path / "c1")
     arrays = load_holder_data(split / "npz" / "client-0", task, tmp_path / "c2")
     assert _samples(folder) == _samples(arrays) and len(_samples(arrays)) == 300
 
 
 def test_prepared_data_is_cached_by_fingerprint(split, tmp_path, monkeypatch):
-    task = builtin_task("mnist")
+    task = builtin_task("fmnist")
     first = load_holder_data(split / "imagefolder" / "client-1", task, tmp_path)
     monkeypatch.setattr(client_data, "_load_folder", lambda *a: pytest.fail("decoded the images again"))
     again = load_holder_data(split / "imagefolder" / "client-1", task, tmp_path)
@@ -190,7 +190,7 @@ def _npz(path, **arrays):
 def test_bad_data_is_named_with_its_problem(tmp_path, make, needle):
     path = make(tmp_path)
     with pytest.raises(DataError, match=needle):
-        load_holder_data(path, builtin_task("mnist"), tmp_path / "cache")
+        load_holder_data(path, builtin_task("fmnist"), tmp_path / "cache")
 
 
 def test_fewer_samples_than_the_batch_size_is_refused_before_any_step(split, tmp_path):
@@ -221,10 +221,10 @@ def test_federated_evaluation_uses_the_clients_own_test_split_and_spends_nothing
     model, _ = send(flat, {**node, "state-dir": str(tmp_path / "trained")}, initial_model(cfg.resolved(), 10), 1)
     model = record_to_model(model.content["arrays"])
     metrics = evaluate_on_client(flat, node, model)
-    held = load_holder_data(data, builtin_task("mnist"), tmp_path / "check")
+    held = load_holder_data(data, builtin_task("fmnist"), tmp_path / "check")
     net = build_model("mnist-cnn", 10)
     net.load_state_dict(model["student"])
-    accuracy, loss = evaluate(net, client_data.normalised(held.x_test, builtin_task("mnist")), held.y_test)
+    accuracy, loss = evaluate(net, client_data.normalised(held.x_test, builtin_task("fmnist")), held.y_test)
     assert metrics["num-examples"] == len(held.y_test) == 5000 and metrics["partition-id"] == 1
     assert metrics["test-accuracy"] == pytest.approx(accuracy, abs=1e-9) and accuracy > 0.15  # chance: 0.1
     assert metrics["test-loss"] == pytest.approx(loss, rel=1e-5)
@@ -243,13 +243,13 @@ def test_a_client_without_a_test_split_evaluates_with_weight_zero(split, tmp_pat
 def test_the_server_normalises_its_public_test_split_as_the_clients_normalise_theirs():
     """With client-data=own and mean/std set in the run config, the server evaluates on the
     public test split normalised with those same constants, not the data set's standard ones."""
-    require("mnist")
+    require("fmnist")
     from fedsd import data as data_lib
     from server.app import public_side
 
-    cfg = TrainConfig(dataset="mnist", method="dp3sd", epsilon=3, mean="0.5", std="0.25")
+    cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, mean="0.5", std="0.25")
     _, classes, (x_test, y_test), _ = public_side(cfg, FedOptions(num_clients=2, rounds=1, client_data="own"))
-    images = data_lib.load("mnist", None, False)
+    images = data_lib.load("fmnist", None, False)
     assert classes == 10 and torch.equal(y_test, images.y_test)
     assert torch.allclose(x_test, (images.x_test.float() / 255 - 0.5) / 0.25)
 
@@ -336,7 +336,7 @@ def test_skip_bad_files_trains_on_the_readable_images_and_keeps_their_ledger(spl
     shutil.copytree(split / "imagefolder" / "client-0", folder)
     cfg, flat = run_config()
     node = {"partition-id": 0, "data": str(folder), "state-dir": str(tmp_path / "state"), "max-epsilon": 3}
-    clean = load_holder_data(folder, builtin_task("mnist"), tmp_path / "clean-cache")
+    clean = load_holder_data(folder, builtin_task("fmnist"), tmp_path / "clean-cache")
     (folder / "train" / "3" / "bad.png").write_bytes(b"junk")
     reply, _ = send(flat, node, initial_model(cfg.resolved(), 10), 1)
     assert reply.content["metrics"]["refused"] == 1
@@ -346,6 +346,6 @@ def test_skip_bad_files_trains_on_the_readable_images_and_keeps_their_ledger(spl
     assert reply.content["metrics"]["skipped"] == 0 and reply.content["metrics"]["num-examples"] == 300
     assert reply.content["skipped-files"]["count"] == 1
     assert list(reply.content["skipped-files"]["first"]) == ["train/3/bad.png"]
-    held = load_holder_data(folder, builtin_task("mnist"), tmp_path / "skip-cache", skip_bad_files=True)
+    held = load_holder_data(folder, builtin_task("fmnist"), tmp_path / "skip-cache", skip_bad_files=True)
     assert held.fingerprint == clean.fingerprint and held.skipped == ["train/3/bad.png"]
     assert [p.name for p in (tmp_path / "state").glob("ledger-*.json")] == [f"ledger-{clean.fingerprint}.json"]

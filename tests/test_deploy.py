@@ -19,8 +19,8 @@ from tests.conftest import require
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 # Small and quick: 2 clients of 1000 MNIST images, 10 DP steps a round.
-# The papers' lr (their B is 1200): a few steps at B = 100 must visibly learn.
-RUN = {"dataset": "mnist", "subset": 2000, "batch-size": 100, "lr": 0.8, "num-clients": 2, "threads": 1}
+# lr 0.8 at B = 100 (4× the default there): a few steps must visibly learn.
+RUN = {"dataset": "fmnist", "subset": 2000, "batch-size": 100, "lr": 0.8, "num-clients": 2, "threads": 1}
 
 
 def processes_mentioning(marker: str) -> list[str]:
@@ -47,10 +47,10 @@ def checkpoint_round(out: Path) -> int:
 
 
 def test_deploy_local_script_runs_with_tls_and_node_auth(tmp_path):
-    require("mnist")
+    require("fmnist")
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run([str(ROOT / "scripts" / "deploy-local.sh"), "--clients", "2", "--rounds", "2",
-                           "--dataset", "mnist", "--subset", "2000", "--batch-size", "100", "--lr", "0.8", "--out", str(out),
+                           "--dataset", "fmnist", "--subset", "2000", "--batch-size", "100", "--lr", "0.8", "--out", str(out),
                            "--work", str(work)],
                           env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -97,7 +97,7 @@ def test_unknown_supernode_key_is_refused(tmp_path):
 
 
 def test_supernode_killed_mid_round_the_federation_goes_on(tmp_path):
-    require("mnist")
+    require("fmnist")
     out = tmp_path / "out"
     with LocalDeployment(tmp_path / "work", num_clients=2) as deployment:
         deployment.start()
@@ -120,7 +120,7 @@ def test_server_stopped_and_resumed_goes_on_with_every_clients_privacy_state(tmp
     database; `flwr run` with resume-dir continues at round 2. Each client's ε goes on from
     its own disk: at the end it is the full plan's (about the target), where a reset ledger
     would show the ε of two rounds only."""
-    require("mnist")
+    require("fmnist")
     out = tmp_path / "out"
     with LocalDeployment(tmp_path / "work", num_clients=2) as deployment:
         deployment.start()
@@ -169,13 +169,13 @@ def test_clients_own_their_data_and_lifetime_budget(tmp_path):
     (max-epsilon in its --node-config); the server never loads training data. A run asking
     more than the owners allow is refused at round 1 with their reason, and once a run has
     spent the lifetime budget, a new experiment on the same machines trains nothing."""
-    require("mnist")
+    require("fmnist")
     from simulations.cli import main
 
     data, work = tmp_path / "data", tmp_path / "work"
-    assert main(["split-data", "--dataset", "mnist", "--clients", "2", "--subset", "1200", "--format", "imagefolder",
+    assert main(["split-data", "--dataset", "fmnist", "--clients", "2", "--subset", "1200", "--format", "imagefolder",
                  "--out", str(data)]) == 0
-    common = ["--clients", "2", "--dataset", "mnist", "--batch-size", "100", "--lr", "0.8", "--threads", "1",
+    common = ["--clients", "2", "--dataset", "fmnist", "--batch-size", "100", "--lr", "0.8", "--threads", "1",
               "--client-data", str(data), "--node-config", "max-epsilon=2.5", "--work", str(work)]
 
     asks_too_much = no_client_can_train([*common, "--rounds", "2", "--epsilon", "50"], tmp_path / "asks-too-much")
@@ -185,7 +185,7 @@ def test_clients_own_their_data_and_lifetime_budget(tmp_path):
     fits = deploy_local([*common, "--rounds", "2", "--epsilon", "2"], tmp_path / "fits")
     assert all(r["trained"] == [0, 1] and r["refused"] == {} for r in fits["rounds"])
     assert fits["shard_sizes"] == [600, 600]  # as the clients reported them
-    assert fits["config"]["dataset"] == "mnist" and fits["federation"]["client_data"] == "own"
+    assert fits["config"]["dataset"] == "fmnist" and fits["federation"]["client_data"] == "own"
     assert fits["test_accuracy"] > 0.2  # 12 noisy steps on each client's own images; chance is 0.1
     ledgers = sorted((work / "client-state").rglob("ledger-*.json"))
     assert len(ledgers) == 2 and all(len(json.loads(p.read_text())["entries"]) == 2 for p in ledgers)
@@ -201,12 +201,12 @@ def test_own_data_trains_only_under_an_owners_budget(tmp_path):
     trains; the others refuse with their reasons before reading their data, and the server's
     result shows the unlimited budget. `fedsd ledger` on the second's state-dir then shows what
     the two runs spent, each as its run reported it."""
-    require("mnist")
+    require("fmnist")
     from clients.node_config import NO_BUDGET
     from simulations.cli import main
 
     data, work = tmp_path / "data", tmp_path / "work"
-    assert main(["split-data", "--dataset", "mnist", "--clients", "3", "--subset", "1800", "--format", "npz",
+    assert main(["split-data", "--dataset", "fmnist", "--clients", "3", "--subset", "1800", "--format", "npz",
                  "--out", str(data)]) == 0
     owners = ["", "max-epsilon=inf", "max-epsilon='abc'"]
     runs = [tmp_path / "run-1", tmp_path / "run-2"]
@@ -243,14 +243,14 @@ def test_operators_see_each_round_who_did_not_train_and_why(tmp_path):
     names the client and its file. At ε = 3 every client refuses: the run stops after round 1
     with each reason. With skip-bad-files=true the third run trains on all three, and the
     summary names the file left out."""
-    require("mnist")
+    require("fmnist")
     from simulations.cli import main
 
     data, work = tmp_path / "data", tmp_path / "work"
-    assert main(["split-data", "--dataset", "mnist", "--clients", "3", "--subset", "1800", "--format", "imagefolder",
+    assert main(["split-data", "--dataset", "fmnist", "--clients", "3", "--subset", "1800", "--format", "imagefolder",
                  "--out", str(data)]) == 0
     (data / "client-1" / "train" / "3" / "bad.png").write_bytes(b"not an image")
-    common = ["--clients", "3", "--dataset", "mnist", "--batch-size", "100", "--lr", "0.8", "--threads", "1",
+    common = ["--clients", "3", "--dataset", "fmnist", "--batch-size", "100", "--lr", "0.8", "--threads", "1",
               "--client-data", str(data)]
     first = deploy_local_process([*common, "--rounds", "2", "--epsilon", "1.5", "--node-config", "max-epsilon=2",
                                   "--work", str(work)], tmp_path / "run-1")
@@ -301,11 +301,11 @@ def test_isolated_clients_train_on_their_own_data_and_cannot_read_each_others(tm
     reason = isolation_unavailable()
     if reason:
         pytest.skip(f"--isolate cannot run here: {reason}")
-    require("mnist")
+    require("fmnist")
     from simulations.cli import main
 
     data, work, out = tmp_path / "data", tmp_path / "work", tmp_path / "out"
-    assert main(["split-data", "--dataset", "mnist", "--clients", "3", "--subset", "900", "--format", "npz",
+    assert main(["split-data", "--dataset", "fmnist", "--clients", "3", "--subset", "900", "--format", "npz",
                  "--out", str(data)]) == 0
     with LocalDeployment(work, 3, client_data=data, node_config="max-epsilon=3", isolate=True) as deployment:
         deployment.start()

@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("method", ["dp3sd", "dpdsd", "dpema"])
 def test_single_client_reproduces_central_training(method):
     """--clients 1 --rounds K --local-epochs 1 gives the weights of `fedsd train --epochs K`."""
-    require("mnist")
-    cfg = TrainConfig(dataset="mnist", method=method, epsilon=3, batch_size=200, subset=2000, seed=5, threads=1,
+    require("fmnist")
+    cfg = TrainConfig(dataset="fmnist", method=method, epsilon=3, batch_size=200, subset=2000, seed=5, threads=1,
                       ema_decay=0.9 if method == "dpema" else None)
     fed = simulate(cfg, FedOptions(num_clients=1, rounds=3, local_epochs=1), progress=False)
     central, weights = train(dataclasses.replace(cfg, epochs=3), progress=False)
@@ -61,8 +61,8 @@ def test_three_clients_learn_and_account_per_client(tmp_path):
 def test_client_over_budget_is_skipped_not_crashed():
     """Clients calibrated for 2 rounds are asked for 3: round 3 is refused by every client,
     the server logs it and finishes, and the model stays that of round 2."""
-    require("mnist")
-    cfg = TrainConfig(dataset="mnist", method="dpsgd", epsilon=2, batch_size=100, subset=1000, seed=0)
+    require("fmnist")
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=2, batch_size=100, subset=1000, seed=0)
     result = simulate(cfg, FedOptions(num_clients=2, rounds=3, budget_rounds=2), progress=False)
     r1, r2, r3 = result["rounds"]
     assert r1["trained"] == [0, 1] and r2["trained"] == [0, 1]
@@ -82,9 +82,9 @@ def test_client_over_budget_is_skipped_not_crashed():
     (["--clients", "20", "--batch-size", "200"], "client 0's shard has 150 samples"),
 ])
 def test_bad_simulation_input_fails_before_ray(tmp_path, capsys, args, needle):
-    require("mnist")
+    require("fmnist")
     out = tmp_path / "out"
-    code = main(["simulate", "--dataset", "mnist", "--subset", "3000", "--batch-size", "100", *args,
+    code = main(["simulate", "--dataset", "fmnist", "--subset", "3000", "--batch-size", "100", *args,
                  "--out", str(out), "--quiet"])
     assert code == 2
     assert needle in capsys.readouterr().err
@@ -116,10 +116,10 @@ def test_server_side_dp_adds_the_noise_it_promises():
     """Flower's server-side fixed clipping on top: clipped client updates averaged, plus
     N(0, (z·c/n)²) per coordinate. With z = 0.5, c = 1, n = 2 that noise (std 0.25) dwarfs the
     clipped updates, so the global model's change from its start shows it."""
-    require("mnist")
+    require("fmnist")
     from fedsd.training import initial_model
 
-    cfg = TrainConfig(dataset="mnist", method="dpsgd", epsilon=3, batch_size=100, subset=1000, seed=0)
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=100, subset=1000, seed=0)
     result = simulate(cfg, FedOptions(num_clients=2, rounds=1, server_dp_noise=0.5, server_dp_clip=1.0),
                       progress=False)
     start = initial_model(TrainConfig(**{**cfg.__dict__, "epochs": 1}).resolved(), 10)["student"]
@@ -129,8 +129,8 @@ def test_server_side_dp_adds_the_noise_it_promises():
 
 @pytest.mark.parametrize("strategy", ["fedadam", "fedprox"])
 def test_other_strategies_learn(strategy):
-    require("mnist")
-    cfg = TrainConfig(dataset="mnist", method="dp3sd", epsilon=3, batch_size=100, lr=0.8, subset=2000, seed=0)
+    require("fmnist")
+    cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, batch_size=100, lr=0.8, subset=2000, seed=0)
     result = simulate(cfg, FedOptions(num_clients=2, rounds=3, strategy=strategy, server_lr=0.05, proximal_mu=0.1),
                       progress=False)
     accuracies = [r["test_accuracy"] for r in result["rounds"]]
@@ -143,10 +143,10 @@ def test_simulate_killed_after_a_round_resumes_from_its_checkpoint(tmp_path, mon
     there. Rounds already done are kept as they were, and every client's accountant goes on
     from its on-disk state: at the end each has spent its whole plan (about ε = 3), where a
     fresh accountant would show the ε of the remaining rounds only."""
-    require("mnist")
+    require("fmnist")
     monkeypatch.setenv("FEDSD_CLIENT_STATE_DIR", str(tmp_path / "client-state"))
     out = tmp_path / "run"
-    proc = subprocess.Popen([str(Path(os.sys.executable).parent / "fedsd"), "simulate", "--dataset", "mnist",
+    proc = subprocess.Popen([str(Path(os.sys.executable).parent / "fedsd"), "simulate", "--dataset", "fmnist",
                              "--subset", "2000", "--batch-size", "100", "--clients", "2", "--rounds", "3",
                              "--threads", "1", "--quiet", "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -199,15 +199,15 @@ def test_flwr_run_with_too_few_supernodes_stops_with_both_numbers(tmp_path, flow
 def test_simulate_prints_a_bar_and_a_summary_and_no_library_noise(tmp_path):
     """The terminal of a default run: no Flower line twice, no notice that is not news to the
     user (deprecations of the API fedsd calls, Opacus' order warning), and a short summary."""
-    require("mnist")
-    proc = subprocess.run([sys.executable, "-m", "simulations.cli", "simulate", "--dataset", "mnist", "--subset", "600",
+    require("fmnist")
+    proc = subprocess.run([sys.executable, "-m", "simulations.cli", "simulate", "--dataset", "fmnist", "--subset", "600",
                            "--clients", "2", "--rounds", "1", "--batch-size", "100", "--epsilon", "3",
                            "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
     for noise in ("DEPRECATED", "Optimal order", "warnings.warn", "INFO", "WARNING", "ClientAppActor"):
         assert noise not in output, output[-3000:]
-    assert "mnist dp3sd 2 clients: 100%" in proc.stderr
+    assert "fmnist dp3sd 2 clients: 100%" in proc.stderr
     summary = proc.stdout.splitlines()
-    assert summary[0].startswith("fedsd: mnist dp3sd, 2 clients finished in ") and len(summary) == 4
+    assert summary[0].startswith("fedsd: fmnist dp3sd, 2 clients finished in ") and len(summary) == 4
     assert "test accuracy" in summary[1] and "across the 2 clients that trained (target 3" in summary[2]

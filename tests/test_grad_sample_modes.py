@@ -9,14 +9,14 @@ from fedsd.config import CHANNELS_LAST_EXACT, ConfigError, TrainConfig
 from fedsd.privacy import plan
 from fedsd.methods import EpochLoss
 from fedsd.training import DPTrainer, initial_model
-from tests.conftest import bookkeeping_clipped_sum, require
+from tests.conftest import bookkeeping_clipped_sum, require, write_cifar_shaped
 
 
-def run(mode: str, method: str, epochs=(1, 2), dataset="mnist", memory_format="auto"):
+def run(mode: str, method: str, epochs=(1, 2), dataset="fmnist", memory_format="auto", data_dir=None):
     cfg = TrainConfig(dataset=dataset, method=method, epsilon=3, epochs=2, batch_size=50, subset=300, seed=2,
                       grad_sample_mode=mode, memory_format=memory_format, distill_warmup_epochs=1,
                       threads=1).resolved()
-    images = data_lib.load(dataset)
+    images = data_lib.load(dataset, data_dir)
     tensors = data_lib.prepare(images, data_lib.stratified_subset(images.y_train, 300, 0))
     trainer = DPTrainer(cfg, tensors, plan(3, 1e-5, 300, 50, 2))
     model, state, metrics = trainer.local_update(initial_model(cfg, 10), None, list(epochs))
@@ -32,25 +32,26 @@ def layouts(mode):
                                                 for f in layouts(m)])
 @pytest.mark.parametrize("method", ["dpsgd", "dp3sd"])
 def test_mode_matches_hooks(mode, memory_format, method):
-    require("mnist")
+    require("fmnist")
     reference, eps_ref = run("hooks", method, memory_format="contiguous")
     fast, eps = run(mode, method, memory_format=memory_format)
     assert eps == eps_ref
     worst = max((fast[k] - reference[k]).abs().max().item() for k in reference)
     assert worst < 1e-4, worst
-    moved = max((reference[k] - initial_model(TrainConfig(dataset="mnist").resolved(), 10)["student"][k])
+    moved = max((reference[k] - initial_model(TrainConfig(dataset="fmnist").resolved(), 10)["student"][k])
                 .abs().max().item() for k in reference)
     assert moved > 100 * worst  # the match is not trivial: training moved the weights
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ghost", "bk"])
-def test_cifar_cnn_mode_matches_hooks(mode):
+def test_cifar_cnn_mode_matches_hooks(mode, tmp_path):
     """cifar-cnn: average pooling, three channels, and both of book-keeping's conv routes
-    (per-sample gradients for the large early maps, ghost norms for the small late ones)."""
-    require("cifar10")
-    reference, eps_ref = run("hooks", "dp3sd", dataset="cifar10")
-    fast, eps = run(mode, "dp3sd", dataset="cifar10")
+    (per-sample gradients for the large early maps, ghost norms for the small late ones), on a
+    CIFAR-shaped set the test makes."""
+    root = write_cifar_shaped(tmp_path)
+    reference, eps_ref = run("hooks", "dp3sd", dataset="cifar10", data_dir=root)
+    fast, eps = run(mode, "dp3sd", dataset="cifar10", data_dir=root)
     assert eps == eps_ref
     assert max((fast[k] - reference[k]).abs().max().item() for k in reference) < 1e-4
 
@@ -65,7 +66,7 @@ def test_default_is_the_measured_route():
 def test_channels_last_refused_where_opacus_gets_it_wrong(mode):
     """Opacus' hooks and ghost clipping unfold NCHW-strided memory: on channels-last tensors
     they give wrong per-sample gradients, so that combination is refused, not run."""
-    cfg = TrainConfig(dataset="mnist", method="dpsgd", grad_sample_mode=mode, memory_format="channels-last",
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", grad_sample_mode=mode, memory_format="channels-last",
                       subset=300, batch_size=50).resolved()
     x = torch.zeros(60, 1, 28, 28)
     with pytest.raises(ConfigError, match="--memory-format.*channels-last.*wrong per-sample gradients"):
@@ -84,10 +85,10 @@ def test_bookkeeping_refuses_layers_it_has_no_rule_for():
 
 @pytest.mark.parametrize("mode", ["hooks", "ghost", "bk"])
 def test_empty_batch_takes_a_noise_only_step(mode):
-    require("mnist")
-    cfg = TrainConfig(dataset="mnist", method="dpsgd", epsilon=3, epochs=1, batch_size=50, subset=300,
+    require("fmnist")
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, epochs=1, batch_size=50, subset=300,
                       grad_sample_mode=mode).resolved()
-    images = data_lib.load("mnist")
+    images = data_lib.load("fmnist")
     tensors = data_lib.prepare(images, data_lib.stratified_subset(images.y_train, 300, 0))
     p = plan(3, 1e-5, 300, 50, 1)
     trainer = DPTrainer(cfg, tensors, p)

@@ -69,10 +69,10 @@ def ray_cluster():
 
 @pytest.mark.slow
 def test_simulation_runs_as_a_job_on_a_running_ray_cluster(ray_cluster, tmp_path):
-    require("mnist")
+    require("fmnist")
     address, temp = ray_cluster
     out = tmp_path / "run"
-    assert main(["simulate", "--ray-address", address, "--dataset", "mnist", "--subset", "2000", "--clients", "2",
+    assert main(["simulate", "--ray-address", address, "--dataset", "fmnist", "--subset", "2000", "--clients", "2",
                  "--rounds", "2", "--batch-size", "100", "--lr", "0.8", "--epsilon", "3", "--client-cpus", "1",
                  "--out", str(out), "--quiet"]) == 0
     result = json.loads((out / "result.json").read_text())
@@ -93,7 +93,7 @@ def test_flwr_run_attaches_through_ray_address(ray_cluster, flower_env):
     """Flower 1.41's simulation settings have no address: Ray's own RAY_ADDRESS, in the
     environment where flwr starts its local SuperLink, makes the simulation a job of the
     cluster (deploy/README.md)."""
-    require("mnist")
+    require("fmnist")
     address, temp = ray_cluster
     drivers = lambda: set((temp / "session_latest" / "logs").glob("python-core-driver-*.log"))
     before = drivers()
@@ -108,7 +108,7 @@ def test_flwr_run_attaches_through_ray_address(ray_cluster, flower_env):
 
 def test_a_ray_address_where_no_cluster_answers_is_refused_before_any_work(tmp_path, capsys):
     port = free_port()
-    code = main(["simulate", "--ray-address", f"127.0.0.1:{port}", "--dataset", "mnist", "--subset", "600",
+    code = main(["simulate", "--ray-address", f"127.0.0.1:{port}", "--dataset", "fmnist", "--subset", "600",
                  "--clients", "2", "--rounds", "1", "--batch-size", "100", "--epsilon", "3",
                  "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err

@@ -47,7 +47,7 @@ DRY = [line for line in readme_commands() if line.startswith(("fedsd ", "scripts
 def test_readme_command_passes_every_check_as_written(line, tmp_path):
     """In a fresh folder, as a new user types it: every check passes and nothing is written."""
     require("fmnist")
-    require("mnist")
+    require("fmnist")
     (tmp_path / "scripts").symlink_to(ROOT / "scripts")
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "FEDSD_DRY_RUN": "1", "PYTHON": sys.executable,
            "PYTHONPATH": str(ROOT)}

@@ -51,7 +51,7 @@ def test_checkpoint_restores_strategy_state_recorder_and_settings(tmp_path):
     from server import checkpoint
 
     fed = FedOptions(num_clients=2, strategy="fedadam", server_dp_noise=0.5, rounds=4)
-    cfg = TrainConfig(dataset="mnist", method="dpdsd", epsilon=2.0, subset=500).resolved()
+    cfg = TrainConfig(dataset="fmnist", method="dpdsd", epsilon=2.0, subset=500).resolved()
     first = RecordingStrategy(base_strategy(fed), fed, SHAPES)
     first.inner.strategy.m_t = {"student/0.weight": np.full((2, 2), 0.5)}
     first.inner.strategy.v_t = {"student/0.weight": np.full((2, 2), 0.25)}

@@ -25,8 +25,8 @@ def test_fmnist_dp3sd_three_epochs_learns():
 
 @pytest.mark.slow
 def test_same_seed_same_weights_bit_for_bit():
-    require("mnist")
-    cfg = TrainConfig(dataset="mnist", method="dpdsd", epsilon=2, epochs=2, batch_size=128, subset=1500, seed=7,
+    require("fmnist")
+    cfg = TrainConfig(dataset="fmnist", method="dpdsd", epsilon=2, epochs=2, batch_size=128, subset=1500, seed=7,
                       threads=1)
     _, a = train(cfg, progress=False)
     _, b = train(cfg, progress=False)
@@ -38,8 +38,8 @@ def test_same_seed_same_weights_bit_for_bit():
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["dpsgd", "dpema", "dpkd", "dp3sd", "dpdsd"])
 def test_every_method_trains_and_spends_its_budget(method):
-    require("mnist")
-    result, weights = train(TrainConfig(dataset="mnist", method=method, epsilon=3, epochs=3, batch_size=200,
+    require("fmnist")
+    result, weights = train(TrainConfig(dataset="fmnist", method=method, epsilon=3, epochs=3, batch_size=200,
                                         lr=0.8, subset=3000, seed=1, ema_decay=0.9 if method == "dpema" else None,
                                         kd_teacher_epochs=1 if method == "dpkd" else None),
                             progress=False)
@@ -52,14 +52,14 @@ def test_every_method_trains_and_spends_its_budget(method):
 
 @pytest.mark.slow
 def test_dpema_releases_the_average_not_the_last_iterate():
-    require("mnist")
+    require("fmnist")
     from fedsd import data as data_lib
     from fedsd.privacy import plan
     from fedsd.training import DPTrainer, initial_model
 
-    cfg = TrainConfig(dataset="mnist", method="dpema", epsilon=3, epochs=1, batch_size=100, subset=500,
+    cfg = TrainConfig(dataset="fmnist", method="dpema", epsilon=3, epochs=1, batch_size=100, subset=500,
                       ema_decay=0.5).resolved()
-    images = data_lib.load("mnist")
+    images = data_lib.load("fmnist")
     tensors = data_lib.prepare(images, data_lib.stratified_subset(images.y_train, 500, 0))
     trainer = DPTrainer(cfg, tensors, plan(3, 1e-5, 500, 100, 1))
     start = initial_model(cfg, 10)
@@ -73,9 +73,9 @@ def test_dpema_releases_the_average_not_the_last_iterate():
 
 @pytest.mark.slow
 def test_cli_writes_result_model_and_curve(tmp_path):
-    require("mnist")
+    require("fmnist")
     out = tmp_path / "run"
-    assert main(["train", "--dataset", "mnist", "--method", "dp3sd", "--epsilon", "2", "--epochs", "2",
+    assert main(["train", "--dataset", "fmnist", "--method", "dp3sd", "--epsilon", "2", "--epochs", "2",
                  "--batch-size", "100", "--subset", "1000", "--out", str(out), "--quiet"]) == 0
     result = json.loads((out / "result.json").read_text())
     for key in ("dataset", "method", "epsilon_target", "epsilon_spent", "delta", "noise_multiplier", "sample_rate",
@@ -95,8 +95,8 @@ def test_a_diverging_run_stops_at_once_naming_the_learning_rate():
     instead of training on to chance accuracy."""
     from fedsd.training import TrainingDiverged
 
-    require("mnist")
-    cfg = TrainConfig(dataset="mnist", method="dp3sd", epsilon=3, epochs=3, batch_size=16, lr=30.0, subset=1600,
+    require("fmnist")
+    cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, epochs=3, batch_size=16, lr=30.0, subset=1600,
                       seed=0, threads=1)
     with pytest.raises(TrainingDiverged, match=r"diverged in epoch 1: .*--lr 30 at --batch-size 16 \(the papers use "
                                                r"lr 0.8 at B = 1200\)"):
@@ -150,10 +150,10 @@ def test_one_trainer_bound_in_turn_to_clients_gives_each_client_its_own_weights(
     from fedsd.privacy import plan as calibrate
     from fedsd.training import DPTrainer, initial_model
 
-    require("mnist")
-    cfg = TrainConfig(dataset="mnist", method="dp3sd", epsilon=3, epochs=2, batch_size=50, lr=0.5, seed=3,
+    require("fmnist")
+    cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, epochs=2, batch_size=50, lr=0.5, seed=3,
                       threads=1, distill_warmup_epochs=0).resolved()
-    images = data_lib.load("mnist")
+    images = data_lib.load("fmnist")
     shards = [torch.arange(0, 400), torch.arange(400, 1000)]
     datas = [data_lib.prepare(images, s) for s in shards]
     plans = [calibrate(3.0, 1e-5, len(s), 50, 2) for s in shards]
@@ -178,12 +178,12 @@ def test_the_divergence_limit_scales_with_the_objectives_chance_level(method, se
     from fedsd.privacy import plan as calibrate
     from fedsd.training import DIVERGENCE_FACTOR, DPTrainer, initial_model
 
-    require("mnist")
+    require("fmnist")
     from fedsd import data as data_lib
 
-    cfg = TrainConfig(dataset="mnist", method=method, epsilon=3, epochs=4, batch_size=50, seed=0, threads=1,
+    cfg = TrainConfig(dataset="fmnist", method=method, epsilon=3, epochs=4, batch_size=50, seed=0, threads=1,
                       **settings).resolved()
-    trainer = DPTrainer(cfg, data_lib.prepare(data_lib.load("mnist"), torch.arange(500)), calibrate(3.0, 1e-5, 500, 50, 4))
+    trainer = DPTrainer(cfg, data_lib.prepare(data_lib.load("fmnist"), torch.arange(500)), calibrate(3.0, 1e-5, 500, 50, 4))
     objective = trainer.method.epoch_loss(cfg, cfg.epochs)
     loss_fn, uses_teacher, chance = objective.per_sample, objective.reads_teacher, objective.chance
     y = torch.arange(10).repeat(5)
