@@ -13,7 +13,7 @@ from . import data as data_lib
 from . import privacy, routes
 from .config import TrainConfig, validate
 from .models import build_model, check_private_trainable
-from .results import check_out_dir, fresh_out_dir, save_atomic, write_json, write_run
+from .results import RunResult, check_out_dir, fresh_out_dir, save_atomic, write_json, write_run
 from .training import DPTrainer, TrainingDiverged, TrainState, evaluate, initial_model, released
 from .errors import ConfigError, ResumeError  # noqa: F401 (ResumeError: also importable from here)
 
@@ -160,19 +160,18 @@ def train(cfg: TrainConfig | None, out: str | Path | None = None, overwrite: boo
         bar.update(1)
         bar.set_postfix(acc=f"{accuracy:.4f}", eps=f"{metrics['epsilon']:.3f}")
     bar.close()
-    result = dict(
+    result = RunResult(
         dataset=cfg.dataset, method=cfg.method, epsilon_target=cfg.epsilon,
         epsilon_spent=epochs[-1]["epsilon"], delta=cfg.delta, noise_multiplier=plan.noise_multiplier,
         sample_rate=plan.sample_rate, steps=state.steps, num_train=n, test_accuracy=epochs[-1]["test_accuracy"],
         validation_accuracy=epochs[-1].get("validation_accuracy"),
         seed=cfg.seed, wall_seconds=before + time.perf_counter() - started, device=str(run.device),
         data_source=run.data.source, config=cfg.to_dict(), privacy=plan.to_dict(),
-        route=trainer.route.to_dict() if trainer.route is not None else None, epochs=epochs)
-    if saved is not None:
-        result["resumed"] = True
+        route=trainer.route.to_dict() if trainer.route is not None else None, epochs=epochs,
+        resumed=True if saved is not None else None)
     weights = {k: v.cpu() for k, v in released(model).items()}
     if out is not None:
-        write_run(Path(out), result, weights, "epoch")  # result.json last: from here on the run is finished
+        write_run(Path(out), result, weights)  # result.json last: from here on the run is finished
         for name in (CHECKPOINT, PROGRESS):
             (Path(out) / name).unlink(missing_ok=True)
-    return result, weights
+    return result.to_dict(), weights

@@ -10,7 +10,7 @@ from . import clippers, methods
 from .data import DATASETS
 from .methods import dpema, dpkd
 from .models import ACTIVATIONS, DEFAULT_MODEL, MODELS
-from .settings import check_setting, setting
+from .settings import check_setting, declared_only, setting
 from .errors import ConfigError  # noqa: F401 (also importable from here)
 
 METHODS = tuple(methods.METHODS)
@@ -173,6 +173,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "TrainConfig":
+        """Settings as a run saved them, by any version of fedsd (settings.declared_only)."""
+        return cls(**declared_only(cls, saved))
 
 
 def paper_batch_and_lr(cfg: TrainConfig) -> tuple[int, float]:

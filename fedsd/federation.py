@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 
 from . import settings
-from .config import ConfigError, TrainConfig, check_setting
-from .settings import setting
+from .config import ConfigError, TrainConfig, check_setting  # noqa: F401 (ConfigError: also importable from here)
+from .settings import declared_only, setting
 
 PARTITIONS = ("iid", "dirichlet", "inner-dirichlet", "pathological")
 CLIENT_DATA = ("partition", "own")
@@ -63,6 +63,11 @@ class FedOptions:
     @property
     def planned_rounds(self) -> int:
         return self.budget_rounds or self.rounds
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "FedOptions":
+        """Options as a run saved them, by any version of fedsd (settings.declared_only)."""
+        return cls(**declared_only(cls, saved))
 
     def validate(self) -> None:
         check = check_setting

@@ -1,16 +1,99 @@
-"""Result folders: result.json, model.pt and curve.png, written whole or not at all."""
+"""Result folders: result.json, model.pt and curve.png, written whole or not at all; and
+`RunResult`, the one type that writes result.json and reads it back."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .errors import OutputExistsError  # noqa: F401 (also importable from here)
+from .errors import DataError, OutputExistsError  # noqa: F401 (OutputExistsError: also importable from here)
+
+# result.json's format. 0: the files written before it carried one (they read the same).
+RESULT_FORMAT = 1
+
+
+@dataclass
+class RunResult:
+    """What a finished run says about itself, in result.json: a central run (`fedsd train`,
+    its `epochs`) or a federation (`fedsd simulate`, a deployment: its `rounds`). Fields a kind
+    does not have stay None and are left out of the file; keys this version does not declare
+    (a deployment's `tls`, ...) are kept in `extra` and written back as they were."""
+
+    dataset: str
+    method: str
+    epsilon_target: float
+    epsilon_spent: float
+    delta: float
+    test_accuracy: float | None
+    seed: int
+    wall_seconds: float
+    device: str
+    data_source: str
+    config: dict  # the resolved TrainConfig; TrainConfig.from_dict reads it back, old runs too
+    noise_multiplier: float | dict | None = None  # federated: by client
+    sample_rate: float | dict | None = None
+    steps: int = 0
+    # a central run
+    num_train: int | None = None
+    validation_accuracy: float | None = None
+    privacy: dict | None = None
+    route: dict | None = None
+    epochs: list | None = None
+    resumed: bool | None = None
+    # a federation
+    evaluated_by: str | None = None
+    num_clients: int | None = None
+    shard_sizes: list | None = None
+    federation: dict | None = None
+    experiment_id: str | None = None
+    resumed_after_round: int | None = None
+    missed: dict | None = None
+    rounds: list | None = None
+    format: int = RESULT_FORMAT
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def federated(self) -> bool:
+        return self.rounds is not None
+
+    @property
+    def curve(self) -> list[dict]:
+        """Test accuracy (and more) by epoch, or by round for a federation."""
+        return self.rounds if self.federated else self.epochs
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        out = {k: v for k, v in out.items() if v is not None}
+        return {**out, **self.extra}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunResult":
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in d.items() if k in names}
+        return cls(**{"format": 0, **known}, extra={k: v for k, v in d.items() if k not in names})
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "RunResult":
+        """A result.json; DataError naming the file when it is not one this version reads."""
+        try:
+            d = json.loads(Path(path).read_text())
+            result = cls.from_dict(d)
+        except (OSError, ValueError, TypeError) as e:
+            raise DataError(f"{path}: not a readable fedsd result ({e})") from None
+        if result.format > RESULT_FORMAT:
+            raise DataError(f"{path}: result format {result.format}; this version of fedsd reads up to "
+                            f"{RESULT_FORMAT}")
+        return result
+
+    def write(self, path: str | os.PathLike) -> None:
+        write_json(Path(path), self.to_dict())
 
 
 def check_out_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -104,11 +187,10 @@ def plot_curve(path: Path, points: list[dict], x_key: str, title: str) -> None:
     plt.close(fig)
 
 
-def write_run(out: Path, result: dict, weights: dict[str, torch.Tensor], x_key: str) -> None:
+def write_run(out: Path, result: RunResult, weights: dict[str, torch.Tensor]) -> None:
     """The three files of a run, each written atomically, result.json last: a folder with a
     result.json holds a finished run."""
     save_model(out / "model.pt", weights)
-    points = result["epochs"] if x_key == "epoch" else result["rounds"]
-    title = f"{result['dataset']} {result['method']} ε={result['epsilon_target']}"
-    plot_curve(out / "curve.png", points, x_key, title)
-    write_json(out / "result.json", result)
+    plot_curve(out / "curve.png", result.curve, "round" if result.federated else "epoch",
+               f"{result.dataset} {result.method} ε={result.epsilon_target}")
+    result.write(out / "result.json")

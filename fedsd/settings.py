@@ -20,6 +20,14 @@ from .errors import ConfigError
 _UNSET = {int: -1, float: -1.0, str: ""}
 
 
+def declared_only(cls, saved: dict) -> dict:
+    """The keys of `saved` that dataclass `cls` declares: settings saved by an older version
+    (a run's result.json) read back after a setting was removed; one added since takes its
+    default."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in saved.items() if k in names}
+
+
 def check_setting(condition: bool, option: str, allowed: str, value) -> None:
     """ConfigError naming the option as the user typed it, what is allowed and what was given."""
     if not condition:

@@ -27,7 +27,7 @@ from .data import TensorData
 from .methods import EpochLoss, Model, Weights, method_of, released  # noqa: F401 (released: also importable from here)
 from .models import build_model, check_private_trainable
 from .privacy import Ledger, PrivacyPlan, steps_per_epoch
-from .seeds import SEED_CLIENT_RNG, SEED_KD_STUDENT, SEED_MODEL_INIT, derive_seed  # noqa: F401 (also from here)
+from .seeds import SEED_CLIENT_RNG, SEED_MODEL_INIT, derive_seed
 from .errors import BudgetExhausted, StateMismatch, TrainingDiverged  # noqa: F401 (also importable from here)
 
 

@@ -25,7 +25,7 @@ from fedsd.client_data import normalised, task_for
 from fedsd.config import CUSTOM, ConfigError, TrainConfig
 from fedsd.federation import FedOptions, client_config, from_flat, to_flat
 from fedsd.models import build_model
-from fedsd.results import check_out_dir, fresh_out_dir, write_run
+from fedsd.results import RunResult, check_out_dir, fresh_out_dir, write_run
 from fedsd.settings import flags_to_keys
 from fedsd.training import initial_model, released, torch_memory_format
 from task.federation import build_federation
@@ -38,8 +38,9 @@ from .strategy import ClientsFailed, RecordingStrategy, base_strategy
 
 
 def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None,
-               overwrite: bool = False, progress: bool = False) -> dict:
-    """Run the federation (or, with fed.resume_dir, go on with the one checkpointed there)."""
+               overwrite: bool = False, progress: bool = False) -> tuple[dict, dict]:
+    """Run the federation (or, with fed.resume_dir, go on with the one checkpointed there).
+    Returns (result, the released global weights), as `fedsd.central.train`."""
     started = time.perf_counter()
     resumed = checkpoint.load(fed.resume_dir) if fed.resume_dir else None
     if resumed is not None:
@@ -65,13 +66,12 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     federated_evaluation = fed.federated_evaluation or test is None
     strategy = RecordingStrategy(base_strategy(fed, federated_evaluation), fed, shapes, round_offset=start_round)
     experiment_id = resumed["experiment_id"] if resumed else uuid.uuid4().hex
-    if resumed:
-        strategy.restore(resumed["recorder"])
-        checkpoint.restore_strategy_state(strategy.inner, resumed["strategy"])
-    book = RoundBook(strategy, net, test, rounds_total=fed.rounds, start_round=start_round,
-                     rounds=list(resumed["rounds"]) if resumed else [], out=out,
+    book = RoundBook(strategy, net, test, rounds_total=fed.rounds, start_round=start_round, out=out,
                      settings=checkpoint.settings(cfg, fed), experiment_id=experiment_id, progress=progress,
                      description=f"{cfg.dataset} {cfg.method} {fed.num_clients} clients")
+    if resumed:
+        strategy.load_state_dict(resumed["strategy"])
+        book.load_state_dict(resumed["book"])
 
     initial = resumed["model"] if resumed else initial_model(cfg, num_classes)
     train_config = ConfigRecord({**to_flat(cfg, fed), "experiment-id": experiment_id})
@@ -90,7 +90,7 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     rounds = book.rounds
     final = record_to_model(outcome.arrays) if len(outcome.arrays) else initial
     reported = client_facts(strategy.round_clients)  # what the clients said, not what the server computed
-    result = dict(
+    result = RunResult(
         dataset=cfg.dataset, method=cfg.method, epsilon_target=cfg.epsilon,
         epsilon_spent=max(strategy.client_epsilon.values(), default=0.0), delta=cfg.delta,
         noise_multiplier={str(k): r.get("noise-multiplier") for k, r in reported.items()},
@@ -104,10 +104,9 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
         federation=fed.__dict__.copy(), experiment_id=experiment_id, resumed_after_round=start_round or None,
         missed={str(r["round"]): r["missed"] for r in rounds if r["missed"]}, rounds=rounds)
     weights = {k: v.cpu() for k, v in released(final).items()}
-    result["_weights"] = weights
     if out is not None:
-        write_run(out, {k: v for k, v in result.items() if k != "_weights"}, weights, "round")
-    return result
+        write_run(out, result, weights)
+    return result.to_dict(), weights
 
 
 def public_side(cfg: TrainConfig, fed: FedOptions):

@@ -2,29 +2,30 @@
 every completed round, so a server stopped at any moment can go on with `--resume <out>`.
 
 It holds what the next round needs and what the result must report: the round number, the
-global model (every group), the strategy's own state (FedAdam's moments, the sampling RNG),
-the per-round log, each client's ε so far, and the experiment id under which every client
-keeps its privacy state on its own disk (so a resumed run finds it; a fresh run does not).
-The settings travel with it: a resumed run uses the checkpoint's, never new ones.
+global model (every group), the strategy's state_dict (its records, FedAdam's moments, the
+sampling RNG), the round book's (the per-round log), and the experiment id under which every
+client keeps its privacy state on its own disk (so a resumed run finds it; a fresh run does
+not). The settings travel with it: a resumed run uses the checkpoint's, never new ones.
+
+The file holds tensors and plain values only, under a format number: it loads with
+`weights_only=True` (no code runs from a file), and an old or foreign file is refused with the
+reason before anything starts.
 """
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import torch
 
-from fedsd.config import ConfigError, TrainConfig
+from fedsd.config import TrainConfig
+from fedsd.errors import ResumeError
 from fedsd.federation import FedOptions, from_flat, to_flat
 from fedsd.results import save_atomic
 
-from .strategy import inner_strategies
-
 CHECKPOINT = "checkpoint.pt"
+FORMAT = 2  # 1: the unversioned pickle of fedsd before 2026-11-23 (not continued)
 # Keys of the flat settings that name places or this launch, not the training itself.
 NOT_SETTINGS = ("out-dir", "resume-dir", "experiment-id")
-# Attributes of Flower strategies that change from round to round (FedOpt family: m_t, v_t).
-STRATEGY_STATE = ("m_t", "v_t")
 
 
 def settings(cfg: TrainConfig, fed: FedOptions) -> dict:
@@ -36,11 +37,21 @@ def path_in(run_dir: str | Path) -> Path:
 
 
 def load(run_dir: str | Path) -> dict:
-    """The checkpoint in `run_dir`, or ConfigError naming --resume when there is none."""
+    """The checkpoint in `run_dir`; ResumeError naming --resume and the reason when there is
+    none, or it is not a checkpoint of this format."""
     path = path_in(run_dir)
     if not path.is_file():
-        raise ConfigError(f"--resume: no {CHECKPOINT} in {run_dir} (a run writes one after each completed round)")
-    return torch.load(path, weights_only=False)
+        raise ResumeError(f"--resume: no {CHECKPOINT} in {run_dir} (a run writes one after each completed round)")
+    try:
+        saved = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001  (a damaged, old or foreign file, whatever torch raises)
+        raise ResumeError(f"--resume: {path} is not a fedsd server checkpoint this version can read "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        found = saved.get("format", 1) if isinstance(saved, dict) else type(saved).__name__
+        raise ResumeError(f"--resume: {path} is of format {found!r}; this version of fedsd continues format "
+                          f"{FORMAT} only")
+    return saved
 
 
 def resumed_settings(run_dir: str | Path, saved: dict | None = None) -> tuple[TrainConfig, FedOptions]:
@@ -51,24 +62,7 @@ def resumed_settings(run_dir: str | Path, saved: dict | None = None) -> tuple[Tr
     return cfg, fed
 
 
-def strategy_state(strategy) -> dict:
-    state = {"python_random": random.getstate()}  # Flower samples nodes with `random`
-    for depth, s in enumerate(inner_strategies(strategy)):
-        for name in STRATEGY_STATE:
-            if getattr(s, name, None) is not None:
-                state[f"{depth}.{name}"] = getattr(s, name)
-    return state
-
-
-def restore_strategy_state(strategy, state: dict) -> None:
-    random.setstate(state["python_random"])
-    for depth, s in enumerate(inner_strategies(strategy)):
-        for name in STRATEGY_STATE:
-            if f"{depth}.{name}" in state:
-                setattr(s, name, state[f"{depth}.{name}"])
-
-
-def save(run_dir: Path, *, round: int, model, settings: dict, experiment_id: str, rounds: list,
-         recorder: dict, strategy) -> None:
-    save_atomic(path_in(run_dir), dict(round=round, model=model, settings=settings, experiment_id=experiment_id,
-                                       rounds=rounds, recorder=recorder, strategy=strategy_state(strategy)))
+def save(run_dir: Path, *, round: int, model, settings: dict, experiment_id: str, book: dict, strategy: dict) -> None:
+    """`book` and `strategy`: the RoundBook's and the RecordingStrategy's state_dict."""
+    save_atomic(path_in(run_dir), dict(format=FORMAT, round=round, model=model, settings=settings,
+                                       experiment_id=experiment_id, book=book, strategy=strategy))

@@ -25,10 +25,11 @@ from .strategy import RecordingStrategy, round_log
 class RoundBook:
     def __init__(self, strategy: RecordingStrategy, net: torch.nn.Module,
                  test: tuple[torch.Tensor, torch.Tensor] | None, *, rounds_total: int, start_round: int,
-                 rounds: list[dict], out: Path | None, settings: dict, experiment_id: str,
+                 out: Path | None, settings: dict, experiment_id: str,
                  progress: bool, description: str):
         self.strategy, self.net, self.test = strategy, net, test
-        self.rounds_total, self.start_round, self.rounds = rounds_total, start_round, rounds
+        self.rounds_total, self.start_round = rounds_total, start_round
+        self.rounds: list[dict] = []  # the run's rounds so far (a resumed run's: load_state_dict)
         self.out, self.settings, self.experiment_id = out, settings, experiment_id
         self.bar = tqdm(total=rounds_total, initial=start_round, unit="round", disable=not progress,
                         desc=description, dynamic_ncols=True)
@@ -69,13 +70,18 @@ class RoundBook:
             missed=s.missed.get(server_round, [])))
         if self.out is not None:
             checkpoint.save(self.out, round=server_round, model=model, settings=self.settings,
-                            experiment_id=self.experiment_id, rounds=self.rounds, recorder=s.recorded(),
-                            strategy=s.inner)
+                            experiment_id=self.experiment_id, book=self.state_dict(), strategy=s.state_dict())
         shown = accuracy if self.test is not None or federated is None else federated["test_accuracy"]
         round_log(self.rounds[-1], self.rounds_total, shown, max(epsilons.values(), default=0.0))
         self.bar.update(1)
         self.bar.set_postfix(acc=f"{shown:.4f}", eps=f"{max(epsilons.values(), default=0.0):.2f}")
         self.last = now
+
+    def state_dict(self) -> dict:
+        return {"rounds": self.rounds}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rounds = list(state["rounds"])
 
     def final_accuracy(self) -> float | None:
         """The last round's accuracy: the server's, else the clients' weighted one."""

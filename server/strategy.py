@@ -3,11 +3,13 @@ server-side DP, inside a thin recorder that keeps each client's privacy report p
 sets aside replies of clients that did not train (budget exhausted)."""
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterable
 from logging import INFO, WARNING
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
@@ -124,12 +126,31 @@ class RecordingStrategy(Strategy):
         self._round_started = 0.0
         self._sent: list[Message] = []  # this round's, as sent
 
-    def recorded(self) -> dict:
-        return {name: getattr(self, name) for name in self.RECORDED}
+    # What changes from round to round in the strategies Flower provides (the FedOpt family's
+    # moments m_t, v_t: names to numpy arrays).
+    INNER_STATE = ("m_t", "v_t")
 
-    def restore(self, recorded: dict) -> None:
+    def state_dict(self) -> dict:
+        """What a resumed run needs to go on as this one would have: the records, the wrapped
+        strategies' moments (as tensors: a checkpoint loads with weights_only=True) and the
+        state of Python's `random`, with which Flower samples the nodes of a round."""
+        state = {"recorded": {name: getattr(self, name) for name in self.RECORDED},
+                 "python_random": random.getstate()}
+        for depth, s in enumerate(inner_strategies(self.inner)):
+            for name in self.INNER_STATE:
+                value = getattr(s, name, None)
+                if value is not None:
+                    state[f"inner.{depth}.{name}"] = {k: torch.from_numpy(np.asarray(v)) for k, v in value.items()}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
         for name in self.RECORDED:
-            setattr(self, name, recorded.get(name, {}))  # a checkpoint from before a record was kept
+            setattr(self, name, state["recorded"][name])
+        random.setstate(state["python_random"])
+        for depth, s in enumerate(inner_strategies(self.inner)):
+            for name in self.INNER_STATE:
+                if f"inner.{depth}.{name}" in state:
+                    setattr(s, name, {k: v.numpy() for k, v in state[f"inner.{depth}.{name}"].items()})
 
     def summary(self) -> None:
         self.inner.summary()

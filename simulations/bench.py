@@ -17,6 +17,7 @@ import sys
 
 from fedsd.config import GRAD_SAMPLE_MODES, ConfigError, TrainConfig
 from fedsd.federation import FedOptions
+from fedsd.results import RunResult
 from fedsd.settings import add_options, from_args
 from simulations import dry_run
 
@@ -80,7 +81,7 @@ def bench_federated(args: argparse.Namespace) -> int:
                       subset=args.subset, distill_warmup_epochs=0)  # every epoch pays for the teacher
     fed = from_args(FedOptions, args, rounds=args.rounds)
     with WorkerMemory() as memory:
-        fed_result = simulate(cfg, fed, progress=False, ray_cpus=args.ray_workers, ray_address=args.ray_address)
+        fed_result, _ = simulate(cfg, fed, progress=False, ray_cpus=args.ray_workers, ray_address=args.ray_address)
     shards = fed_result["shard_sizes"]
     # The same samples: a central epoch over as many samples as a round's cohort trained on.
     cohorts = [sum(shards[int(k)] for k in r["trained"]) for r in fed_result["rounds"][1:]]
@@ -158,12 +159,12 @@ def bench_step(args: argparse.Namespace) -> int:
     """Every variant is timed once per round, round after round (interleaved), so all see the
     same machine state; medians after the warm-up rounds."""
     import torch
-    import torch.nn.functional as F
 
     from fedsd import conv_kernel, routes
     from fedsd.central import resolve_device
     from fedsd.config import TrainConfig
     from fedsd.data import TensorData
+    from fedsd.methods import method_of
     from fedsd.models import build_model
     from fedsd.privacy import plan
     from fedsd.training import DPTrainer
@@ -181,12 +182,12 @@ def bench_step(args: argparse.Namespace) -> int:
     x = torch.randn(batch, *shape, generator=g).to(device)
     y = torch.randint(0, 10, (batch,), generator=g).to(device)
     steps, trainers = {}, {}
+    objective = method_of(base).epoch_loss(base, 1)  # every step, private or not, times the same loss
     for mode in args.grad_sample_mode:
         cfg = TrainConfig(**{**base.__dict__, "grad_sample_mode": mode})
         trainer = trainers[mode] = DPTrainer(cfg, TensorData(x, y, x[:1], y[:1], 10),
                                              plan(3.0, 1e-5, 10 * batch, batch, 1))
-        objective = trainer.method.epoch_loss(cfg, 1)  # every step times the same loss
-        steps["dp:" + mode] = lambda t=trainer, o=objective: t.train_on_batch(t.data.x_train, y, o)
+        steps["dp:" + mode] = lambda t=trainer: t.train_on_batch(t.data.x_train, y, objective)
 
     def nonprivate(layout, compiled):
         """A plain SGD step of the same model, loss, teacher and momentum, without privacy."""
@@ -201,10 +202,10 @@ def bench_step(args: argparse.Namespace) -> int:
         def step():
             sgd.zero_grad(set_to_none=True)
             t = None
-            if uses_teacher:
+            if objective.reads_teacher:
                 with torch.no_grad():
                     t = teacher_forward(xs)
-            loss_fn(forward(xs), t, y).mean().backward()
+            objective.per_sample(forward(xs), t, y).mean().backward()
             sgd.step()
         return step
 
@@ -324,7 +325,6 @@ def bench_deploy(args: argparse.Namespace) -> int:
     Each is the median of rounds 2…R (round 1 starts processes and fills caches)."""
     import shutil
     import tempfile
-    import time
     from pathlib import Path
 
     import torch
@@ -356,7 +356,7 @@ def bench_deploy(args: argparse.Namespace) -> int:
         phase(f"{fed.num_clients} client folders")
         write_client_folders(cfg, fed, work / "client-data", "npz", echo=lambda line: None)
         phase("simulated run (Ray)")
-        simulated = simulate(cfg, fed, progress=False)
+        simulated, simulated_weights = simulate(cfg, fed, progress=False)
         phase("deployment: SuperLink, SuperNodes, TLS, node authentication")
         with LocalDeployment(work / "deployment", fed.num_clients, client_data=work / "client-data",
                              node_config="max-epsilon=inf") as deployment:
@@ -365,30 +365,30 @@ def bench_deploy(args: argparse.Namespace) -> int:
             deployment.run({**to_flat(cfg, fed), "client-data": "own", "num-clients": fed.num_clients,
                             "num-server-rounds": fed.rounds, "out-dir": str(work / "deployed")}, timeout=args.timeout)
             # The floor sends what fedsd's ServerApp sends: the model's arrays, as many floats.
-            shapes = [list(v.shape) for v in simulated["_weights"].values()]
+            shapes = [list(v.shape) for v in simulated_weights.values()]
             phase("Flower's floor (deploy/floor) on the same deployment")
             deployment.run({"num-server-rounds": fed.rounds, "num-clients": fed.num_clients,
                             "shapes": json.dumps(shapes, separators=(",", ":")),
                             "out-dir": str(work / "floor")}, timeout=args.timeout, app=FLOOR_APP)
             superexec_poll = float(deployment.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"])
-        deployed = json.loads((work / "deployed" / "result.json").read_text())
+        deployed = RunResult.read(work / "deployed" / "result.json")
         floor = json.loads((work / "floor" / "floor.json").read_text())["round_seconds"]
         deployed_weights = torch.load(work / "deployed" / "model.pt", weights_only=True)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
     sim_rounds = [r["seconds"] for r in simulated["rounds"]]
-    dep_rounds = [r["seconds"] for r in deployed["rounds"]]
-    report = dict(dataset=cfg.dataset, method=cfg.method, epsilon=cfg.epsilon, batch_size=deployed["config"]["batch_size"],
+    dep_rounds = [r["seconds"] for r in deployed.rounds]
+    report = dict(dataset=cfg.dataset, method=cfg.method, epsilon=cfg.epsilon, batch_size=deployed.config["batch_size"],
                   clients=fed.num_clients, rounds=fed.rounds, local_epochs=fed.local_epochs, partition=fed.partition,
-                  threads=cfg.threads, shard_sizes=deployed["shard_sizes"], cpu_isa=torch.backends.cpu.get_cpu_capability().lower(),
+                  threads=cfg.threads, shard_sizes=deployed.shard_sizes, cpu_isa=torch.backends.cpu.get_cpu_capability().lower(),
                   grid_poll_seconds=default_poll_seconds(), superexec_poll_seconds=superexec_poll,
                   simulated_round_seconds=statistics.median(sim_rounds[1:]),
                   deployed_round_seconds=statistics.median(dep_rounds[1:]),
                   floor_round_seconds=statistics.median(floor[1:]),
                   simulated_rounds=sim_rounds, deployed_rounds=dep_rounds, floor_rounds=floor,
-                  simulated_test_accuracy=simulated["test_accuracy"], deployed_test_accuracy=deployed["test_accuracy"],
-                  max_weight_difference=max(float((simulated["_weights"][k] - v).abs().max())
+                  simulated_test_accuracy=simulated["test_accuracy"], deployed_test_accuracy=deployed.test_accuracy,
+                  max_weight_difference=max(float((simulated_weights[k] - v).abs().max())
                                             for k, v in deployed_weights.items()))
     report["deployed_over_simulated"] = report["deployed_round_seconds"] / report["simulated_round_seconds"]
     # What fedsd adds to Flower's floor, per second of a simulated round (issue 25's target: ≤ 1.15).

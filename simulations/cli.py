@@ -64,7 +64,7 @@ def cmd_simulate(args) -> int:
     fed = sim_options_from_args(args)
     if not fed.resume_dir and not args.out:
         raise ConfigError("--out is required (or --resume DIR)")
-    result = simulate(config_from_args(args), fed, args.out, overwrite=args.overwrite, progress=not args.quiet,
+    result, _ = simulate(config_from_args(args), fed, args.out, overwrite=args.overwrite, progress=not args.quiet,
                       verbose=args.verbose, ray_address=args.ray_address)
     print(run_summary(result, fed.resume_dir or args.out))
     return 0

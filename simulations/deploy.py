@@ -28,7 +28,7 @@ from clients.node_config import parse as parse_node_config
 from fedsd.config import ConfigError, TrainConfig
 from fedsd.errors import DataNotFoundError, UserError
 from fedsd.federation import FedOptions, from_flat
-from fedsd.results import check_out_dir, write_json
+from fedsd.results import RunResult, check_out_dir
 from fedsd.settings import add_options, given_flat
 from simulations import dry_run
 from simulations.summary import run_summary
@@ -500,16 +500,16 @@ def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, wor
     result_path = out / "result.json"
     if not result_path.is_file():
         raise DeploymentError(f"the run ended without {result_path}; see {deployment.logs}")
-    result = json.loads(result_path.read_text())
-    result.update(tls=True, node_auth=True, deployment=dict(
+    result = RunResult.read(result_path)
+    result.extra.update(tls=True, node_auth=True, deployment=dict(
         superlink=deployment.address, supernodes=num_clients,
         processes="separate, each in its own network namespace and uid" if isolate else "separate, loopback",
         isolation=dict(node_addresses=[deployment.isolation.address(k) for k in range(num_clients)],
                        namespaces=[deployment.isolation.namespace(k) for k in range(num_clients)],
                        uids=[deployment.isolation.uid(k) for k in range(num_clients)]) if isolate else None,
         startup_seconds=ready, total_seconds=time.perf_counter() - started, work_dir=str(work)))
-    write_json(result_path, result)
-    return result
+    result.write(result_path)
+    return result.to_dict()
 
 
 def add_deploy_arguments(p: argparse.ArgumentParser) -> None:

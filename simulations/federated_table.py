@@ -19,7 +19,7 @@ from pathlib import Path
 
 from fedsd.config import ConfigError, TrainConfig
 from fedsd.federation import FedOptions, client_config
-from fedsd.results import write_json
+from fedsd.results import RunResult, write_json
 from fedsd.training import TrainingDiverged
 
 from .reproduce import DIVERGED
@@ -83,8 +83,12 @@ def run_state(run_out: Path, cfg: TrainConfig, fed: FedOptions) -> str:
     wanted = _settings(cfg, fed)
     for name in ("result.json", DIVERGED):
         if (run_out / name).exists():
-            done = json.loads((run_out / name).read_text())
-            if _settings(TrainConfig(**done["config"]), FedOptions(**done["federation"])) == wanted:
+            if name == "result.json":
+                done = RunResult.read(run_out / name)
+                config, federation = done.config, done.federation
+            else:
+                config, federation = (json.loads((run_out / name).read_text())[k] for k in ("config", "federation"))
+            if _settings(TrainConfig.from_dict(config), FedOptions.from_dict(federation)) == wanted:
                 return "done"
             return "fresh"
     if checkpoint.path_in(run_out).exists():
@@ -155,16 +159,16 @@ def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
             continue
         if not results:
             continue
-        curves = [[100 * r["test_accuracy"] for r in res["rounds"]] for res in results]
+        curves = [[100 * r["test_accuracy"] for r in res.rounds] for res in results]
         mean_curve = [statistics.mean(v) for v in zip(*curves)]
         best = max(range(len(mean_curve)), key=mean_curve.__getitem__)
-        epsilons = [e for res in results for e in res["rounds"][-1]["client_epsilon"].values()]
+        epsilons = [e for res in results for e in res.rounds[-1]["client_epsilon"].values()]
         rows.append(dict(partition=cell.partition, method=cell.method, teacher=cell.teacher,
                          seeds=list(runs),
-                         final=[100 * res["test_accuracy"] for res in results], best_round=best + 1,
+                         final=[100 * res.test_accuracy for res in results], best_round=best + 1,
                          best_accuracy=mean_curve[best], client_epsilon=[min(epsilons), max(epsilons)],
-                         noise_multiplier=sorted(set(results[0]["noise_multiplier"].values())),
-                         shard_sizes=results[0]["shard_sizes"], seconds=[res["wall_seconds"] for res in results],
+                         noise_multiplier=sorted(set(results[0].noise_multiplier.values())),
+                         shard_sizes=results[0].shard_sizes, seconds=[res.wall_seconds for res in results],
                          curves=curves))
     for row in rows:
         if "diverged" not in row:

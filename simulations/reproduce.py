@@ -16,6 +16,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from fedsd.config import METHODS
+from fedsd.results import RunResult
 from fedsd.data import DATASETS
 
 # Table 1 of both papers (test accuracy, %), ε = 1, 2, 3 (SPEC §7).
@@ -135,7 +136,8 @@ def finished_with(run_out: Path, config: dict) -> bool:
         path = run_out / DIVERGED
     if not path.exists():
         return False
-    return same_settings(json.loads(path.read_text())["config"], config)
+    done = RunResult.read(path).config if path.name == "result.json" else json.loads(path.read_text())["config"]
+    return same_settings(done, config)
 
 
 def same_settings(done: dict, config: dict) -> bool:
@@ -232,9 +234,9 @@ def seed_files(runs_dir: Path, cell, name: str = "result.json") -> dict[int, Pat
     return dict(sorted(found.items()))
 
 
-def seeds_run(runs_dir: Path, cell) -> dict[int, dict]:
+def seeds_run(runs_dir: Path, cell) -> dict[int, RunResult]:
     """The finished runs (result.json) of `cell` under `runs_dir`, by seed, in seed order."""
-    return {seed: json.loads(path.read_text()) for seed, path in seed_files(runs_dir, cell).items()}
+    return {seed: RunResult.read(path) for seed, path in seed_files(runs_dir, cell).items()}
 
 
 def table_cells(table: int, asked: list[Cell], runs_dir: Path) -> list[Cell]:
@@ -256,11 +258,11 @@ def write_tables(table: int, cells: list[Cell], runs_dir: Path, out: Path) -> No
         results = list(runs.values())
         rows.append(dict(
             dataset=cell.dataset, method=cell.method, variant=cell.variant, label=cell.label, epsilon=cell.epsilon,
-            seeds=list(runs), accuracies=[100 * r["test_accuracy"] for r in results], paper=cell.paper,
-            config=results[0]["config"] if results else None,
-            noise_multiplier=results[0]["noise_multiplier"] if results else None,
-            epsilon_spent=[r["epsilon_spent"] for r in results], seconds=[r["wall_seconds"] for r in results],
-            curves=[[100 * e["test_accuracy"] for e in r["epochs"]] for r in results]))
+            seeds=list(runs), accuracies=[100 * r.test_accuracy for r in results], paper=cell.paper,
+            config=results[0].config if results else None,
+            noise_multiplier=results[0].noise_multiplier if results else None,
+            epsilon_spent=[r.epsilon_spent for r in results], seconds=[r.wall_seconds for r in results],
+            curves=[[100 * e["test_accuracy"] for e in r.epochs] for r in results]))
     for row in rows:
         row["gain_over_dpsgd"] = gain_over_dpsgd(row, rows, ("dataset", "epsilon")) if table == 1 else None
     write_json(out / f"table{table}.json", {"cells": rows})

@@ -106,9 +106,9 @@ def sim_options_from_args(args: argparse.Namespace) -> FedOptions:
 
 def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, overwrite: bool = False,
              progress: bool = True, ray_cpus: int | None = None, verbose: bool = False,
-             ray_address: str | None = None) -> dict:
-    """Run a federation of `fed.num_clients` simulated clients; returns the result dict
-    (with "_weights", the released global model) and writes `out` when given.
+             ray_address: str | None = None) -> tuple[dict, dict]:
+    """Run a federation of `fed.num_clients` simulated clients; returns (the result, the
+    released global weights) and writes `out` when given.
 
     Every check (settings, data, shards, privacy budgets, the Ray cluster) runs before Ray
     starts. With fed.resume_dir, the settings and folder are those of the checkpointed run.

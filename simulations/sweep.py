@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 from pathlib import Path
 
@@ -108,7 +107,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def write_sweep(out: Path, args: argparse.Namespace, grid: dict, combos: list[dict]) -> dict:
-    from fedsd.results import write_json
+    from fedsd.results import RunResult, write_json
 
     rows = []
     for combo in combos:
@@ -116,11 +115,11 @@ def write_sweep(out: Path, args: argparse.Namespace, grid: dict, combos: list[di
         if any((run / DIVERGED).exists() for run in runs):  # a setting that does not train is not a choice
             rows.append(dict(settings=combo, diverged=True, validation_mean=None))
             continue
-        results = [json.loads((run / "result.json").read_text()) for run in runs]
-        val = [100 * r["validation_accuracy"] for r in results]
+        results = [RunResult.read(run / "result.json") for run in runs]
+        val = [100 * r.validation_accuracy for r in results]
         rows.append(dict(settings=combo, validation_accuracy=val, validation_mean=statistics.mean(val),
-                         test_accuracy=[100 * r["test_accuracy"] for r in results],
-                         noise_multiplier=results[0]["noise_multiplier"], epochs=results[0]["config"]["epochs"]))
+                         test_accuracy=[100 * r.test_accuracy for r in results],
+                         noise_multiplier=results[0].noise_multiplier, epochs=results[0].config["epochs"]))
     trained = [r for r in rows if not r.get("diverged")]
     if not trained:
         raise ConfigError(f"every run of the sweep diverged ({out / 'runs'}/*/{DIVERGED}); try smaller --grid lr values")

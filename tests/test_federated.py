@@ -30,9 +30,9 @@ def test_single_client_reproduces_central_training(method):
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method=method, epsilon=3, batch_size=200, subset=2000, seed=5, threads=1,
                       ema_decay=0.9 if method == "dpema" else None)
-    fed = simulate(cfg, FedOptions(num_clients=1, rounds=3, local_epochs=1), progress=False)
+    fed, fed_weights = simulate(cfg, FedOptions(num_clients=1, rounds=3, local_epochs=1), progress=False)
     central, weights = train(dataclasses.replace(cfg, epochs=3), progress=False)
-    diff = max((fed["_weights"][k] - weights[k]).abs().max().item() for k in weights)
+    diff = max((fed_weights[k] - weights[k]).abs().max().item() for k in weights)
     assert diff <= 1e-6
     assert [r["test_accuracy"] for r in fed["rounds"]] == [e["test_accuracy"] for e in central["epochs"]]
     assert fed["rounds"][-1]["client_epsilon"]["0"] == pytest.approx(central["epsilon_spent"], rel=1e-12)
@@ -41,7 +41,7 @@ def test_single_client_reproduces_central_training(method):
 def test_three_clients_learn_and_account_per_client(tmp_path):
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, batch_size=256, lr=3.0, subset=12000, seed=0)
-    result = simulate(cfg, FedOptions(num_clients=3, rounds=3, local_epochs=1, federated_evaluation=True),
+    result, _ = simulate(cfg, FedOptions(num_clients=3, rounds=3, local_epochs=1, federated_evaluation=True),
                       out=tmp_path / "run", progress=False)
     assert result["test_accuracy"] >= 0.6
     for r in result["rounds"]:  # the clients' shares of the test split, weighted, are the whole split
@@ -63,7 +63,7 @@ def test_client_over_budget_is_skipped_not_crashed():
     the server logs it and finishes, and the model stays that of round 2."""
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=2, batch_size=100, subset=1000, seed=0)
-    result = simulate(cfg, FedOptions(num_clients=2, rounds=3, budget_rounds=2), progress=False)
+    result, _ = simulate(cfg, FedOptions(num_clients=2, rounds=3, budget_rounds=2), progress=False)
     r1, r2, r3 = result["rounds"]
     assert r1["trained"] == [0, 1] and r2["trained"] == [0, 1]
     assert r3["trained"] == [] and r3["skipped"] == [0, 1]
@@ -120,10 +120,10 @@ def test_server_side_dp_adds_the_noise_it_promises():
     from fedsd.training import initial_model
 
     cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=100, subset=1000, seed=0)
-    result = simulate(cfg, FedOptions(num_clients=2, rounds=1, server_dp_noise=0.5, server_dp_clip=1.0),
-                      progress=False)
+    result, weights = simulate(cfg, FedOptions(num_clients=2, rounds=1, server_dp_noise=0.5, server_dp_clip=1.0),
+                           progress=False)
     start = initial_model(TrainConfig(**{**cfg.__dict__, "epochs": 1}).resolved(), 10)["student"]
-    change = torch.cat([(result["_weights"][k] - start[k]).flatten() for k in start])
+    change = torch.cat([(weights[k] - start[k]).flatten() for k in start])
     assert change.std().item() == pytest.approx(0.25, rel=0.05)
 
 
@@ -131,7 +131,7 @@ def test_server_side_dp_adds_the_noise_it_promises():
 def test_other_strategies_learn(strategy):
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, batch_size=100, lr=0.8, subset=2000, seed=0)
-    result = simulate(cfg, FedOptions(num_clients=2, rounds=3, strategy=strategy, server_lr=0.05, proximal_mu=0.1),
+    result, _ = simulate(cfg, FedOptions(num_clients=2, rounds=3, strategy=strategy, server_lr=0.05, proximal_mu=0.1),
                       progress=False)
     accuracies = [r["test_accuracy"] for r in result["rounds"]]
     # 3 short rounds of 10 noisy steps: learning shows as a rise every round, well above chance (0.1).
@@ -158,12 +158,12 @@ def test_simulate_killed_after_a_round_resumes_from_its_checkpoint(tmp_path, mon
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    before = torch.load(out / "checkpoint.pt", weights_only=False)
+    before = torch.load(out / "checkpoint.pt", weights_only=True)
     assert not (out / "result.json").exists()
     assert main(["simulate", "--resume", str(out), "--quiet"]) == 0
     result = json.loads((out / "result.json").read_text())
     assert result["resumed_after_round"] == before["round"] and [r["round"] for r in result["rounds"]] == [1, 2, 3]
-    assert result["rounds"][:before["round"]] == before["rounds"]
+    assert result["rounds"][:before["round"]] == before["book"]["rounds"]
     for pid, eps in result["rounds"][-1]["client_epsilon"].items():
         assert 2.9 < eps <= 3.0, (pid, eps)
     assert main(["simulate", "--resume", str(tmp_path / "nowhere"), "--quiet"]) == 2

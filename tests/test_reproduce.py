@@ -40,7 +40,7 @@ def test_sweep_chooses_on_validation_only(tmp_path, capsys):
     require("fmnist")
     out = tmp_path / "sweep"
     args = ["sweep", "--dataset", "fmnist", "--method", "dpema", "--grid", "ema-decay=0.5,0.9", "--validation", "2000",
-            "--subset", "1200", "--epochs", "1", "--out", str(out), "--quiet"]
+            "--subset", "3200", "--epochs", "1", "--out", str(out), "--quiet"]  # B = 1600: two steps
     assert main(args) == 0
     summary = json.loads((out / "sweep.json").read_text())
     runs = summary["runs"]
@@ -50,7 +50,7 @@ def test_sweep_chooses_on_validation_only(tmp_path, capsys):
     for r in runs:
         run = out / "runs" / f"emadecay{r['settings']['ema_decay']:g}-seed0"
         result = json.loads((run / "result.json").read_text())
-        assert result["config"]["validation"] == 2000 and result["num_train"] == 1200
+        assert result["config"]["validation"] == 2000 and result["num_train"] == 3200
         assert 10 < r["validation_accuracy"][0] <= 100
     assert "chosen" in (out / "sweep.md").read_text()
     bad = ["sweep", "--dataset", "fmnist", "--method", "dpema", "--grid", "color=1,2", "--out", str(tmp_path / "x")]
@@ -66,18 +66,23 @@ def test_a_setting_added_later_does_not_make_a_finished_run_stale(tmp_path):
     config = dict(dataset="fmnist", method="dpsgd", epsilon=3.0, seed=0)
     saved = TrainConfig(**config).resolved().to_dict()
     del saved["classes"]  # as in a result.json written before custom tasks existed
-    (tmp_path / "result.json").write_text(json.dumps({"config": saved}))
+    (tmp_path / "result.json").write_text(json.dumps(dict(_result_fields(0.9), config=saved)))
     assert finished_with(tmp_path, config)
     assert not finished_with(tmp_path, {**config, "epsilon": 2.0})  # a real change still counts
 
 
+def _result_fields(accuracy):
+    """What every result.json has (fedsd.results.RunResult), here with made-up values."""
+    return dict(dataset="fmnist", method="dpsgd", epsilon_target=3.0, epsilon_spent=3.0, delta=1e-5,
+                test_accuracy=accuracy, seed=0, wall_seconds=1.0, device="cpu", data_source="made up", config={},
+                noise_multiplier=1.0, epochs=[dict(test_accuracy=accuracy)])
+
+
 def _fake_run(runs_dir, name, seed, accuracy):
-    """A finished Table-1 run's result.json, with the fields the table reads."""
+    """A finished Table-1 run's result.json (the fields the table reads are the ones that matter)."""
     run = runs_dir / f"{name}-seed{seed}"
     run.mkdir(parents=True)
-    (run / "result.json").write_text(json.dumps(dict(
-        test_accuracy=accuracy, config={}, noise_multiplier=1.0, epsilon_spent=3.0, wall_seconds=1.0,
-        epochs=[dict(test_accuracy=accuracy)])))
+    (run / "result.json").write_text(json.dumps(_result_fields(accuracy)))
 
 
 def test_a_partial_reproduce_keeps_the_other_cells_and_gains_use_the_same_seeds(tmp_path):

@@ -44,10 +44,13 @@ def test_bad_reply_is_rejected_and_the_round_goes_on(break_it, needle):
 
 def test_checkpoint_restores_strategy_state_recorder_and_settings(tmp_path):
     """What --resume needs from checkpoint.pt: FedAdam's moments (inside Flower's DP wrapper),
-    the node-sampling RNG, the per-client records, and the run's settings."""
+    the node-sampling RNG, the per-client records, the round book and the run's settings; the
+    file loads with weights_only=True."""
     import random
 
-    from fedsd.config import ConfigError, TrainConfig
+    import torch
+
+    from fedsd.config import TrainConfig
     from server import checkpoint
 
     fed = FedOptions(num_clients=2, strategy="fedadam", server_dp_noise=0.5, rounds=4)
@@ -58,25 +61,45 @@ def test_checkpoint_restores_strategy_state_recorder_and_settings(tmp_path):
     first.client_epsilon = {0: 1.25, 1: 1.5}
     first.missed = {2: [{"client": 1, "node_id": 7, "reason": "not connected"}]}
     random.seed(11)
-    checkpoint.save(tmp_path, round=2, model={"student": {}}, settings=checkpoint.settings(cfg, fed),
-                    experiment_id="abc", rounds=[{"round": 1}, {"round": 2}], recorder=first.recorded(),
-                    strategy=first.inner)
+    checkpoint.save(tmp_path, round=2, model={"student": {"0.weight": torch.ones(2, 2)}},
+                    settings=checkpoint.settings(cfg, fed), experiment_id="abc",
+                    book={"rounds": [{"round": 1}, {"round": 2}]}, strategy=first.state_dict())
     next_draw = random.random()
 
     random.seed(0)
     again = RecordingStrategy(base_strategy(fed), fed, SHAPES, round_offset=2)
     saved = checkpoint.load(tmp_path)
-    again.restore(saved["recorder"])
-    checkpoint.restore_strategy_state(again.inner, saved["strategy"])
+    again.load_state_dict(saved["strategy"])
     assert np.array_equal(again.inner.strategy.m_t["student/0.weight"], np.full((2, 2), 0.5))
     assert np.array_equal(again.inner.strategy.v_t["student/0.weight"], np.full((2, 2), 0.25))
     assert again.client_epsilon == {0: 1.25, 1: 1.5} and again.missed[2][0]["client"] == 1
     assert random.random() == next_draw
+    assert saved["book"]["rounds"] == [{"round": 1}, {"round": 2}] and saved["round"] == 2
+    assert torch.equal(saved["model"]["student"]["0.weight"], torch.ones(2, 2))
     cfg2, fed2 = checkpoint.resumed_settings(tmp_path)
     assert (cfg2.method, cfg2.epsilon, cfg2.subset, fed2.strategy, fed2.rounds) == ("dpdsd", 2.0, 500, "fedadam", 4)
     assert fed2.resume_dir == fed2.out_dir == str(tmp_path.absolute())
-    with pytest.raises(ConfigError, match="--resume"):
+
+
+def test_an_old_or_foreign_checkpoint_is_refused_with_the_reason(tmp_path):
+    """No code runs from a checkpoint (weights_only): fedsd's old pickles, which held numpy
+    arrays and Flower objects, and files of another format are refused, naming --resume."""
+    import torch
+
+    from fedsd.errors import ResumeError
+    from server import checkpoint
+
+    with pytest.raises(ResumeError, match="--resume: no checkpoint.pt"):
         checkpoint.load(tmp_path / "nothing-here")
+    torch.save({"round": 1, "strategy": {"m_t": np.zeros(2)}}, tmp_path / "checkpoint.pt")  # the old layout
+    with pytest.raises(ResumeError, match="not a fedsd server checkpoint this version can read"):
+        checkpoint.load(tmp_path)
+    torch.save({"round": 1, "model": {}}, tmp_path / "checkpoint.pt")  # plain values, no format
+    with pytest.raises(ResumeError, match="format 1; this version of fedsd continues format 2"):
+        checkpoint.load(tmp_path)
+    (tmp_path / "checkpoint.pt").write_text("not a checkpoint")
+    with pytest.raises(ResumeError, match="cannot|not a fedsd server checkpoint"):
+        checkpoint.load(tmp_path)
 
 
 def test_aggregated_metrics_mean_something():

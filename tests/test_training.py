@@ -176,7 +176,7 @@ def test_the_divergence_limit_scales_with_the_objectives_chance_level(method, se
     import math
 
     from fedsd.privacy import plan as calibrate
-    from fedsd.training import DIVERGENCE_FACTOR, DPTrainer, initial_model
+    from fedsd.training import DIVERGENCE_FACTOR, DPTrainer
 
     require("fmnist")
     from fedsd import data as data_lib

@@ -1,0 +1,56 @@
+"""result.json has one type, fedsd.results.RunResult, that writes it and reads it back: every
+run kept under results/, written by any version of fedsd, still reads, with settings this
+version can use."""
+import json
+from pathlib import Path
+
+import pytest
+
+from fedsd.config import TrainConfig
+from fedsd.errors import DataError
+from fedsd.federation import FedOptions
+from fedsd.results import RESULT_FORMAT, RunResult
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+RUNS = sorted(RESULTS.glob("**/result.json"))
+
+
+def test_there_are_runs_to_read():
+    assert len(RUNS) >= 100
+
+
+@pytest.mark.parametrize("path", RUNS, ids=[str(p.parent.relative_to(RESULTS)) for p in RUNS])
+def test_every_kept_run_reads(path):
+    written = json.loads(path.read_text())
+    result = RunResult.read(path)
+    assert result.test_accuracy == written["test_accuracy"] and result.dataset == written["dataset"]
+    assert result.federated == ("rounds" in written) and len(result.curve) >= 1
+    cfg = TrainConfig.from_dict(result.config).resolved()  # an old run's settings, in this version's type
+    assert (cfg.method, cfg.epsilon) == (result.method, result.epsilon_target)
+    if result.federated:
+        assert FedOptions.from_dict(result.federation).num_clients == result.num_clients
+    # written back the same (a null and an absent key mean the same: the writer leaves nulls out)
+    same = lambda d: {k: v for k, v in d.items() if k != "format" and v is not None}  # noqa: E731
+    assert same(result.to_dict()) == same(written)
+
+
+def test_a_result_round_trips_and_a_newer_or_foreign_file_is_refused(tmp_path):
+    result = RunResult(dataset="fmnist", method="dpsgd", epsilon_target=3.0, epsilon_spent=2.99, delta=1e-5,
+                       test_accuracy=0.8, seed=0, wall_seconds=1.0, device="cpu", data_source="x", config={"lr": 3.0},
+                       epochs=[{"epoch": 1, "test_accuracy": 0.8}], extra={"note": "kept"})
+    result.write(tmp_path / "result.json")
+    saved = json.loads((tmp_path / "result.json").read_text())
+    assert saved["format"] == RESULT_FORMAT and saved["note"] == "kept" and "rounds" not in saved
+    assert RunResult.read(tmp_path / "result.json") == result
+    (tmp_path / "newer.json").write_text(json.dumps({**saved, "format": RESULT_FORMAT + 1}))
+    with pytest.raises(DataError, match="result format"):
+        RunResult.read(tmp_path / "newer.json")
+    (tmp_path / "foreign.json").write_text(json.dumps({"accuracy": 0.9}))
+    with pytest.raises(DataError, match="not a readable fedsd result"):
+        RunResult.read(tmp_path / "foreign.json")
+
+
+def test_settings_saved_before_a_setting_was_removed_still_load():
+    old = {**TrainConfig().to_dict(), "a_setting_since_removed": 1}
+    assert TrainConfig.from_dict(old) == TrainConfig()
+    assert FedOptions.from_dict({**FedOptions().__dict__, "gone": True}) == FedOptions()
