@@ -10,7 +10,6 @@ tune_process()
 
 import shutil
 import time
-import uuid
 from datetime import datetime
 from logging import INFO
 from pathlib import Path
@@ -25,7 +24,7 @@ from fedsd.client_data import normalised, task_for
 from fedsd.config import CUSTOM, ConfigError, TrainConfig
 from fedsd.federation import FedOptions, client_config, from_flat, to_flat
 from fedsd.models import build_model
-from fedsd.results import RunResult, check_out_dir, fresh_out_dir, write_run
+from fedsd.results import RunResult, fresh_out_dir, write_run
 from fedsd.settings import flags_to_keys
 from fedsd.training import initial_model, released, torch_memory_format
 from task.federation import build_federation
@@ -42,47 +41,43 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     """Run the federation (or, with fed.resume_dir, go on with the one checkpointed there).
     Returns (result, the released global weights), as `fedsd.central.train`."""
     started = time.perf_counter()
-    resumed = checkpoint.load(fed.resume_dir) if fed.resume_dir else None
-    if resumed is not None:
-        cfg, fed = checkpoint.resumed_settings(fed.resume_dir, resumed)
-        out = Path(fed.resume_dir)
-        log(INFO, "fedsd: resuming %s after round %d of %d", out, resumed["round"], fed.rounds)
-    elif out is not None:
-        out = Path(out)
-        check_out_dir(out, overwrite)
-    cfg, num_classes, test, source = public_side(cfg, fed)  # every check, before anything is written
-    if resumed is None:  # a resumed run's SuperNodes reconnect at their own pace: it waits for them
+    run = checkpoint.start(cfg, fed, out, overwrite)  # the settings, fresh or resumed: read only from here on
+    fed, out = run.fed, run.out
+    if run.resumed:
+        log(INFO, "fedsd: resuming %s after round %d of %d", out, run.round, fed.rounds)
+    # every check, before anything is written; the settings resolved (the papers' values filled in)
+    run.cfg, num_classes, test, source = public_side(run.cfg, fed)
+    cfg = run.cfg
+    if not run.resumed:  # a resumed run's SuperNodes reconnect at their own pace: it waits for them
         check_federation_size(grid, fed.num_clients)
-    if out is not None and resumed is None:
-        fresh_out_dir(out, overwrite)  # holds checkpoint.pt per round, then result.json
+        if out is not None:
+            fresh_out_dir(out, overwrite)  # holds checkpoint.pt per round, then result.json
     device = resolve_device(cfg.device)
     layout = torch_memory_format(cfg)  # as the clients train
     if test is not None:
         test = test[0].to(device).contiguous(memory_format=layout), test[1].to(device)
     net = build_model(cfg.model, num_classes, activation=cfg.activation).to(device, memory_format=layout)
     shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
-    start_round = resumed["round"] if resumed else 0
     # A custom task has no public test split at the server: its clients evaluate on their own.
     federated_evaluation = fed.federated_evaluation or test is None
-    strategy = RecordingStrategy(base_strategy(fed, federated_evaluation), fed, shapes, round_offset=start_round)
-    experiment_id = resumed["experiment_id"] if resumed else uuid.uuid4().hex
-    book = RoundBook(strategy, net, test, rounds_total=fed.rounds, start_round=start_round, out=out,
-                     settings=checkpoint.settings(cfg, fed), experiment_id=experiment_id, progress=progress,
+    strategy = RecordingStrategy(base_strategy(fed, federated_evaluation), fed, shapes, round_offset=run.round)
+    book = RoundBook(strategy, net, test, rounds_total=fed.rounds, start_round=run.round, out=out,
+                     settings=run.settings, experiment_id=run.experiment_id, progress=progress,
                      description=f"{cfg.dataset} {cfg.method} {fed.num_clients} clients")
-    if resumed:
-        strategy.load_state_dict(resumed["strategy"])
-        book.load_state_dict(resumed["book"])
+    if run.resumed:
+        strategy.load_state_dict(run.strategy)
+        book.load_state_dict(run.book)
 
-    initial = resumed["model"] if resumed else initial_model(cfg, num_classes)
-    train_config = ConfigRecord({**to_flat(cfg, fed), "experiment-id": experiment_id})
+    initial = run.model if run.resumed else initial_model(cfg, num_classes)
+    train_config = ConfigRecord({**to_flat(cfg, fed), "experiment-id": run.experiment_id})
     try:
         outcome = strategy.start(grid=PollingGrid(grid), initial_arrays=model_to_record(initial),
-                                 num_rounds=fed.rounds - start_round, timeout=fed.round_timeout,
+                                 num_rounds=fed.rounds - run.round, timeout=fed.round_timeout,
                                  train_config=train_config, evaluate_config=ConfigRecord(dict(train_config)),
                                  evaluate_fn=book.evaluate_global)
     except ClientsFailed:
         # Stopped before any round completed (no client could train): nothing to keep or resume.
-        if out is not None and resumed is None and not (out / checkpoint.CHECKPOINT).exists():
+        if out is not None and not run.resumed and not (out / checkpoint.CHECKPOINT).exists():
             shutil.rmtree(out, ignore_errors=True)
         raise
     finally:
@@ -101,7 +96,7 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
         wall_seconds=time.perf_counter() - started, device=str(device), data_source=source,
         num_clients=fed.num_clients,
         shard_sizes=[reported.get(k, {}).get("num-examples") for k in range(fed.num_clients)], config=cfg.to_dict(),
-        federation=fed.__dict__.copy(), experiment_id=experiment_id, resumed_after_round=start_round or None,
+        federation=fed.__dict__.copy(), experiment_id=run.experiment_id, resumed_after_round=run.round or None,
         missed={str(r["round"]): r["missed"] for r in rounds if r["missed"]}, rounds=rounds)
     weights = {k: v.cpu() for k, v in released(final).items()}
     if out is not None:

@@ -13,6 +13,8 @@ reason before anything starts.
 """
 from __future__ import annotations
 
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,7 +22,7 @@ import torch
 from fedsd.config import TrainConfig
 from fedsd.errors import ResumeError
 from fedsd.federation import FedOptions, from_flat, to_flat
-from fedsd.results import save_atomic
+from fedsd.results import check_out_dir, save_atomic
 
 CHECKPOINT = "checkpoint.pt"
 FORMAT = 2  # 1: the unversioned pickle of fedsd before 2026-11-23 (not continued)
@@ -60,6 +62,45 @@ def resumed_settings(run_dir: str | Path, saved: dict | None = None) -> tuple[Tr
     cfg, fed = from_flat((saved or load(run_dir))["settings"])
     fed.resume_dir = fed.out_dir = str(Path(run_dir).absolute())
     return cfg, fed
+
+
+@dataclass
+class RunStart:
+    """Where a launch of the server starts, decided once before anything reads the settings:
+    a fresh run (round 0, a new experiment id) or the run checkpointed in --resume's folder
+    (its settings, folder, round, experiment id, model and the strategy's and round book's
+    state_dicts)."""
+
+    cfg: TrainConfig
+    fed: FedOptions
+    out: Path | None
+    round: int = 0
+    experiment_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    model: dict | None = None
+    strategy: dict | None = None
+    book: dict | None = None
+
+    @property
+    def resumed(self) -> bool:
+        return self.model is not None
+
+    @property
+    def settings(self) -> dict:
+        """What each round's checkpoint records of the settings."""
+        return settings(self.cfg, self.fed)
+
+
+def start(cfg: TrainConfig, fed: FedOptions, out: str | Path | None, overwrite: bool = False) -> RunStart:
+    """A fresh run into `out` (refused before anything starts when `out` holds something and
+    not `overwrite`), or, with fed.resume_dir, the run checkpointed there with its own settings."""
+    if fed.resume_dir:
+        saved = load(fed.resume_dir)
+        cfg, fed = resumed_settings(fed.resume_dir, saved)
+        return RunStart(cfg, fed, Path(fed.resume_dir), saved["round"], saved["experiment_id"], saved["model"],
+                        saved["strategy"], saved["book"])
+    if out is not None:
+        out = check_out_dir(out, overwrite)
+    return RunStart(cfg, fed, out)
 
 
 def save(run_dir: Path, *, round: int, model, settings: dict, experiment_id: str, book: dict, strategy: dict) -> None:
