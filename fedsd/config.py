@@ -17,8 +17,9 @@ METHODS = tuple(methods.METHODS)
 CUSTOM = "custom"  # a task whose data only the clients hold (fedsd.client_data)
 ACCOUNTANTS = ("rdp", "prv")
 DEVICES = ("cpu", "cuda", "auto")
-# Opacus' ways to clip per sample, fedsd's book-keeping (fedsd.bookkeeping), and auto: the fastest
-# of bk and ew on this machine, measured once and cached (fedsd.routes)
+# The clipping routes (fedsd.clippers: Opacus' per-sample gradients, ghost clipping, fedsd's
+# book-keeping), and auto: the fastest of bk and ew on this machine, measured once and cached
+# (fedsd.routes)
 GRAD_SAMPLE_MODES = ("auto",) + tuple(clippers.CLIPPERS)
 # How images and activations are laid out in memory: channels-last runs this project's
 # convolutions about twice as fast on CPU (results/perf.md); "contiguous" is PyTorch's NCHW.

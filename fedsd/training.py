@@ -7,6 +7,12 @@ the listed epochs and return the updated groups, the new state and metrics. Cent
 is that call once per epoch; a federated client makes it once per round on its shard. With one
 client, one local epoch a round and FedAvg (the identity on one reply), the two are the same
 computation, which is what makes the single-client identity hold by construction.
+
+The trainer runs the same DP-SGD step for every method and route: what a method changes (its
+loss, its weight groups, DPKD's stages, the EMA) is its `fedsd.methods.Method`; how the clipped
+sum is computed is the `fedsd.clippers.Clipper` of the route; what a call adds around each step
+(FedProx's pull, the audit's canaries) are step callbacks passed to that call
+(fedsd.callbacks).
 """
 from __future__ import annotations
 
