@@ -32,7 +32,7 @@ from fedsd.central import resolve_device
 from fedsd.client_data import DataError, HolderData, load_holder_data, normalised, task_for
 from fedsd.config import validate
 from fedsd.errors import ConfigError
-from fedsd.federation import FedOptions, client_config, from_flat, round_epochs
+from fedsd.federation import FedOptions, client_config, from_flat, round_epochs, round_teacher
 from fedsd.training import (BudgetExhausted, DPTrainer, Model, TrainingDiverged, load_train_state, released,
                             save_train_state)
 
@@ -219,7 +219,6 @@ def train_reply(content: RecordDict, context: Context) -> RecordDict:
     if state is None and state_file is not None and state_file.is_file():
         state = load_train_state(state_file, trainer.plan)
     model: Model = record_to_model(content["arrays"])
-    teacher = state.local_model if (fed.teacher == "local-previous" and state is not None) else None
     base = {"num-examples": trainer.num_train, "partition-id": partition_id,
             "noise-multiplier": trainer.plan.noise_multiplier, "sample-rate": trainer.plan.sample_rate,
             **node.budget()}
@@ -239,6 +238,7 @@ def train_reply(content: RecordDict, context: Context) -> RecordDict:
     except BudgetExhausted:
         return RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "refused": 0,
                                                     "epsilon": spent_so_far(state, plan)})})
+    teacher, state = round_teacher(fed, state, model["student"])
     try:
         model, state, metrics = trainer.local_update(model, state, epochs, teacher=teacher, proximal_mu=proximal_mu)
     except TrainingDiverged as e:  # nothing of the round is released; the server stops the run with the reason

@@ -14,7 +14,7 @@ from .settings import declared_only, setting
 PARTITIONS = ("iid", "dirichlet", "inner-dirichlet", "pathological")
 CLIENT_DATA = ("partition", "own")
 STRATEGIES = ("fedavg", "fedadam", "fedprox")
-TEACHER_MODES = ("round-start", "local-previous")
+TEACHER_MODES = ("round-start", "local-previous", "global-ema")
 
 
 @dataclass
@@ -36,8 +36,11 @@ class FedOptions:
     dirichlet_alpha: float = setting(0.5, "dirichlet and inner-dirichlet partitions: concentration α (smaller: "
                                      "more skewed)")
     classes_per_client: int = setting(2, "pathological partition: classes per client")
-    teacher: str = setting("round-start", "self-distillation teacher: the round's global model, or the "
-                           "client's own model from its previous round", choices=TEACHER_MODES)
+    teacher: str = setting("round-start", "self-distillation teacher: round-start = the round's global model; "
+                           "local-previous = the client's own model from its previous round; global-ema = an "
+                           "exponential moving average of the global models the client has received (all of "
+                           "them released models: no privacy cost)", choices=TEACHER_MODES)
+    teacher_ema_decay: float = setting(0.9, "teacher=global-ema: the average's decay per round")
     strategy: str = setting("fedavg", "server aggregation", choices=STRATEGIES)
     proximal_mu: float = setting(0.01, "FedProx: weight μ of the pull towards the global model")
     server_lr: float = setting(0.1, "FedAdam: the server's learning rate η")
@@ -80,6 +83,7 @@ class FedOptions:
         check(self.partition in PARTITIONS, "--partition", f"choose one of {', '.join(PARTITIONS)}", self.partition)
         check(self.strategy in STRATEGIES, "--strategy", f"choose one of {', '.join(STRATEGIES)}", self.strategy)
         check(self.teacher in TEACHER_MODES, "--teacher", f"choose one of {', '.join(TEACHER_MODES)}", self.teacher)
+        check(0 <= self.teacher_ema_decay < 1, "--teacher-ema-decay", "must be in [0, 1)", self.teacher_ema_decay)
         check(math.isfinite(self.dirichlet_alpha) and self.dirichlet_alpha > 0, "--dirichlet-alpha",
               "must be > 0", self.dirichlet_alpha)
         check(self.classes_per_client >= 1, "--classes-per-client", "must be >= 1", self.classes_per_client)
@@ -115,3 +119,24 @@ def from_flat(flat: dict) -> tuple[TrainConfig, FedOptions]:
     """Inverse of to_flat; a missing key keeps its default, and -1 / "" in an optional
     TrainConfig setting means "the paper's default for this data set"."""
     return settings.from_flat(flat, TrainConfig, FedOptions)
+
+
+def round_teacher(fed: FedOptions, state, incoming_student: dict) -> tuple[dict | None, object]:
+    """A client's self-distillation teacher for this round (None: the incoming global student,
+    teacher=round-start) and the TrainState to train with. Every teacher is post-processing of
+    models already released (global models, the client's own DP-trained model): no privacy cost.
+    - local-previous: the client's own model from its previous round (round-start before it has one);
+    - global-ema: θ̄ ← d·θ̄ + (1 − d)·θ_global over the global models this client received, kept
+      in its state (the first is taken as it is). With every client in every round it is the
+      average the server would keep; a client that sits a round out skips that model."""
+    if fed.teacher == "local-previous":
+        return (state.local_model if state is not None else None), state
+    if fed.teacher == "global-ema":
+        from .training import TrainState
+
+        state = state if state is not None else TrainState()
+        d, previous = fed.teacher_ema_decay, state.teacher_average
+        average = ({k: v.detach().clone() for k, v in incoming_student.items()} if previous is None else
+                   {k: d * previous[k] + (1 - d) * v.to(previous[k].device) for k, v in incoming_student.items()})
+        return average, dataclasses.replace(state, teacher_average=average)
+    return None, state

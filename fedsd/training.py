@@ -69,6 +69,7 @@ class TrainState:
     steps: int = 0
     local_model: Weights | None = None  # the end-of-round student, for teacher=local-previous
     momentum: list[torch.Tensor] | None = None  # SGD momentum buffers, when momentum > 0
+    teacher_average: Weights | None = None  # teacher=global-ema: the average of the global models received
 
     def state_dict(self, plan: PrivacyPlan) -> dict:
         """One flat form for every store: names to tensors or plain values, with the mechanism
@@ -79,6 +80,7 @@ class TrainState:
             flat["rng_state"] = self.rng_state
         flat.update({f"local_model/{k}": v.detach().cpu() for k, v in (self.local_model or {}).items()})
         flat.update({f"momentum/{i}": v.detach().cpu() for i, v in enumerate(self.momentum or [])})
+        flat.update({f"teacher_average/{k}": v.detach().cpu() for k, v in (self.teacher_average or {}).items()})
         return flat
 
     @classmethod
@@ -93,8 +95,9 @@ class TrainState:
                                 f"σ={plan.noise_multiplier}, q={plan.sample_rate}")
         local_model = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith("local_model/")}
         momentum = [flat[f"momentum/{i}"] for i in range(sum(k.startswith("momentum/") for k in flat))]
+        average = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith("teacher_average/")}
         return cls(history=json.loads(flat["history"]), rng_state=flat.get("rng_state"), steps=int(flat["steps"]),
-                   local_model=local_model or None, momentum=momentum or None)
+                   local_model=local_model or None, momentum=momentum or None, teacher_average=average or None)
 
 
 def save_train_state(path, state: TrainState, plan: PrivacyPlan) -> None:

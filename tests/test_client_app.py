@@ -58,6 +58,39 @@ def test_local_previous_teacher_is_the_clients_own_last_model():
     assert all(torch.equal(a["student"][k], b["student"][k]) for k in b["student"])
 
 
+def test_global_ema_teacher_averages_the_global_models_the_client_received():
+    """teacher=global-ema: round 1's teacher is the global model itself (as round-start); from
+    then on the client's state holds θ̄ = d·θ̄ + (1 − d)·θ_global over what it received, and its
+    round trains against that average."""
+    require("fmnist")
+    from task.records import load_state
+
+    federation, flat_ema, ctx_ema = make("global-ema")
+    _, flat_start, ctx_start = make("round-start")
+    start = initial_model(federation.cfg, 10)
+    r1_ema = record_to_model(send(flat_ema, ctx_ema, start, 1).content["arrays"])
+    r1_start = record_to_model(send(flat_start, ctx_start, start, 1).content["arrays"])
+    assert all(torch.equal(r1_ema["student"][k], r1_start["student"][k]) for k in r1_start["student"])
+    other = initial_model(TrainConfig(**{**federation.cfg.__dict__, "seed": 99}), 10)
+    r2_ema = record_to_model(send(flat_ema, ctx_ema, other, 2).content["arrays"])
+    r2_start = record_to_model(send(flat_start, ctx_start, other, 2).content["arrays"])
+    assert any(not torch.equal(r2_ema["student"][k], r2_start["student"][k]) for k in r2_start["student"])
+
+
+def test_global_ema_teacher_is_the_average_of_the_global_models():
+    from fedsd.federation import round_teacher
+
+    fed = FedOptions(teacher="global-ema", teacher_ema_decay=0.75)
+    models = [{"w": torch.full((2,), float(v))} for v in (4.0, 8.0, 0.0)]
+    teacher, state = round_teacher(fed, None, models[0])
+    assert torch.equal(teacher["w"], models[0]["w"]) and teacher["w"] is not models[0]["w"]
+    teacher, state = round_teacher(fed, state, models[1])
+    assert torch.equal(teacher["w"], torch.full((2,), 5.0))  # 0.75·4 + 0.25·8
+    teacher, state = round_teacher(fed, state, models[2])
+    assert torch.equal(teacher["w"], torch.full((2,), 3.75)) and torch.equal(state.teacher_average["w"], teacher["w"])
+    assert round_teacher(FedOptions(teacher="round-start"), state, models[0])[0] is None
+
+
 def test_reply_carries_model_arrays_and_metrics_only():
     require("fmnist")
     federation, flat, context = make("round-start")
