@@ -63,7 +63,7 @@ def test_global_ema_teacher_averages_the_global_models_the_client_received():
     then on the client's state holds θ̄ = d·θ̄ + (1 − d)·θ_global over what it received, and its
     round trains against that average."""
     require("fmnist")
-    from task.records import load_state
+    from task.records import STATE_ARRAYS
 
     federation, flat_ema, ctx_ema = make("global-ema")
     _, flat_start, ctx_start = make("round-start")
@@ -75,6 +75,10 @@ def test_global_ema_teacher_averages_the_global_models_the_client_received():
     r2_ema = record_to_model(send(flat_ema, ctx_ema, other, 2).content["arrays"])
     r2_start = record_to_model(send(flat_start, ctx_start, other, 2).content["arrays"])
     assert any(not torch.equal(r2_ema["student"][k], r2_start["student"][k]) for k in r2_start["student"])
+    kept = ctx_ema.state[STATE_ARRAYS]  # the client's own state: 0.9·round 1's model + 0.1·round 2's
+    for k, v in start["student"].items():
+        torch.testing.assert_close(torch.from_numpy(kept[f"teacher_average/{k}"].numpy()),
+                                   0.9 * v + 0.1 * other["student"][k], rtol=0, atol=1e-6)
 
 
 def test_global_ema_teacher_is_the_average_of_the_global_models():
