@@ -43,7 +43,7 @@ def clientapp_starts(deployment: LocalDeployment, partition_id: int) -> int:
 
 def checkpoint_round(out: Path) -> int:
     path = out / "checkpoint.pt"
-    return torch.load(path, weights_only=False)["round"] if path.exists() else 0
+    return torch.load(path, weights_only=True)["round"] if path.exists() else 0
 
 
 def test_deploy_local_script_runs_with_tls_and_node_auth(tmp_path):
@@ -127,7 +127,7 @@ def test_server_stopped_and_resumed_goes_on_with_every_clients_privacy_state(tmp
         deployment.submit({**RUN, "num-server-rounds": 3, "out-dir": str(out)})
         wait_for(lambda: checkpoint_round(out) >= 1, 600, "round 1's checkpoint")
         deployment.stop(deployment.superlink, grace=0)  # SIGKILL-like: the ServerApp dies with it
-        before = torch.load(out / "checkpoint.pt", weights_only=False)
+        before = torch.load(out / "checkpoint.pt", weights_only=True)
         assert not (out / "result.json").exists()
         deployment.start_superlink()
         deployment.wait_online(2, timeout=180)  # the SuperNodes reconnect on their own
@@ -136,10 +136,10 @@ def test_server_stopped_and_resumed_goes_on_with_every_clients_privacy_state(tmp
     done = before["round"]
     assert result["resumed_after_round"] == done
     assert [r["round"] for r in result["rounds"]] == [1, 2, 3]
-    assert result["rounds"][:done] == before["rounds"]  # nothing of a completed round is lost
+    assert result["rounds"][:done] == before["book"]["rounds"]  # nothing of a completed round is lost
     assert result["experiment_id"] == before["experiment_id"]
     for pid, eps in result["rounds"][-1]["client_epsilon"].items():
-        assert eps > before["rounds"][-1]["client_epsilon"][pid]
+        assert eps > before["book"]["rounds"][-1]["client_epsilon"][pid]
         assert 2.9 < eps <= 3.0, (pid, eps)  # the whole plan was spent: no reset
 
 
