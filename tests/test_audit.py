@@ -1,5 +1,5 @@
 """`fedsd audit`: the one-run bound (Steinke et al. 2023) against Monte-Carlo, and audits of
-real MNIST runs: sound (below the accountant's ε), with power (a broken mechanism is caught),
+real Fashion-MNIST runs: sound (below the accountant's ε), with power (a broken mechanism is caught),
 the same in every clipping mode, central and for one client of a federation."""
 import json
 import math
@@ -59,7 +59,7 @@ def test_guess_uses_a_union_bound_over_the_guess_counts():
     assert outcome.epsilon_lower_bound == pytest.approx(audit.epsilon_lower_bound(1000, 1000, 1000, 0.0, beta))
 
 
-# -- audits of real runs (MNIST subsets) ----------------------------------------------------
+# -- audits of real runs (Fashion-MNIST subsets) ----------------------------------------------------
 SMALL = dict(dataset="fmnist", subset=3000, epochs=4, batch_size=150, lr=0.5, threads=2)
 
 

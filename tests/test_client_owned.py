@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("flower_task")
 
 @pytest.fixture(scope="module")
 def split(tmp_path_factory):
-    """Two clients' folders of real MNIST images, in both formats (the same images)."""
+    """Two clients' folders of real Fashion-MNIST images, in both formats (the same images)."""
     require("fmnist")
     root = tmp_path_factory.mktemp("split")
     for fmt in ("imagefolder", "npz"):

@@ -18,7 +18,7 @@ from tests.conftest import require
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-# Small and quick: 2 clients of 1000 MNIST images, 10 DP steps a round.
+# Small and quick: 2 clients of 1000 Fashion-MNIST images, 10 DP steps a round.
 # lr 0.8 at B = 100 (4× the default there): a few steps must visibly learn.
 RUN = {"dataset": "fmnist", "subset": 2000, "batch-size": 100, "lr": 0.8, "num-clients": 2, "threads": 1}
 

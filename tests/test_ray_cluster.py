@@ -79,7 +79,7 @@ def test_simulation_runs_as_a_job_on_a_running_ray_cluster(ray_cluster, tmp_path
     assert [r["round"] for r in result["rounds"]] == [1, 2]
     assert all(r["trained"] == [0, 1] for r in result["rounds"])
     assert all(2.9 < e <= 3.0 for e in result["rounds"][-1]["client_epsilon"].values())
-    assert result["test_accuracy"] > 0.3  # 2 rounds of 10 steps on 2000 MNIST images; chance is 0.1
+    assert result["test_accuracy"] > 0.3  # 2 rounds of 10 steps on 2000 Fashion-MNIST images; chance is 0.1
     # This process was a driver of the cluster (its log is in the cluster's session, named by
     # pid) and the cluster's workers ran the clients: no private Ray instance was started.
     logs = temp / "session_latest" / "logs"
@@ -98,7 +98,7 @@ def test_flwr_run_attaches_through_ray_address(ray_cluster, flower_env):
     drivers = lambda: set((temp / "session_latest" / "logs").glob("python-core-driver-*.log"))
     before = drivers()
     proc = subprocess.run(["flwr", "run", ".", "--stream", "--federation-config", "num-supernodes=2", "--run-config",
-                           "num-clients=2 num-server-rounds=1 dataset='mnist' subset=2000 batch-size=100 lr=0.8"],
+                           "num-clients=2 num-server-rounds=1 dataset='fmnist' subset=2000 batch-size=100 lr=0.8"],
                           cwd=Path(__file__).resolve().parents[1], env={**flower_env, "RAY_ADDRESS": address},
                           capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr

@@ -81,7 +81,7 @@ def test_cli_writes_result_model_and_curve(tmp_path):
     for key in ("dataset", "method", "epsilon_target", "epsilon_spent", "delta", "noise_multiplier", "sample_rate",
                 "steps", "test_accuracy", "seed", "wall_seconds", "config", "epochs"):
         assert key in result
-    assert result["config"]["tau_s"] == 0.1 and result["config"]["batch_size"] == 100  # paper's MNIST τs
+    assert result["config"]["tau_s"] == 0.3 and result["config"]["batch_size"] == 100  # the paper's FMNIST τs
     assert set(result["epochs"][0]) >= {"epoch", "test_accuracy", "test_loss", "epsilon", "seconds"}
     assert result["epochs"][0]["epsilon"] < result["epochs"][1]["epsilon"] == result["epsilon_spent"]
     state = torch.load(out / "model.pt")
