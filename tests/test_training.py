@@ -99,7 +99,7 @@ def test_a_diverging_run_stops_at_once_naming_the_learning_rate():
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, epochs=3, batch_size=16, lr=30.0, subset=1600,
                       seed=0, threads=1)
     with pytest.raises(TrainingDiverged, match=r"diverged in epoch 1: .*--lr 30 at --batch-size 16 \(the papers use "
-                                               r"lr 0.8 at B = 1200\)"):
+                                               r"lr 3 at B = 1600\)"):
         train(cfg, progress=False)
 
 
