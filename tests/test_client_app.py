@@ -34,20 +34,32 @@ def send(flat, context, model, server_round):
     return app(msg, context)
 
 
-def test_local_previous_teacher_is_the_clients_own_last_model():
-    require("fmnist")
-    federation, flat_prev, ctx_prev = make("local-previous")
+def against_round_start(teacher: str):
+    """Rounds 1 and 2 of one client under `teacher` and under round-start, from the same global
+    models: round 1 from the initial model, round 2 from another one (NOT the client's round-1
+    model). Returns the two global models, the replies' students [(teacher's, round-start's)]
+    per round, and the `teacher` client's Context."""
+    federation, flat, ctx = make(teacher)
     _, flat_start, ctx_start = make("round-start")
     start = initial_model(federation.cfg, 10)
-    # Round 1: no previous local model yet, so local-previous falls back to round-start.
-    r1_prev = record_to_model(send(flat_prev, ctx_prev, start, 1).content["arrays"])
-    r1_start = record_to_model(send(flat_start, ctx_start, start, 1).content["arrays"])
-    assert all(torch.equal(r1_prev["student"][k], r1_start["student"][k]) for k in r1_start["student"])
-    # Round 2 from a global model that is NOT this client's round-1 model: the teachers differ.
     other = initial_model(TrainConfig(**{**federation.cfg.__dict__, "seed": 99}), 10)
-    r2_prev = record_to_model(send(flat_prev, ctx_prev, other, 2).content["arrays"])
-    r2_start = record_to_model(send(flat_start, ctx_start, other, 2).content["arrays"])
-    assert any(not torch.equal(r2_prev["student"][k], r2_start["student"][k]) for k in r2_start["student"])
+    rounds = [tuple(record_to_model(send(f, c, model, r).content["arrays"])["student"]
+                    for f, c in ((flat, ctx), (flat_start, ctx_start)))
+              for r, model in ((1, start), (2, other))]
+    return start, other, rounds, ctx
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_local_previous_teacher_is_the_clients_own_last_model():
+    require("fmnist")
+    start, _, (round1, round2), _ = against_round_start("local-previous")
+    # Round 1: no previous local model yet, so local-previous falls back to round-start.
+    assert same(*round1)
+    # Round 2 from a global model that is NOT this client's round-1 model: the teachers differ.
+    assert not same(*round2)
     # ...and when the global model is the client's own last model, the two modes agree.
     _, flat_a, ctx_a = make("local-previous")
     _, flat_b, ctx_b = make("round-start")
@@ -65,16 +77,9 @@ def test_global_ema_teacher_averages_the_global_models_the_client_received():
     require("fmnist")
     from task.records import STATE_ARRAYS
 
-    federation, flat_ema, ctx_ema = make("global-ema")
-    _, flat_start, ctx_start = make("round-start")
-    start = initial_model(federation.cfg, 10)
-    r1_ema = record_to_model(send(flat_ema, ctx_ema, start, 1).content["arrays"])
-    r1_start = record_to_model(send(flat_start, ctx_start, start, 1).content["arrays"])
-    assert all(torch.equal(r1_ema["student"][k], r1_start["student"][k]) for k in r1_start["student"])
-    other = initial_model(TrainConfig(**{**federation.cfg.__dict__, "seed": 99}), 10)
-    r2_ema = record_to_model(send(flat_ema, ctx_ema, other, 2).content["arrays"])
-    r2_start = record_to_model(send(flat_start, ctx_start, other, 2).content["arrays"])
-    assert any(not torch.equal(r2_ema["student"][k], r2_start["student"][k]) for k in r2_start["student"])
+    start, other, (round1, round2), ctx_ema = against_round_start("global-ema")
+    assert same(*round1)
+    assert not same(*round2)
     kept = ctx_ema.state[STATE_ARRAYS]  # the client's own state: 0.9·round 1's model + 0.1·round 2's
     for k, v in start["student"].items():
         torch.testing.assert_close(torch.from_numpy(kept[f"teacher_average/{k}"].numpy()),
