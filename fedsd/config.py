@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from . import clippers, methods
 from .data import DATASETS
-from .methods import dpema, dpkd
+from .methods import DISTILL_SCHEDULES, dpema, dpkd
 from .models import ACTIVATIONS, DEFAULT_MODEL, MODELS
 from .settings import check_setting, declared_only, setting
 from .errors import ConfigError  # noqa: F401 (also importable from here)
@@ -102,7 +102,12 @@ class TrainConfig:
     beta: float | None = setting(None, "DPDSD: weight β of the non-target classes",
                                  default_text=_paper_text("beta", ("dpdsd",)))
     ema_decay: float | None = setting(None, "DPEMA: the EMA's decay", default_text=f"{dpema.EMA_DECAY}, open in the papers, chosen on validation")
-    distill_warmup_epochs: int = setting(1, "epochs of plain cross-entropy before the teacher is used")
+    distill_warmup_epochs: int = setting(1, "epochs of plain cross-entropy before the teacher is used (federated: "
+                                         "global epochs, rounds × local epochs)")
+    distill_schedule: str = setting("constant", "self-distillation: how the distillation terms' weight changes "
+                                    "after the warm-up: constant; decay = from 1 in the first distilling epoch "
+                                    "linearly to 1/n in the last of n; ramp = from 1/n up to 1 (federated: "
+                                    "counted in global epochs, so by round)", choices=DISTILL_SCHEDULES)
     kd_teacher_epochs: int | None = setting(None, "DPKD: epochs of stage 1 (the teacher); the rest train the student",
                                             default_text="half the epochs")
     accountant: str = setting("rdp", "Opacus accountant that calibrates σ and reports ε", choices=ACCOUNTANTS)
@@ -209,6 +214,7 @@ def validate(c: TrainConfig, num_train: int) -> None:
     _check_choice("--model", c.model, MODELS)
     _check_choice("--grad-sample-mode", c.grad_sample_mode, GRAD_SAMPLE_MODES)
     _check_choice("--memory-format", c.memory_format, MEMORY_FORMATS)
+    _check_choice("--distill-schedule", c.distill_schedule, DISTILL_SCHEDULES)
     check_layout(c)
     check_setting(math.isfinite(c.epsilon) and c.epsilon > 0, "--epsilon", "must be > 0", c.epsilon)
     check_setting(0 < c.delta < 1.0 / num_train, "--delta",

@@ -41,13 +41,15 @@ def kl_distillation(student_logits, teacher_logits, *, tau: float, reduction: st
     return _reduce(tau * tau * per_sample, reduction)
 
 
-def dp3sd_loss(student_logits, teacher_logits, target, *, tau_s, tau_t, alpha, reduction="mean"):
-    """DP3SD: α·CE(softmax_τs(z_s), y) + (1−α)·τt²·KL(softmax_τt(z_t) ‖ softmax_τt(z_s))."""
+def dp3sd_loss(student_logits, teacher_logits, target, *, tau_s, tau_t, alpha, distill_weight=1.0,
+               reduction="mean"):
+    """DP3SD: α·CE(softmax_τs(z_s), y) + w·(1−α)·τt²·KL(softmax_τt(z_t) ‖ softmax_τt(z_s)); w = 1 is
+    the papers' loss (w: --distill-schedule)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1] for dp3sd, got {alpha}")
     ce = cross_entropy(student_logits, target, tau=tau_s, reduction="none")
     kd = kl_distillation(student_logits, teacher_logits, tau=tau_t, reduction="none")
-    return _reduce(alpha * ce + (1.0 - alpha) * kd, reduction)
+    return _reduce(alpha * ce + distill_weight * (1.0 - alpha) * kd, reduction)
 
 
 def dpdsd_loss(student_logits, teacher_logits, target, *, tau, alpha, beta, reduction="mean"):

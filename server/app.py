@@ -46,7 +46,7 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     if run.resumed:
         log(INFO, "fedsd: resuming %s after round %d of %d", out, run.round, fed.rounds)
     # every check, before anything is written; the settings resolved (the papers' values filled in)
-    run.cfg, num_classes, test, source = public_side(run.cfg, fed)
+    run.cfg, num_classes, test, source, validation = public_side(run.cfg, fed)
     cfg = run.cfg
     if not run.resumed:  # a resumed run's SuperNodes reconnect at their own pace: it waits for them
         check_federation_size(grid, fed.num_clients)
@@ -54,14 +54,14 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
             fresh_out_dir(out, overwrite)  # holds checkpoint.pt per round, then result.json
     device = resolve_device(cfg.device)
     layout = torch_memory_format(cfg)  # as the clients train
-    if test is not None:
-        test = test[0].to(device).contiguous(memory_format=layout), test[1].to(device)
+    test, validation = ((x.to(device).contiguous(memory_format=layout), y.to(device)) if x is not None else None
+                        for x, y in (test or (None, None), validation or (None, None)))
     net = build_model(cfg.model, num_classes, activation=cfg.activation).to(device, memory_format=layout)
     shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
     # A custom task has no public test split at the server: its clients evaluate on their own.
     federated_evaluation = fed.federated_evaluation or test is None
     strategy = RecordingStrategy(base_strategy(fed, federated_evaluation), fed, shapes, round_offset=run.round)
-    book = RoundBook(strategy, net, test, rounds_total=fed.rounds, start_round=run.round, out=out,
+    book = RoundBook(strategy, net, test, validation=validation, rounds_total=fed.rounds, start_round=run.round, out=out,
                      settings=run.settings, experiment_id=run.experiment_id, progress=progress,
                      description=f"{cfg.dataset} {cfg.method} {fed.num_clients} clients")
     if run.resumed:
@@ -91,7 +91,8 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
         noise_multiplier={str(k): r.get("noise-multiplier") for k, r in reported.items()},
         sample_rate={str(k): r.get("sample-rate") for k, r in reported.items()},
         steps=sum(r.get("steps", 0) for reps in strategy.round_clients.values() for r in reps.values()),
-        test_accuracy=book.final_accuracy(), evaluated_by="server" if test is not None else "clients",
+        test_accuracy=book.final_accuracy(), validation_accuracy=book.final_validation_accuracy(),
+        evaluated_by="server" if test is not None else "clients",
         seed=cfg.seed,
         wall_seconds=time.perf_counter() - started, device=str(device), data_source=source,
         num_clients=fed.num_clients,
@@ -106,24 +107,30 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
 
 def public_side(cfg: TrainConfig, fed: FedOptions):
     """What the server holds: the resolved settings, the number of classes, the public test
-    split (normalised; None for a custom task) and where it came from. With client-data=own
-    it loads no training data at all: each client's data stays on its machine."""
+    split (normalised; None for a custom task), where it came from, and in a simulation with
+    --validation the held-out split (normalised; else None), on which it also evaluates every
+    round to choose settings without the test split. With client-data=own it loads no training
+    data at all: each client's data stays on its machine."""
     if fed.client_data == "own":
         fed.validate()
         cfg = client_config(cfg, fed)
         task = task_for(cfg)
         if cfg.dataset == CUSTOM:
-            return cfg, len(task.classes), None, "each client's own data"
+            return cfg, len(task.classes), None, "each client's own data", None
         images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)  # the public test split only
         # Normalised with the task's constants, as the clients normalise theirs (mean/std settings included).
-        return cfg, len(task.classes), (normalised(images.x_test, task), images.y_test.clone()), images.source
+        return cfg, len(task.classes), (normalised(images.x_test, task), images.y_test.clone()), images.source, None
     if cfg.dataset == CUSTOM:
         raise ConfigError("--dataset: custom data lives on the clients only; set --client-data own")
     federation = build_federation(cfg, fed)
     log(INFO, "fedsd: %d clients, %s partition, shard sizes %s", fed.num_clients, fed.partition,
         federation.shard_sizes())
-    images = federation.images
-    return federation.cfg, images.num_classes, (images.normalised_x_test, images.y_test.clone()), images.source
+    images, cfg = federation.images, federation.cfg
+    validation = None
+    if cfg.validation:
+        held_out = data_lib.validation_indices(images, cfg.validation)
+        validation = images.normalised(images.x_train[held_out]), images.y_train[held_out].clone()
+    return cfg, images.num_classes, (images.normalised_x_test, images.y_test.clone()), images.source, validation
 
 
 # A fresh run waits for its SuperNodes until their number has not changed for this long.

@@ -24,10 +24,11 @@ from .strategy import RecordingStrategy, round_log
 
 class RoundBook:
     def __init__(self, strategy: RecordingStrategy, net: torch.nn.Module,
-                 test: tuple[torch.Tensor, torch.Tensor] | None, *, rounds_total: int, start_round: int,
+                 test: tuple[torch.Tensor, torch.Tensor] | None, *,
+                 validation: tuple[torch.Tensor, torch.Tensor] | None = None, rounds_total: int, start_round: int,
                  out: Path | None, settings: dict, experiment_id: str,
                  progress: bool, description: str):
-        self.strategy, self.net, self.test = strategy, net, test
+        self.strategy, self.net, self.test, self.validation = strategy, net, test, validation
         self.rounds_total, self.start_round = rounds_total, start_round
         self.rounds: list[dict] = []  # the run's rounds so far (a resumed run's: load_state_dict)
         self.out, self.settings, self.experiment_id = out, settings, experiment_id
@@ -50,6 +51,12 @@ class RoundBook:
         self.net.load_state_dict(released(model))
         return evaluate(self.net, *self.test)
 
+    def _validate(self, model) -> float | None:
+        if self.validation is None:
+            return None
+        self.net.load_state_dict(released(model))
+        return evaluate(self.net, *self.validation)[0]
+
     def _record(self, server_round: int, model, accuracy: float, loss: float) -> None:
         s = self.strategy
         now = time.perf_counter()
@@ -68,6 +75,8 @@ class RoundBook:
             lifetime_budget={str(k): lifetime_budget(r) for k, r in reports.items() if "max-epsilon" in r},
             skipped_files={str(k): r["skipped-files"] for k, r in reports.items() if "skipped-files" in r},
             missed=s.missed.get(server_round, [])))
+        if self.validation is not None:  # a simulation's --validation split, for choosing settings
+            self.rounds[-1]["validation_accuracy"] = self._validate(model)
         if self.out is not None:
             checkpoint.save(self.out, round=server_round, model=model, settings=self.settings,
                             experiment_id=self.experiment_id, book=self.state_dict(), strategy=s.state_dict())
@@ -91,6 +100,10 @@ class RoundBook:
         if last["test_accuracy"] is None and last["federated_evaluation"]:
             return last["federated_evaluation"]["test_accuracy"]
         return last["test_accuracy"]
+
+    def final_validation_accuracy(self) -> float | None:
+        """The last round's accuracy on a simulation's --validation split (None without one)."""
+        return self.rounds[-1].get("validation_accuracy") if self.rounds else None
 
     def close(self) -> None:
         self.bar.close()

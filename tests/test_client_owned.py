@@ -248,7 +248,7 @@ def test_the_server_normalises_its_public_test_split_as_the_clients_normalise_th
     from server.app import public_side
 
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, mean="0.5", std="0.25")
-    _, classes, (x_test, y_test), _ = public_side(cfg, FedOptions(num_clients=2, rounds=1, client_data="own"))
+    _, classes, (x_test, y_test), _, _ = public_side(cfg, FedOptions(num_clients=2, rounds=1, client_data="own"))
     images = data_lib.load("fmnist", None, False)
     assert classes == 10 and torch.equal(y_test, images.y_test)
     assert torch.allclose(x_test, (images.x_test.float() / 255 - 0.5) / 0.25)

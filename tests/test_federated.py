@@ -58,6 +58,30 @@ def test_three_clients_learn_and_account_per_client(tmp_path):
     assert (tmp_path / "run" / "model.pt").exists() and (tmp_path / "run" / "curve.png").exists()
 
 
+def test_a_simulation_with_validation_scores_every_round_on_the_held_out_split():
+    """--validation holds samples out of every shard, and the server scores each round's global
+    model on them too (to choose settings without the test split): the number is the held-out
+    split's accuracy of the released weights."""
+    require("fmnist")
+    from fedsd import data as data_lib
+    from fedsd.training import evaluate
+    from fedsd.models import build_model
+
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=256, lr=3.0, subset=4000,
+                      validation=2000, seed=0, threads=1)
+    result, weights = simulate(cfg, FedOptions(num_clients=2, rounds=2), progress=False)
+    assert sum(result["shard_sizes"]) == 4000
+    images = data_lib.load("fmnist", None)
+    held_out = data_lib.validation_indices(images, 2000)
+    assert not set(held_out.tolist()) & set(data_lib.training_indices(images, 4000, 0, 2000).tolist())
+    net = build_model("mnist-cnn", 10)
+    net.load_state_dict(weights)
+    accuracy, _ = evaluate(net, images.normalised(images.x_train[held_out]), images.y_train[held_out])
+    assert result["rounds"][-1]["validation_accuracy"] == pytest.approx(accuracy, abs=1e-12)
+    assert result["validation_accuracy"] == result["rounds"][-1]["validation_accuracy"] >= 0.5
+    assert all(r["validation_accuracy"] is not None for r in result["rounds"])
+
+
 def test_client_over_budget_is_skipped_not_crashed():
     """Clients calibrated for 2 rounds are asked for 3: round 3 is refused by every client,
     the server logs it and finishes, and the model stays that of round 2."""

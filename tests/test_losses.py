@@ -1,4 +1,5 @@
 """The losses against hand computations of SPEC §3, §4 (plain Python math, sample by sample)."""
+import dataclasses
 import math
 
 import pytest
@@ -109,3 +110,28 @@ def test_bad_reduction(batch):
     zs, zt, y = batch
     with pytest.raises(ValueError, match="reduction"):
         dpdsd_loss(zs, zt, y, tau=5, alpha=0.1, beta=0.3, reduction="sum")
+
+
+@pytest.mark.parametrize("schedule,weights", [("constant", [1, 1, 1, 1]), ("decay", [1, 0.75, 0.5, 0.25]),
+                                              ("ramp", [0.25, 0.5, 0.75, 1])])
+def test_distill_schedule_scales_the_distillation_terms_by_epoch(batch, schedule, weights):
+    """--distill-schedule: after 2 warm-up epochs of 6, epochs 3..6 weigh the teacher's terms by
+    the schedule; the classification term keeps its weight."""
+    from fedsd.config import TrainConfig
+    from fedsd.methods import METHODS
+
+    zs, zt, y = batch
+    cfg = TrainConfig(dataset="fmnist", epochs=6, distill_warmup_epochs=2, distill_schedule=schedule)
+    for method in ("dp3sd", "dpdsd"):
+        c = dataclasses.replace(cfg, method=method).resolved()
+        assert not METHODS[method].epoch_loss(c, 2).reads_teacher  # still warming up
+        for epoch, w in zip(range(3, 7), weights):
+            got = METHODS[method].epoch_loss(c, epoch).per_sample(zs, zt, y).tolist()
+            if method == "dp3sd":
+                ce = [-math.log(softmax(zs[i].tolist(), c.tau_s)[int(y[i])]) for i in range(6)]
+                full = [hand_dp3sd(zs[i].tolist(), zt[i].tolist(), int(y[i]), c.tau_s, c.tau_t, c.alpha) for i in range(6)]
+                expected = [c.alpha * a + w * (f - c.alpha * a) for a, f in zip(ce, full)]
+            else:
+                expected = [hand_dpdsd(zs[i].tolist(), zt[i].tolist(), int(y[i]), c.tau, w * c.alpha, w * c.beta)
+                            for i in range(6)]
+            assert got == pytest.approx(expected, rel=1e-10), (method, epoch)

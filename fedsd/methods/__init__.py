@@ -77,6 +77,20 @@ def warming_up(cfg: "TrainConfig", epoch: int) -> bool:
     return epoch <= cfg.distill_warmup_epochs
 
 
+DISTILL_SCHEDULES = ("constant", "decay", "ramp")
+
+
+def distill_weight(cfg: "TrainConfig", epoch: int) -> float:
+    """The factor on a self-distillation method's distillation terms in a (1-based, global) epoch
+    after the warm-up (--distill-schedule). With n distilling epochs and this the k-th: constant
+    1; decay (n − k + 1)/n, the teacher counts less as the model it is a copy of gets better;
+    ramp k/n, it counts more as it gets better. A federation counts global epochs, so its weight
+    changes by round."""
+    n = max(cfg.epochs - cfg.distill_warmup_epochs, 1)
+    k = min(max(epoch - cfg.distill_warmup_epochs, 1), n)
+    return {"constant": 1.0, "decay": (n - k + 1) / n, "ramp": k / n}[cfg.distill_schedule]
+
+
 from .dpsgd import DPSGD  # noqa: E402
 from .dpema import DPEMA  # noqa: E402
 from .dpkd import DPKD  # noqa: E402

@@ -3,7 +3,7 @@ non-target classes' (NCSD, weight β), after --distill-warmup-epochs of cross-en
 import math
 
 from .. import losses
-from . import EpochLoss, Method, warming_up
+from . import EpochLoss, Method, distill_weight, warming_up
 
 
 class DPDSD(Method):
@@ -13,7 +13,8 @@ class DPDSD(Method):
     def epoch_loss(self, cfg, epoch):
         if warming_up(cfg, epoch):
             return super().epoch_loss(cfg, epoch)
+        alpha, beta = (distill_weight(cfg, epoch) * w for w in (cfg.alpha, cfg.beta))
         # α·TCSD + β·NCSD ≤ e·max(α, β)·ln K: its gate e^γ < e weighs teacher probabilities that sum to 1
-        return EpochLoss(lambda s, t, y: losses.dpdsd_loss(s, t, y, tau=cfg.tau, alpha=cfg.alpha, beta=cfg.beta,
+        return EpochLoss(lambda s, t, y: losses.dpdsd_loss(s, t, y, tau=cfg.tau, alpha=alpha, beta=beta,
                                                            reduction="none"),
-                         True, 1 + math.e * max(cfg.alpha, cfg.beta))
+                         True, 1 + math.e * max(alpha, beta))
