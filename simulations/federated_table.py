@@ -94,7 +94,9 @@ def _settings(cfg: TrainConfig, fed: FedOptions) -> dict:
 
 def run_state(run_out: Path, cfg: TrainConfig, fed: FedOptions) -> str:
     """"done" (result.json, or diverged.json, with these settings), "resume" (a checkpoint with
-    these settings) or "fresh" (nothing, or a run made with other settings, which is replaced)."""
+    these settings) or "fresh" (nothing, a run made with other settings, or one in which a client
+    went missing, a worker killed for memory or a round timed out: each is replaced, since the
+    table compares methods, not the machine's failures)."""
     from server import checkpoint
 
     wanted = _settings(cfg, fed)
@@ -102,6 +104,8 @@ def run_state(run_out: Path, cfg: TrainConfig, fed: FedOptions) -> str:
         if (run_out / name).exists():
             if name == "result.json":
                 done = RunResult.read(run_out / name)
+                if done.missed:
+                    return "fresh"
                 config, federation = done.config, done.federation
             else:
                 config, federation = (json.loads((run_out / name).read_text())[k] for k in ("config", "federation"))

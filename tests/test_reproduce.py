@@ -142,6 +142,14 @@ def test_federated_table_runs_resumes_and_writes_its_files(tmp_path):
     assert done.stat().st_mtime_ns == stamp  # a finished run is not run again
     again = json.loads(stopped.read_text())
     assert 100 * again["test_accuracy"] == pytest.approx(rows["dp3sd"]["final"][0])
+    # a run in which a client went missing (here: as if its worker had been killed) is run again
+    from simulations.federated_table import FedCell, cell_settings, run_state
+
+    settings = cell_settings(FedCell("iid", "dpsgd"), 0, rounds=2, subset=3000)
+    assert run_state(done.parent, *settings) == "done"
+    written = json.loads(done.read_text())
+    done.write_text(json.dumps({**written, "missed": {"2": [{"client": 3, "reason": "OutOfMemoryError"}]}}))
+    assert run_state(done.parent, *settings) == "fresh"
 
 
 def test_a_diverged_federation_is_a_row_of_the_table_and_not_run_again(tmp_path):
