@@ -40,6 +40,8 @@ TEACHER_VARIANTS = (
     # the average of the global models received (FedGKD's ensemble of past global models, as an EMA)
     ("dpdsd", "global-ema", "constant", tuple(FED_PARTITIONS)),
     ("dp3sd", "global-ema", "constant", tuple(FED_PARTITIONS)),
+    # the distillation weight falling by round, from 1 after the warm-up round to 1/29 in the last
+    ("dpdsd", "round-start", "decay", tuple(FED_PARTITIONS)),
     # a client's own previous-round model, where the round's global model is furthest from its data
     ("dp3sd", "local-previous", "constant", ("dirichlet0.1",)),
     ("dpdsd", "local-previous", "constant", ("dirichlet0.1",)),
