@@ -122,10 +122,9 @@ def train(cfg: TrainConfig | None, out: str | Path | None = None, overwrite: boo
     else:
         model, epochs, before = saved["model"], saved["epochs"], saved["wall_seconds"]
         state = TrainState.from_state_dict(saved["state"], plan) if saved["state"] is not None else None
-    held_out = data_lib.validation_indices(run.data, cfg.validation)
-    val_x = run.data.normalised(run.data.x_train[held_out]).to(run.device).contiguous(
-        memory_format=trainer.memory_format)
-    val_y = run.data.y_train[held_out].to(run.device)
+    val_x, val_y = data_lib.validation_split(run.data, cfg.validation)
+    val_x = val_x.to(run.device).contiguous(memory_format=trainer.memory_format)
+    val_y = val_y.to(run.device)
 
     def save(model, state, epochs) -> None:
         """The run as it stands after a completed epoch: atomically, then the note for people."""

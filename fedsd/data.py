@@ -224,6 +224,12 @@ def validation_indices(data: ImageData, size: int) -> torch.Tensor:
     return stratified_subset(data.y_train, size, VALIDATION_SEED)
 
 
+def validation_split(data: ImageData, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The --validation split's images (normalised) and labels (empty for size 0)."""
+    held_out = validation_indices(data, size)
+    return data.normalised(data.x_train[held_out]), data.y_train[held_out].clone()
+
+
 def training_indices(data: ImageData, subset: int | None, seed: int, validation: int = 0) -> torch.Tensor:
     """The training samples a run uses: the training set less the --validation split, then a
     seeded stratified --subset of that, or all of it."""

@@ -54,8 +54,11 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
             fresh_out_dir(out, overwrite)  # holds checkpoint.pt per round, then result.json
     device = resolve_device(cfg.device)
     layout = torch_memory_format(cfg)  # as the clients train
-    test, validation = ((x.to(device).contiguous(memory_format=layout), y.to(device)) if x is not None else None
-                        for x, y in (test or (None, None), validation or (None, None)))
+
+    def on_device(split):
+        return None if split is None else (split[0].to(device).contiguous(memory_format=layout), split[1].to(device))
+
+    test, validation = on_device(test), on_device(validation)
     net = build_model(cfg.model, num_classes, activation=cfg.activation).to(device, memory_format=layout)
     shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
     # A custom task has no public test split at the server: its clients evaluate on their own.
@@ -126,10 +129,7 @@ def public_side(cfg: TrainConfig, fed: FedOptions):
     log(INFO, "fedsd: %d clients, %s partition, shard sizes %s", fed.num_clients, fed.partition,
         federation.shard_sizes())
     images, cfg = federation.images, federation.cfg
-    validation = None
-    if cfg.validation:
-        held_out = data_lib.validation_indices(images, cfg.validation)
-        validation = images.normalised(images.x_train[held_out]), images.y_train[held_out].clone()
+    validation = data_lib.validation_split(images, cfg.validation) if cfg.validation else None
     return cfg, images.num_classes, (images.normalised_x_test, images.y_test.clone()), images.source, validation
 
 

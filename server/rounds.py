@@ -39,25 +39,22 @@ class RoundBook:
     def evaluate_global(self, launch_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Flower's evaluate_fn: round 0 is the initial model (evaluated, not recorded)."""
         model = record_to_model(arrays)
-        accuracy, loss = self._evaluate(model)
+        accuracy, loss, validation = self._evaluate(model)
         if launch_round > 0:
-            self._record(launch_round + self.start_round, model, accuracy, loss)
+            self._record(launch_round + self.start_round, model, accuracy, loss, validation)
         return MetricRecord({"test-accuracy": accuracy, "test-loss": loss})
 
-    def _evaluate(self, model) -> tuple[float, float]:
-        # A custom task has no public test split at the server: nothing is evaluated there.
-        if self.test is None:
-            return float("nan"), float("nan")
+    def _evaluate(self, model) -> tuple[float, float, float | None]:
+        """(test accuracy, test loss, --validation accuracy) of the released weights. A custom
+        task has no public test split at the server (NaN, NaN); without --validation, None."""
+        if self.test is None and self.validation is None:
+            return float("nan"), float("nan"), None
         self.net.load_state_dict(released(model))
-        return evaluate(self.net, *self.test)
+        accuracy, loss = evaluate(self.net, *self.test) if self.test is not None else (float("nan"), float("nan"))
+        validation = evaluate(self.net, *self.validation)[0] if self.validation is not None else None
+        return accuracy, loss, validation
 
-    def _validate(self, model) -> float | None:
-        if self.validation is None:
-            return None
-        self.net.load_state_dict(released(model))
-        return evaluate(self.net, *self.validation)[0]
-
-    def _record(self, server_round: int, model, accuracy: float, loss: float) -> None:
+    def _record(self, server_round: int, model, accuracy: float, loss: float, validation: float | None) -> None:
         s = self.strategy
         now = time.perf_counter()
         epsilons = dict(sorted(s.client_epsilon.items()))
@@ -75,8 +72,8 @@ class RoundBook:
             lifetime_budget={str(k): lifetime_budget(r) for k, r in reports.items() if "max-epsilon" in r},
             skipped_files={str(k): r["skipped-files"] for k, r in reports.items() if "skipped-files" in r},
             missed=s.missed.get(server_round, [])))
-        if self.validation is not None:  # a simulation's --validation split, for choosing settings
-            self.rounds[-1]["validation_accuracy"] = self._validate(model)
+        if validation is not None:  # a simulation's --validation split, for choosing settings
+            self.rounds[-1]["validation_accuracy"] = validation
         if self.out is not None:
             checkpoint.save(self.out, round=server_round, model=model, settings=self.settings,
                             experiment_id=self.experiment_id, book=self.state_dict(), strategy=s.state_dict())

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 import statistics
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from fedsd.federation import FedOptions, client_config
 from fedsd.results import RunResult, write_json
 from fedsd.training import TrainingDiverged
 
-from .reproduce import DIVERGED
+from .reproduce import DIVERGED, paired_difference
 
 # The issue's settings, declared once. lr 1.5, chosen on the federation's validation split: the
 # central B = 256 sweep's best, 3, makes a Dirichlet(0.1) client diverge in round 1 once 10,000
@@ -167,21 +166,6 @@ def reproduce_fed(partitions, methods, seeds: int, jobs: int, rounds: int | None
     write_fed_table(fed_cells(), runs_dir, out)
 
 
-def paired_difference(row: dict, base: dict | None) -> dict | None:
-    """This row's final accuracy minus `base`'s, seed by seed over the seeds both ran (the same
-    seed: the same shards, initial model and first noise): the mean, its standard error (None
-    with one seed) and whether the mean is beyond two standard errors of 0."""
-    if base is None or base is row or "diverged" in base:
-        return None
-    by_seed = dict(zip(base["seeds"], base["final"]))
-    diffs = [a - by_seed[s] for s, a in zip(row["seeds"], row["final"]) if s in by_seed]
-    if not diffs:
-        return None
-    mean = statistics.mean(diffs)
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
-    return dict(mean=mean, se=se, seeds=len(diffs), beyond_2se=se is not None and abs(mean) > 2 * se)
-
-
 def _difference_text(d: dict | None) -> str:
     if d is None:
         return ""
@@ -222,7 +206,7 @@ def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
     for row in rows:
         if "diverged" not in row:
             for method in ("dpsgd", "dpema"):
-                row[f"vs_{method}"] = paired_difference(row, baseline.get((row["partition"], method)))
+                row[f"vs_{method}"] = paired_difference(row, baseline.get((row["partition"], method)), "final")
             row["gain_over_dpsgd"] = row["vs_dpsgd"]["mean"] if row["vs_dpsgd"] else None
     write_json(out / f"{FED_TABLE_NAME}.json", {"settings": {**FED_TABLE, **FED_SHAPE}, "cells": rows})
     lines = ["# The federated table: Fashion-MNIST, 10 clients, 1 local epoch a round, "

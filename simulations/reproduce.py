@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -287,18 +288,31 @@ def write_tables(table: int, cells: list[Cell], runs_dir: Path, out: Path) -> No
         _figure3(rows, out)
 
 
+def paired_difference(row: dict, base: dict | None, accuracies: str = "accuracies") -> dict | None:
+    """This row's accuracy minus `base`'s, seed by seed over the seeds both ran (the same seed:
+    the same data order, initial model and noise; in a federation the same shards too): the
+    mean, its standard error (None with one seed) and whether the mean is beyond two standard
+    errors of 0."""
+    if base is None or base is row or "diverged" in base:
+        return None
+    by_seed = dict(zip(base["seeds"], base[accuracies]))
+    diffs = [a - by_seed[s] for s, a in zip(row["seeds"], row[accuracies]) if s in by_seed]
+    if not diffs:
+        return None
+    mean = statistics.mean(diffs)
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+    return dict(mean=mean, se=se, seeds=len(diffs), beyond_2se=se is not None and abs(mean) > 2 * se)
+
+
 def gain_over_dpsgd(row: dict, rows: list[dict], same: tuple[str, ...], accuracies: str = "accuracies"
                     ) -> float | None:
     """Mean, over the seeds both ran, of (this row's accuracy − dpsgd's) in the dpsgd row that
-    agrees on the `same` keys (data set and ε; a partition)."""
+    agrees on the `same` keys (data set and ε)."""
     if row["method"] == "dpsgd":
         return None
     base = next((r for r in rows if r["method"] == "dpsgd" and all(r[k] == row[k] for k in same)), None)
-    if base is None:
-        return None
-    base_by_seed = dict(zip(base["seeds"], base[accuracies]))
-    diffs = [a - base_by_seed[s] for s, a in zip(row["seeds"], row[accuracies]) if s in base_by_seed]
-    return statistics.mean(diffs) if diffs else None
+    difference = paired_difference(row, base, accuracies)
+    return difference["mean"] if difference else None
 
 
 def _figure3(rows: list[dict], out: Path) -> None:

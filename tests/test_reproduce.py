@@ -193,15 +193,15 @@ def test_a_grid_sweeps_a_named_choice_and_refuses_one_not_offered():
 def test_the_federated_table_pairs_seeds_and_marks_differences_beyond_two_standard_errors():
     """vs dpsgd / dpema: seed-by-seed differences over the seeds both rows ran, their mean and
     standard error; 'beyond two standard errors' only with more than one seed."""
-    from simulations.federated_table import paired_difference
+    from simulations.reproduce import paired_difference
 
     base = dict(seeds=[0, 1, 2], final=[80.0, 81.0, 79.0])
     steady = dict(seeds=[0, 1, 2], final=[81.0, 82.2, 79.8])  # +1.0, +1.2, +0.8
-    d = paired_difference(steady, base)
+    d = paired_difference(steady, base, "final")
     assert d["mean"] == pytest.approx(1.0) and d["se"] == pytest.approx(0.2 / 3 ** 0.5) and d["beyond_2se"]
     noisy = dict(seeds=[0, 1, 2], final=[82.0, 80.0, 79.5])  # +2.0, −1.0, +0.5
-    d = paired_difference(noisy, base)
+    d = paired_difference(noisy, base, "final")
     assert d["mean"] == pytest.approx(0.5) and not d["beyond_2se"]
-    d = paired_difference(dict(seeds=[1, 5], final=[83.0, 90.0]), base)  # only seed 1 is shared
+    d = paired_difference(dict(seeds=[1, 5], final=[83.0, 90.0]), base, "final")  # only seed 1 is shared
     assert d == dict(mean=pytest.approx(2.0), se=None, seeds=1, beyond_2se=False)
-    assert paired_difference(base, base) is None and paired_difference(steady, None) is None
+    assert paired_difference(base, base, "final") is None and paired_difference(steady, None, "final") is None
