@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from . import clippers, methods
 from .data import DATASETS
-from .methods import DISTILL_SCHEDULES, dpema, dpkd
+from .methods import DISTILL_SCHEDULES, RELEASES, dpema, dpkd, release_of
 from .models import ACTIVATIONS, DEFAULT_MODEL, MODELS
 from .settings import check_setting, declared_only, setting
 from .errors import ConfigError  # noqa: F401 (also importable from here)
@@ -101,7 +101,12 @@ class TrainConfig:
                                   default_text=_paper_text("alpha", ("dp3sd", "dpdsd", "dpkd")))
     beta: float | None = setting(None, "DPDSD: weight β of the non-target classes",
                                  default_text=_paper_text("beta", ("dpdsd",)))
-    ema_decay: float | None = setting(None, "DPEMA: the EMA's decay", default_text=f"{dpema.EMA_DECAY}, open in the papers, chosen on validation")
+    release: str | None = setting(None, "the weights a run releases and evaluates: student (the last iterate) "
+                                  "or ema (an exponential moving average of the iterates, post-processing: no "
+                                  "privacy cost; not for dpkd)", choices=RELEASES,
+                                  default_text="ema for dpema, student for the others")
+    ema_decay: float | None = setting(None, "the released EMA's decay (dpema, --release ema)",
+                                      default_text=f"{dpema.EMA_DECAY}, open in the papers, chosen on validation")
     distill_warmup_epochs: int = setting(1, "epochs of plain cross-entropy before the teacher is used (federated: "
                                          "global epochs, rounds × local epochs)")
     distill_schedule: str = setting("constant", "self-distillation: how the distillation terms' weight changes "
@@ -156,6 +161,8 @@ class TrainConfig:
         for key, value in methods.METHODS[c.method].defaults(c, paper).items():
             if getattr(c, key) is None:
                 setattr(c, key, value)
+        if c.ema_decay is None and release_of(c) == "ema":
+            c.ema_decay = dpema.EMA_DECAY
         if c.momentum is None:
             c.momentum = OPEN_DEFAULTS["momentum"][reference]
         if c.model is None:
@@ -215,6 +222,8 @@ def validate(c: TrainConfig, num_train: int) -> None:
     _check_choice("--grad-sample-mode", c.grad_sample_mode, GRAD_SAMPLE_MODES)
     _check_choice("--memory-format", c.memory_format, MEMORY_FORMATS)
     _check_choice("--distill-schedule", c.distill_schedule, DISTILL_SCHEDULES)
+    if c.release is not None:
+        _check_choice("--release", c.release, RELEASES)
     check_layout(c)
     check_setting(math.isfinite(c.epsilon) and c.epsilon > 0, "--epsilon", "must be > 0", c.epsilon)
     check_setting(0 < c.delta < 1.0 / num_train, "--delta",
@@ -236,6 +245,8 @@ def validate(c: TrainConfig, num_train: int) -> None:
         value = getattr(c, name)
         if value is not None:
             check_setting(value >= 0, f"--{name}", "must be >= 0", value)
+    if release_of(c) == "ema":
+        check_setting(0 <= c.ema_decay < 1, "--ema-decay", "must be in [0, 1)", c.ema_decay)
     methods.METHODS[c.method].check(c)
     if c.subset is not None:
         check_setting(c.subset >= 1, "--subset", "must be >= 1", c.subset)

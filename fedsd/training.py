@@ -30,7 +30,7 @@ from .callbacks import ProximalTerm, StepCallback
 from .clippers import CLIPPERS
 from .config import TrainConfig, check_layout
 from .data import TensorData
-from .methods import EpochLoss, Model, Weights, method_of, released  # noqa: F401 (released: also importable from here)
+from .methods import EpochLoss, Model, Weights, method_of, release_callbacks, released, with_release  # noqa: F401 (released: also importable from here)
 from .models import build_model, check_private_trainable
 from .privacy import Ledger, PrivacyPlan, steps_per_epoch
 from .seeds import SEED_CLIENT_RNG, SEED_MODEL_INIT, derive_seed
@@ -56,7 +56,7 @@ def initial_model(cfg: TrainConfig, num_classes: int) -> Model:
     """The global model before any training: the same for every client and the central run."""
     student = build_model(cfg.model, num_classes, seed=derive_seed(cfg.seed, SEED_MODEL_INIT),
                           activation=cfg.activation).state_dict()
-    return method_of(cfg).initial_model(student)
+    return with_release(cfg, method_of(cfg).initial_model(student))
 
 
 @dataclass
@@ -247,7 +247,7 @@ class DPTrainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
 
-        model = {k: dict(v) for k, v in model.items()}
+        model = with_release(cfg, {k: dict(v) for k, v in model.items()})
         self.load_student(model["student"])
         self._restore_momentum(state.momentum)
         if teacher is not None:
@@ -255,6 +255,7 @@ class DPTrainer:
         elif self.method.self_distilling:
             self.load_teacher(model["student"])
         callbacks = [*self.method.step_callbacks(cfg, model, state.steps, self.device),
+                     *release_callbacks(cfg, model, state.steps, self.device),
                      *([ProximalTerm(proximal_mu)] if proximal_mu > 0 else []), *callbacks]
         for callback in callbacks:
             callback.on_call_start(self)

@@ -45,6 +45,20 @@ def test_bad_dpdsd_options(tmp_path, capsys, extra, needle):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra,reason", [
+    (["--method", "dpkd", "--release", "ema"], "dpkd releases its student"),
+    (["--method", "dpema", "--release", "student"], "use --method dpsgd"),
+    (["--method", "dpdsd", "--release", "ema", "--ema-decay", "1"], "must be in [0, 1)"),
+])
+def test_a_release_a_method_cannot_take_is_refused_with_the_reason(tmp_path, capsys, extra, reason):
+    require("fmnist")
+    args = ["train", "--dataset", "fmnist", "--epsilon", "3", "--epochs", "2", "--subset", "1000",
+            "--batch-size", "100"] + extra
+    assert main(args + ["--out", str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert reason in err and ("--release" in err or "--ema-decay" in err) and not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("flag,value", [("--dataset", "svhn"), ("--method", "dpfoo"), ("--accountant", "gdp")])
 def test_unknown_choices(tmp_path, capsys, flag, value):
     args = ["train", "--epsilon", "3", "--out", str(tmp_path / "o"), flag, value]

@@ -24,12 +24,12 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("method", ["dp3sd", "dpdsd", "dpema"])
-def test_single_client_reproduces_central_training(method):
+@pytest.mark.parametrize("method,release", [("dp3sd", None), ("dpdsd", None), ("dpema", None), ("dpdsd", "ema")])
+def test_single_client_reproduces_central_training(method, release):
     """--clients 1 --rounds K --local-epochs 1 gives the weights of `fedsd train --epochs K`."""
     require("fmnist")
-    cfg = TrainConfig(dataset="fmnist", method=method, epsilon=3, batch_size=200, subset=2000, seed=5, threads=1,
-                      ema_decay=0.9 if method == "dpema" else None)
+    cfg = TrainConfig(dataset="fmnist", method=method, release=release, epsilon=3, batch_size=200, subset=2000,
+                      seed=5, threads=1, ema_decay=0.9 if "ema" in (method[2:], release) else None)
     fed, fed_weights = simulate(cfg, FedOptions(num_clients=1, rounds=3, local_epochs=1), progress=False)
     central, weights = train(dataclasses.replace(cfg, epochs=3), progress=False)
     diff = max((fed_weights[k] - weights[k]).abs().max().item() for k in weights)

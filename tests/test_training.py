@@ -72,6 +72,38 @@ def test_dpema_releases_the_average_not_the_last_iterate():
 
 
 @pytest.mark.slow
+def test_release_ema_releases_an_average_without_changing_what_trains():
+    """--release ema is post-processing: the student trains exactly as without it, and the run
+    releases the average of its iterates; dpsgd --release ema is dpema, bit for bit."""
+    require("fmnist")
+
+    def run(method, release):
+        cfg = TrainConfig(dataset="fmnist", method=method, release=release, epsilon=3, epochs=2, batch_size=100,
+                          subset=600, seed=3, threads=1, ema_decay=0.9)
+        return train(cfg, progress=False)[1]
+
+    dpema, dpsgd_ema = run("dpema", None), run("dpsgd", "ema")
+    assert all(torch.equal(dpema[k], dpsgd_ema[k]) for k in dpema)
+    plain, averaged = run("dpdsd", None), run("dpdsd", "ema")
+    assert any(not torch.equal(plain[k], averaged[k]) for k in plain)
+    from fedsd import data as data_lib
+    from fedsd.privacy import plan
+    from fedsd.training import DPTrainer, initial_model
+
+    students = []
+    for release in (None, "ema"):
+        cfg = TrainConfig(dataset="fmnist", method="dpdsd", release=release, epsilon=3, epochs=1, batch_size=100,
+                          subset=500, seed=3, threads=1).resolved()
+        images = data_lib.load("fmnist")
+        trainer = DPTrainer(cfg, data_lib.prepare(images, data_lib.stratified_subset(images.y_train, 500, 0)),
+                            plan(3, 1e-5, 500, 100, 1))
+        model, _, _ = trainer.local_update(initial_model(cfg, 10), None, [1])
+        students.append(model["student"])
+        assert ("ema" in model) == (release == "ema")
+    assert all(torch.equal(students[0][k], students[1][k]) for k in students[0])
+
+
+@pytest.mark.slow
 def test_cli_writes_result_model_and_curve(tmp_path):
     require("fmnist")
     out = tmp_path / "run"

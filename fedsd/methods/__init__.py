@@ -4,7 +4,8 @@ A method says what a run of it carries and computes; the trainer (fedsd.training
 same DP-SGD steps for all of them:
   - its defaults (`defaults`, from the papers' table for the data set) and their checks (`check`);
   - the groups of weights it carries from call to call (`groups`: the student, and where it has
-    them the EMA or DPKD's teacher), which one it releases (`releases`), and their start
+    them the EMA or DPKD's teacher), which one it releases by default (`releases`; --release
+    ema gives any method but DPKD dpema's release, `release_of`), and their start
     (`initial_model`);
   - each epoch's per-sample loss with its chance level (`epoch_loss`), and what changes when an
     epoch starts (`on_epoch_start`: DPKD's second stage);
@@ -72,6 +73,34 @@ class Method:
         return []
 
 
+# What a run releases and evaluates (--release): its last iterate, or an exponential moving
+# average of its iterates (De et al. 2022), post-processing of them, so free of privacy cost.
+RELEASES = ("student", "ema")
+
+
+def release_of(cfg: "TrainConfig") -> str:
+    """The group a run releases: --release, else its method's."""
+    return cfg.release or METHODS[cfg.method].releases
+
+
+def with_release(cfg: "TrainConfig", model: Model) -> Model:
+    """`model` with the EMA group a run that releases one carries (it starts at the student)."""
+    if release_of(cfg) == "ema" and "ema" not in model:
+        model = {**model, "ema": {k: v.clone() for k, v in model["student"].items()}}
+    return model
+
+
+def release_callbacks(cfg: "TrainConfig", model: Model, steps_so_far: int, device) -> list:
+    """The step callback that keeps a released EMA up to date (none for a released student);
+    `model["ema"]` becomes this call's average, on `device`."""
+    if release_of(cfg) != "ema":
+        return []
+    from ..callbacks import ExponentialAverage
+
+    model["ema"] = {k: v.detach().clone().to(device) for k, v in model["ema"].items()}
+    return [ExponentialAverage(model["ema"], cfg.ema_decay, steps_so_far)]
+
+
 def warming_up(cfg: "TrainConfig", epoch: int) -> bool:
     """Self-distillation's first epochs train on plain cross-entropy (--distill-warmup-epochs)."""
     return epoch <= cfg.distill_warmup_epochs
@@ -107,9 +136,6 @@ def method_of(cfg: "TrainConfig") -> Method:
 
 
 def released(model: Model) -> Weights:
-    """The weights a run releases and evaluates: the group its method releases (the EMA for
-    dpema), found by the groups the model holds."""
-    for method in METHODS.values():
-        if method.releases != "student" and method.releases in model:
-            return model[method.releases]
-    return model["student"]
+    """The weights a run releases and evaluates, found by the groups the model holds: the EMA
+    where it carries one (dpema, --release ema), else the student."""
+    return model.get("ema", model["student"])

@@ -5,7 +5,7 @@ from .. import losses
 from ..models import build_model
 from ..seeds import SEED_KD_STUDENT, derive_seed
 from ..settings import check_setting
-from . import EpochLoss, Method
+from . import EpochLoss, Method, release_of
 
 # Open in the papers; chosen on FMNIST's validation split: τ and α
 # (results/sweeps/fmnist-dpkd-tau-alpha), the stage split (results/sweeps/fmnist-dpkd-stage-split:
@@ -25,6 +25,8 @@ class DPKD(Method):
         check_setting(0 <= cfg.alpha <= 1, "--alpha", f"must be in [0, 1] for {self.name}", cfg.alpha)
         check_setting(1 <= cfg.kd_teacher_epochs < cfg.epochs, "--kd-teacher-epochs",
                       f"must be in [1, epochs) = [1, {cfg.epochs}) so both stages train", cfg.kd_teacher_epochs)
+        check_setting(release_of(cfg) == "student", "--release", "dpkd releases its student: its second stage "
+                      "starts a fresh one, which an average over both stages would mix with its teacher", cfg.release)
 
     def on_epoch_start(self, cfg, epoch, model, trainer):
         if epoch <= cfg.kd_teacher_epochs:
