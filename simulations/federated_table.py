@@ -2,7 +2,7 @@
 federation? Fashion-MNIST, 10 clients, 30 rounds of 1 local epoch, B = 256 a client, ε = 3 a
 client, under IID, Dirichlet(0.5) and Dirichlet(0.1) partitions, for dpsgd, dpema, dp3sd and
 dpdsd with the round's global model as teacher, and the teachers and schedules made for a
-federation (TEACHER_VARIANTS). Each row's seed-by-seed differences to dpsgd and dpema come with
+federation, one with dpema's release (TEACHER_VARIANTS). Each row's seed-by-seed differences to dpsgd and dpema come with
 their standard error.
 
 Each run is `fedsd simulate`, one at a time (its clients share the `--jobs` CPUs through Ray),
@@ -34,16 +34,18 @@ FED_SHAPE = dict(num_clients=10, rounds=30, local_epochs=1)
 FED_PARTITIONS = {"iid": ("iid", 0.5), "dirichlet0.5": ("dirichlet", 0.5), "dirichlet0.1": ("dirichlet", 0.1)}
 FED_METHODS = ("dpsgd", "dpema", "dp3sd", "dpdsd")
 # The teachers and schedules made for a federation (issue 27), each chosen on the validation
-# split first (results/README.md): (method, --teacher, --distill-schedule, partitions).
+# split first (results/README.md): (method, --teacher, --distill-schedule, --release, partitions).
 TEACHER_VARIANTS = (
     # the average of the global models received (FedGKD's ensemble of past global models, as an EMA)
-    ("dpdsd", "global-ema", "constant", tuple(FED_PARTITIONS)),
-    ("dp3sd", "global-ema", "constant", tuple(FED_PARTITIONS)),
+    ("dpdsd", "global-ema", "constant", None, tuple(FED_PARTITIONS)),
+    ("dp3sd", "global-ema", "constant", None, tuple(FED_PARTITIONS)),
     # the distillation weight falling by round, from 1 after the warm-up round to 1/29 in the last
-    ("dpdsd", "round-start", "decay", tuple(FED_PARTITIONS)),
+    ("dpdsd", "round-start", "decay", None, tuple(FED_PARTITIONS)),
+    # ... releasing dpema's average of the iterates, the one release whose last round does not swing
+    ("dpdsd", "round-start", "decay", "ema", tuple(FED_PARTITIONS)),
     # a client's own previous-round model, where the round's global model is furthest from its data
-    ("dp3sd", "local-previous", "constant", ("dirichlet0.1",)),
-    ("dpdsd", "local-previous", "constant", ("dirichlet0.1",)),
+    ("dp3sd", "local-previous", "constant", None, ("dirichlet0.1",)),
+    ("dpdsd", "local-previous", "constant", None, ("dirichlet0.1",)),
 )
 FED_TABLE_NAME = "table-fed"
 
@@ -54,31 +56,49 @@ class FedCell:
     method: str
     teacher: str = "round-start"  # --teacher
     schedule: str = "constant"  # --distill-schedule
+    release: str | None = None  # --release (None: the method's)
 
     @property
     def name(self) -> str:
         tag = (f"-{self.teacher}" if self.teacher != "round-start" else "") + \
-              (f"-{self.schedule}" if self.schedule != "constant" else "")
+              (f"-{self.schedule}" if self.schedule != "constant" else "") + \
+              (f"-release-{self.release}" if self.release else "")
         return f"{FED_TABLE['dataset']}-{self.partition}-{self.method}{tag}-eps{FED_TABLE['epsilon']:g}"
 
     @property
     def variant(self) -> str:
-        """The row's label beside its method: its teacher, and its schedule when not constant."""
-        return self.teacher + (f", {self.schedule}" if self.schedule != "constant" else "")
+        """The row's label beside its method: its teacher, its schedule when not constant, and
+        its release when not the method's."""
+        return self.teacher + (f", {self.schedule}" if self.schedule != "constant" else "") + \
+            (f", {self.release} released" if self.release else "")
+
+    @property
+    def is_baseline(self) -> bool:
+        """The method as the papers run it (the rows every other is compared with)."""
+        return (self.teacher, self.schedule, self.release) == ("round-start", "constant", None)
+
+    def labels(self) -> dict:
+        return dict(partition=self.partition, method=self.method, teacher=self.teacher, schedule=self.schedule,
+                    release=self.release)
+
+    @classmethod
+    def of_row(cls, row: dict) -> "FedCell":
+        return cls(row["partition"], row["method"], row["teacher"], row["schedule"], row.get("release"))
 
 
 def fed_cells(partitions=tuple(FED_PARTITIONS), methods=FED_METHODS) -> list[FedCell]:
     cells = [FedCell(p, m) for p in partitions for m in FED_METHODS if m in methods]
-    for method, teacher, schedule, where in TEACHER_VARIANTS:
-        cells += [FedCell(p, method, teacher, schedule) for p in where if p in partitions and method in methods]
+    for method, teacher, schedule, release, where in TEACHER_VARIANTS:
+        cells += [FedCell(p, method, teacher, schedule, release) for p in where
+                  if p in partitions and method in methods]
     return cells
 
 
 def cell_settings(cell: FedCell, seed: int, rounds: int | None = None, subset: int | None = None,
                   device: str = "cpu", data_dir: str | None = None) -> tuple[TrainConfig, FedOptions]:
     partition, alpha = FED_PARTITIONS[cell.partition]
-    cfg = TrainConfig(**FED_TABLE, method=cell.method, distill_schedule=cell.schedule, seed=seed, subset=subset,
-                      device=device, data_dir=data_dir)
+    cfg = TrainConfig(**FED_TABLE, method=cell.method, distill_schedule=cell.schedule, release=cell.release, seed=seed,
+                      subset=subset, device=device, data_dir=data_dir)
     fed = FedOptions(**{**FED_SHAPE, **({"rounds": rounds} if rounds else {})}, partition=partition,
                      dirichlet_alpha=alpha, teacher=cell.teacher)
     return client_config(cfg, fed), fed  # its epochs: rounds × local epochs, as the run records them
@@ -185,7 +205,7 @@ def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
         runs = seeds_run(runs_dir, cell)
         results = list(runs.values())
         diverged = [json.loads(p.read_text())["reason"] for p in seed_files(runs_dir, cell, DIVERGED).values()]
-        labels = dict(partition=cell.partition, method=cell.method, teacher=cell.teacher, schedule=cell.schedule)
+        labels = cell.labels()
         if diverged and not results:
             rows.append(dict(**labels, seeds=[], final=[], diverged=diverged, gain_over_dpsgd=None))
             continue
@@ -201,8 +221,7 @@ def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
                          noise_multiplier=sorted(set(results[0].noise_multiplier.values())),
                          shard_sizes=results[0].shard_sizes, seconds=[res.wall_seconds for res in results],
                          curves=curves))
-    baseline = {(r["partition"], r["method"]): r for r in rows if r["teacher"] == "round-start"
-                and r["schedule"] == "constant"}
+    baseline = {(r["partition"], r["method"]): r for r in rows if FedCell.of_row(r).is_baseline}
     for row in rows:
         if "diverged" not in row:
             for method in ("dpsgd", "dpema"):
@@ -216,7 +235,7 @@ def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
              "", "| partition | method | teacher | final (%) | seeds | vs dpsgd | vs dpema | best (%) at round | client ε |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        label = f"| {r['partition']} | {r['method']} | {FedCell(r['partition'], r['method'], r['teacher'], r['schedule']).variant} |"
+        label = f"| {r['partition']} | {r['method']} | {FedCell.of_row(r).variant} |"
         if "diverged" in r:
             where = r["diverged"][0].split(": training diverged")[0]  # "round R, client K"
             lines.append(f"{label} diverged ({where}) | 0 | | | | |")
@@ -233,7 +252,7 @@ def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
 
 def _figures(rows: list[dict], out: Path) -> None:
     """Test accuracy of the global model by round, one figure a partition, one line a row
-    (dashed: a teacher or schedule other than the papers' round-start, constant one)."""
+    (dashed: a teacher, schedule or release other than the papers')."""
     from .reproduce import plot_curves
 
     rows = [r for r in rows if "diverged" not in r]
@@ -241,8 +260,8 @@ def _figures(rows: list[dict], out: Path) -> None:
         lines = []
         for r in rows:
             if r["partition"] == partition:
-                variant = FedCell(partition, r["method"], r["teacher"], r["schedule"]).variant
-                plain = variant == "round-start"
-                lines.append((r["method"] + ("" if plain else f" ({variant})"), r["curves"], "-" if plain else "--"))
+                cell = FedCell.of_row(r)
+                plain = cell.is_baseline
+                lines.append((r["method"] + ("" if plain else f" ({cell.variant})"), r["curves"], "-" if plain else "--"))
         plot_curves(out / f"fig-fed-{partition}.png", f"fmnist, 10 clients, {partition}, ε = 3 a client", "round",
                     lines)

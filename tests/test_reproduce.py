@@ -155,6 +155,26 @@ def test_federated_table_runs_resumes_and_writes_its_files(tmp_path):
     assert run_state(done.parent, *settings) == "fresh"
 
 
+def test_the_federated_table_runs_dpdsd_with_dpemas_release_and_keeps_the_runs_made_before_it():
+    """The row of dpdsd with the decay schedule and the EMA released (--release ema) is in every
+    partition with its own folder; a run finished before --release existed (its saved settings
+    lack the key) is still a finished run of its row."""
+    from fedsd.config import TrainConfig
+    from simulations.federated_table import FedCell, _settings, cell_settings, fed_cells
+
+    cells = {c.name: c for c in fed_cells()}
+    for partition in ("iid", "dirichlet0.5", "dirichlet0.1"):
+        cell = cells[f"fmnist-{partition}-dpdsd-decay-release-ema-eps3"]
+        cfg, _ = cell_settings(cell, 0)
+        assert (cfg.release, cfg.distill_schedule, cfg.ema_decay) == ("ema", "decay", 0.995)
+        assert cell.variant == "round-start, decay, ema released" and not cell.is_baseline
+    assert FedCell.of_row(cells["fmnist-iid-dpema-eps3"].labels()).is_baseline
+    cfg, fed = cell_settings(FedCell("dirichlet0.1", "dpdsd"), 0)
+    saved = cfg.to_dict()
+    del saved["release"]
+    assert _settings(TrainConfig.from_dict(saved), fed) == _settings(cfg, fed)
+
+
 def test_a_diverged_federation_is_a_row_of_the_table_and_not_run_again(tmp_path):
     """A federated run stopped by a client's divergence is recorded (diverged.json with its
     settings and reason) and shown as such; the table goes on and a reproduce does not run it
