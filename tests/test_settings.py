@@ -86,3 +86,20 @@ def test_errors_name_the_setting_as_the_user_typed_it():
     message = "--batch-size: must be >= 1, got 0; --rounds: must be >= 1; --tau-s: a temperature must be > 0"
     assert flags_to_keys(message, TrainConfig, FedOptions) == (
         "batch-size: must be >= 1, got 0; num-server-rounds: must be >= 1; tau-s: a temperature must be > 0")
+
+
+def test_the_default_length_is_the_one_chosen_for_the_data_set_at_that_epsilon():
+    """--epochs unset: the length chosen on validation for the data set at the largest swept ε at
+    or below the run's (below them all, the smallest's); a smaller budget is spent in fewer
+    epochs; --epochs given is kept."""
+    from fedsd.config import EPOCHS_BY_EPSILON
+
+    for dataset, chosen in EPOCHS_BY_EPSILON.items():
+        swept = sorted(chosen)
+        for eps in swept:
+            assert TrainConfig(dataset=dataset, epsilon=eps).resolved().epochs == chosen[eps]
+            assert TrainConfig(dataset=dataset, epsilon=eps + 0.5).resolved().epochs == chosen[eps]
+        assert TrainConfig(dataset=dataset, epsilon=swept[0] / 2).resolved().epochs == chosen[swept[0]]
+        assert [chosen[e] for e in swept] == sorted(chosen[e] for e in swept)
+        assert TrainConfig(dataset=dataset, epsilon=swept[0], epochs=7).resolved().epochs == 7
+    assert EPOCHS_BY_EPSILON["fmnist"][1] < EPOCHS_BY_EPSILON["fmnist"][3]  # results/sweeps/fmnist-dpsgd-eps1-length
