@@ -9,7 +9,8 @@ same DP-SGD steps for all of them:
     (`initial_model`);
   - each epoch's per-sample loss with its chance level (`epoch_loss`), and what changes when an
     epoch starts (`on_epoch_start`: DPKD's second stage);
-  - the step callbacks a call of it runs (`step_callbacks`: the EMA).
+  - the step callbacks a call of it runs (`step_callbacks`; the released EMA's is every method's,
+    `release_callbacks`).
 A new method is a subclass of `Method` in a file of its own, listed below, with its tests.
 """
 from __future__ import annotations
