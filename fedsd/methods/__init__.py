@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .. import losses
+from ..callbacks import ExponentialAverage
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -96,8 +97,6 @@ def release_callbacks(cfg: "TrainConfig", model: Model, steps_so_far: int, devic
     `model["ema"]` becomes this call's average, on `device`."""
     if release_of(cfg) != "ema":
         return []
-    from ..callbacks import ExponentialAverage
-
     model["ema"] = {k: v.detach().clone().to(device) for k, v in model["ema"].items()}
     return [ExponentialAverage(model["ema"], cfg.ema_decay, steps_so_far)]
 
