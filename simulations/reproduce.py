@@ -261,6 +261,7 @@ def write_tables(table: int, cells: list[Cell], runs_dir: Path, out: Path) -> No
             dataset=cell.dataset, method=cell.method, variant=cell.variant, label=cell.label, epsilon=cell.epsilon,
             seeds=list(runs), accuracies=[100 * r.test_accuracy for r in results], paper=cell.paper,
             config=results[0].config if results else None,
+            epochs=sorted({len(r.epochs) for r in results}),  # as trained (a length can change)
             noise_multiplier=results[0].noise_multiplier if results else None,
             epsilon_spent=[r.epsilon_spent for r in results], seconds=[r.wall_seconds for r in results],
             curves=[[100 * e["test_accuracy"] for e in r.epochs] for r in results]))
@@ -269,8 +270,8 @@ def write_tables(table: int, cells: list[Cell], runs_dir: Path, out: Path) -> No
     write_json(out / f"table{table}.json", {"cells": rows})
     gain_head, gain_rule = (" vs dpsgd, same seeds |", "---|") if table == 1 else ("", "")
     lines = [f"# Table {table}: ours (mean ± std over seeds) beside the paper's", "",
-             f"| data | method | ε | ours (%) | seeds | paper (%) | ours − paper |{gain_head}",
-             f"|---|---|---|---|---|---|---|{gain_rule}"]
+             f"| data | method | ε | epochs | ours (%) | seeds | paper (%) | ours − paper |{gain_head}",
+             f"|---|---|---|---|---|---|---|---|{gain_rule}"]
     for r in rows:
         accs = r["accuracies"]
         method = r["method"] + (f" ({r['label'] or r['variant']})" if r["variant"] else "")
@@ -279,10 +280,11 @@ def write_tables(table: int, cells: list[Cell], runs_dir: Path, out: Path) -> No
         if accs:
             mean = statistics.mean(accs)
             std = statistics.stdev(accs) if len(accs) > 1 else 0.0
-            lines.append(f"| {r['dataset']} | {method} | {r['epsilon']:g} | {mean:.2f} ± {std:.2f} | {len(accs)} "
-                         f"| {r['paper']:.2f} | {mean - r['paper']:+.2f} |{gain}")
+            epochs = ", ".join(map(str, r["epochs"]))
+            lines.append(f"| {r['dataset']} | {method} | {r['epsilon']:g} | {epochs} | {mean:.2f} ± {std:.2f} "
+                         f"| {len(accs)} | {r['paper']:.2f} | {mean - r['paper']:+.2f} |{gain}")
         else:
-            lines.append(f"| {r['dataset']} | {method} | {r['epsilon']:g} | not run | 0 | {r['paper']:.2f} | |{gain}")
+            lines.append(f"| {r['dataset']} | {method} | {r['epsilon']:g} | | not run | 0 | {r['paper']:.2f} | |{gain}")
     (out / f"table{table}.md").write_text("\n".join(lines) + "\n")
     if table == 1:
         _figure3(rows, out)
@@ -311,6 +313,8 @@ def gain_over_dpsgd(row: dict, rows: list[dict], same: tuple[str, ...], accuraci
     if row["method"] == "dpsgd":
         return None
     base = next((r for r in rows if r["method"] == "dpsgd" and all(r[k] == row[k] for k in same)), None)
+    if base is not None and base.get("epochs", row.get("epochs")) != row.get("epochs"):
+        return None  # runs of other lengths (a cell made before its default length changed): not a pair
     difference = paired_difference(row, base, accuracies)
     return difference["mean"] if difference else None
 

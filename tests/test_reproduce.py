@@ -99,7 +99,7 @@ def test_a_partial_reproduce_keeps_the_other_cells_and_gains_use_the_same_seeds(
     assert set(rows) == {("mnist", "dpsgd", 3.0), ("mnist", "dp3sd", 3.0), ("fmnist", "dpsgd", 1.0)}
     assert rows[("mnist", "dpsgd", 3.0)]["seeds"] == [0, 1]
     assert rows[("mnist", "dp3sd", 3.0)]["gain_over_dpsgd"] == pytest.approx(4.0)
-    assert "| mnist | dp3sd | 3 | 84.00 ± 0.00 | 1 | 98.42 | -14.42 | +4.00 |" in (tmp_path / "table1.md").read_text()
+    assert "| mnist | dp3sd | 3 | 1 | 84.00 ± 0.00 | 1 | 98.42 | -14.42 | +4.00 |" in (tmp_path / "table1.md").read_text()
 
 
 @pytest.mark.parametrize("bad, says", [
@@ -228,3 +228,16 @@ def test_the_federated_table_pairs_seeds_and_marks_differences_beyond_two_standa
     d = paired_difference(dict(seeds=[1, 5], final=[83.0, 90.0]), base, "final")  # only seed 1 is shared
     assert d == dict(mean=pytest.approx(2.0), se=None, seeds=1, beyond_2se=False)
     assert paired_difference(base, base, "final") is None and paired_difference(steady, None, "final") is None
+
+
+def test_the_gain_over_dpsgd_pairs_only_runs_of_the_same_length():
+    """A cell made before its data set's default length changed at that ε is not compared with
+    dpsgd rerun at the new length: their difference would measure the length, not the method."""
+    from simulations.reproduce import gain_over_dpsgd
+
+    dpsgd = dict(method="dpsgd", dataset="fmnist", epsilon=1.0, seeds=[0, 1], accuracies=[81.0, 82.0], epochs=[15])
+    fresh = dict(method="dpema", dataset="fmnist", epsilon=1.0, seeds=[0, 1], accuracies=[82.0, 82.5], epochs=[15])
+    stale = dict(method="dp3sd", dataset="fmnist", epsilon=1.0, seeds=[0], accuracies=[72.0], epochs=[60])
+    rows = [dpsgd, fresh, stale]
+    assert gain_over_dpsgd(fresh, rows, ("dataset", "epsilon")) == pytest.approx(0.75)
+    assert gain_over_dpsgd(stale, rows, ("dataset", "epsilon")) is None
