@@ -313,7 +313,7 @@ def gain_over_dpsgd(row: dict, rows: list[dict], same: tuple[str, ...], accuraci
     if row["method"] == "dpsgd":
         return None
     base = next((r for r in rows if r["method"] == "dpsgd" and all(r[k] == row[k] for k in same)), None)
-    if base is not None and base.get("epochs", row.get("epochs")) != row.get("epochs"):
+    if base is not None and base["epochs"] != row["epochs"]:
         return None  # runs of other lengths (a cell made before its default length changed): not a pair
     difference = paired_difference(row, base, accuracies)
     return difference["mean"] if difference else None
