@@ -12,6 +12,12 @@ before it runs, whatever the server asks. A client that may not train replies wi
 only: skipped = 1, and refused = 1 with its reason when the owner's limits said no, or
 diverged = 1 with the reason when its loss exploded (the server then stops the run).
 
+A round asked again after a restart (the server resumed from the round before, after this client
+had trained, charged and answered it) is answered with the reply it already released, kept beside
+its privacy state: sending the same update twice releases nothing new, so it is not charged
+again. Training it anew would release a second, different update and cost a second round, and
+the resumed run's last round would then find the budget spent.
+
 The handlers take a message's content and the Context and return the reply's content, so the
 ClientApp (clients/app.py) can run them in its own process or in the node's warm worker
 (clients/worker.py).
@@ -23,7 +29,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, MetricRecord, RecordDict
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 
 from fedsd import data as data_lib
 from fedsd import ledger as ledgers
@@ -32,6 +40,7 @@ from fedsd.central import resolve_device
 from fedsd.client_data import DataError, HolderData, load_holder_data, normalised, task_for
 from fedsd.config import validate
 from fedsd.errors import ConfigError
+from fedsd.results import save_atomic
 from fedsd.federation import FedOptions, client_config, from_flat, round_epochs, round_teacher
 from fedsd.training import (BudgetExhausted, DPTrainer, Model, TrainingDiverged, load_train_state, released,
                             save_train_state)
@@ -70,6 +79,7 @@ def trainer_for(flat: dict, partition_id: int) -> tuple[Federation, DPTrainer]:
 
 
 SKIPPED_NAMED = 5  # unreadable files named in a reply (with skip-bad-files); the count is always there
+REPLY_FORMAT = 1  # of a client's kept last reply (last_reply_file)
 
 
 def client_state_file(node: NodeConfig, experiment_id: str, partition_id: int) -> Path | None:
@@ -78,6 +88,46 @@ def client_state_file(node: NodeConfig, experiment_id: str, partition_id: int) -
     if not experiment_id:
         return None
     return node.state_root / experiment_id / f"client-{partition_id}.pt"
+
+
+def last_reply_file(state_file: Path) -> Path:
+    """Where a client keeps the last reply it released, beside its privacy state."""
+    return state_file.with_name(f"{state_file.stem}-last-reply.pt")
+
+
+def request_digest(server_round: int, arrays: ArrayRecord) -> str:
+    """What a train request asks for: the round and the exact global model (every array's name,
+    dtype, shape and bytes). The run is fixed by the folder the reply is kept in."""
+    digest = hashlib.sha256(f"round {server_round}".encode())
+    for key in sorted(arrays):
+        a = arrays[key].numpy()
+        digest.update(f"{key} {a.dtype} {a.shape}".encode())
+        digest.update(a.tobytes())
+    return digest.hexdigest()
+
+
+def replayed_reply(state_file: Path | None, request: str) -> tuple[ArrayRecord, dict] | None:
+    """The arrays and metrics this client already released for `request`, if it is the last
+    request it answered; else None. An unreadable file is no reply (the round is trained and
+    charged, the safe side)."""
+    path = None if state_file is None else last_reply_file(state_file)
+    if path is None or not path.is_file() or not state_file.is_file():
+        return None
+    try:
+        kept = torch.load(path, weights_only=True)
+    except Exception:  # noqa: BLE001  (a damaged file: train and charge instead)
+        return None
+    if not isinstance(kept, dict) or kept.get("format") != REPLY_FORMAT or kept.get("request") != request:
+        return None
+    return ArrayRecord({k: Array(v.numpy()) for k, v in kept["arrays"].items()}), dict(kept["metrics"])
+
+
+def keep_reply(state_file: Path, request: str, arrays: ArrayRecord, metrics: dict) -> None:
+    """Keep the reply about to be released (after the state that charged it is on disk: a
+    client stopped between the two trains the round again and is charged again, never less)."""
+    save_atomic(last_reply_file(state_file), dict(
+        format=REPLY_FORMAT, request=request, metrics=metrics,
+        arrays={k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in arrays.items()}))
 
 
 def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOptions, DPTrainer, HolderData]:
@@ -218,6 +268,12 @@ def train_reply(content: RecordDict, context: Context) -> RecordDict:
     state = load_state(context.state, trainer.plan)
     if state is None and state_file is not None and state_file.is_file():
         state = load_train_state(state_file, trainer.plan)
+    request = request_digest(server_round, content["arrays"])
+    kept = replayed_reply(state_file, request)
+    if kept is not None:  # already released: the same reply again, nothing trained or charged
+        arrays, metrics = kept
+        save_state(context.state, load_train_state(state_file, trainer.plan), trainer.plan)  # charged for it
+        return released_answer(arrays, MetricRecord({**metrics, "replayed": 1}), side)
     model: Model = record_to_model(content["arrays"])
     base = {"num-examples": trainer.num_train, "partition-id": partition_id,
             "noise-multiplier": trainer.plan.noise_multiplier, "sample-rate": trainer.plan.sample_rate,
@@ -249,9 +305,16 @@ def train_reply(content: RecordDict, context: Context) -> RecordDict:
     if state_file is not None:  # before replying: the spent budget is on disk before anyone can use it
         state_file.parent.mkdir(parents=True, exist_ok=True)
         save_train_state(state_file, state, trainer.plan)
-    reply = MetricRecord({**base, "skipped": 0, "epsilon": metrics["epsilon"], "train-loss": metrics["train_loss"],
-                          "seconds": metrics["seconds"], "steps": metrics["steps"]})
-    answer = RecordDict({"arrays": model_to_record(model), "metrics": reply})
+    reply = {**base, "skipped": 0, "epsilon": metrics["epsilon"], "train-loss": metrics["train_loss"],
+             "seconds": metrics["seconds"], "steps": metrics["steps"]}
+    arrays = model_to_record(model)
+    if state_file is not None:
+        keep_reply(state_file, request, arrays, reply)
+    return released_answer(arrays, MetricRecord(reply), side)
+
+
+def released_answer(arrays: ArrayRecord, metrics: MetricRecord, side: ClientSide) -> RecordDict:
+    answer = RecordDict({"arrays": arrays, "metrics": metrics})
     if side.skipped_files:  # the owner's choice (skip-bad-files): the server's summary names them
         answer["skipped-files"] = ConfigRecord({"count": len(side.skipped_files),
                                                 "first": side.skipped_files[:SKIPPED_NAMED]})

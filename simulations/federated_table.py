@@ -114,11 +114,20 @@ def _settings(cfg: TrainConfig, fed: FedOptions) -> dict:
     return {k: v for k, v in settings(cfg, fed).items() if k not in skip}
 
 
+def flawed(result: RunResult) -> bool:
+    """A finished run the table does not use (run_state says why): a client missed a round or
+    sat one out."""
+    return bool(result.missed) or any(r.get("skipped") for r in result.rounds or [])
+
+
 def run_state(run_out: Path, cfg: TrainConfig, fed: FedOptions) -> str:
     """"done" (result.json, or diverged.json, with these settings), "resume" (a checkpoint with
     these settings) or "fresh" (nothing, a run made with other settings, or one in which a client
-    went missing, a worker killed for memory or a round timed out: each is replaced, since the
-    table compares methods, not the machine's failures)."""
+    went missing, a worker killed for memory or a round timed out, or sat a round out: each is
+    replaced, since the table compares methods, not the machine's failures). A table run plans
+    every client's budget for all its rounds, so a client skipped for a spent budget means a
+    round was charged twice: a run resumed by a fedsd from before clients kept their last reply
+    (clients/local.py)."""
     from server import checkpoint
 
     wanted = _settings(cfg, fed)
@@ -126,7 +135,7 @@ def run_state(run_out: Path, cfg: TrainConfig, fed: FedOptions) -> str:
         if (run_out / name).exists():
             if name == "result.json":
                 done = RunResult.read(run_out / name)
-                if done.missed:
+                if flawed(done):
                     return "fresh"
                 config, federation = done.config, done.federation
             else:
@@ -202,7 +211,7 @@ def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
 
     rows = []
     for cell in cells:
-        runs = seeds_run(runs_dir, cell)
+        runs = {seed: run for seed, run in seeds_run(runs_dir, cell).items() if not flawed(run)}
         results = list(runs.values())
         diverged = [json.loads(p.read_text())["reason"] for p in seed_files(runs_dir, cell, DIVERGED).values()]
         labels = cell.labels()

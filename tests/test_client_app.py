@@ -147,6 +147,7 @@ def test_client_state_survives_on_its_own_disk(tmp_path):
     e1 = eps(send(flat, first, start, 1))
     assert (tmp_path / "exp-1" / "client-1.pt").is_file()
     e2_restarted = send(flat, context(), start, 2)
+    (tmp_path / "exp-1" / "client-1-last-reply.pt").unlink()  # else round 2 is answered with the reply kept
     e2_kept = send(flat, first, start, 2)
     assert eps(e2_restarted) == eps(e2_kept) > e1
     assert all(torch.equal(torch.from_numpy(a.numpy()), torch.from_numpy(b.numpy()))
@@ -157,6 +158,36 @@ def test_client_state_survives_on_its_own_disk(tmp_path):
     refused = send(flat, wrong, start, 1)  # refused with the key named, for the server's summary
     assert refused.content["metrics"]["refused"] == 1 and not refused.content.array_records
     assert refused.content["refusal"]["reason"] == "node-config num-partitions=5 but the run has num-clients=2"
+
+
+def test_a_round_asked_again_after_a_restart_gets_the_reply_already_released_at_no_charge(tmp_path):
+    """A resumed server asks again for the round it had not checkpointed, which this client had
+    already trained, charged and answered. The client sends the same reply again (no new
+    release), so a run planned to its last round still has that round: here a budget of one
+    round, where training the round again would find it spent. A request with another global
+    model is a new release, trained and charged."""
+    require("fmnist")
+    federation, flat, _ = make("round-start", budget_rounds=1)
+    flat = {**flat, "experiment-id": "exp-1"}
+    start = initial_model(federation.cfg, 10)
+    other = initial_model(TrainConfig(**{**federation.cfg.__dict__, "seed": 99}), 10)
+    node_config = {"partition-id": 1, "num-partitions": 2, "state-dir": str(tmp_path)}
+
+    def restarted():
+        return Context(run_id=2, node_id=11, node_config=node_config, state=RecordDict(), run_config={})
+
+    def history():
+        return torch.load(tmp_path / "exp-1" / "client-1.pt", weights_only=True)["history"]
+
+    first = send(flat, restarted(), start, 1).content
+    charged = history()
+    again = send(flat, restarted(), start, 1).content
+    assert again["metrics"]["skipped"] == 0 and again["metrics"]["replayed"] == 1
+    assert again["metrics"]["epsilon"] == first["metrics"]["epsilon"] and history() == charged
+    assert all(torch.equal(torch.from_numpy(a.numpy()), torch.from_numpy(b.numpy()))
+               for a, b in zip(again["arrays"].values(), first["arrays"].values()))
+    new_model = send(flat, restarted(), other, 1).content  # not the request answered: a second release
+    assert new_model["metrics"]["skipped"] == 1 and history() == charged
 
 
 def test_train_state_has_one_form_for_both_stores_and_is_checked_on_load(tmp_path):

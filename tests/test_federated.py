@@ -188,6 +188,7 @@ def test_simulate_killed_after_a_round_resumes_from_its_checkpoint(tmp_path, mon
     result = json.loads((out / "result.json").read_text())
     assert result["resumed_after_round"] == before["round"] and [r["round"] for r in result["rounds"]] == [1, 2, 3]
     assert result["rounds"][:before["round"]] == before["book"]["rounds"]
+    assert all(r["trained"] == [0, 1] for r in result["rounds"])  # no round charged twice, none sat out
     for pid, eps in result["rounds"][-1]["client_epsilon"].items():
         assert 2.9 < eps <= 3.0, (pid, eps)
     assert main(["simulate", "--resume", str(tmp_path / "nowhere"), "--quiet"]) == 2

@@ -153,6 +153,15 @@ def test_federated_table_runs_resumes_and_writes_its_files(tmp_path):
     written = json.loads(done.read_text())
     done.write_text(json.dumps({**written, "missed": {"2": [{"client": 3, "reason": "OutOfMemoryError"}]}}))
     assert run_state(done.parent, *settings) == "fresh"
+    # and so is one in which a client sat a round out with its budget spent (a round charged twice)
+    last = {**written["rounds"][-1], "skipped": [3]}
+    done.write_text(json.dumps({**written, "rounds": [*written["rounds"][:-1], last]}))
+    assert run_state(done.parent, *settings) == "fresh"
+    from simulations.federated_table import fed_cells, write_fed_table
+
+    write_fed_table(fed_cells(["iid"], ["dpsgd", "dp3sd"]), runs, tmp_path)  # and the table leaves it out
+    rows = {(c["method"], c["teacher"]): c for c in json.loads((tmp_path / "table-fed.json").read_text())["cells"]}
+    assert ("dpsgd", "round-start") not in rows and rows["dp3sd", "round-start"]["vs_dpsgd"] is None
 
 
 def test_the_federated_table_runs_dpdsd_with_dpemas_release_and_keeps_the_runs_made_before_it():
