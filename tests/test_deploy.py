@@ -61,8 +61,9 @@ def test_deploy_local_script_runs_with_tls_and_node_auth(tmp_path):
     epsilons = result["rounds"][-1]["client_epsilon"]
     assert set(epsilons) == {"0", "1"} and all(2.5 < e <= 3.0 for e in epsilons.values())  # planned budget, spent
     assert result["test_accuracy"] > 0.2  # two rounds of 10 noisy steps; chance is 0.1
-    # Every client's privacy state is on its own disk (the SuperNode's state-dir).
-    assert sorted(p.name for p in (work / "client-state").rglob("client-*.pt")) == ["client-0.pt", "client-1.pt"]
+    # Every client's privacy state, and the last reply it released, is on its own disk (the SuperNode's state-dir).
+    assert sorted(p.name for p in (work / "client-state").rglob("client-*.pt")) == [
+        "client-0-last-reply.pt", "client-0.pt", "client-1-last-reply.pt", "client-1.pt"]
     # The SuperLink served HTTPS only, and nothing the script started is left running.
     assert "Uvicorn running on https://" in (work / "logs" / "superlink.log").read_text()
     assert processes_mentioning(str(work)) == []
