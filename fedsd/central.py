@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import data as data_lib
+from .client_data import input_stats
 from . import privacy, routes
 from .config import TrainConfig, validate
 from .models import build_model, check_private_trainable
@@ -113,7 +114,8 @@ def train(cfg: TrainConfig | None, out: str | Path | None = None, overwrite: boo
 
     started = time.perf_counter()
     route = routes.Route.from_dict(saved["route"]) if saved is not None and saved["route"] else None
-    trainer = DPTrainer(cfg, data_lib.prepare(run.data, run.train_indices, run.device), plan, route=route)
+    trainer = DPTrainer(cfg, data_lib.prepare(run.data, run.train_indices, run.device, input_stats(cfg)), plan,
+                        route=route)
     tensors = trainer.data  # in the trainer's memory format, for evaluation too
     if saved is None:
         model, state, epochs, before = initial_model(cfg, tensors.num_classes), None, [], 0.0
@@ -122,7 +124,7 @@ def train(cfg: TrainConfig | None, out: str | Path | None = None, overwrite: boo
     else:
         model, epochs, before = saved["model"], saved["epochs"], saved["wall_seconds"]
         state = TrainState.from_state_dict(saved["state"], plan) if saved["state"] is not None else None
-    val_x, val_y = data_lib.validation_split(run.data, cfg.validation)
+    val_x, val_y = data_lib.validation_split(run.data, cfg.validation, input_stats(cfg))
     val_x = val_x.to(run.device).contiguous(memory_format=trainer.memory_format)
     val_y = val_y.to(run.device)
 

@@ -239,6 +239,13 @@ def _natural(path: Path) -> tuple:
     return (0, int(path.stem), "") if path.stem.isdigit() else (1, 0, path.name)
 
 
+def input_stats(cfg) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The (mean, std) a run normalises its inputs with: --mean / --std, else the task's fixed
+    constants (ConfigError naming the option when they do not fit the task)."""
+    task = task_for(cfg)
+    return tuple(task.mean), tuple(task.std)
+
+
 def normalised(images: torch.Tensor, task: Task) -> torch.Tensor:
     """float32 in [0, 1], then normalised with the task's fixed constants."""
     return normalise(images, task.mean, task.std)

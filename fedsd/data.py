@@ -62,9 +62,16 @@ class ImageData:
         x = self.x_train.to(torch.float64) / 255.0
         return x.mean(dim=(0, 2, 3)).float(), x.std(dim=(0, 2, 3)).float()
 
-    def normalised(self, images: torch.Tensor) -> torch.Tensor:
-        """Images as float32, scaled to [0, 1], normalised with the data set's fixed constants."""
-        return normalise(images, *STANDARD_STATS[self.name])
+    def normalised(self, images: torch.Tensor, stats: tuple | None = None) -> torch.Tensor:
+        """Images as float32, scaled to [0, 1], normalised with `stats` (mean, std), by default
+        the data set's fixed constants."""
+        return normalise(images, *(stats or STANDARD_STATS[self.name]))
+
+    def normalised_test(self, stats: tuple | None = None) -> torch.Tensor:
+        """The test images normalised with `stats`; with the fixed constants, the one shared copy."""
+        if stats is None or tuple(map(tuple, stats)) == STANDARD_STATS[self.name]:
+            return self.normalised_x_test
+        return self.normalised(self.x_test, stats)
 
     @cached_property
     def normalised_x_test(self) -> torch.Tensor:
@@ -224,10 +231,11 @@ def validation_indices(data: ImageData, size: int) -> torch.Tensor:
     return stratified_subset(data.y_train, size, VALIDATION_SEED)
 
 
-def validation_split(data: ImageData, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The --validation split's images (normalised) and labels (empty for size 0)."""
+def validation_split(data: ImageData, size: int, stats: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The --validation split's images (normalised with `stats`, as ImageData.normalised) and
+    labels (empty for size 0)."""
     held_out = validation_indices(data, size)
-    return data.normalised(data.x_train[held_out]), data.y_train[held_out].clone()
+    return data.normalised(data.x_train[held_out], stats), data.y_train[held_out].clone()
 
 
 def training_indices(data: ImageData, subset: int | None, seed: int, validation: int = 0) -> torch.Tensor:
@@ -264,10 +272,12 @@ class TensorData:
                           self.y_test.to(device), self.num_classes)
 
 
-def prepare(data: ImageData, train_indices: torch.Tensor | None = None, device="cpu") -> TensorData:
-    """Normalise with the full training set's statistics and keep the chosen training indices."""
+def prepare(data: ImageData, train_indices: torch.Tensor | None = None, device="cpu",
+            stats: tuple | None = None) -> TensorData:
+    """Normalise with `stats` (a run's --mean / --std: client_data.input_stats; by default the
+    data set's fixed constants) and keep the chosen training indices."""
     x_train, y_train = data.x_train, data.y_train
     if train_indices is not None:
         x_train, y_train = x_train[train_indices], y_train[train_indices]
-    return TensorData(data.normalised(x_train), y_train.clone(), data.normalised_x_test,
+    return TensorData(data.normalised(x_train, stats), y_train.clone(), data.normalised_test(stats),
                       data.y_test.clone(), data.num_classes).to(device)

@@ -20,7 +20,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedsd import data as data_lib
 from fedsd.central import resolve_device
-from fedsd.client_data import normalised, task_for
+from fedsd.client_data import input_stats, normalised, task_for
 from fedsd.config import CUSTOM, ConfigError, TrainConfig
 from fedsd.federation import FedOptions, client_config, from_flat, to_flat
 from fedsd.models import build_model
@@ -129,8 +129,9 @@ def public_side(cfg: TrainConfig, fed: FedOptions):
     log(INFO, "fedsd: %d clients, %s partition, shard sizes %s", fed.num_clients, fed.partition,
         federation.shard_sizes())
     images, cfg = federation.images, federation.cfg
-    validation = data_lib.validation_split(images, cfg.validation) if cfg.validation else None
-    return cfg, images.num_classes, (images.normalised_x_test, images.y_test.clone()), images.source, validation
+    stats = input_stats(cfg)  # --mean / --std, as the clients normalise their shards
+    validation = data_lib.validation_split(images, cfg.validation, stats) if cfg.validation else None
+    return cfg, images.num_classes, (images.normalised_test(stats), images.y_test.clone()), images.source, validation
 
 
 # A fresh run waits for its SuperNodes until their number has not changed for this long.

@@ -27,6 +27,7 @@ import torch
 
 from fedsd import audit, privacy
 from fedsd import data as data_lib
+from fedsd.client_data import input_stats
 from fedsd.central import prepare_run, resolve_device
 from fedsd.config import ConfigError, TrainConfig, check_setting
 from fedsd.results import atomic_path, check_out_dir, staged_out_dir, write_json
@@ -87,7 +88,7 @@ class Party:
     state: object = None
 
 
-def _black_box_canaries(images: data_lib.ImageData, m: int, seed: int):
+def _black_box_canaries(images: data_lib.ImageData, m: int, seed: int, stats: tuple):
     """m test images, each with a wrong label drawn at random: (x, y_wrong, test positions)."""
     g = torch.Generator().manual_seed(seed)
     if m > len(images.y_test):
@@ -95,7 +96,7 @@ def _black_box_canaries(images: data_lib.ImageData, m: int, seed: int):
     positions = torch.randperm(len(images.y_test), generator=g)[:m]
     shift = torch.randint(1, images.num_classes, (m,), generator=g)
     wrong = (images.y_test[positions] + shift) % images.num_classes
-    return images.normalised(images.x_test[positions]), wrong, positions
+    return images.normalised(images.x_test[positions], stats), wrong, positions
 
 
 def _with_canaries(data: data_lib.TensorData, x: torch.Tensor, y: torch.Tensor, included: torch.Tensor,
@@ -121,7 +122,7 @@ def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bo
     if settings.clients == 1:
         run = prepare_run(cfg)
         cfg, images, device = run.cfg, run.data, run.device
-        holders = [data_lib.prepare(images, run.train_indices, device)]
+        holders = [data_lib.prepare(images, run.train_indices, device, input_stats(cfg))]
     else:
         from fedsd.federation import FedOptions
         from task.federation import build_federation
@@ -132,7 +133,7 @@ def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bo
         holders = [federation.client_data(k, device) for k in range(settings.clients)]
     black = None
     if settings.threat == "black":
-        x, y, positions = _black_box_canaries(images, settings.canaries, seed)
+        x, y, positions = _black_box_canaries(images, settings.canaries, seed, input_stats(cfg))
         included = torch.rand(settings.canaries, generator=torch.Generator().manual_seed(seed + 1)) < 0.5
         black = (x, y, included)
         holders[0] = _with_canaries(holders[0], x, y, included, positions)

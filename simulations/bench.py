@@ -274,6 +274,7 @@ def bench_epoch(args: argparse.Namespace) -> int:
     import torch
 
     from fedsd import data as data_lib
+    from fedsd.client_data import input_stats
     from fedsd.central import prepare_run
     from fedsd.config import TrainConfig
     from fedsd.privacy import plan
@@ -288,7 +289,7 @@ def bench_epoch(args: argparse.Namespace) -> int:
         run = prepare_run(cfg)
         cfg = run.cfg
         n = len(run.train_indices)
-        trainer = DPTrainer(cfg, data_lib.prepare(run.data, run.train_indices, run.device),
+        trainer = DPTrainer(cfg, data_lib.prepare(run.data, run.train_indices, run.device, input_stats(cfg)),
                             plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant))
         runs[name] = [cfg, trainer, initial_model(cfg, trainer.data.num_classes), None]
     dry_run.stop_here(f"time {args.epochs} epochs of each of {', '.join(runs)}, interleaved")

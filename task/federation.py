@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from fedsd import data as data_lib
+from fedsd.client_data import input_stats
 from fedsd import privacy
 from fedsd.config import ConfigError, TrainConfig, validate
 from fedsd.federation import FedOptions, client_config
@@ -30,7 +31,8 @@ class Federation:
         return [len(s) for s in self.shards]
 
     def client_data(self, partition_id: int, device) -> data_lib.TensorData:
-        return data_lib.prepare(self.images, self.train_indices[self.shards[partition_id]], device)
+        return data_lib.prepare(self.images, self.train_indices[self.shards[partition_id]], device,
+                                input_stats(self.cfg))
 
     def client_test_share(self, partition_id: int) -> torch.Tensor:
         """A simulated client's own test split, for federated evaluation: an IID share of the

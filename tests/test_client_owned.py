@@ -254,6 +254,39 @@ def test_the_server_normalises_its_public_test_split_as_the_clients_normalise_th
     assert torch.allclose(x_test, (images.x_test.float() / 255 - 0.5) / 0.25)
 
 
+def test_mean_and_std_reach_every_party_on_a_built_in_data_set():
+    """--mean / --std on a built-in data set: a central run's training, test and validation
+    images, a simulated client's shard and the server's test and validation splits are all
+    normalised with them (here raw [0, 1] inputs, Tramèr & Boneh's variant); without them, the
+    data set's fixed constants."""
+    require("fmnist")
+    from fedsd import data as data_lib
+    from fedsd.central import prepare_run
+    from fedsd.client_data import input_stats
+    from server.app import public_side
+    from task.federation import build_federation
+
+    images = data_lib.load("fmnist", None, False)
+    raw = lambda x: x.float() / 255  # noqa: E731
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=100, subset=2000, validation=500,
+                      mean="0", std="1").resolved()
+    run = prepare_run(cfg)
+    central = data_lib.prepare(run.data, run.train_indices, "cpu", input_stats(cfg))
+    assert torch.equal(central.x_train, raw(images.x_train[run.train_indices]))
+    assert torch.equal(central.x_test, raw(images.x_test))
+    held_out = data_lib.validation_indices(images, 500)
+    assert torch.equal(data_lib.validation_split(images, 500, input_stats(cfg))[0], raw(images.x_train[held_out]))
+    fed = FedOptions(num_clients=2, rounds=1)
+    federation = build_federation(cfg, fed)
+    shard = federation.client_data(0, "cpu")
+    assert torch.equal(shard.x_train, raw(images.x_train[federation.train_indices[federation.shards[0]]]))
+    _, _, (x_test, _), _, (x_val, _) = public_side(cfg, fed)
+    assert torch.equal(x_test, raw(images.x_test)) and torch.equal(x_val, raw(images.x_train[held_out]))
+    standard = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=100, subset=2000).resolved()
+    assert input_stats(standard) == data_lib.STANDARD_STATS["fmnist"]
+    assert data_lib.prepare(images, run.train_indices, "cpu", input_stats(standard)).x_test is images.normalised_x_test
+
+
 # -- issue 28: own data never trains without its owner's budget ---------------------------------
 def test_own_data_without_a_budget_is_refused_before_its_data_is_read(split, tmp_path):
     cfg, flat = run_config()
