@@ -265,15 +265,15 @@ def train_reply(content: RecordDict, context: Context) -> RecordDict:
     # The state of this run (context.state), else what this client left on its disk in an
     # earlier launch of the same experiment (a resumed server, a restarted SuperNode).
     state_file = client_state_file(node, fed.experiment_id, partition_id)
-    state = load_state(context.state, trainer.plan)
-    if state is None and state_file is not None and state_file.is_file():
-        state = load_train_state(state_file, trainer.plan)
     request = request_digest(server_round, content["arrays"])
     kept = replayed_reply(state_file, request)
     if kept is not None:  # already released: the same reply again, nothing trained or charged
         arrays, metrics = kept
         save_state(context.state, load_train_state(state_file, trainer.plan), trainer.plan)  # charged for it
         return released_answer(arrays, MetricRecord({**metrics, "replayed": 1}), side)
+    state = load_state(context.state, trainer.plan)
+    if state is None and state_file is not None and state_file.is_file():
+        state = load_train_state(state_file, trainer.plan)
     model: Model = record_to_model(content["arrays"])
     base = {"num-examples": trainer.num_train, "partition-id": partition_id,
             "noise-multiplier": trainer.plan.noise_multiplier, "sample-rate": trainer.plan.sample_rate,

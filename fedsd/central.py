@@ -114,8 +114,8 @@ def train(cfg: TrainConfig | None, out: str | Path | None = None, overwrite: boo
 
     started = time.perf_counter()
     route = routes.Route.from_dict(saved["route"]) if saved is not None and saved["route"] else None
-    trainer = DPTrainer(cfg, data_lib.prepare(run.data, run.train_indices, run.device, input_stats(cfg)), plan,
-                        route=route)
+    stats = input_stats(cfg)  # --mean / --std, for the training, test and validation images alike
+    trainer = DPTrainer(cfg, data_lib.prepare(run.data, run.train_indices, run.device, stats), plan, route=route)
     tensors = trainer.data  # in the trainer's memory format, for evaluation too
     if saved is None:
         model, state, epochs, before = initial_model(cfg, tensors.num_classes), None, [], 0.0
@@ -124,7 +124,7 @@ def train(cfg: TrainConfig | None, out: str | Path | None = None, overwrite: boo
     else:
         model, epochs, before = saved["model"], saved["epochs"], saved["wall_seconds"]
         state = TrainState.from_state_dict(saved["state"], plan) if saved["state"] is not None else None
-    val_x, val_y = data_lib.validation_split(run.data, cfg.validation, input_stats(cfg))
+    val_x, val_y = data_lib.validation_split(run.data, cfg.validation, stats)
     val_x = val_x.to(run.device).contiguous(memory_format=trainer.memory_format)
     val_y = val_y.to(run.device)
 
