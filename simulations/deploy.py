@@ -409,17 +409,22 @@ class LocalDeployment:
         self.wait_online(self.num_clients)
 
     def submit(self, run_config: dict, app: Path = ROOT) -> subprocess.Popen:
-        """`flwr run <app> <federation> --stream` in the background (its output in
-        logs/flwr-run.log); the app is fedsd's, or another (fedsd bench deploy's floor)."""
-        return self._start("flwr-run", ["flwr", "run", str(app), FEDERATION, "--stream",
-                                        "--run-config", run_config_arg(run_config)])
+        """`flwr run <app> <federation> --stream` in the background; the app is fedsd's, or
+        another (fedsd bench deploy's floor). Its output goes to logs/flwr-run-<n>.log for the
+        work folder's n-th submission (the process's `.log`): one file each, because an earlier
+        `flwr run` whose SuperLink was stopped may still be printing while a later one runs."""
+        n = 1 + max((int(p.stem.rpartition("-")[2]) for p in self.logs.glob("flwr-run-*.log")
+                     if p.stem.rpartition("-")[2].isdigit()), default=0)  # the work folder may be reused
+        proc = self._start(f"flwr-run-{n}", ["flwr", "run", str(app), FEDERATION, "--stream",
+                                             "--run-config", run_config_arg(run_config)])
+        proc.log = self.logs / f"flwr-run-{n}.log"
+        return proc
 
     def run(self, run_config: dict, timeout: float = 3600, echo=None, app: Path = ROOT) -> None:
         """Submit the run and wait for it. `echo(line)` gets each round's line as the ServerApp
         logs it (fedsd round k/R: accuracy, ε, who trained, refused or missed)."""
-        log = self.logs / "flwr-run.log"
-        start = seen = log.stat().st_size if log.exists() else 0  # the file gathers every run's output
         proc = self.submit(run_config, app)
+        log, seen = proc.log, 0
         deadline = time.monotonic() + timeout
         while proc.poll() is None:
             if time.monotonic() > deadline:
@@ -428,9 +433,8 @@ class LocalDeployment:
             seen = self._echo_rounds(log, seen, echo)
             time.sleep(0.5)
         self._echo_rounds(log, seen, echo)
-        with open(log, "rb") as f:  # this run's output (flwr run exits 0 even when the ServerApp raised)
-            f.seek(start)
-            output = f.read().decode(errors="replace")
+        # flwr run exits 0 even when the ServerApp raised: its output says so
+        output = log.read_bytes().decode(errors="replace")
         if proc.returncode != 0 or "ServerApp raised an exception" in output:
             reason = server_error(output)
             raise DeploymentError((f"the run stopped: {reason}" if reason else
@@ -459,7 +463,11 @@ def server_error(log: str) -> str | None:
     import re
 
     found = re.findall(rf"\b(?:{'|'.join(SERVER_ERRORS)}): (.+)", log)
-    return found[-1].strip() if found else None
+    if found:
+        return found[-1].strip()
+    # Anything else it raised (a bug, not a refusal): the traceback's last line names it.
+    other = re.findall(r"^\s*((?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b.*)$", log, re.MULTILINE)
+    return f"the ServerApp raised {other[-1].strip()}" if other else None
 
 
 def _certificate_names(pem: Path, host: str) -> bool:

@@ -125,9 +125,10 @@ def test_server_stopped_and_resumed_goes_on_with_every_clients_privacy_state(tmp
     out = tmp_path / "out"
     with LocalDeployment(tmp_path / "work", num_clients=2) as deployment:
         deployment.start()
-        deployment.submit({**RUN, "num-server-rounds": 3, "out-dir": str(out)})
+        first = deployment.submit({**RUN, "num-server-rounds": 3, "out-dir": str(out)})
         wait_for(lambda: checkpoint_round(out) >= 1, 600, "round 1's checkpoint")
         deployment.stop(deployment.superlink, grace=0)  # SIGKILL-like: the ServerApp dies with it
+        deployment.stop(first)  # its `flwr run` has nothing left to stream
         before = torch.load(out / "checkpoint.pt", weights_only=True)
         assert not (out / "result.json").exists()
         deployment.start_superlink()
