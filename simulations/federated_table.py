@@ -115,16 +115,29 @@ def _settings(cfg: TrainConfig, fed: FedOptions) -> dict:
 
 
 def flawed(result: RunResult) -> bool:
-    """A finished run the table does not use (run_state says why): a client missed a round or
-    sat one out."""
-    return bool(result.missed) or any(r.get("skipped") for r in result.rounds or [])
+    """A finished run the table does not use (run_state says why): a client missed a round, sat
+    one out, or reported a smaller ε than in an earlier round (it had lost its privacy state)."""
+    return bool(result.missed) or any(r.get("skipped") for r in result.rounds or []) or bool(epsilon_drops(result))
+
+
+def epsilon_drops(result: RunResult) -> list[tuple[int, str]]:
+    """(round, client) wherever a client reports a smaller ε than it did in an earlier round of
+    the run: its accountant started again (a resumed simulation whose clients' state folder was
+    lost), so its ε, and the training state it kept, are not those of one run."""
+    drops, last = [], {}
+    for r in result.rounds or []:
+        for client, eps in (r.get("client_epsilon") or {}).items():
+            if eps < last.get(client, 0.0) - 1e-9:
+                drops.append((r["round"], client))
+            last[client] = eps
+    return drops
 
 
 def run_state(run_out: Path, cfg: TrainConfig, fed: FedOptions) -> str:
     """"done" (result.json, or diverged.json, with these settings), "resume" (a checkpoint with
     these settings) or "fresh" (nothing, a run made with other settings, or one in which a client
-    went missing, a worker killed for memory or a round timed out, or sat a round out: each is
-    replaced, since the table compares methods, not the machine's failures). A table run plans
+    went missing, a worker killed for memory or a round timed out, sat a round out, or started
+    its accountant again: each is replaced, since the table compares methods, not the machine's failures). A table run plans
     every client's budget for all its rounds, so a client skipped for a spent budget means a
     round was charged twice: a run resumed by a fedsd from before clients kept their last reply
     (clients/local.py)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 import warnings
 from contextlib import contextmanager
@@ -160,7 +161,8 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
     backend_config = {"client_resources": {"num_cpus": fed.client_cpus, "num_gpus": fed.client_gpus},
                       "init_args": {**where, "include_dashboard": False,
                                     "logging_level": logging.ERROR, "log_to_driver": verbose}}
-    with warnings.catch_warnings(), flower_log(verbose):
+    client_state = simulated_client_state(fed.resume_dir or out)
+    with warnings.catch_warnings(), flower_log(verbose), environment(FEDSD_CLIENT_STATE_DIR=client_state):
         warnings.simplefilter("ignore", DeprecationWarning)  # run_simulation: the Python API of the engine
         run_simulation(server_app=server_app, client_app=client_app, num_supernodes=fed.num_clients,
                        backend_config=backend_config, verbose_logging=verbose)
@@ -168,4 +170,39 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
         raise holder["error"]
     if "result" not in holder:
         raise RuntimeError("the simulation ended without a result; see the log above")
+    if client_state is not None:  # the run is finished (never resumed): its clients' ε is in result.json
+        shutil.rmtree(client_state, ignore_errors=True)
     return holder["result"]
+
+
+# The simulated clients' disks, inside the run's folder.
+SIMULATED_CLIENT_STATE = "client-state"
+
+
+def simulated_client_state(run_dir: str | Path | None) -> str | None:
+    """Where the simulated clients keep their privacy state (accountants, RNG, momentum, teacher,
+    last reply): the run's own folder, so that `--resume DIR` finds it wherever the folder has
+    gone (another machine, a fresh clone of committed results). In ~/.cache, a resume elsewhere
+    started every client's accountant again and under-reported its ε (results/README.md, "The
+    federated table"). None, to leave it to the clients' default, where the user names a folder
+    (FEDSD_CLIENT_STATE_DIR) or the run keeps no folder. On a Ray cluster (--ray-address) the
+    workers keep their own environment, so their machines' defaults."""
+    if run_dir is None or os.environ.get("FEDSD_CLIENT_STATE_DIR"):
+        return None
+    return str(Path(run_dir).absolute() / SIMULATED_CLIENT_STATE)
+
+
+@contextmanager
+def environment(**values: str | None):
+    """These environment variables set (a None one left as it is) for the block, for the
+    processes it starts (a private Ray instance's workers inherit them), then put back."""
+    saved = {k: os.environ.get(k) for k, v in values.items() if v is not None}
+    os.environ.update({k: v for k, v in values.items() if v is not None})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -164,11 +164,13 @@ def test_other_strategies_learn(strategy):
 
 def test_simulate_killed_after_a_round_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     """`fedsd simulate` SIGKILLed once round 1 is checkpointed; `--resume DIR` goes on from
-    there. Rounds already done are kept as they were, and every client's accountant goes on
-    from its on-disk state: at the end each has spent its whole plan (about ε = 3), where a
-    fresh accountant would show the ε of the remaining rounds only."""
+    there, with the folder moved and another cache (another machine). Rounds already done are
+    kept as they were, and every client's accountant goes on from its state in the run's folder:
+    at the end each has spent its whole plan (about ε = 3), where a fresh accountant would show
+    the ε of the remaining rounds only."""
     require("fmnist")
-    monkeypatch.setenv("FEDSD_CLIENT_STATE_DIR", str(tmp_path / "client-state"))
+    monkeypatch.delenv("FEDSD_CLIENT_STATE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "first-machine"))
     out = tmp_path / "run"
     proc = subprocess.Popen([str(Path(os.sys.executable).parent / "fedsd"), "simulate", "--dataset", "fmnist",
                              "--subset", "2000", "--batch-size", "100", "--clients", "2", "--rounds", "3",
@@ -182,9 +184,16 @@ def test_simulate_killed_after_a_round_resumes_from_its_checkpoint(tmp_path, mon
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    assert sorted(p.name for p in (out / "client-state").rglob("client-?.pt")) == ["client-0.pt", "client-1.pt"]
+    moved = tmp_path / "elsewhere" / "run"
+    moved.parent.mkdir()
+    shutil.move(out, moved)
+    out = moved
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "second-machine"))
     before = torch.load(out / "checkpoint.pt", weights_only=True)
     assert not (out / "result.json").exists()
     assert main(["simulate", "--resume", str(out), "--quiet"]) == 0
+    assert not (out / "client-state").exists()  # a finished run's clients' ε is in result.json
     result = json.loads((out / "result.json").read_text())
     assert result["resumed_after_round"] == before["round"] and [r["round"] for r in result["rounds"]] == [1, 2, 3]
     assert result["rounds"][:before["round"]] == before["book"]["rounds"]

@@ -157,6 +157,15 @@ def test_federated_table_runs_resumes_and_writes_its_files(tmp_path):
     last = {**written["rounds"][-1], "skipped": [3]}
     done.write_text(json.dumps({**written, "rounds": [*written["rounds"][:-1], last]}))
     assert run_state(done.parent, *settings) == "fresh"
+    # and one in which a client's ε fell (its accountant started again: its state folder was lost)
+    first = written["rounds"][0]
+    last = {**written["rounds"][-1], "client_epsilon": {**written["rounds"][-1]["client_epsilon"],
+                                                        "3": first["client_epsilon"]["3"] / 2}}
+    done.write_text(json.dumps({**written, "rounds": [*written["rounds"][:-1], last]}))
+    assert run_state(done.parent, *settings) == "fresh"
+    done.write_text(json.dumps(written))
+    assert run_state(done.parent, *settings) == "done"
+    done.write_text(json.dumps({**written, "rounds": [*written["rounds"][:-1], last]}))
     from simulations.federated_table import fed_cells, write_fed_table
 
     write_fed_table(fed_cells(["iid"], ["dpsgd", "dp3sd"]), runs, tmp_path)  # and the table leaves it out
