@@ -12,10 +12,10 @@ pytestmark = pytest.mark.usefixtures("flower_task")
 SHAPES = {k: tuple(v.shape) for k, v in build_model("mnist-cnn").state_dict().items()}
 
 
-def reply(pid: int, arrays: dict, n: int = 100) -> Message:
+def reply(pid: int, arrays: dict, n: int = 100, epsilon: float = 1.0, **metrics) -> Message:
     content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
                           "metrics": MetricRecord({"num-examples": n, "partition-id": pid, "skipped": 0,
-                                                   "epsilon": 1.0})})
+                                                   "epsilon": epsilon, **metrics})})
     return Message(content, dst_node_id=1, message_type="train")
 
 
@@ -40,6 +40,21 @@ def test_bad_reply_is_rejected_and_the_round_goes_on(break_it, needle):
     assert needle in strategy.round_clients[1][1]["rejected"]
     # Only clients 0 and 2 are averaged, weighted 100 : 300.
     assert np.allclose(arrays["student/0.weight"].numpy(), 2.5)
+
+
+def test_a_client_whose_epsilon_falls_is_named_and_a_refusal_keeps_what_was_spent(caplog):
+    """A client reporting less ε than before has lost its privacy state: the round records it
+    and the log says so. A refusal (its node's limits; nothing spent) keeps the client's ε."""
+    fed = FedOptions(num_clients=2)
+    strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
+    strategy.aggregate_train(1, [reply(0, good(), epsilon=1.0), reply(1, good(), epsilon=1.0)])
+    strategy.aggregate_train(2, [reply(0, good(), epsilon=0.6), reply(1, good(), epsilon=1.4)])
+    assert strategy.round_clients[2][0]["epsilon-fell-from"] == 1.0
+    assert "epsilon-fell-from" not in strategy.round_clients[2][1]
+    assert "client 0 reports ε = 0.600, below the 1.000 it reported before" in caplog.text
+    strategy.aggregate_train(3, [reply(0, good(), epsilon=0.9), reply(1, {}, epsilon=0.0, refused=1)])
+    assert strategy.client_epsilon == {0: 0.9, 1: 1.4}
+    assert "epsilon-fell-from" not in strategy.round_clients[3][1]
 
 
 def test_checkpoint_restores_strategy_state_recorder_and_settings(tmp_path):
