@@ -161,7 +161,7 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
     backend_config = {"client_resources": {"num_cpus": fed.client_cpus, "num_gpus": fed.client_gpus},
                       "init_args": {**where, "include_dashboard": False,
                                     "logging_level": logging.ERROR, "log_to_driver": verbose}}
-    client_state = simulated_client_state(fed.resume_dir or out)
+    client_state = None if ray_address else simulated_client_state(fed.resume_dir or out)
     with warnings.catch_warnings(), flower_log(verbose), environment(FEDSD_CLIENT_STATE_DIR=client_state):
         warnings.simplefilter("ignore", DeprecationWarning)  # run_simulation: the Python API of the engine
         run_simulation(server_app=server_app, client_app=client_app, num_supernodes=fed.num_clients,
@@ -185,8 +185,8 @@ def simulated_client_state(run_dir: str | Path | None) -> str | None:
     gone (another machine, a fresh clone of committed results). In ~/.cache, a resume elsewhere
     started every client's accountant again and under-reported its ε (results/README.md, "The
     federated table"). None, to leave it to the clients' default, where the user names a folder
-    (FEDSD_CLIENT_STATE_DIR) or the run keeps no folder. On a Ray cluster (--ray-address) the
-    workers keep their own environment, so their machines' defaults."""
+    (FEDSD_CLIENT_STATE_DIR) or the run keeps no folder. (On a Ray cluster, --ray-address, the
+    workers keep their own environment: their machines' defaults.)"""
     if run_dir is None or os.environ.get("FEDSD_CLIENT_STATE_DIR"):
         return None
     return str(Path(run_dir).absolute() / SIMULATED_CLIENT_STATE)
