@@ -45,6 +45,11 @@ def _metrics(records: list[RecordDict]) -> list[MetricRecord]:
     return [next(iter(r.metric_records.values())) for r in records]
 
 
+# What train_metrics reads from each trained reply. A reply also says more (a replayed round, the
+# owner's limits, σ and q), which differs from client to client: it is in the round's record.
+AGGREGATED_METRICS = ("num-examples", "steps", "train-loss", "epsilon")
+
+
 def train_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
     """What a round's training replies mean together (Flower's default would average every key,
     partition ids and σ included): the sample-weighted train loss, the largest ε a client has
@@ -246,6 +251,9 @@ class RecordingStrategy(Strategy):
             raise ClientsFailed(f"round {server_round}: every client failed; the first said: {_last_line(failed[0])}")
         self.round_clients[server_round] = reports
         self.missed[server_round] = missed
+        for reply in trained:  # Flower aggregates only replies whose metrics have the same keys
+            name, metrics = next(iter(reply.content.metric_records.items()))
+            reply.content[name] = MetricRecord({k: metrics[k] for k in AGGREGATED_METRICS if k in metrics})
         result = self.inner.aggregate_train(server_round, trained) if trained else (None, None)
         self.train_seconds[server_round] = time.perf_counter() - self._round_started
         return result

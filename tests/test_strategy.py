@@ -57,6 +57,20 @@ def test_a_client_whose_epsilon_falls_is_named_and_a_refusal_keeps_what_was_spen
     assert "epsilon-fell-from" not in strategy.round_clients[3][1]
 
 
+def test_replies_whose_metrics_differ_in_their_keys_are_aggregated():
+    """A replayed round (replayed = 1) beside a freshly trained one, and a client whose owner set
+    limits (max-epsilon) beside one without: Flower's FedAvg refuses replies whose metrics differ
+    in their keys, and the round must still aggregate; each client's own metrics stay recorded."""
+    fed = FedOptions(num_clients=2)
+    strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
+    fresh = reply(0, good(1.0), steps=10, **{"train-loss": 0.5})
+    replayed = reply(1, good(3.0), steps=10, replayed=1, **{"train-loss": 0.7, "max-epsilon": 3.0})
+    arrays, metrics = strategy.aggregate_train(1, [fresh, replayed])
+    assert np.allclose(arrays["student/0.weight"].numpy(), 2.0)
+    assert metrics["clients"] == 2 and metrics["steps"] == 20 and metrics["train-loss"] == pytest.approx(0.6)
+    assert strategy.round_clients[1][1]["replayed"] == 1 and strategy.round_clients[1][1]["max-epsilon"] == 3.0
+
+
 def test_checkpoint_restores_strategy_state_recorder_and_settings(tmp_path):
     """What --resume needs from checkpoint.pt: FedAdam's moments (inside Flower's DP wrapper),
     the node-sampling RNG, the per-client records, the round book and the run's settings; the
