@@ -193,8 +193,9 @@ class RecordingStrategy(Strategy):
             if "skipped-files" in reply.content.config_records:  # the owner's choice: named in the summary
                 left_out = reply.content.config_records["skipped-files"]
                 reports[pid]["skipped-files"] = dict(count=int(left_out["count"]), first=list(left_out["first"]))
+            a_refusal = bool(int(metrics.get("refused", 0)))
             epsilon, before = float(metrics["epsilon"]), self.client_epsilon.get(pid, 0.0)
-            if int(metrics.get("refused", 0)):  # a refusal spends nothing: it had spent what it had
+            if a_refusal:  # a refusal spends nothing: it had spent what it had
                 epsilon = max(epsilon, before)
             elif epsilon < before - 1e-9:
                 # Its accountant started again (its state-dir was lost or replaced): from here on
@@ -203,7 +204,7 @@ class RecordingStrategy(Strategy):
                     "lost its privacy state and its accountant started again", server_round, pid, epsilon, before)
                 reports[pid]["epsilon-fell-from"] = before
             self.client_epsilon[pid] = epsilon
-            if int(metrics.get("refused", 0)):  # the client's owner's limits, with the client's reason
+            if a_refusal:  # the client's owner's limits, with the client's reason
                 reason = client_reason(reply, "refusal")
                 reports[pid]["refused"] = reason
                 log(WARNING, "round %d: client %d refused: %s", server_round, pid, reason)

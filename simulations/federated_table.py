@@ -137,10 +137,10 @@ def run_state(run_out: Path, cfg: TrainConfig, fed: FedOptions) -> str:
     """"done" (result.json, or diverged.json, with these settings), "resume" (a checkpoint with
     these settings) or "fresh" (nothing, a run made with other settings, or one in which a client
     went missing, a worker killed for memory or a round timed out, sat a round out, or started
-    its accountant again: each is replaced, since the table compares methods, not the machine's failures). A table run plans
-    every client's budget for all its rounds, so a client skipped for a spent budget means a
-    round was charged twice: a run resumed by a fedsd from before clients kept their last reply
-    (clients/local.py)."""
+    its accountant again: each is replaced, since the table compares methods, not the machine's
+    failures). A table run plans every client's budget for all its rounds, so a client skipped
+    for a spent budget means a round was charged twice: a run resumed by a fedsd from before
+    clients kept their last reply (clients/local.py)."""
     from server import checkpoint
 
     wanted = _settings(cfg, fed)
