@@ -6,7 +6,8 @@ simulation its shard of a built-in data set. Each round it receives the global m
 run's settings, trains E local epochs with fedsd's loop, and replies with the new weights and
 its metrics. Its privacy state (one accountant history for the run, the RNG state, the step
 count) lives in context.state and, under the server's experiment id, on the client's own disk,
-so a client never restarts its accounting. With `max-epsilon` in its node config, the owner's
+so a client never restarts its accounting; one whose state was lost anyway refuses, told by the
+server what it reported spending before (state_lost). With `max-epsilon` in its node config, the owner's
 lifetime ledger (a Rényi privacy filter per data set) admits each run and charges each round
 before it runs, whatever the server asks. A client that may not train replies with metrics
 only: skipped = 1, and refused = 1 with its reason when the owner's limits said no, or
@@ -46,7 +47,7 @@ from fedsd.training import (BudgetExhausted, DPTrainer, Model, TrainingDiverged,
                             save_train_state)
 
 from task.federation import Federation, build_federation
-from task.records import load_state, model_to_record, record_to_model, save_state
+from task.records import SPENT_EPSILON, load_state, model_to_record, record_to_model, save_state
 
 from clients import node_config as node_configs
 from clients.node_config import NodeConfig, NodeConfigError
@@ -192,7 +193,7 @@ class ClientSide:
     """What a message is to be answered with: the round, this node's checked config, the run's
     federation settings, the trainer bound to this client's data, the data's fingerprint (its
     ledger), the simulated federation (None for own data) and the files its owner chose to
-    leave out (skip-bad-files)."""
+    leave out (skip-bad-files), and the ε the server has recorded for this client (0 if none)."""
     server_round: int
     node: NodeConfig
     fed: FedOptions
@@ -200,6 +201,7 @@ class ClientSide:
     fingerprint: str
     federation: Federation | None
     skipped_files: list[str]
+    server_recorded_epsilon: float = 0.0
 
 
 def client_side(content: RecordDict, context: Context) -> ClientSide:
@@ -208,17 +210,19 @@ def client_side(content: RecordDict, context: Context) -> ClientSide:
     no owner's budget refuses (BudgetRefused) before its data is read."""
     flat = dict(content["config"])
     server_round = int(flat.pop("server-round"))
+    recorded = list(flat.pop(SPENT_EPSILON, []))  # per client: not a setting of the run
     node = node_settings(flat, context.node_config)
     node.require_budget()
+    recorded_epsilon = float(recorded[node.partition_id]) if node.partition_id < len(recorded) else 0.0
     if flat.get("client-data") == "own":
         if not node.owns_data:
             raise ConfigError("client-data=own: this run trains on each client's own data; start the SuperNode "
                               "with --node-config \"data='/path/to/folder-or.npz' max-epsilon=… ...\"")
         fed, trainer, held = own_trainer(flat, node, node.partition_id)
-        return ClientSide(server_round, node, fed, trainer, held.fingerprint, None, held.skipped)
+        return ClientSide(server_round, node, fed, trainer, held.fingerprint, None, held.skipped, recorded_epsilon)
     federation, trainer = trainer_for(flat, node.partition_id)
     return ClientSide(server_round, node, federation.fed, trainer, shard_fingerprint(federation, node.partition_id),
-                      federation, [])
+                      federation, [], recorded_epsilon)
 
 
 def refusal(metrics: dict, reason: str) -> RecordDict:
@@ -230,6 +234,21 @@ def refusal(metrics: dict, reason: str) -> RecordDict:
 def spent_so_far(state, plan: privacy.PrivacyPlan) -> float:
     """ε this client spent in the run before this round (its carried accountant history)."""
     return 0.0 if state is None else privacy.Ledger(plan.accountant, state.history).epsilon(plan.delta)
+
+
+def state_lost(side: ClientSide, state, state_file: Path | None) -> str | None:
+    """Why this client may not train: the server has recorded more ε from its earlier replies in
+    this experiment than its own privacy state holds, so that state was lost or replaced (a
+    deleted state-dir, a SuperNode moved to another machine). Else None."""
+    own = spent_so_far(state, side.trainer.plan)
+    recorded = side.server_recorded_epsilon
+    if recorded <= own + 1e-6 * max(1.0, recorded):
+        return None
+    where = f"{state_file}" if state_file is not None else "its context.state"
+    return (f"the server recorded ε = {recorded:.4f} spent by client {side.node.partition_id} in this experiment, "
+            f"but its privacy state ({where}) holds ε = {own:.4f}: the state was lost or replaced, and the client "
+            f"will not start its accounting again; restore the node's state-dir ({side.node.state_root}) or start "
+            f"a new experiment")
 
 
 def evaluate_reply(content: RecordDict, context: Context) -> RecordDict:
@@ -280,6 +299,9 @@ def train_reply(content: RecordDict, context: Context) -> RecordDict:
             **node.budget()}
     epochs = round_epochs(server_round, fed.local_epochs)
     plan = trainer.plan
+    behind = state_lost(side, state, state_file)
+    if behind:  # before anything is charged: an accountant started again would leave out what was spent
+        return refusal({**base, "epsilon": spent_so_far(state, plan)}, behind)
     try:
         trainer.check_budget(state, epochs)  # the run's own plan, before the owner's ledger is charged
         with lifetime_ledger(node, fingerprint) as ledger:

@@ -19,6 +19,7 @@ from flwr.serverapp.strategy import (DifferentialPrivacyServerSideFixedClipping,
 from fedsd.federation import FedOptions
 from fedsd.methods import MODEL_GROUPS
 from fedsd.training import TrainingDiverged
+from task.records import SPENT_EPSILON
 
 
 def base_strategy(fed: FedOptions, federated_evaluation: bool = False) -> Strategy:
@@ -168,6 +169,12 @@ class RecordingStrategy(Strategy):
             base.min_available_nodes, base.min_train_nodes = self.num_clients, self.sampled
         else:
             base.min_available_nodes, base.min_train_nodes = self.min_nodes, min(self.sampled, self.min_nodes)
+        if self.client_epsilon:
+            # What each client has told this server it spent: a client whose own state is behind
+            # refuses (clients/local.py). Not a trust in the server: a claim too high only makes
+            # a client refuse, which a server can make happen anyway by not asking it.
+            config = ConfigRecord({**config, SPENT_EPSILON: [float(self.client_epsilon.get(pid, 0.0))
+                                                             for pid in range(self.num_clients)]})
         messages = list(self.inner.configure_train(server_round + self.round_offset, arrays, config, grid))
         self._sent = messages  # the Grid sets each one's message id in place when it pushes it
         return messages

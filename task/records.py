@@ -15,6 +15,10 @@ from fedsd.training import Model, TrainState
 
 STATE_ARRAYS = "fedsd.arrays"
 STATE_CONFIG = "fedsd.privacy"
+# A train request's config key: the ε the server has recorded for each client (index: partition
+# id) from its earlier replies in this experiment. A client whose own privacy state is behind it
+# (its state-dir lost or replaced) refuses instead of starting its accountant again.
+SPENT_EPSILON = "spent-epsilon"
 
 
 def model_to_record(model: Model) -> ArrayRecord:

@@ -190,6 +190,38 @@ def test_a_round_asked_again_after_a_restart_gets_the_reply_already_released_at_
     assert new_model["metrics"]["skipped"] == 1 and history() == charged
 
 
+def test_a_client_whose_privacy_state_was_lost_refuses_before_spending(tmp_path):
+    """The server sends each client the ε it reported before (task.records.SPENT_EPSILON). A
+    client whose state-dir was deleted between rounds finds less than that in its own state: it
+    refuses, with the reason, and charges nothing. With its state restored, or with the server's
+    record equal to its own, it trains on."""
+    import shutil
+
+    from task.records import SPENT_EPSILON
+
+    require("fmnist")
+    federation, flat, _ = make("round-start")
+    flat = {**flat, "experiment-id": "exp-1"}
+    start = initial_model(federation.cfg, 10)
+    node_config = {"partition-id": 1, "num-partitions": 2, "state-dir": str(tmp_path / "state")}
+
+    def restarted():
+        return Context(run_id=2, node_id=11, node_config=node_config, state=RecordDict(), run_config={})
+
+    first = send(flat, restarted(), start, 1).content["metrics"]
+    recorded = {**flat, SPENT_EPSILON: [0.0, first["epsilon"]]}
+    shutil.copytree(tmp_path / "state", tmp_path / "kept")
+    shutil.rmtree(tmp_path / "state")
+    lost = send(recorded, restarted(), start, 2).content
+    assert lost["metrics"]["refused"] == 1 and lost["metrics"]["epsilon"] == 0.0 and not lost.array_records
+    reason = lost["refusal"]["reason"]
+    assert f"the server recorded ε = {first['epsilon']:.4f} spent by client 1" in reason and "holds ε = 0.0000" in reason
+    assert not (tmp_path / "state" / "exp-1" / "client-1.pt").exists()  # nothing charged, nothing written
+    shutil.copytree(tmp_path / "kept", tmp_path / "state", dirs_exist_ok=True)
+    second = send(recorded, restarted(), start, 2).content["metrics"]
+    assert second["skipped"] == 0 and second["epsilon"] > first["epsilon"]
+
+
 def test_train_state_has_one_form_for_both_stores_and_is_checked_on_load(tmp_path):
     """context.state and the client's disk hold the same state_dict, with the mechanism (σ, q,
     accountant) it was accounted under; a load under another mechanism is refused."""

@@ -4,6 +4,7 @@ must survive: a SuperNode killed mid-round, the server side stopped and resumed,
 with an unknown key."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,9 +119,11 @@ def test_supernode_killed_mid_round_the_federation_goes_on(tmp_path):
 
 def test_server_stopped_and_resumed_goes_on_with_every_clients_privacy_state(tmp_path):
     """The SuperLink (and its ServerApp) killed after round 1 of 3, restarted on the same
-    database; `flwr run` with resume-dir continues at round 2. Each client's ε goes on from
-    its own disk: at the end it is the full plan's (about the target), where a reset ledger
-    would show the ε of two rounds only."""
+    database; `flwr run` with resume-dir continues at round 2. Client 0's ε goes on from its
+    own disk: at the end it is the full plan's (about the target), where a reset accountant
+    would show the ε of two rounds only. Client 1's privacy state for the run is deleted while
+    the server is down: told what it reported before, it refuses every later round with the
+    reason, where it would otherwise have started its accountant again."""
     require("fmnist")
     out = tmp_path / "out"
     with LocalDeployment(tmp_path / "work", num_clients=2) as deployment:
@@ -131,6 +134,7 @@ def test_server_stopped_and_resumed_goes_on_with_every_clients_privacy_state(tmp
         deployment.stop(first)  # its `flwr run` has nothing left to stream
         before = torch.load(out / "checkpoint.pt", weights_only=True)
         assert not (out / "result.json").exists()
+        shutil.rmtree(tmp_path / "work" / "client-state" / "1" / before["experiment_id"])
         deployment.start_superlink()
         deployment.wait_online(2, timeout=180)  # the SuperNodes reconnect on their own
         deployment.run({"resume-dir": str(out)}, timeout=900)
@@ -140,9 +144,13 @@ def test_server_stopped_and_resumed_goes_on_with_every_clients_privacy_state(tmp
     assert [r["round"] for r in result["rounds"]] == [1, 2, 3]
     assert result["rounds"][:done] == before["book"]["rounds"]  # nothing of a completed round is lost
     assert result["experiment_id"] == before["experiment_id"]
-    for pid, eps in result["rounds"][-1]["client_epsilon"].items():
-        assert eps > before["book"]["rounds"][-1]["client_epsilon"][pid]
-        assert 2.9 < eps <= 3.0, (pid, eps)  # the whole plan was spent: no reset
+    spent_before = before["book"]["rounds"][-1]["client_epsilon"]
+    eps = result["rounds"][-1]["client_epsilon"]
+    assert eps["0"] > spent_before["0"] and 2.9 < eps["0"] <= 3.0, eps  # the whole plan was spent: no reset
+    assert eps["1"] == spent_before["1"] > 0  # what it had spent: nothing more
+    for r in result["rounds"][done:]:
+        assert r["trained"] == [0] and list(r["refused"]) == ["1"], r
+        assert "the state was lost or replaced" in r["refused"]["1"]
 
 
 def deploy_local_process(args: list[str], out: Path) -> subprocess.CompletedProcess:

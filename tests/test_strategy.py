@@ -57,6 +57,36 @@ def test_a_client_whose_epsilon_falls_is_named_and_a_refusal_keeps_what_was_spen
     assert "epsilon-fell-from" not in strategy.round_clients[3][1]
 
 
+class Nodes:
+    """The part of a Grid a strategy's configure_train reads: the connected nodes."""
+
+    def __init__(self, *node_ids: int):
+        self.node_ids = list(node_ids)
+
+    def get_node_ids(self):
+        return self.node_ids
+
+
+def test_a_train_request_carries_what_each_client_has_reported_spending():
+    """From the first replies on, each train request says what ε the server has recorded for
+    every client (by partition id), so that a client whose own state is behind can refuse;
+    a client not heard from is 0, and a refusal's reply does not lower it."""
+    from flwr.app import ConfigRecord
+
+    from task.records import SPENT_EPSILON
+
+    fed = FedOptions(num_clients=3)
+    strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
+    grid, arrays = Nodes(11, 12, 13), ArrayRecord({k: Array(v) for k, v in good().items()})
+    first = list(strategy.configure_train(1, arrays, ConfigRecord({"lr": 0.1}), grid))
+    assert len(first) == 3 and all(SPENT_EPSILON not in m.content["config"] for m in first)
+    strategy.aggregate_train(1, [reply(0, good(), epsilon=0.5), reply(2, good(), epsilon=0.75)])
+    strategy.aggregate_train(2, [reply(0, {}, epsilon=0.0, refused=1)])
+    later = list(strategy.configure_train(3, arrays, ConfigRecord({"lr": 0.1}), grid))
+    assert [list(m.content["config"][SPENT_EPSILON]) for m in later] == [[0.5, 0.0, 0.75]] * 3
+    assert all(m.content["config"]["lr"] == 0.1 for m in later)
+
+
 def test_replies_whose_metrics_differ_in_their_keys_are_aggregated():
     """A replayed round (replayed = 1) beside a freshly trained one, and a client whose owner set
     limits (max-epsilon) beside one without: Flower's FedAvg refuses replies whose metrics differ
