@@ -210,10 +210,9 @@ def client_side(content: RecordDict, context: Context) -> ClientSide:
     no owner's budget refuses (BudgetRefused) before its data is read."""
     flat = dict(content["config"])
     server_round = int(flat.pop("server-round"))
-    recorded = list(flat.pop(SPENT_EPSILON, []))  # per client: not a setting of the run
+    recorded_epsilon = float(flat.pop(SPENT_EPSILON, 0.0))  # this client's alone: not a setting of the run
     node = node_settings(flat, context.node_config)
     node.require_budget()
-    recorded_epsilon = float(recorded[node.partition_id]) if node.partition_id < len(recorded) else 0.0
     if flat.get("client-data") == "own":
         if not node.owns_data:
             raise ConfigError("client-data=own: this run trains on each client's own data; start the SuperNode "

@@ -68,6 +68,7 @@ class RoundBook:
             trained=sorted(k for k, r in reports.items() if not int(r.get("skipped", 0)) and "rejected" not in r),
             skipped=sorted(k for k, r in reports.items() if int(r.get("skipped", 0))),
             refused={str(k): r["refused"] for k, r in reports.items() if "refused" in r},
+            epsilon_fell_from={str(k): r["epsilon-fell-from"] for k, r in reports.items() if "epsilon-fell-from" in r},
             rejected={str(k): r["rejected"] for k, r in reports.items() if "rejected" in r},
             lifetime_budget={str(k): lifetime_budget(r) for k, r in reports.items() if "max-epsilon" in r},
             skipped_files={str(k): r["skipped-files"] for k, r in reports.items() if "skipped-files" in r},

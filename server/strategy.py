@@ -169,15 +169,25 @@ class RecordingStrategy(Strategy):
             base.min_available_nodes, base.min_train_nodes = self.num_clients, self.sampled
         else:
             base.min_available_nodes, base.min_train_nodes = self.min_nodes, min(self.sampled, self.min_nodes)
-        if self.client_epsilon:
-            # What each client has told this server it spent: a client whose own state is behind
-            # refuses (clients/local.py). Not a trust in the server: a claim too high only makes
-            # a client refuse, which a server can make happen anyway by not asking it.
-            config = ConfigRecord({**config, SPENT_EPSILON: [float(self.client_epsilon.get(pid, 0.0))
-                                                             for pid in range(self.num_clients)]})
         messages = list(self.inner.configure_train(server_round + self.round_offset, arrays, config, grid))
+        for message in messages:
+            self._tell_what_it_spent(message)
         self._sent = messages  # the Grid sets each one's message id in place when it pushes it
         return messages
+
+    def _tell_what_it_spent(self, message: Message) -> None:
+        """Add to a train request the ε its client reported spending so far (a node whose partition
+        the server knows from earlier replies): a client whose own state holds less has lost it and
+        refuses (clients/local.py). No trust in the server: a claim too high only makes a client
+        refuse, as not asking it would. Each client hears only its own ε, and the messages of a
+        round share one RecordDict (Flower's _construct_messages), so the request gets its own."""
+        pid = self.node_partition.get(message.metadata.dst_node_id)
+        if pid is None or not self.client_epsilon.get(pid):
+            return
+        content = RecordDict(dict(message.content.items()))
+        name, config = next(iter(content.config_records.items()))
+        content[name] = ConfigRecord({**config, SPENT_EPSILON: float(self.client_epsilon[pid])})
+        message.content = content
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         server_round += self.round_offset
@@ -202,15 +212,16 @@ class RecordingStrategy(Strategy):
                 reports[pid]["skipped-files"] = dict(count=int(left_out["count"]), first=list(left_out["first"]))
             a_refusal = bool(int(metrics.get("refused", 0)))
             epsilon, before = float(metrics["epsilon"]), self.client_epsilon.get(pid, 0.0)
-            if a_refusal:  # a refusal spends nothing: it had spent what it had
-                epsilon = max(epsilon, before)
-            elif epsilon < before - 1e-9:
-                # Its accountant started again (its state-dir was lost or replaced): from here on
-                # its ε leaves out what it spent before. Only the client can account; the server says so.
+            if not a_refusal and epsilon < before - 1e-9:
+                # Its accountant started again (its state was lost, and this server had not yet told
+                # it what it had spent: a node under a new node id). Only the client can account;
+                # the server says so, and tells it from its next round on (it then refuses).
                 log(WARNING, "round %d: client %d reports ε = %.3f, below the %.3f it reported before: it has "
                     "lost its privacy state and its accountant started again", server_round, pid, epsilon, before)
                 reports[pid]["epsilon-fell-from"] = before
-            self.client_epsilon[pid] = epsilon
+            # What it has spent at least: a refusal spends nothing, and an accountant started again
+            # leaves out what was spent before.
+            self.client_epsilon[pid] = max(epsilon, before)
             if a_refusal:  # the client's owner's limits, with the client's reason
                 reason = client_reason(reply, "refusal")
                 reports[pid]["refused"] = reason

@@ -126,8 +126,9 @@ def epsilon_drops(result: RunResult) -> list[tuple[int, str]]:
     lost), so its ε, and the training state it kept, are not those of one run."""
     drops, last = [], {}
     for r in result.rounds or []:
+        fell = set(r.get("epsilon_fell_from") or {})  # the server's word (it now keeps the larger ε)
         for client, eps in (r.get("client_epsilon") or {}).items():
-            if eps < last.get(client, 0.0) - 1e-9:
+            if client in fell or eps < last.get(client, 0.0) - 1e-9:  # the second: results made before
                 drops.append((r["round"], client))
             last[client] = eps
     return drops

@@ -15,9 +15,9 @@ from fedsd.training import Model, TrainState
 
 STATE_ARRAYS = "fedsd.arrays"
 STATE_CONFIG = "fedsd.privacy"
-# A train request's config key: the ε the server has recorded for each client (index: partition
-# id) from its earlier replies in this experiment. A client whose own privacy state is behind it
-# (its state-dir lost or replaced) refuses instead of starting its accountant again.
+# A train request's config key: the ε its client reported spending in its earlier replies of
+# this experiment. A client whose own privacy state holds less (its state-dir lost or replaced)
+# refuses instead of starting its accountant again.
 SPENT_EPSILON = "spent-epsilon"
 
 

@@ -209,7 +209,7 @@ def test_a_client_whose_privacy_state_was_lost_refuses_before_spending(tmp_path)
         return Context(run_id=2, node_id=11, node_config=node_config, state=RecordDict(), run_config={})
 
     first = send(flat, restarted(), start, 1).content["metrics"]
-    recorded = {**flat, SPENT_EPSILON: [0.0, first["epsilon"]]}
+    recorded = {**flat, SPENT_EPSILON: first["epsilon"]}
     shutil.copytree(tmp_path / "state", tmp_path / "kept")
     shutil.rmtree(tmp_path / "state")
     lost = send(recorded, restarted(), start, 2).content

@@ -163,6 +163,9 @@ def test_federated_table_runs_resumes_and_writes_its_files(tmp_path):
                                                         "3": first["client_epsilon"]["3"] / 2}}
     done.write_text(json.dumps({**written, "rounds": [*written["rounds"][:-1], last]}))
     assert run_state(done.parent, *settings) == "fresh"
+    said = {**written["rounds"][-1], "epsilon_fell_from": {"3": first["client_epsilon"]["3"]}}  # the server's word
+    done.write_text(json.dumps({**written, "rounds": [*written["rounds"][:-1], said]}))
+    assert run_state(done.parent, *settings) == "fresh"
     done.write_text(json.dumps(written))
     assert run_state(done.parent, *settings) == "done"
     done.write_text(json.dumps({**written, "rounds": [*written["rounds"][:-1], last]}))

@@ -43,8 +43,9 @@ def test_bad_reply_is_rejected_and_the_round_goes_on(break_it, needle):
 
 
 def test_a_client_whose_epsilon_falls_is_named_and_a_refusal_keeps_what_was_spent(caplog):
-    """A client reporting less ε than before has lost its privacy state: the round records it
-    and the log says so. A refusal (its node's limits; nothing spent) keeps the client's ε."""
+    """A client reporting less ε than before has lost its privacy state: the round records it,
+    the log says so, and the server keeps the larger ε (what the client has spent at least, and
+    what it is told next). A refusal (its node's limits; nothing spent) keeps the client's ε."""
     fed = FedOptions(num_clients=2)
     strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
     strategy.aggregate_train(1, [reply(0, good(), epsilon=1.0), reply(1, good(), epsilon=1.0)])
@@ -52,8 +53,9 @@ def test_a_client_whose_epsilon_falls_is_named_and_a_refusal_keeps_what_was_spen
     assert strategy.round_clients[2][0]["epsilon-fell-from"] == 1.0
     assert "epsilon-fell-from" not in strategy.round_clients[2][1]
     assert "client 0 reports ε = 0.600, below the 1.000 it reported before" in caplog.text
-    strategy.aggregate_train(3, [reply(0, good(), epsilon=0.9), reply(1, {}, epsilon=0.0, refused=1)])
-    assert strategy.client_epsilon == {0: 0.9, 1: 1.4}
+    assert strategy.client_epsilon == {0: 1.0, 1: 1.4}
+    strategy.aggregate_train(3, [reply(0, good(), epsilon=1.2), reply(1, {}, epsilon=0.0, refused=1)])
+    assert strategy.client_epsilon == {0: 1.2, 1: 1.4}
     assert "epsilon-fell-from" not in strategy.round_clients[3][1]
 
 
@@ -67,10 +69,10 @@ class Nodes:
         return self.node_ids
 
 
-def test_a_train_request_carries_what_each_client_has_reported_spending():
-    """From the first replies on, each train request says what ε the server has recorded for
-    every client (by partition id), so that a client whose own state is behind can refuse;
-    a client not heard from is 0, and a refusal's reply does not lower it."""
+def test_a_train_request_carries_what_its_client_has_reported_spending():
+    """From a client's first reply on, each train request to it says what ε it has reported,
+    so that a client whose own state is behind can refuse; each client hears only its own, a
+    client not heard from hears nothing, and a refusal's reply does not lower it."""
     from flwr.app import ConfigRecord
 
     from task.records import SPENT_EPSILON
@@ -82,9 +84,11 @@ def test_a_train_request_carries_what_each_client_has_reported_spending():
     assert len(first) == 3 and all(SPENT_EPSILON not in m.content["config"] for m in first)
     strategy.aggregate_train(1, [reply(0, good(), epsilon=0.5), reply(2, good(), epsilon=0.75)])
     strategy.aggregate_train(2, [reply(0, {}, epsilon=0.0, refused=1)])
-    later = list(strategy.configure_train(3, arrays, ConfigRecord({"lr": 0.1}), grid))
-    assert [list(m.content["config"][SPENT_EPSILON]) for m in later] == [[0.5, 0.0, 0.75]] * 3
-    assert all(m.content["config"]["lr"] == 0.1 for m in later)
+    strategy.node_partition = {11: 0, 12: 1, 13: 2}  # as the replies' node ids would have told it
+    later = {m.metadata.dst_node_id: m.content["config"] for m in strategy.configure_train(3, arrays,
+                                                                                          ConfigRecord({"lr": 0.1}), grid)}
+    assert {node: config.get(SPENT_EPSILON) for node, config in later.items()} == {11: 0.5, 12: None, 13: 0.75}
+    assert all(config["lr"] == 0.1 and config["server-round"] == 3 for config in later.values())
 
 
 def test_replies_whose_metrics_differ_in_their_keys_are_aggregated():
