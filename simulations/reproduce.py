@@ -43,6 +43,11 @@ PAPER_TABLE2 = [
 ]
 TABLE2_EPSILON = 3.0
 TABLE1_METHODS = ("dpsgd", "dpkd", "dpema", "dp3sd", "dpdsd")  # the papers' row order
+# Table 1's variants (`--variant`): a setting the papers do not use, every method run with it, in
+# rows of its own beside the papers' set-up and compared with dpsgd of the same variant.
+# tanh: Tramèr & Boneh (ICLR 2021), the one of their settings that lifts FMNIST's dpsgd
+# (results/README.md, "Fashion-MNIST's baseline gap").
+TABLE1_VARIANTS = {"tanh": ({"activation": "tanh"}, "tanh, a variant")}
 
 
 @dataclass
@@ -61,8 +66,10 @@ class Cell:
         return f"{self.dataset}-{self.method}{tag}-eps{self.epsilon:g}"
 
 
-def table1_cells(datasets, methods, epsilons) -> list[Cell]:
-    return [Cell(d, m, e, PAPER_TABLE1[(d, m)][int(e) - 1]) for d in datasets for m in methods for e in epsilons]
+def table1_cells(datasets, methods, epsilons, variant: str = "") -> list[Cell]:
+    overrides, label = TABLE1_VARIANTS[variant] if variant else ({}, "")
+    return [Cell(d, m, e, PAPER_TABLE1[(d, m)][int(e) - 1], variant, overrides, label)
+            for d in datasets for m in methods for e in epsilons]
 
 
 def table2_cells() -> list[Cell]:
@@ -168,6 +175,8 @@ def add_reproduce_parser(sub) -> None:
                    help="Table 1")
     p.add_argument("--partitions", nargs="+", choices=list(FED_PARTITIONS), default=list(FED_PARTITIONS),
                    help="the federated table")
+    p.add_argument("--variant", choices=list(TABLE1_VARIANTS), default="",
+                   help="Table 1: every cell with a setting the papers do not use, in rows of its own")
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: 3; the federated table 1)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--jobs", type=int, default=1,
@@ -190,6 +199,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name}: must be >= 1, got {value}")
     if args.table != "1" and args.datasets not in (None, ["fmnist"]):
         raise ConfigError(f"--datasets: Table {args.table} is Fashion-MNIST's only; leave --datasets out")
+    if args.table != "1" and args.variant:
+        raise ConfigError(f"--variant: Table 1's only; Table {args.table} has its own rows")
     out = Path(args.out)
     if args.table == "fed":
         from .federated_table import FED_METHODS, FED_TABLE_NAME, reproduce_fed
@@ -203,7 +214,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         return 0
     table = int(args.table)
     methods = args.methods or list(TABLE1_METHODS)
-    cells = table2_cells() if table == 2 else table1_cells(args.datasets or DATASETS, methods, args.epsilons)
+    cells = (table2_cells() if table == 2
+             else table1_cells(args.datasets or DATASETS, methods, args.epsilons, args.variant))
     if table == 2 and args.methods:
         cells = [c for c in cells if c.method in methods]
     seeds = args.seeds or 3
@@ -243,7 +255,9 @@ def seeds_run(runs_dir: Path, cell) -> dict[int, RunResult]:
 def table_cells(table: int, asked: list[Cell], runs_dir: Path) -> list[Cell]:
     """The cells asked for and every other cell of the table that has a run on disk, in the
     table's order: a reproduce of some cells rewrites the table without dropping the others."""
-    every = table2_cells() if table == 2 else table1_cells(DATASETS, TABLE1_METHODS, [1.0, 2.0, 3.0])
+    every = table2_cells() if table == 2 else [cell for variant in ("", *TABLE1_VARIANTS)
+                                                for cell in table1_cells(DATASETS, TABLE1_METHODS, [1.0, 2.0, 3.0],
+                                                                         variant)]
     names = {c.name for c in asked}
     return [c for c in every if c.name in names or seed_files(runs_dir, c)]
 
@@ -266,7 +280,7 @@ def write_tables(table: int, cells: list[Cell], runs_dir: Path, out: Path) -> No
             epsilon_spent=[r.epsilon_spent for r in results], seconds=[r.wall_seconds for r in results],
             curves=[[100 * e["test_accuracy"] for e in r.epochs] for r in results]))
     for row in rows:
-        row["gain_over_dpsgd"] = gain_over_dpsgd(row, rows, ("dataset", "epsilon")) if table == 1 else None
+        row["gain_over_dpsgd"] = gain_over_dpsgd(row, rows, ("dataset", "epsilon", "variant")) if table == 1 else None
     write_json(out / f"table{table}.json", {"cells": rows})
     gain_head, gain_rule = (" vs dpsgd, same seeds |", "---|") if table == 1 else ("", "")
     lines = [f"# Table {table}: ours (mean ± std over seeds) beside the paper's", "",
@@ -322,7 +336,7 @@ def gain_over_dpsgd(row: dict, rows: list[dict], same: tuple[str, ...], accuraci
 def _figure3(rows: list[dict], out: Path) -> None:
     """Test accuracy vs epoch, all methods at ε = 3, one figure a data set (the papers' Fig. 3)."""
     for dataset in sorted({r["dataset"] for r in rows}):
-        curves = [r for r in rows if r["dataset"] == dataset and r["epsilon"] == 3.0 and r["curves"]]
+        curves = [r for r in rows if r["dataset"] == dataset and r["epsilon"] == 3.0 and r["curves"] and not r["variant"]]
         if curves:
             plot_curves(out / f"fig3-{dataset}.png", f"{dataset}, ε = 3", "epoch",
                         [(r["method"], r["curves"], "-") for r in curves])

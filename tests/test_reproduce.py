@@ -102,6 +102,29 @@ def test_a_partial_reproduce_keeps_the_other_cells_and_gains_use_the_same_seeds(
     assert "| mnist | dp3sd | 3 | 1 | 84.00 ± 0.00 | 1 | 98.42 | -14.42 | +4.00 |" in (tmp_path / "table1.md").read_text()
 
 
+def test_a_variants_rows_stand_beside_the_papers_and_gain_against_dpsgd_of_the_same_variant(tmp_path):
+    """`--variant tanh`: its cells run with the variant's setting, under their own names, and
+    are kept in the table with the papers' rows (made by any later reproduce); their gain is
+    against dpsgd with the same variant, never against the papers' set-up."""
+    from simulations.reproduce import table_cells, write_tables
+
+    cells = table1_cells(["fmnist"], ["dpsgd", "dpdsd"], [3.0], "tanh")
+    assert [(c.name, c.overrides) for c in cells] == [("fmnist-dpsgd-tanh-eps3", {"activation": "tanh"}),
+                                                      ("fmnist-dpdsd-tanh-eps3", {"activation": "tanh"})]
+    runs = tmp_path / "runs" / "table1"
+    _fake_run(runs, "fmnist-dpsgd-eps3", 0, 0.80)
+    _fake_run(runs, "fmnist-dpsgd-tanh-eps3", 0, 0.85)
+    _fake_run(runs, "fmnist-dpdsd-tanh-eps3", 0, 0.86)
+    write_tables(1, table_cells(1, table1_cells(["fmnist"], ["dpsgd"], [3.0]), runs), runs, tmp_path)
+    rows = {(c["method"], c["variant"]): c for c in json.loads((tmp_path / "table1.json").read_text())["cells"]}
+    assert set(rows) == {("dpsgd", ""), ("dpsgd", "tanh"), ("dpdsd", "tanh")}
+    assert rows[("dpdsd", "tanh")]["gain_over_dpsgd"] == pytest.approx(1.0)
+    assert "| fmnist | dpdsd (tanh, a variant) | 3 | 1 | 86.00 ± 0.00 | 1 | 87.68 | -1.68 | +1.00 |" in (
+        tmp_path / "table1.md").read_text()
+    assert main(["reproduce", "--table", "2", "--variant", "tanh", "--out", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("bad, says", [
     (["--table", "fed", "--datasets", "mnist"], "--datasets: Table fed is Fashion-MNIST's only"),
     (["--table", "fed", "--methods", "dpkd"], "--methods: the federated table has dpsgd, dpema, dp3sd, dpdsd"),
