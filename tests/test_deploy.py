@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from simulations.deploy import ISOLATION_TOOLS, LocalDeployment
+from simulations.deploy import FEDERATION, ISOLATION_TOOLS, LocalDeployment
 from tests.conftest import require
 
 pytestmark = pytest.mark.slow
@@ -35,6 +35,15 @@ def wait_for(predicate, timeout: float, what: str):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.2)
+
+
+def node_status(deployment: LocalDeployment, node_id: int) -> str | None:
+    """The SuperLink's word on a node ("online", "offline", ...); None if it could not say."""
+    proc = deployment.flwr("supernode", "list", FEDERATION, "--format", "json")
+    if proc.returncode != 0:
+        return None
+    return next((n.get("status") for n in json.loads(proc.stdout).get("nodes", [])
+                 if n.get("node-id") == str(node_id)), None)
 
 
 def clientapp_starts(deployment: LocalDeployment, partition_id: int) -> int:
@@ -121,9 +130,10 @@ def test_server_stopped_and_resumed_goes_on_with_every_clients_privacy_state(tmp
     """The SuperLink (and its ServerApp) killed after round 1 of 3, restarted on the same
     database; `flwr run` with resume-dir continues at round 2. Client 0's ε goes on from its
     own disk: at the end it is the full plan's (about the target), where a reset accountant
-    would show the ε of two rounds only. Client 1's privacy state for the run is deleted while
-    the server is down: told what it reported before, it refuses every later round with the
-    reason, where it would otherwise have started its accountant again."""
+    would show the ε of two rounds only. Client 1's SuperNode is stopped while the server is
+    down and started again without its privacy state for the run (deleted): told what it
+    reported before, it refuses every later round with the reason, where it would otherwise
+    have started its accountant again."""
     require("fmnist")
     out = tmp_path / "out"
     with LocalDeployment(tmp_path / "work", num_clients=2) as deployment:
@@ -134,9 +144,16 @@ def test_server_stopped_and_resumed_goes_on_with_every_clients_privacy_state(tmp
         deployment.stop(first)  # its `flwr run` has nothing left to stream
         before = torch.load(out / "checkpoint.pt", weights_only=True)
         assert not (out / "result.json").exists()
+        # Stopped with its ClientApp and warm worker (a round in flight would write its state again)
+        deployment.stop(deployment.supernodes[1])
         shutil.rmtree(tmp_path / "work" / "client-state" / "1" / before["experiment_id"])
         deployment.start_superlink()
-        deployment.wait_online(2, timeout=180)  # the SuperNodes reconnect on their own
+        # The SuperLink activates a node's key again once it has marked the stopped one offline.
+        node_1 = next(node for node, pid in before["strategy"]["recorded"]["node_partition"].items() if pid == 1)
+        wait_for(lambda: node_status(deployment, node_1) not in ("online", None), 300,
+                 "the stopped SuperNode marked offline")
+        deployment.start_supernode(1)  # the same node (its key), without its state
+        deployment.wait_online(2, timeout=180)  # client 0's SuperNode reconnects on its own
         deployment.run({"resume-dir": str(out)}, timeout=900)
     result = json.loads((out / "result.json").read_text())
     done = before["round"]
