@@ -34,6 +34,20 @@ def test_every_kept_run_reads(path):
     assert same(result.to_dict()) == same(written)
 
 
+def test_every_kept_central_run_is_finished_or_says_it_is_not():
+    """The run folder's contract (fedsd.central): a finished central run has result.json and
+    model.pt and no resume state; an unfinished one has its checkpoint and a progress.json that
+    says so. (A federated run keeps its checkpoint.pt when finished: `fedsd simulate --resume`.)"""
+    central = [p.parent for p in RESULTS.glob("**/progress.json")] + [p.parent for p in RUNS]
+    for run in sorted(set(central)):
+        if (run / "result.json").exists() and not RunResult.read(run / "result.json").federated:
+            assert (run / "model.pt").exists() and not (run / "progress.json").exists(), run
+            assert not (run / "checkpoint.pt").exists(), run
+        elif (run / "progress.json").exists():
+            assert json.loads((run / "progress.json").read_text())["finished"] is False, run
+            assert (run / "checkpoint.pt").exists() and not (run / "result.json").exists(), run
+
+
 def test_a_result_round_trips_and_a_newer_or_foreign_file_is_refused(tmp_path):
     result = RunResult(dataset="fmnist", method="dpsgd", epsilon_target=3.0, epsilon_spent=2.99, delta=1e-5,
                        test_accuracy=0.8, seed=0, wall_seconds=1.0, device="cpu", data_source="x", config={"lr": 3.0},
