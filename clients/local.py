@@ -201,7 +201,7 @@ class ClientSide:
     fingerprint: str
     federation: Federation | None
     skipped_files: list[str]
-    server_recorded_epsilon: float = 0.0
+    server_recorded_epsilon: float
 
 
 def client_side(content: RecordDict, context: Context) -> ClientSide:

@@ -375,11 +375,16 @@ class LocalDeployment:
         """Whether client k, under --isolate, can read `path` (for tests and the guide)."""
         return self.isolation.can_read(k, Path(path), self.node_dir(k), self.node_needs(k))
 
-    def online_nodes(self) -> int:
+    def node_statuses(self) -> dict[int, str]:
+        """The SuperLink's word on each registered node ("online", "offline", ...) by node id;
+        empty when `flwr supernode list` could not say."""
         proc = self.flwr("supernode", "list", FEDERATION, "--format", "json")
         if proc.returncode != 0:
-            return 0
-        return sum(n.get("status") == "online" for n in json.loads(proc.stdout).get("nodes", []))
+            return {}
+        return {int(n["node-id"]): n.get("status") for n in json.loads(proc.stdout).get("nodes", [])}
+
+    def online_nodes(self) -> int:
+        return sum(status == "online" for status in self.node_statuses().values())
 
     def wait_online(self, count: int, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from simulations.deploy import FEDERATION, ISOLATION_TOOLS, LocalDeployment
+from simulations.deploy import ISOLATION_TOOLS, LocalDeployment
 from tests.conftest import require
 
 pytestmark = pytest.mark.slow
@@ -35,15 +35,6 @@ def wait_for(predicate, timeout: float, what: str):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.2)
-
-
-def node_status(deployment: LocalDeployment, node_id: int) -> str | None:
-    """The SuperLink's word on a node ("online", "offline", ...); None if it could not say."""
-    proc = deployment.flwr("supernode", "list", FEDERATION, "--format", "json")
-    if proc.returncode != 0:
-        return None
-    return next((n.get("status") for n in json.loads(proc.stdout).get("nodes", [])
-                 if n.get("node-id") == str(node_id)), None)
 
 
 def clientapp_starts(deployment: LocalDeployment, partition_id: int) -> int:
@@ -150,7 +141,7 @@ def test_server_stopped_and_resumed_goes_on_with_every_clients_privacy_state(tmp
         deployment.start_superlink()
         # The SuperLink activates a node's key again once it has marked the stopped one offline.
         node_1 = next(node for node, pid in before["strategy"]["recorded"]["node_partition"].items() if pid == 1)
-        wait_for(lambda: node_status(deployment, node_1) not in ("online", None), 300,
+        wait_for(lambda: deployment.node_statuses().get(node_1) not in ("online", None), 300,
                  "the stopped SuperNode marked offline")
         deployment.start_supernode(1)  # the same node (its key), without its state
         deployment.wait_online(2, timeout=180)  # client 0's SuperNode reconnects on its own
