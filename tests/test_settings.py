@@ -103,3 +103,4 @@ def test_the_default_length_is_the_one_chosen_for_the_data_set_at_that_epsilon()
         assert [chosen[e] for e in swept] == sorted(chosen[e] for e in swept)
         assert TrainConfig(dataset=dataset, epsilon=swept[0], epochs=7).resolved().epochs == 7
     assert EPOCHS_BY_EPSILON["fmnist"][1] < EPOCHS_BY_EPSILON["fmnist"][3]  # results/sweeps/fmnist-dpsgd-eps1-length
+    assert EPOCHS_BY_EPSILON["cifar10"][1] < EPOCHS_BY_EPSILON["cifar10"][3]  # results/sweeps/cifar10-dpsgd-eps1-length
