@@ -299,9 +299,53 @@ def write_tables(table: int, cells: list[Cell], runs_dir: Path, out: Path) -> No
                          f"| {len(accs)} | {r['paper']:.2f} | {mean - r['paper']:+.2f} |{gain}")
         else:
             lines.append(f"| {r['dataset']} | {method} | {r['epsilon']:g} | | not run | 0 | {r['paper']:.2f} | |{gain}")
+    if table == 1:
+        lines += by_data_set_md(rows)
     (out / f"table{table}.md").write_text("\n".join(lines) + "\n")
     if table == 1:
         _figure3(rows, out)
+
+
+DATASET_TITLES = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR-10"}
+
+
+def by_data_set_md(rows: list[dict]) -> list[str]:
+    """Table 1 laid out as in the papers (a table per data set, methods by ε; the papers' set-up
+    only, not the variants), then each method's gain over dpsgd in the same seeds beside the
+    papers' difference: the tables results/README.md shows (tests/test_results_tables.py)."""
+    cells = {(r["dataset"], r["method"], r["epsilon"]): r for r in rows if not r["variant"]}
+    epsilons = sorted({e for _, _, e in cells})
+    datasets = [d for d in DATASET_TITLES if any(k[0] == d for k in cells)]
+    signed = lambda x: f"{x:+.2f}".replace("-", "−")  # noqa: E731 (the README's minus sign)
+
+    def cell_md(r):
+        accs, seeds = r["accuracies"], r["seeds"]
+        if not accs:
+            return f"not run / {r['paper']:.2f}"
+        mean = statistics.mean(accs)
+        ours = (f"{mean:.2f} (seed {seeds[0]})" if len(accs) == 1 else f"{mean:.2f} ± {statistics.stdev(accs):.2f}"
+                + (f" (seeds {', '.join(map(str, seeds))})" if len(accs) < 3 else ""))
+        return f"{ours} / {r['paper']:.2f} ({signed(mean - r['paper'])})"
+
+    lines = ["", "## By data set, as in the papers", "",
+             "Test accuracy (%), mean ± std over seeds / paper (ours − paper):"]
+    for d in datasets:
+        lines += ["", f"| {DATASET_TITLES[d]} | " + " | ".join(f"ε = {e:g}" for e in epsilons) + " |",
+                  "|---|" + "---|" * len(epsilons)]
+        lines += [f"| {m} | " + " | ".join(cell_md(cells[d, m, e]) if (d, m, e) in cells else "—" for e in epsilons)
+                  + " |" for m in TABLE1_METHODS if any((d, m, e) in cells for e in epsilons)]
+    columns = [(d, e) for d in datasets for e in epsilons]
+    lines += ["", "Against dpsgd in the same seeds (mean of the per-seed differences; the papers' difference in "
+              "brackets):", "", "| | " + " | ".join(f"{DATASET_TITLES[d]} ε = {e:g}" for d, e in columns) + " |",
+              "|---|" + "---|" * len(columns)]
+    for m in TABLE1_METHODS[1:]:
+        gains = []
+        for d, e in columns:
+            r, base = cells.get((d, m, e)), cells.get((d, "dpsgd", e))
+            gains.append("—" if r is None or base is None or r["gain_over_dpsgd"] is None
+                         else f"{signed(r['gain_over_dpsgd'])} ({signed(r['paper'] - base['paper'])})")
+        lines.append(f"| {m} | " + " | ".join(gains) + " |")
+    return lines
 
 
 def paired_difference(row: dict, base: dict | None, accuracies: str = "accuracies") -> dict | None:
