@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from . import clippers, methods
-from .data import DATASETS
+from .data import DATASET_TITLES, DATASETS
 from .methods import DISTILL_SCHEDULES, RELEASES, dpema, dpkd, release_of
 from .models import ACTIVATIONS, DEFAULT_MODEL, MODELS
 from .settings import check_setting, declared_only, setting
@@ -68,34 +68,31 @@ def default_epochs(dataset: str, epsilon: float) -> int:
 LR_BATCH_EXPONENT = 1.0
 
 
-_NAMES = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR-10"}
-
-
 def _epochs_text() -> str:
     """The help text of --epochs' default: the lengths chosen per data set and ε."""
     parts = []
     for d, chosen in EPOCHS_BY_EPSILON.items():
         swept = sorted(chosen)
         if len(swept) == 1:
-            parts.append(f"{_NAMES[d]} {chosen[swept[0]]} at every ε")
+            parts.append(f"{DATASET_TITLES[d]} {chosen[swept[0]]} at every ε")
             continue
         bounds = [f"ε < {swept[1]:g}"] + [f"{a:g} ≤ ε < {b:g}" for a, b in zip(swept[1:], swept[2:])] + \
                  [f"ε ≥ {swept[-1]:g}"]
-        parts.append(f"{_NAMES[d]} " + ", ".join(f"{chosen[e]} at {b}" for e, b in zip(swept, bounds)))
+        parts.append(f"{DATASET_TITLES[d]} " + ", ".join(f"{chosen[e]} at {b}" for e, b in zip(swept, bounds)))
     return "chosen on validation per data set and ε: " + "; ".join(parts)
 
 
 def _paper_text(key: str, methods: tuple[str, ...] = ()) -> str:
     """The help text of a default that is the paper's value for the data set (SPEC §7)."""
     if not methods:
-        values = ", ".join(f"{_NAMES[d]} {PAPER[d][key]}" for d in PAPER)
+        values = ", ".join(f"{DATASET_TITLES[d]} {PAPER[d][key]}" for d in PAPER)
         return f"the paper's value for the data set: {values}"
     parts = []
     for m in methods:
         if m == "dpkd":
             parts.append(f"DPKD {dpkd.DEFAULTS[key]}, open in the papers")
         else:
-            parts.append(f"{m.upper()} " + ", ".join(f"{_NAMES[d]} {PAPER[d][m][key]}" for d in PAPER))
+            parts.append(f"{m.upper()} " + ", ".join(f"{DATASET_TITLES[d]} {PAPER[d][m][key]}" for d in PAPER))
     return "the paper's value for the data set and method: " + "; ".join(parts)
 
 

@@ -18,6 +18,7 @@ import torch
 from .errors import ConfigError, DataNotFoundError  # noqa: F401 (DataNotFoundError: also importable from here)
 
 DATASETS = ("mnist", "fmnist", "cifar10")
+DATASET_TITLES = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR-10"}  # as the papers name them
 # Fixed normalisation constants: the public training sets' per-channel mean and std (checked in
 # tests/test_data.py). Every party uses these, never statistics of anybody's private data,
 # which would be a release that no accountant covers: a client holding its own data and the

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fedsd.config import METHODS
 from fedsd.results import RunResult
-from fedsd.data import DATASETS
+from fedsd.data import DATASET_TITLES, DATASETS
 
 # Table 1 of both papers (test accuracy, %), ε = 1, 2, 3 (SPEC §7).
 PAPER_TABLE1 = {
@@ -301,12 +301,8 @@ def write_tables(table: int, cells: list[Cell], runs_dir: Path, out: Path) -> No
             lines.append(f"| {r['dataset']} | {method} | {r['epsilon']:g} | | not run | 0 | {r['paper']:.2f} | |{gain}")
     if table == 1:
         lines += by_data_set_md(rows)
-    (out / f"table{table}.md").write_text("\n".join(lines) + "\n")
-    if table == 1:
         _figure3(rows, out)
-
-
-DATASET_TITLES = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR-10"}
+    (out / f"table{table}.md").write_text("\n".join(lines) + "\n")
 
 
 def by_data_set_md(rows: list[dict]) -> list[str]:
@@ -323,8 +319,12 @@ def by_data_set_md(rows: list[dict]) -> list[str]:
         if not accs:
             return f"not run / {r['paper']:.2f}"
         mean = statistics.mean(accs)
-        ours = (f"{mean:.2f} (seed {seeds[0]})" if len(accs) == 1 else f"{mean:.2f} ± {statistics.stdev(accs):.2f}"
-                + (f" (seeds {', '.join(map(str, seeds))})" if len(accs) < 3 else ""))
+        if len(accs) == 1:
+            ours = f"{mean:.2f} (seed {seeds[0]})"
+        else:
+            ours = f"{mean:.2f} ± {statistics.stdev(accs):.2f}"
+            if len(accs) < 3:
+                ours += f" (seeds {', '.join(map(str, seeds))})"
         return f"{ours} / {r['paper']:.2f} ({signed(mean - r['paper'])})"
 
     lines = ["", "## By data set, as in the papers", "",
