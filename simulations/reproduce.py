@@ -166,8 +166,9 @@ def add_reproduce_parser(sub) -> None:
     from .federated_table import FED_PARTITIONS
 
     p = sub.add_parser("reproduce", help="the papers' Table 1 / Table 2 and the federated table, resumable")
-    p.add_argument("--table", choices=["1", "2", "fed"], default="1",
-                   help="1, 2: the papers' tables (central runs); fed: the federated table (simulations)")
+    p.add_argument("--table", choices=["1", "2", "fed", "readings"], default="1",
+                   help="1, 2: the papers' tables (central runs); fed: the federated table (simulations); "
+                        "readings: every reading of the papers on validation (simulations/readings.py)")
     p.add_argument("--datasets", nargs="+", choices=DATASETS, default=None,
                    help="Table 1 (default: all); Table 2 and the federated table are FMNIST's")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=None, help="default: the table's")
@@ -181,6 +182,8 @@ def add_reproduce_parser(sub) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--jobs", type=int, default=1,
                    help="runs at once (processes); the federated table: CPUs its one simulation at a time uses")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of each run (default: the CPUs divided by --jobs)")
     p.add_argument("--epochs", type=int, default=None,
                    help="override the run length of every cell (the federated table: its rounds)")
     p.add_argument("--subset", type=int, default=None, help="train on a subset (quick checks only)")
@@ -193,7 +196,7 @@ def add_reproduce_parser(sub) -> None:
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from fedsd.config import ConfigError
 
-    for name in ("seeds", "jobs", "epochs", "subset"):
+    for name in ("seeds", "jobs", "epochs", "subset", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name}: must be >= 1, got {value}")
@@ -202,6 +205,15 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     if args.table != "1" and args.variant:
         raise ConfigError(f"--variant: Table 1's only; Table {args.table} has its own rows")
     out = Path(args.out)
+    threads = args.threads or threads_per_job(args.device, args.jobs)
+    if args.table == "readings":
+        from .readings import reproduce_readings
+
+        for name in ("datasets", "methods", "variant", "seeds", "epochs", "subset"):
+            if getattr(args, name):
+                raise ConfigError(f"--{name}: the readings table has its own settings, runs and seeds; leave it out")
+        print(f"wrote {reproduce_readings(out, args.jobs, threads, args.device, args.data_dir, args.quiet)}")
+        return 0
     if args.table == "fed":
         from .federated_table import FED_METHODS, FED_TABLE_NAME, reproduce_fed
 
@@ -220,7 +232,6 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         cells = [c for c in cells if c.method in methods]
     seeds = args.seeds or 3
     runs_dir = out / "runs" / f"table{table}"
-    threads = threads_per_job(args.device, args.jobs)
     todo = []
     for cell in cells:
         for seed in range(seeds):

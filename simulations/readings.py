@@ -1,0 +1,118 @@
+"""`fedsd reproduce --table readings`: every reading of the papers, each method tuned for itself
+(issue 40), as resumable central runs.
+
+A reading is a labelled variant of a method: the papers' literal reading (Table 1's first
+protocol) or another way their text can be read (SPEC §5, "Readings of the papers"), each a
+setting. Two stages, chosen on validation only:
+
+- the screen: in the settings where our dpsgd already equals the papers' (MNIST at ε = 1 and 3,
+  FMNIST with tanh at ε = 3), every method and every reading that applies to it at each of
+  SCREEN_LENGTHS epochs, with VALIDATION training samples held out, seed 0;
+- the confirmation: each method's best validated (reading, length), on test, three seeds.
+
+Each run is `fedsd train`, written to <out>/runs/readings/<run>/; a finished run is not run
+again, so the screen goes on where it stopped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VALIDATION = 10_000
+SCREEN_LENGTHS = (15, 30, 60)
+# (data set, activation, ε): where our dpsgd equals the papers', so their numbers are the target
+SCREEN_SETTINGS = (("mnist", "relu", 1.0), ("mnist", "relu", 3.0), ("fmnist", "tanh", 3.0))
+SCREEN_SEED = 0
+METHODS_ORDER = ("dpsgd", "dp3sd", "dpdsd", "dpema", "dpkd")  # the baseline first: every gain is against it
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A way to read the papers: the methods it applies to and the settings that make it."""
+    name: str
+    methods: tuple[str, ...]
+    overrides: dict = field(default_factory=dict)
+    label: str = ""
+
+
+READINGS = (
+    Reading("papers", METHODS_ORDER, {}, "the papers' literal reading (Table 1)"),
+    Reading("ramp", ("dp3sd", "dpdsd"), {"distill_schedule": "ramp"},
+            "PS-KD's ramped distillation weight"),
+)
+
+
+@dataclass(frozen=True)
+class ScreenRun:
+    dataset: str
+    activation: str
+    epsilon: float
+    method: str
+    reading: Reading
+    epochs: int
+    seed: int = SCREEN_SEED
+
+    @property
+    def name(self) -> str:
+        act = "" if self.activation == "relu" else f"-{self.activation}"
+        return (f"{self.dataset}{act}-eps{self.epsilon:g}-{self.method}-{self.reading.name}"
+                f"-e{self.epochs}-seed{self.seed}")
+
+    def config(self, **run) -> dict:
+        return dict(dataset=self.dataset, activation=self.activation, epsilon=self.epsilon, method=self.method,
+                    epochs=self.epochs, seed=self.seed, validation=VALIDATION, **self.reading.overrides, **run)
+
+
+def screen_runs(readings=READINGS) -> list[ScreenRun]:
+    """The screen's runs, the baseline's first and the shortest first within each setting."""
+    return [ScreenRun(d, a, e, m, r, n) for (d, a, e) in SCREEN_SETTINGS for n in SCREEN_LENGTHS
+            for m in METHODS_ORDER for r in readings if m in r.methods]
+
+
+def reproduce_readings(out: Path, jobs: int, threads: int, device: str, data_dir: str | None,
+                       quiet: bool) -> Path:
+    """Run the screen's missing runs, then write table-readings.{json,md} from what is on disk."""
+    from .reproduce import finished_with, run_jobs
+
+    runs_dir = out / "runs" / "readings"
+    runs = screen_runs()
+    todo = []
+    for run in runs:
+        config = run.config(device=device, threads=threads, data_dir=data_dir)
+        if not finished_with(runs_dir / run.name, config):
+            todo.append((config, str(runs_dir / run.name)))
+    run_jobs(todo, len(runs), jobs, "readings", quiet)
+    return write_readings(runs, runs_dir, out)
+
+
+def write_readings(runs: list[ScreenRun], runs_dir: Path, out: Path) -> Path:
+    """table-readings.json and .md: per (setting, method, reading), validation accuracy at each
+    length and the chosen length (the best final validation accuracy)."""
+    from fedsd.results import RunResult, write_json
+
+    rows: dict[tuple, dict] = {}
+    for run in runs:
+        key = (run.dataset, run.activation, run.epsilon, run.method, run.reading.name)
+        row = rows.setdefault(key, dict(dataset=run.dataset, activation=run.activation, epsilon=run.epsilon,
+                                        method=run.method, reading=run.reading.name, label=run.reading.label,
+                                        validation={}, test={}))
+        path = runs_dir / run.name / "result.json"
+        if path.is_file():
+            result = RunResult.read(path)
+            row["validation"][str(run.epochs)] = 100 * result.validation_accuracy
+            row["test"][str(run.epochs)] = 100 * result.test_accuracy
+    for row in rows.values():
+        done = row["validation"]
+        row["chosen_epochs"] = int(max(done, key=done.get)) if len(done) == len(SCREEN_LENGTHS) else None
+    write_json(out / "table-readings.json", {"screen": list(rows.values())})
+    lines = ["# Readings of the papers: the screen (validation accuracy, %, seed 0)", "",
+             "| data | ε | method | reading | " + " | ".join(f"{n} ep." for n in SCREEN_LENGTHS) + " | chosen |",
+             "|---|---|---|---|" + "---|" * len(SCREEN_LENGTHS) + "---|"]
+    for r in rows.values():
+        data = r["dataset"] + ("" if r["activation"] == "relu" else f" ({r['activation']})")
+        cells = [f"{r['validation'][str(n)]:.2f}" if str(n) in r["validation"] else "" for n in SCREEN_LENGTHS]
+        lines.append(f"| {data} | {r['epsilon']:g} | {r['method']} | {r['reading']} | " + " | ".join(cells)
+                     + f" | {r['chosen_epochs'] or ''} |")
+    path = out / "table-readings.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
