@@ -1,11 +1,14 @@
 """The ClientApp: local DP-SGD with self-distillation on this client's data (clients/local.py).
 
 Where a round runs: in a simulation, in this process (a Ray actor that lives across rounds).
-On a deployed SuperNode, Flower starts this module in a fresh `flwr-clientapp` process for
-every message, which would pay torch's import, the data's loading and the trainer's set-up
-each round; there each message is handed to the node's warm worker (clients/worker.py), which
-pays them once. The node's owner can say `worker=off`. So this module imports Flower and the
-node's settings only; torch and fedsd's training load where the round runs.
+On a deployed SuperNode whose owner runs a data service (node config `service=PATH`), this
+code, which the server ships in the app bundle, only forwards the message to that service: the
+owner's own installation, running as the user who alone can read the data, answers it
+(clients/data_service.py). Otherwise Flower starts this module in a fresh `flwr-clientapp`
+process for every message, which would pay torch's import, the data's loading and the
+trainer's set-up each round; there each message is handed to the node's warm worker, which
+pays them once (the owner can say `worker=off`). So this module imports Flower and the node's
+settings only; torch and fedsd's training load where the round runs.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from fedsd.runtime import tune_process
 
 tune_process()
 
+import os
 from logging import WARNING
 
 from flwr.app import Context, Message, RecordDict
@@ -21,7 +25,7 @@ from flwr.common import log
 from flwr.clientapp import ClientApp
 
 from clients import node_config as node_configs
-from clients import worker
+from clients import data_service
 
 app = ClientApp()
 
@@ -31,15 +35,19 @@ def answer(kind: str, msg: Message, context: Context) -> Message:
 
 
 def reply_content(kind: str, content: RecordDict, context: Context) -> RecordDict:
-    """The reply to a message of this kind, from the node's warm worker or from this process."""
+    """The reply to a message of this kind: from the owner's data service, the node's warm worker
+    or this process."""
+    os.umask(0o077)  # what a client writes (its ledger, its state, its prepared data) is its own
     try:
         node = node_configs.parse(context.node_config)
     except node_configs.NodeConfigError:
         node = None  # said to the server by the round itself (a refusal naming the key)
-    if node is not None and worker.wanted(node):
+    if node is not None and node.service:  # never answered here: this process cannot read the data
+        return data_service.ask_service(node, kind, content, context)
+    if node is not None and data_service.wanted(node):
         try:
-            return worker.ask(node, kind, content, context)
-        except worker.WorkerUnavailable as e:  # not taken: answered here, at the cold start's cost
+            return data_service.ask_worker(node, kind, content, context)
+        except data_service.ServiceUnavailable as e:  # not taken: answered here, at the cold start's cost
             log(WARNING, "fedsd: %s; answering in the ClientApp's own process", e)
     from clients import local
 

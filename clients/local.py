@@ -19,13 +19,22 @@ its privacy state: sending the same update twice releases nothing new, so it is 
 again. Training it anew would release a second, different update and cost a second round, and
 the resumed run's last round would then find the budget spent.
 
+A node with its own data holds out against a server it does not trust (issue 45): its noise and
+its batches come from a secret seed kept only in its state folder, never from the run's seed;
+its replies carry no training loss and no divergence value (each an exact function of its
+records); it answers federated evaluation only when its owner says so; it takes no path from
+the server (no shard of a data set at a server's data-dir); and its privacy state stays in its
+state folder (0700), never in the Context, which the ClientApp's code (the server's) can read.
+
 The handlers take a message's content and the Context and return the reply's content, so the
-ClientApp (clients/app.py) can run them in its own process or in the node's warm worker
-(clients/worker.py).
+ClientApp (clients/app.py) can run them in its own process, in the node's warm worker or in the
+owner's data service (clients/data_service.py).
 """
 from __future__ import annotations
 
 import hashlib
+import json
+import secrets
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +50,10 @@ from fedsd.central import resolve_device
 from fedsd.client_data import DataError, HolderData, load_holder_data, normalised, task_for
 from fedsd.config import validate
 from fedsd.errors import ConfigError
-from fedsd.results import save_atomic
+from fedsd.results import save_atomic, write_json
 from fedsd.federation import FedOptions, client_config, from_flat, round_epochs, round_teacher
-from fedsd.training import (BudgetExhausted, DPTrainer, Model, TrainingDiverged, load_train_state, released,
-                            save_train_state)
+from fedsd.training import (BudgetExhausted, DPTrainer, Model, TrainingDiverged, TrainState, load_train_state,
+                            released, save_train_state)
 
 from task.federation import Federation, build_federation
 from task.records import SPENT_EPSILON, load_state, model_to_record, record_to_model, save_state
@@ -88,7 +97,7 @@ def client_state_file(node: NodeConfig, experiment_id: str, partition_id: int) -
     file per experiment (the server's id for the run, kept across --resume) and client."""
     if not experiment_id:
         return None
-    return node.state_root / experiment_id / f"client-{partition_id}.pt"
+    return node.state_folder(experiment_id) / f"client-{partition_id}.pt"
 
 
 def last_reply_file(state_file: Path) -> Path:
@@ -97,14 +106,9 @@ def last_reply_file(state_file: Path) -> Path:
 
 
 def request_digest(server_round: int, arrays: ArrayRecord) -> str:
-    """What a train request asks for: the round and the exact global model (every array's name,
-    dtype, shape and bytes). The run is fixed by the folder the reply is kept in."""
-    digest = hashlib.sha256(f"round {server_round}".encode())
-    for key in sorted(arrays):
-        a = arrays[key].numpy()
-        digest.update(f"{key} {a.dtype} {a.shape}".encode())
-        digest.update(a.tobytes())
-    return digest.hexdigest()
+    """What a train request asks for: the round and the exact global model (model_digest). The
+    run is fixed by the folder the reply is kept in."""
+    return hashlib.sha256(f"round {server_round} {model_digest(arrays)}".encode()).hexdigest()
 
 
 def replayed_reply(state_file: Path | None, request: str) -> tuple[ArrayRecord, dict] | None:
@@ -140,7 +144,8 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
     fed.validate()
     cfg = client_config(cfg, fed)
     task = task_for(cfg)
-    held = load_holder_data(node.data, task, node.state_root / "data-cache", skip_bad_files=node.skip_bad_files)
+    held = load_holder_data(node.data, task, node.state_folder("data-cache"), skip_bad_files=node.skip_bad_files)
+    ledgers.adopt(node.state_root, held.named_fingerprint, held.fingerprint)  # a ledger of fedsd 0.1.0's
     key = (tuple(sorted(flat.items())), "own", held.fingerprint, partition_id)
     if key not in _TRAINERS:
         n = len(held.y_train)
@@ -151,9 +156,13 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
                                       held.y_test, len(task.classes)).to(resolve_device(cfg.device))
         # Cached on this client's disk: a deployed ClientApp is a fresh process for every message.
         plan = privacy.plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant,
-                            cache_dir=str(node.state_root / "calibrations"))
+                            cache_dir=str(node.state_folder("calibrations")))
         _TRAINERS.clear()  # one data set a process: a fresh ClientApp process, or one Ray worker's client
         _TRAINERS[key] = DPTrainer(cfg, tensors, plan, client=partition_id)
+    # Secret noise is drawn as Opacus' secure_mode draws it (the sum of four Gaussians, halved):
+    # the low bits of a single Gaussian sample would tell an observer about the noise (the
+    # floating-point attack of Jin et al., 2022). Its seed is secret_start's.
+    _TRAINERS[key].optimizer.secure_mode = node.secret_noise
     return fed, _TRAINERS[key], held
 
 
@@ -183,8 +192,14 @@ def node_settings(flat: dict, node_config) -> NodeConfig:
                           f"num-clients={num_clients}")
     if not node.partition_id < num_clients:
         raise NodeConfigError(f"node-config partition-id={node.partition_id} is outside [0, {num_clients})")
+    if node.owns_data and flat.get("client-data") != "own":
+        raise NodeConfigError(f"client-data={flat.get('client-data', FedOptions().client_data)}: this node holds its "
+                              f"own data and trains only on it, never on a data set at a path the server names; "
+                              f"run with client-data='own'")
     if node.data_dir:
         flat["data-dir"] = node.data_dir
+    if node.download or node.owns_data:  # the node's choice, never the server's
+        flat["download"] = node.download
     return node
 
 
@@ -203,6 +218,14 @@ class ClientSide:
     skipped_files: list[str]
     server_recorded_epsilon: float
 
+    @property
+    def own_data(self) -> bool:
+        return self.federation is None
+
+    @property
+    def state_file(self) -> Path | None:
+        return client_state_file(self.node, self.fed.experiment_id, self.node.partition_id)
+
 
 def client_side(content: RecordDict, context: Context) -> ClientSide:
     """This SuperNode's own files with client-data=own, else (a simulation) this client's shard
@@ -217,6 +240,9 @@ def client_side(content: RecordDict, context: Context) -> ClientSide:
         if not node.owns_data:
             raise ConfigError("client-data=own: this run trains on each client's own data; start the SuperNode "
                               "with --node-config \"data='/path/to/folder-or.npz' max-epsilon=… ...\"")
+        if not flat.get("experiment-id"):  # its privacy state lives on its disk, under the experiment's name
+            raise ConfigError("experiment-id: a client with its own data needs the run's experiment id (the "
+                              "server sets it)")
         fed, trainer, held = own_trainer(flat, node, node.partition_id)
         return ClientSide(server_round, node, fed, trainer, held.fingerprint, None, held.skipped, recorded_epsilon)
     federation, trainer = trainer_for(flat, node.partition_id)
@@ -230,12 +256,25 @@ def refusal(metrics: dict, reason: str) -> RecordDict:
                        "refusal": ConfigRecord({"reason": reason})})
 
 
+def told_the_server(reason: str, node_config) -> str:
+    """A reason as it may leave this machine: files named relative to the node's data folder,
+    its state folder as `state-dir`, never the owner's absolute paths."""
+    try:
+        node = node_configs.parse(node_config)
+    except ConfigError:
+        return reason
+    if node.owns_data:
+        root = str(Path(node.data).expanduser())
+        reason = reason.replace(root + "/", "").replace(root, "<data>")
+    return reason.replace(str(node.state_root), "<state-dir>")
+
+
 def spent_so_far(state, plan: privacy.PrivacyPlan) -> float:
     """ε this client spent in the run before this round (its carried accountant history)."""
     return 0.0 if state is None else privacy.Ledger(plan.accountant, state.history).epsilon(plan.delta)
 
 
-def state_lost(side: ClientSide, state, state_file: Path | None) -> str | None:
+def state_lost(side: ClientSide, state) -> str | None:
     """Why this client may not train: the server has recorded more ε from its earlier replies in
     this experiment than its own privacy state holds, so that state was lost or replaced (a
     deleted state-dir, a SuperNode moved to another machine). Else None."""
@@ -243,94 +282,185 @@ def state_lost(side: ClientSide, state, state_file: Path | None) -> str | None:
     recorded = side.server_recorded_epsilon
     if recorded <= own + 1e-6 * max(1.0, recorded):
         return None
-    where = f"{state_file}" if state_file is not None else "its context.state"
+    where = "its state-dir" if side.state_file is not None else "its context.state"
     return (f"the server recorded ε = {recorded:.4f} spent by client {side.node.partition_id} in this experiment, "
             f"but its privacy state ({where}) holds ε = {own:.4f}: the state was lost or replaced, and the client "
-            f"will not start its accounting again; restore the node's state-dir ({side.node.state_root}) or start "
-            f"a new experiment")
+            f"will not start its accounting again; restore the node's state-dir or start a new experiment")
+
+
+# -- federated evaluation ----------------------------------------------------------------------
+def model_digest(arrays: ArrayRecord) -> str:
+    """The exact model a message carries: every array's name, dtype, shape and bytes."""
+    digest = hashlib.sha256()
+    for key in sorted(arrays):
+        a = arrays[key].numpy()
+        digest.update(f"{key} {a.dtype} {a.shape}".encode())
+        digest.update(a.tobytes())
+    return digest.hexdigest()
+
+
+def evaluation_file(state_file: Path) -> Path:
+    """Which model an own-data client may evaluate: the one it last received for training."""
+    return state_file.with_name(f"{state_file.stem}-evaluation.json")
+
+
+def evaluation_refused(side: ClientSide, arrays: ArrayRecord) -> str | None:
+    """Why an own-data client does not evaluate this model on its private test split, else None.
+    Evaluation is a release no accountant covers, so it is the owner's to allow
+    (federated-evaluation=true), of the model this client last received for training only (the
+    server cannot send models of its choosing to probe the test split), at most once for each,
+    and on at least min-evaluation-samples samples."""
+    node = side.node
+    if not node.federated_evaluation:
+        return ("this client's owner has not allowed federated evaluation of its private test split "
+                "(node-config federated-evaluation=true)")
+    n = len(side.trainer.data.y_test)
+    if n < node.min_evaluation_samples:
+        return f"its test split has {n} samples, fewer than the owner's min-evaluation-samples={node.min_evaluation_samples}"
+    path = evaluation_file(side.state_file)
+    kept = json.loads(path.read_text()) if path.is_file() else {}
+    if kept.get("model") != model_digest(arrays):
+        return "it evaluates only the model it last received for training"
+    if kept.get("evaluated"):
+        return f"it has already evaluated the model of round {kept['round']}"
+    write_json(path, {**kept, "evaluated": True})  # before the numbers leave: once, whatever happens next
+    return None
 
 
 def evaluate_reply(content: RecordDict, context: Context) -> RecordDict:
     """Federated evaluation: the global model on this client's own test split (no training
-    step, nothing spent from the budget; the accuracy it sends is outside the DP guarantee)."""
+    step, nothing spent from the budget; the accuracy it sends is outside the DP guarantee).
+    A client with its own data answers only as its owner allows (evaluation_refused)."""
     side = client_side(content, context)
     trainer, federation, partition_id = side.trainer, side.federation, side.node.partition_id
     x_test, y_test = trainer.data.x_test, trainer.data.y_test  # its own test split, or in a simulation
     if federation is not None:  # its share of the public one
         share = federation.client_test_share(partition_id).to(trainer.device)
         x_test, y_test = x_test[share], y_test[share]
+    elif (why := evaluation_refused(side, content["arrays"])) is not None:
+        # The keys of an evaluation (Flower averages only replies with the same keys), at weight 0.
+        return RecordDict({"metrics": MetricRecord({"num-examples": 0, "partition-id": partition_id,
+                                                    "test-accuracy": 0.0, "test-loss": 0.0}),
+                           "refusal": ConfigRecord({"reason": why})})
     accuracy, loss = (trainer.evaluate(released(record_to_model(content["arrays"])), x_test, y_test)
                       if len(y_test) else (0.0, 0.0))  # no test split: weight 0 in the average
     return RecordDict({"metrics": MetricRecord({"num-examples": len(y_test), "partition-id": partition_id,
                                                 "test-accuracy": accuracy, "test-loss": loss})})
 
 
+# -- training ----------------------------------------------------------------------------------
 def train_reply(content: RecordDict, context: Context) -> RecordDict:
-    """One round of local training (or a refusal, with the reason)."""
+    """One round of local training (or a refusal, with the reason): admitted first (the node's
+    config, its data, the run's plan, the owner's ledger), then trained."""
     try:
         side = client_side(content, context)
-    except (privacy.BudgetRefused, NodeConfigError, DataError) as e:
-        # The node's own settings or its own data say no: nothing trained or spent. A refusal
-        # (not an error) so that the server can name this client and its reason.
+    except (privacy.BudgetRefused, ConfigError, DataError) as e:
+        # The node's own settings, its own data or a request it does not take say no: nothing
+        # trained or spent. A refusal (not an error) so that the server can name this client and
+        # its reason.
         partition_id = node_configs.parse_partition_id(context.node_config)
         if partition_id is None:
             raise  # without its number the server could not say who refused: a failed reply instead
-        return refusal({"num-examples": 0, "partition-id": partition_id, "epsilon": 0.0}, str(e))
-    server_round, node, fed, trainer, fingerprint = side.server_round, side.node, side.fed, side.trainer, side.fingerprint
-    partition_id = node.partition_id
-    # FedProx sends its μ as "proximal-mu" in the round's config: the run config's key of that name.
-    proximal_mu = fed.proximal_mu if fed.strategy == "fedprox" else 0.0
-    # The state of this run (context.state), else what this client left on its disk in an
-    # earlier launch of the same experiment (a resumed server, a restarted SuperNode).
-    state_file = client_state_file(node, fed.experiment_id, partition_id)
-    request = request_digest(server_round, content["arrays"])
-    kept = replayed_reply(state_file, request)
+        return refusal({"num-examples": 0, "partition-id": partition_id, "epsilon": 0.0},
+                       told_the_server(str(e), context.node_config))
+    request = request_digest(side.server_round, content["arrays"])
+    kept = replayed_reply(side.state_file, request)
     if kept is not None:  # already released: the same reply again, nothing trained or charged
         arrays, metrics = kept
-        save_state(context.state, load_train_state(state_file, trainer.plan), trainer.plan)  # charged for it
+        if not side.own_data:
+            save_state(context.state, load_train_state(side.state_file, side.trainer.plan), side.trainer.plan)
         return released_answer(arrays, MetricRecord({**metrics, "replayed": 1}), side)
-    state = load_state(context.state, trainer.plan)
-    if state is None and state_file is not None and state_file.is_file():
-        state = load_train_state(state_file, trainer.plan)
-    model: Model = record_to_model(content["arrays"])
-    base = {"num-examples": trainer.num_train, "partition-id": partition_id,
-            "noise-multiplier": trainer.plan.noise_multiplier, "sample-rate": trainer.plan.sample_rate,
-            **node.budget()}
-    epochs = round_epochs(server_round, fed.local_epochs)
-    plan = trainer.plan
-    behind = state_lost(side, state, state_file)
+    state = carried_state(side, context)
+    base = {"num-examples": side.trainer.num_train, "partition-id": side.node.partition_id,
+            "noise-multiplier": side.trainer.plan.noise_multiplier, "sample-rate": side.trainer.plan.sample_rate,
+            **side.node.budget()}
+    refused = admit(side, state, context, base)
+    if refused is not None:
+        return refused
+    return train_round(side, state, content, context, request, base)
+
+
+def carried_state(side: ClientSide, context: Context) -> TrainState | None:
+    """This client's privacy state in the run: context.state, else what it left on its disk in an
+    earlier launch of the same experiment (a resumed server, a restarted SuperNode). A client
+    with its own data keeps it on its disk only: the Context is readable by the ClientApp's
+    code, which is the server's, and the state holds the secret seed of its noise."""
+    state = None if side.own_data else load_state(context.state, side.trainer.plan)
+    if state is None and side.state_file is not None and side.state_file.is_file():
+        state = load_train_state(side.state_file, side.trainer.plan)
+    return state
+
+
+def admit(side: ClientSide, state: TrainState | None, context: Context, base: dict) -> RecordDict | None:
+    """The reply of a client that may not train this round (a refusal, or a skip when the run's
+    own budget is spent); None when it may, its owner's ledger charged for the round."""
+    plan, trainer = side.trainer.plan, side.trainer
+    epochs = round_epochs(side.server_round, side.fed.local_epochs)
+    behind = state_lost(side, state)
     if behind:  # before anything is charged: an accountant started again would leave out what was spent
         return refusal({**base, "epsilon": spent_so_far(state, plan)}, behind)
     try:
         trainer.check_budget(state, epochs)  # the run's own plan, before the owner's ledger is charged
-        with lifetime_ledger(node, fingerprint) as ledger:
+        with lifetime_ledger(side.node, side.fingerprint) as ledger:
             if ledger is not None:
                 if state is None:  # this client's first round of the run: the whole plan must fit
                     ledger.check(plan.epsilon, plan.delta, plan.noise_multiplier, plan.sample_rate, plan.planned_steps)
                 # Charged before the steps run: a round cut short still counts as spent.
                 ledger.spend(plan.noise_multiplier, plan.sample_rate, len(epochs) * trainer.steps_per_epoch,
-                             run=fed.experiment_id, flower_run=int(context.run_id), round=server_round)
+                             run=side.fed.experiment_id, flower_run=int(context.run_id), round=side.server_round)
     except privacy.BudgetRefused as e:
         return refusal({**base, "epsilon": spent_so_far(state, plan)}, str(e))
     except BudgetExhausted:
         return RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "refused": 0,
                                                     "epsilon": spent_so_far(state, plan)})})
+    return None
+
+
+def secret_start(trainer: DPTrainer) -> TrainState:
+    """The state a client with its own data starts a run from: its sampling and noise generator
+    seeded from the operating system's CSPRNG. The seed is never derived from anything the
+    server sends or sees, and is kept only in the client's state folder, so the server cannot
+    replay the noise and subtract it from the update."""
+    generator = torch.Generator(device=trainer.device)
+    generator.manual_seed(secrets.randbits(64))
+    return TrainState(rng_state=generator.get_state())
+
+
+def train_round(side: ClientSide, state: TrainState | None, content: RecordDict, context: Context, request: str,
+                base: dict) -> RecordDict:
+    """The admitted round: train, keep the state that charged it on disk, then release."""
+    trainer, fed = side.trainer, side.fed
+    model: Model = record_to_model(content["arrays"])
+    if state is None and side.node.secret_noise:
+        state = secret_start(trainer)
     teacher, state = round_teacher(fed, state, model["student"])
+    proximal_mu = fed.proximal_mu if fed.strategy == "fedprox" else 0.0  # FedProx's μ, the run config's key
     try:
-        model, state, metrics = trainer.local_update(model, state, epochs, teacher=teacher, proximal_mu=proximal_mu)
+        model, state, metrics = trainer.local_update(model, state, round_epochs(side.server_round, fed.local_epochs),
+                                                     teacher=teacher, proximal_mu=proximal_mu)
     except TrainingDiverged as e:  # nothing of the round is released; the server stops the run with the reason
+        # A client with its own data says only that: the loss at which it stopped is a number
+        # computed from its records, which no noise covers.
+        reason = ("training diverged (its loss left the objective's chance level); lower lr, or leave it unset "
+                  "for the default, which scales with the batch size") if side.own_data else str(e)
         return RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "diverged": 1,
-                                                    "epsilon": spent_so_far(state, plan)}),
-                           "divergence": ConfigRecord({"reason": str(e)})})
-    save_state(context.state, state, trainer.plan)
+                                                    "epsilon": spent_so_far(state, trainer.plan)}),
+                           "divergence": ConfigRecord({"reason": reason})})
+    if not side.own_data:
+        save_state(context.state, state, trainer.plan)
+    state_file = side.state_file
     if state_file is not None:  # before replying: the spent budget is on disk before anyone can use it
-        state_file.parent.mkdir(parents=True, exist_ok=True)
         save_train_state(state_file, state, trainer.plan)
-    reply = {**base, "skipped": 0, "epsilon": metrics["epsilon"], "train-loss": metrics["train_loss"],
-             "seconds": metrics["seconds"], "steps": metrics["steps"]}
+    reply = {**base, "skipped": 0, "epsilon": metrics["epsilon"], "seconds": metrics["seconds"],
+             "steps": metrics["steps"]}
+    if not side.own_data:  # an exact function of the records, unnoised: a simulation's diagnostic only
+        reply["train-loss"] = metrics["train_loss"]
     arrays = model_to_record(model)
     if state_file is not None:
         keep_reply(state_file, request, arrays, reply)
+        if side.own_data:  # the one model it may evaluate afterwards (evaluation_refused)
+            write_json(evaluation_file(state_file), {"round": side.server_round,
+                                                     "model": model_digest(content["arrays"]), "evaluated": False})
     return released_answer(arrays, MetricRecord(reply), side)
 
 
@@ -342,5 +472,5 @@ def released_answer(arrays: ArrayRecord, metrics: MetricRecord, side: ClientSide
     return answer
 
 
-# What each kind of message is answered with (the ClientApp and the warm worker both use this).
+# What each kind of message is answered with (the ClientApp and the data service both use this).
 HANDLERS = {"train": train_reply, "evaluate": evaluate_reply}

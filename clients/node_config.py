@@ -5,11 +5,20 @@ They are the owner's, never the server's: where this client's data is, its lifet
 budget for that data, and where it keeps its state. A node that names its own `data` trains
 only under an owner's `max-epsilon` (`inf` is an explicit "no limit"): one forgotten key must
 not turn the guarantee off.
+
+What the owner's config decides against a server it does not trust (issue 45): a node with its
+own data draws its noise and batches from a secret seed (the operating system's CSPRNG, kept in
+its state folder), never from the run's seed, which the server sets; it answers federated
+evaluation only when its owner says so; and with `service` its ClientApp, the code the server
+ships, only forwards messages to the owner's data service (clients/service.py), which alone can
+read the data and the state.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -37,9 +46,28 @@ class NodeConfig:
                              default_text="FEDSD_CLIENT_STATE_DIR, else ~/.cache/fedsd/client-state")
     data_dir: str = setting("", "where the built-in data sets are (a simulated client's shard)",
                             default_text="FEDSD_DATA_DIR or the usual places")
+    download: bool = setting(False, "a shard of a built-in data set: download it with torchvision when this machine "
+                                    "lacks it (the node's choice; a server's download=true is not taken)")
+    noise: str = setting("auto", "where the noise and the batch sampling come from. secret: a seed drawn from the "
+                                 "operating system's CSPRNG, kept only in state-dir (0600); seeded: the run's seed, "
+                                 "which the server sets, so the server can predict the noise and subtract it "
+                                 "(needs trust-server-with-noise=true with own data); auto: secret with own data, "
+                                 "seeded for a shard of a built-in data set (a simulation, reproducible bit for bit)",
+                         choices=("auto", "secret", "seeded"))
+    trust_server_with_noise: bool = setting(False, "with own data and noise=seeded: the owner accepts that the server "
+                                                   "can remove this client's noise and so learn its sums of clipped "
+                                                   "gradients, with no privacy against the server")
+    federated_evaluation: bool = setting(False, "own data: answer the server's federated evaluation, of the model "
+                                                "this client last received for training only, once a round, on its "
+                                                "own test split; a release no accountant covers (default: refused)")
+    min_evaluation_samples: int = setting(100, "own data with federated-evaluation=true: evaluate only on a test "
+                                               "split of at least this many samples")
+    service: str = setting("", "the owner's data service (a Unix socket, `fedsd data-service`): the ClientApp only "
+                               "forwards each message to it; the service, started from the owner's installation as "
+                               "the user who alone can read the data and the state, answers with its own node config")
     worker: str = setting("auto", "where this node's rounds run. auto: in a warm worker that keeps torch, the data "
                                   "and the trainer loaded from round to round, when the ClientApp runs as Flower's "
-                                  "fresh per-message process (a deployed SuperNode; clients/worker.py); off: in that "
+                                  "fresh per-message process (a deployed SuperNode; clients/data_service.py); off: in that "
                                   "process, paying the start-up every round", choices=("auto", "off"))
     worker_idle_seconds: float = setting(600.0, "a warm worker exits after this many seconds without a message "
                                                 "(and at once when its SuperNode stops)")
@@ -53,9 +81,28 @@ class NodeConfig:
 
     @property
     def state_root(self) -> Path:
-        """This client's own folder: privacy state, its lifetime ledgers, its prepared data."""
-        return Path(self.state_dir or os.environ.get("FEDSD_CLIENT_STATE_DIR")
-                    or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fedsd" / "client-state")
+        """This client's own folder: privacy state, its lifetime ledgers, its prepared data
+        (absolute, resolved once by `parse`)."""
+        return Path(self.state_dir)
+
+    def state_folder(self, *parts: str) -> Path:
+        """A folder of this client's state (made 0700). A node with its own data also refuses a
+        state folder that another user owns or can write to, or has such a folder above it
+        (private_folder); a simulated client's state lives in its run's folder."""
+        folder = self.state_root.joinpath(*parts)
+        if self.owns_data:
+            private_folder(self.state_root)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return folder
+
+    @property
+    def secret_noise(self) -> bool:
+        """Whether this client's noise and batches come from a secret seed (NodeConfig.noise)."""
+        return self.noise == "secret" or (self.noise == "auto" and self.owns_data)
+
+    def as_node_config(self) -> dict:
+        """The inverse of `parse`: this config as the key-value pairs a --node-config holds."""
+        return {s.key: getattr(self, s.name) for s in settings_of(NodeConfig) if getattr(self, s.name) is not None}
 
     def require_budget(self) -> None:
         """Raise BudgetRefused when this node holds its own data and its owner set no budget."""
@@ -95,9 +142,63 @@ def parse(node_config: Mapping) -> NodeConfig:
         raise NodeConfigError(f"node-config partition-id={node.partition_id}: must be ≥ 0")
     if not node.worker_idle_seconds > 0:
         raise NodeConfigError(f"node-config worker-idle-seconds={node.worker_idle_seconds:g}: must be > 0")
+    if node.min_evaluation_samples < 1:
+        raise NodeConfigError(f"node-config min-evaluation-samples={node.min_evaluation_samples}: must be ≥ 1")
+    if node.service:
+        owners = sorted(k for k in node_config if k not in SUPERNODE_WITH_SERVICE)
+        if owners:
+            raise NodeConfigError(f"node-config {owners[0]}: with service=... it belongs in the data service's own "
+                                  f"--node-config (`fedsd data-service`), not the SuperNode's; the SuperNode's takes "
+                                  f"only {', '.join(SUPERNODE_WITH_SERVICE)}")
+        return node
     if node.data and not Path(node.data).exists():
         raise NodeConfigError(f"node-config data='{node.data}': no such file or folder")
-    return node
+    if node.owns_data and node.noise == "seeded" and not node.trust_server_with_noise:
+        raise NodeConfigError("node-config noise=seeded: the server sets the run's seed, so with seeded noise it can "
+                              "predict this client's noise and subtract it from its update, which leaves the sum of "
+                              "clipped gradients of the owner's data unnoised; add trust-server-with-noise=true to "
+                              "say the owner accepts that, or leave noise unset (secret noise)")
+    return dataclasses.replace(node, state_dir=str(_state_root(node.state_dir)))
+
+
+# With service=...: what the SuperNode's own node config holds (the rest is the service's).
+SUPERNODE_WITH_SERVICE = ("partition-id", "num-partitions", "service")
+
+
+def _state_root(state_dir: str) -> Path:
+    """The state folder as an absolute path, resolved once: a relative one would name another
+    folder in a process with another working directory (the worker's), and split the ledger."""
+    root = Path(state_dir or os.environ.get("FEDSD_CLIENT_STATE_DIR")
+                or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fedsd" / "client-state")
+    return Path(os.path.abspath(root.expanduser()))
+
+
+def private_folder(folder: Path) -> Path:
+    """`folder` made (mode 0700) or checked as this user's own: refused (NodeConfigError) when
+    it, or a folder above it, is owned by another user or can be written by one (a folder with
+    the sticky bit, such as /tmp, owned by root or this user is allowed above it: others
+    cannot rename or remove what is ours in it). Another user who could write there could swap
+    the ledger, plant a prepared data set or stand in for the worker's socket."""
+    me = os.geteuid()
+    for above in reversed(folder.parents):
+        if not above.exists():  # made here, ours and closed, as the folder itself
+            above.mkdir(mode=0o700, exist_ok=True)
+        st = os.stat(above)
+        if st.st_uid not in (0, me):
+            raise NodeConfigError(f"node-config state-dir={folder}: {above} belongs to another user (uid "
+                                  f"{st.st_uid}), who could replace this client's ledger; choose a state folder "
+                                  f"under folders only you or root own")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise NodeConfigError(f"node-config state-dir={folder}: {above} can be written by other users "
+                                  f"(mode {stat.S_IMODE(st.st_mode):o}), who could replace this client's ledger; "
+                                  f"choose a state folder under folders only you can write")
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != me:
+        raise NodeConfigError(f"node-config state-dir={folder}: not a folder of this user's (uid {me})")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(folder, 0o700)
+    return folder
 
 
 def _value(key: str, value):

@@ -30,6 +30,9 @@ from .data import STANDARD_STATS, normalise
 from .errors import DataError  # noqa: F401 (also importable from here)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+# Bounds on a task's sizes: a run config is the server's, and a client prepares its data to it
+# (a 100 000-pixel square or a million classes would only exhaust the client's memory).
+MAX_IMAGE_SIZE, MAX_CLASSES = 512, 1000
 BUILTIN_SHAPES = {"mnist": (1, 28), "fmnist": (1, 28), "cifar10": (3, 32)}  # channels, image size
 
 
@@ -66,10 +69,24 @@ class HolderData:
     y_test: torch.Tensor
     fingerprint: str  # of the files' content: the key of the holder's privacy ledger
     source: str
+    named_fingerprint: str = ""  # fedsd 0.1.0's, which hashed the file names too (_named_fingerprint)
     skipped: list[str] = field(default_factory=list)  # unreadable files left out (skip_bad_files)
 
 
 def _content_fingerprint(path: Path, files: list[Path]) -> str:
+    """The data's content, whatever its files are called (its ledger's key): an .npz's bytes, or
+    for a folder each image's bytes with the folders it lies in (its split and class), sorted, so
+    neither renaming nor reordering files makes a fresh data set with a fresh budget."""
+    if path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:32]
+    entries = sorted(f"{'/'.join(f.relative_to(path).parts[:-1])}\0{hashlib.sha256(f.read_bytes()).hexdigest()}"
+                     for f in files)
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:32]
+
+
+def _named_fingerprint(path: Path, files: list[Path]) -> str:
+    """The fingerprint of fedsd 0.1.0, which hashed file names too: kept to find a ledger that
+    version wrote (fedsd.ledger.adopt), so an upgrade does not start a data set's budget again."""
     h = hashlib.sha256()
     for f in files:
         h.update(str(f.relative_to(path) if f != path else f.name).encode())
@@ -113,16 +130,16 @@ def load_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.Pa
     # Names, sizes and times map to the content's fingerprint, so an unchanged folder is not
     # read and hashed again on every message; changed (or copied) files are hashed once more.
     skip = skip_bad_files and path.is_dir()
-    index = cache / f"index-{_stat_key(files)}{'-skip' if skip else ''}.json"
+    index = cache / f"index-v2-{_stat_key(files)}{'-skip' if skip else ''}.json"
     arrays, skipped = None, []
     if index.is_file():
         known = json.loads(index.read_text())
-        fingerprint, skipped = known["fingerprint"], known.get("skipped", [])
-    elif skip:  # which files are readable is known only once they are decoded
-        arrays, skipped = _load_folder(path, task, skip=True)
-        fingerprint = _content_fingerprint(path, [f for f in files if str(f.relative_to(path)) not in skipped])
+        fingerprint, named, skipped = known["fingerprint"], known.get("named_fingerprint", ""), known.get("skipped", [])
     else:
-        fingerprint = _content_fingerprint(path, files)
+        if skip:  # which files are readable is known only once they are decoded
+            arrays, skipped = _load_folder(path, task, skip=True)
+        readable = [f for f in files if str(f.relative_to(path) if f != path else f.name) not in skipped]
+        fingerprint, named = _content_fingerprint(path, readable), _named_fingerprint(path, readable)
     prepared = cache / f"prepared-{fingerprint}-{task.key}.pt"
     if arrays is None and prepared.is_file():
         arrays = torch.load(prepared, weights_only=True)
@@ -135,8 +152,9 @@ def load_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.Pa
         cache.mkdir(parents=True, exist_ok=True)
         save_atomic(prepared, arrays)
     if not index.is_file():
-        write_json(index, {"fingerprint": fingerprint, "data": str(path), "skipped": skipped})
-    return HolderData(**arrays, fingerprint=fingerprint, source=str(path), skipped=skipped)
+        write_json(index, {"fingerprint": fingerprint, "named_fingerprint": named, "data": str(path),
+                           "skipped": skipped})
+    return HolderData(**arrays, fingerprint=fingerprint, source=str(path), skipped=skipped, named_fingerprint=named)
 
 
 def _to_task(images: torch.Tensor, task: Task, what: str) -> torch.Tensor:
@@ -277,8 +295,10 @@ def task_for(cfg) -> Task:
                               f"comma-separated, got {cfg.classes!r}")
         if cfg.channels not in (1, 3):
             raise ConfigError(f"--channels: dataset=custom needs 1 (grey) or 3 (RGB), got {cfg.channels}")
-        if cfg.image_size < 8:
-            raise ConfigError(f"--image-size: dataset=custom needs a size >= 8, got {cfg.image_size}")
+        if len(classes) > MAX_CLASSES:
+            raise ConfigError(f"--classes: at most {MAX_CLASSES} classes, got {len(classes)}")
+        if not 8 <= cfg.image_size <= MAX_IMAGE_SIZE:
+            raise ConfigError(f"--image-size: dataset=custom needs a size in [8, {MAX_IMAGE_SIZE}], got {cfg.image_size}")
         # Fixed constants, never the data's own statistics: 0.5 maps [0, 1] to [-1, 1].
         task = Task(classes, cfg.channels, cfg.image_size, (0.5,) * cfg.channels, (0.5,) * cfg.channels)
     mean = _floats(cfg.mean, "--mean", task.channels) if cfg.mean else task.mean

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import ConfigError, DataNotFoundError  # noqa: F401 (DataNotFoundError: also importable from here)
+from .errors import ConfigError, DataError, DataNotFoundError  # noqa: F401 (DataNotFoundError: also importable from here)
 
 DATASETS = ("mnist", "fmnist", "cifar10")
 DATASET_TITLES = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR-10"}  # as the papers name them
@@ -137,7 +137,10 @@ def _load_cifar(path: Path) -> ImageData:
     else:  # torchvision's pickled batches
         def batch(fname):
             with open(path / fname, "rb") as f:
-                d = pickle.load(f, encoding="latin1")
+                try:
+                    d = ArraysOnlyUnpickler(f, encoding="latin1").load()
+                except pickle.UnpicklingError as e:
+                    raise DataError(f"{path / fname}: {e}") from None
             return np.asarray(d["data"], dtype=np.uint8).reshape(-1, 3, 32, 32), np.asarray(d["labels"])
         parts = [batch(f"data_batch_{i}") for i in range(1, 6)]
         xtr = torch.from_numpy(np.concatenate([p[0] for p in parts]))
@@ -146,6 +149,20 @@ def _load_cifar(path: Path) -> ImageData:
         xte = torch.from_numpy(xte_np)
     return ImageData("cifar10", xtr, torch.from_numpy(np.asarray(ytr, dtype=np.int64)),
                      xte, torch.from_numpy(np.asarray(yte, dtype=np.int64)), str(path))
+
+
+class ArraysOnlyUnpickler(pickle.Unpickler):
+    """CIFAR-10's python batches are pickles of dicts of lists, bytes and numpy arrays. A pickle
+    can name any callable to run on load; this one builds numpy arrays and nothing else, so a
+    file planted where the data set is looked for can be refused data, never run as code."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a data set: this file is refused")
+        return super().find_class(module, name)
 
 
 def _download(name: str, root: Path) -> None:

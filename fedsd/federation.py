@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 from . import settings
@@ -97,6 +98,12 @@ class FedOptions:
         check(self.round_timeout > 0, "--round-timeout", "must be > 0 seconds", self.round_timeout)
         check(0 <= self.min_nodes <= self.num_clients, "--min-nodes", f"must be in [0, {self.num_clients}]",
               self.min_nodes)
+        # A client names its on-disk state after it: a name, never a path (`../..`, `/etc`).
+        check(not self.experiment_id or EXPERIMENT_ID.fullmatch(self.experiment_id) is not None, "experiment-id",
+              "letters, digits, '.', '_' and '-', starting with a letter or digit, at most 64", self.experiment_id)
+
+
+EXPERIMENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def client_config(cfg: TrainConfig, fed: FedOptions) -> TrainConfig:

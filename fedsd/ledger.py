@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import math
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,17 @@ PREFIX = "ledger-"
 
 def ledger_path(root: Path, fingerprint: str) -> Path:
     return Path(root) / f"{PREFIX}{fingerprint}.json"
+
+
+def adopt(root: Path, old: str, new: str) -> None:
+    """Move the ledger kept under fingerprint `old` to `new` (the same data under a newer
+    fingerprint), unless `new` has one: an upgrade never starts a data set's budget again."""
+    source, target = ledger_path(root, old), ledger_path(root, new)
+    if old and old != new and source.is_file() and not target.exists():
+        with open(source.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if source.is_file() and not target.exists():
+                os.replace(source, target)
 
 
 @contextmanager

@@ -72,6 +72,7 @@ class RoundBook:
             rejected={str(k): r["rejected"] for k, r in reports.items() if "rejected" in r},
             lifetime_budget={str(k): lifetime_budget(r) for k, r in reports.items() if "max-epsilon" in r},
             skipped_files={str(k): r["skipped-files"] for k, r in reports.items() if "skipped-files" in r},
+            service={str(k): r["service"] for k, r in reports.items() if "service" in r},
             missed=s.missed.get(server_round, [])))
         if validation is not None:  # a simulation's --validation split, for choosing settings
             self.rounds[-1]["validation_accuracy"] = validation

@@ -57,11 +57,14 @@ def train_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
     spent, and the clients, samples and steps of the round."""
     metrics = _metrics(records)
     weights = [float(m[weight_key]) for m in metrics]
-    return MetricRecord({
-        "clients": len(metrics), "num-examples": sum(weights),
-        "steps": sum(float(m.get("steps", 0)) for m in metrics),
-        "train-loss": sum(w * float(m.get("train-loss", 0.0)) for w, m in zip(weights, metrics)) / max(sum(weights), 1.0),
-        "max-epsilon": max(float(m.get("epsilon", 0.0)) for m in metrics)})
+    aggregated = {"clients": len(metrics), "num-examples": sum(weights),
+                  "steps": sum(float(m.get("steps", 0)) for m in metrics),
+                  "max-epsilon": max(float(m.get("epsilon", 0.0)) for m in metrics)}
+    # A client with its own data reports no training loss (clients/local.py): the mean is over those that do.
+    losses = [(w, float(m["train-loss"])) for w, m in zip(weights, metrics) if "train-loss" in m]
+    if losses:
+        aggregated["train-loss"] = sum(w * loss for w, loss in losses) / max(sum(w for w, _ in losses), 1.0)
+    return MetricRecord(aggregated)
 
 
 def evaluation_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
@@ -122,6 +125,7 @@ class RecordingStrategy(Strategy):
         self.shapes = shapes
         self.num_clients, self.sampled, self.min_nodes = fed.num_clients, sampled_clients(fed), min_nodes(fed)
         self.fraction_train = fed.fraction_train
+        self.own_data = fed.client_data == "own"
         self.round_offset = round_offset
         self.client_epsilon: dict[int, float] = {}
         self.round_clients: dict[int, dict] = {}  # round → {partition id: its metrics}
@@ -210,6 +214,9 @@ class RecordingStrategy(Strategy):
             if "skipped-files" in reply.content.config_records:  # the owner's choice: named in the summary
                 left_out = reply.content.config_records["skipped-files"]
                 reports[pid]["skipped-files"] = dict(count=int(left_out["count"]), first=list(left_out["first"]))
+            if "service" in reply.content.config_records:  # the owner's data service: what code answered
+                service = reply.content.config_records["service"]
+                reports[pid]["service"] = dict(version=str(service.get("version")), code=str(service.get("code")))
             a_refusal = bool(int(metrics.get("refused", 0)))
             epsilon, before = float(metrics["epsilon"]), self.client_epsilon.get(pid, 0.0)
             if not a_refusal and epsilon < before - 1e-9:
@@ -270,21 +277,27 @@ class RecordingStrategy(Strategy):
             raise ClientsFailed(f"round {server_round}: every client failed; the first said: {_last_line(failed[0])}")
         self.round_clients[server_round] = reports
         self.missed[server_round] = missed
-        for reply in trained:  # Flower aggregates only replies whose metrics have the same keys
+        # Flower aggregates only replies whose metrics have the same keys
+        common = [k for k in AGGREGATED_METRICS if all(k in _metrics([r.content])[0] for r in trained)]
+        for reply in trained:
             name, metrics = next(iter(reply.content.metric_records.items()))
-            reply.content[name] = MetricRecord({k: metrics[k] for k in AGGREGATED_METRICS if k in metrics})
+            reply.content[name] = MetricRecord({k: metrics[k] for k in common})
         result = self.inner.aggregate_train(server_round, trained) if trained else (None, None)
         self.train_seconds[server_round] = time.perf_counter() - self._round_started
         return result
 
     def configure_evaluate(self, server_round, arrays, config, grid):
+        if self.own_data and self._sent:
+            # A client with its own data evaluates only the model it last received for training
+            # (clients/local.py): the round's federated evaluation is of the model the round started from.
+            arrays = self._sent[0].content["arrays"]
         return self.inner.configure_evaluate(server_round + self.round_offset, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round, replies):
         replies = list(replies)
         server_round += self.round_offset
         aggregated = self.inner.aggregate_evaluate(server_round, replies)
-        if aggregated is not None:
+        if aggregated is not None and int(aggregated.get("clients", 0)):  # else no client evaluated
             per_client = {}
             for reply in replies:
                 if not reply.has_error():

@@ -101,7 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_split_data_parser(sub)
     add_audit_parser(sub)
     add_ledger_parser(sub)
+    add_data_service_parser(sub)
     return parser
+
+
+def add_data_service_parser(sub) -> None:
+    from clients.data_service import add_service_arguments, run_service
+
+    p = sub.add_parser("data-service", help="a client machine's data service: the owner's process that alone reads "
+                                            "the node's data, state and budget (deploy/README.md)",
+                       description="Run as the data owner, from the owner's installation. The SuperNode (another user) "
+                                   "gets --node-config \"partition-id=K service='SOCKET'\"; its ClientApp only "
+                                   "forwards messages here.")
+    add_service_arguments(p)
+    p.set_defaults(func=run_service)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,18 +71,25 @@ class DeploymentError(RuntimeError):
     pass
 
 
-# --isolate: client k runs under this numeric uid (no account needed), in its own network namespace.
-ISOLATED_UID_BASE = 47000
+# --isolate: client k's data owner (its data service, its data, its state) runs under uid
+# OWNER_UID_BASE + k and its SuperNode (Flower's processes and the app bundle's ClientApp) under
+# NODE_UID_BASE + k: numeric uids, no accounts needed.
+OWNER_UID_BASE, NODE_UID_BASE = 47000, 47500
 # What --isolate runs: iproute2's ip and bridge, util-linux's setpriv and unshare.
 ISOLATION_TOOLS = ("ip", "bridge", "setpriv", "unshare")
 
 
 class Isolation:
-    """Every SuperNode on a machine of its own, as far as one machine allows: its own network
-    namespace, reaching the SuperLink over its own veth pair through a bridge whose ports
-    cannot reach one another (only the SuperLink's address, never loopback); its own numeric
-    uid; and its own folder (mode 0700: a copy of its data, its key, its state), which no
-    other client can read. Needs root; `check` says so, before anything starts."""
+    """Every client on a machine of its own, as far as one machine allows, and on it the data
+    owner apart from the code the server ships. Client k has its own network namespace,
+    reaching the SuperLink over its own veth pair through a bridge whose ports cannot reach one
+    another (only the SuperLink's address, never loopback). Its data owner's folder (mode 0700:
+    a copy of its data, its state and ledger) belongs to the owner's uid, which runs the data
+    service (clients/data_service.py) from the project's installation; its SuperNode, and so
+    every ClientApp process of the app bundle, runs under a second uid with a folder of its own
+    (its key, its Flower home) and reaches the data only through the service's socket. No
+    client can read another's folders, and no ClientApp can read its own client's data. Needs
+    root; `check` says so, before anything starts."""
 
     def __init__(self, work: Path, num_clients: int):
         # A subnet fixed by the work folder: a reused --work keeps its address and certificate.
@@ -101,7 +108,13 @@ class Isolation:
 
     @staticmethod
     def uid(k: int) -> int:
-        return ISOLATED_UID_BASE + k
+        """Client k's data owner: its data service, data and state."""
+        return OWNER_UID_BASE + k
+
+    @staticmethod
+    def node_uid(k: int) -> int:
+        """Client k's SuperNode and the ClientApp processes it starts."""
+        return NODE_UID_BASE + k
 
     def check(self) -> None:
         if os.geteuid() != 0:
@@ -141,13 +154,12 @@ class Isolation:
             _run(["ip", "netns", "del", ns])  # takes its veth pair with it
         _run(["ip", "link", "del", self.bridge])
 
-    def wrap(self, k: int, cmd: list[str], env: dict, node_dir: Path, needs: list[Path]) -> list[str]:
-        """`cmd` as client k: in its network namespace and a mount namespace of its own, under
-        its uid, with only `env`. A folder on the way to what it `needs` (the interpreter, the
-        project, its own folder) that other users cannot pass (a home such as /root, a private
-        temporary folder) is covered there by an empty one, with just the needed paths put
-        back: the client sees none of the rest, other clients' folders included."""
-        uid = str(self.uid(k))
+    def wrap(self, k: int, uid: int, cmd: list[str], env: dict, home: Path, needs: list[Path]) -> list[str]:
+        """`cmd` as `uid` on client k's machine: in its network namespace and a mount namespace of
+        its own, with only `env`. A folder on the way to what it `needs` (the interpreter, the
+        project, its own folders) that other users cannot pass (a home such as /root, a private
+        temporary folder) is covered there by an empty one, with just the needed paths put back:
+        the process sees none of the rest, other clients' folders included."""
         script = ["set -e"]
         for closed, paths in _closed_ancestors(needs).items():
             for i, path in enumerate(paths):
@@ -155,39 +167,43 @@ class Isolation:
             script.append(f'mount -t tmpfs -o mode=0755 fedsd-isolate "{closed}"')
             for i, path in enumerate(paths):
                 script.append(f'mkdir -p "{path}" && mount --move "$stage{i}" "{path}" && rmdir "$stage{i}"')
-        script.append(f'cd "{node_dir}"')
+        script.append(f'cd "{home}"')
         script.append(f'exec setpriv --reuid={uid} --regid={uid} --clear-groups -- env -i "$@"')
         variables = [f"{name}={value}" for name, value in env.items()]
         return ["ip", "netns", "exec", self.namespace(k), "unshare", "--mount", "--propagation", "private", "--",
                 "sh", "-c", "\n".join(script), "sh", *variables, *cmd]
 
-    def prepare_node(self, k: int, node_dir: Path, key: Path, ca: Path, data: Path | None) -> dict:
-        """Client k's own folder: its key, the CA certificate, a copy of its data, its state;
-        owned by its uid and closed to everybody else. Returns the paths it uses."""
-        node_dir.mkdir(parents=True, exist_ok=True)
-        paths = dict(key=node_dir / "node.key", ca=node_dir / "ca.crt", state=node_dir / "state",
-                     home=node_dir / "home", data=node_dir / "data" if data is not None else None)
+    def prepare_node(self, k: int, owner_dir: Path, node_dir: Path, socket_dir: Path, key: Path, ca: Path,
+                     data: Path | None) -> dict:
+        """Client k's folders: the owner's (a copy of its data, its state; the owner's uid only),
+        the SuperNode's (its key, the CA certificate, its home; the node's uid only) and the
+        service's socket folder (the owner's, passable by anyone: the service answers by uid).
+        Returns the paths they use."""
+        paths = dict(key=node_dir / "node.key", ca=node_dir / "ca.crt", home=node_dir / "home",
+                     state=owner_dir / "state", owner_home=owner_dir / "home",
+                     data=owner_dir / "data" if data is not None else None, socket=socket_dir / "service.sock")
+        for folder in (owner_dir, node_dir, socket_dir, paths["home"], paths["state"], paths["owner_home"]):
+            folder.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(key, paths["key"])
         shutil.copyfile(ca, paths["ca"])
         if data is not None:  # the client's machine holds its data; copies keep their times and content
             (shutil.copytree(data, paths["data"], dirs_exist_ok=True) if data.is_dir()
              else shutil.copy2(data, paths["data"]))
-        for folder in (paths["state"], paths["home"]):
-            folder.mkdir(exist_ok=True)
-        uid = self.uid(k)
-        for path in [node_dir, *node_dir.rglob("*")]:
-            os.chown(path, uid, uid, follow_symlinks=False)
-        node_dir.chmod(0o700)
+        for root, uid, mode in ((owner_dir, self.uid(k), 0o700), (socket_dir, self.uid(k), 0o711),
+                                (node_dir, self.node_uid(k), 0o700)):
+            for path in [root, *root.rglob("*")]:
+                os.chown(path, uid, uid, follow_symlinks=False)
+            root.chmod(mode)
         paths["key"].chmod(0o600)
-        for folder in (node_dir.parent, node_dir.parent.parent):  # passable (not listable) on the way there
+        for folder in {owner_dir.parent, owner_dir.parent.parent, socket_dir.parent}:  # passable, not listable
             folder.chmod(folder.stat().st_mode | 0o111)  # (a closed folder above them is covered: wrap)
         return paths
 
-    def can_read(self, k: int, path: Path, node_dir: Path, needs: list[Path]) -> bool:
-        """Whether client k, as it runs, can read `path` (a file's bytes, a folder's listing)."""
+    def can_read(self, k: int, uid: int, path: Path, home: Path, needs: list[Path]) -> bool:
+        """Whether `uid` on client k's machine can read `path` (a file's bytes, a folder's listing)."""
         test = ["test", "-r", str(path)] if path.is_file() else ["ls", str(path)]
         env = {"PATH": "/usr/bin:/bin"}
-        return _run(self.wrap(k, test, env, node_dir, needs)).returncode == 0
+        return _run(self.wrap(k, uid, test, env, home, needs)).returncode == 0
 
 
 def _closed_ancestors(paths: list[Path]) -> dict[Path, list[Path]]:
@@ -239,6 +255,7 @@ class LocalDeployment:
         self.env = {**flower_tool_env(self.flwr_home), **(env or {})}
         self.superlink: subprocess.Popen | None = None
         self.supernodes: dict[int, subprocess.Popen] = {}
+        self.services: dict[int, subprocess.Popen] = {}  # --isolate: each client's data service
         self._all: list[subprocess.Popen] = []
         self._network_up = False
 
@@ -338,42 +355,92 @@ class LocalDeployment:
                         name: str | None = None) -> subprocess.Popen:
         key = self.credentials / "keys" / f"node-{partition_id if key_index is None else key_index}"
         data = self.client_data / f"client-{partition_id}" if self.client_data is not None else None
-        ca, state, env = self.ca, self.work / "client-state" / str(partition_id), None
-        if self.isolation is not None:  # its own folder, uid and network namespace
-            own = self.isolation.prepare_node(partition_id, self.node_dir(partition_id), key, self.ca, data)
-            key, ca, state, data = own["key"], own["ca"], own["state"], own["data"]
-            env = {"PATH": self.env["PATH"], "HOME": str(own["home"]), "FLWR_HOME": str(own["home"] / "flwr"),
-                   **{k: v for k, v in self.env.items() if k.startswith(("FLWR_", "FEDSD_", "OMP_", "LANG"))
-                      and k != "FLWR_HOME"}}
-        node_config = f"partition-id={partition_id} num-partitions={self.num_clients} state-dir='{state}'"
+        owner = f"partition-id={partition_id} num-partitions={self.num_clients}"
+        if self.isolation is not None:  # the owner's data service, then its SuperNode as another user
+            return self._start_isolated(partition_id, key, data, owner, key_index, max_retries, name)
+        node_config = f"{owner} state-dir='{self.work / 'client-state' / str(partition_id)}'"
         if data is not None:
             node_config += f" data='{data}'"
         if self.node_config[partition_id]:
             node_config += " " + self.node_config[partition_id]
-        cmd = ["flower-supernode", "--root-certificates", str(ca), "--superlink", self.address,
-               "--auth-supernode-private-key", str(key), "--node-config", node_config, "--port", str(free_port())]
-        if max_retries is not None:
-            cmd += ["--max-retries", str(max_retries)]
-        if self.isolation is not None:
-            cmd = self.isolation.wrap(partition_id, cmd, env, self.node_dir(partition_id), self.node_needs(partition_id))
-        proc = self._start(name or f"supernode-{partition_id}", cmd)
+        proc = self._start(name or f"supernode-{partition_id}", self._supernode_cmd(key, self.ca, node_config,
+                                                                                    max_retries))
         if key_index is None:
             self.supernodes[partition_id] = proc
         return proc
 
-    def node_dir(self, k: int) -> Path:
-        """Client k's own folder under --isolate (its machine's disk)."""
+    def _supernode_cmd(self, key: Path, ca: Path, node_config: str, max_retries: int | None) -> list[str]:
+        cmd = ["flower-supernode", "--root-certificates", str(ca), "--superlink", self.address,
+               "--auth-supernode-private-key", str(key), "--node-config", node_config, "--port", str(free_port())]
+        return cmd + (["--max-retries", str(max_retries)] if max_retries is not None else [])
+
+    def _start_isolated(self, k: int, key: Path, data: Path | None, owner: str, key_index, max_retries,
+                        name) -> subprocess.Popen:
+        """Client k as --isolate runs it: the owner's data service (the project's code, the
+        owner's uid, the data and state) and a SuperNode (the node's uid) whose node config names
+        only that service."""
+        iso = self.isolation
+        own = iso.prepare_node(k, self.owner_dir(k), self.node_dir(k), self.socket_dir(k), key, self.ca, data)
+        keep = {k_: v for k_, v in self.env.items() if k_.startswith(("FLWR_", "FEDSD_", "OMP_", "LANG"))
+                and k_ != "FLWR_HOME"}
+        owner_config = f"{owner} state-dir='{own['state']}'" + (f" data='{own['data']}'" if own["data"] else "")
+        if self.node_config[k]:
+            owner_config += " " + self.node_config[k]
+        if key_index is None:  # a stand-in with a stray key (tests) needs no service of its own
+            service = [sys.executable, "-m", "simulations.cli", "data-service", "--socket", str(own["socket"]),
+                       "--node-config", owner_config, "--allow-uid", str(iso.node_uid(k))]
+            env = {"PATH": self.env["PATH"], "HOME": str(own["owner_home"]), "PYTHONPATH": str(ROOT), **keep}
+            self.services[k] = self._start(f"data-service-{k}", iso.wrap(k, iso.uid(k), service, env,
+                                                                          self.owner_dir(k), self.owner_needs(k)))
+            self._wait_for_socket(own["socket"], self.services[k], f"data-service-{k}")
+        env = {"PATH": self.env["PATH"], "HOME": str(own["home"]), "FLWR_HOME": str(own["home"] / "flwr"), **keep}
+        node_config = f"{owner} service='{own['socket']}'"
+        cmd = iso.wrap(k, iso.node_uid(k), self._supernode_cmd(own["key"], own["ca"], node_config, max_retries), env,
+                       self.node_dir(k), self.node_needs(k))
+        proc = self._start(name or f"supernode-{k}", cmd)
+        if key_index is None:
+            self.supernodes[k] = proc
+        return proc
+
+    def _wait_for_socket(self, socket_path: Path, proc: subprocess.Popen, name: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not socket_path.exists():
+            if proc.poll() is not None:
+                raise DeploymentError(f"{name} exited with code {proc.returncode}; see {self.logs / (name + '.log')}")
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"{name} did not listen within {timeout:.0f} s; see {self.logs}")
+            time.sleep(0.2)
+
+    def owner_dir(self, k: int) -> Path:
+        """Client k's data owner's folder under --isolate: its data and its state."""
         return self.work / "nodes" / str(k)
 
-    def node_needs(self, k: int) -> list[Path]:
-        """What client k's processes must reach: the interpreter and its environment, the project
-        (the app's code), its own folder, and the public data sets (built-in tasks)."""
-        needs = [Path(sys.base_prefix), Path(sys.prefix), ROOT, self.node_dir(k)]
+    def node_dir(self, k: int) -> Path:
+        """Client k's SuperNode's folder under --isolate: its key and its Flower home."""
+        return self.work / "supernodes" / str(k)
+
+    def socket_dir(self, k: int) -> Path:
+        return self.work / "sockets" / str(k)
+
+    def _public_needs(self) -> list[Path]:
+        """What every client process must reach: the interpreter and its environment, the project
+        (the code both the service and the app bundle's copy run), and the public data sets."""
+        needs = [Path(sys.base_prefix), Path(sys.prefix), ROOT]
         return needs + [Path(p) for p in (self.env.get("FEDSD_DATA_DIR"),) if p and Path(p).is_dir()]
 
-    def client_can_read(self, k: int, path: Path) -> bool:
-        """Whether client k, under --isolate, can read `path` (for tests and the guide)."""
-        return self.isolation.can_read(k, Path(path), self.node_dir(k), self.node_needs(k))
+    def owner_needs(self, k: int) -> list[Path]:
+        return self._public_needs() + [self.owner_dir(k), self.socket_dir(k)]
+
+    def node_needs(self, k: int) -> list[Path]:
+        return self._public_needs() + [self.node_dir(k), self.socket_dir(k)]
+
+    def client_can_read(self, k: int, path: Path, as_owner: bool = False) -> bool:
+        """Whether client k's SuperNode (and its ClientApps), or with `as_owner` its data
+        service, can read `path` under --isolate (for tests and the guide)."""
+        iso = self.isolation
+        if as_owner:
+            return iso.can_read(k, iso.uid(k), Path(path), self.owner_dir(k), self.owner_needs(k))
+        return iso.can_read(k, iso.node_uid(k), Path(path), self.node_dir(k), self.node_needs(k))
 
     def node_statuses(self) -> dict[int, str]:
         """The SuperLink's word on each registered node ("online", "offline", ...) by node id;
@@ -516,10 +583,12 @@ def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, wor
     result = RunResult.read(result_path)
     result.extra.update(tls=True, node_auth=True, deployment=dict(
         superlink=deployment.address, supernodes=num_clients,
-        processes="separate, each in its own network namespace and uid" if isolate else "separate, loopback",
+        processes=("separate, each client in its own network namespace, its data service and its SuperNode under "
+                   "uids of their own" if isolate else "separate, loopback"),
         isolation=dict(node_addresses=[deployment.isolation.address(k) for k in range(num_clients)],
                        namespaces=[deployment.isolation.namespace(k) for k in range(num_clients)],
-                       uids=[deployment.isolation.uid(k) for k in range(num_clients)]) if isolate else None,
+                       owner_uids=[deployment.isolation.uid(k) for k in range(num_clients)],
+                       supernode_uids=[deployment.isolation.node_uid(k) for k in range(num_clients)]) if isolate else None,
         startup_seconds=ready, total_seconds=time.perf_counter() - started, work_dir=str(work)))
     result.write(result_path)
     return result.to_dict()

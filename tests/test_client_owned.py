@@ -203,8 +203,9 @@ def test_fewer_samples_than_the_batch_size_is_refused_before_any_step(split, tmp
 
 def test_own_data_run_without_data_says_how_to_start_the_node(tmp_path):
     cfg, flat = run_config()
-    with pytest.raises(ConfigError, match="start the SuperNode with --node-config"):
-        send(flat, {"partition-id": 0, "state-dir": str(tmp_path)}, initial_model(cfg.resolved(), 10), 1)
+    reply, _ = send(flat, {"partition-id": 0, "state-dir": str(tmp_path)}, initial_model(cfg.resolved(), 10), 1)
+    assert reply.content["metrics"]["refused"] == 1 and not reply.content.array_records
+    assert "start the SuperNode with --node-config" in reply.content["refusal"]["reason"]
 
 
 def evaluate_on_client(flat, node_config, model):
@@ -215,11 +216,16 @@ def evaluate_on_client(flat, node_config, model):
 
 
 def test_federated_evaluation_uses_the_clients_own_test_split_and_spends_nothing(split, tmp_path):
+    """Allowed by its owner, a client evaluates the model it last received for training, once."""
     cfg, flat = run_config()
     data = split / "npz" / "client-1"
-    node = {"partition-id": 1, "data": str(data), "state-dir": str(tmp_path), "max-epsilon": 3}
-    model, _ = send(flat, {**node, "state-dir": str(tmp_path / "trained")}, initial_model(cfg.resolved(), 10), 1)
-    model = record_to_model(model.content["arrays"])
+    node = {"partition-id": 1, "data": str(data), "state-dir": str(tmp_path), "max-epsilon": 3,
+            "federated-evaluation": True}
+    seeded = {"noise": "seeded", "trust-server-with-noise": True}  # a model that has learned, every time
+    trained, _ = send(flat, {**node, **seeded, "state-dir": str(tmp_path / "trained")},
+                      initial_model(cfg.resolved(), 10), 1)
+    model = record_to_model(trained.content["arrays"])
+    send(flat, node, model, 1)  # the model this client now last received for training
     metrics = evaluate_on_client(flat, node, model)
     held = load_holder_data(data, builtin_task("fmnist"), tmp_path / "check")
     net = build_model("mnist-cnn", 10)
@@ -228,14 +234,17 @@ def test_federated_evaluation_uses_the_clients_own_test_split_and_spends_nothing
     assert metrics["num-examples"] == len(held.y_test) == 5000 and metrics["partition-id"] == 1
     assert metrics["test-accuracy"] == pytest.approx(accuracy, abs=1e-9) and accuracy > 0.15  # chance: 0.1
     assert metrics["test-loss"] == pytest.approx(loss, rel=1e-5)
-    assert not list(tmp_path.glob("ledger-*.json"))  # evaluation is no training step: no ledger entry
+    ledger = json.loads(next(tmp_path.glob("ledger-*.json")).read_text())
+    assert len(ledger["entries"]) == 1  # the training round's charge: evaluation is no training step
 
 
 def test_a_client_without_a_test_split_evaluates_with_weight_zero(split, tmp_path):
     cfg, flat = run_config()
     with np.load(split / "npz" / "client-0" / "data.npz") as z:
         np.savez(tmp_path / "train-only.npz", x_train=z["x_train"], y_train=z["y_train"])
-    node = {"partition-id": 0, "data": str(tmp_path / "train-only.npz"), "state-dir": str(tmp_path), "max-epsilon": 3}
+    node = {"partition-id": 0, "data": str(tmp_path / "train-only.npz"), "state-dir": str(tmp_path), "max-epsilon": 3,
+            "federated-evaluation": True, "min-evaluation-samples": 1}
+    send(flat, node, initial_model(cfg.resolved(), 10), 1)
     metrics = evaluate_on_client(flat, node, initial_model(cfg.resolved(), 10))
     assert metrics["num-examples"] == 0
 

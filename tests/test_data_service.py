@@ -1,21 +1,26 @@
-"""A deployed SuperNode's warm worker (clients/worker.py), as a real process: it answers as the
-ClientApp would in its own process (the same weights, the same state), serves round after
-round from one process, refuses a caller without the node's key, and exits when idle or when
-its SuperNode does. The deployment tests (test_deploy.py) run it under real SuperNodes."""
+"""A client machine's data service (clients/data_service.py), as a real process: as the warm
+worker it answers as the ClientApp would in its own process (the same weights), serves round
+after round from one process, and exits when idle or when its SuperNode does; as the owner's
+service it answers with its own node config and says what code answered, and it answers only
+the users it is told to, in Flower's records, never pickle. The deployment tests
+(test_deploy.py) run both under real SuperNodes."""
+import json
 import os
+import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client
+from pathlib import Path
 
 import pytest
 import torch
 from flwr.app import ConfigRecord, Context, RecordDict
 
-from clients import local, worker
-from clients.node_config import parse
+from clients import data_service, local
+from clients.node_config import NodeConfigError, parse
 from fedsd.config import TrainConfig
 from fedsd.federation import FedOptions, client_config, to_flat
 from fedsd.training import initial_model
@@ -37,8 +42,10 @@ def own_data(tmp_path):
 
 
 def context(tmp_path, name: str, **more) -> Context:
+    # seeded noise (the owner's word given): the worker and this process must train the same weights
     node_config = {"partition-id": 0, "num-partitions": 2, "data": str(tmp_path / "data" / "client-0"),
-                   "max-epsilon": float("inf"), "state-dir": str(tmp_path / name), **more}
+                   "max-epsilon": float("inf"), "state-dir": str(tmp_path / name), "noise": "seeded",
+                   "trust-server-with-noise": True, "federated-evaluation": True, **more}
     return Context(run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config={})
 
 
@@ -47,7 +54,8 @@ def message(model, flat, server_round: int) -> RecordDict:
 
 
 def worker_pids(marker: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"clients.worker --socket {marker}"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", f"clients.data_service --socket {marker}"], capture_output=True,
+                         text=True).stdout
     return [int(p) for p in out.split()]
 
 
@@ -68,20 +76,21 @@ def test_the_warm_worker_answers_as_the_clientapp_would_from_one_process(tmp_pat
     pids = []
     for server_round in (1, 2):
         mine = local.train_reply(message(start, flat, server_round), here)
-        theirs = worker.ask(node, "train", message(start, flat, server_round), there)
+        theirs = data_service.ask_worker(node, "train", message(start, flat, server_round), there)
         a, b = record_to_model(mine["arrays"]), record_to_model(theirs["arrays"])
         assert all(torch.equal(a["student"][k], b["student"][k]) for k in a["student"])
         assert dict(mine["metrics"])["epsilon"] == dict(theirs["metrics"])["epsilon"] > 0
-        assert sorted(there.state.keys()) == sorted(here.state.keys()) != []  # the state came back
+        assert not there.state.keys()  # the privacy state stays with the worker, on the owner's disk
         pids.append(worker_pids(str(tmp_path / "there")))
     assert len(pids[0]) == 1 and pids[0] == pids[1]  # round 2 was the same process's
     folder = tmp_path / "there" / "worker"
-    assert folder.stat().st_mode & 0o777 == 0o700 and (folder / "key").stat().st_mode & 0o777 == 0o600
+    assert folder.stat().st_mode & 0o777 == 0o700
     [sock] = folder.glob("*.sock")
-    with pytest.raises((AuthenticationError, EOFError, ConnectionError)):
-        Client(str(sock), family="AF_UNIX", authkey=b"not the node's key").send(("train", None, None))
-    reply = worker.ask(node, "evaluate", message(start, flat, 2), there)  # still serving after that
-    assert 0 <= dict(reply["metrics"])["test-accuracy"] <= 1
+    with socket.socket(socket.AF_UNIX) as raw:  # a peer that sends no records, then a pickle: ignored
+        raw.connect(str(sock))
+        raw.sendall(struct.pack("!Q", 4) + b"junk")
+    reply = data_service.ask_worker(node, "evaluate", message(start, flat, 2), there)  # still serving after that
+    assert 0 <= dict(reply["metrics"])["test-accuracy"] <= 1 and dict(reply["metrics"])["num-examples"] > 0
     os.kill(pids[0][0], signal.SIGTERM)
     assert wait_for(lambda: not worker_pids(str(tmp_path / "there")), 10)
 
@@ -90,14 +99,14 @@ def test_a_worker_exits_when_idle_and_when_its_supernode_does(tmp_path):
     cfg, fed, flat = own_data(tmp_path)
     start = initial_model(client_config(cfg, fed), 10)
     idle = context(tmp_path, "idle", **{"worker-idle-seconds": 1})
-    worker.ask(parse(idle.node_config), "evaluate", message(start, flat, 1), idle)
+    data_service.ask_worker(parse(idle.node_config), "evaluate", message(start, flat, 1), idle)
     assert wait_for(lambda: not worker_pids(str(tmp_path / "idle")), 15)
     assert not list((tmp_path / "idle" / "worker").glob("*.sock"))  # and took its socket with it
     # A worker watches the process that started its ClientApp (the SuperNode's SuperExec).
     supernode = subprocess.Popen(["sleep", "600"])
     folder = tmp_path / "watched" / "worker"
     folder.mkdir(parents=True)
-    proc = subprocess.Popen([sys.executable, "-m", "clients.worker", "--socket", str(folder / "w.sock"),
+    proc = subprocess.Popen([sys.executable, "-m", "clients.data_service", "--socket", str(folder / "w.sock"),
                              "--watch-pid", str(supernode.pid), "--idle-seconds", "600"])
     try:
         assert wait_for(lambda: (folder / "w.sock").exists(), 120)
@@ -111,11 +120,71 @@ def test_a_worker_exits_when_idle_and_when_its_supernode_does(tmp_path):
 
 def test_only_flowers_per_message_process_uses_a_worker_and_never_for_a_refusing_node(tmp_path, monkeypatch):
     node = parse({"partition-id": 0, "max-epsilon": 3})
-    assert not worker.wanted(node)  # a test's (or a Ray actor's) process answers itself
+    assert not data_service.wanted(node)  # a test's (or a Ray actor's) process answers itself
     monkeypatch.setattr(sys, "argv", ["/venv/bin/flwr-clientapp"])
-    assert worker.wanted(node)
-    assert not worker.wanted(parse({"partition-id": 0, "max-epsilon": 3, "worker": "off"}))
+    assert data_service.wanted(node)
+    assert not data_service.wanted(parse({"partition-id": 0, "max-epsilon": 3, "worker": "off"}))
     (tmp_path / "data.npz").write_bytes(b"")
-    assert not worker.wanted(parse({"partition-id": 0, "data": str(tmp_path / "data.npz")}))  # refuses: no budget
+    assert not data_service.wanted(parse({"partition-id": 0, "data": str(tmp_path / "data.npz")}))  # no budget
     with pytest.raises(ValueError, match="worker='sometimes': choose one of auto, off"):
         parse({"partition-id": 0, "worker": "sometimes"})
+
+
+def talk_as(uid: int, sock) -> bool:
+    """Whether a process of user `uid` gets an answer from the service at `sock` (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("another user's process needs root here")
+    # a well-formed request (a header, an empty RecordDict), then whatever comes back
+    probe = ("import socket, struct, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+             "h = sys.argv[2].encode(); s.sendall(struct.pack('!Q', len(h)) + h + struct.pack('!Q', 0)); "
+             "print(len(s.recv(8)))")
+    header = json.dumps({"kind": "evaluate", "run_id": 1, "node_id": 1})
+    out = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-c",
+                          probe, str(sock), header], capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() not in ("", "0")
+
+
+def test_the_owners_service_answers_with_its_own_config_and_says_what_code_answered(tmp_path):
+    """The SuperNode's ClientApp (the server's code) forwards; the service (the owner's code) reads
+    the data under its own node config, whatever the forwarded message says."""
+    cfg, fed, flat = own_data(tmp_path)
+    start = initial_model(client_config(cfg, fed), 10)
+    owner = context(tmp_path, "owner").node_config
+    import tempfile
+
+    passable = Path(tempfile.mkdtemp(prefix="fedsd-service-", dir="/tmp"))  # as /run/fedsd: others may pass
+    passable.chmod(0o711)
+    address = passable / "service.sock"
+    node_config = " ".join(f"{k}={json.dumps(v) if not isinstance(v, float) or v != float('inf') else 'inf'}"
+                           for k, v in owner.items())
+    proc = subprocess.Popen([sys.executable, "-m", "simulations.cli", "data-service", "--socket", str(address),
+                             "--node-config", node_config, "--allow-uid", "65533"])
+    try:
+        assert wait_for(address.exists, 120)
+        supernode = {"partition-id": 0, "service": str(address)}
+        forwarded = Context(run_id=1, node_id=1, node_config=supernode, state=RecordDict(), run_config={})
+        reply = data_service.ask_service(parse(supernode), "train", message(start, flat, 1), forwarded)
+        assert dict(reply["metrics"])["num-examples"] == 300 and dict(reply["metrics"])["skipped"] == 0
+        identity = dict(reply["service"])
+        assert identity["code"] == data_service.code_hash() and identity["version"]
+        assert list((tmp_path / "owner").glob("ledger-*.json"))  # charged on the owner's state folder
+        assert not forwarded.state.keys()
+        liar = {"partition-id": 1, "service": str(address)}
+        with pytest.raises(data_service.ServiceError, match="partition-id=1 of the SuperNode"):
+            data_service.ask_service(parse(liar), "train", message(start, flat, 1),
+                                     Context(run_id=1, node_id=1, node_config=liar, state=RecordDict(), run_config={}))
+        assert talk_as(65533, address)  # the SuperNode's user it was told to answer
+        assert not talk_as(65534, address)  # anyone else: closed without a word
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(passable, ignore_errors=True)
+
+
+def test_a_supernode_with_a_service_names_no_data_of_its_own(tmp_path):
+    with pytest.raises(NodeConfigError, match="node-config data: with service=... it belongs in the data service"):
+        parse({"partition-id": 0, "service": str(tmp_path / "s.sock"), "data": str(tmp_path)})
+    supernode = {"partition-id": 0, "service": str(tmp_path / "nobody.sock")}
+    with pytest.raises(data_service.ServiceUnavailable, match="no data service listens"):
+        data_service.ask_service(parse(supernode), "train", RecordDict(),
+                                 Context(run_id=1, node_id=1, node_config=supernode, state=RecordDict(), run_config={}))

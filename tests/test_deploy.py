@@ -313,13 +313,17 @@ def isolation_unavailable() -> str | None:
 
 
 def test_isolated_clients_train_on_their_own_data_and_cannot_read_each_others(tmp_path):
-    """--isolate: three SuperNodes, each in its own network namespace (reaching the SuperLink on
-    the bridge's address, never loopback), under its own uid, with only its own folder; the
-    run completes on their split-data folders, and no client can read another's data."""
+    """--isolate: three clients, each in its own network namespace (reaching the SuperLink on
+    the bridge's address, never loopback), each data owner's service under its own uid with
+    only its own folder, each SuperNode under another uid that reaches the data only through
+    that service. The run completes on their split-data folders; no client can read another's
+    data, and no ClientApp, the code the server ships, can open its own client's data or state
+    (a malicious app bundle tries)."""
     reason = isolation_unavailable()
     if reason:
         pytest.skip(f"--isolate cannot run here: {reason}")
     require("fmnist")
+    from clients.data_service import code_hash
     from simulations.cli import main
 
     data, work, out = tmp_path / "data", tmp_path / "work", tmp_path / "out"
@@ -328,22 +332,38 @@ def test_isolated_clients_train_on_their_own_data_and_cannot_read_each_others(tm
     with LocalDeployment(work, 3, client_data=data, node_config="max-epsilon=3", isolate=True) as deployment:
         deployment.start()
         assert not deployment.address.startswith("127.")
-        own = deployment.node_dir(0) / "data" / "data.npz"
-        assert deployment.client_can_read(0, own)
-        assert not deployment.client_can_read(0, deployment.node_dir(1) / "data" / "data.npz")
-        assert not deployment.client_can_read(0, deployment.node_dir(1))
-        assert not deployment.client_can_read(0, data / "client-1" / "data.npz")  # the owner's originals
-        assert not deployment.client_can_read(2, own)
+        own = deployment.owner_dir(0) / "data" / "data.npz"
+        assert deployment.client_can_read(0, own, as_owner=True)  # its data service
+        assert not deployment.client_can_read(0, own)  # its SuperNode, and so every ClientApp it starts
+        assert not deployment.client_can_read(0, deployment.owner_dir(1) / "data" / "data.npz", as_owner=True)
+        assert not deployment.client_can_read(0, deployment.owner_dir(1), as_owner=True)
+        assert not deployment.client_can_read(0, data / "client-1" / "data.npz", as_owner=True)  # the originals
+        assert not deployment.client_can_read(2, own, as_owner=True)
         deployment.run({**RUN, "num-clients": 3, "num-server-rounds": 2, "client-data": "own", "epsilon": 3.0,
                         "out-dir": str(out)}, timeout=900)
+        secrets = [deployment.owner_dir(k) / sub for k in range(3) for sub in ("data/data.npz", "state")]
+        secrets += sorted(work.glob("nodes/*/state/ledger-*.json"))
+        deployment.run({"num-clients": 3, "paths": json.dumps([str(p) for p in secrets]),
+                        "out-dir": str(tmp_path / "snoop")}, timeout=600, app=ROOT / "tests" / "apps" / "snoop")
         namespaces = [deployment.isolation.namespace(k) for k in range(3)]
     result = json.loads((out / "result.json").read_text())
     assert all(r["trained"] == [0, 1, 2] and r["refused"] == {} for r in result["rounds"])
     assert result["shard_sizes"] == [300, 300, 300]
     assert all(0.5 * 3 < eps <= 3.0 for eps in result["rounds"][-1]["client_epsilon"].values())
+    # every reply came from the owner's data service, which says what code answered
+    assert all(r["service"][str(k)]["code"] == code_hash() for r in result["rounds"] for k in range(3))
+    reports = json.loads((tmp_path / "snoop" / "snoop.json").read_text())
+    assert len(reports) == 3
+    for report in reports:
+        assert int(report["uid"]) >= 47500  # a SuperNode's uid, not an owner's
+        assert "data" not in json.loads(report["node-config"])  # it names only the service
+        assert not [p for p in map(str, secrets) if report[p] == "read"], report
     ledgers = sorted(work.glob("nodes/*/state/ledger-*.json"))  # each on its own client's disk
     assert len(ledgers) == 3
     assert [p.stat().st_uid for p in ledgers] == [47000, 47001, 47002]
+    for k in range(3):  # what a client keeps is its owner's alone
+        state = deployment.owner_dir(k) / "state"
+        assert all(p.stat().st_mode & 0o077 == 0 for p in [state, *state.rglob("*")])
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(ns in left for ns in namespaces)  # the network is taken down with the processes
     assert processes_mentioning(str(work)) == []
@@ -369,5 +389,5 @@ def test_bench_deploy_times_the_three_rounds_of_one_computation(tmp_path, capsys
     assert report["fedsd_share"] == pytest.approx(
         (report["deployed_round_seconds"] - report["floor_round_seconds"]) / report["simulated_round_seconds"])
     # Each deployed client answered rounds from a warm worker, which stopped with its SuperNode.
-    assert all((work / "deployment" / "client-state" / str(k) / "worker" / "key").is_file() for k in range(2))
+    assert all((work / "deployment" / "client-state" / str(k) / "worker" / "worker.log").is_file() for k in range(2))
     assert processes_mentioning(str(work)) == []

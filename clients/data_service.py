@@ -1,0 +1,439 @@
+"""A client machine's data service: the one process that reads the node's data, its privacy
+state and its budget, and answers the node's rounds with clients/local.py's handlers.
+
+Two ways it runs:
+
+- **The owner's service** (`fedsd data-service --node-config "…" --socket PATH --allow-uid UID`),
+  started by the data owner from the owner's own installation of fedsd, as the user who alone
+  can read the data and the state folder. The SuperNode runs as another user, with node config
+  `partition-id=K service='PATH'`: its ClientApp, the code the server ships in the app bundle,
+  only forwards each message here and cannot open the data, the state or the budget itself.
+  The service answers with its own node config, never one a message brings, checks its peer's
+  uid (SO_PEERCRED) on every connection, and reports its version and code hash in every reply.
+- **The warm worker** (node config `worker=auto`, the default, with the data named in the
+  SuperNode's own node config): started by the node's first message, from the app's code, as
+  the SuperNode's user. Flower runs every message in a fresh `flwr-clientapp` process that
+  exits once it has replied; the worker pays torch's import, the data's loading and the
+  trainer's set-up once, as a simulation's Ray actor does. It lives in `state-dir`/worker
+  (0700), exits after `worker-idle-seconds` without a message and within a second of the
+  process that started it (the SuperNode's SuperExec). One worker per node and version of the
+  app's code: its socket is named by a hash of that code.
+
+On the wire, both speak the same frames over a Unix socket: a length, then a JSON header or
+Flower's own protobuf serialisation of a RecordDict. Nothing is unpickled, so a peer can send
+data, never code. A message is either taken by the service, which says so before it starts
+(and then answers, or fails as the ClientApp would), or not taken at all, in which case the
+ClientApp starts a fresh worker and asks it once more: a round is never run twice. The
+Context's state stays in the service (keyed by run and node): the privacy state, its secret
+seed included, never travels back to the ClientApp.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+from flwr.app import Context, RecordDict
+
+from clients.node_config import NodeConfig, NodeConfigError, parse, private_folder
+from fedsd.errors import BudgetRefused
+
+APP_ROOT = Path(__file__).resolve().parents[1]  # the installed code's folder (clients/, fedsd/, task/)
+CODE = ("clients", "fedsd", "task")  # the code that answers a node's rounds
+START_SECONDS = 120.0  # how long a new worker may take to import torch and listen
+MAX_FRAME = 1 << 30  # bytes; a model of this project is a few MB: more is a peer misbehaving
+TAKEN = {"status": "taken"}  # the service's word that it has the message and will answer it
+KINDS = ("train", "evaluate")
+
+
+class ServiceError(RuntimeError):
+    """The data service stopped while answering a message it had taken, or said it failed."""
+
+
+class ServiceUnavailable(RuntimeError):
+    """No data service could be started or reached; the message was not taken."""
+
+
+def wanted(node: NodeConfig) -> bool:
+    """Whether this message goes to the warm worker: the node allows it (worker=auto) and this
+    process is Flower's per-message `flwr-clientapp` (in a simulation the ClientApp's process,
+    a Ray actor, already lives across rounds; in a test it is the test's), and the node does
+    not refuse every run outright (own data without an owner's budget)."""
+    if node.worker != "auto" or Path(sys.argv[0]).name != "flwr-clientapp":
+        return False
+    try:  # a node that refuses before reading its data starts nothing and writes nothing
+        node.require_budget()
+    except BudgetRefused:
+        return False
+    return True
+
+
+def code_id() -> str:
+    """A cheap name for the code a worker would run (every .py file's path, size and time)."""
+    h = hashlib.sha256(str(APP_ROOT).encode())
+    for path in _code_files():
+        st = path.stat()
+        h.update(f"{path.relative_to(APP_ROOT)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def code_hash() -> str:
+    """What the owner's service reports in each reply: the SHA-256 of the code that answers
+    (every .py file's path and content), comparable with `fedsd data-service --code-hash` run
+    over an installation one trusts."""
+    h = hashlib.sha256()
+    for path in _code_files():
+        h.update(f"{path.relative_to(APP_ROOT)}\0".encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _code_files() -> list[Path]:
+    return sorted(p for package in CODE for p in (APP_ROOT / package).rglob("*.py"))
+
+
+# -- frames ------------------------------------------------------------------------------------
+def send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(struct.pack("!Q", len(payload)) + payload)
+
+
+def recv_frame(sock: socket.socket) -> bytes:
+    size = struct.unpack("!Q", _recv_exactly(sock, 8))[0]
+    if size > MAX_FRAME:
+        raise ConnectionError(f"a frame of {size} bytes, over the {MAX_FRAME} allowed")
+    return _recv_exactly(sock, size)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise EOFError("the peer closed the connection")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def send_json(sock: socket.socket, obj: dict) -> None:
+    send_frame(sock, json.dumps(obj).encode())
+
+
+def recv_json(sock: socket.socket) -> dict:
+    obj = json.loads(recv_frame(sock))
+    if not isinstance(obj, dict):
+        raise ConnectionError("a header that is not a JSON object")
+    return obj
+
+
+def send_records(sock: socket.socket, records: RecordDict) -> None:
+    from flwr.common.serde import recorddict_to_proto
+
+    send_frame(sock, recorddict_to_proto(records).SerializeToString())
+
+
+def recv_records(sock: socket.socket) -> RecordDict:
+    from flwr.common.serde import recorddict_from_proto
+    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
+
+    proto = ProtoRecordDict()
+    proto.ParseFromString(recv_frame(sock))
+    return recorddict_from_proto(proto)
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket, as the kernel knows it."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+# -- the ClientApp's side ------------------------------------------------------------------------
+def ask_service(node: NodeConfig, kind: str, content: RecordDict, context: Context) -> RecordDict:
+    """Forward a message to the owner's data service at `node.service` (ServiceUnavailable if
+    none listens there: the ClientApp never answers an own-data round itself)."""
+    sock = _connect(Path(node.service))
+    if sock is None:
+        raise ServiceUnavailable(f"no data service listens at service='{node.service}' (start it with "
+                                 f"`fedsd data-service`, deploy/README.md)")
+    with sock:
+        taken = _offer(sock, kind, content, context)
+        if not taken:
+            raise ServiceUnavailable(f"the data service at {node.service} did not take the message")
+        return _answer(sock, kind, node.service)
+
+
+def ask_worker(node: NodeConfig, kind: str, content: RecordDict, context: Context) -> RecordDict:
+    """The reply to a message from this node's warm worker (started if there is none)."""
+    folder = worker_folder(node)
+    address = folder / f"{code_id()}.sock"
+    for _ in range(2):
+        with start_lock(folder):
+            sock = _connect(address) or _start_worker(folder, address, node)
+            taken = _offer(sock, kind, content, context)
+        if taken:
+            break
+        sock.close()  # an idle worker closing as the message came: not taken, so a new worker
+    else:
+        raise ServiceUnavailable(f"the warm worker at {address} did not take the message")
+    with sock:
+        return _answer(sock, kind, folder / "worker.log")
+
+
+def _offer(sock: socket.socket, kind: str, content: RecordDict, context: Context) -> bool:
+    try:
+        send_json(sock, {"kind": kind, "run_id": int(context.run_id), "node_id": int(context.node_id),
+                         "node_config": dict(context.node_config)})
+        send_records(sock, content)
+        return recv_json(sock) == TAKEN
+    except (EOFError, OSError, ValueError):
+        return False
+
+
+def _answer(sock: socket.socket, kind: str, where) -> RecordDict:
+    try:
+        header = recv_json(sock)
+        if header.get("status") == "ok":
+            return recv_records(sock)
+    except (EOFError, OSError, ValueError):
+        raise ServiceError(f"the data service stopped while answering a {kind} message (see {where})") from None
+    raise ServiceError(str(header.get("error", "the data service failed")))
+
+
+def worker_folder(node: NodeConfig) -> Path:
+    """The warm worker's folder: its socket, its start lock and its log (the node's user only)."""
+    return private_folder(private_folder(node.state_root) / "worker")
+
+
+@contextmanager
+def start_lock(folder: Path):
+    """Held while a worker is started or reached, and while an idle worker closes."""
+    fd = os.open(folder / "start.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
+
+
+def _connect(address: Path) -> socket.socket | None:
+    """A connection to the service listening at `address`, or None; a socket file nobody
+    listens at (a worker that has gone) is removed when it is ours."""
+    try:
+        st = os.lstat(address)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ServiceUnavailable(f"{address} is not a socket")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(address))
+        return sock
+    except (ConnectionRefusedError, FileNotFoundError):
+        sock.close()
+        if st.st_uid == os.geteuid():
+            address.unlink(missing_ok=True)
+        return None
+
+
+def _start_worker(folder: Path, address: Path, node: NodeConfig) -> socket.socket:
+    """A new warm worker for this node, listening at `address`, connected to."""
+    log = folder / "worker.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(APP_ROOT), os.environ.get("PYTHONPATH")) if p)}
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "clients.data_service", "--socket", str(address),
+                                 "--watch-pid", str(os.getppid()), "--idle-seconds", str(node.worker_idle_seconds)],
+                                cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + START_SECONDS
+    while (sock := _connect(address)) is None:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+            raise ServiceUnavailable(f"the warm worker exited on start ({log}): " + " | ".join(tail))
+        if time.monotonic() > deadline:
+            proc.send_signal(signal.SIGUSR1)  # its stacks into the log (faulthandler), then stop it
+            time.sleep(0.5)
+            proc.kill()
+            raise ServiceUnavailable(f"the warm worker did not listen within {START_SECONDS:.0f} s ({log})")
+        time.sleep(0.05)
+    return sock
+
+
+# -- the service's side ------------------------------------------------------------------------
+class DataService:
+    """Accepts one message at a time and answers it with clients/local.py's handlers.
+
+    `node`: the owner's node config (the owner's service); None for a warm worker, which takes
+    the node config its ClientApp (the same user, the same code) sends. `allowed_uids`: who may
+    connect besides this process's own user (the owner's service: the SuperNode's user)."""
+
+    def __init__(self, address: Path, node: NodeConfig | None = None, allowed_uids: tuple[int, ...] = (),
+                 watch_pid: int | None = None, idle_seconds: float | None = None):
+        self.address, self.node = address, node
+        self.allowed = {os.geteuid(), *allowed_uids}
+        self.watch_pid, self.idle_seconds = watch_pid, idle_seconds
+        self.contexts: dict[tuple[int, int], RecordDict] = {}  # (run, node) → the Context's state
+        self.identity = None
+        self.last = time.monotonic()
+        self.busy = False
+        self.closing = False
+        self.state_lock = threading.Lock()  # busy / closing: a message is taken, or the worker closes
+
+    def serve(self) -> None:
+        from fedsd.runtime import tune_process
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck service's stacks, on request
+        tune_process()
+        from clients import local  # torch, Opacus, fedsd: once, for every round to come
+
+        if self.node is not None:
+            from fedsd import __version__
+
+            self.identity = {"version": __version__, "code": code_hash()}
+        listener = self._listen()
+        if self.watch_pid is not None or self.idle_seconds is not None:
+            threading.Thread(target=self._watch, daemon=True).start()
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                if peer_uid(conn) not in self.allowed:
+                    continue  # a user this service does not answer: closed without a word
+                try:
+                    header, content = recv_json(conn), recv_records(conn)
+                except (EOFError, OSError, ValueError):
+                    continue
+                if header.get("kind") not in KINDS:
+                    continue
+                with self.state_lock:
+                    if self.closing:
+                        return  # not taken: the caller starts a new worker
+                    self.busy = True
+                try:
+                    send_json(conn, TAKEN)
+                    self._answer(conn, header, content, local.HANDLERS[header["kind"]])
+                except (EOFError, OSError):
+                    pass  # the ClientApp went away (its SuperNode stopping)
+                finally:
+                    with self.state_lock:
+                        self.busy, self.last = False, time.monotonic()
+
+    def _listen(self) -> socket.socket:
+        if self.address.is_socket():  # left by a service that stopped; refused if one still listens
+            other = _connect(self.address)
+            if other is not None:
+                other.close()
+                raise ServiceUnavailable(f"another data service listens at {self.address}")
+            self.address.unlink(missing_ok=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.address))
+        if self.node is not None:  # who may talk to it is decided by its peer's uid (above)
+            os.chmod(self.address, 0o666)
+        listener.listen(8)
+        return listener
+
+    def _answer(self, conn: socket.socket, header: dict, content: RecordDict, handler) -> None:
+        try:
+            context = self._context(header)
+            reply = handler(content, context)
+            if self.identity is not None:  # the owner's service says what code answered
+                from flwr.app import ConfigRecord
+
+                reply["service"] = ConfigRecord(dict(self.identity))
+        except Exception as e:  # the ClientApp raises it, as if the handler had run there
+            traceback.print_exc(file=sys.stderr)
+            sys.stderr.flush()
+            send_json(conn, {"status": "error", "error": f"{type(e).__name__}: {e}"})
+            return
+        send_json(conn, {"status": "ok"})
+        send_records(conn, reply)
+
+    def _context(self, header: dict) -> Context:
+        """The Context a handler sees: the owner's node config (never the one a message brings),
+        the run and node the message names, and this service's own state for them."""
+        run_id, node_id = int(header["run_id"]), int(header["node_id"])
+        node_config = header.get("node_config") or {}
+        if self.node is not None:
+            theirs = node_config.get("partition-id")
+            if theirs is not None and theirs != self.node.partition_id:
+                raise NodeConfigError(f"node-config partition-id={theirs} of the SuperNode, but its data service is "
+                                      f"partition-id={self.node.partition_id}")
+            node_config = self.node.as_node_config()
+        state = self.contexts.setdefault((run_id, node_id), RecordDict())
+        return Context(run_id=run_id, node_id=node_id, node_config=node_config, state=state, run_config={})
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            if self.watch_pid is not None and not _alive(self.watch_pid):
+                os._exit(0)  # the SuperNode that asked is gone: so is anyone to answer
+            with self.state_lock:
+                idle = (self.idle_seconds is not None and not self.busy
+                        and time.monotonic() - self.last > self.idle_seconds)
+            if idle:
+                with start_lock(self.address.parent), self.state_lock:
+                    if not self.busy:
+                        self.closing = True
+                        self.address.unlink(missing_ok=True)
+                        os._exit(0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def add_service_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", required=True, help="the Unix socket to listen on")
+    p.add_argument("--node-config", default=None, metavar="'K=V ...'",
+                   help="the owner's service: this node's config, as a SuperNode's --node-config (data, max-epsilon, "
+                        "state-dir, …; clients/node_config.py); without it, a warm worker started by its ClientApp")
+    p.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
+                   help="a user who may send messages besides the service's own (the SuperNode's user)")
+    p.add_argument("--watch-pid", type=int, default=None, help="a warm worker: exit when this process does")
+    p.add_argument("--idle-seconds", type=float, default=None, help="a warm worker: exit after this long idle")
+
+
+def run_service(args: argparse.Namespace) -> int:
+    """`fedsd data-service` and `python -m clients.data_service`: the owner's checks first (its
+    node config, its state folder), then serve until stopped."""
+    os.umask(0o077)  # everything it writes is the owner's alone
+    node = None
+    if args.node_config is not None:
+        from flwr.common.config import parse_config_args
+
+        node = parse(parse_config_args([args.node_config]))
+        node.require_budget()
+        if node.service:
+            raise NodeConfigError("--node-config service=...: that key is the SuperNode's; the service's names data")
+        private_folder(node.state_root)
+    DataService(Path(args.socket).absolute(), node, tuple(args.allow_uid), args.watch_pid, args.idle_seconds).serve()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m clients.data_service", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_service_arguments(p)
+    return run_service(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
