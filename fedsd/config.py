@@ -1,5 +1,10 @@
 """Training settings: the papers' defaults per data set (SPEC §7), and the checks every setting
-passes before any work starts."""
+passes before any work starts.
+
+`TrainConfig` is assembled when fedsd loads: the run's own settings (`RunSettings`, below) and
+every registered method's (fedsd.methods: each method declares its settings in its own file,
+with their defaults per data set and their checks; a setting several methods declare, such as
+α, is one field). This module names no method."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,9 +13,8 @@ from dataclasses import dataclass, field
 
 from . import clippers, methods
 from .data import DATASET_TITLES, DATASETS
-from .methods import DISTILL_SCHEDULES, RELEASES, dpema, dpkd, release_of
 from .models import ACTIVATIONS, DEFAULT_MODEL, MODELS
-from .settings import check_setting, declared_only, setting
+from .settings import Setting, check_setting, declared_only, setting, settings_of
 from .errors import ConfigError  # noqa: F401 (also importable from here)
 
 METHODS = tuple(methods.METHODS)
@@ -30,17 +34,14 @@ GRAD_SAMPLE_MODES = ("auto",) + tuple(clippers.CLIPPERS)
 MEMORY_FORMATS = ("auto", "channels-last", "contiguous")
 CHANNELS_LAST_EXACT = ("auto",) + clippers.CHANNELS_LAST_EXACT
 
-# SPEC §7: B, η, C, epochs; DP3SD (τs, τt, α); DPDSD (τ, α, β).
+# SPEC §7: B, η, C, epochs (each method's own settings are in its file, fedsd/methods/)
 PAPER = {
-    "mnist": dict(batch_size=1200, lr=0.8, clip=0.1, epochs=60,
-                  dp3sd=dict(tau_s=0.1, tau_t=5.0, alpha=0.1), dpdsd=dict(tau=2.0, alpha=0.1, beta=0.5)),
-    "fmnist": dict(batch_size=1600, lr=3.0, clip=0.1, epochs=60,
-                   dp3sd=dict(tau_s=0.3, tau_t=5.0, alpha=0.3), dpdsd=dict(tau=5.0, alpha=0.1, beta=0.3)),
-    "cifar10": dict(batch_size=1000, lr=3.0, clip=0.1, epochs=100,
-                    dp3sd=dict(tau_s=0.1, tau_t=5.0, alpha=0.3), dpdsd=dict(tau=5.0, alpha=0.1, beta=0.3)),
+    "mnist": dict(batch_size=1200, lr=0.8, clip=0.1, epochs=60),
+    "fmnist": dict(batch_size=1600, lr=3.0, clip=0.1, epochs=60),
+    "cifar10": dict(batch_size=1000, lr=3.0, clip=0.1, epochs=100),
 }
-# Settings the papers leave open: SGD's momentum and the DP runs' length (DPKD's loss and stage
-# split and the EMA decay are their methods', fedsd/methods/dpkd.py and dpema.py).
+# Settings the papers leave open: SGD's momentum and the DP runs' length (those of a method,
+# such as DPKD's loss and stage split, are in its file).
 # Momentum was chosen per data set on a validation split (results/sweeps/*-momentum, dpsgd,
 # ε = 3; MNIST and FMNIST 15 epochs, CIFAR-10 30: 0.9 wins on all three; results/README.md
 # has the numbers).
@@ -82,23 +83,15 @@ def _epochs_text() -> str:
     return "chosen on validation per data set and ε: " + "; ".join(parts)
 
 
-def _paper_text(key: str, methods: tuple[str, ...] = ()) -> str:
+def _paper_text(key: str) -> str:
     """The help text of a default that is the paper's value for the data set (SPEC §7)."""
-    if not methods:
-        values = ", ".join(f"{DATASET_TITLES[d]} {PAPER[d][key]}" for d in PAPER)
-        return f"the paper's value for the data set: {values}"
-    parts = []
-    for m in methods:
-        if m == "dpkd":
-            parts.append(f"DPKD {dpkd.DEFAULTS[key]}, open in the papers")
-        else:
-            parts.append(f"{m.upper()} " + ", ".join(f"{DATASET_TITLES[d]} {PAPER[d][m][key]}" for d in PAPER))
-    return "the paper's value for the data set and method: " + "; ".join(parts)
+    values = ", ".join(f"{DATASET_TITLES[d]} {PAPER[d][key]}" for d in PAPER)
+    return f"the paper's value for the data set: {values}"
 
 
 @dataclass
-class TrainConfig:
-    """A training run's settings, central or one client's (fedsd.settings: each declared once)."""
+class RunSettings:
+    """A training run's own settings, those of every method (TrainConfig adds the methods')."""
 
     dataset: str = setting("fmnist", "data set; custom: each client's own data, described by classes, "
                            "image-size and channels", choices=DATASETS + (CUSTOM,))
@@ -115,30 +108,6 @@ class TrainConfig:
     clip: float | None = setting(None, "per-sample clipping norm C", default_text=_paper_text("clip"))
     momentum: float | None = setting(None, "SGD momentum",
                                      default_text="chosen per data set on validation: 0.9 for MNIST, FMNIST and CIFAR-10")
-    tau_s: float | None = setting(None, "DP3SD: the student's sparsifying temperature τs",
-                                  default_text=_paper_text("tau_s", ("dp3sd",)))
-    tau_t: float | None = setting(None, "DP3SD: the teacher's smoothing temperature τt",
-                                  default_text=_paper_text("tau_t", ("dp3sd",)))
-    tau: float | None = setting(None, "DPDSD / DPKD: the distillation temperature τ",
-                                default_text=_paper_text("tau", ("dpdsd", "dpkd")))
-    alpha: float | None = setting(None, "weight α of the distillation term",
-                                  default_text=_paper_text("alpha", ("dp3sd", "dpdsd", "dpkd")))
-    beta: float | None = setting(None, "DPDSD: weight β of the non-target classes",
-                                 default_text=_paper_text("beta", ("dpdsd",)))
-    release: str | None = setting(None, "the weights a run releases and evaluates: student (the last iterate) "
-                                  "or ema (an exponential moving average of the iterates, post-processing: no "
-                                  "privacy cost; not for dpkd)", choices=RELEASES,
-                                  default_text="ema for dpema, student for the others")
-    ema_decay: float | None = setting(None, "the released EMA's decay (dpema, --release ema)",
-                                      default_text=f"{dpema.EMA_DECAY}, open in the papers, chosen on validation")
-    distill_warmup_epochs: int = setting(1, "epochs of plain cross-entropy before the teacher is used (federated: "
-                                         "global epochs, rounds × local epochs)")
-    distill_schedule: str = setting("constant", "self-distillation: how the distillation terms' weight changes "
-                                    "after the warm-up: constant; decay = from 1 in the first distilling epoch "
-                                    "linearly to 1/n in the last of n; ramp = from 1/n up to 1 (federated: "
-                                    "counted in global epochs, so by round)", choices=DISTILL_SCHEDULES)
-    kd_teacher_epochs: int | None = setting(None, "DPKD: epochs of stage 1 (the teacher); the rest train the student",
-                                            default_text="half the epochs")
     accountant: str = setting("rdp", "Opacus accountant that calibrates σ and reports ε", choices=ACCOUNTANTS)
     subset: int | None = setting(None, "train on a seeded, class-stratified subset of this size",
                                  default_text="the whole training set")
@@ -165,7 +134,7 @@ class TrainConfig:
     download: bool = setting(False, "download the data set with torchvision when it is not found")
     extra: dict = field(default_factory=dict)
 
-    def resolved(self) -> "TrainConfig":
+    def resolved(self):
         """A copy with every open setting filled with the papers' default for this data set."""
         _check_choice("--dataset", self.dataset, DATASETS + (CUSTOM,))
         _check_choice("--method", self.method, METHODS)
@@ -182,15 +151,13 @@ class TrainConfig:
                 setattr(c, key, paper[key])
         if c.lr is None:
             c.lr = paper["lr"] * (c.batch_size / paper["batch_size"]) ** LR_BATCH_EXPONENT
-        for key, value in methods.METHODS[c.method].defaults(c, paper).items():
-            if getattr(c, key) is None:
-                setattr(c, key, value)
-        if c.ema_decay is None and release_of(c) == "ema":
-            c.ema_decay = dpema.EMA_DECAY
         if c.momentum is None:
             c.momentum = OPEN_DEFAULTS["momentum"][reference]
         if c.model is None:
             c.model = DEFAULT_MODEL[c.dataset]
+        for s in method_settings(c.method):  # the method's, in its declaration order
+            if getattr(c, s.name) is None and s.resolve is not None:
+                setattr(c, s.name, _resolved(s.resolve, c, reference))
         return c
 
     @property
@@ -212,9 +179,67 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, saved: dict) -> "TrainConfig":
+    def from_dict(cls, saved: dict):
         """Settings as a run saved them, by any version of fedsd (settings.declared_only)."""
         return cls(**declared_only(cls, saved))
+
+
+def _resolved(resolve, cfg, reference: str):
+    """A method setting's default for this run: a value, {data set: value}, or a function of the config."""
+    if callable(resolve):
+        return resolve(cfg)
+    if isinstance(resolve, dict):
+        return resolve[reference]
+    return resolve
+
+
+def method_settings(method: str) -> list[Setting]:
+    """The settings method `method` declares (its Settings dataclass), in declaration order."""
+    return settings_of(methods.METHODS[method].Settings)
+
+
+def _default_text(s: Setting) -> str | None:
+    if s.default_text or s.resolve is None:
+        return s.default_text
+    if isinstance(s.resolve, dict):
+        values = ", ".join(f"{DATASET_TITLES[d]} {v:g}" for d, v in s.resolve.items())
+        return f"{s.source} value for the data set: {values}"
+    return f"{s.resolve:g}, {s.source}" if s.source else f"{s.resolve:g}"
+
+
+def _method_fields() -> list[tuple]:
+    """TrainConfig's method settings: each declared by the methods that have it, one field per
+    name, its help and default text the owners' (a setting several methods declare must have
+    one type and one default)."""
+    owners: dict[str, list[tuple[str, Setting]]] = {}
+    for name in METHODS:
+        for s in method_settings(name):
+            owners.setdefault(s.name, []).append((name, s))
+    fields = []
+    for name, declared in owners.items():
+        first = declared[0][1]
+        kinds = {(s.type, s.optional, s.default, s.choices) for _, s in declared}
+        if len(kinds) != 1:
+            raise TypeError(f"setting {name!r} is declared differently by {', '.join(m for m, _ in declared)}")
+        helps = list(dict.fromkeys(s.help for _, s in declared))
+        help_text = helps[0] if len(helps) == 1 else "; ".join(f"{m}: {s.help}" for m, s in declared)
+        texts = {_default_text(s) for _, s in declared}
+        default_text = (texts.pop() if len(texts) == 1 else
+                        "; ".join(f"{m.upper()} {_default_text(s)}" for m, s in declared if _default_text(s)))
+        typ = first.type | None if first.optional else first.type
+        fields.append((name, typ, setting(first.default, help_text, choices=first.choices, default_text=default_text)))
+    return fields
+
+
+def _assemble() -> type:
+    cls = dataclasses.make_dataclass("TrainConfig", _method_fields(), bases=(RunSettings,))
+    cls.__module__, cls.__qualname__ = __name__, "TrainConfig"
+    cls.__doc__ = ("A training run's settings, central or one client's: the run's own (RunSettings) and every "
+                   "registered method's (fedsd.methods), each declared once (fedsd.settings).")
+    return cls
+
+
+TrainConfig = _assemble()
 
 
 def paper_batch_and_lr(cfg: TrainConfig) -> tuple[int, float]:
@@ -235,6 +260,43 @@ def check_layout(c: TrainConfig) -> None:
            f"(Opacus assumes NCHW); use auto, or a mode of {', '.join(CHANNELS_LAST_EXACT)}", c.memory_format)
 
 
+def check_method_settings(c) -> None:
+    """The run's method's settings against their declared checks and choices, then the
+    method's own checks across them; a setting only other methods have, set to anything but
+    its default, is refused with both named (it would be silently ignored). Its ema-decay and
+    ema-warmup apply only to a run that releases an EMA."""
+    own = {s.name: s for s in method_settings(c.method)}
+    for s in settings_of(type(c)):
+        if s.name in own or s.name not in METHOD_SETTING_NAMES:
+            continue
+        value = getattr(c, s.name)
+        if value != s.default:
+            owners = [m for m in METHODS if s.name in {x.name for x in method_settings(m)}]
+            raise ConfigError(f"{s.flag}: a setting of {_listed(owners)}, not of --method {c.method}; leave it out")
+    for s in own.values():
+        value = getattr(c, s.name)
+        if value is None:
+            continue
+        if s.choices:
+            _check_choice(s.flag, value, s.choices)
+        if s.check is not None:
+            check_setting(s.check[0](value), s.flag, s.check[1], value)
+    if methods.release_of(c) != "ema":
+        for name in ("ema_decay", "ema_warmup"):
+            s = own[name]
+            if getattr(c, name) != s.default:
+                raise ConfigError(f"{s.flag}: the released EMA's setting; this run releases its {methods.release_of(c)} "
+                                  f"(use --method dpema or --release ema)")
+    methods.METHODS[c.method].check(c)
+
+
+def _listed(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+METHOD_SETTING_NAMES = frozenset(s.name for m in METHODS for s in method_settings(m))
+
+
 def validate(c: TrainConfig, num_train: int) -> None:
     """Check a resolved config against the data it will train on (`num_train` samples, the
     data set this privacy guarantee protects). Raises ConfigError naming the option."""
@@ -245,9 +307,6 @@ def validate(c: TrainConfig, num_train: int) -> None:
     _check_choice("--model", c.model, MODELS)
     _check_choice("--grad-sample-mode", c.grad_sample_mode, GRAD_SAMPLE_MODES)
     _check_choice("--memory-format", c.memory_format, MEMORY_FORMATS)
-    _check_choice("--distill-schedule", c.distill_schedule, DISTILL_SCHEDULES)
-    if c.release is not None:
-        _check_choice("--release", c.release, RELEASES)
     check_layout(c)
     check_setting(math.isfinite(c.epsilon) and c.epsilon > 0, "--epsilon", "must be > 0", c.epsilon)
     check_setting(0 < c.delta < 1.0 / num_train, "--delta",
@@ -259,19 +318,8 @@ def validate(c: TrainConfig, num_train: int) -> None:
     check_setting(c.lr > 0, "--lr", "must be > 0", c.lr)
     check_setting(c.clip > 0, "--clip", "must be > 0", c.clip)
     check_setting(c.momentum >= 0, "--momentum", "must be >= 0", c.momentum)
-    check_setting(c.distill_warmup_epochs >= 0, "--distill-warmup-epochs", "must be >= 0", c.distill_warmup_epochs)
     check_setting(c.threads >= 0, "--threads", "must be >= 0", c.threads)
-    for name in ("tau_s", "tau_t", "tau"):
-        value = getattr(c, name)
-        if value is not None:
-            check_setting(value > 0, "--" + name.replace("_", "-"), "a temperature must be > 0", value)
-    for name in ("alpha", "beta"):
-        value = getattr(c, name)
-        if value is not None:
-            check_setting(value >= 0, f"--{name}", "must be >= 0", value)
-    if release_of(c) == "ema":
-        check_setting(0 <= c.ema_decay < 1, "--ema-decay", "must be in [0, 1)", c.ema_decay)
-    methods.METHODS[c.method].check(c)
+    check_method_settings(c)
     if c.subset is not None:
         check_setting(c.subset >= 1, "--subset", "must be >= 1", c.subset)
     check_setting(c.validation >= 0, "--validation", "must be >= 0", c.validation)

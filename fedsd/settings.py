@@ -35,13 +35,21 @@ def check_setting(condition: bool, option: str, allowed: str, value) -> None:
 
 
 def setting(default, help: str, *, choices=None, flag: str | None = None, key: str | None = None,
-            default_text: str | None = None, cli: bool = True):
+            default_text: str | None = None, cli: bool = True, resolve=None, source: str = "",
+            check: tuple | None = None):
     """A dataclass field declaring one setting. `flag` and `key` default to the field's name in
     kebab case; `default_text` describes a default of None (e.g. the paper's value per data
     set); `cli=False` keeps a setting off the command line (set by the server, or by another
-    option)."""
+    option).
+
+    A method's setting (fedsd.methods) may say how an unset value is filled in: `resolve` is a
+    value, a {data set: value} mapping, or a function of the run's config (its other settings
+    resolved), and `source` where that value comes from ("the paper's", "chosen on
+    validation"). `check` is (predicate, what is allowed): a set value that fails it is refused
+    naming the option."""
     return field(default=default, metadata=dict(help=help, choices=choices, flag=flag, key=key,
-                                                 default_text=default_text, cli=cli))
+                                                 default_text=default_text, cli=cli, resolve=resolve,
+                                                 source=source, check=check))
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,9 @@ class Setting:
     key: str
     default_text: str | None
     cli: bool
+    resolve: object = None  # how an unset value is filled in (setting())
+    source: str = ""
+    check: tuple | None = None
 
 
 def settings_of(cls) -> list[Setting]:
@@ -71,7 +82,8 @@ def settings_of(cls) -> list[Setting]:
         kebab = f.name.replace("_", "-")
         found.append(Setting(f.name, typ, optional, f.default, meta["help"],
                              tuple(meta["choices"]) if meta["choices"] else None,
-                             meta["flag"] or "--" + kebab, meta["key"] or kebab, meta["default_text"], meta["cli"]))
+                             meta["flag"] or "--" + kebab, meta["key"] or kebab, meta["default_text"], meta["cli"],
+                             meta.get("resolve"), meta.get("source", ""), meta.get("check")))
     return found
 
 

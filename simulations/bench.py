@@ -69,6 +69,13 @@ def add_bench_parser(sub) -> None:
     dep.set_defaults(func=bench_deploy)
 
 
+def every_epoch_distils(method: str) -> dict:
+    """No warm-up for a self-distilling method: every timed epoch pays for its teacher."""
+    from fedsd.methods import METHODS
+
+    return {"distill_warmup_epochs": 0} if METHODS[method].self_distilling else {}
+
+
 def bench_federated(args: argparse.Namespace) -> int:
     """A federation's steady-state round against a central epoch over as many samples as the
     round's cohort holds, with the same DP training (B, ε, method), timed in one run; and the
@@ -78,7 +85,7 @@ def bench_federated(args: argparse.Namespace) -> int:
     from simulations.simulate import simulate
 
     cfg = TrainConfig(dataset=args.dataset, method=args.method, epsilon=args.epsilon, batch_size=args.batch_size,
-                      subset=args.subset, distill_warmup_epochs=0)  # every epoch pays for the teacher
+                      subset=args.subset, **every_epoch_distils(args.method))
     fed = from_args(FedOptions, args, rounds=args.rounds)
     with WorkerMemory() as memory:
         fed_result, _ = simulate(cfg, fed, progress=False, ray_cpus=args.ray_workers, ray_address=args.ray_address)
@@ -175,7 +182,7 @@ def bench_step(args: argparse.Namespace) -> int:
     dataset = "fmnist" if args.model == "mnist-cnn" else "cifar10"
     shape = (1, 28, 28) if args.model == "mnist-cnn" else (3, 32, 32)
     base = TrainConfig(dataset=dataset, method=args.method, epsilon=3.0, epochs=1, batch_size=args.batch_size,
-                       model=args.model, distill_warmup_epochs=0).resolved()
+                       model=args.model, **every_epoch_distils(args.method)).resolved()
     batch = base.batch_size
     g = torch.Generator().manual_seed(0)
     # Timing only: the values do not matter, the shapes do (no accuracy is claimed here).
@@ -359,8 +366,11 @@ def bench_deploy(args: argparse.Namespace) -> int:
         phase("simulated run (Ray)")
         simulated, simulated_weights = simulate(cfg, fed, progress=False)
         phase("deployment: SuperLink, SuperNodes, TLS, node authentication")
+        # Seeded noise, the owner's word given: this bench owns both sides and checks that the
+        # deployed clients train the simulated model exactly (a real owner keeps the default,
+        # secret noise, which no server can predict).
         with LocalDeployment(work / "deployment", fed.num_clients, client_data=work / "client-data",
-                             node_config="max-epsilon=inf") as deployment:
+                             node_config="max-epsilon=inf noise='seeded' trust-server-with-noise=true") as deployment:
             deployment.start()
             phase("deployed run (clients on their own data)")
             deployment.run({**to_flat(cfg, fed), "client-data": "own", "num-clients": fed.num_clients,

@@ -113,3 +113,22 @@ def test_a_bug_keeps_its_traceback_and_bad_input_is_one_line(monkeypatch, capsys
     train_parser.set_defaults(func=raising(ValueError("a bug's message")))
     with pytest.raises(ValueError, match="a bug's message"):
         cli.main(["train", "--epsilon", "3", "--out", "x"])
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--method", "dp3sd", "--dpdsd-loss", "dkd"], "--dpdsd-loss: a setting of dpdsd, not of --method dp3sd"),
+    (["--method", "dpsgd", "--teacher-every", "step"], "--teacher-every: a setting of dp3sd and dpdsd, not of "
+                                                      "--method dpsgd"),
+    (["--method", "dpdsd", "--kl-reduction", "mean"], "--kl-reduction: a setting of dp3sd, not of --method dpdsd"),
+    (["--method", "dpsgd", "--alpha", "0.3"], "--alpha: a setting of dpkd, dp3sd and dpdsd, not of --method dpsgd"),
+    (["--method", "dpsgd", "--ema-warmup", "off"], "--ema-warmup: the released EMA's setting; this run releases its "
+                                                  "student (use --method dpema or --release ema)"),
+    (["--method", "dp3sd", "--ema-decay", "0.9"], "--ema-decay: the released EMA's setting"),
+])
+def test_a_reading_that_does_not_apply_to_the_method_is_refused_with_both_named(tmp_path, capsys, extra, needle):
+    require("fmnist")
+    out = tmp_path / "out"
+    assert main(BASE[:3] + BASE[5:] + ["--epsilon", "3"] + extra + ["--out", str(out), "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert needle in err and "Traceback" not in err
+    assert not out.exists()

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fedsd.losses import dp3sd_loss, dpdsd_loss, kd_loss
+from fedsd.losses import dkd_loss, dp3sd_loss, dpdsd_loss, kd_loss
 
 
 def softmax(z, tau):
@@ -20,13 +20,28 @@ def hand_dp3sd(zs, zt, y, tau_s, tau_t, alpha):
     return alpha * ce + (1 - alpha) * tau_t ** 2 * kl
 
 
-def hand_dpdsd(zs, zt, y, tau, alpha, beta):
+def hand_dpdsd(zs, zt, y, tau, alpha, beta, ce_tau=1.0):
     T, S = softmax(zt, tau), softmax(zs, tau)
     gamma = T[y] - 1 / len(zs)
     tcsd = -math.exp(gamma) * T[y] * math.log(S[y])
     ncsd = -math.exp(gamma) * sum(T[i] * math.log(S[i]) for i in range(len(zs)) if i != y)
-    ce = -math.log(softmax(zs, 1.0)[y])
+    ce = -math.log(softmax(zs, ce_tau)[y])
     return ce + alpha * tcsd + beta * ncsd
+
+
+def kl(p, q):
+    return sum(a * (math.log(a) - math.log(b)) for a, b in zip(p, q) if a > 0)
+
+
+def hand_dkd(zs, zt, y, tau, alpha, beta, ce_tau=1.0):
+    """Decoupled KD (Zhao et al. 2022), written out: the target/rest split and the non-target
+    classes renormalised, each a KL at temperature τ scaled by τ²."""
+    T, S = softmax(zt, tau), softmax(zs, tau)
+    tckd = kl([T[y], 1 - T[y]], [S[y], 1 - S[y]])
+    rest_t = [T[i] / (1 - T[y]) for i in range(len(zs)) if i != y]
+    rest_s = [S[i] / (1 - S[y]) for i in range(len(zs)) if i != y]
+    ce = -math.log(softmax(zs, ce_tau)[y])
+    return ce + tau ** 2 * (alpha * tckd + beta * kl(rest_t, rest_s))
 
 
 @pytest.fixture
@@ -135,3 +150,56 @@ def test_distill_schedule_scales_the_distillation_terms_by_epoch(batch, schedule
                 expected = [hand_dpdsd(zs[i].tolist(), zt[i].tolist(), int(y[i]), c.tau, w * c.alpha, w * c.beta)
                             for i in range(6)]
             assert got == pytest.approx(expected, rel=1e-10), (method, epoch)
+
+
+# -- the readings of the papers (issue 40), each against its hand computation -------------------
+SMALL = (torch.tensor([[2.0, -1.0, 0.5], [0.1, 0.2, 3.0]], dtype=torch.float64),  # 2 samples, 3 classes
+         torch.tensor([[1.0, 0.0, -1.0], [-0.5, 1.5, 0.5]], dtype=torch.float64), torch.tensor([0, 1]))
+
+
+def test_kl_averaged_over_classes_is_the_kl_divided_by_k():
+    zs, zt, y = SMALL
+    summed = dp3sd_loss(zs, zt, y, tau_s=0.3, tau_t=5.0, alpha=0.3, reduction="none")
+    averaged = dp3sd_loss(zs, zt, y, tau_s=0.3, tau_t=5.0, alpha=0.3, class_mean=True, reduction="none")
+    for i in range(2):
+        ce = -math.log(softmax(zs[i].tolist(), 0.3)[int(y[i])])
+        kl_i = kl(softmax(zt[i].tolist(), 5.0), softmax(zs[i].tolist(), 5.0))
+        assert summed[i].item() == pytest.approx(0.3 * ce + 0.7 * 25 * kl_i, rel=1e-12)
+        assert averaged[i].item() == pytest.approx(0.3 * ce + 0.7 * 25 * kl_i / 3, rel=1e-12)
+
+
+@pytest.mark.parametrize("ce_tau", [1.0, 5.0])
+def test_dkd_form_matches_hand_computation(batch, ce_tau):
+    for zs, zt, y in (SMALL, batch):
+        got = dkd_loss(zs, zt, y, tau=5.0, alpha=0.1, beta=0.3, ce_tau=ce_tau, reduction="none").tolist()
+        expected = [hand_dkd(zs[i].tolist(), zt[i].tolist(), int(y[i]), 5.0, 0.1, 0.3, ce_tau) for i in range(len(y))]
+        assert got == pytest.approx(expected, rel=1e-9)
+
+
+def test_dpdsd_cross_entropy_at_tau(batch):
+    zs, zt, y = batch
+    got = dpdsd_loss(zs, zt, y, tau=5.0, alpha=0.1, beta=0.3, ce_tau=5.0, reduction="none").tolist()
+    assert got == pytest.approx([hand_dpdsd(zs[i].tolist(), zt[i].tolist(), int(y[i]), 5.0, 0.1, 0.3, 5.0)
+                                 for i in range(6)], rel=1e-10)
+
+
+def test_dkd_is_minimised_by_the_teachers_distribution_and_the_equations_are_not():
+    """DKD's distillation terms are KLs: zero, with a zero gradient, where the student's
+    distribution is the teacher's. The equations' terms are cross-entropies with a gate:
+    their gradient there is not zero, and pushes the student away from the teacher."""
+    zt = torch.tensor([[1.0, 0.0, -1.0, 0.5]], dtype=torch.float64)
+    y = torch.tensor([0])
+    zs = zt.clone().requires_grad_()
+    (dkd_loss(zs, zt, y, tau=5.0, alpha=0.1, beta=0.3) - dkd_loss(zs, zt, y, tau=5.0, alpha=0.0, beta=0.0)).backward()
+    assert zs.grad.abs().max().item() < 1e-12
+    zs.grad = None
+    (dpdsd_loss(zs, zt, y, tau=5.0, alpha=0.1, beta=0.3)
+     - dpdsd_loss(zs, zt, y, tau=5.0, alpha=0.0, beta=0.0)).backward()
+    assert zs.grad.abs().max().item() > 1e-3
+
+
+def test_dkd_gradient_is_finite_for_a_confident_target():
+    zs = torch.tensor([[40.0, -40.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    dkd_loss(zs, torch.tensor([[30.0, -30.0, 0.0]], dtype=torch.float64), torch.tensor([0]),
+             tau=1.0, alpha=1.0, beta=1.0).backward()
+    assert torch.isfinite(zs.grad).all()

@@ -78,8 +78,9 @@ def test_release_ema_releases_an_average_without_changing_what_trains():
     require("fmnist")
 
     def run(method, release):
+        averaged = release == "ema" or method == "dpema"  # a decay is refused where no average is released
         cfg = TrainConfig(dataset="fmnist", method=method, release=release, epsilon=3, epochs=2, batch_size=100,
-                          subset=600, seed=3, threads=1, ema_decay=0.9)
+                          subset=600, seed=3, threads=1, ema_decay=0.9 if averaged else None)
         return train(cfg, progress=False)[1]
 
     dpema, dpsgd_ema = run("dpema", None), run("dpsgd", "ema")
@@ -243,3 +244,54 @@ def test_the_tanh_variant_on_raw_inputs_is_a_tanh_network_and_learns():
     assert result["test_accuracy"] > 0.5, result["test_accuracy"]  # chance: 0.1
     with pytest.raises(ValueError, match="--activation: unknown activation 'gelu'"):
         build_model("mnist-cnn", activation="gelu")
+
+
+def test_teacher_every_step_distils_from_the_students_previous_iterate():
+    """--teacher-every step: at every step the teacher is the student as it was one step
+    before (the call's incoming model at its first step), and the run trains otherwise as the
+    epoch teacher's does (same data order and noise: only the teacher differs)."""
+    from fedsd import data as data_lib
+    from fedsd.callbacks import StepCallback
+    from fedsd.privacy import plan as calibrate
+    from fedsd.training import DPTrainer, initial_model
+
+    require("fmnist")
+
+    class Seen(StepCallback):
+        def __init__(self):
+            self.students, self.teachers = [], []
+
+        def before_noise(self, trainer):
+            self.students.append([p.detach().clone() for p in trainer.model.parameters()])
+            self.teachers.append([p.detach().clone() for p in trainer.teacher.parameters()])
+
+    data = data_lib.prepare(data_lib.load("fmnist"), torch.arange(300))
+    cfgs = {every: TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, epochs=1, batch_size=50, lr=0.5, seed=2,
+                               threads=1, distill_warmup_epochs=0, teacher_every=every).resolved()
+            for every in ("epoch", "step")}
+    seen = {}
+    for every, cfg in cfgs.items():
+        seen[every] = Seen()
+        DPTrainer(cfg, data, calibrate(3.0, 1e-5, 300, 50, 1)).local_update(initial_model(cfg, 10), None, [1],
+                                                                            callbacks=[seen[every]])
+    step, epoch = seen["step"], seen["epoch"]
+    assert len(step.students) == 6
+    assert all(torch.equal(a, b) for a, b in zip(step.teachers[0], step.students[0]))  # the call's start
+    for k in range(1, 6):
+        assert all(torch.equal(t, s) for t, s in zip(step.teachers[k], step.students[k - 1]))
+        assert all(torch.equal(t, s) for t, s in zip(epoch.teachers[k], epoch.students[0]))  # fixed all epoch
+    assert not all(torch.equal(a, b) for a, b in zip(step.students[-1], epoch.students[-1]))
+
+
+def test_the_released_average_without_its_warm_up_uses_the_decay_from_the_first_step():
+    from fedsd.callbacks import ExponentialAverage
+
+    class Trainer:
+        model = torch.nn.Linear(1, 1, bias=False)
+
+    with torch.no_grad():
+        Trainer.model.weight.fill_(1.0)
+    for warmup, first in ((True, 1 / 10), (False, 0.9)):
+        average = {"weight": torch.zeros(1, 1)}
+        ExponentialAverage(average, 0.9, 0, warmup=warmup).after_step(Trainer)
+        assert average["weight"].item() == pytest.approx(1 - first)

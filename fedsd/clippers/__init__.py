@@ -1,10 +1,11 @@
-"""Per-sample clipping routes, one file each, found by name through `CLIPPERS`.
+"""Per-sample clipping routes, one file each, registered by their mode names (`register`).
 
 Every route computes the same thing, the sum over the batch of each sample's gradient clipped
 to norm C, and differs in how (and how fast, fedsd.routes measures it). A clipper owns the
 Opacus optimizer that adds the noise and averages, and puts the clipped sum where that
 optimizer reads it, the empty Poisson batch included. A new route is a subclass of `Clipper`
-in a file of its own, with its mode names, listed below.
+in a file of its own, with its mode names, decorated with `@register`; a package outside fedsd
+adds one through the entry-point group `fedsd.clippers`.
 """
 from __future__ import annotations
 
@@ -61,10 +62,23 @@ class Clipper:
         canaries.parameter.grad = canaries.clipped_sum(lambda norms: clip_factor(norms, self.cfg.clip))
 
 
-from .per_sample import PerSampleGradients  # noqa: E402
-from .ghost import GhostClipping  # noqa: E402
-from .bk import BookKeeping  # noqa: E402
+CLIPPERS: dict[str, type[Clipper]] = {}  # --grad-sample-mode → its route
 
-CLIPPERS: dict[str, type[Clipper]] = {mode: cls for cls in (PerSampleGradients, GhostClipping, BookKeeping)
-                                      for mode in cls.modes}
+
+def register(cls: type[Clipper]) -> type[Clipper]:
+    """Class decorator: `cls` serves its `modes` (--grad-sample-mode values)."""
+    if not (isinstance(cls, type) and issubclass(cls, Clipper)) or not cls.modes:
+        raise TypeError(f"{cls!r}: a clipping route is a subclass of fedsd.clippers.Clipper with modes")
+    for mode in cls.modes:
+        if CLIPPERS.get(mode, cls) is not cls:
+            raise ValueError(f"--grad-sample-mode {mode!r} is registered twice ({CLIPPERS[mode].__module__} and "
+                             f"{cls.__module__})")
+        CLIPPERS[mode] = cls
+    return cls
+
+
+from . import per_sample, ghost, bk  # noqa: E402,F401  (each registers itself)
+from ..registry import load_entry_points  # noqa: E402
+
+load_entry_points("fedsd.clippers", register)
 CHANNELS_LAST_EXACT = tuple(m for m, cls in CLIPPERS.items() if m in cls.channels_last_exact)

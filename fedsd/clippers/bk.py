@@ -3,9 +3,10 @@ backward pass; Opacus adds the noise and averages, as for its own ghost clipping
 from __future__ import annotations
 
 from ..bookkeeping import BookKeepingClipper
-from . import Clipper
+from . import Clipper, register
 
 
+@register
 class BookKeeping(Clipper):
     modes = ("bk",)
     channels_last_exact = ("bk",)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import warnings
 
-from . import Clipper
+from . import Clipper, register
 
 
+@register
 class GhostClipping(Clipper):
     modes = ("ghost",)
 

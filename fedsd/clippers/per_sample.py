@@ -5,9 +5,10 @@ import warnings
 
 import torch
 
-from . import Clipper
+from . import Clipper, register
 
 
+@register
 class PerSampleGradients(Clipper):
     modes = ("hooks", "functorch", "ew")
     # hooks' im2col assumes NCHW strides (wrong gradients on channels-last: fedsd.config);

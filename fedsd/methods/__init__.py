@@ -1,8 +1,11 @@
-"""The training methods, one file each, found by name through `METHODS`.
+"""The training methods, one file each, registered by name (`register`).
 
 A method says what a run of it carries and computes; the trainer (fedsd.training) runs the
 same DP-SGD steps for all of them:
-  - its defaults (`defaults`, from the papers' table for the data set) and their checks (`check`);
+  - its settings (`Settings`: a dataclass of fedsd.settings.setting() fields, each with its
+    help, its default for every data set and where that comes from, and its check), from which
+    TrainConfig, the command line, the Flower run config and result.json are assembled
+    (fedsd.config); and checks across them (`check`);
   - the groups of weights it carries from call to call (`groups`: the student, and where it has
     them the EMA or DPKD's teacher), which one it releases by default (`releases`; --release
     ema gives any method but DPKD dpema's release, `release_of`), and their start
@@ -11,7 +14,10 @@ same DP-SGD steps for all of them:
     epoch starts (`on_epoch_start`: DPKD's second stage);
   - the step callbacks a call of it runs (`step_callbacks`; the released EMA's is every method's,
     `release_callbacks`).
-A new method is a subclass of `Method` in a file of its own, listed below, with its tests.
+A new method is a subclass of `Method` in a file of its own, decorated with `@register`, with
+its tests. A package outside fedsd adds one through the entry-point group `fedsd.methods`
+(in its pyproject.toml: `[project.entry-points."fedsd.methods"]  mine = "my_package:MyMethod"`):
+it is loaded when fedsd.methods is imported, and its settings become options of `fedsd train`.
 """
 from __future__ import annotations
 
@@ -21,7 +27,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .. import losses
-from ..callbacks import ExponentialAverage
+from ..callbacks import ExponentialAverage, TeacherEveryStep
+from ..registry import load_entry_points
+from ..settings import setting
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -46,20 +54,44 @@ def cross_entropy(tau: float = 1.0) -> EpochLoss:
     return EpochLoss(lambda s, t, y: losses.cross_entropy(s, y, tau=tau, reduction="none"), False, 1.0)
 
 
+# What a run releases and evaluates (--release): its last iterate, or an exponential moving
+# average of its iterates (De et al. 2022), post-processing of them, so free of privacy cost.
+RELEASES = ("student", "ema")
+# The released EMA's decay: open in the papers; chosen on FMNIST's validation split at the full
+# 60 epochs (results/sweeps/fmnist-dpema-decay-60, results/README.md).
+EMA_DECAY = 0.995
+UNIT_INTERVAL = (lambda v: 0 <= v <= 1, "must be in [0, 1]")
+POSITIVE = (lambda v: v > 0, "a temperature must be > 0")
+
+
+@dataclass
+class MethodSettings:
+    """Every method's settings: what a run releases (any method but DPKD may release an EMA)."""
+    release: str | None = setting(None, "the weights a run releases and evaluates: student (the last iterate) "
+                                  "or ema (an exponential moving average of the iterates, post-processing: no "
+                                  "privacy cost; not for dpkd)", choices=RELEASES,
+                                  default_text="ema for dpema, student for the others")
+    ema_decay: float | None = setting(None, "the released EMA's decay (dpema, --release ema)",
+                                      resolve=lambda c: EMA_DECAY if release_of(c) == "ema" else None,
+                                      default_text=f"{EMA_DECAY}, open in the papers, chosen on validation",
+                                      check=(lambda v: 0 <= v < 1, "must be in [0, 1)"))
+    ema_warmup: str = setting("on", "the released EMA's warm-up (dpema, --release ema): on, the decay is "
+                                    "min(d, (1 + t)/(10 + t)) at step t (De et al. 2022); off, d from the first step",
+                              choices=("on", "off"))
+
+
 class Method:
     name: str = ""
+    Settings: type = MethodSettings  # this method's settings (a dataclass of setting() fields)
     groups: tuple[str, ...] = ("student",)
     releases: str = "student"
     # whether the teacher is the model itself as it came into the call (self-distillation; a
     # federation may choose another teacher of the same model, fedsd.federation's --teacher)
     self_distilling = False
 
-    def defaults(self, cfg: "TrainConfig", paper: dict) -> dict:
-        """This method's settings left unset, from the papers' values for the data set."""
-        return dict(paper.get(self.name, {}))
-
     def check(self, cfg: "TrainConfig") -> None:
-        """ConfigError naming the option, for a resolved setting this method cannot take."""
+        """ConfigError naming the option, for resolved settings this method cannot take together
+        (each setting's own check is its declaration's)."""
 
     def initial_model(self, student: Weights) -> Model:
         return {"student": student}
@@ -75,9 +107,18 @@ class Method:
         return []
 
 
-# What a run releases and evaluates (--release): its last iterate, or an exponential moving
-# average of its iterates (De et al. 2022), post-processing of them, so free of privacy cost.
-RELEASES = ("student", "ema")
+METHODS: dict[str, Method] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Class decorator: `cls` becomes the method of its `name` (`--method name`)."""
+    if not (isinstance(cls, type) and issubclass(cls, Method)) or not cls.name:
+        raise TypeError(f"{cls!r}: a method is a subclass of fedsd.methods.Method with a name")
+    if cls.name in METHODS and type(METHODS[cls.name]) is not cls:
+        raise ValueError(f"method {cls.name!r} is registered twice ({type(METHODS[cls.name]).__module__} and "
+                         f"{cls.__module__})")
+    METHODS[cls.name] = cls()
+    return cls
 
 
 def release_of(cfg: "TrainConfig") -> str:
@@ -98,7 +139,7 @@ def release_callbacks(cfg: "TrainConfig", model: Model, steps_so_far: int, devic
     if release_of(cfg) != "ema":
         return []
     model["ema"] = {k: v.detach().clone().to(device) for k, v in model["ema"].items()}
-    return [ExponentialAverage(model["ema"], cfg.ema_decay, steps_so_far)]
+    return [ExponentialAverage(model["ema"], cfg.ema_decay, steps_so_far, warmup=cfg.ema_warmup == "on")]
 
 
 def warming_up(cfg: "TrainConfig", epoch: int) -> bool:
@@ -107,6 +148,33 @@ def warming_up(cfg: "TrainConfig", epoch: int) -> bool:
 
 
 DISTILL_SCHEDULES = ("constant", "decay", "ramp")
+TEACHER_EVERY = ("epoch", "step")
+
+
+@dataclass
+class SelfDistillationSettings(MethodSettings):
+    """The settings of a method whose teacher is the model itself (DP3SD, DPDSD)."""
+    distill_warmup_epochs: int = setting(1, "epochs of plain cross-entropy before the teacher is used (federated: "
+                                         "global epochs, rounds × local epochs)", check=(lambda v: v >= 0, "must be >= 0"))
+    distill_schedule: str = setting("constant", "self-distillation: how the distillation terms' weight changes "
+                                    "after the warm-up: constant; decay = from 1 in the first distilling epoch "
+                                    "linearly to 1/n in the last of n; ramp = from 1/n up to 1 (federated: "
+                                    "counted in global epochs, so by round)", choices=DISTILL_SCHEDULES)
+    teacher_every: str = setting("epoch", "self-distillation: how often the teacher is refreshed. epoch: a copy of "
+                                          "the student as each epoch (federated: each round) starts, the papers' "
+                                          "Algorithm 1; step: the student's previous iterate, their prose's \"previous "
+                                          "iteration\" (post-processing of private iterates: no privacy cost)",
+                                 choices=TEACHER_EVERY)
+
+
+class SelfDistilling(Method):
+    """A method whose teacher is the model itself (DP3SD, DPDSD): its teacher is refreshed every
+    epoch (the trainer loads it as a call starts) or, with --teacher-every step, after every step."""
+    Settings = SelfDistillationSettings
+    self_distilling = True
+
+    def step_callbacks(self, cfg, model, steps_so_far, device):
+        return [TeacherEveryStep()] if cfg.teacher_every == "step" else []
 
 
 def distill_weight(cfg: "TrainConfig", epoch: int) -> float:
@@ -120,13 +188,9 @@ def distill_weight(cfg: "TrainConfig", epoch: int) -> float:
     return {"constant": 1.0, "decay": (n - k + 1) / n, "ramp": k / n}[cfg.distill_schedule]
 
 
-from .dpsgd import DPSGD  # noqa: E402
-from .dpema import DPEMA  # noqa: E402
-from .dpkd import DPKD  # noqa: E402
-from .dp3sd import DP3SD  # noqa: E402
-from .dpdsd import DPDSD  # noqa: E402
+from . import dpsgd, dpema, dpkd, dp3sd, dpdsd  # noqa: E402,F401  (each registers itself)
 
-METHODS: dict[str, Method] = {m.name: m for m in (DPSGD(), DPEMA(), DPKD(), DP3SD(), DPDSD())}
+load_entry_points("fedsd.methods", register)
 # every group of weights some method carries: what a model on the wire may hold
 MODEL_GROUPS = tuple(dict.fromkeys(g for m in METHODS.values() for g in m.groups))
 

@@ -1,22 +1,49 @@
 """DP3SD: self-distillation from the model itself, with a sparsified student (τs) and a
 smoothed teacher (τt), after --distill-warmup-epochs of sharpened cross-entropy."""
+from dataclasses import dataclass
+
 from .. import losses
-from ..settings import check_setting
-from . import EpochLoss, Method, cross_entropy, distill_weight, warming_up
+from ..settings import setting
+from . import (POSITIVE, UNIT_INTERVAL, EpochLoss, SelfDistillationSettings, SelfDistilling, cross_entropy,
+               distill_weight, register, warming_up)
+
+PAPERS = "the paper's"
+# SPEC §7: DP3SD's (τs, τt, α) per data set
+PAPER = {"mnist": dict(tau_s=0.1, tau_t=5.0, alpha=0.1), "fmnist": dict(tau_s=0.3, tau_t=5.0, alpha=0.3),
+         "cifar10": dict(tau_s=0.1, tau_t=5.0, alpha=0.3)}
+KL_REDUCTIONS = ("batchmean", "mean")
 
 
-class DP3SD(Method):
+def paper(key: str) -> dict:
+    return {d: values[key] for d, values in PAPER.items()}
+
+
+@dataclass
+class DP3SDSettings(SelfDistillationSettings):
+    tau_s: float | None = setting(None, "DP3SD: the student's sparsifying temperature τs", resolve=paper("tau_s"),
+                                  source=PAPERS, check=POSITIVE)
+    tau_t: float | None = setting(None, "DP3SD: the teacher's smoothing temperature τt", resolve=paper("tau_t"),
+                                  source=PAPERS, check=POSITIVE)
+    alpha: float | None = setting(None, "weight α of the cross-entropy term (1 − α: the distillation's)",
+                                  resolve=paper("alpha"), source=PAPERS, check=UNIT_INTERVAL)
+    kl_reduction: str = setting("batchmean", "DP3SD: the KL term per sample, summed over the classes (batchmean, "
+                                             "the KL itself) or averaged over them too (mean, ÷K: PyTorch's "
+                                             "KLDivLoss(reduction='mean'), a common implementation)",
+                                choices=KL_REDUCTIONS)
+
+
+@register
+class DP3SD(SelfDistilling):
     name = "dp3sd"
-    self_distilling = True
-
-    def check(self, cfg):
-        check_setting(0 <= cfg.alpha <= 1, "--alpha", f"must be in [0, 1] for {self.name}", cfg.alpha)
+    Settings = DP3SDSettings
 
     def epoch_loss(self, cfg, epoch):
         if warming_up(cfg, epoch):
             return cross_entropy(cfg.tau_s)
         weight = distill_weight(cfg, epoch)
+        class_mean = cfg.kl_reduction == "mean"
         # CE is ln K at any temperature, τt²·KL(teacher ‖ uniform) ≤ τt²·ln K
         return EpochLoss(lambda s, t, y: losses.dp3sd_loss(s, t, y, tau_s=cfg.tau_s, tau_t=cfg.tau_t, alpha=cfg.alpha,
-                                                           distill_weight=weight, reduction="none"),
+                                                           distill_weight=weight, class_mean=class_mean,
+                                                           reduction="none"),
                          True, cfg.alpha + weight * (1 - cfg.alpha) * cfg.tau_t ** 2)

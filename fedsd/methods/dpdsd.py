@@ -1,20 +1,63 @@
 """DPDSD: self-distillation decoupled into the target class's term (TCSD, weight α) and the
-non-target classes' (NCSD, weight β), after --distill-warmup-epochs of cross-entropy."""
+non-target classes' (NCSD, weight β), after --distill-warmup-epochs of cross-entropy.
+
+Two readings of its loss (--dpdsd-loss): its equations (10)-(11) as written (the papers'
+literal reading), or the Decoupled Knowledge Distillation its text cites (Zhao et al., 2022):
+binary distillation of the target class and multi-class distillation of the non-target ones,
+each a KL at temperature τ scaled by τ². Its cross-entropy is at temperature 1, or at τ as
+eq. (5)-(6) and Algorithm 1's f(θ_S, x_i, τ) can be read (--dpdsd-ce)."""
 import math
+from dataclasses import dataclass
 
 from .. import losses
-from . import EpochLoss, Method, distill_weight, warming_up
+from ..settings import setting
+from . import (POSITIVE, EpochLoss, SelfDistillationSettings, SelfDistilling, cross_entropy, distill_weight, register,
+               warming_up)
+
+PAPERS = "the paper's"
+# SPEC §7: DPDSD's (τ, α, β) per data set
+PAPER = {"mnist": dict(tau=2.0, alpha=0.1, beta=0.5), "fmnist": dict(tau=5.0, alpha=0.1, beta=0.3),
+         "cifar10": dict(tau=5.0, alpha=0.1, beta=0.3)}
+NON_NEGATIVE = (lambda v: v >= 0, "must be >= 0")
+LOSSES = ("equations", "dkd")
+CE_TEMPERATURES = ("one", "tau")
 
 
-class DPDSD(Method):
+def paper(key: str) -> dict:
+    return {d: values[key] for d, values in PAPER.items()}
+
+
+@dataclass
+class DPDSDSettings(SelfDistillationSettings):
+    tau: float | None = setting(None, "the distillation temperature τ", resolve=paper("tau"), source=PAPERS,
+                                check=POSITIVE)
+    alpha: float | None = setting(None, "DPDSD: weight α of the target class's term (TCSD)", resolve=paper("alpha"),
+                                  source=PAPERS, check=NON_NEGATIVE)
+    beta: float | None = setting(None, "DPDSD: weight β of the non-target classes' term (NCSD)",
+                                 resolve=paper("beta"), source=PAPERS, check=NON_NEGATIVE)
+    dpdsd_loss: str = setting("equations", "DPDSD: its loss as its equations (10)-(11) write it (equations), or in "
+                                           "Decoupled KD's form (dkd: α·τ²·KL of the target/rest split + "
+                                           "β·τ²·KL over the non-target classes)", choices=LOSSES)
+    dpdsd_ce: str = setting("one", "DPDSD: the temperature of its cross-entropy term: one, or tau (eq. 5-6)",
+                            choices=CE_TEMPERATURES)
+
+
+@register
+class DPDSD(SelfDistilling):
     name = "dpdsd"
-    self_distilling = True
+    Settings = DPDSDSettings
 
     def epoch_loss(self, cfg, epoch):
+        ce_tau = cfg.tau if cfg.dpdsd_ce == "tau" else 1.0
         if warming_up(cfg, epoch):
-            return super().epoch_loss(cfg, epoch)
+            return cross_entropy(ce_tau)
         alpha, beta = (distill_weight(cfg, epoch) * w for w in (cfg.alpha, cfg.beta))
+        if cfg.dpdsd_loss == "dkd":
+            # α·τ²·KL(b_T ‖ b_S) + β·τ²·KL(T̂ ‖ Ŝ) ≤ (α + β)·τ²·ln K at a uniform student
+            return EpochLoss(lambda s, t, y: losses.dkd_loss(s, t, y, tau=cfg.tau, alpha=alpha, beta=beta,
+                                                             ce_tau=ce_tau, reduction="none"),
+                             True, 1 + (alpha + beta) * cfg.tau ** 2)
         # α·TCSD + β·NCSD ≤ e·max(α, β)·ln K: its gate e^γ < e weighs teacher probabilities that sum to 1
         return EpochLoss(lambda s, t, y: losses.dpdsd_loss(s, t, y, tau=cfg.tau, alpha=alpha, beta=beta,
-                                                           reduction="none"),
+                                                           ce_tau=ce_tau, reduction="none"),
                          True, 1 + math.e * max(alpha, beta))

@@ -1,13 +1,11 @@
 """DP-SGD releasing an exponential moving average of its iterates (De et al. 2022): the EMA is
-post-processing of the private iterates, so it costs no privacy."""
+post-processing of the private iterates, so it costs no privacy. Its settings (--ema-decay,
+--ema-warmup) are every method's that releases an EMA (fedsd.methods.MethodSettings)."""
 from ..settings import check_setting
-from . import Method, release_of
-
-# Open in the papers; chosen on FMNIST's validation split at the full 60 epochs
-# (results/sweeps/fmnist-dpema-decay-60, results/README.md).
-EMA_DECAY = 0.995
+from . import EMA_DECAY, Method, register, release_of  # noqa: F401 (EMA_DECAY: also importable from here)
 
 
+@register
 class DPEMA(Method):
     """DP-SGD with --release ema: the EMA group and its step callback are every method's
     (methods.release_callbacks), this is their default."""

@@ -1,28 +1,38 @@
 """DPKD: two stages in one run. Stage 1 trains a teacher with DP-SGD; stage 2 trains a fresh
 student on cross-entropy plus the KL to that fixed teacher, with DP-SGD again. The budget is
 the run's, over both stages."""
+from dataclasses import dataclass
+
 from .. import losses
 from ..models import build_model
 from ..seeds import SEED_KD_STUDENT, derive_seed
-from ..settings import check_setting
-from . import EpochLoss, Method, release_of
+from ..settings import check_setting, setting
+from . import POSITIVE, UNIT_INTERVAL, EpochLoss, Method, MethodSettings, register, release_of
 
 # Open in the papers; chosen on FMNIST's validation split: τ and α
 # (results/sweeps/fmnist-dpkd-tau-alpha), the stage split (results/sweeps/fmnist-dpkd-stage-split:
 # the half); results/README.md has the numbers.
-DEFAULTS = dict(tau=5.0, alpha=0.7)
+CHOSEN = "open in the papers, chosen on validation"
 TEACHER_FRACTION = 0.5
 
 
+@dataclass
+class DPKDSettings(MethodSettings):
+    tau: float | None = setting(None, "the distillation temperature τ", resolve=5.0, source=CHOSEN, check=POSITIVE)
+    alpha: float | None = setting(None, "weight α of the cross-entropy term (1 − α: the distillation's)",
+                                  resolve=0.7, source=CHOSEN, check=UNIT_INTERVAL)
+    kd_teacher_epochs: int | None = setting(None, "DPKD: epochs of stage 1 (the teacher); the rest train the student",
+                                            resolve=lambda c: max(1, round(c.epochs * TEACHER_FRACTION)),
+                                            default_text="half the epochs")
+
+
+@register
 class DPKD(Method):
     name = "dpkd"
+    Settings = DPKDSettings
     groups = ("student", "kd_teacher")
 
-    def defaults(self, cfg, paper):
-        return dict(DEFAULTS, kd_teacher_epochs=max(1, round(cfg.epochs * TEACHER_FRACTION)))
-
     def check(self, cfg):
-        check_setting(0 <= cfg.alpha <= 1, "--alpha", f"must be in [0, 1] for {self.name}", cfg.alpha)
         check_setting(1 <= cfg.kd_teacher_epochs < cfg.epochs, "--kd-teacher-epochs",
                       f"must be in [1, epochs) = [1, {cfg.epochs}) so both stages train", cfg.kd_teacher_epochs)
         check_setting(release_of(cfg) == "student", "--release", "dpkd releases its student: its second stage "

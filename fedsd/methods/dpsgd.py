@@ -1,6 +1,7 @@
 """DP-SGD (Abadi et al. 2016): cross-entropy, the baseline every other method is measured against."""
-from . import Method
+from . import Method, register
 
 
+@register
 class DPSGD(Method):
     name = "dpsgd"
