@@ -93,86 +93,121 @@ def load_checkpoint(out: str | Path) -> dict:
     return saved
 
 
+class CentralRun:
+    """A central run as it goes, beside the server's RoundBook: started or resumed from its
+    folder, an epoch at a time (`take_epoch`), saved after each (`save`), finished with its
+    result files (`finish`).
+
+    With a folder (`out`), the state after every epoch is saved there (CHECKPOINT), so a run
+    stopped at any moment, SIGKILL included, loses at most the epoch under way; resumed, it goes
+    on with its own saved settings and ends with the weights of a run that was never stopped."""
+
+    def __init__(self, cfg: TrainConfig | None, out: str | Path | None = None, overwrite: bool = False,
+                 resume: bool = False):
+        saved = load_checkpoint(out) if resume else None
+        self.prepared, self.plan = plan_run(saved["config"] if saved is not None else cfg, None if resume else out,
+                                            overwrite)
+        self.cfg, self.out, self.resumed = self.prepared.cfg, Path(out) if out is not None else None, saved is not None
+        if saved is not None and saved["privacy"] != self.plan.to_dict():
+            raise ResumeError(f"--resume: the run was planned as {saved['privacy']}; this code plans "
+                              f"{self.plan.to_dict()}")
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
+        self.started = time.perf_counter()
+        self.trainer = self._trainer(saved)
+        self.validation = self._validation_split()
+        if saved is None:
+            self.model, self.state, self.epochs, self.before = initial_model(self.cfg, self.trainer.data.num_classes), \
+                None, [], 0.0
+            if self.out is not None:
+                fresh_out_dir(self.out, overwrite)
+                self.save()  # from the first moment on, the folder says it is unfinished
+        else:
+            self.model, self.epochs, self.before = saved["model"], saved["epochs"], saved["wall_seconds"]
+            self.state = TrainState.from_state_dict(saved["state"], self.plan) if saved["state"] is not None else None
+
+    def _trainer(self, saved: dict | None) -> DPTrainer:
+        run, cfg = self.prepared, self.cfg
+        route = routes.Route.from_dict(saved["route"]) if saved is not None and saved["route"] else None
+        tensors = data_lib.prepare(run.data, run.train_indices, run.device, input_stats(cfg))
+        return DPTrainer(cfg, tensors, self.plan, route=route)
+
+    def _validation_split(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """--validation's held-out samples, normalised and laid out as the training data."""
+        x, y = data_lib.validation_split(self.prepared.data, self.cfg.validation, input_stats(self.cfg))
+        return x.to(self.prepared.device).contiguous(memory_format=self.trainer.memory_format), y.to(self.prepared.device)
+
+    def remaining_epochs(self) -> range:
+        return range(len(self.epochs) + 1, self.cfg.epochs + 1)
+
+    def take_epoch(self, epoch: int) -> dict:
+        """Train one epoch, evaluate what it releases, record it, and save the run (a run that
+        diverges leaves nothing behind: nothing of it is released, nor kept to resume)."""
+        try:
+            self.model, self.state, metrics = self.trainer.local_update(self.model, self.state, [epoch])
+        except TrainingDiverged:
+            if self.out is not None and not self.resumed:
+                shutil.rmtree(self.out, ignore_errors=True)
+            raise
+        net, tensors = self.trainer.model, self.trainer.data
+        net.load_state_dict(released(self.model))
+        accuracy, loss = evaluate(net, tensors.x_test, tensors.y_test)
+        record = dict(epoch=epoch, test_accuracy=accuracy, test_loss=loss, epsilon=metrics["epsilon"],
+                      train_loss=metrics["train_loss"], seconds=metrics["seconds"])
+        if self.cfg.validation:
+            record["validation_accuracy"] = evaluate(net, *self.validation)[0]
+        self.epochs.append(record)
+        if self.out is not None:
+            self.save()
+        return record
+
+    def wall_seconds(self) -> float:
+        return self.before + time.perf_counter() - self.started
+
+    def save(self) -> None:
+        """The run as it stands after a completed epoch: atomically, then the note for people."""
+        cfg, plan = self.cfg, self.plan
+        save_atomic(self.out / CHECKPOINT, dict(
+            format=CHECKPOINT_FORMAT, config=cfg.to_dict(), privacy=plan.to_dict(), epochs=self.epochs,
+            model=self.model, state=self.state.state_dict(plan) if self.state is not None else None,
+            route=self._route(), wall_seconds=self.wall_seconds()))
+        write_json(self.out / PROGRESS, dict(
+            finished=False, epochs_done=len(self.epochs), epochs=cfg.epochs,
+            test_accuracy=self.epochs[-1]["test_accuracy"] if self.epochs else None,
+            resume_with=f"fedsd train --resume {self.out}"))
+
+    def _route(self) -> dict | None:
+        return self.trainer.route.to_dict() if self.trainer.route is not None else None
+
+    def finish(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The result, and the folder's files (result.json last: from then on the run is finished)."""
+        last, plan, run = self.epochs[-1], self.plan, self.prepared
+        result = RunResult.of_run(
+            self.cfg, epsilon_spent=last["epsilon"], test_accuracy=last["test_accuracy"],
+            wall_seconds=self.wall_seconds(), device=run.device, data_source=run.data.source,
+            noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate, steps=self.state.steps,
+            num_train=len(run.train_indices), validation_accuracy=last.get("validation_accuracy"),
+            privacy=plan.to_dict(), route=self._route(), epochs=self.epochs, resumed=True if self.resumed else None)
+        weights = {k: v.cpu() for k, v in released(self.model).items()}
+        if self.out is not None:
+            write_run(self.out, result, weights)
+            for name in (CHECKPOINT, PROGRESS):
+                (self.out / name).unlink(missing_ok=True)
+        return result.to_dict(), weights
+
+
 def train(cfg: TrainConfig | None, out: str | Path | None = None, overwrite: bool = False,
           progress: bool = True, resume: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Train centrally; write result.json, model.pt and curve.png to `out` (when given).
-
-    With `out`, the state after every epoch is saved there (CHECKPOINT), so a run stopped at any
-    moment, SIGKILL included, loses at most the epoch under way: `resume=True` continues the
-    unfinished run in `out` with its own saved settings (`cfg` is then None) and ends with the
-    weights of a run that was never stopped. Returns (result, released weights)."""
-    saved = load_checkpoint(out) if resume else None
-    if saved is not None:
-        cfg = saved["config"]
-    run, plan = plan_run(cfg, None if resume else out, overwrite)
+    """Train centrally; write result.json, model.pt and curve.png to `out` (when given), and
+    the state after every epoch (CentralRun); `resume=True` continues the unfinished run in
+    `out` with its own saved settings (`cfg` is then None). Returns (result, released weights)."""
+    run = CentralRun(cfg, out, overwrite, resume)
     cfg = run.cfg
-    n = len(run.train_indices)
-    if saved is not None and saved["privacy"] != plan.to_dict():
-        raise ResumeError(f"--resume: the run was planned as {saved['privacy']}; this code plans {plan.to_dict()}")
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-
-    started = time.perf_counter()
-    route = routes.Route.from_dict(saved["route"]) if saved is not None and saved["route"] else None
-    stats = input_stats(cfg)  # --mean / --std, for the training, test and validation images alike
-    trainer = DPTrainer(cfg, data_lib.prepare(run.data, run.train_indices, run.device, stats), plan, route=route)
-    tensors = trainer.data  # in the trainer's memory format, for evaluation too
-    if saved is None:
-        model, state, epochs, before = initial_model(cfg, tensors.num_classes), None, [], 0.0
-        if out is not None:
-            fresh_out_dir(Path(out), overwrite)
-    else:
-        model, epochs, before = saved["model"], saved["epochs"], saved["wall_seconds"]
-        state = TrainState.from_state_dict(saved["state"], plan) if saved["state"] is not None else None
-    val_x, val_y = data_lib.validation_split(run.data, cfg.validation, stats)
-    val_x = val_x.to(run.device).contiguous(memory_format=trainer.memory_format)
-    val_y = val_y.to(run.device)
-
-    def save(model, state, epochs) -> None:
-        """The run as it stands after a completed epoch: atomically, then the note for people."""
-        save_atomic(Path(out) / CHECKPOINT, dict(
-            format=CHECKPOINT_FORMAT, config=cfg.to_dict(), privacy=plan.to_dict(), epochs=epochs, model=model,
-            state=state.state_dict(plan) if state is not None else None,
-            route=trainer.route.to_dict() if trainer.route is not None else None,
-            wall_seconds=before + time.perf_counter() - started))
-        write_json(Path(out) / PROGRESS, dict(finished=False, epochs_done=len(epochs), epochs=cfg.epochs,
-                                              test_accuracy=epochs[-1]["test_accuracy"] if epochs else None,
-                                              resume_with=f"fedsd train --resume {Path(out)}"))
-
-    if out is not None and saved is None:
-        save(model, state, epochs)  # from the first moment on, the folder says it is unfinished
-    bar = tqdm(range(1, cfg.epochs + 1), initial=len(epochs), desc=f"{cfg.dataset} {cfg.method} ε={cfg.epsilon}",
+    bar = tqdm(range(1, cfg.epochs + 1), initial=len(run.epochs), desc=f"{cfg.dataset} {cfg.method} ε={cfg.epsilon}",
                unit="epoch", disable=not progress)
-    for epoch in range(len(epochs) + 1, cfg.epochs + 1):
-        try:
-            model, state, metrics = trainer.local_update(model, state, [epoch])
-        except TrainingDiverged:
-            if out is not None and saved is None:  # nothing of it is released, nor kept to resume
-                shutil.rmtree(out, ignore_errors=True)
-            raise
-        trainer.model.load_state_dict(released(model))
-        accuracy, loss = evaluate(trainer.model, tensors.x_test, tensors.y_test)
-        epochs.append(dict(epoch=epoch, test_accuracy=accuracy, test_loss=loss, epsilon=metrics["epsilon"],
-                           train_loss=metrics["train_loss"], seconds=metrics["seconds"]))
-        if cfg.validation:
-            epochs[-1]["validation_accuracy"] = evaluate(trainer.model, val_x, val_y)[0]
-        if out is not None:
-            save(model, state, epochs)
+    for epoch in run.remaining_epochs():
+        record = run.take_epoch(epoch)
         bar.update(1)
-        bar.set_postfix(acc=f"{accuracy:.4f}", eps=f"{metrics['epsilon']:.3f}")
+        bar.set_postfix(acc=f"{record['test_accuracy']:.4f}", eps=f"{record['epsilon']:.3f}")
     bar.close()
-    result = RunResult(
-        dataset=cfg.dataset, method=cfg.method, epsilon_target=cfg.epsilon,
-        epsilon_spent=epochs[-1]["epsilon"], delta=cfg.delta, noise_multiplier=plan.noise_multiplier,
-        sample_rate=plan.sample_rate, steps=state.steps, num_train=n, test_accuracy=epochs[-1]["test_accuracy"],
-        validation_accuracy=epochs[-1].get("validation_accuracy"),
-        seed=cfg.seed, wall_seconds=before + time.perf_counter() - started, device=str(run.device),
-        data_source=run.data.source, config=cfg.to_dict(), privacy=plan.to_dict(),
-        route=trainer.route.to_dict() if trainer.route is not None else None, epochs=epochs,
-        resumed=True if saved is not None else None)
-    weights = {k: v.cpu() for k, v in released(model).items()}
-    if out is not None:
-        write_run(Path(out), result, weights)  # result.json last: from here on the run is finished
-        for name in (CHECKPOINT, PROGRESS):
-            (Path(out) / name).unlink(missing_ok=True)
-    return result.to_dict(), weights
+    return run.finish()

@@ -59,6 +59,15 @@ class RunResult:
     format: int = RESULT_FORMAT
     extra: dict = field(default_factory=dict)
 
+    @classmethod
+    def of_run(cls, cfg, *, epsilon_spent: float, test_accuracy: float | None, wall_seconds: float, device,
+               data_source: str, **facts) -> "RunResult":
+        """The one place a result is made, central or federated: the run's settings (a resolved
+        TrainConfig) fill what every result has, `facts` the kind's own fields."""
+        return cls(dataset=cfg.dataset, method=cfg.method, epsilon_target=cfg.epsilon, epsilon_spent=epsilon_spent,
+                   delta=cfg.delta, test_accuracy=test_accuracy, seed=cfg.seed, wall_seconds=wall_seconds,
+                   device=str(device), data_source=data_source, config=cfg.to_dict(), **facts)
+
     @property
     def federated(self) -> bool:
         return self.rounds is not None

@@ -250,10 +250,8 @@ class DPTrainer:
         model = with_release(cfg, {k: dict(v) for k, v in model.items()})
         self.load_student(model["student"])
         self._restore_momentum(state.momentum)
-        if teacher is not None:
-            self.load_teacher(teacher)
-        elif self.method.self_distilling:
-            self.load_teacher(model["student"])
+        if teacher is not None or self.method.self_distilling:
+            self.load_teacher(teacher if teacher is not None else model["student"])
         callbacks = [*self.method.step_callbacks(cfg, model, state.steps, self.device),
                      *release_callbacks(cfg, model, state.steps, self.device),
                      *([ProximalTerm(proximal_mu)] if proximal_mu > 0 else []), *callbacks]

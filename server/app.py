@@ -10,10 +10,12 @@ tune_process()
 
 import shutil
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from logging import INFO
 from pathlib import Path
 
+import torch
 from flwr.app import ConfigRecord, Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
@@ -42,70 +44,94 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     Returns (result, the released global weights), as `fedsd.central.train`."""
     started = time.perf_counter()
     run = checkpoint.start(cfg, fed, out, overwrite)  # the settings, fresh or resumed: read only from here on
-    fed, out = run.fed, run.out
     if run.resumed:
-        log(INFO, "fedsd: resuming %s after round %d of %d", out, run.round, fed.rounds)
-    # every check, before anything is written; the settings resolved (the papers' values filled in)
-    run.cfg, num_classes, test, source, validation = public_side(run.cfg, fed)
-    cfg = run.cfg
-    if not run.resumed:  # a resumed run's SuperNodes reconnect at their own pace: it waits for them
-        check_federation_size(grid, fed.num_clients)
-        if out is not None:
-            fresh_out_dir(out, overwrite)  # holds checkpoint.pt per round, then result.json
-    device = resolve_device(cfg.device)
-    layout = torch_memory_format(cfg)  # as the clients train
-
-    def on_device(split):
-        return None if split is None else (split[0].to(device).contiguous(memory_format=layout), split[1].to(device))
-
-    test, validation = on_device(test), on_device(validation)
-    net = build_model(cfg.model, num_classes, activation=cfg.activation).to(device, memory_format=layout)
-    shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
-    # A custom task has no public test split at the server: its clients evaluate on their own.
-    federated_evaluation = fed.federated_evaluation or test is None
-    strategy = RecordingStrategy(base_strategy(fed, federated_evaluation), fed, shapes, round_offset=run.round)
-    book = RoundBook(strategy, net, test, validation=validation, rounds_total=fed.rounds, start_round=run.round, out=out,
-                     settings=run.settings, experiment_id=run.experiment_id, progress=progress,
-                     description=f"{cfg.dataset} {cfg.method} {fed.num_clients} clients")
-    if run.resumed:
-        strategy.load_state_dict(run.strategy)
-        book.load_state_dict(run.book)
-
-    initial = run.model if run.resumed else initial_model(cfg, num_classes)
-    train_config = ConfigRecord({**to_flat(cfg, fed), "experiment-id": run.experiment_id})
+        log(INFO, "fedsd: resuming %s after round %d of %d", run.out, run.round, run.fed.rounds)
+    side = ServerSide.prepare(run, grid, overwrite, progress)
+    initial = run.model if run.resumed else initial_model(side.cfg, side.num_classes)
+    train_config = ConfigRecord({**to_flat(side.cfg, run.fed), "experiment-id": run.experiment_id})
     try:
-        outcome = strategy.start(grid=PollingGrid(grid), initial_arrays=model_to_record(initial),
-                                 num_rounds=fed.rounds - run.round, timeout=fed.round_timeout,
-                                 train_config=train_config, evaluate_config=ConfigRecord(dict(train_config)),
-                                 evaluate_fn=book.evaluate_global)
+        outcome = side.strategy.start(grid=PollingGrid(grid), initial_arrays=model_to_record(initial),
+                                      num_rounds=run.fed.rounds - run.round, timeout=run.fed.round_timeout,
+                                      train_config=train_config, evaluate_config=ConfigRecord(dict(train_config)),
+                                      evaluate_fn=side.book.evaluate_global)
     except ClientsFailed:
         # Stopped before any round completed (no client could train): nothing to keep or resume.
-        if out is not None and not run.resumed and not (out / checkpoint.CHECKPOINT).exists():
-            shutil.rmtree(out, ignore_errors=True)
+        if run.out is not None and not run.resumed and not (run.out / checkpoint.CHECKPOINT).exists():
+            shutil.rmtree(run.out, ignore_errors=True)
         raise
     finally:
-        book.close()
-    rounds = book.rounds
+        side.book.close()
     final = record_to_model(outcome.arrays) if len(outcome.arrays) else initial
-    reported = client_facts(strategy.round_clients)  # what the clients said, not what the server computed
-    result = RunResult(
-        dataset=cfg.dataset, method=cfg.method, epsilon_target=cfg.epsilon,
-        epsilon_spent=max(strategy.client_epsilon.values(), default=0.0), delta=cfg.delta,
+    result = federation_result(run, side, time.perf_counter() - started)
+    weights = {k: v.cpu() for k, v in released(final).items()}
+    if run.out is not None:
+        write_run(run.out, result, weights)
+    return result.to_dict(), weights
+
+
+@dataclass
+class ServerSide:
+    """What the server runs a federation with: the resolved settings, the public test split
+    (None for a custom task) and where it came from, the strategy and the round book."""
+    cfg: TrainConfig
+    num_classes: int
+    device: torch.device
+    test: tuple | None
+    source: str
+    strategy: RecordingStrategy
+    book: RoundBook
+
+    @classmethod
+    def prepare(cls, run, grid: Grid, overwrite: bool, progress: bool) -> "ServerSide":
+        """Every check before anything is written (the settings resolved, the papers' values filled
+        in), then the result folder, the evaluation model, the strategy and the round book (a
+        resumed run's restored from its checkpoint)."""
+        fed, out = run.fed, run.out
+        run.cfg, num_classes, test, source, validation = public_side(run.cfg, fed)
+        cfg = run.cfg
+        if not run.resumed:  # a resumed run's SuperNodes reconnect at their own pace: it waits for them
+            check_federation_size(grid, fed.num_clients)
+            if out is not None:
+                fresh_out_dir(out, overwrite)  # holds checkpoint.pt per round, then result.json
+        device = resolve_device(cfg.device)
+        layout = torch_memory_format(cfg)  # as the clients train
+
+        def on_device(split):
+            return None if split is None else (split[0].to(device).contiguous(memory_format=layout),
+                                               split[1].to(device))
+
+        test, validation = on_device(test), on_device(validation)
+        net = build_model(cfg.model, num_classes, activation=cfg.activation).to(device, memory_format=layout)
+        shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+        # A custom task has no public test split at the server: its clients evaluate on their own.
+        strategy = RecordingStrategy(base_strategy(fed, fed.federated_evaluation or test is None), fed, shapes,
+                                     round_offset=run.round)
+        book = RoundBook(strategy, net, test, validation=validation, rounds_total=fed.rounds, start_round=run.round,
+                         out=out, settings=run.settings, experiment_id=run.experiment_id, progress=progress,
+                         description=f"{cfg.dataset} {cfg.method} {fed.num_clients} clients")
+        if run.resumed:
+            strategy.load_state_dict(run.strategy)
+            book.load_state_dict(run.book)
+        return cls(cfg, num_classes, device, test, source, strategy, book)
+
+
+def federation_result(run, side: ServerSide, wall_seconds: float) -> RunResult:
+    """A federation's result.json: what the clients reported (shard size, σ, q, ε, steps), not
+    what the server computed, and the rounds as the book recorded them."""
+    fed, strategy, rounds = run.fed, side.strategy, side.book.rounds
+    reported = client_facts(strategy.round_clients)
+    return RunResult.of_run(
+        side.cfg, epsilon_spent=max(strategy.client_epsilon.values(), default=0.0),
+        test_accuracy=side.book.final_accuracy(), wall_seconds=wall_seconds, device=side.device,
+        data_source=side.source,
         noise_multiplier={str(k): r.get("noise-multiplier") for k, r in reported.items()},
         sample_rate={str(k): r.get("sample-rate") for k, r in reported.items()},
         steps=sum(r.get("steps", 0) for reps in strategy.round_clients.values() for r in reps.values()),
-        test_accuracy=book.final_accuracy(), validation_accuracy=book.final_validation_accuracy(),
-        evaluated_by="server" if test is not None else "clients",
-        seed=cfg.seed,
-        wall_seconds=time.perf_counter() - started, device=str(device), data_source=source,
-        num_clients=fed.num_clients,
-        shard_sizes=[reported.get(k, {}).get("num-examples") for k in range(fed.num_clients)], config=cfg.to_dict(),
+        validation_accuracy=side.book.final_validation_accuracy(),
+        evaluated_by="server" if side.test is not None else "clients", num_clients=fed.num_clients,
+        shard_sizes=[reported.get(k, {}).get("num-examples") for k in range(fed.num_clients)],
         federation=fed.__dict__.copy(), experiment_id=run.experiment_id, resumed_after_round=run.round or None,
         missed={str(r["round"]): r["missed"] for r in rounds if r["missed"]}, rounds=rounds)
-    weights = {k: v.cpu() for k, v in released(final).items()}
-    if out is not None:
-        write_run(out, result, weights)
-    return result.to_dict(), weights
 
 
 def public_side(cfg: TrainConfig, fed: FedOptions):

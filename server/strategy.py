@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
 import numpy as np
@@ -194,97 +195,102 @@ class RecordingStrategy(Strategy):
         message.content = content
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        """Sort the round's replies, note who missed it, stop the run where no later round can
+        do better, and aggregate the replies of the clients that trained."""
         server_round += self.round_offset
-        trained, reports, missed, answered, failed = [], {}, [], set(), []
         sent = {m.metadata.message_id: m.metadata.dst_node_id for m in self._sent}
+        round_ = SortedReplies()
         for reply in replies:
-            # An error reply made by the SuperLink (node gone) names the node only by the message it answers.
-            node = sent.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
-            answered.add(node)
-            if reply.has_error():
-                log(WARNING, "round %d: node %d failed: %s", server_round, node, reply.error.reason)
-                missed.append(dict(client=self.node_partition.get(node), node_id=node, reason=reply.error.reason))
-                if CLIENT_CODE_FAILED in reply.error.reason:
-                    failed.append(reply.error.reason)
-                continue
-            metrics = next(iter(reply.content.metric_records.values()))
-            pid = int(metrics["partition-id"])
-            self.node_partition[node] = pid
-            reports[pid] = dict(metrics)
-            if "skipped-files" in reply.content.config_records:  # the owner's choice: named in the summary
-                left_out = reply.content.config_records["skipped-files"]
-                reports[pid]["skipped-files"] = dict(count=int(left_out["count"]), first=list(left_out["first"]))
-            if "service" in reply.content.config_records:  # the owner's data service: what code answered
-                service = reply.content.config_records["service"]
-                reports[pid]["service"] = dict(version=str(service.get("version")), code=str(service.get("code")))
-            a_refusal = bool(int(metrics.get("refused", 0)))
-            epsilon, before = float(metrics["epsilon"]), self.client_epsilon.get(pid, 0.0)
-            if not a_refusal and epsilon < before - 1e-9:
-                # Its accountant started again (its state was lost, and this server had not yet told
-                # it what it had spent: a node under a new node id). Only the client can account;
-                # the server says so, and tells it from its next round on (it then refuses).
-                log(WARNING, "round %d: client %d reports ε = %.3f, below the %.3f it reported before: it has "
-                    "lost its privacy state and its accountant started again", server_round, pid, epsilon, before)
-                reports[pid]["epsilon-fell-from"] = before
-            # What it has spent at least: a refusal spends nothing, and an accountant started again
-            # leaves out what was spent before.
-            self.client_epsilon[pid] = max(epsilon, before)
-            if a_refusal:  # the client's owner's limits, with the client's reason
-                reason = client_reason(reply, "refusal")
-                reports[pid]["refused"] = reason
-                log(WARNING, "round %d: client %d refused: %s", server_round, pid, reason)
-                continue
-            if int(metrics.get("diverged", 0)):  # training on at chance level helps nobody: stop, saying why
-                raise TrainingDiverged(f"round {server_round}, client {pid}: {client_reason(reply, 'divergence')}; "
-                                       f"the run stopped")
-            if int(metrics.get("skipped", 0)):
-                log(WARNING, "round %d: client %d skipped: its privacy budget is spent (ε = %.3f)",
-                    server_round, pid, float(metrics["epsilon"]))
-                continue
-            problem = None
-            if self.shapes is not None:
-                arrays = list(reply.content.array_records.values())
-                problem = reply_problem(arrays[0], self.shapes) if len(arrays) == 1 else "no single ArrayRecord"
-            if problem:
-                log(WARNING, "round %d: reply of client %d rejected: %s", server_round, pid, problem)
-                reports[pid]["rejected"] = problem
-            else:
-                trained.append(reply)
-        for node in sorted(set(sent.values()) - answered):
-            log(WARNING, "round %d: node %d did not reply in time", server_round, node)
-            missed.append(dict(client=self.node_partition.get(node), node_id=node,
-                               reason="no reply before the timeout"))
-        unknown = any(m["client"] is None for m in missed)
-        if self.fraction_train >= 1 and not unknown:  # every connected client was asked: the rest were not there
-            seen = set(reports) | {m["client"] for m in missed}
-            known = {pid: node for node, pid in self.node_partition.items()}
-            for pid in range(self.num_clients):
-                if pid not in seen:
-                    missed.append(dict(client=pid, node_id=known.get(pid), reason="not connected"))
-        refused = {pid: r["refused"] for pid, r in reports.items() if "refused" in r}
-        if server_round == 1 and sent and not trained and len(refused) + len(failed) == len(sent):
-            # No client can train: every one refused (its owner's limits) or failed in its own code
-            # (bad data). A later round asks the same of the same clients, and going on would
-            # release the initial model as the run's result.
-            self.round_clients[server_round], self.missed[server_round] = reports, missed
-            why = [f"client {pid} refused: {reason}" for pid, reason in sorted(refused.items())]
-            why += [f"client {m['client'] if m['client'] is not None else '?'} failed: {_last_line(m['reason'])}"
-                    for m in missed if CLIENT_CODE_FAILED in m["reason"]]
-            raise NoClientCanTrain("round 1: no client can train, so the run stops: " + "; ".join(why))
-        if failed and len(failed) == len(sent):
-            # Every client's own code raised (bad data, a setting the clients refuse): no later
-            # round can do better, and going on would end at the initial model's accuracy.
-            raise ClientsFailed(f"round {server_round}: every client failed; the first said: {_last_line(failed[0])}")
-        self.round_clients[server_round] = reports
-        self.missed[server_round] = missed
-        # Flower aggregates only replies whose metrics have the same keys
-        common = [k for k in AGGREGATED_METRICS if all(k in _metrics([r.content])[0] for r in trained)]
-        for reply in trained:
-            name, metrics = next(iter(reply.content.metric_records.items()))
-            reply.content[name] = MetricRecord({k: metrics[k] for k in common})
+            self._sort(server_round, reply, sent, round_)
+        self._note_missing(server_round, set(sent.values()), round_)
+        self._stop_if_no_round_can_train(server_round, len(sent), round_)
+        self.round_clients[server_round], self.missed[server_round] = round_.reports, round_.missed
+        trained = same_metric_keys(round_.trained)
         result = self.inner.aggregate_train(server_round, trained) if trained else (None, None)
         self.train_seconds[server_round] = time.perf_counter() - self._round_started
         return result
+
+    def _sort(self, server_round: int, reply: Message, sent: dict, round_: "SortedReplies") -> None:
+        """One reply into its case: a node that failed, a refusal, a divergence (the run stops), a
+        skip (its budget is spent), arrays that do not fit the model (rejected), or trained. Every
+        answer from a client updates what the server knows it has spent."""
+        # An error reply made by the SuperLink (node gone) names the node only by the message it answers.
+        node = sent.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+        round_.answered.add(node)
+        if reply.has_error():
+            log(WARNING, "round %d: node %d failed: %s", server_round, node, reply.error.reason)
+            round_.missed.append(dict(client=self.node_partition.get(node), node_id=node, reason=reply.error.reason))
+            if CLIENT_CODE_FAILED in reply.error.reason:
+                round_.failed.append(reply.error.reason)
+            return
+        metrics = next(iter(reply.content.metric_records.values()))
+        pid = int(metrics["partition-id"])
+        self.node_partition[node] = pid
+        report = round_.reports[pid] = client_report(reply)
+        self._record_epsilon(server_round, pid, float(metrics["epsilon"]), bool(int(metrics.get("refused", 0))), report)
+        if int(metrics.get("refused", 0)):  # the client's owner's limits, with the client's reason
+            report["refused"] = client_reason(reply, "refusal")
+            log(WARNING, "round %d: client %d refused: %s", server_round, pid, report["refused"])
+        elif int(metrics.get("diverged", 0)):  # training on at chance level helps nobody: stop, saying why
+            raise TrainingDiverged(f"round {server_round}, client {pid}: {client_reason(reply, 'divergence')}; "
+                                   f"the run stopped")
+        elif int(metrics.get("skipped", 0)):
+            log(WARNING, "round %d: client %d skipped: its privacy budget is spent (ε = %.3f)",
+                server_round, pid, float(metrics["epsilon"]))
+        elif (problem := self._reply_problem(reply)) is not None:
+            log(WARNING, "round %d: reply of client %d rejected: %s", server_round, pid, problem)
+            report["rejected"] = problem
+        else:
+            round_.trained.append(reply)
+
+    def _record_epsilon(self, server_round: int, pid: int, epsilon: float, refusal: bool, report: dict) -> None:
+        """What client `pid` has spent at least: a refusal spends nothing, and an accountant started
+        again leaves out what was spent before (the server keeps the larger ε and says so)."""
+        before = self.client_epsilon.get(pid, 0.0)
+        if not refusal and epsilon < before - 1e-9:
+            # Its accountant started again (its state was lost, and this server had not yet told
+            # it what it had spent: a node under a new node id). Only the client can account;
+            # the server says so, and tells it from its next round on (it then refuses).
+            log(WARNING, "round %d: client %d reports ε = %.3f, below the %.3f it reported before: it has "
+                "lost its privacy state and its accountant started again", server_round, pid, epsilon, before)
+            report["epsilon-fell-from"] = before
+        self.client_epsilon[pid] = max(epsilon, before)
+
+    def _reply_problem(self, reply: Message) -> str | None:
+        if self.shapes is None:
+            return None
+        arrays = list(reply.content.array_records.values())
+        return reply_problem(arrays[0], self.shapes) if len(arrays) == 1 else "no single ArrayRecord"
+
+    def _note_missing(self, server_round: int, asked: set, round_: "SortedReplies") -> None:
+        """The nodes asked that did not answer, and, when every connected client was asked, the
+        clients that were not connected."""
+        for node in sorted(asked - round_.answered):
+            log(WARNING, "round %d: node %d did not reply in time", server_round, node)
+            round_.missed.append(dict(client=self.node_partition.get(node), node_id=node,
+                                      reason="no reply before the timeout"))
+        if self.fraction_train < 1 or any(m["client"] is None for m in round_.missed):
+            return
+        seen = set(round_.reports) | {m["client"] for m in round_.missed}
+        known = {pid: node for node, pid in self.node_partition.items()}
+        round_.missed += [dict(client=pid, node_id=known.get(pid), reason="not connected")
+                          for pid in range(self.num_clients) if pid not in seen]
+
+    def _stop_if_no_round_can_train(self, server_round: int, asked: int, round_: "SortedReplies") -> None:
+        """Stop the run when no later round can do better: in round 1 every client refused (its
+        owner's limits) or failed in its own code (bad data), or in any round every client's own
+        code raised. A later round asks the same of the same clients, and going on would release
+        the initial model as the run's result."""
+        refused = {pid: r["refused"] for pid, r in round_.reports.items() if "refused" in r}
+        if server_round == 1 and asked and not round_.trained and len(refused) + len(round_.failed) == asked:
+            self.round_clients[server_round], self.missed[server_round] = round_.reports, round_.missed
+            why = [f"client {pid} refused: {reason}" for pid, reason in sorted(refused.items())]
+            why += [f"client {m['client'] if m['client'] is not None else '?'} failed: {last_line(m['reason'])}"
+                    for m in round_.missed if CLIENT_CODE_FAILED in m["reason"]]
+            raise NoClientCanTrain("round 1: no client can train, so the run stops: " + "; ".join(why))
+        if round_.failed and len(round_.failed) == asked:
+            raise ClientsFailed(f"round {server_round}: every client failed; the first said: "
+                                f"{last_line(round_.failed[0])}")
 
     def configure_evaluate(self, server_round, arrays, config, grid):
         if self.own_data and self._sent:
@@ -311,6 +317,39 @@ class RecordingStrategy(Strategy):
         return aggregated
 
 
+@dataclass
+class SortedReplies:
+    """A round's replies as aggregate_train sorts them."""
+    trained: list = field(default_factory=list)  # the replies that are aggregated
+    reports: dict = field(default_factory=dict)  # partition id → what its reply said
+    missed: list = field(default_factory=list)  # {client, node_id, reason}
+    answered: set = field(default_factory=set)  # node ids
+    failed: list = field(default_factory=list)  # the reasons of clients whose own code raised
+
+
+def client_report(reply: Message) -> dict:
+    """What a client's reply says, as the round's record keeps it: its metrics, and the files
+    its owner left out and the code that answered, where it says so."""
+    report = dict(next(iter(reply.content.metric_records.values())))
+    records = reply.content.config_records
+    if "skipped-files" in records:  # the owner's choice: named in the summary
+        report["skipped-files"] = dict(count=int(records["skipped-files"]["count"]),
+                                       first=list(records["skipped-files"]["first"]))
+    if "service" in records:  # the owner's data service: what code answered
+        report["service"] = dict(version=str(records["service"].get("version")), code=str(records["service"].get("code")))
+    return report
+
+
+def same_metric_keys(trained: list[Message]) -> list[Message]:
+    """The replies with only the metrics every one of them has (Flower aggregates only replies
+    whose metrics have the same keys)."""
+    common = [k for k in AGGREGATED_METRICS if all(k in _metrics([r.content])[0] for r in trained)]
+    for reply in trained:
+        name, metrics = next(iter(reply.content.metric_records.items()))
+        reply.content[name] = MetricRecord({k: metrics[k] for k in common})
+    return trained
+
+
 def client_reason(reply: Message, record: str) -> str:
     """The reason a client gave in its reply's ConfigRecord `record` (refusal, divergence)."""
     records = reply.content.config_records
@@ -329,7 +368,7 @@ class NoClientCanTrain(ClientsFailed):
     """In a run's first round every client refused or failed: the run stops with each reason."""
 
 
-def _last_line(reason: str) -> str:
+def last_line(reason: str) -> str:
     """The client's own message from Flower's error text (it ends "Message: <the exception>")."""
     text = reason.strip().rstrip("'>").strip()
     return text.split("Message: ", 1)[-1].strip()

@@ -40,7 +40,7 @@ def _labelled(label: str, items: list[str]) -> list[str]:
 
 def outcome(record: dict, client: str) -> str | None:
     """Why `client` did not train in this round (None: it trained, or was not asked)."""
-    from server.strategy import _last_line
+    from server.strategy import last_line
 
     if client in record.get("refused", {}):
         return f"refused: {record['refused'][client]}"
@@ -48,7 +48,7 @@ def outcome(record: dict, client: str) -> str | None:
         return f"its reply was rejected: {record['rejected'][client]}"
     for m in record.get("missed", []):
         if str(m["client"]) == client:
-            return f"missed: {_last_line(m['reason'])}"
+            return f"missed: {last_line(m['reason'])}"
     if int(client) in record.get("skipped", []):
         return "skipped: its privacy budget for the run is spent"
     return None
