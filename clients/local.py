@@ -47,15 +47,15 @@ from fedsd import data as data_lib
 from fedsd import ledger as ledgers
 from fedsd import privacy
 from fedsd.central import resolve_device
-from fedsd.client_data import DataError, HolderData, load_holder_data, normalised, task_for
+from fedsd.client_data import HolderData, load_holder_data, normalised, task_for
+from fedsd.errors import BudgetExhausted, BudgetRefused, ConfigError, DataError, TrainingDiverged
 from fedsd.config import validate
-from fedsd.errors import ConfigError
 from fedsd.results import save_atomic, write_json
-from fedsd.federation import FedOptions, client_config, from_flat, round_epochs, round_teacher
-from fedsd.training import (BudgetExhausted, DPTrainer, Model, TrainingDiverged, TrainState, load_train_state,
-                            released, save_train_state)
+from fedsd.fed_settings import FedOptions, client_config, from_flat, round_epochs, round_teacher
+from fedsd.training import DPTrainer, Model, TrainState, load_train_state, planned_trainer, save_train_state
+from fedsd.methods import released
 
-from task.federation import Federation, build_federation
+from task.simulated_shards import Federation, build_federation
 from task.records import SPENT_EPSILON, load_state, model_to_record, record_to_model, save_state
 
 from clients import node_config as node_configs
@@ -82,7 +82,7 @@ def trainer_for(flat: dict, partition_id: int) -> tuple[Federation, DPTrainer]:
     device = resolve_device(federation.cfg.device)
     data, plan = federation.client_data(partition_id, device), federation.client_plan(partition_id)
     if key not in _TRAINERS:
-        _TRAINERS[key] = DPTrainer(federation.cfg, data, plan, client=partition_id)
+        _TRAINERS[key] = planned_trainer(federation.cfg, data, plan, client=partition_id)
     elif _TRAINERS[key].client != partition_id:
         _TRAINERS[key].bind(data, plan, client=partition_id)
     return federation, _TRAINERS[key]
@@ -158,7 +158,7 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
         plan = privacy.plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant,
                             cache_dir=str(node.state_folder("calibrations")))
         _TRAINERS.clear()  # one data set a process: a fresh ClientApp process, or one Ray worker's client
-        _TRAINERS[key] = DPTrainer(cfg, tensors, plan, client=partition_id)
+        _TRAINERS[key] = planned_trainer(cfg, tensors, plan, client=partition_id)
     # Secret noise is drawn as Opacus' secure_mode draws it (the sum of four Gaussians, halved):
     # the low bits of a single Gaussian sample would tell an observer about the noise (the
     # floating-point attack of Jin et al., 2022). Its seed is secret_start's.
@@ -271,7 +271,7 @@ def told_the_server(reason: str, node_config) -> str:
 
 def spent_so_far(state, plan: privacy.PrivacyPlan) -> float:
     """ε this client spent in the run before this round (its carried accountant history)."""
-    return 0.0 if state is None else privacy.Ledger(plan.accountant, state.history).epsilon(plan.delta)
+    return 0.0 if state is None else privacy.AccountantHistory(plan.accountant, state.history).epsilon(plan.delta)
 
 
 def state_lost(side: ClientSide, state) -> str | None:
@@ -354,7 +354,7 @@ def train_reply(content: RecordDict, context: Context) -> RecordDict:
     config, its data, the run's plan, the owner's ledger), then trained."""
     try:
         side = client_side(content, context)
-    except (privacy.BudgetRefused, ConfigError, DataError) as e:
+    except (BudgetRefused, ConfigError, DataError) as e:
         # The node's own settings, its own data or a request it does not take say no: nothing
         # trained or spent. A refusal (not an error) so that the server can name this client and
         # its reason.
@@ -408,7 +408,7 @@ def admit(side: ClientSide, state: TrainState | None, context: Context, base: di
                 # Charged before the steps run: a round cut short still counts as spent.
                 ledger.spend(plan.noise_multiplier, plan.sample_rate, len(epochs) * trainer.steps_per_epoch,
                              run=side.fed.experiment_id, flower_run=int(context.run_id), round=side.server_round)
-    except privacy.BudgetRefused as e:
+    except BudgetRefused as e:
         return refusal({**base, "epsilon": spent_so_far(state, plan)}, str(e))
     except BudgetExhausted:
         return RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "refused": 0,

@@ -105,14 +105,14 @@ def clip_factor(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
 # How a conv layer's per-sample norms and clipped sum are made: ghost norms and a reweighted
 # weight gradient, per-sample gradients from fedsd.conv_kernel, or from PyTorch's patches and
 # batched products.
-CONV_ROUTES = ("ghost", "kernel", "patches")
+CONV_WAYS = ("ghost", "kernel", "patches")
 
 
 class BookKeepingClipper:
     def __init__(self, model: nn.Module, max_grad_norm: float, kernel: bool = True,
-                 conv_routes: dict[int, str] | None = None):
+                 conv_ways: dict[int, str] | None = None):
         """kernel=False: per-sample gradients by PyTorch's batched products, never fedsd.conv_kernel.
-        conv_routes: a route of CONV_ROUTES for each conv layer (by its index among the model's
+        conv_ways: a way of CONV_WAYS for each conv layer (by its index among the model's
         Conv2d/Linear layers), as measured on this machine (fedsd.routes); unset, a flops rule
         chooses (uses_ghost_norm)."""
         self.layers = []
@@ -127,8 +127,8 @@ class BookKeepingClipper:
                                  "use hooks or ghost")
         self.max_grad_norm = max_grad_norm
         self.kernel = kernel
-        self.conv_routes = dict(conv_routes) if conv_routes is not None else None
-        self.taken: dict[int, str] = {}  # the route each conv layer took in the last step (benchmarks)
+        self.conv_ways = dict(conv_ways) if conv_ways is not None else None
+        self.taken: dict[int, str] = {}  # the way each conv layer took in the last step (benchmarks)
         self._inputs: dict[nn.Module, torch.Tensor] = {}
         self._outputs: dict[nn.Module, torch.Tensor] = {}
         for layer in self.layers:
@@ -145,12 +145,12 @@ class BookKeepingClipper:
         limit = GHOST_FLOPS_LIMIT_WITH_KERNEL if kernel else GHOST_FLOPS_LIMIT
         return 2 * T * T * (d + p) < limit * 2 * T * d * p
 
-    def route(self, index: int, layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> str:
-        """The route conv layer `index` takes for this (a, g): the measured one where given (the
-        PyTorch route where the kernel does not apply here), else the flops rule."""
+    def way(self, index: int, layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> str:
+        """The way conv layer `index` takes for this (a, g): the measured one where given (PyTorch's
+        patches where the kernel does not apply here), else the flops rule."""
         kernel = self.kernel and conv_kernel.applies(layer, a, g)
-        if self.conv_routes is not None and index in self.conv_routes:
-            chosen = self.conv_routes[index]
+        if self.conv_ways is not None and index in self.conv_ways:
+            chosen = self.conv_ways[index]
             return "patches" if chosen == "kernel" and not kernel else chosen
         return "ghost" if self.uses_ghost_norm(layer, g, kernel) else "kernel" if kernel else "patches"
 
@@ -165,7 +165,7 @@ class BookKeepingClipper:
 
     @staticmethod
     def add_layer_norms2(norms2: torch.Tensor, layer: nn.Module, a: torch.Tensor, g: torch.Tensor,
-                         route: str | None) -> tuple:
+                         way: str | None) -> tuple:
         """Add one layer's squared per-sample gradient norms (of the batch mean's gradients) to
         `norms2`, in place, and return what its clipped sum needs: (per-sample weight gradients
         or None, per-sample bias gradients or None, whether the former are (n, kh·kw·c, p) as
@@ -182,10 +182,10 @@ class BookKeepingClipper:
         if per_sample_bias is not None:
             norms2 += per_sample_bias.pow(2).sum(1)
         G = g.permute(0, 2, 3, 1).reshape(n, th * tw, p)  # (n, T, p), a view when channels-last
-        if route == "ghost":
+        if way == "ghost":
             norms2 += _ghost_norms2(layer, a, G)
             return None, None, False
-        if route == "kernel":
+        if way == "kernel":
             per_sample, per_sample_norms2 = conv_kernel.per_sample_grads(layer, a, g)
             norms2 += per_sample_norms2
             return per_sample, per_sample_bias, True
@@ -226,10 +226,10 @@ class BookKeepingClipper:
         norms2 = torch.zeros(batch_size, device=loss.device, dtype=loss.dtype)
         kept = []
         for index, (layer, a, g) in enumerate(self.captured(loss)):
-            route = self.route(index, layer, a, g) if isinstance(layer, nn.Conv2d) else None
-            if route is not None:
-                self.taken[index] = route
-            kept.append((layer, a, g, self.add_layer_norms2(norms2, layer, a, g, route)))
+            way = self.way(index, layer, a, g) if isinstance(layer, nn.Conv2d) else None
+            if way is not None:
+                self.taken[index] = way
+            kept.append((layer, a, g, self.add_layer_norms2(norms2, layer, a, g, way)))
         # Scale back from the mean's gradients to each sample's own (×n), in the norms and in the
         # weights of the sum, rather than in every output gradient.
         norms = norms2.sqrt() * batch_size

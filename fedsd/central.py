@@ -15,8 +15,9 @@ from . import privacy, routes
 from .config import TrainConfig, validate
 from .models import build_model, check_private_trainable
 from .results import RunResult, check_out_dir, fresh_out_dir, save_atomic, write_json, write_run
-from .training import DPTrainer, TrainingDiverged, TrainState, evaluate, initial_model, released
-from .errors import ConfigError, ResumeError  # noqa: F401 (ResumeError: also importable from here)
+from .training import DPTrainer, TrainState, evaluate, initial_model, planned_trainer
+from .errors import ConfigError, ResumeError, TrainingDiverged
+from .methods import released
 
 
 def resolve_device(name: str) -> torch.device:
@@ -130,7 +131,7 @@ class CentralRun:
         run, cfg = self.prepared, self.cfg
         route = routes.Route.from_dict(saved["route"]) if saved is not None and saved["route"] else None
         tensors = data_lib.prepare(run.data, run.train_indices, run.device, input_stats(cfg))
-        return DPTrainer(cfg, tensors, self.plan, route=route)
+        return planned_trainer(cfg, tensors, self.plan, route=route)
 
     def _validation_split(self) -> tuple[torch.Tensor, torch.Tensor]:
         """--validation's held-out samples, normalised and laid out as the training data."""
@@ -149,6 +150,10 @@ class CentralRun:
             if self.out is not None and not self.resumed:
                 shutil.rmtree(self.out, ignore_errors=True)
             raise
+        if not self.epochs:  # the run's first epoch: its steps against what its route was measured at
+            data = self.trainer.data
+            routes.check(self.trainer.route, self.cfg, data.num_classes, tuple(data.x_train.shape[1:]),
+                         data.x_train.device, metrics["seconds"] / max(metrics["steps"], 1))
         net, tensors = self.trainer.model, self.trainer.data
         net.load_state_dict(released(self.model))
         accuracy, loss = evaluate(net, tensors.x_test, tensors.y_test)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .data import STANDARD_STATS, normalise
-from .errors import DataError  # noqa: F401 (also importable from here)
+from .errors import DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 # Bounds on a task's sizes: a run config is the server's, and a client prepares its data to it
@@ -270,7 +270,7 @@ def normalised(images: torch.Tensor, task: Task) -> torch.Tensor:
 
 
 def _floats(text: str, option: str, channels: int) -> tuple[float, ...]:
-    from .config import ConfigError
+    from .errors import ConfigError
 
     try:
         values = tuple(float(v) for v in text.split(","))
@@ -284,7 +284,8 @@ def _floats(text: str, option: str, channels: int) -> tuple[float, ...]:
 def task_for(cfg) -> Task:
     """The task a (resolved) TrainConfig describes; ConfigError naming the setting when the
     task and the model do not fit."""
-    from .config import CUSTOM, ConfigError
+    from .config import CUSTOM
+    from .errors import ConfigError
 
     if cfg.dataset != CUSTOM:
         task = builtin_task(cfg.dataset)

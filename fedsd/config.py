@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from . import clippers, methods
 from .data import DATASET_TITLES, DATASETS
 from .models import ACTIVATIONS, DEFAULT_MODEL, MODELS
-from .settings import Setting, check_setting, declared_only, setting, settings_of
-from .errors import ConfigError  # noqa: F401 (also importable from here)
+from .settings import Setting, check_choices, check_setting, declared_only, setting, settings_of
+from .errors import ConfigError
 
 METHODS = tuple(methods.METHODS)
 CUSTOM = "custom"  # a task whose data only the clients hold (fedsd.client_data)
@@ -275,11 +275,7 @@ def check_method_settings(c) -> None:
             raise ConfigError(f"{s.flag}: a setting of {_listed(owners)}, not of --method {c.method}; leave it out")
     for s in own.values():
         value = getattr(c, s.name)
-        if value is None:
-            continue
-        if s.choices:
-            _check_choice(s.flag, value, s.choices)
-        if s.check is not None:
+        if value is not None and s.check is not None:
             check_setting(s.check[0](value), s.flag, s.check[1], value)
     if methods.release_of(c) != "ema":
         for name in ("ema_decay", "ema_warmup"):
@@ -300,13 +296,8 @@ METHOD_SETTING_NAMES = frozenset(s.name for m in METHODS for s in method_setting
 def validate(c: TrainConfig, num_train: int) -> None:
     """Check a resolved config against the data it will train on (`num_train` samples, the
     data set this privacy guarantee protects). Raises ConfigError naming the option."""
-    _check_choice("--dataset", c.dataset, DATASETS)
-    _check_choice("--method", c.method, METHODS)
-    _check_choice("--accountant", c.accountant, ACCOUNTANTS)
-    _check_choice("--device", c.device, DEVICES)
-    _check_choice("--model", c.model, MODELS)
-    _check_choice("--grad-sample-mode", c.grad_sample_mode, GRAD_SAMPLE_MODES)
-    _check_choice("--memory-format", c.memory_format, MEMORY_FORMATS)
+    check_choices(c)  # every setting with allowed values, as declared
+    _check_choice("--dataset", c.dataset, DATASETS)  # a custom task's data are the clients' own
     check_layout(c)
     check_setting(math.isfinite(c.epsilon) and c.epsilon > 0, "--epsilon", "must be > 0", c.epsilon)
     check_setting(0 < c.delta < 1.0 / num_train, "--delta",

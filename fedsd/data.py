@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import ConfigError, DataError, DataNotFoundError  # noqa: F401 (DataNotFoundError: also importable from here)
+from .errors import ConfigError, DataError, DataNotFoundError
 
 DATASETS = ("mnist", "fmnist", "cifar10")
 DATASET_TITLES = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR-10"}  # as the papers name them

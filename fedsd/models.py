@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import ConfigError, ModelNotPrivateError  # noqa: F401 (ModelNotPrivateError: also importable from here)
+from .errors import ConfigError, ModelNotPrivateError
 
 MODELS = ("mnist-cnn", "cifar-cnn")
 DEFAULT_MODEL = {"mnist": "mnist-cnn", "fmnist": "mnist-cnn", "cifar10": "cifar-cnn"}

@@ -21,7 +21,7 @@ from opacus.accountants import create_accountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 from opacus.accountants.utils import get_noise_multiplier
 
-from .errors import BudgetError, BudgetRefused  # noqa: F401 (also importable from here)
+from .errors import BudgetError, BudgetRefused
 
 EPSILON_TOLERANCE = 0.01
 # Rényi orders of every RDP computation here. Opacus' default set stops at 63, and a run whose
@@ -120,9 +120,11 @@ def _rdp_of_one_step(sample_rate: float, noise_multiplier: float) -> np.ndarray:
     return rdp
 
 
-class Ledger:
-    """One Opacus accountant for a whole run; its history is plain data, so it travels in a
-    client's state between rounds and in checkpoints."""
+class AccountantHistory:
+    """One Opacus accountant for a whole run (a data holder's, central or one client's), kept as
+    its history of (σ, q, steps), plain data that travels in a client's state between rounds
+    and in checkpoints. (The owner's lifetime budget across runs is PrivacyFilter, kept by
+    fedsd.ledger.)"""
 
     def __init__(self, kind: str = "rdp", history: list | None = None):
         self.kind = kind
@@ -151,8 +153,8 @@ class Ledger:
         return float(eps)
 
     def epsilon_after(self, steps: int, noise_multiplier: float, sample_rate: float, delta: float) -> float:
-        """ε spent if `steps` more steps were taken (asks a scratch copy; this ledger is unchanged)."""
-        scratch = Ledger(self.kind, self.history + [[noise_multiplier, sample_rate, steps]])
+        """ε spent if `steps` more steps were taken (asks a scratch copy; this history is unchanged)."""
+        scratch = AccountantHistory(self.kind, self.history + [[noise_multiplier, sample_rate, steps]])
         return scratch.epsilon(delta)
 
 
@@ -183,9 +185,9 @@ class PrivacyFilter:
 
     def epsilon(self, extra: list[tuple[float, float, int]] = ()) -> float:
         """ε at max δ of everything admitted so far, plus `extra` (σ, q, steps) entries: the
-        composition of an RDP Ledger over them (the orders RDP_ORDERS, fixed in advance)."""
+        composition of an RDP AccountantHistory over them (the orders RDP_ORDERS, fixed in advance)."""
         history = [[e["noise_multiplier"], e["sample_rate"], e["steps"]] for e in self.entries]
-        return Ledger("rdp", history + [list(x) for x in extra]).epsilon(self.max_delta)
+        return AccountantHistory("rdp", history + [list(x) for x in extra]).epsilon(self.max_delta)
 
     def check(self, epsilon: float, delta: float, noise_multiplier: float, sample_rate: float, steps: int) -> None:
         """Raise BudgetRefused, with the reason, unless a run of this (ε, δ) and plan fits."""

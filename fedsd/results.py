@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import DataError, OutputExistsError  # noqa: F401 (OutputExistsError: also importable from here)
+from .errors import DataError, OutputExistsError
 
 # result.json's format. 0: the files written before it carried one (they read the same).
 RESULT_FORMAT = 1

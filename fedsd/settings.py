@@ -28,6 +28,15 @@ def declared_only(cls, saved: dict) -> dict:
     return {k: v for k, v in saved.items() if k in names}
 
 
+def check_choices(obj) -> None:
+    """Every declared setting of `obj` with allowed values holds one of them (or is unset):
+    ConfigError naming the option, what was given and what is allowed."""
+    for s in settings_of(type(obj)):
+        value = getattr(obj, s.name)
+        if s.choices and value is not None and value not in s.choices:
+            raise ConfigError(f"{s.flag}: unknown value {value!r}; choose one of {', '.join(map(str, s.choices))}")
+
+
 def check_setting(condition: bool, option: str, allowed: str, value) -> None:
     """ConfigError naming the option as the user typed it, what is allowed and what was given."""
     if not condition:

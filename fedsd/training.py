@@ -30,11 +30,11 @@ from .callbacks import ProximalTerm, StepCallback
 from .clippers import CLIPPERS
 from .config import TrainConfig, check_layout
 from .data import TensorData
-from .methods import EpochLoss, Model, Weights, method_of, release_callbacks, released, with_release  # noqa: F401 (released: also importable from here)
+from .methods import EpochLoss, Model, Weights, method_of, release_callbacks, with_release
 from .models import build_model, check_private_trainable
-from .privacy import Ledger, PrivacyPlan, steps_per_epoch
+from .privacy import AccountantHistory, PrivacyPlan, steps_per_epoch
 from .seeds import SEED_CLIENT_RNG, SEED_MODEL_INIT, derive_seed
-from .errors import BudgetExhausted, StateMismatch, TrainingDiverged  # noqa: F401 (also importable from here)
+from .errors import BudgetExhausted, StateMismatch, TrainingDiverged
 
 
 # A run has diverged when a step's loss is not finite, or when the mean over the last
@@ -175,6 +175,15 @@ class DivergenceCheck:
         raise TrainingDiverged(divergence_message(self.cfg, self.epoch, self.recent[-1], self._mean(), self.limit))
 
 
+def planned_trainer(cfg: TrainConfig, data: TensorData, plan: PrivacyPlan, client: int = 0,
+                    route: routes.Route | None = None) -> "DPTrainer":
+    """The trainer of a run being planned: with --grad-sample-mode auto its route is measured
+    (or read from this machine's cache) first, then handed to the trainer."""
+    if route is None:
+        route = routes.for_run(cfg, data.num_classes, tuple(data.x_train.shape[1:]), data.x_train.device)
+    return DPTrainer(cfg, data, plan, client=client, route=route)
+
+
 class DPTrainer:
     """Opacus DP-SGD on one data set (a central training set or one client's shard).
 
@@ -184,15 +193,16 @@ class DPTrainer:
 
     def __init__(self, cfg: TrainConfig, data: TensorData, plan: PrivacyPlan, client: int = 0,
                  route: routes.Route | None = None):
-        """`route`: with --grad-sample-mode auto, the route a resumed run chose when it started
-        (else the one measured and cached for this machine)."""
+        """`route`: with --grad-sample-mode auto, the run's route, measured while the run was
+        planned (planned_trainer; a resumed run: the one it started with)."""
         check_layout(cfg)
+        if cfg.grad_sample_mode == routes.AUTO and route is None:
+            raise ValueError("DPTrainer: --grad-sample-mode auto trains on the run's measured route; plan it "
+                             "first (fedsd.training.planned_trainer, fedsd.routes.for_run)")
         self.cfg = cfg
         self.device = data.x_train.device
-        # auto: the route measured fastest on this machine for this configuration (fedsd.routes),
-        # and the layout it runs in
-        self.route = ((route or routes.choose(cfg, data.num_classes, tuple(data.x_train.shape[1:]), self.device))
-                      if cfg.grad_sample_mode == routes.AUTO else None)
+        # auto: the route measured fastest on this machine for this configuration, and its layout
+        self.route = route if cfg.grad_sample_mode == routes.AUTO else None
         mode = self.route.mode if self.route is not None else cfg.grad_sample_mode
         self.memory_format = (routes.LAYOUTS[self.route.memory_format] if self.route is not None
                               else torch_memory_format(cfg))
@@ -204,7 +214,9 @@ class DPTrainer:
         self._evaluation_model: torch.nn.Module | None = None  # built on first use
         # The clipping route: it computes the clipped per-sample gradient sum and owns the Opacus
         # optimizer that adds the noise and averages (fedsd.clippers).
-        self.clipper = CLIPPERS[mode](self.model, cfg, mode, self.route)
+        self.clipper = CLIPPERS[mode](self.model, cfg, mode)
+        if self.route is not None:
+            self.clipper.take(self.route)
         sgd = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         self.optimizer = self.clipper.make_optimizer(
             sgd, noise_multiplier=plan.noise_multiplier, max_grad_norm=cfg.clip, expected_batch_size=cfg.batch_size,
@@ -239,7 +251,7 @@ class DPTrainer:
         cfg = self.cfg
         self.check_budget(state, epochs)
         state = copy.deepcopy(state) if state is not None else TrainState()
-        ledger = Ledger(self.plan.accountant, state.history)
+        accountant = AccountantHistory(self.plan.accountant, state.history)
         if state.rng_state is None:
             self.generator.manual_seed(_rng_seed(cfg, self.client))
         else:
@@ -267,7 +279,7 @@ class DPTrainer:
                 loss = self._step(objective, callbacks)
                 divergence.after_step(loss, epoch, objective.chance)
                 loss_sum += loss
-                ledger.step(self.plan.noise_multiplier, self.plan.sample_rate)
+                accountant.step(self.plan.noise_multiplier, self.plan.sample_rate)
                 state.steps += 1
                 steps_run += 1
 
@@ -276,12 +288,12 @@ class DPTrainer:
             callback.on_call_end(self)
         student = self.student_weights()
         model["student"] = student
-        state.history = ledger.history
+        state.history = accountant.history
         state.rng_state = self.generator.get_state()
         state.local_model = student
         state.momentum = self._momentum()
         metrics = dict(num_examples=self.num_train, train_loss=loss_sum / max(steps_run, 1), steps=steps_run,
-                       epsilon=ledger.epsilon(self.plan.delta), noise_multiplier=self.plan.noise_multiplier,
+                       epsilon=accountant.epsilon(self.plan.delta), noise_multiplier=self.plan.noise_multiplier,
                        seconds=time.perf_counter() - started)
         return model, state, metrics
 
@@ -296,13 +308,13 @@ class DPTrainer:
 
     def check_budget(self, state: TrainState | None, epochs: list[int]) -> None:
         """Raise BudgetExhausted when these epochs would spend more than this run's (ε, δ)."""
-        ledger = Ledger(self.plan.accountant, state.history if state is not None else [])
+        accountant = AccountantHistory(self.plan.accountant, state.history if state is not None else [])
         steps_to_run = len(epochs) * self.steps_per_epoch
-        after = ledger.epsilon_after(steps_to_run, self.plan.noise_multiplier, self.plan.sample_rate,
+        after = accountant.epsilon_after(steps_to_run, self.plan.noise_multiplier, self.plan.sample_rate,
                                      self.plan.delta)
         if after > self.plan.epsilon * (1 + 1e-9):
             raise BudgetExhausted(f"{steps_to_run} more steps would spend ε={after:.3f} > budget "
-                                  f"{self.plan.epsilon} (spent so far {ledger.epsilon(self.plan.delta):.3f})")
+                                  f"{self.plan.epsilon} (spent so far {accountant.epsilon(self.plan.delta):.3f})")
 
     # -- the weights a method changes in a call --------------------------------------------
     def student_weights(self) -> Weights:

@@ -23,13 +23,15 @@ from flwr.serverapp import Grid, ServerApp
 from fedsd import data as data_lib
 from fedsd.central import resolve_device
 from fedsd.client_data import input_stats, normalised, task_for
-from fedsd.config import CUSTOM, ConfigError, TrainConfig
-from fedsd.federation import FedOptions, client_config, from_flat, to_flat
+from fedsd.config import CUSTOM, TrainConfig
+from fedsd.errors import ConfigError
+from fedsd.fed_settings import FedOptions, client_config, from_flat, to_flat
 from fedsd.models import build_model
 from fedsd.results import RunResult, fresh_out_dir, write_run
 from fedsd.settings import flags_to_keys
-from fedsd.training import initial_model, released, torch_memory_format
-from task.federation import build_federation
+from fedsd.training import initial_model, torch_memory_format
+from fedsd.methods import released
+from task.simulated_shards import build_federation
 from task.records import model_to_record, record_to_model
 
 from . import checkpoint

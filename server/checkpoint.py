@@ -21,7 +21,7 @@ import torch
 
 from fedsd.config import TrainConfig
 from fedsd.errors import ResumeError
-from fedsd.federation import FedOptions, from_flat, to_flat
+from fedsd.fed_settings import FedOptions, from_flat, to_flat
 from fedsd.results import check_out_dir, save_atomic
 
 CHECKPOINT = "checkpoint.pt"

@@ -15,7 +15,8 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord
 from tqdm.auto import tqdm
 
-from fedsd.training import evaluate, released
+from fedsd.training import evaluate
+from fedsd.methods import released
 from task.records import record_to_model
 
 from . import checkpoint

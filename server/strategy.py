@@ -17,9 +17,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (DifferentialPrivacyServerSideFixedClipping, FedAdam, FedAvg, FedProx,
                                      Strategy)
 
-from fedsd.federation import FedOptions
+from fedsd.fed_settings import FedOptions
 from fedsd.methods import MODEL_GROUPS
-from fedsd.training import TrainingDiverged
+from fedsd.errors import TrainingDiverged
 from task.records import SPENT_EPSILON
 
 

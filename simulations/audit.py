@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -29,10 +28,13 @@ from fedsd import audit, privacy
 from fedsd import data as data_lib
 from fedsd.client_data import input_stats
 from fedsd.central import prepare_run, resolve_device
-from fedsd.config import ConfigError, TrainConfig, check_setting
+from fedsd.config import TrainConfig, check_setting
+from fedsd.errors import ConfigError
 from fedsd.results import atomic_path, check_out_dir, staged_out_dir, write_json
 from fedsd.settings import add_options, from_args, setting
-from fedsd.training import DPTrainer, derive_seed, evaluate, initial_model, released
+from fedsd.training import DPTrainer, evaluate, initial_model, planned_trainer
+from fedsd.seeds import derive_seed
+from fedsd.methods import released
 from simulations import dry_run
 
 SEED_AUDIT = 3  # canaries: inclusion and participation (fedsd.training's purposes 0–2)
@@ -124,8 +126,8 @@ def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bo
         cfg, images, device = run.cfg, run.data, run.device
         holders = [data_lib.prepare(images, run.train_indices, device, input_stats(cfg))]
     else:
-        from fedsd.federation import FedOptions
-        from task.federation import build_federation
+        from fedsd.fed_settings import FedOptions
+        from task.simulated_shards import build_federation
 
         device = resolve_device(cfg.device)
         federation = build_federation(cfg, FedOptions(num_clients=settings.clients, rounds=cfg.epochs, local_epochs=1))
@@ -139,7 +141,7 @@ def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bo
         holders[0] = _with_canaries(holders[0], x, y, included, positions)
     plans = [privacy.plan(cfg.epsilon, cfg.delta, len(h.y_train), cfg.batch_size, cfg.epochs, cfg.accountant)
              for h in holders]
-    parties = [Party(DPTrainer(cfg, h, plan, client=k)) for k, (h, plan) in enumerate(zip(holders, plans))]
+    parties = [Party(planned_trainer(cfg, h, plan, client=k)) for k, (h, plan) in enumerate(zip(holders, plans))]
     audited = parties[0].trainer
     canaries = None
     if settings.threat == "white":
@@ -222,27 +224,3 @@ def plot_scores(path: Path, scores: np.ndarray, included: np.ndarray, report: di
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
-
-
-def ceiling(m: int, epsilon: float, delta: float, confidence: float = 0.95) -> float:
-    """What the one-run bound gives for m canaries when every guess is as good as ε allows
-    (each right with probability e^ε/(1 + e^ε), the expected number right): the most any audit
-    of this size can show, so the gap between it and the measured bound is the audit's, and
-    the gap between it and ε is the method's (Steinke et al. 2023, Fig. 1)."""
-    p = 1 / (1 + np.exp(-epsilon))
-    beta = (1 - confidence) / len(audit.GUESS_FRACTIONS)
-    return max(audit.epsilon_lower_bound(m, 2 * k, int(round(2 * k * p)), delta, beta) for k in audit.guess_counts(m))
-
-
-def write_audit_table(run_dirs: list[Path], out: Path) -> None:
-    """results/audit.md from finished `fedsd audit` folders."""
-    rows = [json.loads((Path(d) / "audit.json").read_text()) for d in run_dirs]
-    lines = ["| data set | method | threat | m | accountant ε | measured lower bound | guesses right | "
-             "ceiling for m (perfect scores) | lower bound / accountant |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["dataset"], r["method"], r["epsilon_target"], r["canaries"])):
-        lines.append(f"| {r['dataset']} | {r['method']} | {r['threat']} | {r['canaries']} | "
-                     f"{r['epsilon_accountant']:.3f} | {r['epsilon_lower_bound']:.3f} | "
-                     f"{r['correct']}/{r['guesses']} | "
-                     f"{ceiling(r['canaries'], r['epsilon_accountant'], r['delta']):.3f} | "
-                     f"{r['epsilon_lower_bound'] / r['epsilon_accountant']:.2f} |")
-    out.write_text("\n".join(lines) + "\n")

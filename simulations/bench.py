@@ -15,8 +15,9 @@ import json
 import statistics
 import sys
 
-from fedsd.config import GRAD_SAMPLE_MODES, ConfigError, TrainConfig
-from fedsd.federation import FedOptions
+from fedsd.config import GRAD_SAMPLE_MODES, TrainConfig
+from fedsd.errors import ConfigError
+from fedsd.fed_settings import FedOptions
 from fedsd.results import RunResult
 from fedsd.settings import add_options, from_args
 from simulations import dry_run
@@ -67,6 +68,9 @@ def add_bench_parser(sub) -> None:
     dep.add_argument("--timeout", type=float, default=3600, help="seconds each deployed run may take")
     dep.add_argument("--json", action="store_true")
     dep.set_defaults(func=bench_deploy)
+    rts = what.add_parser("routes", help="the routes --grad-sample-mode auto measured and keeps on this machine")
+    rts.add_argument("--clear", action="store_true", help="forget them all: each is measured again when next needed")
+    rts.set_defaults(func=bench_routes)
 
 
 def every_epoch_distils(method: str) -> dict:
@@ -174,7 +178,7 @@ def bench_step(args: argparse.Namespace) -> int:
     from fedsd.methods import method_of
     from fedsd.models import build_model
     from fedsd.privacy import plan
-    from fedsd.training import DPTrainer
+    from fedsd.training import planned_trainer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -192,8 +196,8 @@ def bench_step(args: argparse.Namespace) -> int:
     objective = method_of(base).epoch_loss(base, 1)  # every step, private or not, times the same loss
     for mode in args.grad_sample_mode:
         cfg = TrainConfig(**{**base.__dict__, "grad_sample_mode": mode})
-        trainer = trainers[mode] = DPTrainer(cfg, TensorData(x, y, x[:1], y[:1], 10),
-                                             plan(3.0, 1e-5, 10 * batch, batch, 1))
+        trainer = trainers[mode] = planned_trainer(cfg, TensorData(x, y, x[:1], y[:1], 10),
+                                                   plan(3.0, 1e-5, 10 * batch, batch, 1))
         steps["dp:" + mode] = lambda t=trainer: t.train_on_batch(t.data.x_train, y, objective)
 
     def nonprivate(layout, compiled):
@@ -256,8 +260,22 @@ def bench_step(args: argparse.Namespace) -> int:
     return _emit(args, rows, "\n".join(lines))
 
 
+def bench_routes(args: argparse.Namespace) -> int:
+    """List the routes this machine keeps (what each was measured for, and the choice), or forget them."""
+    from fedsd import routes
+
+    if args.clear:
+        print(f"bench routes: forgot {routes.forget_all()} route(s); each is measured again when next needed")
+        return 0
+    kept = routes.cached()
+    for key, route in kept:
+        print(f"{key['model']} B={key['batch_size']} {key['device']} {key['threads']} thread(s): {route.describe()}")
+    print(f"bench routes: {len(kept)} route(s) kept in {routes.cache_root() / 'routes'}")
+    return 0
+
+
 def route_taken(trainer) -> dict:
-    """What a trainer's steps ran: the mode (auto's choice), each conv layer's route (bk) and,
+    """What a trainer's steps ran: the mode (auto's choice), each conv layer's way (bk) and,
     for auto, why (its measured times, in one line)."""
     from torch import nn
 
@@ -285,7 +303,8 @@ def bench_epoch(args: argparse.Namespace) -> int:
     from fedsd.central import prepare_run
     from fedsd.config import TrainConfig
     from fedsd.privacy import plan
-    from fedsd.training import DPTrainer, evaluate, initial_model, released
+    from fedsd.training import evaluate, initial_model, planned_trainer
+    from fedsd.methods import released
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -296,8 +315,8 @@ def bench_epoch(args: argparse.Namespace) -> int:
         run = prepare_run(cfg)
         cfg = run.cfg
         n = len(run.train_indices)
-        trainer = DPTrainer(cfg, data_lib.prepare(run.data, run.train_indices, run.device, input_stats(cfg)),
-                            plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant))
+        trainer = planned_trainer(cfg, data_lib.prepare(run.data, run.train_indices, run.device, input_stats(cfg)),
+                                  plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant))
         runs[name] = [cfg, trainer, initial_model(cfg, trainer.data.num_classes), None]
     dry_run.stop_here(f"time {args.epochs} epochs of each of {', '.join(runs)}, interleaved")
     seconds = {name: [] for name in runs}
@@ -337,13 +356,13 @@ def bench_deploy(args: argparse.Namespace) -> int:
 
     import torch
 
-    from fedsd.federation import to_flat
+    from fedsd.fed_settings import to_flat
     from fedsd.results import check_out_dir
     from server.grid import default_poll_seconds
-    from simulations.deploy import FLOOR_APP, LocalDeployment
+    from simulations.local_deployment import FLOOR_APP, LocalDeployment
     from simulations.simulate import simulate
     from simulations.split_data import write_client_folders
-    from task.federation import build_federation
+    from task.simulated_shards import build_federation
 
     cfg, fed = from_args(TrainConfig, args), from_args(FedOptions, args)
     fed.validate()

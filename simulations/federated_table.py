@@ -19,12 +19,12 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedsd.config import ConfigError, TrainConfig
-from fedsd.federation import FedOptions, client_config
+from fedsd.config import TrainConfig
+from fedsd.errors import ConfigError, TrainingDiverged
+from fedsd.fed_settings import FedOptions, client_config
 from fedsd.results import RunResult, write_json
-from fedsd.training import TrainingDiverged
 
-from .reproduce import DIVERGED, paired_difference
+from .runs import DIVERGED, NOT_SETTINGS, paired_difference, plot_curves, seed_files, seeds_run
 
 # The issue's settings, declared once. lr 1.5, chosen on the federation's validation split: the
 # central B = 256 sweep's best, 3, makes a Dirichlet(0.1) client diverge in round 1 once 10,000
@@ -108,7 +108,6 @@ def _settings(cfg: TrainConfig, fed: FedOptions) -> dict:
     """What a run computes: its flat settings without where it ran or how it was computed."""
     from server.checkpoint import settings
 
-    from .reproduce import NOT_SETTINGS
 
     skip = {k.replace("_", "-") for k in NOT_SETTINGS}
     return {k: v for k, v in settings(cfg, fed).items() if k not in skip}
@@ -167,7 +166,7 @@ def reproduce_fed(partitions, methods, seeds: int, jobs: int, rounds: int | None
                   device: str, data_dir: str | None, out: Path, quiet: bool) -> None:
     """Run what is missing of the federated table, then write it from every finished run."""
     from simulations import dry_run
-    from task.federation import build_federation
+    from task.simulated_shards import build_federation
 
     if device != "cpu" and jobs > 1:
         raise ConfigError("--jobs: the federated table runs one simulation at a time; on a GPU its clients "
@@ -221,7 +220,6 @@ def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
     """table-fed.json / .md (final accuracy, best round, client ε range, and the paired
     difference to dpsgd and to dpema in the same partition, with its standard error) and
     fig-fed-<partition>.png, from the finished runs."""
-    from .reproduce import seed_files, seeds_run
 
     rows = []
     for cell in cells:
@@ -276,7 +274,6 @@ def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
 def _figures(rows: list[dict], out: Path) -> None:
     """Test accuracy of the global model by round, one figure a partition, one line a row
     (dashed: a teacher, schedule or release other than the papers')."""
-    from .reproduce import plot_curves
 
     rows = [r for r in rows if "diverged" not in r]
     for partition in dict.fromkeys(r["partition"] for r in rows):

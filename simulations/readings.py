@@ -97,7 +97,7 @@ def screen_runs(readings=READINGS) -> list[ScreenRun]:
 def reproduce_readings(out: Path, jobs: int, threads: int, device: str, data_dir: str | None,
                        quiet: bool) -> Path:
     """Run the screen's missing runs, then write table-readings.{json,md} from what is on disk."""
-    from .reproduce import finished_with, run_jobs
+    from .runs import finished_with, run_jobs
 
     runs_dir = out / "runs" / "readings"
     runs = screen_runs()

@@ -10,15 +10,15 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-from fedsd.config import ConfigError, TrainConfig
-from fedsd.errors import UserError
-from fedsd.federation import FedOptions
+from fedsd.config import TrainConfig
+from fedsd.errors import ConfigError, UserError
+from fedsd.fed_settings import FedOptions
 from fedsd.results import check_out_dir
 from fedsd.settings import add_options, from_args
 from simulations import dry_run
 
 def add_sim_options(p: argparse.ArgumentParser) -> None:
-    """Every FedOptions setting as an option (declared once, in fedsd.federation)."""
+    """Every FedOptions setting as an option (declared once, in fedsd.fed_settings)."""
     add_options(p, FedOptions)
     p.add_argument("--ray-address", default=None, metavar="auto|HOST:PORT",
                    help="run on this running Ray cluster (`ray start --head` on one node, `ray start "
@@ -118,7 +118,7 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
     a job on that running cluster, whose scheduler places each client by --client-cpus and
     --client-gpus."""
     from clients.app import app as client_app
-    from task.federation import build_federation
+    from task.simulated_shards import build_federation
 
     if fed.resume_dir:
         from server.checkpoint import resumed_settings

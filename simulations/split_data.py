@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedsd.config import ConfigError, TrainConfig
-from fedsd.federation import FedOptions
+from fedsd.config import TrainConfig
+from fedsd.errors import ConfigError
+from fedsd.fed_settings import FedOptions
 from fedsd.settings import add_options, from_args
 
 FORMATS = ("imagefolder", "npz")
@@ -47,7 +48,7 @@ def write_client_folders(cfg: TrainConfig, fed: FedOptions, out: Path, fmt: str,
     """out/client-K for every client of `fed`: its shard of cfg.dataset's training split (as
     `fedsd simulate` cuts it) and an even share of the test split, in `fmt`. Checks first;
     writes into a staging folder that becomes `out` only when every client's is written."""
-    from task.partition import shards
+    from task.simulated_shards import cut_shards
     from fedsd import data as data_lib
     from fedsd.results import check_out_dir, staged_out_dir
 
@@ -55,11 +56,7 @@ def write_client_folders(cfg: TrainConfig, fed: FedOptions, out: Path, fmt: str,
         raise ConfigError(f"--dataset: split-data cuts a built-in data set; choose one of {', '.join(data_lib.DATASETS)}")
     fed.validate()
     check_out_dir(out, overwrite)
-    images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)
-    indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation)
-    if fed.num_clients > len(indices):
-        raise ConfigError(f"--clients: {fed.num_clients} clients but only {len(indices)} training samples")
-    parts = shards(images.y_train[indices], fed, cfg.seed)
+    images, indices, parts = cut_shards(cfg, fed)
     test_parts = np.array_split(np.random.default_rng(cfg.seed).permutation(len(images.y_test)), fed.num_clients)
     with staged_out_dir(out, overwrite) as scratch:
         for k, part in enumerate(parts):

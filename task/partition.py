@@ -11,8 +11,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from fedsd.config import ConfigError
-from fedsd.federation import FedOptions
+from fedsd.errors import ConfigError
+from fedsd.fed_settings import FedOptions
 
 
 def _partitioner(fed: FedOptions, seed: int, num_samples: int):

@@ -64,17 +64,17 @@ def write_cifar_shaped(root, n_train: int = 600, n_test: int = 200):
     return root
 
 
-def bookkeeping_clipped_sum(model: str, kernel: bool, conv_routes: dict[int, str] | None = None) -> list:
+def bookkeeping_clipped_sum(model: str, kernel: bool, conv_ways: dict[int, str] | None = None) -> list:
     """Each parameter's clipped sum from book-keeping on a fixed batch of 37 samples, clipping
     active (C = 0.05, below most samples' norms); kernel=False: PyTorch's patches and products;
-    conv_routes: each conv layer's route forced (fedsd.bookkeeping.CONV_ROUTES)."""
+    conv_ways: each conv layer's way forced (fedsd.bookkeeping.CONV_WAYS)."""
     import torch
 
     from fedsd.bookkeeping import BookKeepingClipper
     from fedsd.models import build_model
 
     net = build_model(model, seed=0).to(memory_format=torch.channels_last)
-    clipper = BookKeepingClipper(net, max_grad_norm=0.05, kernel=kernel, conv_routes=conv_routes)
+    clipper = BookKeepingClipper(net, max_grad_norm=0.05, kernel=kernel, conv_ways=conv_ways)
     shape = (1, 28, 28) if model == "mnist-cnn" else (3, 32, 32)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(37, *shape, generator=g).contiguous(memory_format=torch.channels_last)
@@ -120,7 +120,7 @@ def flower_env(tmp_path):
     `flwr run` starts is this test's own, not a user's), and no per-run `uv sync` of the app's
     dependencies (the venv already has them and CI has no route to every index). Whatever
     Flower left running under that home is stopped afterwards."""
-    from simulations.deploy import flower_tool_env, free_port
+    from simulations.local_deployment import flower_tool_env, free_port
 
     home = tmp_path / "flwr-home"
     home.mkdir()

@@ -79,7 +79,7 @@ def test_canaries_go_through_every_clipping_mode_alike():
     from fedsd import data as data_lib
     from fedsd import privacy
     from fedsd.central import prepare_run
-    from fedsd.training import DPTrainer, initial_model
+    from fedsd.training import planned_trainer, initial_model
 
     scores, students = {}, {}
     for mode in GRAD_SAMPLE_MODES:
@@ -87,7 +87,7 @@ def test_canaries_go_through_every_clipping_mode_alike():
                           lr=0.5, grad_sample_mode=mode, threads=2, memory_format="contiguous")
         run = prepare_run(cfg)
         plan = privacy.plan(2.0, 1e-5, 600, 100, 1, "rdp")
-        trainer = DPTrainer(run.cfg, data_lib.prepare(run.data, run.train_indices), plan)
+        trainer = planned_trainer(run.cfg, data_lib.prepare(run.data, run.train_indices), plan)
         canaries = audit.GradientCanaries(50, run.cfg.clip, plan.sample_rate, plan.noise_multiplier, 100, seed=7)
         model, _, _ = trainer.local_update(initial_model(run.cfg, 10), None, [1],
                                            callbacks=[audit.AuditedSteps(canaries)])

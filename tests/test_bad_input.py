@@ -4,7 +4,8 @@ from torch import nn
 
 from fedsd.central import train
 from fedsd.config import TrainConfig
-from fedsd.models import ModelNotPrivateError, check_private_trainable
+from fedsd.models import check_private_trainable
+from fedsd.errors import ModelNotPrivateError
 from simulations.cli import main
 from tests.conftest import require
 

@@ -5,10 +5,10 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from clients.app import app
-from task.federation import build_federation
+from task.simulated_shards import build_federation
 from task.records import model_to_record, record_to_model
 from fedsd.config import TrainConfig
-from fedsd.federation import FedOptions, to_flat
+from fedsd.fed_settings import FedOptions, to_flat
 from fedsd.training import initial_model
 from tests.conftest import require
 
@@ -87,7 +87,7 @@ def test_global_ema_teacher_averages_the_global_models_the_client_received():
 
 
 def test_global_ema_teacher_is_the_average_of_the_global_models():
-    from fedsd.federation import round_teacher
+    from fedsd.fed_settings import round_teacher
 
     fed = FedOptions(teacher="global-ema", teacher_ema_decay=0.75)
     models = [{"w": torch.full((2,), float(v))} for v in (4.0, 8.0, 0.0)]
@@ -230,7 +230,8 @@ def test_train_state_has_one_form_for_both_stores_and_is_checked_on_load(tmp_pat
     from flwr.app import RecordDict
 
     from fedsd.privacy import PrivacyPlan
-    from fedsd.training import StateMismatch, TrainState, load_train_state, save_train_state
+    from fedsd.training import TrainState, load_train_state, save_train_state
+    from fedsd.errors import StateMismatch
     from task.records import load_state, save_state
 
     plan = PrivacyPlan(1.1, 0.01, 100, 3.0, 1e-5, "rdp")

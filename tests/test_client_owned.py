@@ -11,9 +11,10 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from clients.app import app
 from task.records import model_to_record, record_to_model
 from fedsd import client_data
-from fedsd.client_data import DataError, builtin_task, load_holder_data
-from fedsd.config import ConfigError, TrainConfig
-from fedsd.federation import FedOptions, to_flat
+from fedsd.client_data import builtin_task, load_holder_data
+from fedsd.errors import DataError
+from fedsd.config import TrainConfig
+from fedsd.fed_settings import FedOptions, to_flat
 from fedsd.privacy import PrivacyFilter, plan
 from fedsd.models import build_model
 from fedsd.training import evaluate, initial_model
@@ -273,7 +274,7 @@ def test_mean_and_std_reach_every_party_on_a_built_in_data_set():
     from fedsd.central import prepare_run
     from fedsd.client_data import input_stats
     from server.app import public_side
-    from task.federation import build_federation
+    from task.simulated_shards import build_federation
 
     images = data_lib.load("fmnist", None, False)
     raw = lambda x: x.float() / 255  # noqa: E731

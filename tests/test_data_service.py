@@ -22,7 +22,7 @@ from flwr.app import ConfigRecord, Context, RecordDict
 from clients import data_service, local
 from clients.node_config import NodeConfigError, parse
 from fedsd.config import TrainConfig
-from fedsd.federation import FedOptions, client_config, to_flat
+from fedsd.fed_settings import FedOptions, client_config, to_flat
 from fedsd.training import initial_model
 from task.records import model_to_record, record_to_model
 from tests.conftest import require

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from simulations.deploy import ISOLATION_TOOLS, LocalDeployment
+from simulations.local_deployment import ISOLATION_TOOLS, LocalDeployment
 from tests.conftest import require
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import torch
 
 from fedsd.central import train
 from fedsd.config import TrainConfig
-from fedsd.federation import FedOptions
+from fedsd.fed_settings import FedOptions
 from simulations.cli import main
 from simulations.simulate import simulate
 from tests.conftest import require

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from fedsd import data as data_lib
-from fedsd.config import CHANNELS_LAST_EXACT, ConfigError, TrainConfig
+from fedsd.config import CHANNELS_LAST_EXACT, TrainConfig
+from fedsd.errors import ConfigError
 from fedsd.privacy import plan
 from fedsd.methods import EpochLoss
 from fedsd.training import DPTrainer, initial_model

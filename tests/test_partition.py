@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from task.partition import shards
-from fedsd.federation import FedOptions
+from fedsd.fed_settings import FedOptions
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_pathological_gives_each_client_its_classes(labels):
 def test_inner_dirichlet_gives_equal_shards_with_skewed_labels_at_a_thousand_clients():
     """Dirichlet(0.3) over classes per client, equal sizes: the label-skewed split that still
     gives each of 1000 clients a usable shard (DirichletPartitioner cannot, and says what to use)."""
-    from fedsd.config import ConfigError
+    from fedsd.errors import ConfigError
 
     labels = torch.from_numpy(np.repeat(np.arange(10), 6000))  # 60,000 samples
     parts = shards(labels, FedOptions(num_clients=1000, partition="inner-dirichlet", dirichlet_alpha=0.3), seed=0)

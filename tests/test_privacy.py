@@ -2,7 +2,8 @@
 import pytest
 from opacus.accountants import PRVAccountant, RDPAccountant
 
-from fedsd.privacy import BudgetError, Ledger, plan, steps_per_epoch
+from fedsd.privacy import AccountantHistory, plan, steps_per_epoch
+from fedsd.errors import BudgetError
 
 
 @pytest.mark.parametrize("accountant,cls", [("rdp", RDPAccountant), ("prv", PRVAccountant)])
@@ -15,7 +16,7 @@ def test_plan_spends_at_most_the_budget_per_opacus(accountant, cls):
         opacus.step(noise_multiplier=p.noise_multiplier, sample_rate=p.sample_rate)
     spent = opacus.get_epsilon(delta=1e-5)
     assert 0.99 * 3.0 <= spent <= 3.0
-    ledger = Ledger(accountant)
+    ledger = AccountantHistory(accountant)
     for _ in range(p.planned_steps):
         ledger.step(p.noise_multiplier, p.sample_rate)
     assert ledger.epsilon(1e-5) == pytest.approx(spent, rel=1e-9)
@@ -25,24 +26,24 @@ def test_plan_spends_at_most_the_budget_per_opacus(accountant, cls):
 
 def test_ledger_across_rounds_equals_one_accountant():
     """A client's history carried round to round is one accountant, never a fresh one per round."""
-    one = Ledger("rdp")
+    one = AccountantHistory("rdp")
     for _ in range(30):
         one.step(1.1, 0.05)
-    carried = Ledger("rdp")
+    carried = AccountantHistory("rdp")
     for _ in range(3):
-        carried = Ledger("rdp", carried.history)
+        carried = AccountantHistory("rdp", carried.history)
         for _ in range(10):
             carried.step(1.1, 0.05)
     assert carried.steps == 30
     assert carried.epsilon(1e-5) == pytest.approx(one.epsilon(1e-5), rel=1e-12)
-    fresh_per_round = Ledger("rdp")
+    fresh_per_round = AccountantHistory("rdp")
     for _ in range(10):
         fresh_per_round.step(1.1, 0.05)
     assert carried.epsilon(1e-5) > 1.2 * fresh_per_round.epsilon(1e-5)  # 3 rounds spend more than 1
 
 
 def test_epsilon_after_is_a_dry_run():
-    ledger = Ledger("rdp")
+    ledger = AccountantHistory("rdp")
     ledger.step(1.0, 0.1)
     before = ledger.epsilon(1e-5)
     after = ledger.epsilon_after(20, 1.0, 0.1, 1e-5)
@@ -62,19 +63,19 @@ def test_rdp_orders_reach_the_optimum_and_opacus_root_logging_is_left_alone():
     import sys
     import warnings
 
-    from fedsd.privacy import Ledger, plan
+    from fedsd.privacy import AccountantHistory, plan
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         p = plan(3.0, 1e-5, 1000, 128, 2, "rdp")
-        ledger = Ledger("rdp", [[p.noise_multiplier, p.sample_rate, p.planned_steps]])
+        ledger = AccountantHistory("rdp", [[p.noise_multiplier, p.sample_rate, p.planned_steps]])
         assert ledger.epsilon(1e-5) <= 3.0
     code = "import logging, fedsd.training, fedsd.privacy; assert not logging.getLogger().handlers"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_ledger_epsilon_is_opacus_rdp_accountant_to_the_bit():
-    """Ledger composes per-step RDP once per (q, σ) (a small shard's q makes Opacus' RDP slow);
+    """AccountantHistory composes per-step RDP once per (q, σ) (a small shard's q makes Opacus' RDP slow);
     the ε it reports is the one Opacus' RDPAccountant gives for the same history."""
     from fedsd.privacy import RDP_ORDERS
 
@@ -82,7 +83,7 @@ def test_ledger_epsilon_is_opacus_rdp_accountant_to_the_bit():
     opacus = RDPAccountant()
     opacus.history = [tuple(h) for h in history]
     for delta in (1e-5, 1e-3):
-        assert Ledger("rdp", history).epsilon(delta) == float(opacus.get_epsilon(delta, alphas=RDP_ORDERS))
+        assert AccountantHistory("rdp", history).epsilon(delta) == float(opacus.get_epsilon(delta, alphas=RDP_ORDERS))
 
 
 def test_calibration_is_kept_on_disk_for_other_processes(tmp_path, monkeypatch):

@@ -61,7 +61,7 @@ def test_sweep_chooses_on_validation_only(tmp_path, capsys):
 def test_a_setting_added_later_does_not_make_a_finished_run_stale(tmp_path):
     """A run made before a setting existed ran as that setting's default: it is not run again."""
     from fedsd.config import TrainConfig
-    from simulations.reproduce import finished_with
+    from simulations.runs import finished_with
 
     config = dict(dataset="fmnist", method="dpsgd", epsilon=3.0, seed=0)
     saved = TrainConfig(**config).resolved().to_dict()
@@ -247,7 +247,7 @@ def test_a_diverged_federation_is_a_row_of_the_table_and_not_run_again(tmp_path)
 def test_a_grid_sweeps_a_named_choice_and_refuses_one_not_offered():
     """The activation (relu, tanh) and the input normalisation are swept like numbers, and a
     run's folder names them; a value outside a setting's choices is refused before any run."""
-    from fedsd.config import ConfigError
+    from fedsd.errors import ConfigError
     from simulations.sweep import parse_grid, slug
 
     grid = parse_grid(["activation=relu,tanh", "lr=1.5,3"])
@@ -260,7 +260,7 @@ def test_a_grid_sweeps_a_named_choice_and_refuses_one_not_offered():
 def test_the_federated_table_pairs_seeds_and_marks_differences_beyond_two_standard_errors():
     """vs dpsgd / dpema: seed-by-seed differences over the seeds both rows ran, their mean and
     standard error; 'beyond two standard errors' only with more than one seed."""
-    from simulations.reproduce import paired_difference
+    from simulations.runs import paired_difference
 
     base = dict(seeds=[0, 1, 2], final=[80.0, 81.0, 79.0])
     steady = dict(seeds=[0, 1, 2], final=[81.0, 82.2, 79.8])  # +1.0, +1.2, +0.8

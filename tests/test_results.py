@@ -8,7 +8,7 @@ import pytest
 
 from fedsd.config import TrainConfig
 from fedsd.errors import DataError
-from fedsd.federation import FedOptions
+from fedsd.fed_settings import FedOptions
 from fedsd.results import RESULT_FORMAT, RunResult
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"

@@ -19,7 +19,7 @@ from fedsd import data as data_lib
 from fedsd.client_data import builtin_task, normalised
 from fedsd.config import TrainConfig
 from fedsd.errors import DataError
-from fedsd.federation import FedOptions, client_config, to_flat
+from fedsd.fed_settings import FedOptions, client_config, to_flat
 from fedsd.models import build_model
 from fedsd.seeds import SEED_CLIENT_RNG, derive_seed
 from fedsd.training import initial_model

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from fedsd.config import ConfigError, TrainConfig
-from fedsd.federation import FedOptions, from_flat, to_flat
+from fedsd.config import TrainConfig
+from fedsd.errors import ConfigError
+from fedsd.fed_settings import FedOptions, from_flat, to_flat
 from fedsd.settings import add_options, flags_to_keys, from_args, settings_of
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
-from fedsd.federation import FedOptions
+from fedsd.fed_settings import FedOptions
 from fedsd.models import build_model
 from server.strategy import RecordingStrategy, base_strategy, evaluation_metrics, reply_problem, train_metrics
 

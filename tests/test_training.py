@@ -55,13 +55,13 @@ def test_dpema_releases_the_average_not_the_last_iterate():
     require("fmnist")
     from fedsd import data as data_lib
     from fedsd.privacy import plan
-    from fedsd.training import DPTrainer, initial_model
+    from fedsd.training import planned_trainer, initial_model
 
     cfg = TrainConfig(dataset="fmnist", method="dpema", epsilon=3, epochs=1, batch_size=100, subset=500,
                       ema_decay=0.5).resolved()
     images = data_lib.load("fmnist")
     tensors = data_lib.prepare(images, data_lib.stratified_subset(images.y_train, 500, 0))
-    trainer = DPTrainer(cfg, tensors, plan(3, 1e-5, 500, 100, 1))
+    trainer = planned_trainer(cfg, tensors, plan(3, 1e-5, 500, 100, 1))
     start = initial_model(cfg, 10)
     model, _, _ = trainer.local_update(start, None, [1])
     # Replay the EMA by hand from the student's trajectory is not possible after the fact, but
@@ -89,14 +89,14 @@ def test_release_ema_releases_an_average_without_changing_what_trains():
     assert any(not torch.equal(plain[k], averaged[k]) for k in plain)
     from fedsd import data as data_lib
     from fedsd.privacy import plan
-    from fedsd.training import DPTrainer, initial_model
+    from fedsd.training import planned_trainer, initial_model
 
     students = []
     for release in (None, "ema"):
         cfg = TrainConfig(dataset="fmnist", method="dpdsd", release=release, epsilon=3, epochs=1, batch_size=100,
                           subset=500, seed=3, threads=1).resolved()
         images = data_lib.load("fmnist")
-        trainer = DPTrainer(cfg, data_lib.prepare(images, data_lib.stratified_subset(images.y_train, 500, 0)),
+        trainer = planned_trainer(cfg, data_lib.prepare(images, data_lib.stratified_subset(images.y_train, 500, 0)),
                             plan(3, 1e-5, 500, 100, 1))
         model, _, _ = trainer.local_update(initial_model(cfg, 10), None, [1])
         students.append(model["student"])
@@ -126,7 +126,7 @@ def test_cli_writes_result_model_and_curve(tmp_path):
 def test_a_diverging_run_stops_at_once_naming_the_learning_rate():
     """lr 30 at B = 16 explodes within the first epoch: the run stops there with the reason,
     instead of training on to chance accuracy."""
-    from fedsd.training import TrainingDiverged
+    from fedsd.errors import TrainingDiverged
 
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, epochs=3, batch_size=16, lr=30.0, subset=1600,
@@ -164,7 +164,8 @@ def test_a_loss_spike_that_comes_back_is_not_a_divergence():
     ([2.0] * 5 + [300.0] * 8, "ends above"),         # a short call that ends exploded
     ([2.0, 2.0, float("nan")], "not finite")])
 def test_a_loss_that_stays_high_or_ends_high_or_is_not_finite_stops_the_run(losses, why):
-    from fedsd.training import DIVERGENCE_WINDOW, TrainingDiverged
+    from fedsd.training import DIVERGENCE_WINDOW
+    from fedsd.errors import TrainingDiverged
 
     check = _divergence_check()
     with pytest.raises(TrainingDiverged, match=r"diverged in epoch 2: .*--lr 3 at --batch-size 256"):
@@ -181,7 +182,7 @@ def test_one_trainer_bound_in_turn_to_clients_gives_each_client_its_own_weights(
     weights are those of a trainer built for that client alone, bit for bit."""
     from fedsd import data as data_lib
     from fedsd.privacy import plan as calibrate
-    from fedsd.training import DPTrainer, initial_model
+    from fedsd.training import planned_trainer, initial_model
 
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, epochs=2, batch_size=50, lr=0.5, seed=3,
@@ -191,8 +192,8 @@ def test_one_trainer_bound_in_turn_to_clients_gives_each_client_its_own_weights(
     datas = [data_lib.prepare(images, s) for s in shards]
     plans = [calibrate(3.0, 1e-5, len(s), 50, 2) for s in shards]
     start = initial_model(cfg, 10)
-    alone = [DPTrainer(cfg, d, p, client=k).local_update(start, None, [1])[0] for k, (d, p) in enumerate(zip(datas, plans))]
-    shared = DPTrainer(cfg, datas[0], plans[0], client=0)
+    alone = [planned_trainer(cfg, d, p, client=k).local_update(start, None, [1])[0] for k, (d, p) in enumerate(zip(datas, plans))]
+    shared = planned_trainer(cfg, datas[0], plans[0], client=0)
     for k in (1, 0, 1):
         got = shared.bind(datas[k], plans[k], client=k).local_update(start, None, [1])[0]
         assert all(torch.equal(got["student"][n], alone[k]["student"][n]) for n in got["student"])
@@ -209,14 +210,14 @@ def test_the_divergence_limit_scales_with_the_objectives_chance_level(method, se
     import math
 
     from fedsd.privacy import plan as calibrate
-    from fedsd.training import DIVERGENCE_FACTOR, DPTrainer
+    from fedsd.training import DIVERGENCE_FACTOR, planned_trainer
 
     require("fmnist")
     from fedsd import data as data_lib
 
     cfg = TrainConfig(dataset="fmnist", method=method, epsilon=3, epochs=4, batch_size=50, seed=0, threads=1,
                       **settings).resolved()
-    trainer = DPTrainer(cfg, data_lib.prepare(data_lib.load("fmnist"), torch.arange(500)), calibrate(3.0, 1e-5, 500, 50, 4))
+    trainer = planned_trainer(cfg, data_lib.prepare(data_lib.load("fmnist"), torch.arange(500)), calibrate(3.0, 1e-5, 500, 50, 4))
     objective = trainer.method.epoch_loss(cfg, cfg.epochs)
     loss_fn, uses_teacher, chance = objective.per_sample, objective.reads_teacher, objective.chance
     y = torch.arange(10).repeat(5)
@@ -253,7 +254,7 @@ def test_teacher_every_step_distils_from_the_students_previous_iterate():
     from fedsd import data as data_lib
     from fedsd.callbacks import StepCallback
     from fedsd.privacy import plan as calibrate
-    from fedsd.training import DPTrainer, initial_model
+    from fedsd.training import planned_trainer, initial_model
 
     require("fmnist")
 
@@ -272,7 +273,7 @@ def test_teacher_every_step_distils_from_the_students_previous_iterate():
     seen = {}
     for every, cfg in cfgs.items():
         seen[every] = Seen()
-        DPTrainer(cfg, data, calibrate(3.0, 1e-5, 300, 50, 1)).local_update(initial_model(cfg, 10), None, [1],
+        planned_trainer(cfg, data, calibrate(3.0, 1e-5, 300, 50, 1)).local_update(initial_model(cfg, 10), None, [1],
                                                                             callbacks=[seen[every]])
     step, epoch = seen["step"], seen["epoch"]
     assert len(step.students) == 6

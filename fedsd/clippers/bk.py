@@ -3,7 +3,7 @@ backward pass; Opacus adds the noise and averages, as for its own ghost clipping
 from __future__ import annotations
 
 from ..bookkeeping import BookKeepingClipper
-from . import Clipper, register
+from .base import Clipper, register
 
 
 @register
@@ -11,18 +11,23 @@ class BookKeeping(Clipper):
     modes = ("bk",)
     channels_last_exact = ("bk",)
 
-    def __init__(self, model, cfg, mode, route=None):
-        super().__init__(model, cfg, mode, route)
-        # each conv layer's way, as measured on this machine (fedsd.routes), else the flops rule
-        self.engine = BookKeepingClipper(model, cfg.clip, conv_routes=route.conv_routes if route else None)
+    auto_layouts = {"bk": "channels-last"}  # about twice as fast as NCHW here (results/perf.md)
+
+    def __init__(self, model, cfg, mode):
+        super().__init__(model, cfg, mode)
+        self.engine = BookKeepingClipper(model, cfg.clip)
+
+    def take(self, route) -> None:
+        """Each conv layer's way, as measured on this machine (fedsd.routes); else the flops rule."""
+        self.conv_ways = route.conv_ways or None
 
     @property
-    def conv_routes(self) -> dict[int, str] | None:
-        return self.engine.conv_routes
+    def conv_ways(self) -> dict[int, str] | None:
+        return self.engine.conv_ways
 
-    @conv_routes.setter
-    def conv_routes(self, routes: dict[int, str] | None) -> None:
-        self.engine.conv_routes = routes
+    @conv_ways.setter
+    def conv_ways(self, ways: dict[int, str] | None) -> None:
+        self.engine.conv_ways = dict(ways) if ways is not None else None
 
     @property
     def taken(self) -> dict[int, str]:

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import warnings
 
-from . import Clipper, register
+from .base import Clipper, register
 
 
 @register
 class GhostClipping(Clipper):
     modes = ("ghost",)
+    auto_layouts = {"ghost": "contiguous"}  # its per-sample norms assume NCHW strides
 
-    def __init__(self, model, cfg, mode, route=None):
-        super().__init__(model, cfg, mode, route)
+    def __init__(self, model, cfg, mode):
+        super().__init__(model, cfg, mode)
         from .. import _opacus  # noqa: F401  (first: Opacus without its root-logger handler)
         from opacus.grad_sample import GradSampleModuleFastGradientClipping
 

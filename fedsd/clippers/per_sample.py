@@ -5,7 +5,7 @@ import warnings
 
 import torch
 
-from . import Clipper, register
+from .base import Clipper, register
 
 
 @register
@@ -14,10 +14,13 @@ class PerSampleGradients(Clipper):
     # hooks' im2col assumes NCHW strides (wrong gradients on channels-last: fedsd.config);
     # functorch and expanded weights are exact under either layout.
     channels_last_exact = ("functorch", "ew")
+    # each in NCHW under auto: hooks are exact only there, and expanded weights fail on
+    # channels-last output gradients at some shapes (mnist-cnn at B = 16)
+    auto_layouts = {"hooks": "contiguous", "functorch": "contiguous", "ew": "contiguous"}
     writes_clipped_sum = False
 
-    def __init__(self, model, cfg, mode, route=None):
-        super().__init__(model, cfg, mode, route)
+    def __init__(self, model, cfg, mode):
+        super().__init__(model, cfg, mode)
         from .. import _opacus  # noqa: F401  (first: Opacus without its root-logger handler)
         from opacus.grad_sample.utils import prepare_module
 

@@ -21,172 +21,15 @@ it is loaded when fedsd.methods is imported, and its settings become options of 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
-
-import torch
-
-from .. import losses
-from ..callbacks import ExponentialAverage, TeacherEveryStep
+from .base import (EMA_DECAY, METHODS, POSITIVE, RELEASES, UNIT_INTERVAL, EpochLoss, Method, MethodSettings, Model,
+                   SelfDistillationSettings, SelfDistilling, Weights, cross_entropy, distill_weight, register,
+                   release_callbacks, release_of, warming_up, with_release)
 from ..registry import load_entry_points
-from ..settings import setting
 
-if TYPE_CHECKING:
-    from ..config import TrainConfig
-
-Weights = dict[str, torch.Tensor]
-Model = dict[str, Weights]
-
-
-@dataclass(frozen=True)
-class EpochLoss:
-    """An epoch's objective: per_sample(student_logits, teacher_logits, labels) -> one loss a
-    sample; whether it reads the teacher's logits; its chance level, the loss of a student that
-    knows nothing (uniform outputs), in units of ln K (the divergence check's yardstick)."""
-
-    per_sample: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
-    reads_teacher: bool
-    chance: float
-
-
-def cross_entropy(tau: float = 1.0) -> EpochLoss:
-    """Cross-entropy at temperature τ: ln K at a uniform student, whatever τ."""
-    return EpochLoss(lambda s, t, y: losses.cross_entropy(s, y, tau=tau, reduction="none"), False, 1.0)
-
-
-# What a run releases and evaluates (--release): its last iterate, or an exponential moving
-# average of its iterates (De et al. 2022), post-processing of them, so free of privacy cost.
-RELEASES = ("student", "ema")
-# The released EMA's decay: open in the papers; chosen on FMNIST's validation split at the full
-# 60 epochs (results/sweeps/fmnist-dpema-decay-60, results/README.md).
-EMA_DECAY = 0.995
-UNIT_INTERVAL = (lambda v: 0 <= v <= 1, "must be in [0, 1]")
-POSITIVE = (lambda v: v > 0, "a temperature must be > 0")
-
-
-@dataclass
-class MethodSettings:
-    """Every method's settings: what a run releases (any method but DPKD may release an EMA)."""
-    release: str | None = setting(None, "the weights a run releases and evaluates: student (the last iterate) "
-                                  "or ema (an exponential moving average of the iterates, post-processing: no "
-                                  "privacy cost; not for dpkd)", choices=RELEASES,
-                                  default_text="ema for dpema, student for the others")
-    ema_decay: float | None = setting(None, "the released EMA's decay (dpema, --release ema)",
-                                      resolve=lambda c: EMA_DECAY if release_of(c) == "ema" else None,
-                                      default_text=f"{EMA_DECAY}, open in the papers, chosen on validation",
-                                      check=(lambda v: 0 <= v < 1, "must be in [0, 1)"))
-    ema_warmup: str = setting("on", "the released EMA's warm-up (dpema, --release ema): on, the decay is "
-                                    "min(d, (1 + t)/(10 + t)) at step t (De et al. 2022); off, d from the first step",
-                              choices=("on", "off"))
-
-
-class Method:
-    name: str = ""
-    Settings: type = MethodSettings  # this method's settings (a dataclass of setting() fields)
-    groups: tuple[str, ...] = ("student",)
-    releases: str = "student"
-    # whether the teacher is the model itself as it came into the call (self-distillation; a
-    # federation may choose another teacher of the same model, fedsd.federation's --teacher)
-    self_distilling = False
-
-    def check(self, cfg: "TrainConfig") -> None:
-        """ConfigError naming the option, for resolved settings this method cannot take together
-        (each setting's own check is its declaration's)."""
-
-    def initial_model(self, student: Weights) -> Model:
-        return {"student": student}
-
-    def on_epoch_start(self, cfg: "TrainConfig", epoch: int, model: Model, trainer) -> None:
-        """Before a (1-based, global) epoch's first step: change what the call trains."""
-
-    def epoch_loss(self, cfg: "TrainConfig", epoch: int) -> EpochLoss:
-        return cross_entropy()
-
-    def step_callbacks(self, cfg: "TrainConfig", model: Model, steps_so_far: int, device) -> list:
-        """This call's step callbacks (fedsd.callbacks); they may add groups to `model`."""
-        return []
-
-
-METHODS: dict[str, Method] = {}
-
-
-def register(cls: type[Method]) -> type[Method]:
-    """Class decorator: `cls` becomes the method of its `name` (`--method name`)."""
-    if not (isinstance(cls, type) and issubclass(cls, Method)) or not cls.name:
-        raise TypeError(f"{cls!r}: a method is a subclass of fedsd.methods.Method with a name")
-    if cls.name in METHODS and type(METHODS[cls.name]) is not cls:
-        raise ValueError(f"method {cls.name!r} is registered twice ({type(METHODS[cls.name]).__module__} and "
-                         f"{cls.__module__})")
-    METHODS[cls.name] = cls()
-    return cls
-
-
-def release_of(cfg: "TrainConfig") -> str:
-    """The group a run releases: --release, else its method's."""
-    return cfg.release or METHODS[cfg.method].releases
-
-
-def with_release(cfg: "TrainConfig", model: Model) -> Model:
-    """`model` with the EMA group a run that releases one carries (it starts at the student)."""
-    if release_of(cfg) == "ema" and "ema" not in model:
-        model = {**model, "ema": {k: v.clone() for k, v in model["student"].items()}}
-    return model
-
-
-def release_callbacks(cfg: "TrainConfig", model: Model, steps_so_far: int, device) -> list:
-    """The step callback that keeps a released EMA up to date (none for a released student);
-    `model["ema"]` becomes this call's average, on `device`."""
-    if release_of(cfg) != "ema":
-        return []
-    model["ema"] = {k: v.detach().clone().to(device) for k, v in model["ema"].items()}
-    return [ExponentialAverage(model["ema"], cfg.ema_decay, steps_so_far, warmup=cfg.ema_warmup == "on")]
-
-
-def warming_up(cfg: "TrainConfig", epoch: int) -> bool:
-    """Self-distillation's first epochs train on plain cross-entropy (--distill-warmup-epochs)."""
-    return epoch <= cfg.distill_warmup_epochs
-
-
-DISTILL_SCHEDULES = ("constant", "decay", "ramp")
-TEACHER_EVERY = ("epoch", "step")
-
-
-@dataclass
-class SelfDistillationSettings(MethodSettings):
-    """The settings of a method whose teacher is the model itself (DP3SD, DPDSD)."""
-    distill_warmup_epochs: int = setting(1, "epochs of plain cross-entropy before the teacher is used (federated: "
-                                         "global epochs, rounds × local epochs)", check=(lambda v: v >= 0, "must be >= 0"))
-    distill_schedule: str = setting("constant", "self-distillation: how the distillation terms' weight changes "
-                                    "after the warm-up: constant; decay = from 1 in the first distilling epoch "
-                                    "linearly to 1/n in the last of n; ramp = from 1/n up to 1 (federated: "
-                                    "counted in global epochs, so by round)", choices=DISTILL_SCHEDULES)
-    teacher_every: str = setting("epoch", "self-distillation: how often the teacher is refreshed. epoch: a copy of "
-                                          "the student as each epoch (federated: each round) starts, the papers' "
-                                          "Algorithm 1; step: the student's previous iterate, their prose's \"previous "
-                                          "iteration\" (post-processing of private iterates: no privacy cost)",
-                                 choices=TEACHER_EVERY)
-
-
-class SelfDistilling(Method):
-    """A method whose teacher is the model itself (DP3SD, DPDSD): its teacher is refreshed every
-    epoch (the trainer loads it as a call starts) or, with --teacher-every step, after every step."""
-    Settings = SelfDistillationSettings
-    self_distilling = True
-
-    def step_callbacks(self, cfg, model, steps_so_far, device):
-        return [TeacherEveryStep()] if cfg.teacher_every == "step" else []
-
-
-def distill_weight(cfg: "TrainConfig", epoch: int) -> float:
-    """The factor on a self-distillation method's distillation terms in a (1-based, global) epoch
-    after the warm-up (--distill-schedule). With n distilling epochs and this the k-th: constant
-    1; decay (n − k + 1)/n, the teacher counts less as the model it is a copy of gets better;
-    ramp k/n, it counts more as it gets better. A federation counts global epochs, so its weight
-    changes by round."""
-    n = max(cfg.epochs - cfg.distill_warmup_epochs, 1)
-    k = min(max(epoch - cfg.distill_warmup_epochs, 1), n)
-    return {"constant": 1.0, "decay": (n - k + 1) / n, "ramp": k / n}[cfg.distill_schedule]
-
+__all__ = ["EMA_DECAY", "METHODS", "MODEL_GROUPS", "POSITIVE", "RELEASES", "UNIT_INTERVAL", "EpochLoss", "Method",
+           "MethodSettings", "Model", "SelfDistillationSettings", "SelfDistilling", "Weights", "cross_entropy",
+           "distill_weight", "method_of", "register", "release_callbacks", "release_of", "released", "warming_up",
+           "with_release"]
 
 from . import dpsgd, dpema, dpkd, dp3sd, dpdsd  # noqa: E402,F401  (each registers itself)
 
@@ -195,7 +38,8 @@ load_entry_points("fedsd.methods", register)
 MODEL_GROUPS = tuple(dict.fromkeys(g for m in METHODS.values() for g in m.groups))
 
 
-def method_of(cfg: "TrainConfig") -> Method:
+def method_of(cfg) -> Method:
+    """The method of a run's settings (a TrainConfig)."""
     return METHODS[cfg.method]
 
 

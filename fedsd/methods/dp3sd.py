@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from .. import losses
 from ..settings import setting
-from . import (POSITIVE, UNIT_INTERVAL, EpochLoss, SelfDistillationSettings, SelfDistilling, cross_entropy,
+from .base import (POSITIVE, UNIT_INTERVAL, EpochLoss, SelfDistillationSettings, SelfDistilling, cross_entropy,
                distill_weight, register, warming_up)
 
 PAPERS = "the paper's"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .. import losses
 from ..settings import setting
-from . import (POSITIVE, EpochLoss, SelfDistillationSettings, SelfDistilling, cross_entropy, distill_weight, register,
+from .base import (POSITIVE, EpochLoss, SelfDistillationSettings, SelfDistilling, cross_entropy, distill_weight, register,
                warming_up)
 
 PAPERS = "the paper's"

@@ -2,7 +2,7 @@
 post-processing of the private iterates, so it costs no privacy. Its settings (--ema-decay,
 --ema-warmup) are every method's that releases an EMA (fedsd.methods.MethodSettings)."""
 from ..settings import check_setting
-from . import EMA_DECAY, Method, register, release_of  # noqa: F401 (EMA_DECAY: also importable from here)
+from .base import Method, register, release_of
 
 
 @register

@@ -7,7 +7,7 @@ from .. import losses
 from ..models import build_model
 from ..seeds import SEED_KD_STUDENT, derive_seed
 from ..settings import check_setting, setting
-from . import POSITIVE, UNIT_INTERVAL, EpochLoss, Method, MethodSettings, register, release_of
+from .base import POSITIVE, UNIT_INTERVAL, EpochLoss, Method, MethodSettings, register, release_of
 
 # Open in the papers; chosen on FMNIST's validation split: τ and α
 # (results/sweeps/fmnist-dpkd-tau-alpha), the stage split (results/sweeps/fmnist-dpkd-stage-split:

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 
 from . import settings
-from .config import ConfigError, TrainConfig, check_setting  # noqa: F401 (ConfigError: also importable from here)
+from .config import TrainConfig, check_setting
 from .settings import declared_only, setting
 
 PARTITIONS = ("iid", "dirichlet", "inner-dirichlet", "pathological")
@@ -79,11 +79,7 @@ class FedOptions:
         check(self.rounds >= 1, "--rounds", "must be >= 1", self.rounds)
         check(self.local_epochs >= 1, "--local-epochs", "must be >= 1", self.local_epochs)
         check(0 < self.fraction_train <= 1, "--fraction-train", "must be in (0, 1]", self.fraction_train)
-        check(self.client_data in CLIENT_DATA, "--client-data", f"choose one of {', '.join(CLIENT_DATA)}",
-              self.client_data)
-        check(self.partition in PARTITIONS, "--partition", f"choose one of {', '.join(PARTITIONS)}", self.partition)
-        check(self.strategy in STRATEGIES, "--strategy", f"choose one of {', '.join(STRATEGIES)}", self.strategy)
-        check(self.teacher in TEACHER_MODES, "--teacher", f"choose one of {', '.join(TEACHER_MODES)}", self.teacher)
+        settings.check_choices(self)  # --client-data, --partition, --strategy, --teacher, as declared
         check(0 <= self.teacher_ema_decay < 1, "--teacher-ema-decay", "must be in [0, 1)", self.teacher_ema_decay)
         check(math.isfinite(self.dirichlet_alpha) and self.dirichlet_alpha > 0, "--dirichlet-alpha",
               "must be > 0", self.dirichlet_alpha)

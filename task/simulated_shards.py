@@ -11,8 +11,9 @@ import torch
 from fedsd import data as data_lib
 from fedsd.client_data import input_stats
 from fedsd import privacy
-from fedsd.config import ConfigError, TrainConfig, validate
-from fedsd.federation import FedOptions, client_config
+from fedsd.config import TrainConfig, validate
+from fedsd.errors import ConfigError
+from fedsd.fed_settings import FedOptions, client_config
 
 from .partition import shards
 
@@ -53,17 +54,23 @@ class Federation:
             self.client_plan(k)
 
 
+def cut_shards(cfg: TrainConfig, fed: FedOptions) -> tuple[data_lib.ImageData, torch.Tensor, list[torch.Tensor]]:
+    """The built-in data set, the training samples a run takes (--subset, less --validation) and
+    each client's shard of them (positions into those samples), as every party cuts them."""
+    images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)
+    indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation)
+    if fed.num_clients > len(indices):
+        raise ConfigError(f"--clients: {fed.num_clients} clients but only {len(indices)} training samples")
+    return images, indices, shards(images.y_train[indices], fed, cfg.seed)
+
+
 def build_federation(cfg: TrainConfig, fed: FedOptions) -> Federation:
     """Load, subset and partition the data; check every client's shard against the settings.
 
     Raises ConfigError (naming the option, or the client and its size) before any training."""
     fed.validate()
     cfg = client_config(cfg, fed)
-    images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)
-    indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation)
-    if fed.num_clients > len(indices):
-        raise ConfigError(f"--clients: {fed.num_clients} clients but only {len(indices)} training samples")
-    parts = shards(images.y_train[indices], fed, cfg.seed)
+    images, indices, parts = cut_shards(cfg, fed)
     for k, part in enumerate(parts):
         if len(part) < cfg.batch_size:
             raise ConfigError(f"client {k}'s shard has {len(part)} samples, fewer than --batch-size "

@@ -1,0 +1,77 @@
+"""What every clipper is made of (fedsd.clippers' package documentation says how one is
+written): the Clipper base class and the registry of clippers by their mode names."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..bookkeeping import clip_factor
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
+
+
+class Clipper:
+    """One clipper. `module` is what the training step calls forward (the model, or Opacus'
+    wrapper of it); `optimizer` is made once by `make_optimizer`."""
+
+    modes: tuple[str, ...] = ()  # the --grad-sample-mode values this clipper serves
+    channels_last_exact: tuple[str, ...] = ()  # its modes whose gradients are exact on channels-last tensors
+    # The modes --grad-sample-mode auto may pick, each with the layout it runs in then (one in
+    # which it is exact, and its faster where both are); fedsd.routes times every one.
+    auto_layouts: dict[str, str] = {}
+    # True: the route writes the clipped sum into p.grad itself (Opacus' DPOptimizerFastGradientClipping
+    # noises and averages it); False: it leaves per-sample gradients in p.grad_sample, which
+    # Opacus' DPOptimizer clips, sums, noises and averages.
+    writes_clipped_sum = True
+
+    def __init__(self, model: torch.nn.Module, cfg: "TrainConfig", mode: str):
+        self.model, self.cfg, self.mode = model, cfg, mode
+        self.module: torch.nn.Module = model
+        self.optimizer = None
+
+    def take(self, route) -> None:
+        """What a measured route (fedsd.routes.Route) says about this clipper beyond its mode and
+        layout (book-keeping: each conv layer's way)."""
+
+    def make_optimizer(self, sgd: torch.optim.Optimizer, **dp):
+        from .. import _opacus  # noqa: F401  (first: Opacus without its root-logger handler)
+        from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+
+        self.optimizer = (DPOptimizerFastGradientClipping if self.writes_clipped_sum else DPOptimizer)(sgd, **dp)
+        return self.optimizer
+
+    def backward(self, per_sample_loss: torch.Tensor) -> torch.Tensor:
+        """From the batch's per-sample losses, the clipped per-sample gradients where the
+        optimizer reads them; returns the mean loss."""
+        raise NotImplementedError
+
+    def empty_batch(self) -> None:
+        """An empty Poisson batch still takes a step (noise only), as the accountant assumes:
+        zero per-sample gradients and a zero sum."""
+        for p in self.model.parameters():
+            p.grad_sample = torch.zeros((0, *p.shape), device=p.device)
+            p.grad = torch.zeros_like(p)
+
+    def join_canaries(self, canaries) -> None:
+        """`fedsd audit` only: the canaries drawn for this step (fedsd.audit.GradientCanaries)
+        join the batch where this clipper clips, so Opacus noises and averages them with it:
+        here, clipped by the clipper's own factor into the clipped sum (clippers that give Opacus
+        per-sample gradients add them as rows instead)."""
+        canaries.parameter.grad = canaries.clipped_sum(lambda norms: clip_factor(norms, self.cfg.clip))
+
+
+CLIPPERS: dict[str, type[Clipper]] = {}  # --grad-sample-mode → its clipper
+
+
+def register(cls: type[Clipper]) -> type[Clipper]:
+    """Class decorator: `cls` serves its `modes` (--grad-sample-mode values)."""
+    if not (isinstance(cls, type) and issubclass(cls, Clipper)) or not cls.modes:
+        raise TypeError(f"{cls!r}: a clipper is a subclass of fedsd.clippers.Clipper with modes")
+    for mode in cls.modes:
+        if CLIPPERS.get(mode, cls) is not cls:
+            raise ValueError(f"--grad-sample-mode {mode!r} is registered twice ({CLIPPERS[mode].__module__} and "
+                             f"{cls.__module__})")
+        CLIPPERS[mode] = cls
+    return cls
