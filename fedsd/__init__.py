@@ -18,3 +18,11 @@ def cache_root():
 
     return Path(os.environ.get("FEDSD_CACHE_DIR")
                 or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fedsd")
+
+
+def load_model(run_dir):
+    """The model a finished run released in `run_dir`, with its weights and its input
+    normalisation, ready for eval() (fedsd.results.load_model)."""
+    from .results import load_model as load
+
+    return load(run_dir)

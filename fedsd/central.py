@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import data as data_lib
-from .client_data import input_stats
+from .client_data import input_stats, task_for
 from . import privacy, routes
 from .config import TrainConfig, validate
 from .models import build_model, check_private_trainable
@@ -39,6 +39,7 @@ class PreparedRun:
 def prepare_run(cfg: TrainConfig) -> PreparedRun:
     """Everything that can fail on bad input, before any work: settings, data, model, device."""
     cfg = cfg.resolved()
+    task_for(cfg)  # the model takes the task's images (--model cifar-cnn on MNIST is refused here)
     images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)
     indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation)
     validate(cfg, len(indices))

@@ -195,6 +195,8 @@ def load(name: str, data_dir=None, download: bool = False) -> ImageData:
     """Load a whole data set; cached per process, so a worker reads the files once."""
     if name not in DATASETS:
         raise ConfigError(f"--dataset: unknown data set {name!r}; choose one of {', '.join(DATASETS)}")
+    if data_dir and not Path(data_dir).is_dir() and not download:  # a path someone typed: never passed over
+        raise DataNotFoundError(f"--data-dir {data_dir}: no such folder")
     key = (name, str(data_dir), os.environ.get("FEDSD_DATA_DIR"))
     if key in _CACHE:
         return _CACHE[key]

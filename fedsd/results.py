@@ -191,18 +191,28 @@ def save_model(path: Path, weights: dict[str, torch.Tensor]) -> None:
 
 
 def plot_curve(path: Path, points: list[dict], x_key: str, title: str) -> None:
-    """Test accuracy against epoch (or round)."""
+    """Test accuracy, test loss and the ε spent so far against epoch (or round), one panel each,
+    ticked at whole epochs or rounds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p[x_key] for p in points], [100 * p["test_accuracy"] for p in points], marker="o", ms=3)
-    ax.set_xlabel(x_key)
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
+    xs = [p[x_key] for p in points]
+    spent = [p.get("epsilon", max((p.get("client_epsilon") or {"": 0.0}).values())) for p in points]
+    panels = [("test accuracy (%)", [100 * p["test_accuracy"] if p["test_accuracy"] is not None else float("nan")
+                                    for p in points]),
+              ("test loss", [p["test_loss"] if p.get("test_loss") is not None else float("nan") for p in points]),
+              ("ε spent" + (" (largest client's)" if x_key == "round" else ""), spent)]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    for ax, (label, ys) in zip(axes, panels):
+        ax.plot(xs, ys, marker="o", ms=3)
+        ax.set_xlabel(x_key)
+        ax.set_ylabel(label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=120, format="png")
@@ -216,3 +226,40 @@ def write_run(out: Path, result: RunResult, weights: dict[str, torch.Tensor]) ->
     plot_curve(out / "curve.png", result.curve, "round" if result.federated else "epoch",
                f"{result.dataset} {result.method} ε={result.epsilon_target}")
     result.write(out / "result.json")
+
+
+class ReleasedModel(torch.nn.Module):
+    """What a run released, ready to use: its network with the weights of model.pt, taking uint8
+    images (N, C, H, W) or floats in [0, 1] and normalising them as the run did."""
+
+    def __init__(self, net: torch.nn.Module, mean: tuple[float, ...], std: tuple[float, ...]):
+        super().__init__()
+        self.net = net
+        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.to(torch.float32) / 255.0 if images.dtype == torch.uint8 else images
+        return self.net((x - self.mean) / self.std)
+
+
+def load_model(run_dir: str | os.PathLike) -> ReleasedModel:
+    """The model a finished run (`fedsd train`, `fedsd simulate`, a deployment) released in
+    `run_dir`: its network (the run's model and activation, as many classes as it was trained
+    on) with model.pt's weights and the run's input normalisation, in eval mode. DataError
+    naming the file when the folder holds no finished run."""
+    from .client_data import input_stats
+    from .config import TrainConfig
+    from .models import build_model
+
+    run_dir = Path(run_dir)
+    result = RunResult.read(run_dir / "result.json")
+    if not (run_dir / "model.pt").is_file():
+        raise DataError(f"{run_dir / 'model.pt'}: missing; a finished run writes it beside result.json")
+    weights = torch.load(run_dir / "model.pt", weights_only=True)
+    cfg = TrainConfig.from_dict(result.config)
+    classes = next(v.shape[0] for k, v in reversed(list(weights.items())) if k.endswith("weight"))
+    net = build_model(cfg.model, classes, activation=cfg.activation)
+    net.load_state_dict(weights)
+    mean, std = input_stats(cfg)
+    return ReleasedModel(net, mean, std).eval()

@@ -15,9 +15,9 @@ time a (model, batch size, layout, device, CPU, threads, torch and kernel versio
 The fastest is kept in FEDSD_CACHE_DIR/routes/ (beside the kernel build), under a file lock,
 so one process measures and every later run and Ray worker on the machine reads the same
 choice: a run, every client of a simulated federation and the single-client identity use one
-route throughout. A choice whose timings overlap the runner-up's (a busy machine) is used but
-not kept, and a run whose steps come out well above what was measured (`check`) forgets it:
-the next run measures again. `fedsd bench routes` lists the kept ones, `--clear` forgets them.
+route throughout. A choice whose timings overlap the runner-up's (a busy machine) is kept for
+an hour only, and a run whose steps come out well above what was measured (`check`) forgets
+it: a later run measures again. `fedsd bench routes` lists the kept ones, `--clear` forgets them.
 Every route gives the same weights to float rounding and the same ε
 (tests/test_grad_sample_modes.py); `--grad-sample-mode` forces one. Measuring does not touch
 any random state of the run, and is done while a run is planned (`for_run`), before its
@@ -48,6 +48,10 @@ WARMUP, REPEATS, MAX_REPEATS = 1, 3, 9
 # A run whose steps take more than this times what its route's step was measured at forgets
 # the route: the next run measures again (a method's loss and a run's data add some, not this).
 SLOWER_THAN_MEASURED = 2.0
+# An unsettled choice (its timings overlapped the runner-up's) is kept this long, so that the
+# processes of one run (a simulation's Ray workers, central and single-client) agree on it,
+# and measured again by a run after that.
+UNSETTLED_SECONDS = 3600.0
 
 
 def step_candidates() -> dict[str, str]:
@@ -100,14 +104,18 @@ def for_run(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.d
 def choose(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.device) -> Route:
     """The measured route for a run of `cfg` (a resolved TrainConfig; its model, batch size,
     clip, layout and threads) on `device`: read from the cache, else measured once (under a
-    lock, so concurrent processes on this machine agree) and cached when settled."""
+    lock, so concurrent processes on this machine agree) and cached; a choice that was not
+    settled is measured again once it is UNSETTLED_SECONDS old."""
     threads = cfg.threads or torch.get_num_threads()
     path = _cache_file(cfg, num_classes, input_shape, device, threads)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.is_file():
             try:
-                return Route.from_dict(json.loads(path.read_text())["route"])
+                saved = json.loads(path.read_text())
+                route = Route.from_dict(saved["route"])
+                if route.settled or time.time() - saved.get("measured_at", 0) < UNSETTLED_SECONDS:
+                    return route
             except (ValueError, KeyError, TypeError):
                 pass  # unreadable or of an older format: measured again
         before = torch.get_num_threads()
@@ -117,10 +125,10 @@ def choose(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.de
                 route = measure(cfg, num_classes, input_shape, device)
         finally:
             torch.set_num_threads(before)
-        if route.settled:  # an unsettled choice (a busy machine) is not kept
-            from .results import write_json
+        from .results import write_json
 
-            write_json(path, {"key": _key(cfg, num_classes, input_shape, device, threads), "route": route.to_dict()})
+        write_json(path, {"key": _key(cfg, num_classes, input_shape, device, threads), "route": route.to_dict(),
+                          "measured_at": time.time()})
         return route
 
 

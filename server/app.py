@@ -67,7 +67,8 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     result = federation_result(run, side, time.perf_counter() - started)
     weights = {k: v.cpu() for k, v in released(final).items()}
     if run.out is not None:
-        write_run(run.out, result, weights)
+        write_run(run.out, result, weights)  # result.json last: from here on the run is finished
+        (run.out / checkpoint.CHECKPOINT).unlink(missing_ok=True)
     return result.to_dict(), weights
 
 

@@ -42,6 +42,9 @@ def load(run_dir: str | Path) -> dict:
     """The checkpoint in `run_dir`; ResumeError naming --resume and the reason when there is
     none, or it is not a checkpoint of this format."""
     path = path_in(run_dir)
+    if (Path(run_dir) / "result.json").is_file():
+        raise ResumeError(f"--resume: {run_dir} is a finished run (it has result.json); nothing to resume. A run "
+                          f"is planned, and its privacy budget spent, for its rounds: more rounds are a new run")
     if not path.is_file():
         raise ResumeError(f"--resume: no {CHECKPOINT} in {run_dir} (a run writes one after each completed round)")
     try:

@@ -51,17 +51,28 @@ def cmd_train(args) -> int:
         run, plan = plan_run(config_from_args(args), args.out, args.overwrite)
         cfg = run.cfg
         dry_run.stop_here(f"train {cfg.method} on {len(run.train_indices)} {cfg.dataset} samples for {cfg.epochs} "
-                          f"epochs at σ={plan.noise_multiplier:.3f}, q={plan.sample_rate:.4g} "
-                          f"(ε={cfg.epsilon:g}) into {args.out}")
+                          f"epochs at B = {cfg.batch_size}, lr {cfg.lr:g}, momentum {cfg.momentum:g}, "
+                          f"σ={plan.noise_multiplier:.3f}, q={plan.sample_rate:.4g} (ε={cfg.epsilon:g}) into {args.out}")
     result, _ = train(config_from_args(args), args.out, overwrite=args.overwrite, progress=not args.quiet)
     print(run_summary(result, args.out))
     return 0
 
 
 def cmd_simulate(args) -> int:
+    from fedsd.fed_settings import FedOptions
     from simulations.simulate import simulate, sim_options_from_args
 
     fed = sim_options_from_args(args)
+    if hasattr(args, "epochs"):
+        raise ConfigError("--epochs: a federation's length is --rounds × --local-epochs (each client plans its "
+                          "privacy for them); leave --epochs out")
+    if fed.resume_dir:
+        given = [s.flag for cls in (TrainConfig, FedOptions) for s in settings_of(cls)
+                 if hasattr(args, s.name) and s.name != "resume_dir"]
+        given += [flag for flag, on in (("--out", args.out), ("--overwrite", args.overwrite)) if on]
+        if given:
+            raise ConfigError(f"--resume DIR goes on with that run's own saved settings and folder; leave out "
+                              f"{', '.join(given)}")
     if not fed.resume_dir and not args.out:
         raise ConfigError("--out is required (or --resume DIR)")
     result, _ = simulate(config_from_args(args), fed, args.out, overwrite=args.overwrite, progress=not args.quiet,
@@ -70,9 +81,36 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, stricter and shorter: no abbreviated options (`--verbos` is not taken for
+    `--verbose`), and a bad option or value answered in one line, with the nearest allowed one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        import difflib
+        import re
+
+        hint = ""
+        if m := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message):
+            close = difflib.get_close_matches(m.group(1), [c.strip(" '") for c in m.group(2).split(",")], n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+        elif m := re.search(r"unrecognized arguments: (--[\w-]+)", message):
+            options = [o for action in self._actions for o in action.option_strings]
+            close = difflib.get_close_matches(m.group(1), options, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint} (all options: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedsd", description=__doc__)
+    from fedsd import __version__
+
+    parser = Parser(prog="fedsd", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"fedsd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices  # each command's own parser: it answers for the options given to it
     p_train = sub.add_parser("train", help="central DP training (the papers' setup)")
     add_train_options(p_train, epsilon_required=False, out_required=False)
     p_train.add_argument("--resume", metavar="DIR", default=None,
@@ -118,7 +156,10 @@ def add_data_service_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command they were given to, with its nearest option
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except dry_run.DryRun as e:

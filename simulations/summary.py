@@ -23,15 +23,31 @@ def run_summary(result: dict, out) -> str:
     else:
         eps = f"{result['epsilon_spent']:.3f}"
     by = " (clients' own test splits)" if result.get("evaluated_by") == "clients" else ""
-    lines = [f"fedsd: {what} finished in {result['wall_seconds']:.0f} s",
+    lines = [f"fedsd: {what} finished, {result['wall_seconds']:.0f} s of training and evaluation",
              f"  test accuracy  {accuracy * 100:.2f} %{by}" if accuracy is not None else "  test accuracy  -",
-             f"  ε spent        {eps} (target {result['epsilon_target']:g}, δ {result['delta']:g})"]
+             f"  ε spent        {eps} (target {result['epsilon_target']:g}, δ {result['delta']:g})",
+             f"  settings       {settings_line(result)}"]
     if clients:
         lines += _labelled("not trained", not_trained(result["rounds"]))
         lines += _labelled("owners' budget", [f"client {c}: {text}" for c, text in budgets(result["rounds"]).items()])
         lines += _labelled("skipped files", [f"client {c}: {text}" for c, text in skipped_files(result["rounds"]).items()])
     lines.append(f"  files          {Path(out).absolute()}/ (result.json, model.pt, curve.png)")
     return "\n".join(lines)
+
+
+def settings_line(result: dict) -> str:
+    """The resolved settings a person checks first: B, lr, momentum, σ, and the run's length."""
+    cfg = result["config"]
+    sigma = result.get("noise_multiplier")
+    if isinstance(sigma, dict):  # a federation: each client's own σ
+        values = sorted(v for v in sigma.values() if v is not None)
+        sigma = (f"{values[0]:.3f}" if values and values[0] == values[-1] else
+                 f"{values[0]:.3f}–{values[-1]:.3f}" if values else "-")
+    else:
+        sigma = f"{sigma:.3f}" if sigma is not None else "-"
+    fed = result.get("federation")
+    length = (f"{fed['rounds']} rounds × {fed['local_epochs']} local epoch(s)" if fed else f"{cfg['epochs']} epochs")
+    return f"B = {cfg['batch_size']}, lr {cfg['lr']:g}, momentum {cfg['momentum']:g}, σ = {sigma}, {length}"
 
 
 def _labelled(label: str, items: list[str]) -> list[str]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from fedsd import data as data_lib
-from fedsd.client_data import input_stats
+from fedsd.client_data import input_stats, task_for
 from fedsd import privacy
 from fedsd.config import TrainConfig, validate
 from fedsd.errors import ConfigError
@@ -70,6 +70,7 @@ def build_federation(cfg: TrainConfig, fed: FedOptions) -> Federation:
     Raises ConfigError (naming the option, or the client and its size) before any training."""
     fed.validate()
     cfg = client_config(cfg, fed)
+    task_for(cfg)  # the model takes the task's images, before any data is read
     images, indices, parts = cut_shards(cfg, fed)
     for k, part in enumerate(parts):
         if len(part) < cfg.batch_size:

@@ -243,5 +243,7 @@ def test_simulate_prints_a_bar_and_a_summary_and_no_library_noise(tmp_path):
         assert noise not in output, output[-3000:]
     assert "fmnist dp3sd 2 clients: 100%" in proc.stderr
     summary = proc.stdout.splitlines()
-    assert summary[0].startswith("fedsd: fmnist dp3sd, 2 clients finished in ") and len(summary) == 4
+    assert summary[0].startswith("fedsd: fmnist dp3sd, 2 clients finished, ") and len(summary) == 5
     assert "test accuracy" in summary[1] and "across the 2 clients that trained (target 3" in summary[2]
+    assert summary[3].startswith("  settings       B = 100, lr 0.1875, momentum 0.9, σ = ") and \
+        summary[3].endswith(", 1 rounds × 1 local epoch(s)")

@@ -39,28 +39,26 @@ def test_every_clipper_auto_may_pick_is_timed_and_the_choice_measured_once_then_
     assert set(first.layer_ms) == {0, 1}  # mnist-cnn's two convs, each with every way it can take
     assert all({"ghost", "patches"} <= set(ways) and set(ways) <= set(CONV_WAYS) for ways in first.layer_ms.values())
     assert all(min(first.layer_ms[i], key=first.layer_ms[i].get) == w for i, w in first.conv_ways.items())
-    saved = list((cache / "routes").glob("*.json"))
-    if not first.settled:  # the machine was too busy to tell: used, not kept
-        assert saved == []
-        return
-    assert json.loads(saved[0].read_text())["key"]["batch_size"] == 48
+    [saved] = list((cache / "routes").glob("*.json"))
+    assert json.loads(saved.read_text())["key"]["batch_size"] == 48
     monkeypatch.setattr(routes, "measure", lambda *a: pytest.fail("measured again"))
     assert routes.choose(small(), 10, (1, 28, 28), CPU) == first
     assert routes.choose(small(seed=5), 10, (1, 28, 28), CPU) == first  # the seed does not change the work
 
 
-def test_a_choice_whose_timings_overlap_the_runner_ups_is_used_but_not_kept(cache, monkeypatch):
+def test_a_choice_whose_timings_overlap_the_runner_ups_is_measured_again_an_hour_on(cache, monkeypatch):
     overlapping = {m: [0.010, 0.013] for m in routes.step_candidates()}
     overlapping["ew"] = [0.009, 0.012]
     monkeypatch.setattr(routes, "_interleaved", lambda steps, timed: overlapping)
     route = routes.choose(small(), 10, (1, 28, 28), CPU)
     assert route.mode == "ew" and not route.settled and "not settled" in route.describe()
-    assert list((cache / "routes").glob("*.json")) == []
     apart = {m: [0.020, 0.021] for m in routes.step_candidates()}
     apart["ghost"] = [0.005, 0.006]
     monkeypatch.setattr(routes, "_interleaved", lambda steps, timed: apart)
+    assert routes.choose(small(), 10, (1, 28, 28), CPU) == route  # the same run's processes agree
+    monkeypatch.setattr(routes.time, "time", lambda: 1e12)  # an hour and more later
     route = routes.choose(small(), 10, (1, 28, 28), CPU)
-    assert route.mode == "ghost" and route.settled and len(list((cache / "routes").glob("*.json"))) == 1
+    assert route.mode == "ghost" and route.settled
 
 
 def test_interleaving_stops_once_the_fastest_is_clear():
@@ -76,8 +74,6 @@ def test_interleaving_stops_once_the_fastest_is_clear():
 def test_a_run_far_slower_than_its_route_forgets_it(cache):
     cfg = small()
     route = routes.choose(cfg, 10, (1, 28, 28), CPU)
-    if not route.settled:
-        pytest.skip("the machine was too busy to keep a route")
     [kept] = list((cache / "routes").glob("*.json"))
     measured = route.step_ms[route.mode] / 1000
     assert routes.check(route, cfg, 10, (1, 28, 28), CPU, 1.2 * measured) and kept.exists()
