@@ -29,14 +29,16 @@ def resolve_device(name: str) -> torch.device:
 
 
 @dataclass
-class PreparedRun:
+class CentralInputs:
+    """A central run's inputs, checked: its resolved settings, the data set, the training
+    samples it takes and the device (a run itself is a CentralRun, its result a RunResult)."""
     cfg: TrainConfig
     data: data_lib.ImageData
     train_indices: torch.Tensor
     device: torch.device
 
 
-def prepare_run(cfg: TrainConfig) -> PreparedRun:
+def prepare_run(cfg: TrainConfig) -> CentralInputs:
     """Everything that can fail on bad input, before any work: settings, data, model, device."""
     cfg = cfg.resolved()
     task_for(cfg)  # the model takes the task's images (--model cifar-cnn on MNIST is refused here)
@@ -44,17 +46,17 @@ def prepare_run(cfg: TrainConfig) -> PreparedRun:
     indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation)
     validate(cfg, len(indices))
     check_private_trainable(build_model(cfg.model, images.num_classes, activation=cfg.activation))
-    return PreparedRun(cfg, images, indices, resolve_device(cfg.device))
+    return CentralInputs(cfg, images, indices, resolve_device(cfg.device))
 
 
 def plan_run(cfg: TrainConfig, out: str | Path | None = None,
-             overwrite: bool = False) -> tuple[PreparedRun, privacy.PrivacyPlan]:
+             overwrite: bool = False) -> tuple[CentralInputs, privacy.PrivacyPlan]:
     """prepare_run, the result folder and the calibrated σ: every check before the first step."""
-    run = prepare_run(cfg)
+    inputs = prepare_run(cfg)
     if out is not None:
         check_out_dir(out, overwrite)
-    cfg = run.cfg
-    return run, privacy.plan(cfg.epsilon, cfg.delta, len(run.train_indices), cfg.batch_size, cfg.epochs,
+    cfg = inputs.cfg
+    return inputs, privacy.plan(cfg.epsilon, cfg.delta, len(inputs.train_indices), cfg.batch_size, cfg.epochs,
                              cfg.accountant)
 
 
@@ -129,9 +131,9 @@ class CentralRun:
             self.state = TrainState.from_state_dict(saved["state"], self.plan) if saved["state"] is not None else None
 
     def _trainer(self, saved: dict | None) -> DPTrainer:
-        run, cfg = self.prepared, self.cfg
+        inputs, cfg = self.prepared, self.cfg
         route = routes.Route.from_dict(saved["route"]) if saved is not None and saved["route"] else None
-        tensors = data_lib.prepare(run.data, run.train_indices, run.device, input_stats(cfg))
+        tensors = data_lib.prepare(inputs.data, inputs.train_indices, inputs.device, input_stats(cfg))
         return planned_trainer(cfg, tensors, self.plan, route=route)
 
     def _validation_split(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,12 +189,12 @@ class CentralRun:
 
     def finish(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """The result, and the folder's files (result.json last: from then on the run is finished)."""
-        last, plan, run = self.epochs[-1], self.plan, self.prepared
+        last, plan, inputs = self.epochs[-1], self.plan, self.prepared
         result = RunResult.of_run(
             self.cfg, epsilon_spent=last["epsilon"], test_accuracy=last["test_accuracy"],
-            wall_seconds=self.wall_seconds(), device=run.device, data_source=run.data.source,
+            wall_seconds=self.wall_seconds(), device=inputs.device, data_source=inputs.data.source,
             noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate, steps=self.state.steps,
-            num_train=len(run.train_indices), validation_accuracy=last.get("validation_accuracy"),
+            num_train=len(inputs.train_indices), validation_accuracy=last.get("validation_accuracy"),
             privacy=plan.to_dict(), route=self._route(), epochs=self.epochs, resumed=True if self.resumed else None)
         weights = {k: v.cpu() for k, v in released(self.model).items()}
         if self.out is not None:

@@ -45,30 +45,30 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     """Run the federation (or, with fed.resume_dir, go on with the one checkpointed there).
     Returns (result, the released global weights), as `fedsd.central.train`."""
     started = time.perf_counter()
-    run = checkpoint.start(cfg, fed, out, overwrite)  # the settings, fresh or resumed: read only from here on
-    if run.resumed:
-        log(INFO, "fedsd: resuming %s after round %d of %d", run.out, run.round, run.fed.rounds)
-    side = ServerSide.prepare(run, grid, overwrite, progress)
-    initial = run.model if run.resumed else initial_model(side.cfg, side.num_classes)
-    train_config = ConfigRecord({**to_flat(side.cfg, run.fed), "experiment-id": run.experiment_id})
+    launch = checkpoint.start(cfg, fed, out, overwrite)  # the settings, fresh or resumed: read only from here on
+    if launch.resumed:
+        log(INFO, "fedsd: resuming %s after round %d of %d", launch.out, launch.round, launch.fed.rounds)
+    side = ServerSide.prepare(launch, grid, overwrite, progress)
+    initial = launch.model if launch.resumed else initial_model(side.cfg, side.num_classes)
+    train_config = ConfigRecord({**to_flat(side.cfg, launch.fed), "experiment-id": launch.experiment_id})
     try:
         outcome = side.strategy.start(grid=PollingGrid(grid), initial_arrays=model_to_record(initial),
-                                      num_rounds=run.fed.rounds - run.round, timeout=run.fed.round_timeout,
+                                      num_rounds=launch.fed.rounds - launch.round, timeout=launch.fed.round_timeout,
                                       train_config=train_config, evaluate_config=ConfigRecord(dict(train_config)),
                                       evaluate_fn=side.book.evaluate_global)
     except ClientsFailed:
         # Stopped before any round completed (no client could train): nothing to keep or resume.
-        if run.out is not None and not run.resumed and not (run.out / checkpoint.CHECKPOINT).exists():
-            shutil.rmtree(run.out, ignore_errors=True)
+        if launch.out is not None and not launch.resumed and not (launch.out / checkpoint.CHECKPOINT).exists():
+            shutil.rmtree(launch.out, ignore_errors=True)
         raise
     finally:
         side.book.close()
     final = record_to_model(outcome.arrays) if len(outcome.arrays) else initial
-    result = federation_result(run, side, time.perf_counter() - started)
+    result = federation_result(launch, side, time.perf_counter() - started)
     weights = {k: v.cpu() for k, v in released(final).items()}
-    if run.out is not None:
-        write_run(run.out, result, weights)  # result.json last: from here on the run is finished
-        (run.out / checkpoint.CHECKPOINT).unlink(missing_ok=True)
+    if launch.out is not None:
+        write_run(launch.out, result, weights)  # result.json last: from here on the run is finished
+        (launch.out / checkpoint.CHECKPOINT).unlink(missing_ok=True)
     return result.to_dict(), weights
 
 
@@ -85,14 +85,14 @@ class ServerSide:
     book: RoundBook
 
     @classmethod
-    def prepare(cls, run, grid: Grid, overwrite: bool, progress: bool) -> "ServerSide":
+    def prepare(cls, launch, grid: Grid, overwrite: bool, progress: bool) -> "ServerSide":
         """Every check before anything is written (the settings resolved, the papers' values filled
         in), then the result folder, the evaluation model, the strategy and the round book (a
         resumed run's restored from its checkpoint)."""
-        fed, out = run.fed, run.out
-        run.cfg, num_classes, test, source, validation = public_side(run.cfg, fed)
-        cfg = run.cfg
-        if not run.resumed:  # a resumed run's SuperNodes reconnect at their own pace: it waits for them
+        fed, out = launch.fed, launch.out
+        launch.cfg, num_classes, test, source, validation = public_side(launch.cfg, fed)
+        cfg = launch.cfg
+        if not launch.resumed:  # a resumed run's SuperNodes reconnect at their own pace: it waits for them
             check_federation_size(grid, fed.num_clients)
             if out is not None:
                 fresh_out_dir(out, overwrite)  # holds checkpoint.pt per round, then result.json
@@ -108,20 +108,20 @@ class ServerSide:
         shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
         # A custom task has no public test split at the server: its clients evaluate on their own.
         strategy = RecordingStrategy(base_strategy(fed, fed.federated_evaluation or test is None), fed, shapes,
-                                     round_offset=run.round)
-        book = RoundBook(strategy, net, test, validation=validation, rounds_total=fed.rounds, start_round=run.round,
-                         out=out, settings=run.settings, experiment_id=run.experiment_id, progress=progress,
+                                     round_offset=launch.round)
+        book = RoundBook(strategy, net, test, validation=validation, rounds_total=fed.rounds, start_round=launch.round,
+                         out=out, settings=launch.settings, experiment_id=launch.experiment_id, progress=progress,
                          description=f"{cfg.dataset} {cfg.method} {fed.num_clients} clients")
-        if run.resumed:
-            strategy.load_state_dict(run.strategy)
-            book.load_state_dict(run.book)
+        if launch.resumed:
+            strategy.load_state_dict(launch.strategy)
+            book.load_state_dict(launch.book)
         return cls(cfg, num_classes, device, test, source, strategy, book)
 
 
-def federation_result(run, side: ServerSide, wall_seconds: float) -> RunResult:
+def federation_result(launch, side: ServerSide, wall_seconds: float) -> RunResult:
     """A federation's result.json: what the clients reported (shard size, σ, q, ε, steps), not
     what the server computed, and the rounds as the book recorded them."""
-    fed, strategy, rounds = run.fed, side.strategy, side.book.rounds
+    fed, strategy, rounds = launch.fed, side.strategy, side.book.rounds
     reported = client_facts(strategy.round_clients)
     return RunResult.of_run(
         side.cfg, epsilon_spent=max(strategy.client_epsilon.values(), default=0.0),
@@ -133,7 +133,7 @@ def federation_result(run, side: ServerSide, wall_seconds: float) -> RunResult:
         validation_accuracy=side.book.final_validation_accuracy(),
         evaluated_by="server" if side.test is not None else "clients", num_clients=fed.num_clients,
         shard_sizes=[reported.get(k, {}).get("num-examples") for k in range(fed.num_clients)],
-        federation=fed.__dict__.copy(), experiment_id=run.experiment_id, resumed_after_round=run.round or None,
+        federation=fed.__dict__.copy(), experiment_id=launch.experiment_id, resumed_after_round=launch.round or None,
         missed={str(r["round"]): r["missed"] for r in rounds if r["missed"]}, rounds=rounds)
 
 

@@ -68,7 +68,7 @@ def resumed_settings(run_dir: str | Path, saved: dict | None = None) -> tuple[Tr
 
 
 @dataclass
-class RunStart:
+class Launch:
     """Where a launch of the server starts, decided once before anything reads the settings:
     a fresh run (round 0, a new experiment id) or the run checkpointed in --resume's folder
     (its settings, folder, round, experiment id, model and the strategy's and round book's
@@ -93,17 +93,17 @@ class RunStart:
         return settings(self.cfg, self.fed)
 
 
-def start(cfg: TrainConfig, fed: FedOptions, out: str | Path | None, overwrite: bool = False) -> RunStart:
+def start(cfg: TrainConfig, fed: FedOptions, out: str | Path | None, overwrite: bool = False) -> Launch:
     """A fresh run into `out` (refused before anything starts when `out` holds something and
     not `overwrite`), or, with fed.resume_dir, the run checkpointed there with its own settings."""
     if fed.resume_dir:
         saved = load(fed.resume_dir)
         cfg, fed = resumed_settings(fed.resume_dir, saved)
-        return RunStart(cfg, fed, Path(fed.resume_dir), saved["round"], saved["experiment_id"], saved["model"],
+        return Launch(cfg, fed, Path(fed.resume_dir), saved["round"], saved["experiment_id"], saved["model"],
                         saved["strategy"], saved["book"])
     if out is not None:
         out = check_out_dir(out, overwrite)
-    return RunStart(cfg, fed, out)
+    return Launch(cfg, fed, out)
 
 
 def save(run_dir: Path, *, round: int, model, settings: dict, experiment_id: str, book: dict, strategy: dict) -> None:

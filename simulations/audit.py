@@ -122,9 +122,9 @@ def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bo
     cfg = cfg.resolved()
     seed = derive_seed(cfg.seed, SEED_AUDIT)
     if settings.clients == 1:
-        run = prepare_run(cfg)
-        cfg, images, device = run.cfg, run.data, run.device
-        holders = [data_lib.prepare(images, run.train_indices, device, input_stats(cfg))]
+        inputs = prepare_run(cfg)
+        cfg, images, device = inputs.cfg, inputs.data, inputs.device
+        holders = [data_lib.prepare(images, inputs.train_indices, device, input_stats(cfg))]
     else:
         from fedsd.fed_settings import FedOptions
         from task.simulated_shards import build_federation

@@ -312,10 +312,10 @@ def bench_epoch(args: argparse.Namespace) -> int:
              "baseline": TrainConfig(dataset=args.dataset, method=args.method, **BASELINE)}
     runs = {}
     for name, cfg in paths.items():
-        run = prepare_run(cfg)
-        cfg = run.cfg
-        n = len(run.train_indices)
-        trainer = planned_trainer(cfg, data_lib.prepare(run.data, run.train_indices, run.device, input_stats(cfg)),
+        inputs = prepare_run(cfg)
+        cfg = inputs.cfg
+        n = len(inputs.train_indices)
+        trainer = planned_trainer(cfg, data_lib.prepare(inputs.data, inputs.train_indices, inputs.device, input_stats(cfg)),
                                   plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant))
         runs[name] = [cfg, trainer, initial_model(cfg, trainer.data.num_classes), None]
     dry_run.stop_here(f"time {args.epochs} epochs of each of {', '.join(runs)}, interleaved")

@@ -48,9 +48,9 @@ def cmd_train(args) -> int:
     if missing:
         raise ConfigError(f"the following arguments are required: {', '.join(missing)} (or --resume DIR)")
     if dry_run.requested():  # train() runs the same checks first
-        run, plan = plan_run(config_from_args(args), args.out, args.overwrite)
-        cfg = run.cfg
-        dry_run.stop_here(f"train {cfg.method} on {len(run.train_indices)} {cfg.dataset} samples for {cfg.epochs} "
+        inputs, plan = plan_run(config_from_args(args), args.out, args.overwrite)
+        cfg = inputs.cfg
+        dry_run.stop_here(f"train {cfg.method} on {len(inputs.train_indices)} {cfg.dataset} samples for {cfg.epochs} "
                           f"epochs at B = {cfg.batch_size}, lr {cfg.lr:g}, momentum {cfg.momentum:g}, "
                           f"σ={plan.noise_multiplier:.3f}, q={plan.sample_rate:.4g} (ε={cfg.epsilon:g}) into {args.out}")
     result, _ = train(config_from_args(args), args.out, overwrite=args.overwrite, progress=not args.quiet)

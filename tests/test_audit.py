@@ -85,11 +85,11 @@ def test_canaries_go_through_every_clipping_mode_alike():
     for mode in GRAD_SAMPLE_MODES:
         cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=2.0, subset=600, epochs=1, batch_size=100,
                           lr=0.5, grad_sample_mode=mode, threads=2, memory_format="contiguous")
-        run = prepare_run(cfg)
+        inputs = prepare_run(cfg)
         plan = privacy.plan(2.0, 1e-5, 600, 100, 1, "rdp")
-        trainer = planned_trainer(run.cfg, data_lib.prepare(run.data, run.train_indices), plan)
-        canaries = audit.GradientCanaries(50, run.cfg.clip, plan.sample_rate, plan.noise_multiplier, 100, seed=7)
-        model, _, _ = trainer.local_update(initial_model(run.cfg, 10), None, [1],
+        trainer = planned_trainer(inputs.cfg, data_lib.prepare(inputs.data, inputs.train_indices), plan)
+        canaries = audit.GradientCanaries(50, inputs.cfg.clip, plan.sample_rate, plan.noise_multiplier, 100, seed=7)
+        model, _, _ = trainer.local_update(initial_model(inputs.cfg, 10), None, [1],
                                            callbacks=[audit.AuditedSteps(canaries)])
         scores[mode], students[mode] = canaries.scores.clone(), model["student"]
         assert canaries.joins[~canaries.included].sum() == 0 and canaries.joins[canaries.included].sum() > 0

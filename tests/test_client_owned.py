@@ -280,9 +280,9 @@ def test_mean_and_std_reach_every_party_on_a_built_in_data_set():
     raw = lambda x: x.float() / 255  # noqa: E731
     cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=100, subset=2000, validation=500,
                       mean="0", std="1").resolved()
-    run = prepare_run(cfg)
-    central = data_lib.prepare(run.data, run.train_indices, "cpu", input_stats(cfg))
-    assert torch.equal(central.x_train, raw(images.x_train[run.train_indices]))
+    inputs = prepare_run(cfg)
+    central = data_lib.prepare(inputs.data, inputs.train_indices, "cpu", input_stats(cfg))
+    assert torch.equal(central.x_train, raw(images.x_train[inputs.train_indices]))
     assert torch.equal(central.x_test, raw(images.x_test))
     held_out = data_lib.validation_indices(images, 500)
     assert torch.equal(data_lib.validation_split(images, 500, input_stats(cfg))[0], raw(images.x_train[held_out]))
@@ -294,7 +294,7 @@ def test_mean_and_std_reach_every_party_on_a_built_in_data_set():
     assert torch.equal(x_test, raw(images.x_test)) and torch.equal(x_val, raw(images.x_train[held_out]))
     standard = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=100, subset=2000).resolved()
     assert input_stats(standard) == data_lib.STANDARD_STATS["fmnist"]
-    assert data_lib.prepare(images, run.train_indices, "cpu", input_stats(standard)).x_test is images.normalised_x_test
+    assert data_lib.prepare(images, inputs.train_indices, "cpu", input_stats(standard)).x_test is images.normalised_x_test
 
 
 # -- issue 28: own data never trains without its owner's budget ---------------------------------
