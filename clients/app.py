@@ -31,13 +31,19 @@ app = ClientApp()
 
 
 def answer(kind: str, msg: Message, context: Context) -> Message:
-    return Message(reply_content(kind, msg.content, context), reply_to=msg)
+    # What a client writes while it answers (its ledger, its state, its prepared data) is its
+    # own: umask 077 for the message, and the process's own umask back afterwards (a Ray actor,
+    # or a test, answers in a process that writes other things too).
+    umask = os.umask(0o077)
+    try:
+        return Message(reply_content(kind, msg.content, context), reply_to=msg)
+    finally:
+        os.umask(umask)
 
 
 def reply_content(kind: str, content: RecordDict, context: Context) -> RecordDict:
     """The reply to a message of this kind: from the owner's data service, the node's warm worker
     or this process."""
-    os.umask(0o077)  # what a client writes (its ledger, its state, its prepared data) is its own
     try:
         node = node_configs.parse(context.node_config)
     except node_configs.NodeConfigError:

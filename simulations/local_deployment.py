@@ -151,7 +151,7 @@ class Isolation:
         project, its own folders) that other users cannot pass (a home such as /root, a private
         temporary folder) is covered there by an empty one, with just the needed paths put back:
         the process sees none of the rest, other clients' folders included."""
-        script = ["set -e"]
+        script = ["set -e", "umask 022"]  # the folders made to put needed paths back must be passable
         for closed, paths in _closed_ancestors(needs).items():
             for i, path in enumerate(paths):
                 script.append(f'stage{i}=$(mktemp -d) && mount --bind "{path}" "$stage{i}"')

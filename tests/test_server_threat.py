@@ -239,7 +239,7 @@ def test_what_a_client_keeps_is_its_owners_alone(own_npz, tmp_path):
         state = tmp_path / "state"
         ask(flat, node(own_npz, state), initial_model(client_config(cfg, fed), 10))
     finally:
-        os.umask(old)
+        assert os.umask(old) == 0o022  # and the process's own umask is back after the message
     modes = modes_under(state)
     assert any(p.name.startswith("prepared-") for p in modes) and any(p.name.startswith("ledger-") for p in modes)
     assert all(mode & 0o077 == 0 for mode in modes.values()), {str(p): oct(m) for p, m in modes.items() if m & 0o077}
