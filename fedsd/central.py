@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import data as data_lib
-from .client_data import input_stats, task_for
+from .client_data import input_stats, run_images, task_for, with_custom_task
 from . import privacy, routes
 from .config import TrainConfig, validate
 from .models import build_model, check_private_trainable
@@ -40,9 +40,9 @@ class CentralInputs:
 
 def prepare_run(cfg: TrainConfig) -> CentralInputs:
     """Everything that can fail on bad input, before any work: settings, data, model, device."""
-    cfg = cfg.resolved()
+    cfg = with_custom_task(cfg).resolved()  # a custom data set's classes, channels and size, read from its files
     task_for(cfg)  # the model takes the task's images (--model cifar-cnn on MNIST is refused here)
-    images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)
+    images = run_images(cfg)
     indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation)
     validate(cfg, len(indices))
     check_private_trainable(build_model(cfg.model, images.num_classes, activation=cfg.activation))

@@ -309,6 +309,145 @@ def task_for(cfg) -> Task:
     needs = {"mnist-cnn": "1 channel, 28×28 images", "cifar-cnn": "3 channels"}
     fits = (task.channels, task.image_size) == (1, 28) if cfg.model == "mnist-cnn" else task.channels == 3
     if not fits:
+        hint = ("; for your own images, pass --model cifar-cnn --channels 3 (grey images are converted), or "
+                "--channels 1 --image-size 28 for mnist-cnn" if cfg.dataset == CUSTOM else "")
         raise ConfigError(f"--model: {cfg.model} takes {needs[cfg.model]}; the task has {task.channels} channel(s) "
-                          f"at {task.image_size}×{task.image_size}")
+                          f"at {task.image_size}×{task.image_size}{hint}")
     return Task(task.classes, task.channels, task.image_size, mean, std)
+
+
+# Custom data trained centrally or in a simulation (`fedsd train|simulate --dataset custom
+# --data-dir D`): the formats a SuperNode takes, the task read from the files where not given.
+# Data without a test split gets one: this share of the training samples, class-stratified and
+# drawn with a fixed seed, so that runs of every seed are judged on the same held-out samples.
+CUSTOM_TEST_SHARE = 0.2
+CUSTOM_TEST_SEED = 104729
+CUSTOM_LAYOUTS = ("a folder train/<class>/<image> (PNG or JPEG; optionally test/<class>/<image>), or an .npz "
+                  "file with x_train (uint8, N×H×W or N×H×W×C) and y_train (optionally x_test, y_test)")
+
+
+def custom_path(cfg) -> Path:
+    """A custom run's data: --data-dir, which must exist (a folder, an .npz, or a folder of data.npz)."""
+    from .errors import ConfigError
+
+    if not cfg.data_dir:
+        raise ConfigError(f"--data-dir: --dataset custom trains on files of your own; pass --data-dir with "
+                          f"{CUSTOM_LAYOUTS}")
+    path = Path(cfg.data_dir).expanduser()
+    if not path.exists():
+        raise ConfigError(f"--data-dir {cfg.data_dir}: no such file or folder")
+    if path.is_dir() and not (path / "train").exists() and (path / "data.npz").is_file():
+        return path / "data.npz"
+    if not (path.suffix == ".npz" and path.is_file()) and not (path / "train").is_dir():
+        raise ConfigError(f"--data-dir {cfg.data_dir}: expected {CUSTOM_LAYOUTS}")
+    return path
+
+
+@dataclass(frozen=True)
+class FoundTask:
+    """What a custom data set's files say of its task (image_size 0: the images differ in size)."""
+
+    classes: tuple[str, ...]
+    channels: int
+    image_size: int
+    sizes: tuple[tuple[int, int], ...]  # the (height, width) seen
+
+
+def describe(path: Path) -> FoundTask:
+    """The classes (folder names, sorted as torchvision's ImageFolder sorts them; an .npz's
+    labels 0 … K−1 as names), channels (1 grey, 3 colour) and square size of a custom data set,
+    read from its labels and from a few images per class."""
+    if path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                x, labels = z["x_train"], [z["y_train"]] + ([z["y_test"]] if "y_test" in z.files else [])
+        except (KeyError, ValueError, OSError) as e:
+            raise DataError(f"data={path}: not an .npz with x_train and y_train ({e})") from None
+        if x.ndim not in (3, 4) or not len(x):
+            raise DataError(f"data={path} x_train: shape {x.shape}; expected N×H×W or N×H×W×C")
+        count = max(int(np.max(y)) for y in labels if len(y)) + 1
+        channels = 1 if x.ndim == 3 or x.shape[3] in (1, 2) else 3
+        sizes = ((int(x.shape[1]), int(x.shape[2])),)
+        return FoundTask(tuple(str(i) for i in range(count)), channels, _square(sizes), sizes)
+    from torchvision.io import ImageReadMode, decode_image, read_file
+
+    folders = sorted((p for p in (path / "train").iterdir() if p.is_dir()), key=lambda p: p.name)
+    channels, sizes = 1, set()
+    for folder in folders:
+        for f in sorted((f for f in folder.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES), key=_natural)[:3]:
+            try:
+                image = decode_image(read_file(str(f)), mode=ImageReadMode.UNCHANGED)
+            except Exception:  # noqa: BLE001  (the loader names unreadable files; skip-bad-files may leave them out)
+                continue
+            channels = max(channels, 1 if image.shape[0] in (1, 2) else 3)
+            sizes.add((int(image.shape[1]), int(image.shape[2])))
+    if not sizes:
+        raise DataError(f"data={path}: no readable PNG or JPEG image under train/<class>/")
+    sizes = tuple(sorted(sizes))
+    return FoundTask(tuple(p.name for p in folders), channels, _square(sizes), sizes)
+
+
+def _square(sizes) -> int:
+    """The one square size of these (height, width) sizes, else 0."""
+    return sizes[0][0] if len(sizes) == 1 and sizes[0][0] == sizes[0][1] else 0
+
+
+def with_custom_task(cfg):
+    """dataset=custom: a copy of `cfg` with the classes, channels and image size the files say,
+    where the run does not give them (every party of a simulation reads the same files, so all
+    agree). Other data sets: `cfg` as it is."""
+    import dataclasses
+
+    from .config import CUSTOM
+    from .errors import ConfigError
+
+    if cfg.dataset != CUSTOM or (cfg.classes and cfg.channels and cfg.image_size):
+        return cfg
+    found = describe(custom_path(cfg))
+    size = cfg.image_size or found.image_size
+    if not size:
+        seen = ", ".join(f"{h}×{w}" for h, w in found.sizes[:4]) + (", …" if len(found.sizes) > 4 else "")
+        raise ConfigError(f"--image-size: the images are not all one square size ({seen}); pass --image-size N "
+                          f"to resize every image to N×N")
+    if size > MAX_IMAGE_SIZE and not cfg.image_size:
+        raise ConfigError(f"--image-size: the images are {size}×{size}, above {MAX_IMAGE_SIZE}; pass --image-size N "
+                          f"(at most {MAX_IMAGE_SIZE}) to resize them")
+    return dataclasses.replace(cfg, classes=cfg.classes or ",".join(found.classes),
+                               channels=cfg.channels or found.channels, image_size=size)
+
+
+def custom_images(cfg):
+    """A custom run's data as a data_lib.ImageData (its test split held out from the training
+    samples when the files have none: CUSTOM_TEST_SHARE, stratified, seeded; `source` says so).
+    `cfg` has its task (with_custom_task). The prepared tensors are cached on this machine
+    (fedsd.cache_root()/custom-data), so a simulation's Ray workers decode the images once."""
+    from . import cache_root
+    from .data import ImageData, stratified_subset
+
+    path, task = custom_path(cfg), task_for(cfg)
+    held = load_holder_data(path, task, cache_root() / "custom-data", skip_bad_files=False)
+    x_train, y_train, x_test, y_test, source = held.x_train, held.y_train, held.x_test, held.y_test, str(path)
+    if not len(y_test):
+        n = len(y_train)
+        size = max(1, round(CUSTOM_TEST_SHARE * n))
+        if n - size < 1:
+            raise DataError(f"data={path}: {n} training sample(s), too few to hold a test split out of")
+        test = stratified_subset(y_train, size, CUSTOM_TEST_SEED)
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[test] = False
+        x_train, y_train, x_test, y_test = x_train[keep], y_train[keep], x_train[test], y_train[test]
+        source += (f" (no test split: {size} of its {n} training samples, {CUSTOM_TEST_SHARE:.0%}, held out as the "
+                   f"test split, class-stratified with a fixed seed)")
+    return ImageData("custom", x_train, y_train, x_test, y_test, source, stats=(task.mean, task.std),
+                     class_count=len(task.classes))
+
+
+def run_images(cfg):
+    """The labelled images a run trains and tests on: a built-in data set, or (dataset=custom,
+    `cfg` with its task) the files at --data-dir."""
+    from . import data as data_lib
+    from .config import CUSTOM
+
+    if cfg.dataset == CUSTOM:
+        return custom_images(cfg)
+    return data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)

@@ -93,8 +93,9 @@ def _paper_text(key: str) -> str:
 class RunSettings:
     """A training run's own settings, those of every method (TrainConfig adds the methods')."""
 
-    dataset: str = setting("fmnist", "data set; custom: each client's own data, described by classes, "
-                           "image-size and channels", choices=DATASETS + (CUSTOM,))
+    dataset: str = setting("fmnist", "data set; custom: your own images (--data-dir; each deployed client's "
+                           "own data), their classes, image size and channels read from the files unless given",
+                           choices=DATASETS + (CUSTOM,))
     method: str = setting("dp3sd", "training method", choices=METHODS)
     epsilon: float = setting(3.0, "privacy budget ε of the whole run (a client's, federated)")
     delta: float = setting(1e-5, "privacy δ; must be below 1/n")
@@ -123,13 +124,17 @@ class RunSettings:
                                     choices=GRAD_SAMPLE_MODES)
     memory_format: str = setting("auto", "image and activation layout; auto: channels-last where the "
                                  "clipping mode is exact under it", choices=MEMORY_FORMATS)
-    classes: str = setting("", "dataset=custom: the class names in label order, comma-separated")
-    image_size: int = setting(0, "dataset=custom: the square size images are resized to")
-    channels: int = setting(0, "dataset=custom: 1 (grey) or 3 (RGB)")
+    classes: str = setting("", "dataset=custom: the class names in label order, comma-separated",
+                           default_text="read from the data: its class folders, sorted, or an .npz's labels 0 … K−1")
+    image_size: int = setting(0, "dataset=custom: the square size images are resized to",
+                              default_text="the images' own size, when they are all one square size")
+    channels: int = setting(0, "dataset=custom: 1 (grey) or 3 (RGB)",
+                            default_text="3 if any image is in colour, else 1")
     mean: str = setting("", "normalisation mean per channel, comma-separated; \"\" = the built-in data "
                         "set's standard constants (never statistics of a client's private data)")
     std: str = setting("", "normalisation std per channel, comma-separated (as mean)")
-    data_dir: str | None = setting(None, "root holding mnist/, fashion-mnist/, cifar10/",
+    data_dir: str | None = setting(None, "root holding mnist/, fashion-mnist/, cifar10/; dataset=custom: your "
+                                   "folder train/<class>/<image> (optionally test/) or .npz file",
                                    default_text="FEDSD_DATA_DIR, then Debian's fashion-mnist")
     download: bool = setting(False, "download the data set with torchvision when it is not found")
     extra: dict = field(default_factory=dict)
@@ -297,7 +302,6 @@ def validate(c: TrainConfig, num_train: int) -> None:
     """Check a resolved config against the data it will train on (`num_train` samples, the
     data set this privacy guarantee protects). Raises ConfigError naming the option."""
     check_choices(c)  # every setting with allowed values, as declared
-    _check_choice("--dataset", c.dataset, DATASETS)  # a custom task's data are the clients' own
     check_layout(c)
     check_setting(math.isfinite(c.epsilon) and c.epsilon > 0, "--epsilon", "must be > 0", c.epsilon)
     check_setting(0 < c.delta < 1.0 / num_train, "--delta",

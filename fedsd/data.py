@@ -51,10 +51,19 @@ class ImageData:
     x_test: torch.Tensor
     y_test: torch.Tensor
     source: str
+    # A custom data set's (fedsd.client_data.custom_images): its fixed normalisation constants
+    # and its number of classes (a class may have no training sample in a subset).
+    stats: tuple | None = None
+    class_count: int = 0
 
     @property
     def num_classes(self) -> int:
-        return int(self.y_train.max()) + 1
+        return self.class_count or int(self.y_train.max()) + 1
+
+    @property
+    def standard_stats(self) -> tuple:
+        """The fixed (mean, std) this data set is normalised with unless a run says otherwise."""
+        return self.stats or STANDARD_STATS[self.name]
 
     @cached_property
     def channel_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,11 +75,11 @@ class ImageData:
     def normalised(self, images: torch.Tensor, stats: tuple | None = None) -> torch.Tensor:
         """Images as float32, scaled to [0, 1], normalised with `stats` (mean, std), by default
         the data set's fixed constants."""
-        return normalise(images, *(stats or STANDARD_STATS[self.name]))
+        return normalise(images, *(stats or self.standard_stats))
 
     def normalised_test(self, stats: tuple | None = None) -> torch.Tensor:
         """The test images normalised with `stats`; with the fixed constants, the one shared copy."""
-        if stats is None or tuple(map(tuple, stats)) == STANDARD_STATS[self.name]:
+        if stats is None or tuple(map(tuple, stats)) == tuple(map(tuple, self.standard_stats)):
             return self.normalised_x_test
         return self.normalised(self.x_test, stats)
 

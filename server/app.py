@@ -152,8 +152,6 @@ def public_side(cfg: TrainConfig, fed: FedOptions):
         images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)  # the public test split only
         # Normalised with the task's constants, as the clients normalise theirs (mean/std settings included).
         return cfg, len(task.classes), (normalised(images.x_test, task), images.y_test.clone()), images.source, None
-    if cfg.dataset == CUSTOM:
-        raise ConfigError("--dataset: custom data lives on the clients only; set --client-data own")
     federation = build_federation(cfg, fed)
     log(INFO, "fedsd: %d clients, %s partition, shard sizes %s", fed.num_clients, fed.partition,
         federation.shard_sizes())

@@ -27,6 +27,8 @@ def run_summary(result: dict, out) -> str:
              f"  test accuracy  {accuracy * 100:.2f} %{by}" if accuracy is not None else "  test accuracy  -",
              f"  ε spent        {eps} (target {result['epsilon_target']:g}, δ {result['delta']:g})",
              f"  settings       {settings_line(result)}"]
+    if result["dataset"] == "custom":  # your own files, and whether a test split was held out of them
+        lines.append(f"  data           {result['data_source']}")
     if clients:
         lines += _labelled("not trained", not_trained(result["rounds"]))
         lines += _labelled("owners' budget", [f"client {c}: {text}" for c, text in budgets(result["rounds"]).items()])

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from fedsd import data as data_lib
-from fedsd.client_data import input_stats, task_for
+from fedsd.client_data import input_stats, run_images, task_for, with_custom_task
 from fedsd import privacy
 from fedsd.config import TrainConfig, validate
 from fedsd.errors import ConfigError
@@ -55,9 +55,9 @@ class Federation:
 
 
 def cut_shards(cfg: TrainConfig, fed: FedOptions) -> tuple[data_lib.ImageData, torch.Tensor, list[torch.Tensor]]:
-    """The built-in data set, the training samples a run takes (--subset, less --validation) and
+    """The data set, the training samples a run takes (--subset, less --validation) and
     each client's shard of them (positions into those samples), as every party cuts them."""
-    images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)
+    images = run_images(cfg)
     indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation)
     if fed.num_clients > len(indices):
         raise ConfigError(f"--clients: {fed.num_clients} clients but only {len(indices)} training samples")
@@ -69,7 +69,7 @@ def build_federation(cfg: TrainConfig, fed: FedOptions) -> Federation:
 
     Raises ConfigError (naming the option, or the client and its size) before any training."""
     fed.validate()
-    cfg = client_config(cfg, fed)
+    cfg = client_config(with_custom_task(cfg), fed)  # a custom data set's task, read from its files
     task_for(cfg)  # the model takes the task's images, before any data is read
     images, indices, parts = cut_shards(cfg, fed)
     for k, part in enumerate(parts):

@@ -99,3 +99,76 @@ def test_load_model_gives_what_the_run_released_ready_to_use(tmp_path, capsys):
         accuracy = (model(images.x_test).argmax(1) == images.y_test).float().mean().item()
     assert accuracy == pytest.approx(json.loads((out / "result.json").read_text())["test_accuracy"], abs=1e-3)
     assert not model.training
+
+
+def _own_images(folder: Path, per_class: int = 150, classes=(("tshirt", 0), ("trouser", 1))) -> Path:
+    """An ImageFolder of real Fashion-MNIST images as PNG files (train/<class>/<n>.png), no test split."""
+    from torchvision.io import write_png
+
+    from fedsd import data as data_lib
+
+    require("fmnist")
+    images = data_lib.load("fmnist")
+    for name, label in classes:
+        (folder / "train" / name).mkdir(parents=True)
+        for n, i in enumerate(torch.nonzero(images.y_train == label).flatten()[:per_class].tolist()):
+            write_png(images.x_train[i], str(folder / "train" / name / f"{n}.png"))
+    return folder
+
+
+def test_own_images_train_centrally_their_task_read_from_the_files(tmp_path, capsys, monkeypatch):
+    """`fedsd train --dataset custom --data-dir DIR`: classes, channels and size from the files,
+    a stratified test split held out (and said), and the run learns (T-shirts from trousers)."""
+    monkeypatch.setenv("FEDSD_CACHE_DIR", str(tmp_path / "cache"))
+    data = _own_images(tmp_path / "mine")
+    out = tmp_path / "run"
+    assert main(["train", "--dataset", "custom", "--data-dir", str(data), "--method", "dpsgd", "--epochs", "4",
+                 "--batch-size", "40", "--lr", "0.5", "--epsilon", "8", "--threads", "1", "--quiet",
+                 "--out", str(out)]) == 0
+    summary = capsys.readouterr().out
+    assert "(no test split: 60 of its 300 training samples, 20%, held out as the test split" in summary
+    result = json.loads((out / "result.json").read_text())
+    cfg = result["config"]
+    assert (cfg["classes"], cfg["channels"], cfg["image_size"], cfg["model"]) == ("trouser,tshirt", 1, 28, "mnist-cnn")
+    assert result["test_accuracy"] >= 0.85
+
+
+def test_own_data_that_does_not_say_its_task_is_refused_with_the_option(tmp_path, capsys):
+    from torchvision.io import write_png
+
+    assert main(["train", "--dataset", "custom", "--epsilon", "3", "--out", str(tmp_path / "o")]) == 2
+    assert "--data-dir: --dataset custom trains on files of your own; pass --data-dir with a folder" in \
+        capsys.readouterr().err
+    for name, size in (("a", 20), ("b", 24)):
+        (tmp_path / "mixed" / "train" / name).mkdir(parents=True)
+        write_png(torch.zeros(1, size, size, dtype=torch.uint8), str(tmp_path / "mixed" / "train" / name / "0.png"))
+    assert main(["train", "--dataset", "custom", "--data-dir", str(tmp_path / "mixed"), "--epsilon", "3",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "--image-size: the images are not all one square size (20×20, 24×24); pass --image-size N" in \
+        capsys.readouterr().err
+    assert main(["train", "--dataset", "custom", "--data-dir", str(tmp_path / "mixed"), "--image-size", "32",
+                 "--epsilon", "3", "--out", str(tmp_path / "o")]) == 2
+    assert "--model: cifar-cnn takes 3 channels; the task has 1 channel(s) at 32×32; for your own images, pass " \
+           "--model cifar-cnn --channels 3" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_own_npz_data_simulates_as_a_federation(tmp_path):
+    """`fedsd simulate --dataset custom --data-dir FILE.npz`: partitioned like a built-in set; its test split is its own."""
+    import numpy as np
+
+    from fedsd import data as data_lib
+
+    require("fmnist")
+    images = data_lib.load("fmnist")
+    np.savez(tmp_path / "mine.npz", x_train=images.x_train[:2000, 0].numpy(), y_train=images.y_train[:2000].numpy(),
+             x_test=images.x_test[:500, 0].numpy(), y_test=images.y_test[:500].numpy())
+    proc = fedsd("simulate", "--dataset", "custom", "--data-dir", str(tmp_path / "mine.npz"), "--clients", "2",
+                 "--rounds", "3", "--method", "dpsgd", "--batch-size", "100", "--lr", "1", "--epsilon", "8",
+                 "--quiet", "--out", str(tmp_path / "sim"),
+                 env={"FEDSD_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "sim" / "result.json").read_text())
+    assert result["shard_sizes"] == [1000, 1000] and result["data_source"] == str(tmp_path / "mine.npz")
+    assert result["config"]["classes"] == "0,1,2,3,4,5,6,7,8,9" and result["test_accuracy"] >= 0.45  # chance: 0.10
