@@ -7,7 +7,7 @@ RUN_OUT ?= runs/default
 # Flower's tools (flwr, flower-superlink, flower-supernode) start one another by name.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test test-fast test-slow data venv clean
+.PHONY: run test test-fast test-slow test-flower-next data venv clean
 
 venv: $(VENV)/.installed
 
@@ -43,5 +43,20 @@ test-fast: data
 test-slow: data
 	$(PY) -m pytest -q -m slow
 
+# The deployment tests against Flower's next release (flwr-nightly), in an environment of its
+# own, not part of `make test`: .venv-next holds flwr-nightly and fedsd itself, and sees the
+# project's .venv beneath it for everything else (torch, Opacus, Ray: no second copy).
+NEXT ?= .venv-next
+FLOWER_NEXT ?= flwr-nightly
+NEXT_TESTS ?= tests/test_deploy.py tests/test_deploy_output.py tests/test_strategy.py
+test-flower-next: data
+	$(PYTHON) -m venv $(NEXT)
+	$(NEXT)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > $(NEXT)/.purelib
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$$(cat $(NEXT)/.purelib)/fedsd-base-venv.pth"
+	$(NEXT)/bin/pip install -q --no-deps --pre --upgrade $(FLOWER_NEXT)
+	$(NEXT)/bin/pip install -q --no-deps -e .
+	$(NEXT)/bin/python -c "import importlib.metadata as m, flwr; print('flwr-nightly', m.version('flwr-nightly'), 'from', flwr.__file__)"
+	PATH=$(abspath $(NEXT))/bin:$$PATH $(NEXT)/bin/python -m pytest -q $(NEXT_TESTS)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(NEXT) runs .pytest_cache

@@ -13,9 +13,10 @@ settings only; torch and fedsd's training load where the round runs.
 from __future__ import annotations
 
 # An entry point: fedsd's process-wide speed settings, before torch loads (fedsd/runtime.py).
-from fedsd.runtime import tune_process
+from fedsd.runtime import quiet_ray, tune_process
 
 tune_process()
+quiet_ray()  # before Flower's simulation engine starts Ray, which it does after importing this module
 
 import os
 from logging import WARNING

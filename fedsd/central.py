@@ -11,10 +11,10 @@ from tqdm.auto import tqdm
 
 from . import data as data_lib
 from .client_data import input_stats, run_images, task_for, with_custom_task
-from . import privacy, routes
+from . import privacy, routes, tensorboard
 from .config import TrainConfig, validate
 from .models import build_model, check_private_trainable
-from .results import RunResult, check_out_dir, fresh_out_dir, save_atomic, write_json, write_run
+from .results import RunResult, check_out_dir, finished_run_refusal, fresh_out_dir, save_atomic, write_json, write_run
 from .training import DPTrainer, TrainState, evaluate, initial_model, planned_trainer
 from .errors import ConfigError, ResumeError, TrainingDiverged
 from .methods import released
@@ -79,7 +79,7 @@ def load_checkpoint(out: str | Path) -> dict:
     if not out.is_dir():
         raise ResumeError(f"--resume: {out} is not a folder")
     if (out / "result.json").exists():
-        raise ResumeError(f"--resume: {out} is a finished run (it has result.json); nothing to resume")
+        raise ResumeError(finished_run_refusal(out, "--epochs"))
     if not (out / CHECKPOINT).is_file():
         raise ResumeError(f"--resume: {out} holds no unfinished run (no {CHECKPOINT})")
     try:
@@ -205,17 +205,29 @@ class CentralRun:
 
 
 def train(cfg: TrainConfig | None, out: str | Path | None = None, overwrite: bool = False,
-          progress: bool = True, resume: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+          progress: bool = True, resume: bool = False, log_dir: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Train centrally; write result.json, model.pt and curve.png to `out` (when given), and
     the state after every epoch (CentralRun); `resume=True` continues the unfinished run in
-    `out` with its own saved settings (`cfg` is then None). Returns (result, released weights)."""
+    `out` with its own saved settings (`cfg` is then None). `log_dir`: the TensorBoard log's
+    folder as --log-dir takes it (fedsd.tensorboard.log_dir). Returns (result, released weights)."""
+    board = tensorboard.log_dir(log_dir, out)  # refused before any work when TensorBoard is missing
     run = CentralRun(cfg, out, overwrite, resume)
     cfg = run.cfg
+    log = tensorboard.TensorBoardLog(board) if board is not None else None
     bar = tqdm(range(1, cfg.epochs + 1), initial=len(run.epochs), desc=f"{cfg.dataset} {cfg.method} ε={cfg.epsilon}",
                unit="epoch", disable=not progress)
-    for epoch in run.remaining_epochs():
-        record = run.take_epoch(epoch)
-        bar.update(1)
-        bar.set_postfix(acc=f"{record['test_accuracy']:.4f}", eps=f"{record['epsilon']:.3f}")
-    bar.close()
-    return run.finish()
+    try:
+        for epoch in run.remaining_epochs():
+            record = run.take_epoch(epoch)
+            if log is not None:
+                log.scalars(epoch, tensorboard.epoch_scalars(record))
+            bar.update(1)
+            bar.set_postfix(acc=f"{record['test_accuracy']:.4f}", eps=f"{record['epsilon']:.3f}")
+        bar.close()
+        result, weights = run.finish()
+        if log is not None:
+            log.finish(cfg.to_dict(), {"test_accuracy": result["test_accuracy"], "epsilon": result["epsilon_spent"]})
+        return result, weights
+    finally:
+        if log is not None:
+            log.close()

@@ -9,6 +9,11 @@ line. Anything else is a bug and keeps its traceback. Each keeps the built-in ty
 from __future__ import annotations
 
 
+class FedsdNote(UserWarning):
+    """Something a user should know once, in fedsd's words (the `fedsd` command prints it as
+    one line, `fedsd: note: …`; a library user sees a warning of this type)."""
+
+
 class FedsdError(Exception):
     """An error fedsd raised on purpose."""
 

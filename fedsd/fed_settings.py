@@ -22,8 +22,9 @@ TEACHER_MODES = ("round-start", "local-previous", "global-ema")
 class FedOptions:
     """What a federation adds to a TrainConfig (fedsd.settings: each setting declared once)."""
 
-    num_clients: int = setting(10, "clients in the federation (a shard of the training set each)",
-                               flag="--clients")
+    num_clients: int = setting(10, "clients in the federation (a shard of the training set each); under "
+                               "`flwr run`, 0 (the app's default, FLOWER_APP_DEFAULTS): one per SuperNode "
+                               "of the federation", flag="--clients")
     rounds: int = setting(5, "federated rounds", key="num-server-rounds")  # Flower's own name for it
     client_data: str = setting("partition", "where a client's training data comes from: partition = its shard "
                                "of the built-in data set (simulations); own = the data its SuperNode names "
@@ -98,6 +99,11 @@ class FedOptions:
         check(not self.experiment_id or EXPERIMENT_ID.fullmatch(self.experiment_id) is not None, "experiment-id",
               "letters, digits, '.', '_' and '-', starting with a letter or digit, at most 64", self.experiment_id)
 
+
+# Where the Flower app's run config (pyproject.toml) differs from the declared defaults. Under
+# `flwr run` the federation, not the app, says how many SuperNodes there are (Flower's local
+# simulation starts 2 unless told otherwise): the server counts them (server.app.one_client_per_node).
+FLOWER_APP_DEFAULTS = {"num-clients": 0}
 
 EXPERIMENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 

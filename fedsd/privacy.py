@@ -6,10 +6,12 @@ is always read from it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from opacus.accountants import create_accountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 from opacus.accountants.utils import get_noise_multiplier
 
-from .errors import BudgetError, BudgetRefused
+from .errors import BudgetError, BudgetRefused, FedsdNote
 
 EPSILON_TOLERANCE = 0.01
 # Rényi orders of every RDP computation here. Opacus' default set stops at 63, and a run whose
@@ -29,6 +31,31 @@ EPSILON_TOLERANCE = 0.01
 # that: Opacus then warns "Optimal order is the largest alpha" and reports a looser ε than the
 # mechanism has. Orders to 512 keep the best one inside the set.
 RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [80, 96, 128, 192, 256, 384, 512]
+
+
+# Said once a process, instead of Opacus' "Optimal order is the largest alpha. Please consider
+# expanding the range of alphas…" (from every calibration step and every ε it reports), which at a
+# very small ε (below about 0.05) comes even with orders to 512.
+LOOSE_BOUND = ("at this small ε the RDP accountant's best Rényi order lies beyond the largest it tries (512): "
+               "the ε reported is a valid upper bound, looser than the mechanism's (--accountant prv is tighter)")
+
+
+_loose_bound_said = False
+
+
+@contextlib.contextmanager
+def _largest_order_said_once():
+    """Opacus' warning that the best order is the largest, said once in fedsd's words (FedsdNote)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    global _loose_bound_said
+    for w in caught:
+        if "Optimal order is the largest alpha" not in str(w.message):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        elif not _loose_bound_said:  # once a process (catch_warnings resets the registry that would)
+            _loose_bound_said = True
+            warnings.warn(LOOSE_BOUND, FedsdNote, stacklevel=3)
 
 
 def _orders(accountant: str) -> dict:
@@ -101,9 +128,10 @@ def _calibrate(epsilon: float, delta: float, num_samples: int, batch_size: int, 
     q = batch_size / num_samples
     steps = epochs * steps_per_epoch(num_samples, batch_size)
     try:
-        sigma = get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=q,
-                                     steps=steps, accountant=accountant,
-                                     epsilon_tolerance=EPSILON_TOLERANCE, **_orders(accountant))
+        with _largest_order_said_once():
+            sigma = get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=q,
+                                         steps=steps, accountant=accountant,
+                                         epsilon_tolerance=EPSILON_TOLERANCE, **_orders(accountant))
     except ValueError as e:  # Opacus: "The privacy budget is too low."
         raise BudgetError(f"--epsilon: no noise level fits ε={epsilon}, δ={delta} for {steps} steps at "
                           f"sample rate {q:.4g} ({e}); raise --epsilon or lower --epochs") from e
@@ -149,7 +177,8 @@ class AccountantHistory:
             return float(self._accountant.get_epsilon(delta=delta, **_orders(self.kind)))
         # Opacus' RDPAccountant.get_epsilon, with each (q, σ)'s per-step RDP computed once
         rdp = sum(_rdp_of_one_step(q, sigma) * steps for sigma, q, steps in self._accountant.history)
-        eps, _ = get_privacy_spent(orders=RDP_ORDERS, rdp=rdp, delta=delta)
+        with _largest_order_said_once():
+            eps, _ = get_privacy_spent(orders=RDP_ORDERS, rdp=rdp, delta=delta)
         return float(eps)
 
     def epsilon_after(self, steps: int, noise_multiplier: float, sample_rate: float, delta: float) -> float:

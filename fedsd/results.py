@@ -263,3 +263,13 @@ def load_model(run_dir: str | os.PathLike) -> ReleasedModel:
     net.load_state_dict(weights)
     mean, std = input_stats(cfg)
     return ReleasedModel(net, mean, std).eval()
+
+
+def finished_run_refusal(run_dir, length: str) -> str:
+    """Why `--resume` does not extend a finished run (`length`: "--epochs" or "--rounds"). Its
+    σ was calibrated for exactly its planned length, so its ε is spent: more steps would spend
+    more than the ε its result reports, under the same release."""
+    return (f"--resume: {run_dir} is a finished run (it has result.json); nothing to resume. Its σ was calibrated "
+            f"so that its planned {length.lstrip('-')} spend exactly its ε, so training on would spend more than the ε "
+            f"it reports: a longer run is a new run with a larger {length} (README: extending a finished run)")
+

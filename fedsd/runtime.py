@@ -70,3 +70,16 @@ def keep_freed_memory() -> bool:
     mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
     _kept = True
     return True
+
+
+# Ray's FutureWarning, at every start of Ray, that a future version stops overriding
+# CUDA_VISIBLE_DEVICES for workers that take no GPU: this opts in to that behaviour now, which
+# silences it (fedsd chooses each client's device itself). Ray reads it when it starts: the
+# ClientApp's module sets it, which Flower's simulation engine imports before it starts Ray.
+RAY_ACCELERATOR_NOTICE = ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+
+
+def quiet_ray() -> None:
+    """Silence Ray's accelerator notice (RAY_ACCELERATOR_NOTICE) unless the variable is set."""
+    os.environ.setdefault(*RAY_ACCELERATOR_NOTICE)
+

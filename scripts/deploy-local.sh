@@ -12,6 +12,11 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON="${PYTHON:-$here/.venv/bin/python}"
 if [ ! -x "$PYTHON" ]; then
+    case "${1:-}" in -h|--help)  # the usage above, without the venv (the full option list needs it)
+        sed -n '2,10s/^# \{0,1\}//p' "$0"
+        echo "(every option: $0 --help, once 'make venv' has made the environment)"
+        exit 0;;
+    esac
     echo "deploy-local: no $PYTHON; run 'make venv' first (or set PYTHON)" >&2
     exit 2
 fi

@@ -8,6 +8,7 @@ from fedsd.runtime import tune_process
 
 tune_process()
 
+import dataclasses
 import shutil
 import time
 from dataclasses import dataclass
@@ -20,11 +21,12 @@ from flwr.app import ConfigRecord, Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from fedsd import data as data_lib
+from fedsd import data as data_lib, tensorboard
 from fedsd.central import resolve_device
 from fedsd.client_data import input_stats, normalised, task_for
 from fedsd.config import CUSTOM, TrainConfig
 from fedsd.errors import ConfigError
+from fedsd.summary import run_summary
 from fedsd.fed_settings import FedOptions, client_config, from_flat, to_flat
 from fedsd.models import build_model
 from fedsd.results import RunResult, fresh_out_dir, write_run
@@ -41,16 +43,21 @@ from .strategy import ClientsFailed, RecordingStrategy, base_strategy
 
 
 def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None,
-               overwrite: bool = False, progress: bool = False) -> tuple[dict, dict]:
+               overwrite: bool = False, progress: bool = False, log_dir: str | None = None) -> tuple[dict, dict]:
     """Run the federation (or, with fed.resume_dir, go on with the one checkpointed there).
-    Returns (result, the released global weights), as `fedsd.central.train`."""
+    Returns (result, the released global weights), as `fedsd.central.train`. `log_dir`: the
+    TensorBoard log's folder as --log-dir takes it (fedsd.tensorboard.log_dir)."""
     started = time.perf_counter()
     launch = checkpoint.start(cfg, fed, out, overwrite)  # the settings, fresh or resumed: read only from here on
+    board = tensorboard.log_dir(log_dir, launch.out)  # refused before any work when TensorBoard is missing
     if launch.resumed:
         log(INFO, "fedsd: resuming %s after round %d of %d", launch.out, launch.round, launch.fed.rounds)
     side = ServerSide.prepare(launch, grid, overwrite, progress)
+    if board is not None:
+        side.book.log = tensorboard.TensorBoardLog(board)
     initial = launch.model if launch.resumed else initial_model(side.cfg, side.num_classes)
-    train_config = ConfigRecord({**to_flat(side.cfg, launch.fed), "experiment-id": launch.experiment_id})
+    # Every message carries the run's settings (the strategy adds them); this is what Flower logs at the start.
+    train_config = ConfigRecord({"experiment-id": launch.experiment_id})
     try:
         outcome = side.strategy.start(grid=PollingGrid(grid), initial_arrays=model_to_record(initial),
                                       num_rounds=launch.fed.rounds - launch.round, timeout=launch.fed.round_timeout,
@@ -69,6 +76,10 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     if launch.out is not None:
         write_run(launch.out, result, weights)  # result.json last: from here on the run is finished
         (launch.out / checkpoint.CHECKPOINT).unlink(missing_ok=True)
+    if side.book.log is not None:
+        side.book.log.finish(to_flat(side.cfg, launch.fed), {"test_accuracy": result.test_accuracy,
+                                                            "epsilon": result.epsilon_spent})
+        side.book.log.close()
     return result.to_dict(), weights
 
 
@@ -108,7 +119,7 @@ class ServerSide:
         shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
         # A custom task has no public test split at the server: its clients evaluate on their own.
         strategy = RecordingStrategy(base_strategy(fed, fed.federated_evaluation or test is None), fed, shapes,
-                                     round_offset=launch.round)
+                                     round_offset=launch.round, settings=to_flat(cfg, fed))
         book = RoundBook(strategy, net, test, validation=validation, rounds_total=fed.rounds, start_round=launch.round,
                          out=out, settings=launch.settings, experiment_id=launch.experiment_id, progress=progress,
                          description=f"{cfg.dataset} {cfg.method} {fed.num_clients} clients")
@@ -165,25 +176,46 @@ def public_side(cfg: TrainConfig, fed: FedOptions):
 FEDERATION_SETTLE_SECONDS = 10.0
 
 
-def check_federation_size(grid: Grid, num_clients: int, settle: float = FEDERATION_SETTLE_SECONDS) -> None:
-    """Wait for num-clients SuperNodes. Stop with a ConfigError naming both numbers, and how to
-    fix either, when the federation has more, or has settled with fewer (Flower's default local
-    simulation has 2 SuperNodes: without this, the run would wait for the rest forever)."""
+def connected_nodes(grid: Grid, settle: float = FEDERATION_SETTLE_SECONDS, until: int | None = None) -> int:
+    """The number of SuperNodes connected, once it has not changed for `settle` seconds (or,
+    sooner, once it reaches `until`); 0 when none has come."""
     count, changed = -1, time.monotonic()
     while True:
         connected = len(grid.get_node_ids())
         if connected != count:
             count, changed = connected, time.monotonic()
-        if count == num_clients:
-            return
-        if count > num_clients or time.monotonic() - changed > settle:
-            raise ConfigError(
-                f"the federation has {count} SuperNode(s) connected but the run has num-clients={num_clients}: "
-                f"run with --run-config \"num-clients={count}\", or give the federation {num_clients} SuperNodes "
-                f"(local simulation: --federation-config \"num-supernodes={num_clients}\"; a deployment: "
-                + (f"start {num_clients - count} more SuperNode(s))" if count < num_clients
-                   else f"stop {count - num_clients} SuperNode(s))"))
+        if (until is not None and count >= until) or time.monotonic() - changed > settle:
+            return count
         time.sleep(0.5)
+
+
+def check_federation_size(grid: Grid, num_clients: int, settle: float = FEDERATION_SETTLE_SECONDS) -> None:
+    """Wait for num-clients SuperNodes. Stop with a ConfigError naming both numbers, and how to
+    fix either, when the federation has more, or has settled with fewer (without this, a run
+    would wait for the missing ones forever)."""
+    count = connected_nodes(grid, settle, until=num_clients)
+    if count != num_clients:
+        raise ConfigError(
+            f"the federation has {count} SuperNode(s) connected but the run has num-clients={num_clients}: "
+            f"run with --run-config \"num-clients={count}\" (or num-clients=0: one client per SuperNode), or give "
+            f"the federation {num_clients} SuperNodes (local simulation: --federation-config "
+            f"\"num-supernodes={num_clients}\"; a deployment: "
+            + (f"start {num_clients - count} more SuperNode(s))" if count < num_clients
+               else f"stop {count - num_clients} SuperNode(s))"))
+
+
+def one_client_per_node(grid: Grid, fed: FedOptions) -> FedOptions:
+    """num-clients=0 (the Flower app's default): as many clients as the federation has SuperNodes,
+    counted once their number settles, so that a plain `flwr run .` fits whatever federation it
+    is sent to (Flower's local simulation has 2 SuperNodes unless told otherwise)."""
+    if fed.num_clients or fed.resume_dir:
+        return fed
+    count = connected_nodes(grid)
+    if count == 0:
+        raise ConfigError(f"num-clients=0 takes one client per SuperNode, and no SuperNode connected within "
+                          f"{FEDERATION_SETTLE_SECONDS:g} s; start the federation's SuperNodes, or set num-clients")
+    log(INFO, "fedsd: %d clients, one per SuperNode of the federation (num-clients=0)", count)
+    return dataclasses.replace(fed, num_clients=count)
 
 
 def client_facts(round_clients: dict) -> dict[int, dict]:
@@ -201,13 +233,19 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Entry point for `flwr run .`: every setting comes from the run config. A bad setting
-    stops the run with an error that names it as the run config's key (what the user typed)."""
+    stops the run with an error that names it as the run config's key (what the user typed).
+    The run ends with fedsd's summary in the run's log (`flwr log RUN_ID`), the result
+    folder's absolute path included."""
     try:
         cfg, fed = from_flat(dict(context.run_config))
+        fed = one_client_per_node(grid, fed)
         if fed.resume_dir:  # the checkpoint's settings and folder; the run config's others are not used
-            run_server(grid, cfg, fed)
-            return
-        out = fed.out_dir or f"fedsd-runs/{cfg.dataset}-{cfg.method}-{datetime.now():%Y%m%d-%H%M%S}"
-        run_server(grid, cfg, fed, out=Path(out).absolute())
+            out = Path(fed.resume_dir).absolute()
+            result, _ = run_server(grid, cfg, fed)
+        else:
+            out = Path(fed.out_dir or f"fedsd-runs/{cfg.dataset}-{cfg.method}-{datetime.now():%Y%m%d-%H%M%S}").absolute()
+            result, _ = run_server(grid, cfg, fed, out=out)
     except ConfigError as e:
         raise ConfigError(flags_to_keys(str(e), TrainConfig, FedOptions)) from None
+    for line in run_summary(result, out).splitlines():
+        log(INFO, "%s", line)

@@ -22,7 +22,7 @@ import torch
 from fedsd.config import TrainConfig
 from fedsd.errors import ResumeError
 from fedsd.fed_settings import FedOptions, from_flat, to_flat
-from fedsd.results import check_out_dir, save_atomic
+from fedsd.results import check_out_dir, finished_run_refusal, save_atomic
 
 CHECKPOINT = "checkpoint.pt"
 FORMAT = 2  # 1: the unversioned pickle of fedsd before 2026-11-23 (not continued)
@@ -43,8 +43,7 @@ def load(run_dir: str | Path) -> dict:
     none, or it is not a checkpoint of this format."""
     path = path_in(run_dir)
     if (Path(run_dir) / "result.json").is_file():
-        raise ResumeError(f"--resume: {run_dir} is a finished run (it has result.json); nothing to resume. A run "
-                          f"is planned, and its privacy budget spent, for its rounds: more rounds are a new run")
+        raise ResumeError(finished_run_refusal(run_dir, "--rounds"))
     if not path.is_file():
         raise ResumeError(f"--resume: no {CHECKPOINT} in {run_dir} (a run writes one after each completed round)")
     try:

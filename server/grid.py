@@ -1,18 +1,30 @@
-"""Flower's Grid, with a shorter wait between pulls for a round's replies.
+"""Flower's Grid, with a shorter wait between pulls for a round's replies, and a missing reply
+known as missing at once.
 
 flwr 1.41's deployed Grid (flwr/superlink/grid/http_grid.py, `send_and_receive`) sleeps 3 s
 after every pull that leaves a reply outstanding, so each round ends up to 3 s after its last
 client replied. This wrapper keeps every other method of the Grid it wraps and implements
 `send_and_receive` over the Grid's public push_messages / pull_messages, pulling every
 POLL_SECONDS instead.
+
+Flower 1.43 (read in the flwr-nightly 1.43.0.dev20261026 wheel) changes two things under it:
+- push_messages returns "" for a message the SuperLink did not take, where 1.42 raised;
+- a reply whose objects cannot be pulled is logged ("Message … objects unavailable") and
+  dropped, where 1.42 returned an error reply.
+Either would leave an id outstanding until the round's timeout (an hour by default). Here a
+message not taken gets an error reply at once, naming its node; and once every reply still
+outstanding is one the Grid dropped, the wait ends and each gets an error reply. The strategy
+then records those nodes as missing and the round goes on with the others.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterable
 
-from flwr.app import Message
+from flwr.app import Error, Message
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 # Every 0.5 s: at 0.1 s (with SuperExec's poll at 0.1 s too) the pollers took enough of two
@@ -56,14 +68,52 @@ class PollingGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Push the messages, then pull their replies until all are in or `timeout` passes (the
-        contract of Flower's Grid.send_and_receive)."""
-        outstanding = set(self.grid.push_messages(messages))
+        contract of Flower's Grid.send_and_receive); a message not taken, or a reply dropped,
+        answered at once by an error reply naming its node."""
+        messages = list(messages)
+        ids = list(self.grid.push_messages(messages))
+        replies = [missing(m, "the SuperLink did not take the message for it") for m, i in zip(messages, ids) if not i]
+        asked = {i: m for m, i in zip(messages, ids) if i}
+        outstanding = set(asked)
         deadline = time.monotonic() + (timeout if timeout is not None else 0.0)
-        replies: list[Message] = []
-        while outstanding and (timeout is None or time.monotonic() < deadline):
-            pulled = list(self.grid.pull_messages(outstanding))
-            replies.extend(pulled)
-            outstanding -= {m.metadata.reply_to_message_id for m in pulled}
-            if outstanding:
-                time.sleep(self.poll_seconds)
+        with DroppedReplies() as dropped:
+            while outstanding and (timeout is None or time.monotonic() < deadline):
+                pulled = list(self.grid.pull_messages(outstanding))
+                replies.extend(pulled)
+                outstanding -= {m.metadata.reply_to_message_id for m in pulled}
+                if outstanding and dropped.count >= len(outstanding):  # what is left will never come
+                    replies += [missing(asked[i], "its reply reached the SuperLink but could not be pulled from it")
+                                for i in sorted(outstanding)]
+                    break
+                if outstanding:
+                    time.sleep(self.poll_seconds)
         return replies
+
+
+def missing(message: Message, why: str) -> Message:
+    """An error reply to `message`, as the SuperLink makes for a node that is gone: the strategy
+    records its node as missing the round, with this reason."""
+    reason = f"node {message.metadata.dst_node_id}: {why}"
+    return Message(Error(code=ErrorCode.REPLY_MESSAGE_UNAVAILABLE, reason=reason), reply_to=message)
+
+
+class DroppedReplies(logging.Handler):
+    """Counts the replies Flower's Grid drops while it pulls (1.43: it logs "Message <id> objects
+    unavailable" and goes on without the reply), for as long as the `with` lasts."""
+
+    MARK = "objects unavailable"
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.MARK in str(record.msg):
+            self.count += 1
+
+    def __enter__(self) -> "DroppedReplies":
+        logging.getLogger("flwr").addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("flwr").removeHandler(self)

@@ -19,6 +19,8 @@ from fedsd.training import evaluate
 from fedsd.methods import released
 from task.records import record_to_model
 
+from fedsd.tensorboard import round_scalars
+
 from . import checkpoint
 from .strategy import RecordingStrategy, round_log
 
@@ -36,6 +38,7 @@ class RoundBook:
         self.bar = tqdm(total=rounds_total, initial=start_round, unit="round", disable=not progress,
                         desc=description, dynamic_ncols=True)
         self.last = time.perf_counter()
+        self.log = None  # a TensorBoardLog (fedsd.tensorboard), when the run writes one
 
     def evaluate_global(self, launch_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Flower's evaluate_fn: round 0 is the initial model (evaluated, not recorded)."""
@@ -80,6 +83,8 @@ class RoundBook:
         if self.out is not None:
             checkpoint.save(self.out, round=server_round, model=model, settings=self.settings,
                             experiment_id=self.experiment_id, book=self.state_dict(), strategy=s.state_dict())
+        if self.log is not None:
+            self.log.scalars(server_round, round_scalars(self.rounds[-1]))
         shown = accuracy if self.test is not None or federated is None else federated["test_accuracy"]
         round_log(self.rounds[-1], self.rounds_total, shown, max(epsilons.values(), default=0.0))
         self.bar.update(1)
@@ -107,6 +112,8 @@ class RoundBook:
 
     def close(self) -> None:
         self.bar.close()
+        if self.log is not None:
+            self.log.close()
 
 
 def lifetime_budget(report: dict) -> dict:

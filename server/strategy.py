@@ -20,6 +20,7 @@ from flwr.serverapp.strategy import (DifferentialPrivacyServerSideFixedClipping,
 from fedsd.fed_settings import FedOptions
 from fedsd.methods import MODEL_GROUPS
 from fedsd.errors import TrainingDiverged
+from fedsd.summary import last_line
 from task.records import SPENT_EPSILON
 
 
@@ -116,13 +117,18 @@ class RecordingStrategy(Strategy):
 
     Rounds are numbered globally: a run resumed after round r starts Flower's loop at 1 with
     `round_offset = r`. The first round waits for every client to connect; later rounds go on
-    with whoever is there, as long as `min_nodes` are (a node lost mid-run does not stall it)."""
+    with whoever is there, as long as `min_nodes` are (a node lost mid-run does not stall it).
+
+    `settings` (the run's flat settings) go into every train and evaluate message's config,
+    beside what `start` was given: Flower logs that config in full at the start, and the
+    run's sixty settings twice made the log's first screen unreadable."""
 
     RECORDED = ("client_epsilon", "round_clients", "train_seconds", "missed", "node_partition", "evaluations")
 
     def __init__(self, inner: Strategy, fed: FedOptions, shapes: dict[str, tuple] | None = None,
-                 round_offset: int = 0):
+                 round_offset: int = 0, settings: dict | None = None):
         self.inner = inner
+        self.settings = dict(settings or {})
         self.shapes = shapes
         self.num_clients, self.sampled, self.min_nodes = fed.num_clients, sampled_clients(fed), min_nodes(fed)
         self.fraction_train = fed.fraction_train
@@ -174,6 +180,7 @@ class RecordingStrategy(Strategy):
             base.min_available_nodes, base.min_train_nodes = self.num_clients, self.sampled
         else:
             base.min_available_nodes, base.min_train_nodes = self.min_nodes, min(self.sampled, self.min_nodes)
+        config = ConfigRecord({**self.settings, **dict(config)})
         messages = list(self.inner.configure_train(server_round + self.round_offset, arrays, config, grid))
         for message in messages:
             self._tell_what_it_spent(message)
@@ -215,7 +222,8 @@ class RecordingStrategy(Strategy):
         skip (its budget is spent), arrays that do not fit the model (rejected), or trained. Every
         answer from a client updates what the server knows it has spent."""
         # An error reply made by the SuperLink (node gone) names the node only by the message it answers.
-        node = sent.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+        asked_by = reply.metadata.reply_to_message_id  # "" only in a reply to a message never pushed
+        node = sent.get(asked_by, reply.metadata.src_node_id) if asked_by else reply.metadata.src_node_id
         round_.answered.add(node)
         if reply.has_error():
             log(WARNING, "round %d: node %d failed: %s", server_round, node, reply.error.reason)
@@ -297,6 +305,7 @@ class RecordingStrategy(Strategy):
             # A client with its own data evaluates only the model it last received for training
             # (clients/local.py): the round's federated evaluation is of the model the round started from.
             arrays = self._sent[0].content["arrays"]
+        config = ConfigRecord({**self.settings, **dict(config)})
         return self.inner.configure_evaluate(server_round + self.round_offset, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round, replies):
@@ -366,12 +375,6 @@ class ClientsFailed(ValueError):
 
 class NoClientCanTrain(ClientsFailed):
     """In a run's first round every client refused or failed: the run stops with each reason."""
-
-
-def last_line(reason: str) -> str:
-    """The client's own message from Flower's error text (it ends "Message: <the exception>")."""
-    text = reason.strip().rstrip("'>").strip()
-    return text.split("Message: ", 1)[-1].strip()
 
 
 def inner_strategies(strategy):

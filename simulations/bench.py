@@ -401,6 +401,7 @@ def bench_deploy(args: argparse.Namespace) -> int:
                             "shapes": json.dumps(shapes, separators=(",", ":")),
                             "out-dir": str(work / "floor")}, timeout=args.timeout, app=FLOOR_APP)
             superexec_poll = float(deployment.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"])
+            node_threads = deployment.node_threads
         deployed = RunResult.read(work / "deployed" / "result.json")
         floor = json.loads((work / "floor" / "floor.json").read_text())["round_seconds"]
         deployed_weights = torch.load(work / "deployed" / "model.pt", weights_only=True)
@@ -411,7 +412,8 @@ def bench_deploy(args: argparse.Namespace) -> int:
     dep_rounds = [r["seconds"] for r in deployed.rounds]
     report = dict(dataset=cfg.dataset, method=cfg.method, epsilon=cfg.epsilon, batch_size=deployed.config["batch_size"],
                   clients=fed.num_clients, rounds=fed.rounds, local_epochs=fed.local_epochs, partition=fed.partition,
-                  threads=cfg.threads, shard_sizes=deployed.shard_sizes, cpu_isa=torch.backends.cpu.get_cpu_capability().lower(),
+                  threads=cfg.threads, deployed_threads_per_node=cfg.threads or node_threads,
+                  simulated_threads_per_client=cfg.threads or max(1, int(fed.client_cpus)), shard_sizes=deployed.shard_sizes, cpu_isa=torch.backends.cpu.get_cpu_capability().lower(),
                   grid_poll_seconds=default_poll_seconds(), superexec_poll_seconds=superexec_poll,
                   simulated_round_seconds=statistics.median(sim_rounds[1:]),
                   deployed_round_seconds=statistics.median(dep_rounds[1:]),

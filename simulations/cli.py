@@ -13,7 +13,7 @@ from fedsd.config import TrainConfig
 from fedsd.errors import ConfigError, UserError
 from fedsd.settings import add_options, from_args, settings_of
 from simulations import dry_run
-from simulations.summary import run_summary
+from fedsd.summary import run_summary
 
 
 def add_train_options(p: argparse.ArgumentParser, epsilon_required: bool = True, out_required: bool = True) -> None:
@@ -22,6 +22,9 @@ def add_train_options(p: argparse.ArgumentParser, epsilon_required: bool = True,
     p.add_argument("--out", required=out_required, help="result folder (must be new or empty)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--log-dir", default=None, help="TensorBoard log folder, per epoch or round: accuracy, loss, ε "
+                   "(each client's too), and the settings as hparams (default: OUT/tensorboard where TensorBoard is "
+                   "installed, pip install 'fedsd[tensorboard]'; off: none)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -41,7 +44,7 @@ def cmd_train(args) -> int:
         if dry_run.requested():
             plan_run(saved["config"])
             dry_run.stop_here(f"resume {args.resume} after epoch {len(saved['epochs'])} of {saved['config'].epochs}")
-        result, _ = train(None, args.resume, resume=True, progress=not args.quiet)
+        result, _ = train(None, args.resume, resume=True, progress=not args.quiet, log_dir=args.log_dir)
         print(run_summary(result, args.resume))
         return 0
     missing = [flag for flag, value in (("--epsilon", getattr(args, "epsilon", None)), ("--out", args.out)) if value is None]
@@ -53,7 +56,8 @@ def cmd_train(args) -> int:
         dry_run.stop_here(f"train {cfg.method} on {len(inputs.train_indices)} {cfg.dataset} samples for {cfg.epochs} "
                           f"epochs at B = {cfg.batch_size}, lr {cfg.lr:g}, momentum {cfg.momentum:g}, "
                           f"σ={plan.noise_multiplier:.3f}, q={plan.sample_rate:.4g} (ε={cfg.epsilon:g}) into {args.out}")
-    result, _ = train(config_from_args(args), args.out, overwrite=args.overwrite, progress=not args.quiet)
+    result, _ = train(config_from_args(args), args.out, overwrite=args.overwrite, progress=not args.quiet,
+                      log_dir=args.log_dir)
     print(run_summary(result, args.out))
     return 0
 
@@ -76,7 +80,7 @@ def cmd_simulate(args) -> int:
     if not fed.resume_dir and not args.out:
         raise ConfigError("--out is required (or --resume DIR)")
     result, _ = simulate(config_from_args(args), fed, args.out, overwrite=args.overwrite, progress=not args.quiet,
-                      verbose=args.verbose, ray_address=args.ray_address)
+                      verbose=args.verbose, ray_address=args.ray_address, log_dir=args.log_dir)
     print(run_summary(result, fed.resume_dir or args.out))
     return 0
 
@@ -113,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.commands = sub.choices  # each command's own parser: it answers for the options given to it
     p_train = sub.add_parser("train", help="central DP training (the papers' setup)")
     add_train_options(p_train, epsilon_required=False, out_required=False)
+    # Required unless --resume (argparse cannot say "one of"): its help must not show the
+    # declared default, 3.0, which only `fedsd simulate` and a Flower run take.
+    epsilon = next(a for a in p_train._actions if a.dest == "epsilon")
+    epsilon.help = epsilon.help.split(" (default:")[0] + " (required, unless --resume)"
     p_train.add_argument("--resume", metavar="DIR", default=None,
                          help="continue the unfinished run in DIR (stopped at any moment) with its own saved "
                               "settings; it ends with the weights of a run that was never stopped")
@@ -155,7 +163,29 @@ def add_data_service_parser(sub) -> None:
     p.set_defaults(func=run_service)
 
 
+def say_notes_in_one_line() -> None:
+    """fedsd's notes (FedsdNote) as one line each on stderr, `fedsd: note: …`, not Python's
+    two-line warning with a file and line; other warnings as Python shows them."""
+    import warnings
+
+    from fedsd.errors import FedsdNote
+
+    shown = warnings.showwarning
+    if getattr(shown, "fedsd", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, FedsdNote):
+            print(f"fedsd: note: {message}", file=file or sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    show.fedsd = True
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
+    say_notes_in_one_line()
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command they were given to, with its nearest option

@@ -18,7 +18,7 @@ from fedsd.results import RunResult, check_out_dir
 from fedsd.settings import add_options, given_flat
 from simulations import dry_run
 from simulations.local_deployment import DeploymentError, LocalDeployment
-from simulations.summary import run_summary
+from fedsd.summary import run_summary
 
 
 def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, work: Path | None = None,

@@ -47,6 +47,11 @@ def flower_tool_env(flwr_home: Path) -> dict:
             "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.5")}
 
 
+def node_threads(nodes: int, cores: int | None = None) -> int:
+    """Threads for each of `nodes` nodes sharing `cores` (this machine's): their share, at least 1."""
+    return max(1, (cores or os.cpu_count() or 1) // nodes)
+
+
 def run_config_arg(values: dict) -> str:
     """A dict as `flwr run --run-config` reads it (TOML values)."""
     def toml(v):
@@ -244,6 +249,12 @@ class LocalDeployment:
         self.flwr_home = self.work / "flwr-home"
         self.flwr_home.mkdir(exist_ok=True)
         self.env = {**flower_tool_env(self.flwr_home), **(env or {})}
+        # Nodes on one machine share its cores: each SuperNode (its warm worker or its owner's data
+        # service) takes cores ÷ nodes threads, as Ray gives a simulated client its CPUs, unless the
+        # operator set OMP_NUM_THREADS. With torch's default each took every core (2 SuperNodes on
+        # 2 cores: (deployed − floor) / simulated 1.89 where one thread each gave 1.17).
+        self.env.setdefault("OMP_NUM_THREADS", str(node_threads(num_clients)))
+        self.node_threads = int(self.env["OMP_NUM_THREADS"])
         self.superlink: subprocess.Popen | None = None
         self.supernodes: dict[int, subprocess.Popen] = {}
         self.services: dict[int, subprocess.Popen] = {}  # --isolate: each client's data service

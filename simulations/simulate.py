@@ -10,6 +10,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+from fedsd import tensorboard
 from fedsd.config import TrainConfig
 from fedsd.errors import ConfigError, UserError
 from fedsd.fed_settings import FedOptions
@@ -107,7 +108,7 @@ def sim_options_from_args(args: argparse.Namespace) -> FedOptions:
 
 def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, overwrite: bool = False,
              progress: bool = True, ray_cpus: int | None = None, verbose: bool = False,
-             ray_address: str | None = None) -> tuple[dict, dict]:
+             ray_address: str | None = None, log_dir: str | None = None) -> tuple[dict, dict]:
     """Run a federation of `fed.num_clients` simulated clients; returns (the result, the
     released global weights) and writes `out` when given.
 
@@ -118,6 +119,7 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
     a job on that running cluster, whose scheduler places each client by --client-cpus and
     --client-gpus."""
     from clients.app import app as client_app
+    from fedsd.runtime import quiet_ray
     from task.simulated_shards import build_federation
 
     if fed.resume_dir:
@@ -132,10 +134,15 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
                           "simulation's clients have none. Deploy (scripts/deploy-local.sh --client-data DIR)")
     if ray_address is not None:
         ray_address = ray_cluster_address(ray_address)
+    tensorboard.log_dir(log_dir, out)  # refused here, before Ray, when TensorBoard is missing
     federation = build_federation(cfg, fed)
     federation.check_plans()  # raises BudgetError for a client whose plan cannot fit
-    dry_run.stop_here(f"simulate {fed.num_clients} clients ({fed.partition}) for {fed.rounds} rounds of {cfg.method}"
-                      f" at ε={cfg.epsilon:g} each" + (f" into {out}" if out else ""))
+    if dry_run.requested():
+        c, sigmas = federation.cfg, sorted({federation.client_plan(k).noise_multiplier for k in range(fed.num_clients)})
+        sigma = f"{sigmas[0]:.3f}" + (f"–{sigmas[-1]:.3f}" if sigmas[-1] != sigmas[0] else "")
+        dry_run.stop_here(f"simulate {fed.num_clients} clients ({fed.partition}) for {fed.rounds} rounds of {cfg.method}"
+                          f" ({c.epochs} epochs a client) at B = {c.batch_size}, lr {c.lr:g}, momentum {c.momentum:g}, "
+                          f"σ={sigma}, ε={cfg.epsilon:g} each" + (f" into {out}" if out else ""))
 
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
@@ -148,13 +155,12 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
     @server_app.main()
     def _main(grid, context):
         try:
-            holder["result"] = run_server(grid, cfg, fed, out=out, overwrite=overwrite, progress=progress)
+            holder["result"] = run_server(grid, cfg, fed, out=out, overwrite=overwrite, progress=progress,
+                                          log_dir=log_dir)
         except UserError as e:  # a run stopped for a reason the user can act on (TrainingDiverged)
             holder["error"] = e
 
-    # Ray's notice that a future version stops overriding CUDA_VISIBLE_DEVICES for CPU-only
-    # workers: opting in to that behaviour now silences it (fedsd sets devices itself).
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    quiet_ray()
     # A running cluster has its own CPUs and GPUs (Ray refuses num_cpus when attaching); a
     # private instance is "local" even where a cluster runs on this machine.
     where = {"address": ray_address} if ray_address else {"address": "local", "num_cpus": ray_cpus or os.cpu_count()}

@@ -30,7 +30,7 @@ SWEEPABLE = {s.name: s for s in settings_of(TrainConfig)
                            "mean", "std")}
 
 
-def parse_grid(items: list[str]) -> dict[str, list]:
+def parse_grid(items: list[str], option: str = "--grid") -> dict[str, list]:
     """["ema-decay=0.99,0.999", ...] → {"ema_decay": [0.99, 0.999], ...}; ConfigError when bad.
     A value of a setting with a list in it (--mean 0.5,0.4,0.4) is swept one value at a time;
     give such a setting one KEY=VALUE --grid entry of one value."""
@@ -39,21 +39,32 @@ def parse_grid(items: list[str]) -> dict[str, list]:
         key, sep, values = item.partition("=")
         name = key.strip().replace("-", "_")
         if not sep or not values:
-            raise ConfigError(f"--grid: KEY=V1,V2,... got {item!r}")
+            raise ConfigError(f"{option}: KEY=V1,V2,... got {item!r}")
         if name not in SWEEPABLE:
             allowed = ", ".join(sorted(k.replace("_", "-") for k in SWEEPABLE))
-            raise ConfigError(f"--grid: {key!r} cannot be swept; choose from {allowed}")
+            raise ConfigError(f"{option}: {key!r} cannot be swept; choose from {allowed}")
         declared = SWEEPABLE[name]
         try:
             grid[name] = [declared.type(v) for v in values.split(",")]
         except ValueError:
-            raise ConfigError(f"--grid: {key} takes {declared.type.__name__} values, got {values!r}") from None
+            raise ConfigError(f"{option}: {key} takes {declared.type.__name__} values, got {values!r}") from None
         bad = [v for v in grid[name] if declared.choices and v not in declared.choices]
         if bad:
-            raise ConfigError(f"--grid: {key} takes {', '.join(map(str, declared.choices))}; got {bad[0]!r}")
+            raise ConfigError(f"{option}: {key} takes {', '.join(map(str, declared.choices))}; got {bad[0]!r}")
     if not grid:
-        raise ConfigError("--grid: give at least one KEY=V1,V2,...")
+        raise ConfigError(f"{option}: give at least one KEY=V1,V2,...")
     return grid
+
+
+def parse_fixed(items: list[str]) -> dict:
+    """--set ["momentum=0", ...] → {"momentum": 0.0, ...}: settings every run of the sweep takes."""
+    fixed = {}
+    for item in items:
+        values = parse_grid([item], "--set").popitem()
+        if len(values[1]) != 1:
+            raise ConfigError(f"--set: KEY=VALUE, one value (--grid sweeps several), got {item!r}")
+        fixed[values[0]] = values[1][0]
+    return fixed
 
 
 def shown(value) -> str:
@@ -70,6 +81,8 @@ def add_sweep_parser(sub) -> None:
     p.add_argument("--method", choices=METHODS, required=True)
     p.add_argument("--epsilon", type=float, default=3.0)
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting fixed for every run of the sweep (any setting --grid takes; not in the run names)")
     p.add_argument("--validation", type=int, default=10000, help="training samples held out (default 10000)")
     p.add_argument("--epochs", type=int, default=None, help="run length (default: the paper's)")
     p.add_argument("--subset", type=int, default=None, help="train on a subset of what is left (quick checks)")
@@ -84,6 +97,10 @@ def add_sweep_parser(sub) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     grid = parse_grid(args.grid)
+    fixed = parse_fixed(args.set)
+    both = sorted(set(fixed) & set(grid))
+    if both:
+        raise ConfigError(f"--set: {both[0].replace('_', '-')} is swept by --grid too; give it one or the other")
     if args.validation < 1:
         raise ConfigError(f"--validation: a sweep needs a validation split (>= 1 samples), got {args.validation}")
     if args.seeds < 1 or args.jobs < 1:
@@ -91,7 +108,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
     base = dict(dataset=args.dataset, method=args.method, epsilon=args.epsilon, validation=args.validation,
                 epochs=args.epochs, subset=args.subset, device=args.device, data_dir=args.data_dir,
-                threads=threads_per_job(args.device, args.jobs))
+                threads=threads_per_job(args.device, args.jobs), **fixed)
     out = Path(args.out)
     todo = []
     for combo in combos:
@@ -125,8 +142,9 @@ def write_sweep(out: Path, args: argparse.Namespace, grid: dict, combos: list[di
     if not trained:
         raise ConfigError(f"every run of the sweep diverged ({out / 'runs'}/*/{DIVERGED}); try smaller --grid lr values")
     best = max(trained, key=lambda r: r["validation_mean"])
+    fixed = parse_fixed(args.set)
     summary = dict(dataset=args.dataset, method=args.method, epsilon=args.epsilon, validation=args.validation,
-                   subset=args.subset, seeds=args.seeds, grid=grid, runs=rows,
+                   subset=args.subset, seeds=args.seeds, grid=grid, **({"fixed": fixed} if fixed else {}), runs=rows,
                    choice=dict(settings=best["settings"], validation_accuracy=best["validation_mean"]),
                    rule="highest final validation accuracy, mean over seeds; the test set is not used")
     write_json(out / "sweep.json", summary)

@@ -209,7 +209,7 @@ def test_readme_flwr_run_command_runs_as_written(flower_env):
     require("fmnist")
     import shlex
 
-    line = next(l for l in (ROOT / "README.md").read_text().splitlines() if l.startswith("flwr run . "))
+    line = next(l for l in (ROOT / "README.md").read_text().splitlines() if l.startswith("flwr run . ") and "--stream" in l)
     proc = subprocess.run(shlex.split(line), cwd=ROOT, env=flower_env, capture_output=True, text=True, timeout=900)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "Exit Code" not in output, output[-3000:]
@@ -218,16 +218,44 @@ def test_readme_flwr_run_command_runs_as_written(flower_env):
 
 @pytest.mark.skipif(shutil.which("flwr", path=str(Path(os.sys.executable).parent)) is None, reason="no flwr CLI")
 def test_flwr_run_with_too_few_supernodes_stops_with_both_numbers(tmp_path, flower_env):
-    """Flower's default local federation has 2 SuperNodes; the app's num-clients is 10. The run
+    """Flower's default local federation has 2 SuperNodes; a run config asks for 10. The run
     stops within seconds and says how to fix either number, instead of waiting forever."""
     require("fmnist")
     started = time.monotonic()
-    proc = subprocess.run(["flwr", "run", ".", "--stream", "--run-config", "num-server-rounds=1 batch-size=256"],
+    proc = subprocess.run(["flwr", "run", ".", "--stream", "--run-config",
+                           "num-server-rounds=1 batch-size=256 num-clients=10"],
                           cwd=ROOT, env=flower_env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert "the federation has 2 SuperNode(s) connected but the run has num-clients=10" in output, output[-3000:]
     assert 'num-supernodes=10' in output and 'num-clients=2' in output
     assert time.monotonic() - started < 180
+
+
+@pytest.mark.skipif(shutil.which("flwr", path=str(Path(os.sys.executable).parent)) is None, reason="no flwr CLI")
+def test_plain_flwr_run_finishes_on_a_fresh_flower_home_and_says_where_its_result_is(tmp_path, flower_env):
+    """`flwr run .` with nothing after it: Flower's default federation (2 SuperNodes) and the
+    app's defaults (num-clients=0: one client per SuperNode; 5 rounds of the whole FMNIST) finish,
+    and the run's log ends with fedsd's summary, which names the result folder."""
+    require("fmnist")
+    flwr = lambda *args: subprocess.run(["flwr", *args], cwd=tmp_path, env=flower_env, capture_output=True,  # noqa: E731
+                                        text=True, timeout=120)
+    started = flwr("run", str(ROOT))
+    assert started.returncode == 0 and "Successfully started run" in started.stdout, started.stdout + started.stderr
+    run_id = started.stdout.split("Successfully started run ")[1].split()[0]
+    deadline = time.monotonic() + 840
+    while True:
+        status = json.loads(flwr("ls", "--format", "json").stdout)["runs"][0]["status"]
+        if status.startswith("finished") or time.monotonic() > deadline:
+            break
+        time.sleep(5)
+    log = flwr("log", run_id, "--show").stdout
+    assert status == "finished:completed", log[-3000:]
+    assert "FutureWarning" not in log and log.count("'dataset': fmnist") == 0  # no Ray notice, no 60-key config
+    assert "fedsd: 2 clients, one per SuperNode of the federation (num-clients=0)" in log
+    folder = Path(log.split("files          ")[1].split("/ (result.json")[0])
+    result = json.loads((folder / "result.json").read_text())
+    assert folder.is_absolute() and result["num_clients"] == 2 and len(result["rounds"]) == 5
+    assert result["test_accuracy"] > 0.6
 
 
 def test_simulate_prints_a_bar_and_a_summary_and_no_library_noise(tmp_path):
@@ -247,3 +275,12 @@ def test_simulate_prints_a_bar_and_a_summary_and_no_library_noise(tmp_path):
     assert "test accuracy" in summary[1] and "across the 2 clients that trained (target 3" in summary[2]
     assert summary[3].startswith("  settings       B = 100, lr 0.1875, momentum 0.9, σ = ") and \
         summary[3].endswith(", 1 rounds × 1 local epoch(s)")
+    # Its TensorBoard log: the round's accuracy and each client's ε, as result.json has them.
+    from tests.test_newcomer import read_tensorboard
+
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    scalars, hparams = read_tensorboard(tmp_path / "run" / "tensorboard")
+    assert scalars["test/accuracy"] == [(1, pytest.approx(result["rounds"][0]["test_accuracy"], rel=1e-6))]
+    for client, epsilon in result["rounds"][0]["client_epsilon"].items():
+        assert scalars[f"privacy/epsilon_client/{client}"] == [(1, pytest.approx(epsilon, rel=1e-6))]
+    assert hparams["num-clients"] == 2 and hparams["method"] == "dp3sd"

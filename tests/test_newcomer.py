@@ -69,7 +69,8 @@ def test_simulate_refuses_what_it_would_ignore(tmp_path, capsys):
         capsys.readouterr().err
     (tmp_path / "result.json").write_text("{}")
     assert main(["simulate", "--resume", str(tmp_path)]) == 2
-    assert "is a finished run (it has result.json); nothing to resume" in capsys.readouterr().err
+    assert "is a finished run (it has result.json); nothing to resume. Its σ was calibrated so that its planned " \
+        "rounds spend exactly its ε" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -172,3 +173,77 @@ def test_own_npz_data_simulates_as_a_federation(tmp_path):
     result = json.loads((tmp_path / "sim" / "result.json").read_text())
     assert result["shard_sizes"] == [1000, 1000] and result["data_source"] == str(tmp_path / "mine.npz")
     assert result["config"]["classes"] == "0,1,2,3,4,5,6,7,8,9" and result["test_accuracy"] >= 0.45  # chance: 0.10
+
+
+def read_tensorboard(folder: Path) -> tuple[dict, dict]:
+    """A TensorBoard log as TensorBoard reads it: {tag: [(step, value)]}, and the hparams."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    info = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    hparams = {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in info.hparams.items()}
+    return scalars, hparams
+
+
+@pytest.mark.slow
+def test_a_run_writes_a_tensorboard_log_that_tensorboard_reads(tmp_path):
+    """Per epoch: test accuracy and loss, validation accuracy, ε, as result.json has them; the
+    resolved settings as hparams. --log-dir off writes none."""
+    require("mnist")
+    out = tmp_path / "run"
+    assert main(["train", "--dataset", "mnist", "--method", "dpsgd", "--subset", "1000", "--validation", "500",
+                 "--epochs", "2", "--batch-size", "100", "--epsilon", "3", "--threads", "1", "--quiet",
+                 "--out", str(out)]) == 0
+    epochs = json.loads((out / "result.json").read_text())["epochs"]
+    scalars, hparams = read_tensorboard(out / "tensorboard")
+    for tag, key in (("test/accuracy", "test_accuracy"), ("test/loss", "test_loss"), ("privacy/epsilon", "epsilon"),
+                     ("validation/accuracy", "validation_accuracy")):
+        assert scalars[tag] == [(e["epoch"], pytest.approx(e[key], rel=1e-6)) for e in epochs], tag
+    assert hparams["method"] == "dpsgd" and hparams["batch_size"] == 100 and hparams["epochs"] == 2
+    assert main(["train", "--dataset", "mnist", "--method", "dpsgd", "--subset", "1000", "--epochs", "1",
+                 "--batch-size", "100", "--epsilon", "3", "--threads", "1", "--quiet", "--log-dir", "off",
+                 "--out", str(tmp_path / "quiet")]) == 0
+    assert not (tmp_path / "quiet" / "tensorboard").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--set", "momentum=0,0.9", "--grid", "ema-decay=0.99"], "--set: KEY=VALUE, one value (--grid sweeps several)"),
+    (["--set", "ema-decay=0.9", "--grid", "ema-decay=0.99"], "--set: ema-decay is swept by --grid too"),
+    (["--set", "seed=3", "--grid", "ema-decay=0.99"], "--set: 'seed' cannot be swept"),
+])
+def test_a_sweeps_fixed_settings_are_refused_when_they_cannot_be_one_value(args, needle, tmp_path, capsys):
+    assert main(["sweep", "--dataset", "fmnist", "--method", "dpema", *args, "--out", str(tmp_path / "s")]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def test_deploy_local_script_says_its_usage_before_the_venv_exists():
+    proc = subprocess.run([str(ROOT / "scripts" / "deploy-local.sh"), "--help"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHON": "/nonexistent/python"}, timeout=30)
+    assert proc.returncode == 0 and "scripts/deploy-local.sh --clients N --rounds R" in proc.stdout, proc.stderr
+
+
+def test_train_help_says_epsilon_is_required_as_the_command_does(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--epsilon X privacy budget ε of the whole run (a client's, federated) (required, unless --resume)" in text
+    assert main(["train", "--out", str(tmp_path / "o")]) == 2
+    assert "the following arguments are required: --epsilon (or --resume DIR)" in capsys.readouterr().err
+
+
+def test_colocated_nodes_share_the_machines_cores_unless_the_operator_says(tmp_path, monkeypatch):
+    """deploy-local and `fedsd bench deploy`: each SuperNode (and its worker or data service, which
+    inherit its environment) takes cores ÷ nodes threads, as Ray gives a simulated client its CPUs."""
+    from simulations.local_deployment import LocalDeployment, node_threads
+
+    assert [node_threads(n, cores=16) for n in (1, 2, 3, 16, 40)] == [16, 8, 5, 1, 1]
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    deployment = LocalDeployment(tmp_path / "a", 2)
+    assert deployment.env["OMP_NUM_THREADS"] == str(node_threads(2)) and deployment.node_threads == node_threads(2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert LocalDeployment(tmp_path / "b", 2).node_threads == 3

@@ -5,6 +5,7 @@ import torch
 
 from task.partition import shards
 from fedsd.fed_settings import FedOptions
+from tests.conftest import require
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +63,22 @@ def test_inner_dirichlet_gives_equal_shards_with_skewed_labels_at_a_thousand_cli
     assert top_class_share > 0.4  # IID would give ~0.17: most of a client's samples are of one or two classes
     with pytest.raises(ConfigError, match="use --partition inner-dirichlet"):
         shards(labels, FedOptions(num_clients=1000, partition="dirichlet", dirichlet_alpha=0.3), seed=0)
+
+
+def test_dirichlet_redraws_are_said_once_in_fedsds_words():
+    """flwr-datasets warns at every Dirichlet draw that leaves a client too small (ten here, 600
+    clients under Dirichlet(0.3)); fedsd says it once, with the accepted draw's shard sizes."""
+    import warnings
+
+    from fedsd import data as data_lib
+    from fedsd.errors import FedsdNote
+
+    require("fmnist")
+    labels = data_lib.load("fmnist").y_train
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parts = shards(labels, FedOptions(num_clients=600, partition="dirichlet", dirichlet_alpha=0.3), 0)
+    sizes = [len(p) for p in parts]
+    assert [w.category for w in caught] == [FedsdNote], [str(w.message)[:120] for w in caught]
+    assert str(caught[0].message).startswith("--partition dirichlet: 10 Dirichlet(α=0.3) draw(s) left a client with "
+                                             f"too few samples before one fitted; shard sizes {min(sizes)}–{max(sizes)}")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from fedsd import cache_root
 from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ def test_the_readme_lists_the_commands_this_file_runs():
     assert commands, "no ```bash block found in README.md"
     for line in commands:
         runs_here = (line.startswith(("fedsd ", "scripts/deploy-local.sh ", "flwr run . ", "source .venv/bin/activate"))
-                     or line in ("make run", "make test", "make test-fast"))
+                     or line in ("make run", "make test", "make test-fast", "flwr run ."))
         assert runs_here, f"README command not covered by tests/test_readme.py: {line!r}"
 
 
@@ -63,7 +64,21 @@ def data_root(tmp_path_factory):
         (root / "cifar10" / cifar.name).symlink_to(cifar)
     else:
         write_cifar_shaped(root, n_train=50000, n_test=10000)
+    _own_images(root / "home" / "my-images")  # the README's ~/my-images: HOME is root/home
     return root
+
+
+def _own_images(folder: Path, per_class: int = 40) -> None:
+    """A small ImageFolder of Fashion-MNIST's images (PNG, ten class folders, no test split)."""
+    from torchvision.io import write_png
+
+    from fedsd import data as data_lib
+
+    images = data_lib.load("fmnist")
+    for label in range(10):
+        (folder / "train" / f"class-{label}").mkdir(parents=True)
+        for n, i in enumerate((images.y_train == label).nonzero().flatten()[:per_class].tolist()):
+            write_png(images.x_train[i], str(folder / "train" / f"class-{label}" / f"{n}.png"))
 
 
 @pytest.mark.parametrize("line", DRY, ids=[" ".join(shlex.split(l)[:4]) for l in DRY])
@@ -71,7 +86,8 @@ def test_readme_command_passes_every_check_as_written(line, tmp_path, data_root)
     """In a fresh folder, as a new user types it: every check passes and nothing is written."""
     (tmp_path / "scripts").symlink_to(ROOT / "scripts")
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "FEDSD_DRY_RUN": "1", "PYTHON": sys.executable,
-           "PYTHONPATH": str(ROOT), "FEDSD_DATA_DIR": str(data_root)}
+           "PYTHONPATH": str(ROOT), "FEDSD_DATA_DIR": str(data_root), "HOME": str(data_root / "home"),
+           "FEDSD_CACHE_DIR": str(cache_root())}  # the σ already calibrated on this machine, though HOME moved
     proc = subprocess.run(shlex.split(line), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "dry run: every check passed; would " in proc.stdout, proc.stdout[-2000:]

@@ -2,6 +2,8 @@
 `fedsd reproduce` writes from results/runs/table1, results/README.md shows the same cells, and
 the table holds every cell of the papers with the seeds issue 24 asks for."""
 import json
+
+import pytest
 from pathlib import Path
 
 from simulations.reproduce import DATASETS, TABLE1_METHODS, table1_cells, table_cells, write_tables
@@ -49,3 +51,27 @@ def test_table1_has_every_cell_of_the_papers_with_the_seeds_asked_for():
         asked = {0, 1, 2} if epsilon == 3.0 or dataset != "cifar10" else {0}
         assert asked <= set(row["seeds"]), (dataset, method, epsilon, row["seeds"])
         assert len(row["accuracies"]) == len(row["seeds"]) and all(0 < a < 100 for a in row["accuracies"])
+
+
+def test_readings_table_gives_each_method_its_own_length_and_its_gain_over_dpsgd(tmp_path):
+    """The screen's table: a method's best over the lengths run, against dpsgd's best in the same
+    setting; a gain is final only once both have every length."""
+    from fedsd.config import TrainConfig
+    from fedsd.results import RunResult
+    from simulations.readings import READINGS, ScreenRun, write_readings
+
+    papers = READINGS[0]
+    runs = [ScreenRun("mnist", "relu", 1.0, m, papers, n) for m in ("dpsgd", "dpdsd") for n in (15, 30, 60)]
+    scores = {("dpsgd", 15): 0.90, ("dpsgd", 30): 0.94, ("dpsgd", 60): 0.92, ("dpdsd", 15): 0.955, ("dpdsd", 30): 0.96}
+    for run in runs:
+        if (run.method, run.epochs) in scores:
+            cfg = TrainConfig(dataset="mnist", method=run.method, epsilon=1.0, epochs=run.epochs).resolved()
+            (tmp_path / "runs" / run.name).mkdir(parents=True)
+            RunResult.of_run(cfg, epsilon_spent=1.0, test_accuracy=0.9, wall_seconds=1.0, device="cpu",
+                             data_source="test", validation_accuracy=scores[(run.method, run.epochs)]
+                             ).write(tmp_path / "runs" / run.name / "result.json")
+    write_readings(runs, tmp_path / "runs", tmp_path)
+    rows = {r["method"]: r for r in json.loads((tmp_path / "table-readings.json").read_text())["screen"]}
+    assert rows["dpsgd"]["chosen_epochs"] == 30 and rows["dpsgd"]["best"] == pytest.approx(94.0)
+    assert rows["dpdsd"]["gain_over_dpsgd"] == pytest.approx(2.0) and rows["dpdsd"]["gain_final"] is False
+    assert "| mnist | 1 | dpdsd | papers | 95.50 | 96.00 |  |  | 96.00 | +2.00* |" in (tmp_path / "table-readings.md").read_text()

@@ -54,7 +54,7 @@ def test_a_run_stopped_after_an_epoch_resumes_to_the_same_weights(method, tmp_pa
     monkeypatch.setattr(DPTrainer, "local_update", real)
     resumed, _ = central.train(None, stopped, resume=True, progress=False)
     assert same_weights(whole, stopped)
-    assert sorted(p.name for p in stopped.iterdir()) == ["curve.png", "model.pt", "result.json"]
+    assert sorted(p.name for p in stopped.iterdir()) == ["curve.png", "model.pt", "result.json", "tensorboard"]
     assert resumed["resumed"] is True and resumed["steps"] == uninterrupted["steps"]
     strip = lambda epochs: [{k: v for k, v in e.items() if k != "seconds"} for e in epochs]  # noqa: E731
     assert strip(resumed["epochs"]) == strip(uninterrupted["epochs"])
@@ -103,4 +103,4 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys):
         capsys.readouterr()
         assert main(["train", *args]) == 2, args
         assert needle in capsys.readouterr().err, args
-    assert sorted(p.name for p in finished.iterdir()) == ["curve.png", "model.pt", "result.json"]  # untouched
+    assert sorted(p.name for p in finished.iterdir()) == ["curve.png", "model.pt", "result.json", "tensorboard"]  # untouched

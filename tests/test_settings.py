@@ -8,7 +8,7 @@ import pytest
 
 from fedsd.config import TrainConfig
 from fedsd.errors import ConfigError
-from fedsd.fed_settings import FedOptions, from_flat, to_flat
+from fedsd.fed_settings import FLOWER_APP_DEFAULTS, FedOptions, from_flat, to_flat
 from fedsd.settings import add_options, flags_to_keys, from_args, settings_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_pyproject_app_config_is_the_declared_defaults():
     app_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    declared = to_flat(TrainConfig(), FedOptions())
+    declared = {**to_flat(TrainConfig(), FedOptions()), **FLOWER_APP_DEFAULTS}
     assert set(app_config) == set(declared), set(app_config) ^ set(declared)
     differing = {k: (app_config[k], declared[k]) for k in declared if app_config[k] != declared[k]}
     assert not differing, f"pyproject.toml (left) disagrees with the declared default (right): {differing}"

@@ -181,3 +181,60 @@ def test_aggregated_metrics_mean_something():
     agg = train_metrics(trained, "num-examples")
     assert agg["max-epsilon"] == 2.9 and agg["train-loss"] == pytest.approx(1.25) and agg["steps"] == 4
     assert "partition-id" not in agg
+
+
+class NextFlowerGrid:
+    """A Grid as Flower 1.43 behaves (flwr-nightly 1.43.0.dev20261026, http_grid.py): every
+    message gets its object id as its message id, push_messages returns "" for one the SuperLink
+    did not take, and pull_messages logs "Message <id> objects unavailable" and leaves out a reply
+    whose objects cannot be pulled. Node 12's push fails; node 13's reply is dropped."""
+
+    def __init__(self):
+        self.pulls = 0
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:
+            m.metadata.__dict__["_message_id"] = m.object_id
+            ids.append("" if m.metadata.dst_node_id == 12 else m.metadata.message_id)
+        self.sent = {m.metadata.message_id: m for m in messages}
+        return ids
+
+    def pull_messages(self, message_ids):
+        import logging
+
+        self.pulls += 1
+        replies = []
+        for i in message_ids:
+            node = self.sent[i].metadata.dst_node_id
+            if node == 13:
+                logging.getLogger("flwr").error("Message %s objects unavailable: %s", "reply-of-13", "gone")
+                continue
+            answer = reply({11: 0, 14: 3}[node], good(float(node)))
+            replies.append(Message(answer.content, reply_to=self.sent[i]))
+        return replies
+
+
+def test_a_failed_push_and_a_dropped_reply_are_missing_at_once_and_the_round_goes_on():
+    """Flower 1.43's grid: a message the SuperLink did not take, and a reply it dropped, each
+    become the node's error reply at once (not after the round's timeout); the strategy records
+    both nodes as missing the round, with the reason, and averages the two that trained."""
+    import time
+
+    from flwr.app import ConfigRecord
+
+    from server.grid import PollingGrid
+
+    fed = FedOptions(num_clients=4)
+    strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
+    grid, arrays = Nodes(11, 12, 13, 14), ArrayRecord({k: Array(v) for k, v in good().items()})
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord({}), grid))
+    flower = NextFlowerGrid()
+    started = time.monotonic()
+    replies = PollingGrid(flower, poll_seconds=0.05).send_and_receive(messages, timeout=30)
+    assert time.monotonic() - started < 5 and flower.pulls == 1
+    arrays, _ = strategy.aggregate_train(1, replies)
+    missed = {m["node_id"]: m["reason"] for m in strategy.missed[1]}
+    assert missed == {12: "node 12: the SuperLink did not take the message for it",
+                      13: "node 13: its reply reached the SuperLink but could not be pulled from it"}
+    assert np.allclose(arrays["student/0.weight"].numpy(), 12.5)  # nodes 11 and 14, 100 samples each

@@ -56,10 +56,14 @@ def _labelled(label: str, items: list[str]) -> list[str]:
     return [f"  {label if i == 0 else '':<14} {item}" for i, item in enumerate(items)]
 
 
+def last_line(reason: str) -> str:
+    """The client's own message from Flower's error text (it ends "Message: <the exception>")."""
+    text = reason.strip().rstrip("'>").strip()
+    return text.split("Message: ", 1)[-1].strip()
+
+
 def outcome(record: dict, client: str) -> str | None:
     """Why `client` did not train in this round (None: it trained, or was not asked)."""
-    from server.strategy import last_line
-
     if client in record.get("refused", {}):
         return f"refused: {record['refused'][client]}"
     if client in record.get("rejected", {}):
