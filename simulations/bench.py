@@ -68,6 +68,12 @@ def add_bench_parser(sub) -> None:
     dep.add_argument("--timeout", type=float, default=3600, help="seconds each deployed run may take")
     dep.add_argument("--json", action="store_true")
     dep.set_defaults(func=bench_deploy)
+    share = what.add_parser("distill-share", help="a self-distilling method's clipped gradient: the distillation "
+                                                   "term's share against the cross-entropy's, epoch by epoch")
+    add_options(share, TrainConfig, required=("epsilon",))  # a reading is its settings (--teacher-every step …)
+    share.add_argument("--probe-samples", type=int, default=256, help="training samples the shares are measured on")
+    share.add_argument("--json", action="store_true")
+    share.set_defaults(func=bench_distill_share)
     rts = what.add_parser("routes", help="the routes --grad-sample-mode auto measured and keeps on this machine")
     rts.add_argument("--clear", action="store_true", help="forget them all: each is measured again when next needed")
     rts.set_defaults(func=bench_routes)
@@ -431,3 +437,35 @@ def bench_deploy(args: argparse.Namespace) -> int:
                                f"{report['deployed_round_seconds']:.2f} s, Flower's floor "
                                f"{report['floor_round_seconds']:.2f} s; (deployed − floor) / simulated = "
                                f"{report['fedsd_share']:.2f}; same model: max |Δw| = {report['max_weight_difference']:.1e}")
+
+
+def bench_distill_share(args: argparse.Namespace) -> int:
+    """Train a self-distilling method as `fedsd train` would (the validation split held out; no
+    folder written) and say, each epoch after the warm-up, ‖S_kd‖ / ‖S_ce‖: the distillation
+    term's share of the batch's clipped gradient against the cross-entropy term's
+    (simulations/distill_share.py)."""
+    from fedsd.central import plan_run
+    from fedsd.methods import METHODS
+    from simulations.distill_share import measure, summary
+
+    cfg = from_args(TrainConfig, args)
+    if not METHODS[cfg.method].self_distilling and cfg.method != "dpkd":
+        raise ConfigError(f"--method: {cfg.method} has no distillation term; use dp3sd, dpdsd or dpkd")
+    if args.probe_samples < 1:
+        raise ConfigError(f"--probe-samples: must be >= 1, got {args.probe_samples}")
+    inputs, _ = plan_run(cfg)
+    dry_run.stop_here(f"train {inputs.cfg.method} for {inputs.cfg.epochs} epochs and measure the distillation "
+                      f"term's clipped-gradient share on {args.probe_samples} samples after each")
+    echo = (lambda epoch, r: print(f"epoch {epoch}: " + (f"‖S_kd‖/‖S_ce‖ {r['clipped_share']:.3f}, cos "
+                                                        f"{r['cosine']:+.2f}, median ‖g_kd‖/‖g_ce‖ "
+                                                        f"{r['median_sample_ratio']:.3f}, clipped {r['clipped']:.0%}"
+                                                        if r else "warm-up (cross-entropy only)"),
+                                   file=sys.stderr, flush=True))
+    records = measure(cfg, args.probe_samples, progress=None if args.json else echo)
+    report = dict(config={k: v for k, v in inputs.cfg.to_dict().items() if k != "extra"}, epochs=records,
+                  summary=summary(records))
+    mean = report["summary"].get("mean", {})
+    return _emit(args, report, f"{inputs.cfg.method}: over {len(records)} distilling epochs, ‖S_kd‖/‖S_ce‖ "
+                               f"{mean.get('clipped_share', float('nan')):.3f} on average, cosine "
+                               f"{mean.get('cosine', float('nan')):+.2f}")
+

@@ -101,10 +101,11 @@ def reproduce_readings(out: Path, jobs: int, threads: int, device: str, data_dir
 
     runs_dir = out / "runs" / "readings"
     runs = screen_runs()
+    drop = dropped(screen_rows(runs, runs_dir))
     todo = []
     for run in runs:
         config = run.config(device=device, threads=threads, data_dir=data_dir)
-        if not finished_with(runs_dir / run.name, config):
+        if (run.method, run.reading.name) not in drop and not finished_with(runs_dir / run.name, config):
             todo.append((config, str(runs_dir / run.name)))
     run_jobs(todo, len(runs), jobs, "readings", quiet)
     return write_readings(runs, runs_dir, out)
@@ -113,7 +114,55 @@ def reproduce_readings(out: Path, jobs: int, threads: int, device: str, data_dir
 def write_readings(runs: list[ScreenRun], runs_dir: Path, out: Path) -> Path:
     """table-readings.json and .md: per (setting, method, reading), validation accuracy at each
     length and the chosen length (the best final validation accuracy)."""
-    from fedsd.results import RunResult, write_json
+    from fedsd.results import write_json
+
+    rows = screen_rows(runs, runs_dir)
+    drop = dropped(rows)
+    for row in rows.values():
+        row["dropped"] = (row["method"], row["reading"]) in drop
+    write_json(out / "table-readings.json", {"screen": list(rows.values())})
+    lines = ["# Readings of the papers: the screen (validation accuracy, %, seed 0)", "",
+             "Each method at its own best length of the three (the fair protocol), and its gain over dpsgd at "
+             "dpsgd's best length in the same setting; a gain marked * is over lengths not all run yet. A reading "
+             f"more than {DROP_MARGIN:g} point below its method's papers' reading in {DROP_SETTINGS} settings is "
+             "dropped (its other runs are not made).", "",
+             "| data | ε | method | reading | " + " | ".join(f"{n} ep." for n in SCREEN_LENGTHS)
+             + " | chosen | best | gain over dpsgd |",
+             "|---|---|---|---|" + "---|" * len(SCREEN_LENGTHS) + "---|---|---|"]
+    for r in rows.values():
+        data = r["dataset"] + ("" if r["activation"] == "relu" else f" ({r['activation']})")
+        cells = [f"{r['validation'][str(n)]:.2f}" if str(n) in r["validation"] else "" for n in SCREEN_LENGTHS]
+        gain = "" if r["gain_over_dpsgd"] is None else f"{r['gain_over_dpsgd']:+.2f}" + ("" if r["gain_final"] else "*")
+        reading = r["reading"] + (" (dropped)" if r["dropped"] else "")
+        lines.append(f"| {data} | {r['epsilon']:g} | {r['method']} | {reading} | " + " | ".join(cells)
+                     + f" | {r['chosen_epochs'] or ''} | {'' if r['best'] is None else format(r['best'], '.2f')} "
+                       f"| {gain} |")
+    path = out / "table-readings.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# The screen's rule: a reading more than DROP_MARGIN points below its method's papers' reading
+# (each at its best length) in DROP_SETTINGS settings need not run further.
+DROP_MARGIN, DROP_SETTINGS = 1.0, 2
+
+
+def dropped(rows: dict[tuple, dict]) -> set[tuple[str, str]]:
+    """The (method, reading) pairs the screen's rule drops, from the rows finished so far."""
+    below: dict[tuple[str, str], int] = {}
+    for (dataset, activation, epsilon, method, reading), row in rows.items():
+        base = rows.get((dataset, activation, epsilon, method, "papers"))
+        if reading == "papers" or base is None or row["chosen_epochs"] is None or base["chosen_epochs"] is None:
+            continue
+        if row["best"] < base["best"] - DROP_MARGIN:
+            below[(method, reading)] = below.get((method, reading), 0) + 1
+    return {key for key, n in below.items() if n >= DROP_SETTINGS}
+
+
+def screen_rows(runs: list[ScreenRun], runs_dir: Path) -> dict[tuple, dict]:
+    """Per (setting, method, reading): validation and test accuracy per length run so far, the
+    chosen length (once every length has run), the best, and the gain over dpsgd."""
+    from fedsd.results import RunResult
 
     rows: dict[tuple, dict] = {}
     for run in runs:
@@ -131,23 +180,7 @@ def write_readings(runs: list[ScreenRun], runs_dir: Path, out: Path) -> Path:
         row["chosen_epochs"] = int(max(done, key=done.get)) if len(done) == len(SCREEN_LENGTHS) else None
         row["best"] = max(done.values()) if done else None
     add_gains(rows)
-    write_json(out / "table-readings.json", {"screen": list(rows.values())})
-    lines = ["# Readings of the papers: the screen (validation accuracy, %, seed 0)", "",
-             "Each method at its own best length of the three (the fair protocol), and its gain over dpsgd at "
-             "dpsgd's best length in the same setting; a gain marked * is over lengths not all run yet.", "",
-             "| data | ε | method | reading | " + " | ".join(f"{n} ep." for n in SCREEN_LENGTHS)
-             + " | chosen | best | gain over dpsgd |",
-             "|---|---|---|---|" + "---|" * len(SCREEN_LENGTHS) + "---|---|---|"]
-    for r in rows.values():
-        data = r["dataset"] + ("" if r["activation"] == "relu" else f" ({r['activation']})")
-        cells = [f"{r['validation'][str(n)]:.2f}" if str(n) in r["validation"] else "" for n in SCREEN_LENGTHS]
-        gain = "" if r["gain_over_dpsgd"] is None else f"{r['gain_over_dpsgd']:+.2f}" + ("" if r["gain_final"] else "*")
-        lines.append(f"| {data} | {r['epsilon']:g} | {r['method']} | {r['reading']} | " + " | ".join(cells)
-                     + f" | {r['chosen_epochs'] or ''} | {'' if r['best'] is None else format(r['best'], '.2f')} "
-                       f"| {gain} |")
-    path = out / "table-readings.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return rows
 
 
 def add_gains(rows: dict[tuple, dict]) -> None:
