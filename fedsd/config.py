@@ -114,7 +114,8 @@ class RunSettings:
                                  default_text="the whole training set")
     validation: int = setting(0, "training samples held out (fixed, stratified) for choosing settings")
     seed: int = setting(0, "seed of the model, the sampling and the noise")
-    device: str = setting("cpu", "where to train", choices=DEVICES)
+    device: str = setting("auto", "where to train: auto = CUDA where torch sees a GPU, else the CPU (each party "
+                          "of a federation decides on its own machine)", choices=DEVICES)
     model: str | None = setting(None, "network", choices=MODELS, default_text="the data set's")
     activation: str = setting("relu", "the network's activation: relu (the papers') or tanh (Tramèr & Boneh's "
                                       "variant)", choices=tuple(ACTIVATIONS))

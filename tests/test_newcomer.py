@@ -247,3 +247,11 @@ def test_colocated_nodes_share_the_machines_cores_unless_the_operator_says(tmp_p
     assert deployment.env["OMP_NUM_THREADS"] == str(node_threads(2)) and deployment.node_threads == node_threads(2)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert LocalDeployment(tmp_path / "b", 2).node_threads == 3
+
+
+def test_the_device_is_cuda_where_present_else_the_cpu_by_default():
+    from fedsd.central import resolve_device
+    from fedsd.config import TrainConfig
+
+    assert TrainConfig().device == "auto"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
