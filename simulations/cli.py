@@ -137,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     from simulations.audit import add_audit_parser
     from simulations.bench import add_bench_parser
     from simulations.ledger import add_ledger_parser
+    from simulations.privacy_check import add_check_parser
     from simulations.reproduce import add_reproduce_parser
     from simulations.split_data import add_split_data_parser
     from simulations.sweep import add_sweep_parser
@@ -147,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_split_data_parser(sub)
     add_audit_parser(sub)
     add_ledger_parser(sub)
+    add_check_parser(sub)
     add_data_service_parser(sub)
     return parser
 

@@ -207,6 +207,16 @@ def test_clients_own_their_data_and_lifetime_budget(tmp_path):
     assert fits["test_accuracy"] > 0.2  # 12 noisy steps on each client's own images; chance is 0.1
     ledgers = sorted((work / "client-state").rglob("ledger-*.json"))
     assert len(ledgers) == 2 and all(len(json.loads(p.read_text())["entries"]) == 2 for p in ledgers)
+    # The independent checker (Opacus' RDP accountant on the ledgers' JSON) finds every
+    # aggregated update charged, and every client within its owner's limit.
+    check = subprocess.run([sys.executable, "-m", "simulations.cli", "check-privacy", "--run", str(tmp_path / "fits"),
+                            "--work", str(work)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    report = json.loads(check.stdout)
+    assert check.returncode == 0 and report["passed"] and report["finished"], check.stdout[-2000:] + check.stderr
+    for client in report["clients"].values():
+        assert client["released_rounds"] == client["charged_rounds"] == [1, 2]
+        assert client["epsilon_released"] == pytest.approx(client["epsilon_reported"], rel=1e-3)
+        assert client["epsilon_released"] <= client["epsilon_ledger"] <= 2.5
 
     again = no_client_can_train([*common, "--rounds", "1", "--epsilon", "2"], tmp_path / "again")
     assert again.count("refused: lifetime budget left: ") == 2, again

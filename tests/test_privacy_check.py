@@ -1,0 +1,62 @@
+"""`fedsd check-privacy` (issue 43), on a run's files as a deployment leaves them: it passes
+only when every aggregated update is charged on its client's disk within the owner's limit,
+and fails loudly, naming the file, when it cannot read a ledger."""
+import json
+
+import pytest
+
+from fedsd.errors import DataError
+from simulations.cli import main
+from simulations.privacy_check import check_run, rdp_epsilon
+
+CHARGE = dict(noise_multiplier=1.2, sample_rate=0.1, steps=10)
+
+
+def deployment(tmp_path, charged: dict[int, list[int]], max_epsilon: float = 3.0, reported: float | None = None):
+    """A finished 2-client, 2-round run (both trained every round) and the clients' ledgers,
+    each charging the rounds `charged[k]` of the run's experiment."""
+    rounds = [dict(round=r, trained=[0, 1], client_epsilon={
+        str(k): reported if reported is not None else rdp_epsilon([CHARGE] * r, 1e-5) for k in (0, 1)})
+        for r in (1, 2)]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "result.json").write_text(json.dumps(dict(
+        rounds=rounds, experiment_id="exp", federation=dict(rounds=2), num_clients=2, delta=1e-5)))
+    for k in (0, 1):
+        state = tmp_path / "work" / "client-state" / str(k)
+        state.mkdir(parents=True)
+        entries = [dict(CHARGE, run="exp", round=r) for r in charged[k]]
+        (state / "ledger-abc.json").write_text(json.dumps(dict(max_epsilon=max_epsilon, max_delta=1e-5, entries=entries)))
+    return tmp_path / "run", tmp_path / "work"
+
+
+def run_check(run, work, capsys) -> tuple[int, dict]:
+    code = main(["check-privacy", "--run", str(run), "--work", str(work)])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_every_aggregated_update_charged_within_the_limit_passes(tmp_path, capsys):
+    code, report = run_check(*deployment(tmp_path, {0: [1, 2], 1: [1, 2]}), capsys)
+    assert code == 0 and report["passed"] and report["problems"] == []
+    assert report["clients"]["0"]["epsilon_released"] == pytest.approx(rdp_epsilon([CHARGE] * 2, 1e-5))
+
+
+def test_an_update_aggregated_but_never_charged_fails_naming_client_and_round(tmp_path, capsys):
+    code, report = run_check(*deployment(tmp_path, {0: [1, 2], 1: [1]}), capsys)
+    assert code == 1 and not report["passed"]
+    assert report["problems"][0].startswith("client 1, round 2: the server aggregated an update that is not charged")
+    assert any("reported ε" in p and "a charge is missing from its disk" in p for p in report["problems"])
+
+
+def test_a_ledger_above_its_owners_limit_fails(tmp_path, capsys):
+    code, report = run_check(*deployment(tmp_path, {0: [1, 2], 1: [1, 2]}, max_epsilon=0.5), capsys)
+    assert code == 1 and "above its owner's max-epsilon 0.5" in report["problems"][0]
+
+
+def test_an_unreadable_ledger_fails_loudly_naming_the_file(tmp_path, capsys):
+    run, work = deployment(tmp_path, {0: [1, 2], 1: [1, 2]})
+    (work / "client-state" / "1" / "ledger-abc.json").write_text("{not json")
+    assert main(["check-privacy", "--run", str(run), "--work", str(work)]) == 2
+    assert f"{work / 'client-state' / '1' / 'ledger-abc.json'}: not a readable ledger" in capsys.readouterr().err
+    (work / "client-state" / "1" / "ledger-abc.json").unlink()
+    with pytest.raises(DataError, match="no ledger"):
+        check_run(run, {0: work / "client-state" / "0", 1: work / "client-state" / "1"})
