@@ -26,6 +26,13 @@ def _check_positive(**values: float) -> None:
             raise ValueError(f"{name} must be > 0, got {v}")
 
 
+def one_hot(target: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The labels as one-hot rows shaped and typed as `like` (N, K): F.one_hot's values, written so
+    that torch.func.vmap can take per-sample gradients through it (F.one_hot reads the labels'
+    maximum, data-dependent control flow that vmap refuses)."""
+    return torch.zeros_like(like).scatter(1, target[:, None], 1.0)
+
+
 def cross_entropy(student_logits, target, *, tau: float = 1.0, reduction: str = "mean"):
     """CE(softmax_τ(z_s), y) per sample."""
     _check_positive(tau=tau)
@@ -69,7 +76,7 @@ def dpdsd_loss(student_logits, teacher_logits, target, *, tau, alpha, beta, ce_t
     num_classes = student_logits.shape[1]
     teacher_probs = F.softmax(teacher_logits.detach() / tau, dim=1)
     log_s = F.log_softmax(student_logits / tau, dim=1)
-    target_mask = F.one_hot(target, num_classes).to(log_s.dtype)
+    target_mask = one_hot(target, log_s)
     t_target = (teacher_probs * target_mask).sum(dim=1)
     gate = torch.exp(t_target - 1.0 / num_classes)
     tcsd = -gate * t_target * (log_s * target_mask).sum(dim=1)
@@ -87,7 +94,7 @@ def dkd_loss(student_logits, teacher_logits, target, *, tau, alpha, beta, ce_tau
     _check_positive(tau=tau, ce_tau=ce_tau)
     if alpha < 0 or beta < 0:
         raise ValueError(f"alpha and beta must be >= 0, got alpha={alpha}, beta={beta}")
-    target_mask = F.one_hot(target, student_logits.shape[1]).bool()
+    target_mask = one_hot(target, student_logits).bool()
 
     def split(logits):
         """log b = (log p_t, log(1 − p_t)), and the log-probabilities over the non-target classes."""
@@ -95,7 +102,7 @@ def dkd_loss(student_logits, teacher_logits, target, *, tau, alpha, beta, ce_tau
         log_all = torch.logsumexp(z, dim=1)
         rest = z.masked_fill(target_mask, -1e4)  # exp(−1e4) = 0, and finite: no NaN in any gradient
         log_rest = torch.logsumexp(rest, dim=1)
-        log_b = torch.stack([z[target_mask] - log_all, log_rest - log_all], dim=1)
+        log_b = torch.stack([z.gather(1, target[:, None])[:, 0] - log_all, log_rest - log_all], dim=1)
         return log_b, rest - log_rest[:, None]
 
     log_b_s, log_nt_s = split(student_logits)

@@ -52,3 +52,14 @@ def test_the_parts_are_each_samples_own_gradients_and_the_teacher_pulls_once_apa
     assert ratio > 0
     one = clipped_shares(student_net, student, teacher, x[:1], y[:1], dp3sd, ce, clip=0.1)
     assert one["median_sample_ratio"] == pytest.approx(ratio.item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("loss", [losses.dpdsd_loss, losses.dkd_loss])
+def test_dpdsds_losses_take_per_sample_gradients_through_vmap(batch, loss):
+    """Both of DPDSD's readings run under torch.func.vmap (no data-dependent one-hot or masking)."""
+    student_net, teacher_net = build_model("mnist-cnn", seed=0), build_model("mnist-cnn", seed=1)
+    weights = lambda net: {k: v.detach().clone() for k, v in net.state_dict().items()}  # noqa: E731
+    shares = clipped_shares(student_net, weights(student_net), weights(teacher_net), *batch,
+                            lambda s, t, y: loss(s, t, y, tau=4.0, alpha=1.0, beta=8.0, reduction="none"),
+                            lambda s, y: losses.cross_entropy(s, y, reduction="none"), clip=0.1)
+    assert 0 < shares["clipped_share"] < float("inf") and -1 <= shares["cosine"] <= 1
