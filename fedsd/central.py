@@ -213,10 +213,9 @@ def train(cfg: TrainConfig | None, out: str | Path | None = None, overwrite: boo
     board = tensorboard.log_dir(log_dir, out)  # refused before any work when TensorBoard is missing
     run = CentralRun(cfg, out, overwrite, resume)
     cfg = run.cfg
-    log = tensorboard.TensorBoardLog(board) if board is not None else None
     bar = tqdm(range(1, cfg.epochs + 1), initial=len(run.epochs), desc=f"{cfg.dataset} {cfg.method} ε={cfg.epsilon}",
                unit="epoch", disable=not progress)
-    try:
+    with tensorboard.opened(board) as log:
         for epoch in run.remaining_epochs():
             record = run.take_epoch(epoch)
             if log is not None:
@@ -227,7 +226,4 @@ def train(cfg: TrainConfig | None, out: str | Path | None = None, overwrite: boo
         result, weights = run.finish()
         if log is not None:
             log.finish(cfg.to_dict(), {"test_accuracy": result["test_accuracy"], "epsilon": result["epsilon_spent"]})
-        return result, weights
-    finally:
-        if log is not None:
-            log.close()
+    return result, weights

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +110,13 @@ def _stat_key(files: list[Path]) -> str:
     return h.hexdigest()[:32]
 
 
+def data_file(path: Path) -> Path:
+    """`path`, or for a folder of `fedsd split-data --format npz` (a data.npz, no train/) its data.npz."""
+    if path.is_dir() and not (path / "train").exists() and (path / "data.npz").is_file():
+        return path / "data.npz"
+    return path
+
+
 def load_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.PathLike,
                      skip_bad_files: bool = False) -> HolderData:
     """The holder's data prepared for `task`, from its cache when the files are unchanged.
@@ -119,8 +127,7 @@ def load_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.Pa
     path = Path(data).expanduser()
     if not path.exists():
         raise DataError(f"data={path}: no such file or folder")
-    if path.is_dir() and not (path / "train").exists() and (path / "data.npz").is_file():
-        path = path / "data.npz"  # a folder of `fedsd split-data --format npz`
+    path = data_file(path)
     if path.is_file() and path.suffix != ".npz":
         raise DataError(f"data={path}: expected a folder (train/<class>/<image>) or an .npz file")
     files = _listing(path)
@@ -336,8 +343,7 @@ def custom_path(cfg) -> Path:
     path = Path(cfg.data_dir).expanduser()
     if not path.exists():
         raise ConfigError(f"--data-dir {cfg.data_dir}: no such file or folder")
-    if path.is_dir() and not (path / "train").exists() and (path / "data.npz").is_file():
-        return path / "data.npz"
+    path = data_file(path)
     if not (path.suffix == ".npz" and path.is_file()) and not (path / "train").is_dir():
         raise ConfigError(f"--data-dir {cfg.data_dir}: expected {CUSTOM_LAYOUTS}")
     return path
@@ -349,8 +355,13 @@ class FoundTask:
 
     classes: tuple[str, ...]
     channels: int
-    image_size: int
     sizes: tuple[tuple[int, int], ...]  # the (height, width) seen
+
+    @property
+    def image_size(self) -> int:
+        """The images' one square size, else 0."""
+        h, w = self.sizes[0]
+        return h if len(self.sizes) == 1 and h == w else 0
 
 
 def describe(path: Path) -> FoundTask:
@@ -359,16 +370,16 @@ def describe(path: Path) -> FoundTask:
     read from its labels and from a few images per class."""
     if path.is_file():
         try:
+            shape = _npz_shape(path, "x_train")  # the images are read once, by the loader, not here
             with np.load(path, allow_pickle=False) as z:
-                x, labels = z["x_train"], [z["y_train"]] + ([z["y_test"]] if "y_test" in z.files else [])
-        except (KeyError, ValueError, OSError) as e:
+                labels = [z["y_train"]] + ([z["y_test"]] if "y_test" in z.files else [])
+        except (KeyError, ValueError, OSError, zipfile.BadZipFile) as e:
             raise DataError(f"data={path}: not an .npz with x_train and y_train ({e})") from None
-        if x.ndim not in (3, 4) or not len(x):
-            raise DataError(f"data={path} x_train: shape {x.shape}; expected N×H×W or N×H×W×C")
+        if len(shape) not in (3, 4) or not shape[0]:
+            raise DataError(f"data={path} x_train: shape {shape}; expected N×H×W or N×H×W×C")
         count = max(int(np.max(y)) for y in labels if len(y)) + 1
-        channels = 1 if x.ndim == 3 or x.shape[3] in (1, 2) else 3
-        sizes = ((int(x.shape[1]), int(x.shape[2])),)
-        return FoundTask(tuple(str(i) for i in range(count)), channels, _square(sizes), sizes)
+        channels = 1 if len(shape) == 3 or shape[3] in (1, 2) else 3
+        return FoundTask(tuple(str(i) for i in range(count)), channels, ((int(shape[1]), int(shape[2])),))
     from torchvision.io import ImageReadMode, decode_image, read_file
 
     folders = sorted((p for p in (path / "train").iterdir() if p.is_dir()), key=lambda p: p.name)
@@ -383,13 +394,15 @@ def describe(path: Path) -> FoundTask:
             sizes.add((int(image.shape[1]), int(image.shape[2])))
     if not sizes:
         raise DataError(f"data={path}: no readable PNG or JPEG image under train/<class>/")
-    sizes = tuple(sorted(sizes))
-    return FoundTask(tuple(p.name for p in folders), channels, _square(sizes), sizes)
+    return FoundTask(tuple(p.name for p in folders), channels, tuple(sorted(sizes)))
 
 
-def _square(sizes) -> int:
-    """The one square size of these (height, width) sizes, else 0."""
-    return sizes[0][0] if len(sizes) == 1 and sizes[0][0] == sizes[0][1] else 0
+def _npz_shape(path: Path, key: str) -> tuple[int, ...]:
+    """The shape of array `key` in an .npz, from its header alone (KeyError when it has none)."""
+    with zipfile.ZipFile(path) as archive, archive.open(f"{key}.npy") as f:
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        return tuple(read(f)[0])
 
 
 def with_custom_task(cfg):

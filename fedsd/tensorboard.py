@@ -9,6 +9,7 @@ run appends to its log: TensorBoard shows each step once, with the values of its
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -35,6 +36,20 @@ def log_dir(option: str | None, out: str | Path | None) -> Path | None:
     if out is None or not installed():
         return None
     return Path(out) / DEFAULT_FOLDER
+
+
+@contextlib.contextmanager
+def opened(folder: Path | None):
+    """A TensorBoardLog in `folder` for the `with` block, closed when it ends however it ends
+    (None, and no log, for no folder)."""
+    if folder is None:
+        yield None
+        return
+    log = TensorBoardLog(folder)
+    try:
+        yield log
+    finally:
+        log.close()
 
 
 class TensorBoardLog:

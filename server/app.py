@@ -53,33 +53,31 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
     if launch.resumed:
         log(INFO, "fedsd: resuming %s after round %d of %d", launch.out, launch.round, launch.fed.rounds)
     side = ServerSide.prepare(launch, grid, overwrite, progress)
-    if board is not None:
-        side.book.log = tensorboard.TensorBoardLog(board)
-    initial = launch.model if launch.resumed else initial_model(side.cfg, side.num_classes)
-    # Every message carries the run's settings (the strategy adds them); this is what Flower logs at the start.
-    train_config = ConfigRecord({"experiment-id": launch.experiment_id})
-    try:
-        outcome = side.strategy.start(grid=PollingGrid(grid), initial_arrays=model_to_record(initial),
-                                      num_rounds=launch.fed.rounds - launch.round, timeout=launch.fed.round_timeout,
-                                      train_config=train_config, evaluate_config=ConfigRecord(dict(train_config)),
-                                      evaluate_fn=side.book.evaluate_global)
-    except ClientsFailed:
-        # Stopped before any round completed (no client could train): nothing to keep or resume.
-        if launch.out is not None and not launch.resumed and not (launch.out / checkpoint.CHECKPOINT).exists():
-            shutil.rmtree(launch.out, ignore_errors=True)
-        raise
-    finally:
-        side.book.close()
-    final = record_to_model(outcome.arrays) if len(outcome.arrays) else initial
-    result = federation_result(launch, side, time.perf_counter() - started)
-    weights = {k: v.cpu() for k, v in released(final).items()}
-    if launch.out is not None:
-        write_run(launch.out, result, weights)  # result.json last: from here on the run is finished
-        (launch.out / checkpoint.CHECKPOINT).unlink(missing_ok=True)
-    if side.book.log is not None:
-        side.book.log.finish(to_flat(side.cfg, launch.fed), {"test_accuracy": result.test_accuracy,
-                                                            "epsilon": result.epsilon_spent})
-        side.book.log.close()
+    with tensorboard.opened(board) as side.book.log:
+        initial = launch.model if launch.resumed else initial_model(side.cfg, side.num_classes)
+        # Every message carries the run's settings (the strategy adds them); this is what Flower logs at the start.
+        train_config = ConfigRecord({"experiment-id": launch.experiment_id})
+        try:
+            outcome = side.strategy.start(grid=PollingGrid(grid), initial_arrays=model_to_record(initial),
+                                          num_rounds=launch.fed.rounds - launch.round, timeout=launch.fed.round_timeout,
+                                          train_config=train_config, evaluate_config=ConfigRecord(dict(train_config)),
+                                          evaluate_fn=side.book.evaluate_global)
+        except ClientsFailed:
+            # Stopped before any round completed (no client could train): nothing to keep or resume.
+            if launch.out is not None and not launch.resumed and not (launch.out / checkpoint.CHECKPOINT).exists():
+                shutil.rmtree(launch.out, ignore_errors=True)
+            raise
+        finally:
+            side.book.close()
+        final = record_to_model(outcome.arrays) if len(outcome.arrays) else initial
+        result = federation_result(launch, side, time.perf_counter() - started)
+        weights = {k: v.cpu() for k, v in released(final).items()}
+        if launch.out is not None:
+            write_run(launch.out, result, weights)  # result.json last: from here on the run is finished
+            (launch.out / checkpoint.CHECKPOINT).unlink(missing_ok=True)
+        if side.book.log is not None:
+            side.book.log.finish(to_flat(side.cfg, launch.fed), {"test_accuracy": result.test_accuracy,
+                                                                "epsilon": result.epsilon_spent})
     return result.to_dict(), weights
 
 

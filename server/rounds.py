@@ -38,7 +38,7 @@ class RoundBook:
         self.bar = tqdm(total=rounds_total, initial=start_round, unit="round", disable=not progress,
                         desc=description, dynamic_ncols=True)
         self.last = time.perf_counter()
-        self.log = None  # a TensorBoardLog (fedsd.tensorboard), when the run writes one
+        self.log = None  # a TensorBoardLog (fedsd.tensorboard), when the run writes one; run_server closes it
 
     def evaluate_global(self, launch_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Flower's evaluate_fn: round 0 is the initial model (evaluated, not recorded)."""
@@ -112,8 +112,6 @@ class RoundBook:
 
     def close(self) -> None:
         self.bar.close()
-        if self.log is not None:
-            self.log.close()
 
 
 def lifetime_budget(report: dict) -> dict:

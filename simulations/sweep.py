@@ -60,10 +60,10 @@ def parse_fixed(items: list[str]) -> dict:
     """--set ["momentum=0", ...] → {"momentum": 0.0, ...}: settings every run of the sweep takes."""
     fixed = {}
     for item in items:
-        values = parse_grid([item], "--set").popitem()
-        if len(values[1]) != 1:
+        name, values = parse_grid([item], "--set").popitem()
+        if len(values) != 1:
             raise ConfigError(f"--set: KEY=VALUE, one value (--grid sweeps several), got {item!r}")
-        fixed[values[0]] = values[1][0]
+        fixed[name] = values[0]
     return fixed
 
 

@@ -64,6 +64,36 @@ def write_cifar_shaped(root, n_train: int = 600, n_test: int = 200):
     return root
 
 
+def write_image_folder(folder, classes: dict[str, int], per_class: int):
+    """An ImageFolder of real Fashion-MNIST images as PNG files, `per_class` of each label under
+    train/<name>/<n>.png (no test split), as a user's own data would be. Returns `folder`."""
+    from torchvision.io import write_png
+
+    from fedsd import data as data_lib
+
+    require("fmnist")
+    images = data_lib.load("fmnist")
+    for name, label in classes.items():
+        (folder / "train" / name).mkdir(parents=True)
+        for n, i in enumerate((images.y_train == label).nonzero().flatten()[:per_class].tolist()):
+            write_png(images.x_train[i], str(folder / "train" / name / f"{n}.png"))
+    return folder
+
+
+def read_tensorboard(folder: Path) -> tuple[dict, dict]:
+    """A TensorBoard log as TensorBoard reads it: {tag: [(step, value)]}, and the hparams."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    info = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    hparams = {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in info.hparams.items()}
+    return scalars, hparams
+
+
 def bookkeeping_clipped_sum(model: str, kernel: bool, conv_ways: dict[int, str] | None = None) -> list:
     """Each parameter's clipped sum from book-keeping on a fixed batch of 37 samples, clipping
     active (C = 0.05, below most samples' norms); kernel=False: PyTorch's patches and products;

@@ -276,7 +276,7 @@ def test_simulate_prints_a_bar_and_a_summary_and_no_library_noise(tmp_path):
     assert summary[3].startswith("  settings       B = 100, lr 0.1875, momentum 0.9, σ = ") and \
         summary[3].endswith(", 1 rounds × 1 local epoch(s)")
     # Its TensorBoard log: the round's accuracy and each client's ε, as result.json has them.
-    from tests.test_newcomer import read_tensorboard
+    from tests.conftest import read_tensorboard
 
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     scalars, hparams = read_tensorboard(tmp_path / "run" / "tensorboard")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from simulations.cli import main
-from tests.conftest import require
+from tests.conftest import read_tensorboard, require, write_image_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,26 +102,11 @@ def test_load_model_gives_what_the_run_released_ready_to_use(tmp_path, capsys):
     assert not model.training
 
 
-def _own_images(folder: Path, per_class: int = 150, classes=(("tshirt", 0), ("trouser", 1))) -> Path:
-    """An ImageFolder of real Fashion-MNIST images as PNG files (train/<class>/<n>.png), no test split."""
-    from torchvision.io import write_png
-
-    from fedsd import data as data_lib
-
-    require("fmnist")
-    images = data_lib.load("fmnist")
-    for name, label in classes:
-        (folder / "train" / name).mkdir(parents=True)
-        for n, i in enumerate(torch.nonzero(images.y_train == label).flatten()[:per_class].tolist()):
-            write_png(images.x_train[i], str(folder / "train" / name / f"{n}.png"))
-    return folder
-
-
 def test_own_images_train_centrally_their_task_read_from_the_files(tmp_path, capsys, monkeypatch):
     """`fedsd train --dataset custom --data-dir DIR`: classes, channels and size from the files,
     a stratified test split held out (and said), and the run learns (T-shirts from trousers)."""
     monkeypatch.setenv("FEDSD_CACHE_DIR", str(tmp_path / "cache"))
-    data = _own_images(tmp_path / "mine")
+    data = write_image_folder(tmp_path / "mine", {"tshirt": 0, "trouser": 1}, per_class=150)
     out = tmp_path / "run"
     assert main(["train", "--dataset", "custom", "--data-dir", str(data), "--method", "dpsgd", "--epochs", "4",
                  "--batch-size", "40", "--lr", "0.5", "--epsilon", "8", "--threads", "1", "--quiet",
@@ -173,20 +158,6 @@ def test_own_npz_data_simulates_as_a_federation(tmp_path):
     result = json.loads((tmp_path / "sim" / "result.json").read_text())
     assert result["shard_sizes"] == [1000, 1000] and result["data_source"] == str(tmp_path / "mine.npz")
     assert result["config"]["classes"] == "0,1,2,3,4,5,6,7,8,9" and result["test_accuracy"] >= 0.45  # chance: 0.10
-
-
-def read_tensorboard(folder: Path) -> tuple[dict, dict]:
-    """A TensorBoard log as TensorBoard reads it: {tag: [(step, value)]}, and the hparams."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.plugins.hparams import plugin_data_pb2
-
-    events = EventAccumulator(str(folder))
-    events.Reload()
-    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
-    info = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
-    hparams = {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in info.hparams.items()}
-    return scalars, hparams
 
 
 @pytest.mark.slow

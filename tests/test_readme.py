@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fedsd import cache_root
-from tests.conftest import require
+from tests.conftest import require, write_image_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -64,21 +64,9 @@ def data_root(tmp_path_factory):
         (root / "cifar10" / cifar.name).symlink_to(cifar)
     else:
         write_cifar_shaped(root, n_train=50000, n_test=10000)
-    _own_images(root / "home" / "my-images")  # the README's ~/my-images: HOME is root/home
+    # the README's ~/my-images (HOME is root/home): ten classes, 40 images each
+    write_image_folder(root / "home" / "my-images", {f"class-{k}": k for k in range(10)}, per_class=40)
     return root
-
-
-def _own_images(folder: Path, per_class: int = 40) -> None:
-    """A small ImageFolder of Fashion-MNIST's images (PNG, ten class folders, no test split)."""
-    from torchvision.io import write_png
-
-    from fedsd import data as data_lib
-
-    images = data_lib.load("fmnist")
-    for label in range(10):
-        (folder / "train" / f"class-{label}").mkdir(parents=True)
-        for n, i in enumerate((images.y_train == label).nonzero().flatten()[:per_class].tolist()):
-            write_png(images.x_train[i], str(folder / "train" / f"class-{label}" / f"{n}.png"))
 
 
 @pytest.mark.parametrize("line", DRY, ids=[" ".join(shlex.split(l)[:4]) for l in DRY])
