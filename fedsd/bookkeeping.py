@@ -122,7 +122,7 @@ class BookKeepingClipper:
                                                       or isinstance(module.padding, str)):
                     raise ConfigError("--grad-sample-mode bk: Conv2d needs groups=1 and numeric zero padding")
                 self.layers.append(module)
-            elif list(module.children()) == [] and list(module.parameters(recurse=False)):
+            elif any(p.requires_grad for p in module.parameters(recurse=False)):  # GroupNorm, a class token, ...: no rule, wrong sums
                 raise ConfigError(f"--grad-sample-mode bk: no book-keeping rule for {type(module).__name__}; "
                                  "use hooks or ghost")
         self.max_grad_norm = max_grad_norm

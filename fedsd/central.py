@@ -13,7 +13,8 @@ from . import data as data_lib
 from .client_data import input_stats, run_images, task_for, with_custom_task
 from . import privacy, routes, tensorboard
 from .config import TrainConfig, validate
-from .models import build_model, check_private_trainable
+from .bookkeeping import BookKeepingClipper
+from .models import check_fits_task, input_shape_of, model_for
 from .results import RunResult, check_out_dir, finished_run_refusal, fresh_out_dir, save_atomic, write_json, write_run
 from .training import DPTrainer, TrainState, evaluate, initial_model, planned_trainer
 from .errors import ConfigError, ResumeError, TrainingDiverged
@@ -45,7 +46,10 @@ def prepare_run(cfg: TrainConfig) -> CentralInputs:
     images = run_images(cfg)
     indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation)
     validate(cfg, len(indices))
-    check_private_trainable(build_model(cfg.model, images.num_classes, activation=cfg.activation))
+    net = model_for(cfg, images.num_classes)  # a network Opacus cannot train is refused here, naming the layer
+    check_fits_task(net, cfg.model, images.num_classes, input_shape_of(cfg))
+    if cfg.grad_sample_mode == "bk":
+        BookKeepingClipper(net, cfg.clip)  # a layer book-keeping has no rule for is refused, named
     return CentralInputs(cfg, images, indices, resolve_device(cfg.device))
 
 
@@ -195,7 +199,8 @@ class CentralRun:
             wall_seconds=self.wall_seconds(), device=inputs.device, data_source=inputs.data.source,
             noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate, steps=self.state.steps,
             num_train=len(inputs.train_indices), validation_accuracy=last.get("validation_accuracy"),
-            privacy=plan.to_dict(), route=self._route(), epochs=self.epochs, resumed=True if self.resumed else None)
+            privacy=plan.to_dict(), route=self._route(), physical_batch_size=self.trainer.physical_batch_size,
+            epochs=self.epochs, resumed=True if self.resumed else None)
         weights = {k: v.cpu() for k, v in released(self.model).items()}
         if self.out is not None:
             write_run(self.out, result, weights)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from . import clippers, methods
 from .data import DATASET_TITLES, DATASETS
-from .models import ACTIVATIONS, DEFAULT_MODEL, MODELS
+from .models import ACTIVATIONS, DEFAULT_MODEL, MODEL_FORMS, check_model_name, is_builtin
 from .settings import Setting, check_choices, check_setting, declared_only, setting, settings_of
 from .errors import ConfigError
 
@@ -116,10 +116,15 @@ class RunSettings:
     seed: int = setting(0, "seed of the model, the sampling and the noise")
     device: str = setting("auto", "where to train: auto = CUDA where torch sees a GPU, else the CPU (each party "
                           "of a federation decides on its own machine)", choices=DEVICES)
-    model: str | None = setting(None, "network", choices=MODELS, default_text="the data set's")
+    model: str | None = setting(None, f"network: {MODEL_FORMS} (a factory called with num_classes, channels and "
+                                "image_size; README: bring your own network)", default_text="the data set's")
     activation: str = setting("relu", "the network's activation: relu (the papers') or tanh (Tramèr & Boneh's "
                                       "variant)", choices=tuple(ACTIVATIONS))
     threads: int = setting(0, "torch CPU threads; 0 leaves torch's default")
+    max_physical_batch_size: int = setting(0, "the most samples one forward and backward pass takes: a larger "
+                                           "Poisson batch is trained in parts whose clipped sums are added before "
+                                           "its one noisy step (Opacus' BatchMemoryManager; same weights and ε); 0 = "
+                                           "what fits in memory, estimated from the model on each machine")
     grad_sample_mode: str = setting("auto", "per-sample clipping route; all give the same weights and ε (auto: "
                                     "the fastest exact route on this machine, measured once and cached)",
                                     choices=GRAD_SAMPLE_MODES)
@@ -172,7 +177,9 @@ class RunSettings:
         model was made for)."""
         if self.dataset != CUSTOM:
             return self.dataset
-        return "fmnist" if (self.model or "mnist-cnn") == "mnist-cnn" else "cifar10"
+        if is_builtin(self.model) or self.model is None:
+            return "fmnist" if (self.model or "mnist-cnn") == "mnist-cnn" else "cifar10"
+        return "fmnist" if self.channels == 1 else "cifar10"  # another network: by the images it takes
 
     @property
     def channels_last(self) -> bool:
@@ -303,6 +310,7 @@ def validate(c: TrainConfig, num_train: int) -> None:
     """Check a resolved config against the data it will train on (`num_train` samples, the
     data set this privacy guarantee protects). Raises ConfigError naming the option."""
     check_choices(c)  # every setting with allowed values, as declared
+    check_model_name(c.model)
     check_layout(c)
     check_setting(math.isfinite(c.epsilon) and c.epsilon > 0, "--epsilon", "must be > 0", c.epsilon)
     check_setting(0 < c.delta < 1.0 / num_train, "--delta",
@@ -315,6 +323,8 @@ def validate(c: TrainConfig, num_train: int) -> None:
     check_setting(c.clip > 0, "--clip", "must be > 0", c.clip)
     check_setting(c.momentum >= 0, "--momentum", "must be >= 0", c.momentum)
     check_setting(c.threads >= 0, "--threads", "must be >= 0", c.threads)
+    check_setting(c.max_physical_batch_size >= 0, "--max-physical-batch-size", "must be >= 0 (0: what fits)",
+                  c.max_physical_batch_size)
     check_method_settings(c)
     if c.subset is not None:
         check_setting(c.subset >= 1, "--subset", "must be >= 1", c.subset)

@@ -1,13 +1,32 @@
-"""The papers' two CNNs (Opacus' examples), by name. No normalisation layers: DP-SGD needs
-per-sample gradients, which BatchNorm's mixing across the batch destroys."""
+"""The networks fedsd trains, by name (`--model`):
+
+- the papers' two CNNs (Opacus' examples): `mnist-cnn`, `cifar-cnn`;
+- a torchvision classification model, `torchvision:NAME` (e.g. `torchvision:resnet18`), built
+  untrained for the task's classes, its first convolution made for the task's channels;
+- a user's own, `package.module:callable`: called with the task as keywords
+  (`num_classes`, `channels`, `image_size`), it returns an `nn.Module` that maps a batch
+  (N, channels, image_size, image_size) to (N, num_classes) logits.
+
+Every network goes through Opacus' ModuleValidator: what it can fix (BatchNorm, which mixes
+the samples of a batch, so has no per-sample gradients, becomes GroupNorm) is fixed, and said
+once; anything else is refused with the layer named. In a deployment, a user's module travels
+in the Flower app (README: bring your own network).
+"""
 from __future__ import annotations
+
+import importlib
+import os
+import sys
+import warnings
 
 import torch
 from torch import nn
 
-from .errors import ConfigError, ModelNotPrivateError
+from .errors import ConfigError, FedsdNote, ModelNotPrivateError
 
-MODELS = ("mnist-cnn", "cifar-cnn")
+BUILTIN_MODELS = ("mnist-cnn", "cifar-cnn")
+TORCHVISION = "torchvision:"
+MODEL_FORMS = "mnist-cnn, cifar-cnn, torchvision:NAME (e.g. torchvision:resnet18) or package.module:callable"
 DEFAULT_MODEL = {"mnist": "mnist-cnn", "fmnist": "mnist-cnn", "cifar10": "cifar-cnn"}
 # The papers' networks use ReLU; Tramèr & Boneh (ICLR 2021) found tanh better under DP-SGD (its
 # bounded activations keep the clipped gradients informative): a labelled variant, not Table 1.
@@ -42,31 +61,187 @@ class CifarCNN(nn.Sequential):
         )
 
 
-def check_private_trainable(model: nn.Module, fix: bool = False) -> nn.Module:
-    """Refuse (or, with fix=True, repair via Opacus' ModuleValidator) a model DP-SGD cannot train."""
+def is_builtin(name: str | None) -> bool:
+    return name in BUILTIN_MODELS
+
+
+def check_model_name(name: str) -> None:
+    """The form of --model (whether it imports is checked where the model is built)."""
+    if is_builtin(name):
+        return
+    if name.startswith(TORCHVISION):
+        if not name[len(TORCHVISION):]:
+            raise ConfigError(f"--model: {name!r} names no torchvision model; e.g. torchvision:resnet18")
+        return
+    module, _, attribute = name.partition(":")
+    if not (module and attribute and all(p.isidentifier() for p in module.split("."))
+            and all(p.isidentifier() for p in attribute.split("."))):
+        raise ConfigError(f"--model: unknown model {name!r}; give {MODEL_FORMS}")
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(note: str) -> None:
+    """A FedsdNote, once a process: a run builds its network more than once (planning, training)."""
+    if note not in _SAID:
+        _SAID.add(note)
+        warnings.warn(note, FedsdNote, stacklevel=3)
+
+
+def check_private_trainable(model: nn.Module, fix: bool = False, name: str = "the model") -> nn.Module:
+    """Refuse, naming the layer, a model DP-SGD cannot train per sample; with fix=True, what
+    Opacus' ModuleValidator can fix (BatchNorm → GroupNorm) is fixed first and said once (a
+    FedsdNote naming the layers)."""
     from . import _opacus  # noqa: F401  (Opacus without its root-logger handler)
     from opacus.validators import ModuleValidator
 
-    errors = ModuleValidator.validate(model, strict=False)
-    if not errors:
+    if not ModuleValidator.validate(model, strict=False):
         return model
     if fix:
-        return ModuleValidator.fix(model)
-    listed = "; ".join(str(e) for e in errors)
-    raise ModelNotPrivateError(
-        f"model cannot be trained with DP-SGD: {listed}. BatchNorm mixes samples within a batch, so "
-        "per-sample gradients do not exist; use GroupNorm (pass fix=True to let Opacus replace it)")
+        before = {n: type(m).__name__ for n, m in model.named_modules()}
+        model = ModuleValidator.fix(model)
+        after = {n: type(m).__name__ for n, m in model.named_modules()}
+        changed = [n for n in before if n in after and before[n] != after[n]]
+        if changed:
+            kinds = sorted({f"{before[n]} → {after[n]}" for n in changed})
+            shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+            _say_once(f"--model {name}: Opacus' ModuleValidator replaced {len(changed)} layer(s) "
+                      f"({'; '.join(kinds)}: {shown}); BatchNorm mixes the samples of a batch, so it has no "
+                      "per-sample gradients, and GroupNorm normalises each sample on its own")
+        if not ModuleValidator.validate(model, strict=False):
+            return model
+    layers = [(n or type(model).__name__, type(m).__name__, e) for n, m in model.named_modules()
+              if not list(m.children()) for e in ModuleValidator.validate(m, strict=False)]
+    listed = "; ".join(f"layer {n} ({kind}): {str(e).split('. ')[0]}" for n, kind, e in layers) or \
+        "; ".join(str(e).split(". ")[0] for e in ModuleValidator.validate(model, strict=False))
+    hint = "" if fix else " (fix=True lets Opacus replace BatchNorm with GroupNorm)"
+    raise ModelNotPrivateError(f"--model {name}: cannot be trained with DP-SGD: {listed}{hint}")
 
 
-def build_model(name: str, num_classes: int = 10, seed: int | None = None, activation: str = "relu") -> nn.Module:
-    """A fresh model; with `seed`, its initial weights depend on that seed only."""
-    if name not in MODELS:
-        raise ConfigError(f"--model: unknown model {name!r}; choose one of {', '.join(MODELS)}")
+def _with_cwd_on_path():
+    """A user's module is looked up as Python's `-m` would: on sys.path, then in the working
+    directory (a console script such as `fedsd` does not put it on sys.path)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
+def _factory(name: str):
+    module_name, _, attribute = name.partition(":")
+    _with_cwd_on_path()
+    try:
+        found = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"--model {name}: module {module_name!r} does not import ({e}); it must be on the Python "
+                          "path or in the working directory (a deployment: inside the Flower app)") from e
+    for part in attribute.split("."):
+        if not hasattr(found, part):
+            raise ConfigError(f"--model {name}: {module_name} has no {attribute!r}")
+        found = getattr(found, part)
+    if not callable(found):
+        raise ConfigError(f"--model {name}: {attribute!r} is not callable; give a function or class that takes "
+                          "num_classes, channels and image_size and returns an nn.Module")
+    return found
+
+
+def _torchvision_model(name: str, num_classes: int, channels: int) -> nn.Module:
+    import torchvision
+
+    arch = name[len(TORCHVISION):]
+    if arch not in torchvision.models.list_models(module=torchvision.models):
+        raise ConfigError(f"--model {name}: torchvision has no classification model {arch!r}; e.g. resnet18, "
+                          "mobilenet_v3_small, efficientnet_b0 (torchvision.models.list_models)")
+    model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    if channels != 3:  # the first convolution, made for the task's channels (same shape otherwise)
+        for parent in model.modules():
+            for child_name, child in parent.named_children():
+                if isinstance(child, nn.Conv2d) and child.in_channels == 3:
+                    setattr(parent, child_name, nn.Conv2d(
+                        channels, child.out_channels, child.kernel_size, child.stride, child.padding,
+                        child.dilation, child.groups, child.bias is not None, child.padding_mode))
+                    return model
+    return model
+
+
+def _built(name: str, num_classes: int, activation: str, channels: int, image_size: int) -> nn.Module:
+    if name == "mnist-cnn":
+        return MnistCNN(num_classes, activation)
+    if name == "cifar-cnn":
+        return CifarCNN(num_classes, activation)
+    if activation != "relu":
+        raise ConfigError(f"--activation {activation}: applies to the papers' networks (mnist-cnn, cifar-cnn), "
+                          f"not to --model {name}")
+    if name.startswith(TORCHVISION):
+        return _torchvision_model(name, num_classes, channels)
+    try:
+        model = _factory(name)(num_classes=num_classes, channels=channels, image_size=image_size)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001  (the user's code: said with the path, its traceback kept)
+        raise ConfigError(f"--model {name}: calling it with num_classes={num_classes}, channels={channels}, "
+                          f"image_size={image_size} raised {type(e).__name__}: {e}") from e
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--model {name}: returned {type(model).__name__}, not a torch.nn.Module")
+    return model.train()
+
+
+def build_model(name: str, num_classes: int = 10, seed: int | None = None, activation: str = "relu",
+                channels: int | None = None, image_size: int | None = None) -> nn.Module:
+    """A fresh model for a task of `num_classes` classes of (channels, image_size, image_size)
+    images (the papers' networks know theirs), made private-trainable (check_private_trainable);
+    with `seed`, its initial weights depend on that seed only."""
+    check_model_name(name)
     if activation not in ACTIVATIONS:
         raise ConfigError(f"--activation: unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
-    cls = MnistCNN if name == "mnist-cnn" else CifarCNN
+    if not is_builtin(name) and (channels is None or image_size is None):
+        raise ValueError(f"build_model({name!r}): a network other than the papers' needs the task's channels and "
+                         "image size")
     if seed is None:
-        return cls(num_classes, activation)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return cls(num_classes, activation)
+        model = _built(name, num_classes, activation, channels, image_size)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = _built(name, num_classes, activation, channels, image_size)
+    if is_builtin(name):
+        return model
+    for module in model.modules():  # the same function out of place: Opacus' backward hooks
+        if getattr(module, "inplace", False) is True:  # cannot follow an in-place op (resnet's ReLU)
+            module.inplace = False
+    return check_private_trainable(model, fix=True, name=name)
+
+
+def input_shape_of(cfg) -> tuple[int, int, int]:
+    """(channels, height, width) of a (resolved) run's images."""
+    from .client_data import BUILTIN_SHAPES
+    from .config import CUSTOM
+
+    channels, size = (cfg.channels, cfg.image_size) if cfg.dataset == CUSTOM else BUILTIN_SHAPES[cfg.dataset]
+    return channels, size, size
+
+
+def model_for(cfg, num_classes: int, seed: int | None = None) -> nn.Module:
+    """The network of a (resolved) run, for its task."""
+    channels, size, _ = input_shape_of(cfg)
+    return build_model(cfg.model, num_classes, seed=seed, activation=cfg.activation, channels=channels,
+                       image_size=size)
+
+
+def check_fits_task(model: nn.Module, name: str, num_classes: int, input_shape: tuple[int, ...]) -> None:
+    """One forward pass on a single sample: the model takes the task's images and gives one
+    logit per class; refused naming both shapes otherwise."""
+    x = torch.zeros((1, *input_shape))
+    expected = (1, num_classes)
+    try:
+        with torch.no_grad():
+            out = model.eval()(x)
+    except Exception as e:  # noqa: BLE001  (the user's network: said with both shapes)
+        raise ConfigError(f"--model {name}: does not take the task's input {tuple(x.shape)} (one sample of "
+                          f"{input_shape[0]} channel(s), {input_shape[1]}×{input_shape[2]}): "
+                          f"{type(e).__name__}: {e}") from e
+    finally:
+        model.train()
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(f"--model {name}: on the task's input {tuple(x.shape)} it returns {shape}; expected "
+                          f"logits of shape {expected} (one per class)")

@@ -45,6 +45,7 @@ class RunResult:
     validation_accuracy: float | None = None
     privacy: dict | None = None
     route: dict | None = None
+    physical_batch_size: int | None = None  # the most samples one pass took (fedsd.physical)
     epochs: list | None = None
     resumed: bool | None = None
     # a federation
@@ -250,7 +251,7 @@ def load_model(run_dir: str | os.PathLike) -> ReleasedModel:
     naming the file when the folder holds no finished run."""
     from .client_data import input_stats
     from .config import TrainConfig
-    from .models import build_model
+    from .models import model_for
 
     run_dir = Path(run_dir)
     result = RunResult.read(run_dir / "result.json")
@@ -259,7 +260,7 @@ def load_model(run_dir: str | os.PathLike) -> ReleasedModel:
     weights = torch.load(run_dir / "model.pt", weights_only=True)
     cfg = TrainConfig.from_dict(result.config)
     classes = next(v.shape[0] for k, v in reversed(list(weights.items())) if k.endswith("weight"))
-    net = build_model(cfg.model, classes, activation=cfg.activation)
+    net = model_for(cfg, classes)
     net.load_state_dict(weights)
     mean, std = input_stats(cfg)
     return ReleasedModel(net, mean, std).eval()

@@ -25,9 +25,11 @@ trainer is built: the trainer is handed its route.
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
@@ -39,6 +41,8 @@ from torch import nn
 from . import cache_root, conv_kernel
 from .bookkeeping import CONV_WAYS, BookKeepingClipper
 from .clippers import CLIPPERS
+from .errors import ConfigError, ModelNotPrivateError
+from .physical import measured_batch_size
 
 AUTO = "auto"
 LAYOUTS = {"channels-last": torch.channels_last, "contiguous": torch.contiguous_format}
@@ -107,6 +111,8 @@ def choose(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.de
     lock, so concurrent processes on this machine agree) and cached; a choice that was not
     settled is measured again once it is UNSETTLED_SECONDS old."""
     threads = cfg.threads or torch.get_num_threads()
+    # measured on one pass's batch: a run in physical batches takes several such passes a step
+    cfg = dataclasses.replace(cfg, batch_size=measured_batch_size(cfg, num_classes, input_shape, device))
     path = _cache_file(cfg, num_classes, input_shape, device, threads)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -139,8 +145,10 @@ def check(route: Route | None, cfg, num_classes: int, input_shape: tuple[int, ..
     the route, so the next run measures again; the run itself keeps its route. True when fine."""
     if route is None or route.mode not in route.step_ms:
         return True
-    if 1000 * seconds_per_step <= SLOWER_THAN_MEASURED * route.step_ms[route.mode]:
+    passes = math.ceil(cfg.batch_size / (measured := measured_batch_size(cfg, num_classes, input_shape, device)))
+    if 1000 * seconds_per_step <= SLOWER_THAN_MEASURED * passes * route.step_ms[route.mode]:
         return True
+    cfg = dataclasses.replace(cfg, batch_size=measured)
     _cache_file(cfg, num_classes, input_shape, device, cfg.threads or torch.get_num_threads()).unlink(missing_ok=True)
     return False
 
@@ -221,14 +229,17 @@ def measure(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.d
     x = torch.randn(cfg.batch_size, *input_shape, generator=generator).to(device)
     y = torch.randint(0, num_classes, (cfg.batch_size,), generator=generator).to(device)
     conv_ways, layer_ms = _measure_conv_ways(cfg, x, y, num_classes, device)
-    steps = {}
+    steps, failed = {}, {}
     for mode in step_candidates():
         if cfg.memory_format == AUTO or mode in _exact_in(cfg.memory_format):
             try:
                 steps[mode] = _step(mode, cfg, x, y, num_classes, conv_ways)
-            except Exception:  # noqa: BLE001  (this clipper cannot take this model or layout: not a candidate)
-                continue
-    times = _interleaved(steps, timer(device))
+            except Exception as e:  # noqa: BLE001  (this clipper cannot take this model or layout: not a candidate)
+                failed[mode] = e
+    times = _interleaved(steps, timer(device), failed)
+    if not times:  # no exact clipper can train this network: refused before any step
+        raise ModelNotPrivateError(f"--model {cfg.model}: no per-sample clipping route can train it; "
+                                   + "; ".join(f"{mode}: {str(e).splitlines()[0][:200]}" for mode, e in failed.items()))
     step_ms = {mode: 1000 * statistics.median(t) for mode, t in times.items()}
     spread = {mode: [1000 * min(t), 1000 * max(t)] for mode, t in times.items()}
     ranked = sorted(step_ms, key=step_ms.get)
@@ -246,13 +257,16 @@ def _exact_in(memory_format: str) -> tuple[str, ...]:
 
 def _measure_conv_ways(cfg, x, y, num_classes: int, device) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
     """Each conv layer's fastest way to its norms and clipped sum, on its real input and output gradient."""
-    from .models import build_model
+    from .models import model_for
 
     timed = timer(device)
     layout = LAYOUTS[layout_for("bk", cfg.memory_format)]
-    model = build_model(cfg.model, num_classes, activation=cfg.activation).to(device, memory_format=layout)
-    clipper = BookKeepingClipper(model, cfg.clip)
-    captured = clipper.captured(nn.functional.cross_entropy(model(x.contiguous(memory_format=layout)), y))
+    model = model_for(cfg, num_classes).to(device, memory_format=layout)
+    try:
+        clipper = BookKeepingClipper(model, cfg.clip)
+        captured = clipper.captured(nn.functional.cross_entropy(model(x.contiguous(memory_format=layout)), y))
+    except ConfigError:  # a layer book-keeping has no rule for: bk is no candidate (measure leaves it out)
+        return {}, {}
     coeff = torch.ones(len(y), device=device)
     conv_ways, layer_ms = {}, {}
     for index, (layer, a, g) in enumerate(captured):
@@ -268,7 +282,7 @@ def _measure_conv_ways(cfg, x, y, num_classes: int, device) -> tuple[dict[int, s
     return conv_ways, layer_ms
 
 
-def _interleaved(steps: dict, timed) -> dict[str, list[float]]:
+def _interleaved(steps: dict, timed, failed: dict | None = None) -> dict[str, list[float]]:
     """Each candidate's step timed in turn, round after round (a load on the machine falls on all
     alike), until the fastest's repeats are all faster than the runner-up's or MAX_REPEATS; a
     candidate that fails is left out."""
@@ -277,8 +291,10 @@ def _interleaved(steps: dict, timed) -> dict[str, list[float]]:
         for mode, step in list(steps.items()):
             try:
                 seconds = timed(step)
-            except RuntimeError:  # this clipper cannot take this configuration: not a candidate
+            except Exception as e:  # noqa: BLE001  (this clipper cannot take this configuration: not a candidate)
                 del steps[mode], times[mode]
+                if failed is not None:
+                    failed[mode] = e
                 continue
             if i >= WARMUP:
                 times[mode].append(seconds)
@@ -295,13 +311,11 @@ def _apart(times: dict[str, list[float]]) -> bool:
 def _step(mode: str, cfg, x: torch.Tensor, y: torch.Tensor, num_classes: int, conv_ways: dict[int, str]):
     """One DP-SGD step of `mode` on (x, y) as a run takes it (the clipper's clipped sum, Opacus'
     noise, the update), in the mode's layout, built here without a trainer."""
-    import dataclasses
-
-    from .models import build_model
+    from .models import model_for
 
     run = dataclasses.replace(cfg, grad_sample_mode=mode, memory_format=layout_for(mode, cfg.memory_format))
     layout = LAYOUTS[run.memory_format]
-    model = build_model(cfg.model, num_classes, activation=cfg.activation).to(x.device, memory_format=layout)
+    model = model_for(cfg, num_classes).to(x.device, memory_format=layout)
     clipper = CLIPPERS[mode](model, run, mode)
     clipper.take(Route(mode, run.memory_format, dict(conv_ways)))
     optimizer = clipper.make_optimizer(torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum),

@@ -49,7 +49,9 @@ def settings_line(result: dict) -> str:
         sigma = f"{sigma:.3f}" if sigma is not None else "-"
     fed = result.get("federation")
     length = (f"{fed['rounds']} rounds × {fed['local_epochs']} local epoch(s)" if fed else f"{cfg['epochs']} epochs")
-    return f"B = {cfg['batch_size']}, lr {cfg['lr']:g}, momentum {cfg['momentum']:g}, σ = {sigma}, {length}"
+    passes = result.get("physical_batch_size")
+    batch = f"{cfg['batch_size']}" + (f" (in passes of at most {passes})" if passes and passes < cfg["batch_size"] else "")
+    return f"B = {batch}, lr {cfg['lr']:g}, momentum {cfg['momentum']:g}, σ = {sigma}, {length}"
 
 
 def _labelled(label: str, items: list[str]) -> list[str]:

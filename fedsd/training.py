@@ -31,7 +31,8 @@ from .clippers import CLIPPERS
 from .config import TrainConfig, check_layout
 from .data import TensorData
 from .methods import EpochLoss, Model, Weights, method_of, release_callbacks, with_release
-from .models import build_model, check_private_trainable
+from .models import model_for
+from .physical import physical_batch_size
 from .privacy import AccountantHistory, PrivacyPlan, steps_per_epoch
 from .seeds import SEED_CLIENT_RNG, SEED_MODEL_INIT, derive_seed
 from .errors import BudgetExhausted, StateMismatch, TrainingDiverged
@@ -54,8 +55,7 @@ DIVERGENCE_WINDOW, DIVERGENCE_FACTOR = 10, 10.0
 
 def initial_model(cfg: TrainConfig, num_classes: int) -> Model:
     """The global model before any training: the same for every client and the central run."""
-    student = build_model(cfg.model, num_classes, seed=derive_seed(cfg.seed, SEED_MODEL_INIT),
-                          activation=cfg.activation).state_dict()
+    student = model_for(cfg, num_classes, seed=derive_seed(cfg.seed, SEED_MODEL_INIT)).state_dict()
     return with_release(cfg, method_of(cfg).initial_model(student))
 
 
@@ -206,8 +206,10 @@ class DPTrainer:
         mode = self.route.mode if self.route is not None else cfg.grad_sample_mode
         self.memory_format = (routes.LAYOUTS[self.route.memory_format] if self.route is not None
                               else torch_memory_format(cfg))
-        self.model = check_private_trainable(build_model(cfg.model, data.num_classes, activation=cfg.activation))
+        self.model = model_for(cfg, data.num_classes)
         self.model = self.model.to(self.device, memory_format=self.memory_format)
+        # A Poisson batch larger than this is trained in parts (fedsd.physical)
+        self.physical_batch_size = physical_batch_size(cfg, self.model, tuple(data.x_train.shape[1:]), self.device)
         self.teacher = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.generator = torch.Generator(device=self.device)
         self.method = method_of(cfg)
@@ -339,14 +341,28 @@ class DPTrainer:
             self.clipper.empty_batch()
             self._optimizer_step(callbacks)
             return 0.0
+        if len(y) <= self.physical_batch_size:
+            loss = float(self._backward(x, y, objective).detach())
+        else:  # in physical batches, each one's clipped sum kept until the last (fedsd.physical)
+            loss = 0.0
+            for start in range(0, len(y), self.physical_batch_size):
+                part = slice(start, start + self.physical_batch_size)
+                if start:
+                    self.clipper.hold()
+                loss += float(self._backward(x[part], y[part], objective).detach()) * len(y[part])
+            self.clipper.release_held()
+            loss /= len(y)
+        self._optimizer_step(callbacks)
+        return loss
+
+    def _backward(self, x: torch.Tensor, y: torch.Tensor, objective: EpochLoss) -> torch.Tensor:
+        """The clipped per-sample gradients of (x, y) where the optimizer reads them; the mean loss."""
         logits = self.clipper.module(x)
         teacher_logits = None
         if objective.reads_teacher:
             with torch.no_grad():
                 teacher_logits = self.teacher(x)
-        loss = self.clipper.backward(objective.per_sample(logits, teacher_logits, y))
-        self._optimizer_step(callbacks)
-        return float(loss.detach())
+        return self.clipper.backward(objective.per_sample(logits, teacher_logits, y))
 
     def _optimizer_step(self, callbacks) -> None:
         """Opacus' DPOptimizer.step, with the callbacks' hooks on either side of the noise."""

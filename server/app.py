@@ -28,7 +28,7 @@ from fedsd.config import CUSTOM, TrainConfig
 from fedsd.errors import ConfigError
 from fedsd.summary import run_summary
 from fedsd.fed_settings import FedOptions, client_config, from_flat, to_flat
-from fedsd.models import build_model
+from fedsd.models import model_for
 from fedsd.results import RunResult, fresh_out_dir, write_run
 from fedsd.settings import flags_to_keys
 from fedsd.training import initial_model, torch_memory_format
@@ -113,7 +113,7 @@ class ServerSide:
                                                split[1].to(device))
 
         test, validation = on_device(test), on_device(validation)
-        net = build_model(cfg.model, num_classes, activation=cfg.activation).to(device, memory_format=layout)
+        net = model_for(cfg, num_classes).to(device, memory_format=layout)
         shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
         # A custom task has no public test split at the server: its clients evaluate on their own.
         strategy = RecordingStrategy(base_strategy(fed, fed.federated_evaluation or test is None), fed, shapes,

@@ -81,7 +81,7 @@ def measure(cfg, probe_samples: int = PROBE_SAMPLES, progress=None) -> list[dict
     loss reads the teacher; one record per such epoch."""
     from fedsd.central import CentralRun
     from fedsd.methods import METHODS
-    from fedsd.models import build_model
+    from fedsd.models import model_for
 
     run = CentralRun(cfg)
     cfg = run.cfg
@@ -90,7 +90,7 @@ def measure(cfg, probe_samples: int = PROBE_SAMPLES, progress=None) -> list[dict
     g = torch.Generator().manual_seed(0)
     pick = torch.randperm(len(data.y_train), generator=g)[:probe_samples]
     x, y = data.x_train[pick].contiguous(), data.y_train[pick]
-    net = build_model(cfg.model, data.num_classes, activation=cfg.activation).to(x.device)
+    net = model_for(cfg, data.num_classes).to(x.device)
     records = []
     for epoch in run.remaining_epochs():
         loss = method.epoch_loss(cfg, epoch)

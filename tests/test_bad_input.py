@@ -5,7 +5,7 @@ from torch import nn
 from fedsd.central import train
 from fedsd.config import TrainConfig
 from fedsd.models import check_private_trainable
-from fedsd.errors import ModelNotPrivateError
+from fedsd.errors import FedsdNote, ModelNotPrivateError
 from simulations.cli import main
 from tests.conftest import require
 
@@ -89,7 +89,8 @@ def test_batchnorm_model_is_refused_or_fixed():
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
     with pytest.raises(ModelNotPrivateError, match="BatchNorm"):
         check_private_trainable(model)
-    fixed = check_private_trainable(model, fix=True)
+    with pytest.warns(FedsdNote, match=r"replaced 1 layer\(s\) \(BatchNorm2d → GroupNorm: 1\)"):
+        fixed = check_private_trainable(model, fix=True)
     assert not any(isinstance(m, nn.BatchNorm2d) for m in fixed.modules())
 
 

@@ -4,7 +4,7 @@ hooks on NCHW tensors) to float tolerance, and the same ε."""
 import pytest
 import torch
 
-from fedsd import data as data_lib
+from fedsd import data as data_lib, routes
 from fedsd.config import CHANNELS_LAST_EXACT, TrainConfig
 from fedsd.errors import ConfigError
 from fedsd.privacy import plan
@@ -13,10 +13,10 @@ from fedsd.training import DPTrainer, initial_model
 from tests.conftest import bookkeeping_clipped_sum, require, write_cifar_shaped
 
 
-def run(mode: str, method: str, epochs=(1, 2), dataset="fmnist", memory_format="auto", data_dir=None):
+def run(mode: str, method: str, epochs=(1, 2), dataset="fmnist", memory_format="auto", data_dir=None, physical=0):
     cfg = TrainConfig(dataset=dataset, method=method, epsilon=3, epochs=2, batch_size=50, subset=300, seed=2,
                       grad_sample_mode=mode, memory_format=memory_format, distill_warmup_epochs=1,
-                      threads=1).resolved()
+                      threads=1, max_physical_batch_size=physical).resolved()
     images = data_lib.load(dataset, data_dir)
     tensors = data_lib.prepare(images, data_lib.stratified_subset(images.y_train, 300, 0))
     trainer = DPTrainer(cfg, tensors, plan(3, 1e-5, 300, 50, 2))
@@ -42,6 +42,19 @@ def test_mode_matches_hooks(mode, memory_format, method):
     moved = max((reference[k] - initial_model(TrainConfig(dataset="fmnist").resolved(), 10)["student"][k])
                 .abs().max().item() for k in reference)
     assert moved > 100 * worst  # the match is not trivial: training moved the weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ew", "ghost", "bk"])
+def test_physical_batches_give_the_logical_batchs_weights(mode):
+    """A Poisson batch of about 50 trained in passes of at most 16 (fedsd.physical): each part's
+    clipped sum kept until the last, one noisy step; the weights and ε of the whole batch."""
+    require("fmnist")
+    layout = routes.layout_for(mode, "auto")  # as --grad-sample-mode auto runs it
+    whole, eps_whole = run(mode, "dp3sd", memory_format=layout)
+    parts, eps_parts = run(mode, "dp3sd", memory_format=layout, physical=16)
+    assert eps_parts == eps_whole
+    assert max((parts[k] - whole[k]).abs().max().item() for k in whole) < 1e-5
 
 
 @pytest.mark.slow

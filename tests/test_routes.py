@@ -49,12 +49,12 @@ def test_every_clipper_auto_may_pick_is_timed_and_the_choice_measured_once_then_
 def test_a_choice_whose_timings_overlap_the_runner_ups_is_measured_again_an_hour_on(cache, monkeypatch):
     overlapping = {m: [0.010, 0.013] for m in routes.step_candidates()}
     overlapping["ew"] = [0.009, 0.012]
-    monkeypatch.setattr(routes, "_interleaved", lambda steps, timed: overlapping)
+    monkeypatch.setattr(routes, "_interleaved", lambda steps, timed, failed=None: overlapping)
     route = routes.choose(small(), 10, (1, 28, 28), CPU)
     assert route.mode == "ew" and not route.settled and "not settled" in route.describe()
     apart = {m: [0.020, 0.021] for m in routes.step_candidates()}
     apart["ghost"] = [0.005, 0.006]
-    monkeypatch.setattr(routes, "_interleaved", lambda steps, timed: apart)
+    monkeypatch.setattr(routes, "_interleaved", lambda steps, timed, failed=None: apart)
     assert routes.choose(small(), 10, (1, 28, 28), CPU) == route  # the same run's processes agree
     monkeypatch.setattr(routes.time, "time", lambda: 1e12)  # an hour and more later
     route = routes.choose(small(), 10, (1, 28, 28), CPU)

@@ -47,6 +47,20 @@ class Clipper:
         optimizer reads them; returns the mean loss."""
         raise NotImplementedError
 
+    def hold(self) -> None:
+        """Physical batches (fedsd.physical): keep the clipped sum of the part just backwarded
+        aside, so that the next part's backward pass starts from none."""
+        held = self.__dict__.setdefault("_held", {})
+        for p in self.model.parameters():
+            if p.grad is not None:
+                held[p] = held[p] + p.grad if p in held else p.grad
+            p.grad = None
+
+    def release_held(self) -> None:
+        """After the last part: the kept sums added to its own, where the optimizer reads them."""
+        for p, grad in self.__dict__.pop("_held", {}).items():
+            p.grad = grad if p.grad is None else p.grad + grad
+
     def empty_batch(self) -> None:
         """An empty Poisson batch still takes a step (noise only), as the accountant assumes:
         zero per-sample gradients and a zero sum."""

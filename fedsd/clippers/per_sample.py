@@ -35,6 +35,16 @@ class PerSampleGradients(Clipper):
             loss.backward()
         return loss
 
+    def hold(self) -> None:
+        """Physical batches: Opacus clips this part's per-sample gradients into its running sum
+        (p.summed_grad, as under its BatchMemoryManager); the noise comes once, after the last."""
+        self.optimizer.clip_and_accumulate()
+        for p in self.model.parameters():
+            p.grad_sample, p.grad = None, None
+
+    def release_held(self) -> None:
+        """Nothing to add: the optimizer's step clips the last part into the same running sum."""
+
     def join_canaries(self, canaries) -> None:
         """As rows of Opacus' per-sample gradients beside the samples', clipped by Opacus with them."""
         rows = canaries.per_sample_rows()

@@ -4,7 +4,7 @@ the run's, over both stages."""
 from dataclasses import dataclass
 
 from .. import losses
-from ..models import build_model
+from ..models import model_for
 from ..seeds import SEED_KD_STUDENT, derive_seed
 from ..settings import check_setting, setting
 from .base import POSITIVE, UNIT_INTERVAL, EpochLoss, Method, MethodSettings, register, release_of
@@ -44,8 +44,7 @@ class DPKD(Method):
         if "kd_teacher" not in model:
             # Stage 2 begins: the stage-1 model becomes the fixed teacher, the student starts afresh.
             model["kd_teacher"] = trainer.student_weights()
-            fresh = build_model(cfg.model, trainer.data.num_classes, seed=derive_seed(cfg.seed, SEED_KD_STUDENT),
-                                activation=cfg.activation)
+            fresh = model_for(cfg, trainer.data.num_classes, seed=derive_seed(cfg.seed, SEED_KD_STUDENT))
             trainer.load_student(fresh.state_dict())
         trainer.load_teacher(model["kd_teacher"])
 
