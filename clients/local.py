@@ -48,6 +48,7 @@ from fedsd import ledger as ledgers
 from fedsd import privacy
 from fedsd.central import resolve_device
 from fedsd.client_data import HolderData, load_holder_data, normalised, task_for
+from fedsd.features import inputs
 from fedsd.errors import BudgetExhausted, BudgetRefused, ConfigError, DataError, TrainingDiverged
 from fedsd.config import validate
 from fedsd.results import save_atomic, write_json
@@ -152,8 +153,11 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
         if n < cfg.batch_size:
             raise DataError(f"data={held.source}: {n} training samples, fewer than the batch size {cfg.batch_size}")
         validate(cfg, n)
-        tensors = data_lib.TensorData(normalised(held.x_train, task), held.y_train, normalised(held.x_test, task),
-                                      held.y_test, len(task.classes)).to(resolve_device(cfg.device))
+        # the run's features of this client's own images, made on this machine (fedsd.features)
+        tensors = data_lib.TensorData(
+            inputs(normalised(held.x_train, task), cfg.features, "training images"), held.y_train,
+            inputs(normalised(held.x_test, task), cfg.features, "test images"), held.y_test,
+            len(task.classes)).to(resolve_device(cfg.device))
         # Cached on this client's disk: a deployed ClientApp is a fresh process for every message.
         plan = privacy.plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant,
                             cache_dir=str(node.state_folder("calibrations")))

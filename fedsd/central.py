@@ -137,12 +137,13 @@ class CentralRun:
     def _trainer(self, saved: dict | None) -> DPTrainer:
         inputs, cfg = self.prepared, self.cfg
         route = routes.Route.from_dict(saved["route"]) if saved is not None and saved["route"] else None
-        tensors = data_lib.prepare(inputs.data, inputs.train_indices, inputs.device, input_stats(cfg))
+        tensors = data_lib.prepare(inputs.data, inputs.train_indices, inputs.device, input_stats(cfg), cfg.features)
         return planned_trainer(cfg, tensors, self.plan, route=route)
 
     def _validation_split(self) -> tuple[torch.Tensor, torch.Tensor]:
         """--validation's held-out samples, normalised and laid out as the training data."""
-        x, y = data_lib.validation_split(self.prepared.data, self.cfg.validation, input_stats(self.cfg))
+        x, y = data_lib.validation_split(self.prepared.data, self.cfg.validation, input_stats(self.cfg),
+                                         self.cfg.features)
         return x.to(self.prepared.device).contiguous(memory_format=self.trainer.memory_format), y.to(self.prepared.device)
 
     def remaining_epochs(self) -> range:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from . import clippers, methods
 from .data import DATASET_TITLES, DATASETS
-from .models import ACTIVATIONS, DEFAULT_MODEL, MODEL_FORMS, check_model_name, is_builtin
+from .features import FEATURES, check_features
+from .models import ACTIVATIONS, DEFAULT_MODEL, MODEL_FORMS, SCATTER_MODELS, check_model_name, is_builtin
 from .settings import Setting, check_choices, check_setting, declared_only, setting, settings_of
 from .errors import ConfigError
 
@@ -118,6 +119,9 @@ class RunSettings:
                           "of a federation decides on its own machine)", choices=DEVICES)
     model: str | None = setting(None, f"network: {MODEL_FORMS} (a factory called with num_classes, channels and "
                                 "image_size; README: bring your own network)", default_text="the data set's")
+    features: str = setting("none", "fixed features each party computes from its own images before training: none, "
+                            "or scatter (Tramèr & Boneh's ScatterNet: a wavelet scattering transform, J = 2, L = 8; "
+                            "no privacy cost; trains scatter-linear or scatter-cnn)", choices=FEATURES)
     activation: str = setting("relu", "the network's activation: relu (the papers') or tanh (Tramèr & Boneh's "
                                       "variant)", choices=tuple(ACTIVATIONS))
     threads: int = setting(0, "torch CPU threads; 0 leaves torch's default")
@@ -150,7 +154,9 @@ class RunSettings:
         _check_choice("--dataset", self.dataset, DATASETS + (CUSTOM,))
         _check_choice("--method", self.method, METHODS)
         c = dataclasses.replace(self)
-        if c.model is None and c.dataset == CUSTOM:
+        if c.model is None and c.dataset == CUSTOM and c.features == "scatter":
+            c.model = "scatter-cnn" if c.channels == 3 else "scatter-linear"
+        elif c.model is None and c.dataset == CUSTOM:
             c.model = "mnist-cnn" if (c.channels, c.image_size) == (1, 28) else "cifar-cnn"
         # A custom task takes the papers' settings of the data set its model was made for.
         reference = c.reference_dataset
@@ -165,7 +171,8 @@ class RunSettings:
         if c.momentum is None:
             c.momentum = OPEN_DEFAULTS["momentum"][reference]
         if c.model is None:
-            c.model = DEFAULT_MODEL[c.dataset]
+            c.model = (("scatter-cnn" if reference == "cifar10" else "scatter-linear") if c.features == "scatter"
+                       else DEFAULT_MODEL[c.dataset])
         for s in method_settings(c.method):  # the method's, in its declaration order
             if getattr(c, s.name) is None and s.resolve is not None:
                 setattr(c, s.name, _resolved(s.resolve, c, reference))
@@ -261,6 +268,13 @@ def paper_batch_and_lr(cfg: TrainConfig) -> tuple[int, float]:
     return paper["batch_size"], paper["lr"]
 
 
+def input_size(c: TrainConfig) -> int:
+    """The side of a run's (square) images."""
+    from .client_data import BUILTIN_SHAPES
+
+    return c.image_size if c.dataset == CUSTOM else BUILTIN_SHAPES[c.dataset][1]
+
+
 def _check_choice(option: str, value, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{option}: unknown value {value!r}; choose one of {', '.join(map(str, allowed))}")
@@ -311,6 +325,10 @@ def validate(c: TrainConfig, num_train: int) -> None:
     data set this privacy guarantee protects). Raises ConfigError naming the option."""
     check_choices(c)  # every setting with allowed values, as declared
     check_model_name(c.model)
+    check_setting((c.features == "scatter") == (c.model in SCATTER_MODELS), "--features",
+                  f"scatter trains {' or '.join(SCATTER_MODELS)}, and they train on it only (--model {c.model})",
+                  c.features)
+    check_features(c.features, input_size(c))
     check_layout(c)
     check_setting(math.isfinite(c.epsilon) and c.epsilon > 0, "--epsilon", "must be > 0", c.epsilon)
     check_setting(0 < c.delta < 1.0 / num_train, "--delta",

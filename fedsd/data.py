@@ -260,11 +260,15 @@ def validation_indices(data: ImageData, size: int) -> torch.Tensor:
     return stratified_subset(data.y_train, size, VALIDATION_SEED)
 
 
-def validation_split(data: ImageData, size: int, stats: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The --validation split's images (normalised with `stats`, as ImageData.normalised) and
-    labels (empty for size 0)."""
+def validation_split(data: ImageData, size: int, stats: tuple | None = None,
+                     features: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+    """The --validation split's images (normalised with `stats`, as ImageData.normalised; their
+    `features`, as prepare) and labels (empty for size 0)."""
+    from .features import inputs
+
     held_out = validation_indices(data, size)
-    return data.normalised(data.x_train[held_out], stats), data.y_train[held_out].clone()
+    return (inputs(data.normalised(data.x_train[held_out], stats), features, "validation images"),
+            data.y_train[held_out].clone())
 
 
 def training_indices(data: ImageData, subset: int | None, seed: int, validation: int = 0) -> torch.Tensor:
@@ -302,11 +306,15 @@ class TensorData:
 
 
 def prepare(data: ImageData, train_indices: torch.Tensor | None = None, device="cpu",
-            stats: tuple | None = None) -> TensorData:
+            stats: tuple | None = None, features: str = "none") -> TensorData:
     """Normalise with `stats` (a run's --mean / --std: client_data.input_stats; by default the
-    data set's fixed constants) and keep the chosen training indices."""
+    data set's fixed constants), keep the chosen training indices, and make the run's
+    `features` of both (fedsd.features: computed on this machine, from these images only)."""
+    from .features import inputs
+
     x_train, y_train = data.x_train, data.y_train
     if train_indices is not None:
         x_train, y_train = x_train[train_indices], y_train[train_indices]
-    return TensorData(data.normalised(x_train, stats), y_train.clone(), data.normalised_test(stats),
-                      data.y_test.clone(), data.num_classes).to(device)
+    return TensorData(inputs(data.normalised(x_train, stats), features, "training images"), y_train.clone(),
+                      inputs(data.normalised_test(stats), features, "test images"), data.y_test.clone(),
+                      data.num_classes).to(device)

@@ -25,8 +25,10 @@ from torch import nn
 from .errors import ConfigError, FedsdNote, ModelNotPrivateError
 
 BUILTIN_MODELS = ("mnist-cnn", "cifar-cnn")
+SCATTER_MODELS = ("scatter-linear", "scatter-cnn")  # on --features scatter (fedsd.features)
+SCATTER_GROUPS = 27
 TORCHVISION = "torchvision:"
-MODEL_FORMS = "mnist-cnn, cifar-cnn, torchvision:NAME (e.g. torchvision:resnet18) or package.module:callable"
+MODEL_FORMS = "mnist-cnn, cifar-cnn, scatter-linear, scatter-cnn (on --features scatter), torchvision:NAME (e.g. torchvision:resnet18) or package.module:callable"
 DEFAULT_MODEL = {"mnist": "mnist-cnn", "fmnist": "mnist-cnn", "cifar10": "cifar-cnn"}
 # The papers' networks use ReLU; Tramèr & Boneh (ICLR 2021) found tanh better under DP-SGD (its
 # bounded activations keep the clipped gradients informative): a labelled variant, not Table 1.
@@ -61,13 +63,51 @@ class CifarCNN(nn.Sequential):
         )
 
 
+class _Float(nn.Module):
+    """Features are kept as float16 (fedsd.features); the network computes in float32."""
+
+    def forward(self, x):
+        return x.float()
+
+
+def _flat_size(layers: nn.Sequential, channels: int, image_size: int) -> int:
+    with torch.no_grad():
+        return layers(torch.zeros(1, channels, image_size, image_size)).numel()
+
+
+class ScatterLinear(nn.Sequential):
+    """Tramèr & Boneh's ScatterNet + linear: the scattering channels normalised per sample
+    (GroupNorm, no affine, 27 groups of three: their FMNIST setting), then one linear layer."""
+
+    def __init__(self, num_classes: int, channels: int, image_size: int, groups: int = SCATTER_GROUPS):
+        super().__init__(_Float(), nn.GroupNorm(groups, channels, affine=False), nn.Flatten(),
+                         nn.Linear(channels * image_size ** 2, num_classes))
+
+
+class ScatterCNN(nn.Sequential):
+    """Tramèr & Boneh's small CNN on scattering features (their models.py; tanh, GroupNorm on the
+    input): grey images' 81 channels: conv(16, k3, s2, p1), conv(32, k3, p1), fc(32), fc(classes);
+    colour images' 243 channels: conv(64, k3, p1), maxpool(2), conv(64, k3, p1), fc(classes)."""
+
+    def __init__(self, num_classes: int, channels: int, image_size: int, groups: int = SCATTER_GROUPS):
+        if channels <= 81:
+            body = nn.Sequential(nn.Conv2d(channels, 16, 3, stride=2, padding=1), nn.Tanh(),
+                                 nn.Conv2d(16, 32, 3, padding=1), nn.Tanh(), nn.Flatten())
+            head = [nn.Linear(_flat_size(body, channels, image_size), 32), nn.Tanh(), nn.Linear(32, num_classes)]
+        else:
+            body = nn.Sequential(nn.Conv2d(channels, 64, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2),
+                                 nn.Conv2d(64, 64, 3, padding=1), nn.Tanh(), nn.Flatten())
+            head = [nn.Linear(_flat_size(body, channels, image_size), num_classes)]
+        super().__init__(_Float(), nn.GroupNorm(groups, channels, affine=False), *body, *head)
+
+
 def is_builtin(name: str | None) -> bool:
     return name in BUILTIN_MODELS
 
 
 def check_model_name(name: str) -> None:
     """The form of --model (whether it imports is checked where the model is built)."""
-    if is_builtin(name):
+    if is_builtin(name) or name in SCATTER_MODELS:
         return
     if name.startswith(TORCHVISION):
         if not name[len(TORCHVISION):]:
@@ -172,6 +212,8 @@ def _built(name: str, num_classes: int, activation: str, channels: int, image_si
     if activation != "relu":
         raise ConfigError(f"--activation {activation}: applies to the papers' networks (mnist-cnn, cifar-cnn), "
                           f"not to --model {name}")
+    if name in SCATTER_MODELS:
+        return (ScatterLinear if name == "scatter-linear" else ScatterCNN)(num_classes, channels, image_size)
     if name.startswith(TORCHVISION):
         return _torchvision_model(name, num_classes, channels)
     try:
@@ -215,9 +257,10 @@ def input_shape_of(cfg) -> tuple[int, int, int]:
     """(channels, height, width) of a (resolved) run's images."""
     from .client_data import BUILTIN_SHAPES
     from .config import CUSTOM
+    from .features import feature_shape
 
     channels, size = (cfg.channels, cfg.image_size) if cfg.dataset == CUSTOM else BUILTIN_SHAPES[cfg.dataset]
-    return channels, size, size
+    return feature_shape(channels, size) if cfg.features == "scatter" else (channels, size, size)
 
 
 def model_for(cfg, num_classes: int, seed: int | None = None) -> nn.Module:

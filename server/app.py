@@ -26,6 +26,7 @@ from fedsd.central import resolve_device
 from fedsd.client_data import input_stats, normalised, task_for
 from fedsd.config import CUSTOM, TrainConfig
 from fedsd.errors import ConfigError
+from fedsd.features import inputs
 from fedsd.summary import run_summary
 from fedsd.fed_settings import FedOptions, client_config, from_flat, to_flat
 from fedsd.models import model_for
@@ -160,14 +161,16 @@ def public_side(cfg: TrainConfig, fed: FedOptions):
             return cfg, len(task.classes), None, "each client's own data", None
         images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)  # the public test split only
         # Normalised with the task's constants, as the clients normalise theirs (mean/std settings included).
-        return cfg, len(task.classes), (normalised(images.x_test, task), images.y_test.clone()), images.source, None
+        test = inputs(normalised(images.x_test, task), cfg.features, "test images")
+        return cfg, len(task.classes), (test, images.y_test.clone()), images.source, None
     federation = build_federation(cfg, fed)
     log(INFO, "fedsd: %d clients, %s partition, shard sizes %s", fed.num_clients, fed.partition,
         federation.shard_sizes())
     images, cfg = federation.images, federation.cfg
     stats = input_stats(cfg)  # --mean / --std, as the clients normalise their shards
-    validation = data_lib.validation_split(images, cfg.validation, stats) if cfg.validation else None
-    return cfg, images.num_classes, (images.normalised_test(stats), images.y_test.clone()), images.source, validation
+    validation = data_lib.validation_split(images, cfg.validation, stats, cfg.features) if cfg.validation else None
+    test = inputs(images.normalised_test(stats), cfg.features, "test images")
+    return cfg, images.num_classes, (test, images.y_test.clone()), images.source, validation
 
 
 # A fresh run waits for its SuperNodes until their number has not changed for this long.

@@ -78,9 +78,10 @@ def add_reproduce_parser(sub) -> None:
     from .federated_table import FED_PARTITIONS
 
     p = sub.add_parser("reproduce", help="the papers' Table 1 / Table 2 and the federated table, resumable")
-    p.add_argument("--table", choices=["1", "2", "fed", "readings"], default="1",
+    p.add_argument("--table", choices=["1", "2", "fed", "readings", "features"], default="1",
                    help="1, 2: the papers' tables (central runs); fed: the federated table (simulations); "
-                        "readings: every reading of the papers on validation (simulations/readings.py)")
+                        "readings: every reading of the papers on validation (simulations/readings.py); "
+                        "features: DP-SGD on ScatterNet features, ε = 3 (simulations/features_table.py)")
     p.add_argument("--datasets", nargs="+", choices=DATASETS, default=None,
                    help="Table 1 (default: all); Table 2 and the federated table are FMNIST's")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=None, help="default: the table's")
@@ -112,12 +113,22 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name}: must be >= 1, got {value}")
-    if args.table != "1" and args.datasets not in (None, ["fmnist"]):
+    if args.table not in ("1", "features") and args.datasets not in (None, ["fmnist"]):
         raise ConfigError(f"--datasets: Table {args.table} is Fashion-MNIST's only; leave --datasets out")
     if args.table != "1" and args.variant:
         raise ConfigError(f"--variant: Table 1's only; Table {args.table} has its own rows")
     out = Path(args.out)
     threads = args.threads or threads_per_job(args.device, args.jobs)
+    if args.table == "features":
+        from .features_table import reproduce_features
+
+        for name in ("methods", "variant", "epochs", "subset"):
+            if getattr(args, name):
+                raise ConfigError(f"--{name}: the features table has its own settings; leave it out")
+        written = reproduce_features(args.datasets, args.seeds or 3, args.jobs, threads, args.device, args.data_dir,
+                                     out, args.quiet)
+        print(f"wrote {written}")
+        return 0
     if args.table == "readings":
         from .readings import reproduce_readings
 

@@ -33,7 +33,7 @@ class Federation:
 
     def client_data(self, partition_id: int, device) -> data_lib.TensorData:
         return data_lib.prepare(self.images, self.train_indices[self.shards[partition_id]], device,
-                                input_stats(self.cfg))
+                                input_stats(self.cfg), self.cfg.features)
 
     def client_test_share(self, partition_id: int) -> torch.Tensor:
         """A simulated client's own test split, for federated evaluation: an IID share of the

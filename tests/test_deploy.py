@@ -401,3 +401,26 @@ def test_bench_deploy_times_the_three_rounds_of_one_computation(tmp_path, capsys
     # Each deployed client answered rounds from a warm worker, which stopped with its SuperNode.
     assert all((work / "deployment" / "client-state" / str(k) / "worker" / "worker.log").is_file() for k in range(2))
     assert processes_mentioning(str(work)) == []
+
+
+def test_a_users_network_travels_in_the_app_to_every_supernode(tmp_path):
+    """A factory in the app's task/ folder (README: bring your own network) is bundled by `flwr run`
+    and imported by the ServerApp and every ClientApp: the SuperNodes have only fedsd installed."""
+    require("fmnist")
+    from tests.test_models import USER_NET
+
+    app = tmp_path / "app"
+    for part in ("clients", "server", "task", "fedsd"):
+        shutil.copytree(ROOT / part, app / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", app)
+    (app / "task" / "user_net.py").write_text(USER_NET)
+    out = tmp_path / "out"
+    with LocalDeployment(tmp_path / "work", num_clients=2) as deployment:
+        deployment.start()
+        deployment.run({**RUN, "num-server-rounds": 2, "out-dir": str(out), "model": "task.user_net:make"}, app=app,
+                       timeout=900)
+    result = json.loads((out / "result.json").read_text())
+    assert result["config"]["model"] == "task.user_net:make"
+    assert [r["trained"] for r in result["rounds"]] == [[0, 1], [0, 1]]
+    assert result["test_accuracy"] > 0.3  # 20 noisy steps a client; chance is 0.1
+    assert not (ROOT / "task" / "user_net.py").exists()  # it came in the app, not from this checkout
