@@ -15,6 +15,13 @@ Either would leave an id outstanding until the round's timeout (an hour by defau
 message not taken gets an error reply at once, naming its node; and once every reply still
 outstanding is one the Grid dropped, the wait ends and each gets an error reply. The strategy
 then records those nodes as missing and the round goes on with the others.
+
+A third change is in 1.43's SuperLink (servicer/runtime/runtime_handlers.py, pull_messages): the
+error reply it makes for a node that went offline (its heartbeat lapsed) has no objects in its
+store, so it logs the miss on its own side and cancels the reply; the ServerApp sees nothing.
+1.42 delivered that reply. So every OFFLINE_CHECK_SECONDS the wait also asks which nodes are
+online (the Grid's get_node_ids: ONLINE nodes only, in both versions), pulls once more, and
+answers a message whose node is no longer online with an error reply naming it.
 """
 from __future__ import annotations
 
@@ -31,6 +38,9 @@ from flwr.serverapp import Grid
 # cores from the training clients to make rounds slower and noisier (results/deploy-vs-sim.md).
 POLL_SECONDS = 0.5
 POLL_ENV = "FEDSD_GRID_POLL_SECONDS"  # another interval (Flower's own is 3), e.g. to measure the difference
+# How often a wait asks which nodes are online (an offline node's reply will never come): an
+# RPC, so not at every pull; a SuperLink marks a node offline a heartbeat period after it went.
+OFFLINE_CHECK_SECONDS = 5.0
 
 
 def default_poll_seconds() -> float:
@@ -76,18 +86,32 @@ class PollingGrid(Grid):
         asked = {i: m for m, i in zip(messages, ids) if i}
         outstanding = set(asked)
         deadline = time.monotonic() + (timeout if timeout is not None else 0.0)
+        next_offline_check = time.monotonic() + OFFLINE_CHECK_SECONDS
         with DroppedReplies() as dropped:
             while outstanding and (timeout is None or time.monotonic() < deadline):
-                pulled = list(self.grid.pull_messages(outstanding))
-                replies.extend(pulled)
-                outstanding -= {m.metadata.reply_to_message_id for m in pulled}
+                outstanding -= self._pull(outstanding, replies)
                 if outstanding and dropped.count >= len(outstanding):  # what is left will never come
                     replies += [missing(asked[i], "its reply reached the SuperLink but could not be pulled from it")
                                 for i in sorted(outstanding)]
                     break
+                if outstanding and time.monotonic() >= next_offline_check:
+                    next_offline_check = time.monotonic() + OFFLINE_CHECK_SECONDS
+                    online = set(self.grid.get_node_ids())
+                    gone = {i for i in outstanding if asked[i].metadata.dst_node_id not in online}
+                    if gone:
+                        gone -= self._pull(gone, replies)  # a reply that came in just before its node went
+                        replies += [missing(asked[i], "it went offline (its heartbeat lapsed) before replying")
+                                    for i in sorted(gone)]
+                        outstanding -= gone
                 if outstanding:
                     time.sleep(self.poll_seconds)
         return replies
+
+    def _pull(self, ids: set[str], replies: list[Message]) -> set[str]:
+        """Pull the replies to `ids` into `replies`; the ids answered."""
+        pulled = list(self.grid.pull_messages(ids))
+        replies.extend(pulled)
+        return {m.metadata.reply_to_message_id for m in pulled}
 
 
 def missing(message: Message, why: str) -> Message:

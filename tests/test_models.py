@@ -104,7 +104,7 @@ def test_a_factory_that_does_not_fit_is_refused_with_the_path_named(user_module,
 @pytest.mark.parametrize("model,says", [
     ("no_such_module_anywhere:make", "module 'no_such_module_anywhere' does not import"),
     ("torchvision:resnet1000", "torchvision has no classification model 'resnet1000'"),
-    ("two words", "unknown model 'two words'; give mnist-cnn, cifar-cnn, torchvision:NAME"),
+    ("two words", "unknown model 'two words'; give mnist-cnn, cifar-cnn, scatter-linear"),
 ])
 def test_an_unknown_model_is_refused(tmp_path, capsys, model, says):
     require("fmnist")
@@ -157,3 +157,17 @@ def test_resnet18_trains_privately_on_cifar10_in_bounded_memory(tmp_path):
     result = json.loads((tmp_path / "r18" / "result.json").read_text())
     assert result["config"]["batch_size"] == 1000 and result["physical_batch_size"] < 1000
     assert result["epsilon_spent"] <= 3 and result["steps"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dpsgd", "dp3sd", "dpdsd", "dpema", "dpkd"])
+def test_every_method_trains_a_users_network(user_module, tmp_path, method):
+    """Each method's extra weights (the teacher, the EMA, DPKD's fresh student) are copies of the
+    user's network, built by its factory: two epochs (DPKD: one of each stage) learn."""
+    require("fmnist")
+    out = tmp_path / "run"
+    assert main(["train", "--dataset", "fmnist", "--model", f"{user_module}:make", "--method", method, "--subset",
+                 "2000", "--epochs", "2", "--batch-size", "200", "--lr", "2", "--epsilon", "8", "--threads", "1",
+                 "--quiet", "--out", str(out), *(["--kd-teacher-epochs", "1"] if method == "dpkd" else [])]) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["method"] == method and result["test_accuracy"] > 0.3, result["test_accuracy"]

@@ -238,3 +238,41 @@ def test_a_failed_push_and_a_dropped_reply_are_missing_at_once_and_the_round_goe
     assert missed == {12: "node 12: the SuperLink did not take the message for it",
                       13: "node 13: its reply reached the SuperLink but could not be pulled from it"}
     assert np.allclose(arrays["student/0.weight"].numpy(), 12.5)  # nodes 11 and 14, 100 samples each
+
+
+class OfflineNodeGrid(NextFlowerGrid):
+    """Flower 1.43's SuperLink with a node that went offline mid-round: the error reply it makes
+    for node 13 is cancelled on its side (no objects in its store), so the ServerApp never sees
+    it; node 13 drops out of the online nodes. Nodes 11 and 14 reply on the third pull."""
+
+    def get_node_ids(self):
+        return [11, 14] if self.pulls else [11, 13, 14]
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        if self.pulls < 3:
+            return []
+        return [Message(reply({11: 0, 14: 3}[self.sent[i].metadata.dst_node_id],
+                              good(float(self.sent[i].metadata.dst_node_id))).content, reply_to=self.sent[i])
+                for i in message_ids if self.sent[i].metadata.dst_node_id != 13]
+
+
+def test_a_node_gone_offline_is_missing_without_waiting_for_the_rounds_timeout(monkeypatch):
+    import time
+
+    from flwr.app import ConfigRecord
+
+    import server.grid
+    from server.grid import PollingGrid
+
+    monkeypatch.setattr(server.grid, "OFFLINE_CHECK_SECONDS", 0.2)
+    fed = FedOptions(num_clients=3)
+    strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
+    grid, arrays = Nodes(11, 13, 14), ArrayRecord({k: Array(v) for k, v in good().items()})
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord({}), grid))
+    started = time.monotonic()
+    replies = PollingGrid(OfflineNodeGrid(), poll_seconds=0.05).send_and_receive(messages, timeout=30)
+    assert time.monotonic() - started < 5
+    strategy.aggregate_train(1, replies)
+    assert {m["node_id"]: m["reason"] for m in strategy.missed[1]} == {
+        13: "node 13: it went offline (its heartbeat lapsed) before replying"}
