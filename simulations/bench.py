@@ -14,6 +14,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 
 from fedsd.config import GRAD_SAMPLE_MODES, TrainConfig
 from fedsd.errors import ConfigError
@@ -77,6 +78,14 @@ def add_bench_parser(sub) -> None:
     rts = what.add_parser("routes", help="the routes --grad-sample-mode auto measured and keeps on this machine")
     rts.add_argument("--clear", action="store_true", help="forget them all: each is measured again when next needed")
     rts.set_defaults(func=bench_routes)
+    soak = what.add_parser("soak", help="a real deployment under seeded faults (SIGKILLs, restarts), then the "
+                                        "independent privacy check and the accuracy against the run without faults")
+    soak.add_argument("--clients", type=int, default=4)
+    soak.add_argument("--rounds", type=int, default=30)
+    soak.add_argument("--faults", type=int, default=20, help="at most one a round, none in the first or the last")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--work", required=True, help="keeps every node's state, the server's result and the logs")
+    soak.set_defaults(func=bench_soak)
 
 
 def every_epoch_distils(method: str) -> dict:
@@ -469,3 +478,17 @@ def bench_distill_share(args: argparse.Namespace) -> int:
                                f"{mean.get('clipped_share', float('nan')):.3f} on average, cosine "
                                f"{mean.get('cosine', float('nan')):+.2f}")
 
+
+
+def bench_soak(args) -> int:
+    """`fedsd bench soak`: prints the report as JSON; exit code 0 when the checks pass."""
+    from .soak import plan_faults, soak
+
+    for name in ("clients", "rounds"):
+        if getattr(args, name) < 2:
+            raise ConfigError(f"--{name}: at least 2, got {getattr(args, name)}")
+    plan_faults(args.clients, args.rounds, args.faults, args.seed)  # --faults refused before any process starts
+    report = soak(args.clients, args.rounds, args.faults, args.seed, Path(args.work),
+                  echo=lambda line: print(line, file=sys.stderr))
+    print(json.dumps(report, indent=2))
+    return 0 if report["passed"] else 1

@@ -424,3 +424,32 @@ def test_a_users_network_travels_in_the_app_to_every_supernode(tmp_path):
     assert [r["trained"] for r in result["rounds"]] == [[0, 1], [0, 1]]
     assert result["test_accuracy"] > 0.3  # 20 noisy steps a client; chance is 0.1
     assert not (ROOT / "task" / "user_net.py").exists()  # it came in the app, not from this checkout
+
+
+def test_a_small_soak_finishes_under_the_independent_privacy_check(tmp_path):
+    """`fedsd bench soak`: 3 SuperNodes with their own data and budgets, 8 rounds, 5 seeded
+    SIGKILLs (the ServerApp twice, the warm worker twice, a SuperNode), each part started again
+    as a supervisor would; the run finishes, every client's ε recomputed from what it released
+    is within its ledger and its owner's limit, and the accuracy is within 3 points of the same
+    seed's run without faults."""
+    require("fmnist")
+    proc = subprocess.run([sys.executable, "-m", "simulations.cli", "bench", "soak", "--clients", "3", "--rounds", "8",
+                           "--faults", "5", "--seed", "0", "--work", str(tmp_path / "soak")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["rounds_completed"] == 8 and report["passed"], report
+    assert report["faults_by_kind"] == {"serverapp": 2, "worker": 2, "supernode": 1}
+    assert report["privacy_check"]["passed"] and report["accuracy_gap_points"] <= 3.0
+    for client in report["privacy_check"]["clients"].values():
+        assert client["epsilon_released"] <= client["epsilon_ledger"] <= 2.5
+    assert processes_mentioning(str(tmp_path / "soak")) == []
+
+
+def test_more_faults_than_a_run_can_absorb_are_refused_before_any_process_starts(tmp_path, capsys):
+    from simulations.cli import main
+
+    assert main(["bench", "soak", "--clients", "3", "--rounds", "8", "--faults", "7", "--work", str(tmp_path)]) == 2
+    assert "--faults: at most 6 for --rounds 8 (one a round, none in the first or the last), got 7" in \
+        capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
