@@ -39,7 +39,7 @@ def results_commands() -> list[tuple[str, str | None]]:
 
 COMMANDS = results_commands()
 # Screens still under way: their folders hold only the runs finished so far.
-UNDER_WAY = ("fedsd reproduce --table readings",)
+UNDER_WAY = ("fedsd reproduce --table readings", "fedsd reproduce --table features")
 
 
 def test_every_train_and_simulate_command_states_what_it_resolves_to():
