@@ -117,10 +117,15 @@ def soak(clients: int, rounds: int, faults: int, seed: int, work: Path, echo=pri
     work = Path(work)
     data = work / "client-data"  # each client's own images (fedsd split-data), one folder a SuperNode
     if not data.is_dir():
+        import contextlib
+        import sys
+
         from .cli import main
 
-        if main(["split-data", "--dataset", RUN["dataset"], "--clients", str(clients), "--subset", str(600 * clients),
-                 "--format", "imagefolder", "--out", str(data)]) != 0:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the report alone
+            made = main(["split-data", "--dataset", RUN["dataset"], "--clients", str(clients),
+                         "--subset", str(600 * clients), "--format", "imagefolder", "--out", str(data)])
+        if made != 0:
             raise RuntimeError("fedsd split-data failed")
     owners = dict(client_data=data, node_config=f"max-epsilon={MAX_EPSILON}")
     base = work / f"baseline-seed{seed}"  # the same seed's run without faults, kept and reused
