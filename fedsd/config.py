@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from . import clippers, methods
 from .data import DATASET_TITLES, DATASETS
 from .features import FEATURES, check_features
-from .models import ACTIVATIONS, DEFAULT_MODEL, MODEL_FORMS, SCATTER_MODELS, check_model_name, is_builtin
+from .models import (ACTIVATIONS, DEFAULT_MODEL, MODEL_FORMS, SCATTER_MODELS, check_model_name, image_shape_of,
+                     is_builtin)
 from .settings import Setting, check_choices, check_setting, declared_only, setting, settings_of
 from .errors import ConfigError
 
@@ -268,13 +269,6 @@ def paper_batch_and_lr(cfg: TrainConfig) -> tuple[int, float]:
     return paper["batch_size"], paper["lr"]
 
 
-def input_size(c: TrainConfig) -> int:
-    """The side of a run's (square) images."""
-    from .client_data import BUILTIN_SHAPES
-
-    return c.image_size if c.dataset == CUSTOM else BUILTIN_SHAPES[c.dataset][1]
-
-
 def _check_choice(option: str, value, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{option}: unknown value {value!r}; choose one of {', '.join(map(str, allowed))}")
@@ -328,7 +322,7 @@ def validate(c: TrainConfig, num_train: int) -> None:
     check_setting((c.features == "scatter") == (c.model in SCATTER_MODELS), "--features",
                   f"scatter trains {' or '.join(SCATTER_MODELS)}, and they train on it only (--model {c.model})",
                   c.features)
-    check_features(c.features, input_size(c))
+    check_features(c.features, image_shape_of(c)[1])
     check_layout(c)
     check_setting(math.isfinite(c.epsilon) and c.epsilon > 0, "--epsilon", "must be > 0", c.epsilon)
     check_setting(0 < c.delta < 1.0 / num_train, "--delta",

@@ -253,13 +253,19 @@ def build_model(name: str, num_classes: int = 10, seed: int | None = None, activ
     return check_private_trainable(model, fix=True, name=name)
 
 
-def input_shape_of(cfg) -> tuple[int, int, int]:
-    """(channels, height, width) of a (resolved) run's images."""
+def image_shape_of(cfg) -> tuple[int, int]:
+    """(channels, side) of a run's square images: a built-in data set's, or a custom task's."""
     from .client_data import BUILTIN_SHAPES
     from .config import CUSTOM
+
+    return (cfg.channels, cfg.image_size) if cfg.dataset == CUSTOM else BUILTIN_SHAPES[cfg.dataset]
+
+
+def input_shape_of(cfg) -> tuple[int, int, int]:
+    """(channels, height, width) of what a (resolved) run's network takes: its images, or their features."""
     from .features import feature_shape
 
-    channels, size = (cfg.channels, cfg.image_size) if cfg.dataset == CUSTOM else BUILTIN_SHAPES[cfg.dataset]
+    channels, size = image_shape_of(cfg)
     return feature_shape(channels, size) if cfg.features == "scatter" else (channels, size, size)
 
 
