@@ -8,7 +8,11 @@ setting. Two stages, chosen on validation only:
 - the screen: in the settings where our dpsgd already equals the papers' (MNIST at ε = 1 and 3,
   FMNIST with tanh at ε = 3), every method and every reading that applies to it at each of
   SCREEN_LENGTHS epochs, with VALIDATION training samples held out, seed 0;
-- the confirmation: each method's best validated (reading, length), on test, three seeds.
+- the confirmation: each method's best validated reading (the best mean over the screening
+  settings of its best validation accuracy), on test, CONFIRM_SEEDS seeds, in every cell of
+  CONFIRM_CELLS: at the length the screen chose for it where the cell was screened, else at the
+  cell's own length (Table 1's, chosen on validation for the data set and ε); its gain over dpsgd
+  (at dpsgd's own length) paired by seed. A method's confirmation starts once its screen is done.
 
 Each run is `fedsd train`, written to <out>/runs/readings/<run>/; a finished run is not run
 again, so the screen goes on where it stopped.
@@ -64,6 +68,8 @@ READINGS = (
 
 @dataclass(frozen=True)
 class ScreenRun:
+    """A method at a reading and a length in one setting: on validation (VALIDATION training
+    samples held out) in the screen; `held_out` 0 on test (ConfirmRun)."""
     dataset: str
     activation: str
     epsilon: float
@@ -71,17 +77,18 @@ class ScreenRun:
     reading: Reading
     epochs: int
     seed: int = SCREEN_SEED
+    held_out: int = VALIDATION
 
     @property
     def name(self) -> str:
         act = "" if self.activation == "relu" else f"-{self.activation}"
         return (f"{self.dataset}{act}-eps{self.epsilon:g}-{self.method}-{self.reading.name}"
-                f"-e{self.epochs}-seed{self.seed}")
+                f"-e{self.epochs}{'' if self.held_out else '-test'}-seed{self.seed}")
 
     def config(self, **run) -> dict:
+        held_out = {"validation": self.held_out} if self.held_out else {}
         return dict(dataset=self.dataset, activation=self.activation, epsilon=self.epsilon, method=self.method,
-                    epochs=self.epochs, seed=self.seed, validation=VALIDATION, **self.reading.settings(self.dataset),
-                    **run)
+                    epochs=self.epochs, seed=self.seed, **held_out, **self.reading.settings(self.dataset), **run)
 
 
 def screen_runs(readings=READINGS) -> list[ScreenRun]:
@@ -94,9 +101,72 @@ def screen_runs(readings=READINGS) -> list[ScreenRun]:
             for n in SCREEN_LENGTHS for m in METHODS_ORDER for r in group if m in r.methods]
 
 
+CONFIRM_SEEDS = 3
+# The confirmation's cells (data set, activation, ε, methods): every MNIST and FMNIST cell of
+# Table 1, FMNIST with tanh at ε = 3, and CIFAR-10 at ε = 3 for the self-distilling methods and
+# their baseline (a CIFAR-10 run takes about two hours here).
+CONFIRM_CELLS = tuple((d, "relu", e, METHODS_ORDER) for d in ("mnist", "fmnist") for e in (1.0, 2.0, 3.0)) + (
+    ("fmnist", "tanh", 3.0, METHODS_ORDER), ("cifar10", "relu", 3.0, ("dpsgd", "dp3sd", "dpdsd")))
+
+
+@dataclass(frozen=True)
+class ConfirmRun(ScreenRun):
+    """A method at its chosen reading and length in one cell, on the whole training set, scored
+    on test."""
+    held_out: int = 0
+
+    @property
+    def table1_name(self) -> str:
+        """The Table 1 run of the same cell and seed (runs/table1/), which is this run where the
+        reading is the papers' and the length the cell's own."""
+        variant = "" if self.activation == "relu" else f"-{self.activation}"
+        return f"{self.dataset}-{self.method}{variant}-eps{self.epsilon:g}-seed{self.seed}"
+
+    def folder(self, runs_dir: Path) -> Path:
+        """Where this run is: Table 1's run where that one computed exactly this (not run twice;
+        a CIFAR-10 run takes hours), else its own folder under runs_dir."""
+        from .runs import finished_with
+
+        table1 = runs_dir.parent / "table1" / self.table1_name
+        return table1 if finished_with(table1, self.config()) else runs_dir / self.name
+
+
+def chosen_readings(rows: dict[tuple, dict]) -> dict[str, str]:
+    """Each method's reading for the confirmation: of its readings not dropped, the one whose
+    best validation accuracy, averaged over the screening settings, is highest. A method with a
+    reading not yet run at every length in every setting has none yet."""
+    drop, scores = dropped(rows), {}
+    for (dataset, activation, epsilon, method, reading), row in rows.items():
+        if (method, reading) not in drop:
+            scores.setdefault(method, {}).setdefault(reading, []).append(row)
+    chosen = {}
+    for method, readings in scores.items():
+        if all(len(rs) == len(SCREEN_SETTINGS) and all(r["chosen_epochs"] is not None for r in rs)
+               for rs in readings.values()):
+            mean = {name: sum(r["best"] for r in rs) / len(rs) for name, rs in readings.items()}
+            chosen[method] = max(mean, key=mean.get)
+    return chosen
+
+
+def confirm_runs(rows: dict[tuple, dict], seeds: int = CONFIRM_SEEDS) -> list[ConfirmRun]:
+    """The confirmation's runs, for each method whose screen is done."""
+    from fedsd.config import default_epochs
+
+    chosen, by_name = chosen_readings(rows), {r.name: r for r in READINGS}
+    runs = []
+    for dataset, activation, epsilon, methods in CONFIRM_CELLS:
+        for method in (m for m in methods if m in chosen):
+            reading = by_name[chosen[method]]
+            screened = rows.get((dataset, activation, epsilon, method, reading.name))
+            epochs = screened["chosen_epochs"] if screened else default_epochs(dataset, epsilon)
+            runs += [ConfirmRun(dataset, activation, epsilon, method, reading, epochs, seed=s) for s in range(seeds)]
+    return runs
+
+
 def reproduce_readings(out: Path, jobs: int, threads: int, device: str, data_dir: str | None,
                        quiet: bool) -> Path:
-    """Run the screen's missing runs, then write table-readings.{json,md} from what is on disk."""
+    """Run the screen's missing runs, then the confirmation's of each method whose screen is
+    done, then write table-readings.{json,md} from what is on disk."""
     from .runs import finished_with, run_jobs
 
     runs_dir = out / "runs" / "readings"
@@ -107,7 +177,13 @@ def reproduce_readings(out: Path, jobs: int, threads: int, device: str, data_dir
         config = run.config(device=device, threads=threads, data_dir=data_dir)
         if (run.method, run.reading.name) not in drop and not finished_with(runs_dir / run.name, config):
             todo.append((config, str(runs_dir / run.name)))
-    run_jobs(todo, len(runs), jobs, "readings", quiet)
+    run_jobs(todo, len(runs), jobs, "readings: screen", quiet)
+    write_readings(runs, runs_dir, out)
+    confirm = confirm_runs(screen_rows(runs, runs_dir))
+    todo = [(run.config(device=device, threads=threads, data_dir=data_dir), str(run.folder(runs_dir)))
+            for run in confirm]
+    run_jobs([(c, o) for c, o in todo if not finished_with(Path(o), c)], len(todo), jobs, "readings: confirmation",
+             quiet)
     return write_readings(runs, runs_dir, out)
 
 
@@ -120,7 +196,9 @@ def write_readings(runs: list[ScreenRun], runs_dir: Path, out: Path) -> Path:
     drop = dropped(rows)
     for row in rows.values():
         row["dropped"] = (row["method"], row["reading"]) in drop
-    write_json(out / "table-readings.json", {"screen": list(rows.values())})
+    confirmation = confirm_rows(confirm_runs(rows), runs_dir)
+    write_json(out / "table-readings.json", {"screen": list(rows.values()), "chosen_readings": chosen_readings(rows),
+                                             "confirmation": confirmation})
     lines = ["# Readings of the papers: the screen (validation accuracy, %, seed 0)", "",
              "Each method at its own best length of the three (the fair protocol), and its gain over dpsgd at "
              "dpsgd's best length in the same setting; a gain marked * is over lengths not all run yet. A reading "
@@ -137,9 +215,55 @@ def write_readings(runs: list[ScreenRun], runs_dir: Path, out: Path) -> Path:
         lines.append(f"| {data} | {r['epsilon']:g} | {r['method']} | {reading} | " + " | ".join(cells)
                      + f" | {r['chosen_epochs'] or ''} | {'' if r['best'] is None else format(r['best'], '.2f')} "
                        f"| {gain} |")
+    lines += confirmation_md(confirmation)
     path = out / "table-readings.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def confirm_rows(runs: list[ConfirmRun], runs_dir: Path) -> list[dict]:
+    """Per cell and method: its reading and length, test accuracy per seed run so far, mean ±
+    SE, and the gain over dpsgd in the same cell paired by seed."""
+    import statistics
+
+    from fedsd.results import RunResult
+
+    from .runs import paired_difference
+
+    rows: dict[tuple, dict] = {}
+    for run in runs:
+        row = rows.setdefault((run.dataset, run.activation, run.epsilon, run.method), dict(
+            dataset=run.dataset, activation=run.activation, epsilon=run.epsilon, method=run.method,
+            reading=run.reading.name, epochs=run.epochs, seeds=[], accuracies=[]))
+        path = run.folder(runs_dir) / "result.json"
+        if path.is_file():
+            row["seeds"].append(run.seed)
+            row["accuracies"].append(100 * RunResult.read(path).test_accuracy)
+    for (dataset, activation, epsilon, method), row in rows.items():
+        acc = row["accuracies"]
+        row["mean"] = statistics.mean(acc) if acc else None
+        row["se"] = statistics.stdev(acc) / len(acc) ** 0.5 if len(acc) > 1 else None
+        base = rows.get((dataset, activation, epsilon, "dpsgd"))
+        row["gain_over_dpsgd"] = None if method == "dpsgd" else paired_difference(row, base)
+    return list(rows.values())
+
+
+def confirmation_md(rows: list[dict]) -> list[str]:
+    lines = ["", "## The confirmation (test accuracy, %)", "",
+             f"Each method at its reading chosen on the screen and its length (the screen's where the cell was "
+             f"screened, else the cell's own), {CONFIRM_SEEDS} seeds; the gain over dpsgd paired by seed "
+             f"(mean ± SE). A method appears once its screen is done.", ""]
+    if not rows:
+        return lines + ["No method's screen is done yet."]
+    lines += ["| data | ε | method | reading | epochs | seeds | test | gain over dpsgd |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        data = r["dataset"] + ("" if r["activation"] == "relu" else f" ({r['activation']})")
+        test = "" if r["mean"] is None else f"{r['mean']:.2f}" + ("" if r["se"] is None else f" ± {r['se']:.2f}")
+        g = r["gain_over_dpsgd"]
+        gain = "" if g is None else f"{g['mean']:+.2f}" + ("" if g["se"] is None else f" ± {g['se']:.2f}")
+        lines.append(f"| {data} | {r['epsilon']:g} | {r['method']} | {r['reading']} | {r['epochs']} | "
+                     f"{len(r['seeds'])} | {test} | {gain} |")
+    return lines
 
 
 # The screen's rule: a reading more than DROP_MARGIN points below its method's papers' reading

@@ -91,3 +91,53 @@ def test_a_reading_more_than_a_point_below_its_methods_papers_reading_in_two_set
             ("mnist", "relu", 3.0, "dpema", "papers"): row(97.0), ("mnist", "relu", 3.0, "dpema", "ema-no-warmup"): row(95.0)}
     # kl-mean: 1.5 below in both; dkd: its second setting not finished; ema-no-warmup: 0.8 below in one
     assert dropped(rows) == {("dp3sd", "kl-mean")}
+
+
+def test_each_method_is_confirmed_at_its_best_reading_once_its_screen_is_done(tmp_path):
+    """The confirmation: a method's reading is the best mean over the screening settings of its
+    best validation accuracy (dropped readings out); a method with a reading not run at every
+    length anywhere waits; a screened cell takes the screen's length, another the cell's own;
+    a run Table 1 already made with the same settings is read from there, not run again; the
+    gain over dpsgd is paired by seed."""
+    from fedsd.config import TrainConfig, default_epochs
+    from fedsd.results import RunResult
+    from simulations.readings import CONFIRM_CELLS, SCREEN_SETTINGS, chosen_readings, confirm_rows, confirm_runs
+
+    def row(best, epochs=30):
+        return dict(best=best, chosen_epochs=epochs)
+
+    rows = {}
+    for i, (d, a, e) in enumerate(SCREEN_SETTINGS):
+        rows[(d, a, e, "dpsgd", "papers")] = row(94.0 + i)
+        rows[(d, a, e, "dp3sd", "papers")] = row(94.5 + i)
+        rows[(d, a, e, "dp3sd", "teacher-step")] = row(95.5 + i, epochs=15)  # best in every setting
+        rows[(d, a, e, "dp3sd", "kl-mean")] = row(92.0 + i)  # dropped: over a point below in every setting
+        rows[(d, a, e, "dpdsd", "papers")] = row(95.0 + i)
+    rows[("mnist", "relu", 3.0, "dpdsd", "dkd")] = dict(best=99.0, chosen_epochs=None)  # not every length yet
+    assert chosen_readings(rows) == {"dpsgd": "papers", "dp3sd": "teacher-step"}
+    runs = confirm_runs(rows)
+    assert {r.method for r in runs} == {"dpsgd", "dp3sd"}
+    cells = sum(len({"dpsgd", "dp3sd"} & set(methods)) for *_, methods in CONFIRM_CELLS)
+    assert len(runs) == 3 * cells
+    lengths = {(r.dataset, r.activation, r.epsilon, r.method): r.epochs for r in runs}
+    assert lengths[("mnist", "relu", 1.0, "dp3sd")] == 15  # screened: the screen's length
+    assert lengths[("fmnist", "relu", 2.0, "dp3sd")] == default_epochs("fmnist", 2.0)  # not screened: the cell's
+
+    runs_dir = tmp_path / "runs" / "readings"
+    mnist1 = [r for r in runs if (r.dataset, r.epsilon) == ("mnist", 1.0)]
+    accuracy = {("dpsgd", 0): 0.94, ("dpsgd", 1): 0.95, ("dp3sd", 0): 0.955, ("dp3sd", 1): 0.97}
+    for run in mnist1:
+        if (run.method, run.seed) not in accuracy:
+            continue
+        # dpsgd's papers reading at the cell's own length is Table 1's run: found there
+        folder = tmp_path / "runs" / "table1" / run.table1_name if run.method == "dpsgd" else runs_dir / run.name
+        folder.mkdir(parents=True)
+        RunResult.of_run(TrainConfig(**run.config()).resolved(), epsilon_spent=1.0,
+                         test_accuracy=accuracy[(run.method, run.seed)], wall_seconds=1.0, device="cpu",
+                         data_source="test").write(folder / "result.json")
+    table = {(r["dataset"], r["epsilon"], r["method"]): r for r in confirm_rows(runs, runs_dir)}
+    dp3sd = table[("mnist", 1.0, "dp3sd")]
+    assert dp3sd["reading"] == "teacher-step" and dp3sd["seeds"] == [0, 1]
+    assert dp3sd["mean"] == pytest.approx(96.25)
+    assert dp3sd["gain_over_dpsgd"]["mean"] == pytest.approx(1.75) and dp3sd["gain_over_dpsgd"]["seeds"] == 2
+    assert table[("mnist", 2.0, "dp3sd")]["seeds"] == []
