@@ -86,6 +86,23 @@ def sampled_clients(fed: FedOptions) -> int:
     return max(1, int(fed.num_clients * fed.fraction_train))
 
 
+# How long a launch's first round waits for the whole federation before it goes on with the
+# nodes there (at least min_nodes): a resumed server's SuperNodes reconnect at their own pace, but
+# one whose machine is down would otherwise hold the run forever (Flower's sample_nodes waits
+# without a limit).
+LAUNCH_WAIT_SECONDS = 120.0
+
+
+def nodes_connected(grid: Grid, count: int, timeout: float) -> bool:
+    """Whether `count` nodes are connected within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while len(list(grid.get_node_ids())) < count:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    return True
+
+
 def min_nodes(fed: FedOptions) -> int:
     """Connected nodes a round after the first needs: --min-nodes, or by default half the
     sampled clients (at least 1), so that losing a node does not stop the federation."""
@@ -116,8 +133,10 @@ class RecordingStrategy(Strategy):
     that trained.
 
     Rounds are numbered globally: a run resumed after round r starts Flower's loop at 1 with
-    `round_offset = r`. The first round waits for every client to connect; later rounds go on
-    with whoever is there, as long as `min_nodes` are (a node lost mid-run does not stall it).
+    `round_offset = r`. A launch's first round waits for every client to connect, for at most
+    LAUNCH_WAIT_SECONDS; later rounds, and a first round whose wait ran out, go on with whoever is
+    there, as long as `min_nodes` are (a node lost mid-run, or down when the server is resumed,
+    does not stall it).
 
     `settings` (the run's flat settings) go into every train and evaluate message's config,
     beside what `start` was given: Flower logs that config in full at the start, and the
@@ -176,9 +195,14 @@ class RecordingStrategy(Strategy):
                         grid: Grid) -> Iterable[Message]:
         self._round_started = time.perf_counter()
         base = list(inner_strategies(self.inner))[-1]
-        if server_round == 1:  # a launch (fresh or resumed) waits for the whole federation
+        if server_round == 1 and nodes_connected(grid, self.num_clients, LAUNCH_WAIT_SECONDS):
+            # a launch (fresh or resumed) trains its first round with the whole federation
             base.min_available_nodes, base.min_train_nodes = self.num_clients, self.sampled
         else:
+            if server_round == 1:
+                log(WARNING, "round %d: %d of the %d clients' SuperNodes connected after %.0f s; going on with "
+                    "those (at least %d)", server_round + self.round_offset, len(list(grid.get_node_ids())),
+                    self.num_clients, LAUNCH_WAIT_SECONDS, self.min_nodes)
             base.min_available_nodes, base.min_train_nodes = self.min_nodes, min(self.sampled, self.min_nodes)
         config = ConfigRecord({**self.settings, **dict(config)})
         messages = list(self.inner.configure_train(server_round + self.round_offset, arrays, config, grid))

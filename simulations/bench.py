@@ -83,6 +83,9 @@ def add_bench_parser(sub) -> None:
     soak.add_argument("--clients", type=int, default=4)
     soak.add_argument("--rounds", type=int, default=30)
     soak.add_argument("--faults", type=int, default=20, help="at most one a round, none in the first or the last")
+    soak.add_argument("--churn", type=int, default=0,
+                      help="SuperNodes taken away for 1-3 whole rounds and brought back with their state, one at a "
+                           "time (at most (rounds - 1) // 2)")
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--work", required=True, help="keeps every node's state, the server's result and the logs")
     soak.set_defaults(func=bench_soak)
@@ -482,13 +485,15 @@ def bench_distill_share(args: argparse.Namespace) -> int:
 
 def bench_soak(args) -> int:
     """`fedsd bench soak`: prints the report as JSON; exit code 0 when the checks pass."""
-    from .soak import plan_faults, soak
+    from .soak import plan_churn, plan_faults, soak
 
     for name in ("clients", "rounds"):
         if getattr(args, name) < 2:
             raise ConfigError(f"--{name}: at least 2, got {getattr(args, name)}")
-    plan_faults(args.clients, args.rounds, args.faults, args.seed)  # --faults refused before any process starts
+    # --faults and --churn refused before any process starts
+    plan_faults(args.clients, args.rounds, args.faults, args.seed)
+    plan_churn(args.clients, args.rounds, args.churn, args.seed)
     report = soak(args.clients, args.rounds, args.faults, args.seed, Path(args.work),
-                  echo=lambda line: print(line, file=sys.stderr))
+                  echo=lambda line: print(line, file=sys.stderr), churn=args.churn)
     print(json.dumps(report, indent=2))
     return 0 if report["passed"] else 1

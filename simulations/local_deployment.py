@@ -257,6 +257,7 @@ class LocalDeployment:
         self.node_threads = int(self.env["OMP_NUM_THREADS"])
         self.superlink: subprocess.Popen | None = None
         self.supernodes: dict[int, subprocess.Popen] = {}
+        self.node_ids: dict[int, int] = {}  # client k → the node id the SuperLink gave its key
         self.services: dict[int, subprocess.Popen] = {}  # --isolate: each client's data service
         self._all: list[subprocess.Popen] = []
         self._network_up = False
@@ -477,7 +478,7 @@ class LocalDeployment:
             self.isolation.up()
         self.start_superlink()
         for k in range(self.num_clients):
-            self.register(k)
+            self.node_ids[k] = self.register(k)
         for k in range(self.num_clients):
             self.start_supernode(k)
         self.wait_online(self.num_clients)

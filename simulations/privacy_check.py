@@ -10,7 +10,10 @@ orders of its own. For each client it checks that
 - ε of the charges of the updates it released, recomputed, is at most ε of everything its
   ledger holds, which is at most its owner's max-epsilon;
 - the ε the client reported to the server is at most what its ledger holds;
-and that the run finished every round. A ledger it cannot read fails the check, naming the file;
+and that the run finished every round. It also lists the rounds a client was charged for more
+than once (`charged_again`): the safe side, since a client stopped between its charge and its
+reply trains the round again and pays again, but a client that had already answered the round
+should have sent its kept reply instead (fedsd bench soak fails a run where no fault explains it). A ledger it cannot read fails the check, naming the file;
 it never passes by default.
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 from fedsd.errors import DataError
@@ -65,7 +69,9 @@ def check_client(client: int, ledger_path: Path, rounds: list[dict], experiment:
     ε it reported, at the run's δ, against its ledger's at that δ)."""
     ledger = read_ledger(ledger_path)
     delta = ledger["max_delta"]
-    charged = {int(e["round"]): e for e in ledger["entries"] if e.get("run") == experiment and "round" in e}
+    run_charges = [e for e in ledger["entries"] if e.get("run") == experiment and "round" in e]
+    charged = {int(e["round"]): e for e in run_charges}
+    times = Counter(int(e["round"]) for e in run_charges)
     released = [r["round"] for r in rounds if client in r.get("trained", [])]
     problems = [f"client {client}, round {r}: the server aggregated an update that is not charged in {ledger_path}"
                 for r in released if r not in charged]
@@ -84,6 +90,7 @@ def check_client(client: int, ledger_path: Path, rounds: list[dict], experiment:
         problems.append(f"client {client}: reported ε = {reported:.4f} to the server, more than its ledger holds "
                         f"at the run's δ ({at_run_delta:.4f}): a charge is missing from its disk")
     return dict(ledger=str(ledger_path), released_rounds=released, charged_rounds=sorted(charged),
+                charged_again={str(r): n for r, n in sorted(times.items()) if n > 1},
                 epsilon_released=eps_released, epsilon_ledger=eps_ledger, epsilon_reported=reported,
                 max_epsilon="inf" if math.isinf(ledger["max_epsilon"]) else ledger["max_epsilon"],
                 problems=problems)

@@ -8,10 +8,18 @@ run without faults.
 
 A fault is due at a seeded moment of a seeded round (a share of the time the soak's last whole
 round took, after the round began), so over many faults they land in every phase of a round; the
-phase each one found is read from the deployment's files when it lands (a client's ledger
-written for the round but its reply not yet aggregated: "between charge and reply"; the
-server's checkpoint being written: "checkpoint"; every reply of the round in: "aggregation";
-else "training").
+phase each one found is read from the deployment's files when it lands (the server's checkpoint
+being written: "checkpoint"; no client charged for the round yet: "dispatch"; a client charged
+(a client's ledger is charged before its steps run) whose state is not yet saved: "training"; a
+client's state saved but its reply not yet kept: "between charge and reply"; every client's
+reply kept: "aggregation").
+
+Churn (`--churn K`): K seeded absences, one client at a time, each taking a SuperNode (with its
+warm worker) away once a round is checkpointed and bringing it back, its state folder intact,
+after a seeded 1 to MAX_AWAY whole rounds have been sent out without it. The report says which
+rounds the server recorded each absent client as missing and the first it trained in again; a
+returning client goes on with its ledger (the independent check), and a round charged twice is
+a failure unless a fault stopped that client's node or worker in that round.
 """
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ import json
 import random
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fedsd.errors import ConfigError
@@ -39,6 +47,61 @@ class Fault:
     phase: str = ""
     landed_round: int = 0  # the round in flight when it landed (its round, or later where that one ended first)
     landed_at: float = 0.0
+    planned_client: int | None = None  # the plan's client, where it was away or just back (churn)
+    aim: str = ""  # a short phase it waits for in its round ("" : its seeded moment)
+
+
+@dataclass
+class Absence:
+    """A client taken away once round `leaves_after` is checkpointed, and brought back once
+    `rounds` more rounds have been sent out without it."""
+    client: int
+    leaves_after: int
+    rounds: int
+    left_at: float = 0.0
+    back_at: float = 0.0
+    missed_rounds: list = field(default_factory=list)  # the rounds the server recorded it missing
+    trained_again: int | None = None  # the first round it trained in after it came back
+
+    @property
+    def away(self) -> range:
+        return range(self.leaves_after + 1, self.leaves_after + self.rounds + 1)
+
+
+MAX_AWAY = 3  # whole rounds a client may be away
+
+
+def max_absences(rounds: int) -> int:
+    """Absences never overlap, none begins before round 2 (a launch waits for the whole
+    federation), each is followed by a round its client is back for, and the last round is
+    spare (a client back too late for its round still trains once)."""
+    return max(0, (rounds - 2) // 2)
+
+
+def plan_churn(clients: int, rounds: int, absences: int, seed: int) -> list[Absence]:
+    """K non-overlapping absences, each 1 … MAX_AWAY rounds long (shortened where the run is
+    short) and followed by a round its client is back for, all within rounds 2 … R−1. Its own
+    generator, so adding churn leaves the faults' plan as it was."""
+    if absences > max_absences(rounds):
+        raise ConfigError(f"--churn: at most {max_absences(rounds)} for --rounds {rounds} (one client away at a "
+                          f"time, not in round 1 or the last, each back for a round before the next leaves), got "
+                          f"{absences}")
+    if absences and clients < 2:
+        raise ConfigError(f"--churn needs at least 2 clients (the others train while one is away), got {clients}")
+    rng = random.Random(f"churn {seed}")
+    lengths = [rng.randint(1, MAX_AWAY) for _ in range(absences)]
+    span = rounds - 2  # rounds 2 … R−1 hold every absence and the round after it
+    while sum(lengths) + absences > span:
+        lengths[lengths.index(max(lengths))] -= 1
+    slack = span - sum(lengths) - absences
+    cuts = sorted(rng.randint(0, slack) for _ in range(absences))
+    gaps = [b - a for a, b in zip([0] + cuts, cuts)]
+    plan, first = [], 2
+    for length, gap in zip(lengths, gaps):
+        first += gap
+        plan.append(Absence(rng.randrange(clients), leaves_after=first - 1, rounds=length))
+        first += length + 1
+    return plan
 
 
 def max_faults(rounds: int) -> int:
@@ -59,7 +122,19 @@ def plan_faults(clients: int, rounds: int, faults: int, seed: int) -> list[Fault
         kind = rng.choice(KINDS)
         plan.append(Fault(r, rng.random(), kind, rng.randrange(clients) if kind in ("supernode", "worker") else None,
                           rng.uniform(1.0, 6.0)))
+    aims = random.Random(f"aim {seed}")  # its own generator: the kinds and rounds stay as they were
+    for fault in plan:
+        fault.aim = aims.choice(AIMS)
     return plan
+
+
+# Half the faults wait for one of the two short phases of their round, which a seeded moment
+# would seldom find: a client's state saved after its steps with its reply not yet kept (tens of
+# milliseconds), and the server writing its checkpoint. Watched by the files' times alone, every
+# AIM_POLL_SECONDS; an aimed fault whose round ends without the phase lands at its seeded moment
+# of the next.
+AIMS = ("", "", "between charge and reply", "checkpoint")
+AIM_POLL_SECONDS = 0.01
 
 
 def _checkpoint_round(out: Path) -> int:
@@ -87,23 +162,71 @@ def _kill(pids: list[int]) -> None:
             pass
 
 
-def _phase(work: Path, out: Path, round_: int, clients: int) -> str:
+def _mtime(paths: list[Path]) -> float:
+    times = []
+    for path in paths:
+        try:
+            times.append(path.stat().st_mtime_ns)
+        except OSError:
+            pass
+    return max(times, default=0)
+
+
+def _charged_rounds(state_dir: Path) -> list[int]:
+    """The rounds a client's ledger holds charges for (one entry a charge)."""
+    rounds = []
+    for ledger in state_dir.rglob("ledger-*.json"):
+        try:
+            rounds += [int(e["round"]) for e in json.loads(ledger.read_text())["entries"] if "round" in e]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return rounds
+
+
+def _client_phase(state_dir: Path, round_: int) -> str:
+    """Where one client is in `round_`, from its files: its ledger is charged before its steps
+    run, its state saved after them, then its reply kept and sent."""
+    if round_ not in _charged_rounds(state_dir):
+        return "waiting"
+    charged = _mtime(list(state_dir.rglob("ledger-*.json")))
+    saved = _mtime([p for p in state_dir.rglob("client-*.pt") if not p.stem.endswith("-last-reply")])
+    kept = _mtime(list(state_dir.rglob("client-*-last-reply.pt")))
+    if saved < charged:
+        return "training"
+    return "replied" if kept >= saved else "between charge and reply"
+
+
+def _saved_not_kept(state_dir: Path, since_ns: int) -> bool:
+    """A client charged since `since_ns` whose state is saved and whose reply is not yet kept,
+    from the files' times alone (fast enough to poll every few milliseconds)."""
+    charged = _mtime(list(state_dir.glob("ledger-*.json")))
+    if charged < since_ns:
+        return False
+    saved = _mtime([p for p in state_dir.glob("*/client-*.pt") if not p.stem.endswith("-last-reply")])
+    return saved >= charged and _mtime(list(state_dir.glob("*/client-*-last-reply.pt"))) < saved
+
+
+def _aimed_phase_found(fault: Fault, work: Path, out: Path, up: list[int], since_ns: int) -> int | None:
+    """Whether the aimed phase is under way now: -1 for the server's checkpoint, the client's
+    number for a client between its charge and its reply, else None."""
+    if fault.aim == "checkpoint":
+        return -1 if any(out.glob(".checkpoint*")) else None
+    return next((k for k in up if _saved_not_kept(work / "client-state" / str(k), since_ns)), None)
+
+
+def _phase(work: Path, out: Path, round_: int, present: list[int]) -> str:
+    """The phase of the round in flight, over the clients that are not away."""
     if list(out.glob("*.tmp")) or list(out.glob(".checkpoint*")):
         return "checkpoint"
-    charged = 0
-    for k in range(clients):
-        for ledger in (work / "client-state" / str(k)).rglob("ledger-*.json"):
-            try:
-                entries = json.loads(ledger.read_text())["entries"]
-            except (OSError, ValueError, KeyError):
-                continue
-            charged += any(e.get("round") == round_ for e in entries)
-    if charged == clients:
+    phases = {_client_phase(work / "client-state" / str(k), round_) for k in present}
+    if phases == {"waiting"}:
+        return "dispatch"
+    if phases == {"replied"}:
         return "aggregation"
-    return "between charge and reply" if charged else "training"
+    return "between charge and reply" if "between charge and reply" in phases else "training"
 
 
-def soak(clients: int, rounds: int, faults: int, seed: int, work: Path, echo=print) -> dict:
+def soak(clients: int, rounds: int, faults: int, seed: int, work: Path, echo=print, churn: int = 0) -> dict:
     """Run the same seed's fault-free baseline (kept in work/baseline-seed<S> and reused), then
     the soak (work/soak-seed<S>: every node's state, the server's result, the logs, report.json);
     return the report."""
@@ -113,6 +236,7 @@ def soak(clients: int, rounds: int, faults: int, seed: int, work: Path, echo=pri
     from .privacy_check import check_run, deployment_state_dirs
 
     plan = plan_faults(clients, rounds, faults, seed)
+    absences = plan_churn(clients, rounds, churn, seed)
     config = {**RUN, "num-clients": clients, "num-server-rounds": rounds, "client-data": "own", "seed": seed}
     work = Path(work)
     data = work / "client-data"  # each client's own images (fedsd split-data), one folder a SuperNode
@@ -140,7 +264,7 @@ def soak(clients: int, rounds: int, faults: int, seed: int, work: Path, echo=pri
     base_wall = json.loads((base / "wall.json").read_text())["seconds"]
     per_round = base_wall / rounds
 
-    soaked = work / f"soak-seed{seed}"
+    soaked = work / (f"soak-seed{seed}" + (f"-churn{churn}" if churn else ""))
     if soaked.exists():  # a soak is one run from the start: an earlier one's state would be resumed
         import shutil
 
@@ -150,9 +274,11 @@ def soak(clients: int, rounds: int, faults: int, seed: int, work: Path, echo=pri
     with LocalDeployment(soaked / "deployment", clients, **owners) as d:
         d.start()
         started = time.monotonic()
-        run = d.submit({**config, "out-dir": str(out)})
-        pending = list(plan)
-        round_began, seen_round = time.monotonic(), 0
+        sup = Supervisor(d, out, restarts, {**config, "out-dir": str(out)})
+        sup.run = d.submit(sup.config)
+        pending, leaving = list(plan), list(absences)
+        away: Absence | None = None
+        round_began, round_began_ns, seen_round = time.monotonic(), time.time_ns(), 0
         while not (out / "result.json").is_file():
             if time.monotonic() - started > 20 * base_wall + 600:
                 raise RuntimeError(f"the soak did not finish within {20 * base_wall + 600:.0f} s; see {d.logs}")
@@ -160,26 +286,51 @@ def soak(clients: int, rounds: int, faults: int, seed: int, work: Path, echo=pri
             if done != seen_round:
                 if done == seen_round + 1 and seen_round:  # a whole round, in this run: the next one's measure
                     per_round = time.monotonic() - round_began
-                seen_round, round_began = done, time.monotonic()
+                seen_round, round_began, round_began_ns = done, time.monotonic(), time.time_ns()
                 echo(f"soak: round {done} checkpointed at {time.monotonic() - started:.0f} s")
+            if away is None and leaving and done >= leaving[0].leaves_after:
+                away = leaving.pop(0)
+                if away.client not in d.supernodes:  # down after a fault: its restart becomes the return
+                    sup.cancel(away.client)
+                else:
+                    _take_away(d, away)
+                away.left_at = round(time.monotonic() - started, 1)
+                echo(f"soak: client {away.client} taken away after round {done}, for {away.rounds} round(s)")
+            elif away is not None and (done >= away.away.stop - 1 or _sent_without(d.work, away, clients)):
+                sup.start_again(away.client, "back from churn")
+                away.back_at = round(time.monotonic() - started, 1)
+                echo(f"soak: client {away.client} on its way back, after rounds {away.away.start}-{away.away.stop - 1}")
+                away = None
             fault = pending[0] if pending else None
-            if fault is not None and done + 1 >= fault.round and \
-                    time.monotonic() - round_began >= fault.share * per_round:
+            aimed = None
+            if fault is not None and fault.aim and done + 1 == fault.round:  # its round, and not over yet
+                aimed = _aimed_phase_found(fault, d.work, out, sorted(d.supernodes), round_began_ns)
+            if fault is not None and done + 1 >= fault.round and (
+                    aimed is not None or
+                    (not fault.aim or done + 1 > fault.round) and time.monotonic() - round_began >= fault.share * per_round):
                 pending.pop(0)
-                fault.phase, fault.landed_round = _phase(d.work, out, done + 1, clients), done + 1
+                up = sorted(d.supernodes)
+                if aimed is not None and aimed >= 0 and fault.client is not None:
+                    fault.planned_client, fault.client = fault.client, aimed  # the client found in that phase
+                # Not a client away, down, or back from churn but not yet trained since: each absence
+                # is to show its client going on with its ledger. The next such client instead.
+                returning = {a.client for a in absences if a.back_at and a is not away and
+                             max(_charged_rounds(d.work / "client-state" / str(a.client)), default=0) < a.away.stop}
+                targets = [k for k in up if k not in returning] or up
+                if fault.client is not None and fault.client not in targets and targets:
+                    fault.planned_client = fault.client
+                    fault.client = next((k for k in targets if k > fault.client), targets[0])
+                fault.phase = fault.aim if aimed is not None else _phase(d.work, out, done + 1, up)
+                fault.landed_round = done + 1
                 fault.landed_at = round(time.monotonic() - started, 1)
                 echo(f"soak: fault {fault.kind}" + (f" (client {fault.client})" if fault.client is not None else "")
                      + f" in round {done + 1}, {fault.phase}")
-                run = _inject(d, fault, run, out, restarts)
-            if run.poll() is not None and not (out / "result.json").is_file():
-                # the run's `flwr run` ended without a result (its ServerApp was killed): resumed
-                time.sleep(2)
-                if not (out / "result.json").is_file():
-                    restarts.append("server (resume-dir)")
-                    run = d.submit({"resume-dir": str(out)})
-            time.sleep(0.2)
+                sup.inject(fault)
+            sup.step()
+            aiming = pending and pending[0].aim and done + 1 == pending[0].round
+            time.sleep(AIM_POLL_SECONDS if aiming else 0.2)
         wall = time.monotonic() - started
-        d.stop(run)
+        d.stop(sup.run)
     result = json.loads((out / "result.json").read_text())
     check = check_run(out, deployment_state_dirs(d.work, clients))
     gap = 100 * (baseline["test_accuracy"] - result["test_accuracy"])
@@ -187,48 +338,170 @@ def soak(clients: int, rounds: int, faults: int, seed: int, work: Path, echo=pri
     for f in plan:
         kinds[f.kind] = kinds.get(f.kind, 0) + 1
         phases[f.phase] = phases.get(f.phase, 0) + 1
-    report = dict(seed=seed, clients=clients, rounds=rounds, faults=faults,
+    for a in absences:
+        a.missed_rounds = [r["round"] for r in result["rounds"] if a.leaves_after < r["round"] <= a.away.stop
+                           and any(m.get("client") == a.client for m in r.get("missed", []))]
+        a.trained_again = next((r["round"] for r in result["rounds"]
+                                if r["round"] > a.away.stop - 1 and a.client in r.get("trained", [])), None)
+    unexplained = charged_again_unexplained(check, plan, absences)
+    churn_ok = all(a.trained_again is not None for a in absences)
+    report = dict(seed=seed, clients=clients, rounds=rounds, faults=faults, churn=churn,
                   rounds_completed=len(result["rounds"]), faults_by_kind=kinds, faults_by_phase=phases,
-                  fault_log=[asdict(f) for f in plan], restarts=restarts, wall_seconds=round(wall, 1),
-                  baseline_wall_seconds=round(base_wall, 1), test_accuracy=result["test_accuracy"],
-                  baseline_test_accuracy=baseline["test_accuracy"], accuracy_gap_points=round(gap, 2),
-                  privacy_check=check,
-                  passed=check["passed"] and check["finished"] and gap <= 3.0)
+                  fault_log=[asdict(f) for f in plan], absences=[asdict(a) for a in absences], restarts=restarts,
+                  wall_seconds=round(wall, 1), baseline_wall_seconds=round(base_wall, 1),
+                  test_accuracy=result["test_accuracy"], baseline_test_accuracy=baseline["test_accuracy"],
+                  accuracy_gap_points=round(gap, 2), charged_again_unexplained=unexplained, privacy_check=check,
+                  passed=check["passed"] and check["finished"] and not unexplained and churn_ok and gap <= 3.0)
     write_json(soaked / "report.json", report)
     return report
 
 
-def _inject(d, fault: Fault, run, out: Path, restarts: list[str]):
-    """SIGKILL the fault's part; start it again after its delay; the run's `flwr run` process
-    (a new one where the server had to be resumed)."""
-    k = fault.client
-    worker = f"clients.data_service --socket {d.work / 'client-state' / str(k)}/" if k is not None else ""
-    if fault.kind == "supernode":  # the SuperNode, its ClientApp and its warm worker
-        d.stop(d.supernodes[k], grace=0)
-        _kill(_pids(worker))
-        time.sleep(fault.delay)
-        # The SuperLink takes the node's key again once it has marked the killed node offline.
-        deadline = time.monotonic() + 300
-        while d.online_nodes() >= d.num_clients and time.monotonic() < deadline:
-            time.sleep(1)
-        d.start_supernode(k)
-        restarts.append(f"supernode {k}")
-    elif fault.kind == "worker":  # the warm worker alone: the node's next ClientApp starts another
-        _kill(_pids(worker))
-        restarts.append(f"worker {k} (on demand)")
-    elif fault.kind == "superlink":  # with its ServerApp; started again on its database, the run resumed
-        d.stop(d.superlink, grace=0)
-        d.stop(run, grace=0)
-        time.sleep(fault.delay)
-        d.start_superlink()
-        d.wait_online(d.num_clients, timeout=300)
-        restarts.append("superlink")
-        restarts.append("server (resume-dir)")
-        return d.submit({"resume-dir": str(out)})
-    elif fault.kind == "serverapp":
+def charged_again_unexplained(check: dict, plan: list[Fault], absences: list[Absence]) -> list[str]:
+    """Rounds a client was charged for more than once with nothing that stopped it in that round:
+    a client stopped between its charge and its reply trains the round again and pays again (the
+    safe side); one that was not had answered the round, and should have sent its kept reply."""
+    stopped = {(f.client, f.landed_round) for f in plan if f.kind in ("supernode", "worker")}
+    stopped |= {(a.client, a.leaves_after + 1) for a in absences}  # taken away mid-round, maybe
+    return [f"client {k}, round {r}: charged {n} times" for k, facts in check["clients"].items()
+            for r, n in facts.get("charged_again", {}).items() if (int(k), int(r)) not in stopped]
+
+
+def _worker_pattern(d, k: int) -> str:
+    return f"clients.data_service --socket {d.work / 'client-state' / str(k)}/"
+
+
+def _take_away(d, absence: Absence) -> None:
+    """The client's SuperNode stopped (as a machine shut down: SIGTERM, then SIGKILL) with its
+    warm worker; its state folder stays."""
+    d.stop(d.supernodes.pop(absence.client))  # popped: a node away is not waited for (wait_online)
+    _kill(_pids(_worker_pattern(d, absence.client)))
+
+
+def _sent_without(work: Path, absence: Absence, clients: int) -> bool:
+    """Whether the absence's last round has gone out without its client: another client has
+    been charged for it (or a later round)."""
+    last = absence.away.stop - 1
+    return any(max(_charged_rounds(work / "client-state" / str(k)), default=0) >= last
+               for k in range(clients) if k != absence.client)
+
+
+@dataclass
+class Restart:
+    part: str  # "supernode", "superlink" or "server"
+    due: float  # time.monotonic() from which it may start
+    client: int | None = None
+    why: str = ""
+
+
+class Supervisor:
+    """Kills a fault's part at once and starts it again later, as a supervisor would, without
+    holding up the soak's loop (churn and the next fault go on meanwhile): a SuperNode once its
+    delay has passed and the SuperLink has marked its node offline (it takes the node's key again
+    only then: at once after a graceful stop, a heartbeat period or two after a SIGKILL), the SuperLink after its delay, the server (resume-dir) once the
+    SuperLink it needs is up and its SuperNodes are back online (or after RECONNECT_SECONDS)."""
+
+    RECONNECT_SECONDS = 300.0
+    CHECK_SECONDS = 2.0  # between asks of the SuperLink (`flwr supernode list` is a process)
+    SUPEREXEC_GRACE = 15.0  # after the SuperLink starts, before its SuperExec must be there
+
+    def __init__(self, d, out: Path, restarts: list[str], config: dict):
+        self.d, self.out, self.restarts, self.config = d, out, restarts, config
+        self.run = None  # the run's `flwr run` process
+        self.due: list[Restart] = []
+        self.next_check = 0.0
+        self.superlink_started = time.monotonic()
+
+    def inject(self, fault: Fault) -> None:
+        d, k, now = self.d, fault.client, time.monotonic()
+        if fault.kind == "supernode":  # the SuperNode, its ClientApp and its warm worker
+            d.stop(d.supernodes.pop(k, None), grace=0)
+            _kill(_pids(_worker_pattern(d, k)))
+            self.due.append(Restart("supernode", now + fault.delay, k))
+        elif fault.kind == "worker":  # the warm worker alone: the node's next ClientApp starts another
+            _kill(_pids(_worker_pattern(d, k)))
+            self.restarts.append(f"worker {k} (on demand)")
+        elif fault.kind == "superlink":  # with its ServerApp; started again on its database, the run resumed
+            d.stop(d.superlink, grace=0)
+            self._kill_server()
+            self.due = [r for r in self.due if r.part not in ("superlink", "server")]
+            self.due += [Restart("superlink", now + fault.delay), Restart("server", now + fault.delay)]
+        elif fault.kind == "serverapp":
+            self._kill_server()
+            if not any(r.part == "server" for r in self.due):
+                self.due.append(Restart("server", now + fault.delay))
+
+    def start_again(self, client: int, why: str) -> None:
+        """A SuperNode taken away comes back (once the SuperLink has marked it offline)."""
+        self.due.append(Restart("supernode", time.monotonic(), client, why))
+
+    def cancel(self, client: int) -> None:
+        """Leave a SuperNode down (churn takes it away while a fault had it down)."""
+        self.due = [r for r in self.due if not (r.part == "supernode" and r.client == client)]
+
+    def submit(self) -> None:
+        """The run: resumed from its last checkpoint, or, stopped before its first (no fault is
+        planned in round 1, but the SuperLink's SuperExec may exit then), started again."""
+        if (self.out / "checkpoint.pt").is_file():
+            self.run = self.d.submit({"resume-dir": str(self.out)})
+            self.restarts.append("server (resume-dir)")
+        else:
+            import shutil
+
+            shutil.rmtree(self.out, ignore_errors=True)
+            self.run = self.d.submit(self.config)
+            self.restarts.append("server (from the start)")
+
+    def superexec_alive(self) -> bool:
+        """Whether the SuperLink's SuperExec (the process that starts each run's ServerApp,
+        started detached with `--parent-pid <the SuperLink's>`) is there; true in its first seconds."""
+        superlink = self.d.superlink
+        if superlink is None or time.monotonic() - self.superlink_started < self.SUPEREXEC_GRACE:
+            return True
+        return bool(_pids(f"flower-superexec .*--parent-pid {superlink.pid}( |$)"))
+
+    def _kill_server(self) -> None:
         _kill(_pids("flwr-serverapp"))
-        d.stop(run, grace=0)
-        time.sleep(fault.delay)
-        restarts.append("server (resume-dir)")
-        return d.submit({"resume-dir": str(out)})
-    return run
+        if self.run is not None:
+            self.d.stop(self.run, grace=0)
+            self.run = None
+
+    def step(self) -> None:
+        """Start what is due and ready; resume the server where its run ended without a result."""
+        d, now = self.d, time.monotonic()
+        if self.run is not None and self.run.poll() is not None and not (self.out / "result.json").is_file() \
+                and not any(r.part == "server" for r in self.due):
+            time.sleep(2)  # the run's `flwr run` ended without a result (its ServerApp was killed)
+            if not (self.out / "result.json").is_file():
+                self.run = None
+                self.due.append(Restart("server", now))
+        ready = [r for r in self.due if r.due <= now]
+        if now < self.next_check and all(r.part != "superlink" for r in ready):
+            return
+        self.next_check = now + self.CHECK_SECONDS
+        if not any(r.part == "superlink" for r in self.due) and not self.superexec_alive():
+            # Flower's SuperLink does not start its SuperExec again when it exits (seen here: it gave
+            # up after a TLS handshake to the SuperLink timed out), and without it no ServerApp can
+            # start: a supervisor starts the SuperLink again, as for a crash.
+            d.stop(d.superlink, grace=0)
+            self._kill_server()
+            self.due = [r for r in self.due if r.part != "server"]
+            self.due += [Restart("superlink", now, why="its SuperExec exited"), Restart("server", now)]
+            ready = [r for r in self.due if r.due <= now]
+        for r in ready:
+            if r.part == "superlink":
+                d.start_superlink()
+                self.superlink_started = time.monotonic()
+                self.restarts.append("superlink" + (f" ({r.why})" if r.why else ""))
+            elif r.part == "supernode":
+                if any(q.part == "superlink" for q in self.due) or \
+                        d.node_statuses().get(d.node_ids.get(r.client)) == "online":
+                    continue  # the SuperLink is down, or has not yet marked the node's old connection offline
+                d.start_supernode(r.client)
+                self.restarts.append(f"supernode {r.client}" + (f" ({r.why})" if r.why else ""))
+            elif r.part == "server":
+                if any(q.part == "superlink" for q in self.due):
+                    continue
+                if d.online_nodes() < len(d.supernodes) and now < r.due + self.RECONNECT_SECONDS:
+                    continue  # its SuperNodes are reconnecting to a restarted SuperLink
+                self.submit()
+            self.due.remove(r)

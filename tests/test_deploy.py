@@ -426,24 +426,31 @@ def test_a_users_network_travels_in_the_app_to_every_supernode(tmp_path):
     assert not (ROOT / "task" / "user_net.py").exists()  # it came in the app, not from this checkout
 
 
-def test_a_small_soak_finishes_under_the_independent_privacy_check(tmp_path):
+def test_a_small_soak_with_churn_finishes_under_the_independent_privacy_check(tmp_path):
     """`fedsd bench soak`: 3 SuperNodes with their own data and budgets, 8 rounds, 5 seeded
     SIGKILLs (the ServerApp twice, the warm worker twice, a SuperNode), each part started again
-    as a supervisor would; the run finishes, and every client's ε recomputed from what it
-    released is within its ledger and its owner's limit. The report's accuracy criterion (within
-    3 points of the same seed's run without faults) is for the issue's long runs: own data draws
-    its noise from a secret seed, so two fault-free runs of 8 short rounds already differ by a
-    few points (62.22 and 64.10 here); this test bounds the gap at 10, where a run that stopped
-    learning after a fault would fail it."""
+    as a supervisor would, and 2 absences of a client (its SuperNode away for whole rounds, then
+    back on the same state folder). The run finishes; every client's ε recomputed from what it
+    released is within its ledger and its owner's limit; no round is charged twice on a client
+    that nothing stopped in it; each absent client is recorded missing and trains again after it
+    comes back. The report's accuracy criterion (within 3 points of the same seed's run without
+    faults) is for the issue's long runs: own data draws its noise from a secret seed, so two
+    fault-free runs of 8 short rounds already differ by a few points (62.22 and 64.10 here), and
+    a client away for rounds of 8 costs more (6.53 points with this seed); this test bounds the
+    gap at 15, where a run that stopped learning after a fault (chance: 10 %) would fail it."""
     require("fmnist")
     proc = subprocess.run([sys.executable, "-m", "simulations.cli", "bench", "soak", "--clients", "3", "--rounds", "8",
-                           "--faults", "5", "--seed", "0", "--work", str(tmp_path / "soak")], cwd=ROOT,
+                           "--faults", "5", "--churn", "2", "--seed", "0", "--work", str(tmp_path / "soak")], cwd=ROOT,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["rounds_completed"] == 8 and report["privacy_check"]["finished"], report
     assert report["faults_by_kind"] == {"serverapp": 2, "worker": 2, "supernode": 1}
-    assert report["privacy_check"]["passed"] and report["accuracy_gap_points"] <= 10.0, report
+    assert report["privacy_check"]["passed"] and report["charged_again_unexplained"] == [], report
+    assert len(report["absences"]) == 2
+    for absence in report["absences"]:
+        assert absence["missed_rounds"] and absence["trained_again"] is not None, absence
+    assert report["accuracy_gap_points"] <= 15.0, report
     assert report["passed"] == (report["accuracy_gap_points"] <= 3.0)
     for client in report["privacy_check"]["clients"].values():
         assert client["epsilon_released"] <= client["epsilon_ledger"] <= 2.5
@@ -457,3 +464,29 @@ def test_more_faults_than_a_run_can_absorb_are_refused_before_any_process_starts
     assert "--faults: at most 6 for --rounds 8 (one a round, none in the first or the last), got 7" in \
         capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_more_churn_than_a_run_can_absorb_is_refused_before_any_process_starts(tmp_path, capsys):
+    from simulations.cli import main
+
+    assert main(["bench", "soak", "--clients", "3", "--rounds", "8", "--faults", "2", "--churn", "4",
+                 "--work", str(tmp_path)]) == 2
+    assert ("--churn: at most 3 for --rounds 8 (one client away at a time, not in round 1 or the last, each back "
+            "for a round before the next leaves), got 4") in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("rounds", [3, 8, 30])
+def test_churn_plans_one_absence_at_a_time_each_followed_by_a_round_back(rounds):
+    from simulations.soak import MAX_AWAY, max_absences, plan_churn, plan_faults
+
+    for seed in range(20):
+        for k in range(max_absences(rounds) + 1):
+            plan, back = plan_churn(4, rounds, k, seed), 1
+            assert len(plan) == k
+            for a in plan:
+                assert a.away.start > back and 1 <= a.rounds <= MAX_AWAY and 0 <= a.client < 4
+                back = a.away.stop  # the round it is back for
+                assert back < rounds  # the last round spare
+    # its own generator: churn leaves the faults' plan as it was
+    assert plan_faults(4, 30, 20, 1) == plan_faults(4, 30, 20, 1) and plan_churn(4, 30, 5, 1) == plan_churn(4, 30, 5, 1)

@@ -60,3 +60,23 @@ def test_an_unreadable_ledger_fails_loudly_naming_the_file(tmp_path, capsys):
     (work / "client-state" / "1" / "ledger-abc.json").unlink()
     with pytest.raises(DataError, match="no ledger"):
         check_run(run, {0: work / "client-state" / "0", 1: work / "client-state" / "1"})
+
+
+def test_a_round_charged_twice_is_listed_and_a_soak_fails_it_unless_a_fault_stopped_that_client(tmp_path, capsys):
+    """A second charge for a round is the safe side for privacy (the check passes), but it is
+    listed; fedsd bench soak fails it unless that client's node or worker was stopped in that
+    round (it then trained the round again), as a replayed round once was charged twice."""
+    from simulations.soak import Absence, Fault, charged_again_unexplained
+
+    code, report = run_check(*deployment(tmp_path, {0: [1, 2], 1: [1, 2, 2]}, max_epsilon=5.0), capsys)
+    assert code == 0 and report["passed"]
+    assert report["clients"]["1"]["charged_again"] == {"2": 2} and report["clients"]["0"]["charged_again"] == {}
+    # the released update's cost counts once; the ledger holds both
+    assert report["clients"]["1"]["epsilon_released"] < report["clients"]["1"]["epsilon_ledger"]
+    server_killed = Fault(2, 0.5, "serverapp", None, 1.0, landed_round=2)
+    assert charged_again_unexplained(report, [server_killed], []) == ["client 1, round 2: charged 2 times"]
+    other_client = Fault(2, 0.5, "worker", 0, 1.0, landed_round=2)
+    assert charged_again_unexplained(report, [other_client], []) == ["client 1, round 2: charged 2 times"]
+    assert charged_again_unexplained(report, [Fault(2, 0.5, "worker", 1, 1.0, landed_round=2)], []) == []
+    assert charged_again_unexplained(report, [Fault(2, 0.5, "supernode", 1, 1.0, landed_round=1)], []) != []
+    assert charged_again_unexplained(report, [], [Absence(1, leaves_after=1, rounds=1)]) == []

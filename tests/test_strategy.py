@@ -276,3 +276,41 @@ def test_a_node_gone_offline_is_missing_without_waiting_for_the_rounds_timeout(m
     strategy.aggregate_train(1, replies)
     assert {m["node_id"]: m["reason"] for m in strategy.missed[1]} == {
         13: "node 13: it went offline (its heartbeat lapsed) before replying"}
+
+
+def test_a_launch_whose_node_is_down_goes_on_without_it_after_a_bounded_wait(monkeypatch):
+    """A resumed server's first round waits for the whole federation, but not forever: a client
+    whose machine is down (churn) would otherwise hold the run for good (Flower's sample_nodes
+    waits without a limit). After LAUNCH_WAIT_SECONDS it goes on with the nodes there."""
+    import threading
+    import time
+
+    from flwr.app import ConfigRecord
+
+    import server.strategy
+
+    monkeypatch.setattr(server.strategy, "LAUNCH_WAIT_SECONDS", 0.5)
+    fed = FedOptions(num_clients=3)
+    strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES, round_offset=4)
+    arrays, sent = ArrayRecord({k: Array(v) for k, v in good().items()}), []
+    started = time.monotonic()
+    worker = threading.Thread(target=lambda: sent.extend(strategy.configure_train(1, arrays, ConfigRecord({}),
+                                                                                  Nodes(11, 13))), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "the launch waited for the node that is down"
+    assert 0.5 <= time.monotonic() - started < 10
+    assert sorted(m.metadata.dst_node_id for m in sent) == [11, 13]
+
+
+def test_a_launch_with_its_whole_federation_does_not_wait():
+    import time
+
+    from flwr.app import ConfigRecord
+
+    fed = FedOptions(num_clients=3)
+    strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
+    started = time.monotonic()
+    sent = list(strategy.configure_train(1, ArrayRecord({k: Array(v) for k, v in good().items()}), ConfigRecord({}),
+                                         Nodes(11, 12, 13)))
+    assert len(sent) == 3 and time.monotonic() - started < 2
