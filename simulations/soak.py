@@ -460,7 +460,9 @@ class Supervisor:
         return bool(_pids(f"flower-superexec .*--parent-pid {superlink.pid}( |$)"))
 
     def _kill_server(self) -> None:
-        _kill(_pids("flwr-serverapp"))
+        # this deployment's ServerApp only: it is started with its SuperLink's address (a bare
+        # "flwr-serverapp" would kill every other deployment's on the machine too)
+        _kill(_pids(f"flwr-serverapp .*--runtime-api-address {self.d.address}( |$)"))
         if self.run is not None:
             self.d.stop(self.run, grace=0)
             self.run = None
