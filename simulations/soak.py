@@ -131,8 +131,7 @@ def plan_faults(clients: int, rounds: int, faults: int, seed: int) -> list[Fault
 # Half the faults wait for one of the two short phases of their round, which a seeded moment
 # would seldom find: a client's state saved after its steps with its reply not yet kept (tens of
 # milliseconds), and the server writing its checkpoint. Watched by the files' times alone, every
-# AIM_POLL_SECONDS; an aimed fault whose round ends without the phase lands at its seeded moment
-# of the next.
+# AIM_POLL_SECONDS; an aimed fault whose round ends without the phase lands at once in the next.
 AIMS = ("", "", "between charge and reply", "checkpoint")
 AIM_POLL_SECONDS = 0.01
 
@@ -305,9 +304,11 @@ def soak(clients: int, rounds: int, faults: int, seed: int, work: Path, echo=pri
             aimed = None
             if fault is not None and fault.aim and done + 1 == fault.round:  # its round, and not over yet
                 aimed = _aimed_phase_found(fault, d.work, out, sorted(d.supernodes), round_began_ns)
+            # due: its aimed phase found, its round over (it lands at once: a fault left to the last
+            # round's seeded moment could miss the run's end), or its seeded moment in its round
             if fault is not None and done + 1 >= fault.round and (
-                    aimed is not None or
-                    (not fault.aim or done + 1 > fault.round) and time.monotonic() - round_began >= fault.share * per_round):
+                    aimed is not None or done + 1 > fault.round or
+                    not fault.aim and time.monotonic() - round_began >= fault.share * per_round):
                 pending.pop(0)
                 up = sorted(d.supernodes)
                 if aimed is not None and aimed >= 0 and fault.client is not None:
@@ -346,7 +347,8 @@ def soak(clients: int, rounds: int, faults: int, seed: int, work: Path, echo=pri
     unexplained = charged_again_unexplained(check, plan, absences)
     churn_ok = all(a.trained_again is not None for a in absences)
     report = dict(seed=seed, clients=clients, rounds=rounds, faults=faults, churn=churn,
-                  rounds_completed=len(result["rounds"]), faults_by_kind=kinds, faults_by_phase=phases,
+                  rounds_completed=len(result["rounds"]), faults_landed=sum(bool(f.phase) for f in plan),
+                  faults_by_kind=kinds, faults_by_phase=phases,
                   fault_log=[asdict(f) for f in plan], absences=[asdict(a) for a in absences], restarts=restarts,
                   wall_seconds=round(wall, 1), baseline_wall_seconds=round(base_wall, 1),
                   test_accuracy=result["test_accuracy"], baseline_test_accuracy=baseline["test_accuracy"],

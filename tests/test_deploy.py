@@ -426,6 +426,7 @@ def test_a_users_network_travels_in_the_app_to_every_supernode(tmp_path):
     assert not (ROOT / "task" / "user_net.py").exists()  # it came in the app, not from this checkout
 
 
+@pytest.mark.timeout(1800)  # about 4 minutes here alone; a baseline and a soak of real processes
 def test_a_small_soak_with_churn_finishes_under_the_independent_privacy_check(tmp_path):
     """`fedsd bench soak`: 3 SuperNodes with their own data and budgets, 8 rounds, 5 seeded
     SIGKILLs (the ServerApp twice, the warm worker twice, a SuperNode), each part started again
