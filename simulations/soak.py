@@ -161,7 +161,7 @@ def _kill(pids: list[int]) -> None:
             pass
 
 
-def _mtime(paths: list[Path]) -> float:
+def _mtime(paths) -> int:
     times = []
     for path in paths:
         try:
@@ -169,6 +169,14 @@ def _mtime(paths: list[Path]) -> float:
         except OSError:
             pass
     return max(times, default=0)
+
+
+def _file_times(state_dir: Path) -> tuple[int, int, int]:
+    """When a client last charged its ledger, saved its state and kept a reply (ns; 0: never),
+    from the files' times alone (fast enough to poll every few milliseconds)."""
+    return (_mtime(state_dir.glob("ledger-*.json")),
+            _mtime(p for p in state_dir.glob("*/client-*.pt") if not p.stem.endswith("-last-reply")),
+            _mtime(state_dir.glob("*/client-*-last-reply.pt")))
 
 
 def _charged_rounds(state_dir: Path) -> list[int]:
@@ -187,22 +195,16 @@ def _client_phase(state_dir: Path, round_: int) -> str:
     run, its state saved after them, then its reply kept and sent."""
     if round_ not in _charged_rounds(state_dir):
         return "waiting"
-    charged = _mtime(list(state_dir.rglob("ledger-*.json")))
-    saved = _mtime([p for p in state_dir.rglob("client-*.pt") if not p.stem.endswith("-last-reply")])
-    kept = _mtime(list(state_dir.rglob("client-*-last-reply.pt")))
+    charged, saved, kept = _file_times(state_dir)
     if saved < charged:
         return "training"
     return "replied" if kept >= saved else "between charge and reply"
 
 
 def _saved_not_kept(state_dir: Path, since_ns: int) -> bool:
-    """A client charged since `since_ns` whose state is saved and whose reply is not yet kept,
-    from the files' times alone (fast enough to poll every few milliseconds)."""
-    charged = _mtime(list(state_dir.glob("ledger-*.json")))
-    if charged < since_ns:
-        return False
-    saved = _mtime([p for p in state_dir.glob("*/client-*.pt") if not p.stem.endswith("-last-reply")])
-    return saved >= charged and _mtime(list(state_dir.glob("*/client-*-last-reply.pt"))) < saved
+    """A client charged since `since_ns` whose state is saved and whose reply is not yet kept."""
+    charged, saved, kept = _file_times(state_dir)
+    return charged >= since_ns and saved >= charged and kept < saved
 
 
 def _aimed_phase_found(fault: Fault, work: Path, out: Path, up: list[int], since_ns: int) -> int | None:
