@@ -11,6 +11,13 @@ Two stages, as for the readings: nothing is chosen on test accuracy.
   and, to answer whether self-distillation adds on a strong feature baseline, for dp3sd and
   dpdsd in the papers' reading (their τ, α, β for the data set).
 
+- In a federation (does the recipe hold there?): the federated table's shape and partitions
+  IID and Dirichlet(0.5) (`fedsd reproduce --table fed`: Fashion-MNIST, 10 clients, 30 rounds
+  of one local epoch, B = 256 a client, ε = 3 a client), each client computing the features of
+  its own images, on Fashion-MNIST's chosen network; the lr chosen on the federation's
+  validation split (dpsgd, IID, seed 0), then three seeds of each method under each partition.
+  These runs take minutes, so they go before CIFAR-10's (hours each).
+
 The features are normalised per sample by GroupNorm (27 groups) where Tramèr & Boneh used, for
 MNIST and CIFAR-10, batch statistics made private at a cost in ε. Each run is `fedsd train`,
 resumable, written to <out>/runs/features/<run>/; a finished run is not run again.
@@ -104,6 +111,91 @@ def confirm_runs(runs_dir: Path, datasets, seeds: int) -> list[FeatureRun]:
     return runs
 
 
+# The federation (FED_SHAPE, B and ε of the federated table, on FED_DATASET's chosen network).
+FED_DATASET = "fmnist"
+FED_PARTITIONS_RUN = ("iid", "dirichlet0.5")
+# The lr screen: the central chosen lr scaled to B = 256 (linear in B), times each of these.
+# The federated table's CNN took 3.1 times its linear scaling (lr 1.5 against 3 · 256/1600), so
+# the grid reaches above it.
+FED_LR_SCALES = (1.0, 4.0, 16.0)
+
+
+@dataclass(frozen=True)
+class FedFeatureRun:
+    """A federation of the federated table's shape on ScatterNet features."""
+    partition: str  # a key of the federated table's FED_PARTITIONS
+    method: str
+    lr: float
+    network: str
+    seed: int = 0
+    validation: int = 0
+
+    @property
+    def name(self) -> str:
+        return (f"fed-{FED_DATASET}-{self.partition}-{self.network}-lr{self.lr:g}-{self.method}"
+                f"{'-val' if self.validation else ''}-seed{self.seed}")
+
+    def settings(self, device: str, data_dir):
+        """(TrainConfig, FedOptions) as `fedsd simulate` takes them."""
+        from fedsd.config import TrainConfig
+        from fedsd.fed_settings import FedOptions, client_config
+
+        from .federated_table import FED_PARTITIONS, FED_SHAPE, FED_TABLE
+
+        partition, alpha = FED_PARTITIONS[self.partition]
+        cfg = TrainConfig(**{**FED_TABLE, "lr": self.lr}, method=self.method, seed=self.seed, features="scatter",
+                          model=self.network, momentum=0.9, clip=0.1, validation=self.validation, device=device,
+                          data_dir=data_dir)
+        fed = FedOptions(**FED_SHAPE, partition=partition, dirichlet_alpha=alpha)
+        return client_config(cfg, fed), fed
+
+
+def fed_screen_runs(runs_dir: Path) -> list[FedFeatureRun]:
+    """dpsgd, IID, seed 0, on validation, at each lr of the grid; none while the central screen
+    of FED_DATASET has not chosen its network and lr."""
+    from .federated_table import FED_TABLE
+
+    central = chosen(runs_dir, FED_DATASET)
+    if central is None:
+        return []
+    base = central["lr"] * FED_TABLE["batch_size"] / central["batch_size"]
+    return [FedFeatureRun("iid", "dpsgd", base * scale, central["model"], SCREEN_SEED, VALIDATION)
+            for scale in FED_LR_SCALES]
+
+
+def read_fed(runs_dir: Path, run: FedFeatureRun) -> RunResult | None:
+    from .federated_table import flawed
+
+    path = runs_dir / run.name / "result.json"
+    result = RunResult.read(path) if path.is_file() else None
+    return None if result is None or flawed(result) else result
+
+
+def fed_confirm_runs(runs_dir: Path, seeds: int) -> list[FedFeatureRun]:
+    """Each method under each partition, at the screen's lr, on test; none while it runs."""
+    screen = [(run, read_fed(runs_dir, run)) for run in fed_screen_runs(runs_dir)]
+    if not screen or any(r is None for _, r in screen):
+        return []
+    best = max(screen, key=lambda pair: pair[1].validation_accuracy)[0]
+    return [FedFeatureRun(p, m, best.lr, best.network, seed) for p in FED_PARTITIONS_RUN for m in METHODS
+            for seed in range(seeds)]
+
+
+def run_federations(runs: list[FedFeatureRun], runs_dir: Path, device: str, data_dir, jobs: int,
+                    quiet: bool) -> None:
+    from .federated_table import run_federation, run_state
+
+    for k, run in enumerate(runs, 1):
+        cfg, fed = run.settings(device, data_dir)
+        state = run_state(runs_dir / run.name, cfg, fed)
+        if state == "done":
+            continue
+        if not quiet:
+            print(f"features, federated [{k}/{len(runs)}] {run.name}" + (" (resumed)" if state == "resume" else ""),
+                  flush=True)
+        run_federation(cfg, fed, runs_dir / run.name, state, jobs, quiet)
+
+
 def reproduce_features(datasets: list[str] | None, seeds: int, jobs: int, threads: int, device: str, data_dir,
                        out: Path, quiet: bool = False) -> Path:
     datasets = [d for d in TB_SETTINGS if datasets is None or d in datasets]
@@ -115,7 +207,14 @@ def reproduce_features(datasets: list[str] | None, seeds: int, jobs: int, thread
 
     run_all(screen_runs(datasets), "features: screen")
     write_features_table(runs_dir, out, seeds)
-    run_all(confirm_runs(runs_dir, datasets, seeds), "features: confirmation")
+    slow = [d for d in datasets if d not in SCREENED]  # CIFAR-10: hours a run
+    run_all(confirm_runs(runs_dir, [d for d in datasets if d not in slow], seeds), "features: confirmation")
+    if FED_DATASET in datasets:
+        run_federations(fed_screen_runs(runs_dir), runs_dir, device, data_dir, jobs, quiet)
+        write_features_table(runs_dir, out, seeds)
+        run_federations(fed_confirm_runs(runs_dir, seeds), runs_dir, device, data_dir, jobs, quiet)
+        write_features_table(runs_dir, out, seeds)
+    run_all(confirm_runs(runs_dir, slow, seeds), "features: confirmation")
     return write_features_table(runs_dir, out, seeds)
 
 
@@ -152,7 +251,35 @@ def table_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
                 base = row
             row["gain_over_dpsgd"] = paired_difference(row, base)
             confirmed.append(row)
-    return dict(screen=screen, confirmed=confirmed)
+    return dict(screen=screen, confirmed=confirmed, federated=fed_rows(runs_dir, seeds))
+
+
+def fed_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
+    """The federation's lr screen (validation) and its rows (test, per partition and method,
+    the gain over dpsgd paired by seed)."""
+    screen = []
+    for run in fed_screen_runs(runs_dir):
+        r = read_fed(runs_dir, run)
+        if r is not None:
+            screen.append(dict(partition=run.partition, network=run.network, lr=run.lr,
+                               validation_accuracy=100 * r.validation_accuracy, minutes=round(r.wall_seconds / 60, 1)))
+    rows, base = [], {}
+    for run in fed_confirm_runs(runs_dir, seeds):
+        if run.seed:
+            continue
+        found = {s: r for s in range(seeds)
+                 if (r := read_fed(runs_dir, FedFeatureRun(run.partition, run.method, run.lr, run.network, s)))}
+        if not found:
+            continue
+        accuracies = [100 * r.test_accuracy for r in found.values()]
+        mean, se = _mean_se(accuracies)
+        row = dict(partition=run.partition, method=run.method, network=run.network, lr=run.lr, seeds=list(found),
+                   accuracies=accuracies, mean=mean, se=se, minutes=[round(r.wall_seconds / 60, 1) for r in found.values()])
+        if run.method == "dpsgd":
+            base[run.partition] = row
+        row["gain_over_dpsgd"] = paired_difference(row, base.get(run.partition))
+        rows.append(row)
+    return dict(screen=screen, rows=rows)
 
 
 def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
@@ -178,5 +305,30 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
     for r in rows["screen"]:
         lines.append(f"| {r['dataset']} | {r['model']} | {r['batch_size']} | {r['lr']:g} | {r['epochs']} | "
                      f"{r['validation_accuracy']:.2f} | {r['minutes']:.1f} |")
+    lines += fed_md(rows["federated"])
     (out / f"{TABLE_NAME}.md").write_text("\n".join(lines) + "\n")
     return out / f"{TABLE_NAME}.md"
+
+
+def fed_md(fed: dict) -> list[str]:
+    from .federated_table import FED_SHAPE, FED_TABLE
+
+    lines = ["", f"## In a federation ({FED_DATASET}, {FED_SHAPE['num_clients']} clients, {FED_SHAPE['rounds']} rounds of "
+             f"{FED_SHAPE['local_epochs']} local epoch, B = {FED_TABLE['batch_size']} and ε = {FED_TABLE['epsilon']:g} a "
+             "client, each client's own features)", ""]
+    if not fed["screen"]:
+        return lines + ["Not run yet: it follows the central screen."]
+    lines += [f"The lr, on the federation's validation split (dpsgd, IID, seed {SCREEN_SEED}, {VALIDATION} held out):", "",
+              "| network | lr | validation accuracy | minutes |", "|---|---|---|---|"]
+    lines += [f"| {r['network']} | {r['lr']:g} | {r['validation_accuracy']:.2f} | {r['minutes']:.1f} |"
+              for r in fed["screen"]]
+    if fed["rows"]:
+        lines += ["", "| partition | method | network, lr | seeds | test accuracy | gain over dpsgd | minutes a run |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in fed["rows"]:
+            acc = f"{r['mean']:.2f}" + (f" ± {r['se']:.2f}" if r["se"] is not None else "")
+            g = r["gain_over_dpsgd"]
+            gain = "" if g is None else f"{g['mean']:+.2f}" + (f" ± {g['se']:.2f}" if g["se"] is not None else "")
+            lines.append(f"| {r['partition']} | {r['method']} | {r['network']}, {r['lr']:g} | {len(r['seeds'])} | {acc} | "
+                         f"{gain} | {statistics.mean(r['minutes']):.1f} |")
+    return lines

@@ -185,27 +185,31 @@ def reproduce_fed(partitions, methods, seeds: int, jobs: int, rounds: int | None
     total = len(cells) * seeds
     dry_run.stop_here(f"simulate {len(todo)} of {total} federations ({total - len(todo)} done), one at a time "
                       f"on {jobs} CPUs")
-    from simulations.simulate import simulate
-
     for k, (cell, cfg, fed, run_out, state) in enumerate(todo, 1):
         if not quiet:
             print(f"[{k}/{len(todo)}] {run_out.name}" + (" (resumed)" if state == "resume" else ""), flush=True)
-        try:
-            if state == "resume":
-                simulate(cfg, dataclasses.replace(fed, resume_dir=str(run_out)), None, progress=not quiet,
-                         ray_cpus=jobs)
-            else:
-                if run_out.exists():  # made with other settings
-                    shutil.rmtree(run_out)
-                simulate(cfg, fed, run_out, progress=not quiet, ray_cpus=jobs)
-        except TrainingDiverged as e:
-            # An answer of the table too (this method does not train in this federation): kept
-            # beside the run's checkpoints, so it is not run again, and the table goes on.
-            write_json(run_out / DIVERGED, dict(config=cfg.to_dict(), federation=dataclasses.asdict(fed),
-                                                reason=str(e)))
-            if not quiet:
-                print(f"  diverged: {e}", flush=True)
+        run_federation(cfg, fed, run_out, state, jobs, quiet)
     write_fed_table(fed_cells(), runs_dir, out)
+
+
+def run_federation(cfg: TrainConfig, fed: FedOptions, run_out: Path, state: str, jobs: int, quiet: bool) -> None:
+    """One table run, by its run_state: resumed from its checkpoint, or started afresh (what a
+    run with other settings left there removed); a run that diverges leaves diverged.json."""
+    from simulations.simulate import simulate
+
+    try:
+        if state == "resume":
+            simulate(cfg, dataclasses.replace(fed, resume_dir=str(run_out)), None, progress=not quiet, ray_cpus=jobs)
+        else:
+            if run_out.exists():  # made with other settings
+                shutil.rmtree(run_out)
+            simulate(cfg, fed, run_out, progress=not quiet, ray_cpus=jobs)
+    except TrainingDiverged as e:
+        # An answer of the table too (this method does not train in this federation): kept
+        # beside the run's checkpoints, so it is not run again, and the table goes on.
+        write_json(run_out / DIVERGED, dict(config=cfg.to_dict(), federation=dataclasses.asdict(fed), reason=str(e)))
+        if not quiet:
+            print(f"  diverged: {e}", flush=True)
 
 
 def _difference_text(d: dict | None) -> str:

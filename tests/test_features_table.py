@@ -1,0 +1,80 @@
+"""`fedsd reproduce --table features` (issue 41): what the table chooses, on validation only,
+and how it pairs each method with dpsgd, central and in a federation. Made-up results in the
+real folders; the runs themselves are the slow tests of ScatterNet training."""
+import json
+
+import pytest
+
+from fedsd.config import TrainConfig
+from fedsd.results import RunResult
+
+
+def _write(folder, cfg, test, validation=None, **facts):
+    folder.mkdir(parents=True)
+    RunResult.of_run(cfg, epsilon_spent=3.0, test_accuracy=test, wall_seconds=120.0, device="cpu",
+                     data_source="test", validation_accuracy=validation, **facts).write(folder / "result.json")
+
+
+def _central(runs_dir, run, test, validation=None):
+    _write(runs_dir / run.name, TrainConfig(**run.config(1, "cpu", None)).resolved(), test, validation)
+
+
+def _federation(runs_dir, run, test, validation=None, missed=None):
+    cfg, fed = run.settings("cpu", None)
+    _write(runs_dir / run.name, cfg, test, validation, rounds=[dict(round=1)], missed=missed,
+           federation=fed.__dict__)
+
+
+def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(tmp_path):
+    from simulations.features_table import (FED_LR_SCALES, chosen, confirm_runs, fed_confirm_runs,
+                                            fed_screen_runs, screen_runs, write_features_table)
+
+    runs_dir = tmp_path / "runs" / "features"
+    screen = screen_runs(["fmnist"])
+    assert chosen(runs_dir, "fmnist") is None and fed_screen_runs(runs_dir) == []  # the federation waits for it
+    for k, run in enumerate(screen):
+        _central(runs_dir, run, test=0.99 if k == 0 else 0.80, validation=0.85 + (0.01 if k == 1 else 0.0))
+    best = screen[1].settings  # the best on validation, not the best on test (screen[0])
+    assert chosen(runs_dir, "fmnist") == best
+    accuracy = {("dpsgd", 0): 0.89, ("dpsgd", 1): 0.90, ("dpdsd", 0): 0.88, ("dpdsd", 1): 0.885}
+    for run in confirm_runs(runs_dir, ["fmnist"], seeds=2):
+        assert run.settings == best
+        if (run.method, run.seed) in accuracy:
+            _central(runs_dir, run, accuracy[(run.method, run.seed)])
+
+    # the federation's lr grid: the central lr at B = 256, times each scale
+    fed_screen = fed_screen_runs(runs_dir)
+    base = best["lr"] * 256 / best["batch_size"]
+    assert [r.lr for r in fed_screen] == pytest.approx([base * s for s in FED_LR_SCALES])
+    assert {(r.method, r.partition, r.network, r.validation) for r in fed_screen} == {
+        ("dpsgd", "iid", best["model"], 10_000)}
+    for k, run in enumerate(fed_screen[:-1]):
+        _federation(runs_dir, run, test=0.5, validation=0.80 + 0.01 * k)
+    # a run in which a client went missing does not count: the screen is not done
+    _federation(runs_dir, fed_screen[-1], test=0.5, validation=0.99, missed={"3": [2]})
+    assert fed_confirm_runs(runs_dir, seeds=2) == []
+    import shutil
+
+    shutil.rmtree(runs_dir / fed_screen[-1].name)
+    _federation(runs_dir, fed_screen[-1], test=0.5, validation=0.70)
+    confirm = fed_confirm_runs(runs_dir, seeds=2)
+    assert {r.lr for r in confirm} == {fed_screen[1].lr}
+    assert {(r.partition, r.method) for r in confirm} == {(p, m) for p in ("iid", "dirichlet0.5")
+                                                           for m in ("dpsgd", "dp3sd", "dpdsd")}
+    fed_accuracy = {("iid", "dpsgd", 0): 0.85, ("iid", "dpsgd", 1): 0.86, ("iid", "dp3sd", 0): 0.80,
+                    ("iid", "dp3sd", 1): 0.84}
+    for run in confirm:
+        if (run.partition, run.method, run.seed) in fed_accuracy:
+            _federation(runs_dir, run, fed_accuracy[(run.partition, run.method, run.seed)])
+
+    write_features_table(runs_dir, tmp_path, seeds=2)
+    table = json.loads((tmp_path / "table-features.json").read_text())
+    central = {r["method"]: r for r in table["confirmed"]}
+    assert central["dpsgd"]["mean"] == pytest.approx(89.5) and central["dpdsd"]["seeds"] == [0, 1]
+    assert central["dpdsd"]["gain_over_dpsgd"]["mean"] == pytest.approx(-1.25)
+    fed = {(r["partition"], r["method"]): r for r in table["federated"]["rows"]}
+    assert set(fed) == {("iid", "dpsgd"), ("iid", "dp3sd")}
+    assert fed[("iid", "dp3sd")]["gain_over_dpsgd"]["mean"] == pytest.approx(-3.5)
+    assert fed[("iid", "dp3sd")]["gain_over_dpsgd"]["se"] == pytest.approx(1.5)
+    md = (tmp_path / "table-features.md").read_text()
+    assert f"| iid | dp3sd | {best['model']}, {fed_screen[1].lr:g} | 2 | 82.00 ± 2.00 | -3.50 ± 1.50 | 2.0 |" in md
