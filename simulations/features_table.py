@@ -317,7 +317,7 @@ def fed_md(fed: dict) -> list[str]:
              f"{FED_SHAPE['local_epochs']} local epoch, B = {FED_TABLE['batch_size']} and ε = {FED_TABLE['epsilon']:g} a "
              "client, each client's own features)", ""]
     if not fed["screen"]:
-        return lines + ["Not run yet: it follows the central screen."]
+        return lines + ["No run finished yet (the lr screen comes first, once the central screen has chosen the network)."]
     lines += [f"The lr, on the federation's validation split (dpsgd, IID, seed {SCREEN_SEED}, {VALIDATION} held out):", "",
               "| network | lr | validation accuracy | minutes |", "|---|---|---|---|"]
     lines += [f"| {r['network']} | {r['lr']:g} | {r['validation_accuracy']:.2f} | {r['minutes']:.1f} |"

@@ -141,3 +141,42 @@ def test_each_method_is_confirmed_at_its_best_reading_once_its_screen_is_done(tm
     assert dp3sd["mean"] == pytest.approx(96.25)
     assert dp3sd["gain_over_dpsgd"]["mean"] == pytest.approx(1.75) and dp3sd["gain_over_dpsgd"]["seeds"] == 2
     assert table[("mnist", 2.0, "dp3sd")]["seeds"] == []
+
+
+def test_table1_second_protocol_is_the_readings_confirmation_of_each_method_at_its_chosen_reading(tmp_path):
+    """Table 1's second protocol (issue 40): once a method's screen is done on disk, its chosen
+    reading's test runs, paired with dpsgd's chosen reading by seed, beside the papers' gain."""
+    from fedsd.config import TrainConfig
+    from fedsd.results import RunResult
+    from simulations.readings import confirm_runs, screen_rows, screen_runs
+    from simulations.reproduce import second_protocol, second_protocol_md
+
+    runs_dir = tmp_path / "runs" / "readings"
+
+    def write(run, folder, test, validation=None):
+        folder.mkdir(parents=True)
+        RunResult.of_run(TrainConfig(**run.config()).resolved(), epsilon_spent=1.0, test_accuracy=test,
+                         wall_seconds=1.0, device="cpu", data_source="test",
+                         validation_accuracy=validation).write(folder / "result.json")
+
+    # the screens of dpsgd and dpema done: dpsgd's best is its momentum0-lr3, dpema's its papers'
+    best = {("dpsgd", "momentum0-lr3"), ("dpema", "papers")}
+    for run in screen_runs():
+        if run.method in ("dpsgd", "dpema"):
+            write(run, runs_dir / run.name, 0.5, (0.95 if (run.method, run.reading.name) in best else 0.90)
+                  + (0.001 if run.epochs == 30 else 0.0))  # each at its best length, 30
+    assert all(r["seeds"] == [] and r["mean"] is None for r in second_protocol(tmp_path / "runs"))  # none on test yet
+    confirm = confirm_runs(screen_rows(screen_runs(), runs_dir))
+    assert {(r.method, r.reading.name) for r in confirm} == best
+    accuracy = {("dpsgd", 0): 0.95, ("dpsgd", 1): 0.96, ("dpema", 0): 0.97, ("dpema", 1): 0.965}
+    for run in confirm:
+        if (run.dataset, run.epsilon) == ("mnist", 1.0) and (run.method, run.seed) in accuracy:
+            write(run, run.folder(runs_dir), accuracy[(run.method, run.seed)])
+    rows = {(r["dataset"], r["epsilon"], r["method"]): r for r in second_protocol(tmp_path / "runs")}
+    dpema = rows[("mnist", 1.0, "dpema")]
+    assert dpema["reading"] == "papers" and dpema["seeds"] == [0, 1]
+    assert dpema["gain_over_dpsgd"]["mean"] == pytest.approx(1.25)
+    assert dpema["paper"] == pytest.approx(96.63) and dpema["paper_gain_over_dpsgd"] == pytest.approx(96.63 - 95.51)
+    md = "\n".join(second_protocol_md(list(rows.values())))
+    assert "| mnist | 1 | dpema | papers, 30 | 96.75 ± 0.25 | 2 | 96.63 | +1.25 ± 0.75 (+1.12) |" in md
+    assert "| mnist | 1 | dpsgd | momentum0-lr3, 30 | 95.50 ± 0.50 | 2 | 95.51 |  |" in md
