@@ -171,12 +171,23 @@ def read_fed(runs_dir: Path, run: FedFeatureRun) -> RunResult | None:
     return None if result is None or flawed(result) else result
 
 
+def fed_diverged(runs_dir: Path, run: FedFeatureRun) -> bool:
+    """A run that diverged (its diverged.json): done, with no accuracy."""
+    from .runs import DIVERGED
+
+    return (runs_dir / run.name / DIVERGED).is_file()
+
+
 def fed_confirm_runs(runs_dir: Path, seeds: int) -> list[FedFeatureRun]:
-    """Each method under each partition, at the screen's lr, on test; none while it runs."""
+    """Each method under each partition, at the screen's lr (the best validation accuracy of
+    the runs that did not diverge), on test; none while the screen runs."""
     screen = [(run, read_fed(runs_dir, run)) for run in fed_screen_runs(runs_dir)]
-    if not screen or any(r is None for _, r in screen):
+    if not screen or any(r is None and not fed_diverged(runs_dir, run) for run, r in screen):
         return []
-    best = max(screen, key=lambda pair: pair[1].validation_accuracy)[0]
+    trained = [(run, r) for run, r in screen if r is not None]
+    if not trained:
+        return []
+    best = max(trained, key=lambda pair: pair[1].validation_accuracy)[0]
     return [FedFeatureRun(p, m, best.lr, best.network, seed) for p in FED_PARTITIONS_RUN for m in METHODS
             for seed in range(seeds)]
 
@@ -263,6 +274,8 @@ def fed_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
         if r is not None:
             screen.append(dict(partition=run.partition, network=run.network, lr=run.lr,
                                validation_accuracy=100 * r.validation_accuracy, minutes=round(r.wall_seconds / 60, 1)))
+        elif fed_diverged(runs_dir, run):
+            screen.append(dict(partition=run.partition, network=run.network, lr=run.lr, diverged=True))
     rows, base = [], {}
     for run in fed_confirm_runs(runs_dir, seeds):
         if run.seed:
@@ -320,7 +333,8 @@ def fed_md(fed: dict) -> list[str]:
         return lines + ["No run finished yet (the lr screen comes first, once the central screen has chosen the network)."]
     lines += [f"The lr, on the federation's validation split (dpsgd, IID, seed {SCREEN_SEED}, {VALIDATION} held out):", "",
               "| network | lr | validation accuracy | minutes |", "|---|---|---|---|"]
-    lines += [f"| {r['network']} | {r['lr']:g} | {r['validation_accuracy']:.2f} | {r['minutes']:.1f} |"
+    lines += [f"| {r['network']} | {r['lr']:g} | diverged | |" if r.get("diverged") else
+              f"| {r['network']} | {r['lr']:g} | {r['validation_accuracy']:.2f} | {r['minutes']:.1f} |"
               for r in fed["screen"]]
     if fed["rows"]:
         lines += ["", "| partition | method | network, lr | seeds | test accuracy | gain over dpsgd | minutes a run |",

@@ -48,8 +48,9 @@ def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(t
     assert [r.lr for r in fed_screen] == pytest.approx([base * s for s in FED_LR_SCALES])
     assert {(r.method, r.partition, r.network, r.validation) for r in fed_screen} == {
         ("dpsgd", "iid", best["model"], 10_000)}
-    for k, run in enumerate(fed_screen[:-1]):
-        _federation(runs_dir, run, test=0.5, validation=0.80 + 0.01 * k)
+    (runs_dir / fed_screen[0].name).mkdir(parents=True)  # diverged: done, with no accuracy
+    (runs_dir / fed_screen[0].name / "diverged.json").write_text("{}")
+    _federation(runs_dir, fed_screen[1], test=0.5, validation=0.81)
     # a run in which a client went missing does not count: the screen is not done
     _federation(runs_dir, fed_screen[-1], test=0.5, validation=0.99, missed={"3": [2]})
     assert fed_confirm_runs(runs_dir, seeds=2) == []
@@ -77,4 +78,5 @@ def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(t
     assert fed[("iid", "dp3sd")]["gain_over_dpsgd"]["mean"] == pytest.approx(-3.5)
     assert fed[("iid", "dp3sd")]["gain_over_dpsgd"]["se"] == pytest.approx(1.5)
     md = (tmp_path / "table-features.md").read_text()
+    assert f"| {best['model']} | {fed_screen[0].lr:g} | diverged | |" in md
     assert f"| iid | dp3sd | {best['model']}, {fed_screen[1].lr:g} | 2 | 82.00 ± 2.00 | -3.50 ± 1.50 | 2.0 |" in md
