@@ -229,6 +229,25 @@ def start_lock(folder: Path):
         os.close(fd)  # and the lock with it
 
 
+# A Unix socket's address is at most 107 bytes. A state folder deeper than that (a long home,
+# a test's temporary folder) keeps its socket: bind and connect reach it through an open
+# descriptor of its folder (/proc/self/fd/N/NAME, Linux), where the path alone would fail.
+SUN_PATH_MAX = 107
+
+
+@contextmanager
+def _reachable(address: Path):
+    """`address` as bind and connect take it."""
+    if len(os.fsencode(address)) <= SUN_PATH_MAX or not os.path.isdir("/proc/self/fd"):
+        yield str(address)
+        return
+    fd = os.open(address.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{address.name}"
+    finally:
+        os.close(fd)
+
+
 def _connect(address: Path) -> socket.socket | None:
     """A connection to the service listening at `address`, or None; a socket file nobody
     listens at (a worker that has gone) is removed when it is ours."""
@@ -240,7 +259,8 @@ def _connect(address: Path) -> socket.socket | None:
         raise ServiceUnavailable(f"{address} is not a socket")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(str(address))
+        with _reachable(address) as where:
+            sock.connect(where)
         return sock
     except (ConnectionRefusedError, FileNotFoundError):
         sock.close()
@@ -338,7 +358,8 @@ class DataService:
                 raise ServiceUnavailable(f"another data service listens at {self.address}")
             self.address.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.address))
+        with _reachable(self.address) as where:
+            listener.bind(where)
         if self.node is not None:  # who may talk to it is decided by its peer's uid (above)
             os.chmod(self.address, 0o666)
         listener.listen(8)

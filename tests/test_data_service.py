@@ -188,3 +188,20 @@ def test_a_supernode_with_a_service_names_no_data_of_its_own(tmp_path):
     with pytest.raises(data_service.ServiceUnavailable, match="no data service listens"):
         data_service.ask_service(parse(supernode), "train", RecordDict(),
                                  Context(run_id=1, node_id=1, node_config=supernode, state=RecordDict(), run_config={}))
+
+
+def test_a_state_folder_too_deep_for_a_socket_path_still_gets_its_warm_worker(tmp_path):
+    """A Unix socket's address is at most 107 bytes: a deeper state folder's worker listens in
+    that folder all the same (reached through the folder's descriptor), where it had failed to
+    start and every round was answered at the cold start's cost in the ClientApp's process."""
+    cfg, fed, flat = own_data(tmp_path)
+    start = initial_model(client_config(cfg, fed), 10)
+    deep = "d" * 120
+    there = context(tmp_path, deep, **{"worker-idle-seconds": 60})
+    reply = data_service.ask_worker(parse(there.node_config), "train", message(start, flat, 1), there)
+    assert dict(reply["metrics"])["epsilon"] > 0
+    [sock] = (tmp_path / deep / "worker").glob("*.sock")
+    assert len(os.fsencode(sock)) > data_service.SUN_PATH_MAX
+    [pid] = worker_pids(str(tmp_path / deep))
+    os.kill(pid, signal.SIGTERM)
+    assert wait_for(lambda: not worker_pids(str(tmp_path / deep)), 10)
