@@ -130,8 +130,9 @@ class RunSettings:
                                            "Poisson batch is trained in parts whose clipped sums are added before "
                                            "its one noisy step (Opacus' BatchMemoryManager; same weights and ε); 0 = "
                                            "what fits in memory, estimated from the model on each machine")
-    grad_sample_mode: str = setting("auto", "per-sample clipping route; all give the same weights and ε (auto: "
-                                    "the fastest exact route on this machine, measured once and cached)",
+    grad_sample_mode: str = setting("auto", "per-sample clipping route; all give the same weights (to float "
+                                    "rounding) and ε (auto: the fastest exact route on this machine, measured "
+                                    "once and cached; name one for bit-for-bit repeats on a busy machine)",
                                     choices=GRAD_SAMPLE_MODES)
     memory_format: str = setting("auto", "image and activation layout; auto: channels-last where the "
                                  "clipping mode is exact under it", choices=MEMORY_FORMATS)
