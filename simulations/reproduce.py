@@ -233,11 +233,11 @@ def second_protocol(runs_root: Path) -> list[dict]:
     runs_dir = runs_root / "readings"
     rows = confirm_rows(confirm_runs(screen_rows(screen_runs(), runs_dir)), runs_dir)
     for r in rows:
+        column = int(r["epsilon"]) - 1
         paper = PAPER_TABLE1.get((r["dataset"], r["method"]))
-        r["paper"] = paper[int(r["epsilon"]) - 1] if paper else None
-        base = PAPER_TABLE1.get((r["dataset"], "dpsgd"))
+        r["paper"] = paper[column] if paper else None
         r["paper_gain_over_dpsgd"] = (None if r["method"] == "dpsgd" or not paper
-                                      else paper[int(r["epsilon"]) - 1] - base[int(r["epsilon"]) - 1])
+                                      else r["paper"] - PAPER_TABLE1[(r["dataset"], "dpsgd")][column])
     return rows
 
 
