@@ -178,16 +178,22 @@ def fed_diverged(runs_dir: Path, run: FedFeatureRun) -> bool:
     return (runs_dir / run.name / DIVERGED).is_file()
 
 
-def fed_confirm_runs(runs_dir: Path, seeds: int) -> list[FedFeatureRun]:
-    """Each method under each partition, at the screen's lr (the best validation accuracy of
-    the runs that did not diverge), on test; none while the screen runs."""
+def fed_chosen(runs_dir: Path) -> FedFeatureRun | None:
+    """The screen's run of the best validation accuracy among those that did not diverge; None
+    while the screen runs, or where every run of it diverged."""
     screen = [(run, read_fed(runs_dir, run)) for run in fed_screen_runs(runs_dir)]
-    if not screen or any(r is None and not fed_diverged(runs_dir, run) for run, r in screen):
-        return []
+    if any(r is None and not fed_diverged(runs_dir, run) for run, r in screen):
+        return None
     trained = [(run, r) for run, r in screen if r is not None]
-    if not trained:
+    return max(trained, key=lambda pair: pair[1].validation_accuracy)[0] if trained else None
+
+
+def fed_confirm_runs(runs_dir: Path, seeds: int) -> list[FedFeatureRun]:
+    """Each method under each partition, at the screen's chosen lr, on test; none while the
+    screen runs."""
+    best = fed_chosen(runs_dir)
+    if best is None:
         return []
-    best = max(trained, key=lambda pair: pair[1].validation_accuracy)[0]
     return [FedFeatureRun(p, m, best.lr, best.network, seed) for p in FED_PARTITIONS_RUN for m in METHODS
             for seed in range(seeds)]
 
@@ -277,20 +283,20 @@ def fed_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
         elif fed_diverged(runs_dir, run):
             screen.append(dict(partition=run.partition, network=run.network, lr=run.lr, diverged=True))
     rows, base = [], {}
-    for run in fed_confirm_runs(runs_dir, seeds):
-        if run.seed:
-            continue
+    best = fed_chosen(runs_dir)
+    cells = [(p, m) for p in FED_PARTITIONS_RUN for m in METHODS] if best is not None else []
+    for partition, method in cells:
         found = {s: r for s in range(seeds)
-                 if (r := read_fed(runs_dir, FedFeatureRun(run.partition, run.method, run.lr, run.network, s)))}
+                 if (r := read_fed(runs_dir, FedFeatureRun(partition, method, best.lr, best.network, s)))}
         if not found:
             continue
         accuracies = [100 * r.test_accuracy for r in found.values()]
         mean, se = _mean_se(accuracies)
-        row = dict(partition=run.partition, method=run.method, network=run.network, lr=run.lr, seeds=list(found),
+        row = dict(partition=partition, method=method, network=best.network, lr=best.lr, seeds=list(found),
                    accuracies=accuracies, mean=mean, se=se, minutes=[round(r.wall_seconds / 60, 1) for r in found.values()])
-        if run.method == "dpsgd":
-            base[run.partition] = row
-        row["gain_over_dpsgd"] = paired_difference(row, base.get(run.partition))
+        if method == "dpsgd":
+            base[partition] = row
+        row["gain_over_dpsgd"] = paired_difference(row, base.get(partition))
         rows.append(row)
     return dict(screen=screen, rows=rows)
 
