@@ -5,8 +5,10 @@ Two stages, as for the readings: nothing is chosen on test accuracy.
 
 - The screen, on validation (VALIDATION training samples held out, seed 0, dpsgd): for MNIST
   and Fashion-MNIST, each of Tramèr & Boneh's two networks at their batch size and length (the
-  epochs their σ spends ε = 3 in), at their lr and at half and twice it. CIFAR-10 is not
-  screened (a run takes hours here): Tramèr & Boneh's ScatterNet + CNN settings.
+  epochs their σ spends ε = 3 in), at their lr and at half and twice it. Where a network's best
+  lr is at the edge of its grid, the grid goes on past that edge (half or twice again), so that
+  the chosen lr is one the screen brackets. CIFAR-10 is not screened (a run takes hours here):
+  Tramèr & Boneh's ScatterNet + CNN settings.
 - The confirmation, on test: each data set's best validated setting, three seeds, for dpsgd
   and, to answer whether self-distillation adds on a strong feature baseline, for dp3sd and
   dpdsd in the papers' reading (their τ, α, β for the data set).
@@ -39,6 +41,8 @@ VALIDATION = 10_000
 SCREEN_SEED = 0
 METHODS = ("dpsgd", "dp3sd", "dpdsd")  # the baseline first: every gain is against it
 LR_SCALES = (0.5, 1.0, 2.0)
+LR_STEP = (0.5, 2.0)  # the factor past the grid's low and high edge
+MAX_LR_STEPS = 2
 # Tramèr & Boneh's settings (their README): network, B, lr, and the epochs in which their σ
 # spends ε = 3 under Opacus' RDP accountant.
 TB_SETTINGS = {
@@ -81,9 +85,29 @@ class FeatureRun:
                     data_dir=data_dir, **self.settings)
 
 
-def screen_runs(datasets) -> list[FeatureRun]:
-    return [FeatureRun(d, {**tb, "lr": tb["lr"] * scale}, seed=SCREEN_SEED, validation=VALIDATION)
-            for d in SCREENED if d in datasets for tb in TB_SETTINGS[d] for scale in LR_SCALES]
+def screen_runs(runs_dir: Path, datasets) -> list[FeatureRun]:
+    return [run for d in SCREENED if d in datasets for tb in TB_SETTINGS[d] for run in network_screen(runs_dir, d, tb)]
+
+
+def network_screen(runs_dir: Path, dataset: str, tb: dict) -> list[FeatureRun]:
+    """One network's lr grid, in increasing lr: Tramèr & Boneh's lr times LR_SCALES; then, once
+    every run of it is done and the best sits at an edge, one more lr past that edge (half the
+    lowest or twice the highest), at most MAX_LR_STEPS times. A best at the edge means the grid
+    has not found the lr's optimum (both MNIST and FMNIST's linear networks did best at half
+    their lr)."""
+    lrs = sorted(tb["lr"] * scale for scale in LR_SCALES)
+    while True:
+        runs = [FeatureRun(dataset, {**tb, "lr": lr}, seed=SCREEN_SEED, validation=VALIDATION) for lr in lrs]
+        results = [read(runs_dir, run) for run in runs]
+        if any(r is None for r in results) or len(lrs) == len(LR_SCALES) + MAX_LR_STEPS:
+            return runs
+        best = max(range(len(runs)), key=lambda k: results[k].validation_accuracy)
+        if best == 0:
+            lrs.insert(0, lrs[0] * LR_STEP[0])
+        elif best == len(lrs) - 1:
+            lrs.append(lrs[-1] * LR_STEP[1])
+        else:
+            return runs
 
 
 def read(runs_dir: Path, run: FeatureRun) -> RunResult | None:
@@ -96,7 +120,7 @@ def chosen(runs_dir: Path, dataset: str) -> dict | None:
     not screened; None while its screen runs."""
     if dataset not in SCREENED:
         return TB_SETTINGS[dataset][0]
-    results = [(run, read(runs_dir, run)) for run in screen_runs([dataset])]
+    results = [(run, read(runs_dir, run)) for run in screen_runs(runs_dir, [dataset])]
     if any(r is None for _, r in results):
         return None
     return max(results, key=lambda pair: pair[1].validation_accuracy)[0].settings
@@ -114,10 +138,11 @@ def confirm_runs(runs_dir: Path, datasets, seeds: int) -> list[FeatureRun]:
 # The federation (FED_SHAPE, B and ε of the federated table, on FED_DATASET's chosen network).
 FED_DATASET = "fmnist"
 FED_PARTITIONS_RUN = ("iid", "dirichlet0.5")
-# The lr screen: the central chosen lr scaled to B = 256 (linear in B), times each of these.
-# The federated table's CNN took 3.1 times its linear scaling (lr 1.5 against 3 · 256/1600), so
-# the grid reaches above it.
-FED_LR_SCALES = (1.0, 4.0, 16.0)
+# The lr screen: Tramèr & Boneh's lr for the chosen network scaled to B = 256 (linear in B),
+# times each of these. The federated table's CNN took 3.1 times its linear scaling (lr 1.5
+# against 3 · 256/1600), so the grid reaches above it. Anchored to their lr, not to the central
+# screen's choice, the federation's grid does not move when the central grid is extended.
+FED_LR_SCALES = (0.5, 2.0, 8.0)
 
 
 @dataclass(frozen=True)
@@ -152,13 +177,14 @@ class FedFeatureRun:
 
 def fed_screen_runs(runs_dir: Path) -> list[FedFeatureRun]:
     """dpsgd, IID, seed 0, on validation, at each lr of the grid; none while the central screen
-    of FED_DATASET has not chosen its network and lr."""
+    of FED_DATASET has not chosen its network."""
     from .federated_table import FED_TABLE
 
     central = chosen(runs_dir, FED_DATASET)
     if central is None:
         return []
-    base = central["lr"] * FED_TABLE["batch_size"] / central["batch_size"]
+    tb = next(s for s in TB_SETTINGS[FED_DATASET] if s["model"] == central["model"])
+    base = tb["lr"] * FED_TABLE["batch_size"] / tb["batch_size"]
     return [FedFeatureRun("iid", "dpsgd", base * scale, central["model"], SCREEN_SEED, VALIDATION)
             for scale in FED_LR_SCALES]
 
@@ -222,7 +248,8 @@ def reproduce_features(datasets: list[str] | None, seeds: int, jobs: int, thread
         todo = [(r.config(threads, device, data_dir), str(runs_dir / r.name)) for r in runs]
         run_jobs([(c, o) for c, o in todo if not finished_with(Path(o), c)], len(todo), jobs, desc, quiet)
 
-    run_all(screen_runs(datasets), "features: screen")
+    for _ in range(MAX_LR_STEPS + 1):  # each pass may extend a network's grid past its edge
+        run_all(screen_runs(runs_dir, datasets), "features: screen")
     write_features_table(runs_dir, out, seeds)
     slow = [d for d in datasets if d not in SCREENED]  # CIFAR-10: hours a run
     run_all(confirm_runs(runs_dir, [d for d in datasets if d not in slow], seeds), "features: confirmation")
@@ -241,7 +268,7 @@ def _mean_se(values: list[float]) -> tuple[float, float | None]:
 
 def table_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
     screen = []
-    for run in screen_runs(SCREENED):
+    for run in screen_runs(runs_dir, SCREENED):
         r = read(runs_dir, run)
         if r is not None:
             screen.append(dict(dataset=run.dataset, setting=run.setting_name, **run.settings,

@@ -30,10 +30,12 @@ def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(t
                                             fed_screen_runs, screen_runs, write_features_table)
 
     runs_dir = tmp_path / "runs" / "features"
-    screen = screen_runs(["fmnist"])
+    screen = screen_runs(runs_dir, ["fmnist"])
+    assert len(screen) == 6  # two networks, three lrs each
     assert chosen(runs_dir, "fmnist") is None and fed_screen_runs(runs_dir) == []  # the federation waits for it
-    for k, run in enumerate(screen):
-        _central(runs_dir, run, test=0.99 if k == 0 else 0.80, validation=0.85 + (0.01 if k == 1 else 0.0))
+    for k, run in enumerate(screen):  # each network's best inside its grid, the linear network's the best
+        _central(runs_dir, run, test=0.99 if k == 0 else 0.80, validation={1: 0.86, 4: 0.855}.get(k, 0.85))
+    assert screen_runs(runs_dir, ["fmnist"]) == screen
     best = screen[1].settings  # the best on validation, not the best on test (screen[0])
     assert chosen(runs_dir, "fmnist") == best
     accuracy = {("dpsgd", 0): 0.89, ("dpsgd", 1): 0.90, ("dpdsd", 0): 0.88, ("dpdsd", 1): 0.885}
@@ -42,9 +44,9 @@ def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(t
         if (run.method, run.seed) in accuracy:
             _central(runs_dir, run, accuracy[(run.method, run.seed)])
 
-    # the federation's lr grid: the central lr at B = 256, times each scale
+    # the federation's lr grid: Tramèr & Boneh's lr for the chosen network at B = 256, times each scale
     fed_screen = fed_screen_runs(runs_dir)
-    base = best["lr"] * 256 / best["batch_size"]
+    base = best["lr"] * 256 / best["batch_size"]  # the chosen lr is theirs here
     assert [r.lr for r in fed_screen] == pytest.approx([base * s for s in FED_LR_SCALES])
     assert {(r.method, r.partition, r.network, r.validation) for r in fed_screen} == {
         ("dpsgd", "iid", best["model"], 10_000)}
@@ -80,3 +82,39 @@ def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(t
     md = (tmp_path / "table-features.md").read_text()
     assert f"| {best['model']} | {fed_screen[0].lr:g} | diverged | |" in md
     assert f"| iid | dp3sd | {best['model']}, {fed_screen[1].lr:g} | 2 | 82.00 ± 2.00 | -3.50 ± 1.50 | 2.0 |" in md
+
+
+def test_the_screen_goes_past_the_edge_of_its_lr_grid_while_the_best_is_there(tmp_path):
+    from simulations.features_table import LR_SCALES, MAX_LR_STEPS, TB_SETTINGS, chosen, fed_screen_runs, screen_runs
+
+    runs_dir = tmp_path / "runs" / "features"
+    linear, cnn = TB_SETTINGS["mnist"]
+    lin, cnn_lr = linear["lr"], cnn["lr"]
+    validation = {(linear["model"], 0.5 * lin): 0.980, (linear["model"], lin): 0.979,  # best at the low edge
+                  (linear["model"], 2 * lin): 0.970,
+                  (cnn["model"], 0.5 * cnn_lr): 0.960, (cnn["model"], cnn_lr): 0.975,  # best at the high edge
+                  (cnn["model"], 2 * cnn_lr): 0.990}
+
+    def finish(runs):
+        for run in runs:
+            if not (runs_dir / run.name).exists():
+                _central(runs_dir, run, test=0.5, validation=validation[(run.settings["model"], run.settings["lr"])])
+
+    def grid(model):
+        return [r.settings["lr"] for r in screen_runs(runs_dir, ["mnist"]) if r.settings["model"] == model]
+
+    finish(screen_runs(runs_dir, ["mnist"]))
+    assert grid(linear["model"]) == [0.25 * lin, 0.5 * lin, lin, 2 * lin]
+    assert grid(cnn["model"]) == [0.5 * cnn_lr, cnn_lr, 2 * cnn_lr, 4 * cnn_lr]
+    assert chosen(runs_dir, "mnist") is None  # the extended grid has runs to do
+
+    validation[(linear["model"], 0.25 * lin)] = 0.975  # the linear network's best now inside its grid
+    validation[(cnn["model"], 4 * cnn_lr)] = 0.995  # the CNN's still at the edge: one step more, the last
+    finish(screen_runs(runs_dir, ["mnist"]))
+    screen = screen_runs(runs_dir, ["mnist"])
+    assert len(screen) == 2 * len(LR_SCALES) + 1 + MAX_LR_STEPS
+    validation[(cnn["model"], 8 * cnn_lr)] = 0.999
+    finish(screen)
+    assert screen_runs(runs_dir, ["mnist"]) == screen  # MAX_LR_STEPS past the grid, and no further
+    assert chosen(runs_dir, "mnist") == {**cnn, "lr": 8 * cnn_lr}
+    assert fed_screen_runs(runs_dir) == []  # the federation is on Fashion-MNIST
