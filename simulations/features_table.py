@@ -11,7 +11,8 @@ Two stages, as for the readings: nothing is chosen on test accuracy.
   Tramèr & Boneh's ScatterNet + CNN settings.
 - The confirmation, on test: each data set's best validated setting, three seeds, for dpsgd
   and, to answer whether self-distillation adds on a strong feature baseline, for dp3sd and
-  dpdsd in the papers' reading (their τ, α, β for the data set).
+  dpdsd in the papers' reading (their τ, α, β for the data set) and, once the readings' screen
+  (`--table readings`, issue 40) has chosen one for the method, in that reading too.
 
 - In a federation (does the recipe hold there?): the federated table's shape and partitions
   IID and Dirichlet(0.5) (`fedsd reproduce --table fed`: Fashion-MNIST, 10 clients, 30 rounds
@@ -39,7 +40,9 @@ EPSILON = 3.0
 SEEDS = 3
 VALIDATION = 10_000
 SCREEN_SEED = 0
-METHODS = ("dpsgd", "dp3sd", "dpdsd")  # the baseline first: every gain is against it
+BASELINE = "dpsgd"
+METHODS = (BASELINE, "dp3sd", "dpdsd")  # the baseline first: every gain is against it
+PAPERS = "papers"  # the papers' literal reading: the method's settings as Table 1 runs them
 LR_SCALES = (0.5, 1.0, 2.0)
 LR_STEP = (0.5, 2.0)  # the factor past the grid's low and high edge
 MAX_LR_STEPS = 2
@@ -62,13 +65,43 @@ ANCHORS = (
 )
 
 
+def reading_settings(reading: str, settings: dict) -> dict:
+    """A reading of the papers (simulations.readings.READINGS) applied to a features setting:
+    its settings, and its lr scale (given against the papers' lr there) against this setting's lr."""
+    from .readings import READINGS
+
+    r = next(x for x in READINGS if x.name == reading)
+    return {**settings, **r.overrides, **({} if r.lr_scale is None else {"lr": settings["lr"] * r.lr_scale})}
+
+
+def readings_chosen(runs_dir: Path) -> dict[str, str]:
+    """Each method's reading as the readings' screen chose it (runs under <out>/runs/readings),
+    for the methods whose screen is done."""
+    from .readings import chosen_readings, screen_rows
+    from .readings import screen_runs as readings_screen
+
+    readings_dir = runs_dir.parent / "readings"
+    return chosen_readings(screen_rows(readings_screen(), readings_dir)) if readings_dir.is_dir() else {}
+
+
+def method_readings(runs_dir: Path, method: str) -> tuple[str, ...]:
+    """The readings a method runs in on features: dpsgd its features setting as screened; a
+    self-distilling method the papers' reading and, where the readings' screen chose another,
+    that one too."""
+    if method == BASELINE:
+        return (PAPERS,)
+    chosen = readings_chosen(runs_dir).get(method, PAPERS)
+    return (PAPERS,) if chosen == PAPERS else (PAPERS, chosen)
+
+
 @dataclass(frozen=True)
 class FeatureRun:
     dataset: str
     settings: dict = field(default_factory=dict)  # model, batch_size, lr, epochs
-    method: str = "dpsgd"
+    method: str = BASELINE
     seed: int = 0
     validation: int = 0
+    reading: str = PAPERS
 
     @property
     def setting_name(self) -> str:
@@ -77,12 +110,13 @@ class FeatureRun:
 
     @property
     def name(self) -> str:
-        return f"{self.setting_name}-{self.method}{'-val' if self.validation else ''}-seed{self.seed}"
+        reading = "" if self.reading == PAPERS else f"-{self.reading}"
+        return f"{self.setting_name}-{self.method}{reading}{'-val' if self.validation else ''}-seed{self.seed}"
 
     def config(self, threads: int, device: str, data_dir) -> dict:
         return dict(dataset=self.dataset, method=self.method, epsilon=EPSILON, seed=self.seed, features="scatter",
-                    momentum=0.9, clip=0.1, validation=self.validation, device=device, threads=threads,
-                    data_dir=data_dir, **self.settings)
+                    clip=0.1, validation=self.validation, device=device, threads=threads, data_dir=data_dir,
+                    **reading_settings(self.reading, {"momentum": 0.9, **self.settings}))
 
 
 def screen_runs(runs_dir: Path, datasets) -> list[FeatureRun]:
@@ -131,7 +165,8 @@ def confirm_runs(runs_dir: Path, datasets, seeds: int) -> list[FeatureRun]:
     for d in datasets:
         settings = chosen(runs_dir, d)
         if settings is not None:
-            runs += [FeatureRun(d, settings, m, seed) for m in METHODS for seed in range(seeds)]
+            runs += [FeatureRun(d, settings, m, seed, reading=r) for m in METHODS for r in method_readings(runs_dir, m)
+                     for seed in range(seeds)]
     return runs
 
 
@@ -154,10 +189,12 @@ class FedFeatureRun:
     network: str
     seed: int = 0
     validation: int = 0
+    reading: str = PAPERS
 
     @property
     def name(self) -> str:
-        return (f"fed-{FED_DATASET}-{self.partition}-{self.network}-lr{self.lr:g}-{self.method}"
+        reading = "" if self.reading == PAPERS else f"-{self.reading}"
+        return (f"fed-{FED_DATASET}-{self.partition}-{self.network}-lr{self.lr:g}-{self.method}{reading}"
                 f"{'-val' if self.validation else ''}-seed{self.seed}")
 
     def settings(self, device: str, data_dir):
@@ -168,9 +205,9 @@ class FedFeatureRun:
         from .federated_table import FED_PARTITIONS, FED_SHAPE, FED_TABLE
 
         partition, alpha = FED_PARTITIONS[self.partition]
-        cfg = TrainConfig(**{**FED_TABLE, "lr": self.lr}, method=self.method, seed=self.seed, features="scatter",
-                          model=self.network, momentum=0.9, clip=0.1, validation=self.validation, device=device,
-                          data_dir=data_dir)
+        settings = reading_settings(self.reading, {"momentum": 0.9, "lr": self.lr})
+        cfg = TrainConfig(**{**FED_TABLE, **settings}, method=self.method, seed=self.seed, features="scatter",
+                          model=self.network, clip=0.1, validation=self.validation, device=device, data_dir=data_dir)
         fed = FedOptions(**FED_SHAPE, partition=partition, dirichlet_alpha=alpha)
         return client_config(cfg, fed), fed
 
@@ -185,7 +222,7 @@ def fed_screen_runs(runs_dir: Path) -> list[FedFeatureRun]:
         return []
     tb = next(s for s in TB_SETTINGS[FED_DATASET] if s["model"] == central["model"])
     base = tb["lr"] * FED_TABLE["batch_size"] / tb["batch_size"]
-    return [FedFeatureRun("iid", "dpsgd", base * scale, central["model"], SCREEN_SEED, VALIDATION)
+    return [FedFeatureRun("iid", BASELINE, base * scale, central["model"], SCREEN_SEED, VALIDATION)
             for scale in FED_LR_SCALES]
 
 
@@ -220,8 +257,8 @@ def fed_confirm_runs(runs_dir: Path, seeds: int) -> list[FedFeatureRun]:
     best = fed_chosen(runs_dir)
     if best is None:
         return []
-    return [FedFeatureRun(p, m, best.lr, best.network, seed) for p in FED_PARTITIONS_RUN for m in METHODS
-            for seed in range(seeds)]
+    return [FedFeatureRun(p, m, best.lr, best.network, seed, reading=r) for p in FED_PARTITIONS_RUN for m in METHODS
+            for r in method_readings(runs_dir, m) for seed in range(seeds)]
 
 
 def run_federations(runs: list[FedFeatureRun], runs_dir: Path, device: str, data_dir, jobs: int,
@@ -279,19 +316,20 @@ def table_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
         if settings is None:
             continue
         base = None
-        for m in METHODS:
-            found = {s: r for s in range(seeds) if (r := read(runs_dir, FeatureRun(d, settings, m, s))) is not None}
+        for m, reading in ((m, r) for m in METHODS for r in method_readings(runs_dir, m)):
+            found = {s: r for s in range(seeds)
+                     if (r := read(runs_dir, FeatureRun(d, settings, m, s, reading=reading))) is not None}
             if not found:
                 continue
             accuracies = [100 * r.test_accuracy for r in found.values()]
             mean, se = _mean_se(accuracies)
-            row = dict(dataset=d, method=m, setting=FeatureRun(d, settings).setting_name, **settings,
+            row = dict(dataset=d, method=m, reading=reading, setting=FeatureRun(d, settings).setting_name, **settings,
                        chosen_on="validation" if d in SCREENED else "Tramèr & Boneh's settings (not screened)",
                        seeds=list(found), accuracies=accuracies, mean=mean, se=se,
                        epsilon_spent=[r.epsilon_spent for r in found.values()],
                        minutes=[round(r.wall_seconds / 60, 1) for r in found.values()],
                        anchors={name: values[d] for name, values in ANCHORS})
-            if m == "dpsgd":
+            if m == BASELINE:
                 base = row
             row["gain_over_dpsgd"] = paired_difference(row, base)
             confirmed.append(row)
@@ -311,17 +349,19 @@ def fed_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
             screen.append(dict(partition=run.partition, network=run.network, lr=run.lr, diverged=True))
     rows, base = [], {}
     best = fed_chosen(runs_dir)
-    cells = [(p, m) for p in FED_PARTITIONS_RUN for m in METHODS] if best is not None else []
-    for partition, method in cells:
+    cells = [(p, m, r) for p in FED_PARTITIONS_RUN for m in METHODS for r in method_readings(runs_dir, m)] \
+        if best is not None else []
+    for partition, method, reading in cells:
         found = {s: r for s in range(seeds)
-                 if (r := read_fed(runs_dir, FedFeatureRun(partition, method, best.lr, best.network, s)))}
+                 if (r := read_fed(runs_dir, FedFeatureRun(partition, method, best.lr, best.network, s, reading=reading)))}
         if not found:
             continue
         accuracies = [100 * r.test_accuracy for r in found.values()]
         mean, se = _mean_se(accuracies)
-        row = dict(partition=partition, method=method, network=best.network, lr=best.lr, seeds=list(found),
-                   accuracies=accuracies, mean=mean, se=se, minutes=[round(r.wall_seconds / 60, 1) for r in found.values()])
-        if method == "dpsgd":
+        row = dict(partition=partition, method=method, reading=reading, network=best.network, lr=best.lr,
+                   seeds=list(found), accuracies=accuracies, mean=mean, se=se,
+                   minutes=[round(r.wall_seconds / 60, 1) for r in found.values()])
+        if method == BASELINE:
             base[partition] = row
         row["gain_over_dpsgd"] = paired_difference(row, base.get(partition))
         rows.append(row)
@@ -343,7 +383,7 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
         acc = f"{r['mean']:.2f}" + (f" ± {r['se']:.2f}" if r["se"] is not None else "")
         gain = r["gain_over_dpsgd"]
         gain = "" if gain is None else f"{gain['mean']:+.2f}" + (f" ± {gain['se']:.2f}" if gain["se"] is not None else "")
-        lines.append(f"| {r['dataset']} | {r['method']} | {r['model']}, {r['batch_size']}, {r['lr']:g}, {r['epochs']} | "
+        lines.append(f"| {r['dataset']} | {method_cell(r)} | {r['model']}, {r['batch_size']}, {r['lr']:g}, {r['epochs']} | "
                      f"{r['chosen_on']} | {len(r['seeds'])} | {acc} | {gain} | {statistics.mean(r['minutes']):.1f} | "
                      + " | ".join(f"{v:g}" for v in r["anchors"].values()) + " |")
     lines += ["", f"## The screen (dpsgd, seed {SCREEN_SEED}, {VALIDATION} training samples held out)", "",
@@ -354,6 +394,11 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
     lines += fed_md(rows["federated"])
     (out / f"{TABLE_NAME}.md").write_text("\n".join(lines) + "\n")
     return out / f"{TABLE_NAME}.md"
+
+
+def method_cell(row: dict) -> str:
+    """The method, and its reading where it is not the papers'."""
+    return row["method"] if row.get("reading", PAPERS) == PAPERS else f"{row['method']} ({row['reading']})"
 
 
 def fed_md(fed: dict) -> list[str]:
@@ -376,6 +421,6 @@ def fed_md(fed: dict) -> list[str]:
             acc = f"{r['mean']:.2f}" + (f" ± {r['se']:.2f}" if r["se"] is not None else "")
             g = r["gain_over_dpsgd"]
             gain = "" if g is None else f"{g['mean']:+.2f}" + (f" ± {g['se']:.2f}" if g["se"] is not None else "")
-            lines.append(f"| {r['partition']} | {r['method']} | {r['network']}, {r['lr']:g} | {len(r['seeds'])} | {acc} | "
+            lines.append(f"| {r['partition']} | {method_cell(r)} | {r['network']}, {r['lr']:g} | {len(r['seeds'])} | {acc} | "
                          f"{gain} | {statistics.mean(r['minutes']):.1f} |")
     return lines

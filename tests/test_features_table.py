@@ -118,3 +118,44 @@ def test_the_screen_goes_past_the_edge_of_its_lr_grid_while_the_best_is_there(tm
     assert screen_runs(runs_dir, ["mnist"]) == screen  # MAX_LR_STEPS past the grid, and no further
     assert chosen(runs_dir, "mnist") == {**cnn, "lr": 8 * cnn_lr}
     assert fed_screen_runs(runs_dir) == []  # the federation is on Fashion-MNIST
+
+
+def test_a_method_runs_on_features_in_the_reading_the_readings_screen_chose_beside_the_papers(tmp_path):
+    """Issue 41: each self-distilling method in its best reading from issue 40 once that screen
+    has chosen one (the papers' until then), its lr scale applied to the features setting's lr,
+    centrally and in the federation; dpsgd stays at its features setting."""
+    from simulations.features_table import (TB_SETTINGS, FeatureRun, FedFeatureRun, confirm_runs, fed_confirm_runs,
+                                            method_readings, screen_runs, write_features_table)
+    from simulations.readings import screen_runs as readings_screen
+
+    runs_dir = tmp_path / "runs" / "features"
+    assert method_readings(runs_dir, "dp3sd") == ("papers",)  # no readings screen on disk
+    for run in readings_screen():  # dp3sd's screen done: momentum 0 at three times the lr its best
+        if run.method == "dp3sd":
+            _write(tmp_path / "runs" / "readings" / run.name, TrainConfig(**run.config()).resolved(), 0.5,
+                   0.97 if run.reading.name == "momentum0-lr3" else 0.95)
+    assert method_readings(runs_dir, "dp3sd") == ("papers", "momentum0-lr3")
+    assert method_readings(runs_dir, "dpdsd") == method_readings(runs_dir, "dpsgd") == ("papers",)
+
+    linear = TB_SETTINGS["fmnist"][0]
+    for k, run in enumerate(screen_runs(runs_dir, ["fmnist"])):
+        _central(runs_dir, run, test=0.8, validation={1: 0.9, 4: 0.89}.get(k, 0.85))  # the linear network, their lr
+    confirm = confirm_runs(runs_dir, ["fmnist"], seeds=1)
+    assert {(r.method, r.reading) for r in confirm} == {("dpsgd", "papers"), ("dp3sd", "papers"),
+                                                        ("dp3sd", "momentum0-lr3"), ("dpdsd", "papers")}
+    reading = next(r for r in confirm if r.reading == "momentum0-lr3")
+    config = reading.config(1, "cpu", None)
+    assert (config["lr"], config["momentum"]) == (3 * linear["lr"], 0.0)
+    assert reading.name.endswith("-dp3sd-momentum0-lr3-seed0")
+    for run, test in ((FeatureRun("fmnist", linear, "dpsgd", 0), 0.89), (FeatureRun("fmnist", linear, "dp3sd", 0), 0.85),
+                      (reading, 0.895)):
+        _central(runs_dir, run, test)
+    write_features_table(runs_dir, tmp_path, seeds=1)
+    rows = {(r["method"], r["reading"]): r for r in json.loads((tmp_path / "table-features.json").read_text())["confirmed"]}
+    assert rows[("dp3sd", "momentum0-lr3")]["gain_over_dpsgd"]["mean"] == pytest.approx(0.5)
+    assert rows[("dp3sd", "papers")]["gain_over_dpsgd"]["mean"] == pytest.approx(-4.0)
+    assert "| fmnist | dp3sd (momentum0-lr3) |" in (tmp_path / "table-features.md").read_text()
+
+    fed = FedFeatureRun("iid", "dp3sd", 1.0, linear["model"], reading="momentum0-lr3")
+    cfg, _ = fed.settings("cpu", None)
+    assert (cfg.lr, cfg.momentum) == (3.0, 0.0)
