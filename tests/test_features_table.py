@@ -26,8 +26,8 @@ def _federation(runs_dir, run, test, validation=None, missed=None):
 
 
 def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(tmp_path):
-    from simulations.features_table import (FED_LR_SCALES, chosen, confirm_runs, fed_confirm_runs,
-                                            fed_screen_runs, screen_runs, write_features_table)
+    from simulations.features_table import (FED_LR_SCALES, chosen, confirm_runs, fed_confirm_runs, fed_screen_runs,
+                                            recipe, recipe_runs, screen_runs, write_features_table)
 
     runs_dir = tmp_path / "runs" / "features"
     screen = screen_runs(runs_dir, ["fmnist"])
@@ -38,7 +38,13 @@ def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(t
     assert screen_runs(runs_dir, ["fmnist"]) == screen
     best = screen[1].settings  # the best on validation, not the best on test (screen[0])
     assert chosen(runs_dir, "fmnist") == best
-    accuracy = {("dpsgd", 0): 0.89, ("dpsgd", 1): 0.90, ("dpdsd", 0): 0.88, ("dpdsd", 1): 0.885}
+    # the recipe: dpema's average of the iterates at the chosen setting, against dpsgd's last iterate
+    (ema,) = recipe_runs(runs_dir, ["fmnist"])
+    assert (ema.method, ema.settings, ema.validation) == ("dpema", best, 10_000) and recipe(runs_dir, "fmnist") is None
+    _central(runs_dir, ema, test=0.5, validation=0.865)
+    assert recipe(runs_dir, "fmnist") == dict(method="dpema", reading="papers",
+                                              validation={"dpsgd": pytest.approx(86.0), "dpema": pytest.approx(86.5)})
+    accuracy = {("dpsgd", 0): 0.89, ("dpsgd", 1): 0.90, ("dpdsd", 0): 0.88, ("dpdsd", 1): 0.885, ("dpema", 0): 0.9}
     for run in confirm_runs(runs_dir, ["fmnist"], seeds=2):
         assert run.settings == best
         if (run.method, run.seed) in accuracy:
@@ -63,7 +69,7 @@ def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(t
     confirm = fed_confirm_runs(runs_dir, seeds=2)
     assert {r.lr for r in confirm} == {fed_screen[1].lr}
     assert {(r.partition, r.method) for r in confirm} == {(p, m) for p in ("iid", "dirichlet0.5")
-                                                           for m in ("dpsgd", "dp3sd", "dpdsd")}
+                                                           for m in ("dpsgd", "dp3sd", "dpdsd", "dpema")}
     fed_accuracy = {("iid", "dpsgd", 0): 0.85, ("iid", "dpsgd", 1): 0.86, ("iid", "dp3sd", 0): 0.80,
                     ("iid", "dp3sd", 1): 0.84}
     for run in confirm:
@@ -75,11 +81,14 @@ def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(t
     central = {r["method"]: r for r in table["confirmed"]}
     assert central["dpsgd"]["mean"] == pytest.approx(89.5) and central["dpdsd"]["seeds"] == [0, 1]
     assert central["dpdsd"]["gain_over_dpsgd"]["mean"] == pytest.approx(-1.25)
+    assert [m for m, r in central.items() if r["recipe"]] == ["dpema"]
+    assert table["recipes"]["fmnist"]["method"] == "dpema"
     fed = {(r["partition"], r["method"]): r for r in table["federated"]["rows"]}
     assert set(fed) == {("iid", "dpsgd"), ("iid", "dp3sd")}
     assert fed[("iid", "dp3sd")]["gain_over_dpsgd"]["mean"] == pytest.approx(-3.5)
     assert fed[("iid", "dp3sd")]["gain_over_dpsgd"]["se"] == pytest.approx(1.5)
     md = (tmp_path / "table-features.md").read_text()
+    assert "| fmnist | **dpema** | " in md and "| fmnist | dpema | " + best["model"] in md  # its row, its screen run
     assert f"| {best['model']} | {fed_screen[0].lr:g} | diverged | |" in md
     assert f"| iid | dp3sd | {best['model']}, {fed_screen[1].lr:g} | 2 | 82.00 ± 2.00 | -3.50 ± 1.50 | 2.0 |" in md
 
@@ -142,7 +151,8 @@ def test_a_method_runs_on_features_in_the_reading_the_readings_screen_chose_besi
         _central(runs_dir, run, test=0.8, validation={1: 0.9, 4: 0.89}.get(k, 0.85))  # the linear network, their lr
     confirm = confirm_runs(runs_dir, ["fmnist"], seeds=1)
     assert {(r.method, r.reading) for r in confirm} == {("dpsgd", "papers"), ("dp3sd", "papers"),
-                                                        ("dp3sd", "momentum0-lr3"), ("dpdsd", "papers")}
+                                                        ("dp3sd", "momentum0-lr3"), ("dpdsd", "papers"),
+                                                        ("dpema", "papers")}
     reading = next(r for r in confirm if r.reading == "momentum0-lr3")
     config = reading.config(1, "cpu", None)
     assert (config["lr"], config["momentum"]) == (3 * linear["lr"], 0.0)
