@@ -169,3 +169,19 @@ def test_a_method_runs_on_features_in_the_reading_the_readings_screen_chose_besi
     fed = FedFeatureRun("iid", "dp3sd", 1.0, linear["model"], reading="momentum0-lr3")
     cfg, _ = fed.settings("cpu", None)
     assert (cfg.lr, cfg.momentum) == (3.0, 0.0)
+
+
+def test_a_tie_on_validation_keeps_the_lr_nearer_tramer_and_bonehs(tmp_path):
+    """Accuracy on 10,000 samples comes in steps of 0.01 %: a tie between the grid's edge and its
+    inside neither extends the grid nor moves the choice away from the published lr."""
+    from simulations.features_table import TB_SETTINGS, chosen, screen_runs
+
+    runs_dir = tmp_path / "runs" / "features"
+    linear = TB_SETTINGS["mnist"][0]["lr"]
+    validation = {0.5 * linear: 0.985, linear: 0.985, 2 * linear: 0.98}  # the low edge ties the inside
+    screen = screen_runs(runs_dir, ["mnist"])
+    for run in screen:
+        _central(runs_dir, run, test=0.5, validation=validation.get(run.settings["lr"], 0.9)
+                 if run.settings["model"] == "scatter-linear" else 0.9)
+    assert screen_runs(runs_dir, ["mnist"]) == screen
+    assert chosen(runs_dir, "mnist")["lr"] == linear
