@@ -19,7 +19,8 @@ Two stages, as for the readings: nothing is chosen on test accuracy.
   of one local epoch, B = 256 a client, ε = 3 a client), each client computing the features of
   its own images, on Fashion-MNIST's chosen network; the lr chosen on the federation's
   validation split (dpsgd, IID, seed 0), then three seeds of each method under each partition.
-  These runs take minutes, so they go before CIFAR-10's (hours each).
+  These runs take minutes to an hour; they go after CIFAR-10's dpsgd seeds and before its
+  other methods' (hours each).
 
 The features are normalised per sample by GroupNorm (27 groups) where Tramèr & Boneh used, for
 MNIST and CIFAR-10, batch statistics made private at a cost in ε. Each run is `fedsd train`,
@@ -325,6 +326,9 @@ def reproduce_features(datasets: list[str] | None, seeds: int, jobs: int, thread
     write_features_table(runs_dir, out, seeds)
     slow = [d for d in datasets if d not in SCREENED]  # CIFAR-10: hours a run
     run_all(confirm_runs(runs_dir, [d for d in datasets if d not in slow], seeds), "features: confirmation")
+    # the baseline's seeds on every data set before the federation (minutes to an hour a run)
+    # and before the other methods' hours-long runs: the table's first question is the baseline
+    run_all([r for r in confirm_runs(runs_dir, slow, seeds) if r.method == BASELINE], "features: confirmation")
     if FED_DATASET in datasets:
         run_federations(fed_screen_runs(runs_dir), runs_dir, device, data_dir, jobs, quiet)
         write_features_table(runs_dir, out, seeds)
