@@ -9,10 +9,12 @@ Two stages, as for the readings: nothing is chosen on test accuracy.
   lr is at the edge of its grid, the grid goes on past that edge (half or twice again), so that
   the chosen lr is one the screen brackets. CIFAR-10 is not screened (a run takes hours here):
   Tramèr & Boneh's ScatterNet + CNN settings.
-- The confirmation, on test: each data set's best validated setting, three seeds, for dpsgd
-  and, to answer whether self-distillation adds on a strong feature baseline, for dp3sd and
-  dpdsd in the papers' reading (their τ, α, β for the data set) and, once the readings' screen
-  (`--table readings`, issue 40) has chosen one for the method, in that reading too.
+- The recipe, on validation: dpema (dpsgd releasing an average of its iterates) at the chosen
+  setting against dpsgd's run of it; the better is what fedsd reports against the anchors.
+- The confirmation, on test: each data set's best validated setting, three seeds, for dpsgd,
+  dpema and, to answer whether self-distillation adds on a strong feature baseline, for dp3sd
+  and dpdsd in the papers' reading (their τ, α, β for the data set) and, once the readings'
+  screen (`--table readings`, issue 40) has chosen one for the method, in that reading too.
 
 - In a federation (does the recipe hold there?): the federated table's shape and partitions
   IID and Dirichlet(0.5) (`fedsd reproduce --table fed`: Fashion-MNIST, 10 clients, 30 rounds
