@@ -155,8 +155,12 @@ def preference(run: FeatureRun, result: RunResult) -> tuple[float, float]:
     """How the screen ranks a run: by validation accuracy; a tie (10,000 samples give accuracy
     in steps of 0.01 %) goes to the lr nearer Tramèr & Boneh's for the network, the published
     prior, which a tie gives no reason to leave."""
-    tb = next(s for s in TB_SETTINGS[run.dataset] if s["model"] == run.settings["model"])
-    return result.validation_accuracy, -abs(math.log2(run.settings["lr"] / tb["lr"]))
+    return result.validation_accuracy, -abs(math.log2(run.settings["lr"] / tb_setting(run.dataset, run.settings["model"])["lr"]))
+
+
+def tb_setting(dataset: str, model: str) -> dict:
+    """Tramèr & Boneh's setting for this data set's network."""
+    return next(s for s in TB_SETTINGS[dataset] if s["model"] == model)
 
 
 def read(runs_dir: Path, run: FeatureRun) -> RunResult | None:
@@ -257,7 +261,7 @@ def fed_screen_runs(runs_dir: Path) -> list[FedFeatureRun]:
     central = chosen(runs_dir, FED_DATASET)
     if central is None:
         return []
-    tb = next(s for s in TB_SETTINGS[FED_DATASET] if s["model"] == central["model"])
+    tb = tb_setting(FED_DATASET, central["model"])
     base = tb["lr"] * FED_TABLE["batch_size"] / tb["batch_size"]
     return [FedFeatureRun("iid", BASELINE, base * scale, central["model"], SCREEN_SEED, VALIDATION)
             for scale in FED_LR_SCALES]
