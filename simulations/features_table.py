@@ -155,7 +155,8 @@ def preference(run: FeatureRun, result: RunResult) -> tuple[float, float]:
     """How the screen ranks a run: by validation accuracy; a tie (10,000 samples give accuracy
     in steps of 0.01 %) goes to the lr nearer Tramèr & Boneh's for the network, the published
     prior, which a tie gives no reason to leave."""
-    return result.validation_accuracy, -abs(math.log2(run.settings["lr"] / tb_setting(run.dataset, run.settings["model"])["lr"]))
+    published = tb_setting(run.dataset, run.settings["model"])["lr"]
+    return result.validation_accuracy, -abs(math.log2(run.settings["lr"] / published))
 
 
 def tb_setting(dataset: str, model: str) -> dict:
