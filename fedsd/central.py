@@ -11,10 +11,11 @@ from tqdm.auto import tqdm
 
 from . import data as data_lib
 from .client_data import input_stats, run_images, task_for, with_custom_task
-from . import privacy, routes, tensorboard
+from . import features, privacy, routes, tensorboard
 from .config import TrainConfig, validate
 from .bookkeeping import BookKeepingClipper
-from .models import check_fits_task, input_shape_of, model_for
+from .models import check_fits_task, image_shape_of, input_shape_of, model_for
+from .seeds import SEED_FEATURE_NORM, derive_seed
 from .results import RunResult, check_out_dir, finished_run_refusal, fresh_out_dir, save_atomic, write_json, write_run
 from .training import DPTrainer, TrainState, evaluate, initial_model, planned_trainer
 from .errors import ConfigError, ResumeError, TrainingDiverged
@@ -61,7 +62,12 @@ def plan_run(cfg: TrainConfig, out: str | Path | None = None,
         check_out_dir(out, overwrite)
     cfg = inputs.cfg
     return inputs, privacy.plan(cfg.epsilon, cfg.delta, len(inputs.train_indices), cfg.batch_size, cfg.epochs,
-                             cfg.accountant)
+                             cfg.accountant, prior=privacy_prior(cfg))
+
+
+def privacy_prior(cfg: TrainConfig) -> tuple:
+    """What a run spends before DP-SGD (accountant entries): its private feature normalisation's."""
+    return features.normalisation_prior(cfg.feature_norm_noise) if cfg.feature_norm == "private" else ()
 
 
 # An unfinished run's folder: its state after the last completed epoch (checkpoint.pt, written
@@ -137,13 +143,24 @@ class CentralRun:
     def _trainer(self, saved: dict | None) -> DPTrainer:
         inputs, cfg = self.prepared, self.cfg
         route = routes.Route.from_dict(saved["route"]) if saved is not None and saved["route"] else None
-        tensors = data_lib.prepare(inputs.data, inputs.train_indices, inputs.device, input_stats(cfg), cfg.features)
-        return planned_trainer(cfg, tensors, self.plan, route=route)
+        tensors = data_lib.prepare(inputs.data, inputs.train_indices, "cpu", input_stats(cfg), cfg.features)
+        if cfg.feature_norm == "private":
+            # The same noise on every start of the run (its seed's), so a resumed run normalises
+            # as it began; the accountant's history holds its cost from the first step on.
+            generator = torch.Generator().manual_seed(derive_seed(cfg.seed, SEED_FEATURE_NORM))
+            self.feature_stats = features.private_statistics(tensors.x_train, image_shape_of(cfg)[0],
+                                                              cfg.feature_norm_noise, generator)
+            tensors = data_lib.TensorData(features.normalise(tensors.x_train, *self.feature_stats), tensors.y_train,
+                                          features.normalise(tensors.x_test, *self.feature_stats), tensors.y_test,
+                                          tensors.num_classes)
+        return planned_trainer(cfg, tensors.to(inputs.device), self.plan, route=route)
 
     def _validation_split(self) -> tuple[torch.Tensor, torch.Tensor]:
         """--validation's held-out samples, normalised and laid out as the training data."""
         x, y = data_lib.validation_split(self.prepared.data, self.cfg.validation, input_stats(self.cfg),
                                          self.cfg.features)
+        if self.cfg.feature_norm == "private":
+            x = features.normalise(x, *self.feature_stats)  # the training set's released statistics
         return x.to(self.prepared.device).contiguous(memory_format=self.trainer.memory_format), y.to(self.prepared.device)
 
     def remaining_epochs(self) -> range:
@@ -201,7 +218,9 @@ class CentralRun:
             noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate, steps=self.state.steps,
             num_train=len(inputs.train_indices), validation_accuracy=last.get("validation_accuracy"),
             privacy=plan.to_dict(), route=self._route(), physical_batch_size=self.trainer.physical_batch_size,
-            epochs=self.epochs, resumed=True if self.resumed else None)
+            epochs=self.epochs, resumed=True if self.resumed else None,
+            feature_statistics=dict(mean=self.feature_stats[0].tolist(), variance=self.feature_stats[1].tolist())
+            if self.cfg.feature_norm == "private" else None)
         weights = {k: v.cpu() for k, v in released(self.model).items()}
         if self.out is not None:
             write_run(self.out, result, weights)

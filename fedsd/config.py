@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from . import clippers, methods
 from .data import DATASET_TITLES, DATASETS
-from .features import FEATURES, check_features
+from .features import FEATURE_NORMS, FEATURES, check_features
 from .models import (ACTIVATIONS, DEFAULT_MODEL, MODEL_FORMS, SCATTER_MODELS, check_model_name, image_shape_of,
                      is_builtin)
 from .settings import Setting, check_choices, check_setting, declared_only, setting, settings_of
@@ -123,6 +123,13 @@ class RunSettings:
     features: str = setting("none", "fixed features each party computes from its own images before training: none, "
                             "or scatter (Tramèr & Boneh's ScatterNet: a wavelet scattering transform, J = 2, L = 8; "
                             "no privacy cost; trains scatter-linear or scatter-cnn)", choices=FEATURES)
+    feature_norm: str = setting("group", "how scatter features are normalised: group (GroupNorm in the network, each "
+                                "sample on its own: no privacy cost) or private (Tramèr & Boneh's: the training "
+                                "set's mean and variance per channel, released with Gaussian noise; that ε is "
+                                "composed into the run's, and DP-SGD's σ calibrated to what is left; central runs)",
+                                choices=FEATURE_NORMS)
+    feature_norm_noise: float = setting(8.0, "--feature-norm private: the noise multiplier of its two Gaussian "
+                                        "releases (Tramèr & Boneh's 8)")
     activation: str = setting("relu", "the network's activation: relu (the papers') or tanh (Tramèr & Boneh's "
                                       "variant)", choices=tuple(ACTIVATIONS))
     threads: int = setting(0, "torch CPU threads; 0 leaves torch's default")
@@ -324,6 +331,10 @@ def validate(c: TrainConfig, num_train: int) -> None:
                   f"scatter trains {' or '.join(SCATTER_MODELS)}, and they train on it only (--model {c.model})",
                   c.features)
     check_features(c.features, image_shape_of(c)[1])
+    check_setting(c.feature_norm == "group" or c.features == "scatter", "--feature-norm",
+                  "applies to --features scatter", c.feature_norm)
+    check_setting(math.isfinite(c.feature_norm_noise) and c.feature_norm_noise > 0, "--feature-norm-noise",
+                  "must be > 0", c.feature_norm_noise)
     check_layout(c)
     check_setting(math.isfinite(c.epsilon) and c.epsilon > 0, "--epsilon", "must be > 0", c.epsilon)
     check_setting(0 < c.delta < 1.0 / num_train, "--delta",

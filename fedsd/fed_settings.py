@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from . import settings
 from .config import TrainConfig, check_setting
+from .errors import ConfigError
 from .settings import declared_only, setting
 
 PARTITIONS = ("iid", "dirichlet", "inner-dirichlet", "pathological")
@@ -110,6 +111,12 @@ EXPERIMENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 def client_config(cfg: TrainConfig, fed: FedOptions) -> TrainConfig:
     """The client's TrainConfig: it plans for every local epoch of every budgeted round."""
+    if cfg.feature_norm != "group":
+        # Each client would release noisy statistics of its own shard, and under a non-IID
+        # partition they differ: the global model would see as many normalisations as clients.
+        # One shared normalisation needs the statistics aggregated before round 1 (not built).
+        raise ConfigError(f"--feature-norm {cfg.feature_norm}: central runs only; a federation normalises "
+                          "the features per sample (--feature-norm group)")
     return dataclasses.replace(cfg, epochs=fed.planned_rounds * fed.local_epochs).resolved()
 
 

@@ -75,12 +75,20 @@ def _flat_size(layers: nn.Sequential, channels: int, image_size: int) -> int:
         return layers(torch.zeros(1, channels, image_size, image_size)).numel()
 
 
+def _input_norm(groups: int, channels: int, group_norm: bool) -> nn.Module:
+    """GroupNorm on the scattering channels, or nothing where the features arrive normalised
+    (--feature-norm private: fedsd.features.private_statistics). GroupNorm without affine has no
+    weights, so both networks have the same ones."""
+    return nn.GroupNorm(groups, channels, affine=False) if group_norm else nn.Identity()
+
+
 class ScatterLinear(nn.Sequential):
     """Tramèr & Boneh's ScatterNet + linear: the scattering channels normalised per sample
     (GroupNorm, no affine, 27 groups of three: their FMNIST setting), then one linear layer."""
 
-    def __init__(self, num_classes: int, channels: int, image_size: int, groups: int = SCATTER_GROUPS):
-        super().__init__(_Float(), nn.GroupNorm(groups, channels, affine=False), nn.Flatten(),
+    def __init__(self, num_classes: int, channels: int, image_size: int, groups: int = SCATTER_GROUPS,
+                 group_norm: bool = True):
+        super().__init__(_Float(), _input_norm(groups, channels, group_norm), nn.Flatten(),
                          nn.Linear(channels * image_size ** 2, num_classes))
 
 
@@ -89,7 +97,8 @@ class ScatterCNN(nn.Sequential):
     input): grey images' 81 channels: conv(16, k3, s2, p1), conv(32, k3, p1), fc(32), fc(classes);
     colour images' 243 channels: conv(64, k3, p1), maxpool(2), conv(64, k3, p1), fc(classes)."""
 
-    def __init__(self, num_classes: int, channels: int, image_size: int, groups: int = SCATTER_GROUPS):
+    def __init__(self, num_classes: int, channels: int, image_size: int, groups: int = SCATTER_GROUPS,
+                 group_norm: bool = True):
         if channels <= 81:
             body = nn.Sequential(nn.Conv2d(channels, 16, 3, stride=2, padding=1), nn.Tanh(),
                                  nn.Conv2d(16, 32, 3, padding=1), nn.Tanh(), nn.Flatten())
@@ -98,7 +107,7 @@ class ScatterCNN(nn.Sequential):
             body = nn.Sequential(nn.Conv2d(channels, 64, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2),
                                  nn.Conv2d(64, 64, 3, padding=1), nn.Tanh(), nn.Flatten())
             head = [nn.Linear(_flat_size(body, channels, image_size), num_classes)]
-        super().__init__(_Float(), nn.GroupNorm(groups, channels, affine=False), *body, *head)
+        super().__init__(_Float(), _input_norm(groups, channels, group_norm), *body, *head)
 
 
 def is_builtin(name: str | None) -> bool:
@@ -204,7 +213,8 @@ def _torchvision_model(name: str, num_classes: int, channels: int) -> nn.Module:
     return model
 
 
-def _built(name: str, num_classes: int, activation: str, channels: int, image_size: int) -> nn.Module:
+def _built(name: str, num_classes: int, activation: str, channels: int, image_size: int,
+           feature_norm: str = "group") -> nn.Module:
     if name == "mnist-cnn":
         return MnistCNN(num_classes, activation)
     if name == "cifar-cnn":
@@ -213,7 +223,8 @@ def _built(name: str, num_classes: int, activation: str, channels: int, image_si
         raise ConfigError(f"--activation {activation}: applies to the papers' networks (mnist-cnn, cifar-cnn), "
                           f"not to --model {name}")
     if name in SCATTER_MODELS:
-        return (ScatterLinear if name == "scatter-linear" else ScatterCNN)(num_classes, channels, image_size)
+        return (ScatterLinear if name == "scatter-linear" else ScatterCNN)(num_classes, channels, image_size,
+                                                                           group_norm=feature_norm == "group")
     if name.startswith(TORCHVISION):
         return _torchvision_model(name, num_classes, channels)
     try:
@@ -229,7 +240,7 @@ def _built(name: str, num_classes: int, activation: str, channels: int, image_si
 
 
 def build_model(name: str, num_classes: int = 10, seed: int | None = None, activation: str = "relu",
-                channels: int | None = None, image_size: int | None = None) -> nn.Module:
+                channels: int | None = None, image_size: int | None = None, feature_norm: str = "group") -> nn.Module:
     """A fresh model for a task of `num_classes` classes of (channels, image_size, image_size)
     images (the papers' networks know theirs), made private-trainable (check_private_trainable);
     with `seed`, its initial weights depend on that seed only."""
@@ -240,11 +251,11 @@ def build_model(name: str, num_classes: int = 10, seed: int | None = None, activ
         raise ValueError(f"build_model({name!r}): a network other than the papers' needs the task's channels and "
                          "image size")
     if seed is None:
-        model = _built(name, num_classes, activation, channels, image_size)
+        model = _built(name, num_classes, activation, channels, image_size, feature_norm)
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = _built(name, num_classes, activation, channels, image_size)
+            model = _built(name, num_classes, activation, channels, image_size, feature_norm)
     if is_builtin(name):
         return model
     for module in model.modules():  # the same function out of place: Opacus' backward hooks
@@ -273,7 +284,7 @@ def model_for(cfg, num_classes: int, seed: int | None = None) -> nn.Module:
     """The network of a (resolved) run, for its task."""
     channels, size, _ = input_shape_of(cfg)
     return build_model(cfg.model, num_classes, seed=seed, activation=cfg.activation, channels=channels,
-                       image_size=size)
+                       image_size=size, feature_norm=cfg.feature_norm)
 
 
 def check_fits_task(model: nn.Module, name: str, num_classes: int, input_shape: tuple[int, ...]) -> None:

@@ -76,11 +76,24 @@ class PrivacyPlan:
     epsilon: float
     delta: float
     accountant: str
+    # What the data set spends before DP-SGD's first step, as accountant history entries
+    # [σ, q, steps] (a run's private feature normalisation: fedsd.features); DP-SGD's σ is
+    # calibrated so that the two together spend (ε, δ).
+    prior: tuple = ()
 
     def to_dict(self) -> dict:
-        return dict(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate,
-                    planned_steps=self.planned_steps, epsilon=self.epsilon, delta=self.delta,
-                    accountant=self.accountant)
+        planned = dict(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate,
+                       planned_steps=self.planned_steps, epsilon=self.epsilon, delta=self.delta,
+                       accountant=self.accountant)
+        return {**planned, "prior": [list(p) for p in self.prior]} if self.prior else planned
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "PrivacyPlan":
+        return cls(**{**saved, "prior": tuple(tuple(p) for p in saved.get("prior", ()))})
+
+    def history_before_training(self) -> list[list]:
+        """The accountant history a data holder starts with: the prior's entries."""
+        return [list(p) for p in self.prior]
 
 
 def calibration_cache_dir() -> Path:
@@ -91,8 +104,9 @@ def calibration_cache_dir() -> Path:
 
 @functools.lru_cache(maxsize=4096)
 def plan(epsilon: float, delta: float, num_samples: int, batch_size: int, epochs: int,
-         accountant: str = "rdp", cache_dir: str | None = None) -> PrivacyPlan:
-    """Calibrate σ so that `epochs` epochs of Poisson-sampled DP-SGD spend at most (ε, δ).
+         accountant: str = "rdp", cache_dir: str | None = None, prior: tuple = ()) -> PrivacyPlan:
+    """Calibrate σ so that `epochs` epochs of Poisson-sampled DP-SGD spend at most (ε, δ),
+    after the `prior` accountant entries ((σ, q, steps), tuples) the data set spent first.
 
     A pure function of its arguments whose binary search costs 0.3–1.5 s (Opacus' RDP at a
     large sample rate is slow), so it is cached in memory and on disk (`cache_dir`, default
@@ -100,11 +114,11 @@ def plan(epsilon: float, delta: float, num_samples: int, batch_size: int, epochs
     Ray worker or a fresh ClientApp process finds the σ its server already calibrated. The
     file is keyed by the arguments, the Opacus version and the RDP orders; what it holds is a
     function of public settings, never of data."""
-    args = (epsilon, delta, num_samples, batch_size, epochs, accountant)
+    args = (epsilon, delta, num_samples, batch_size, epochs, accountant) + ((prior,) if prior else ())
     path = _calibration_file(Path(cache_dir) if cache_dir else calibration_cache_dir(), args)
     if path.is_file():
         try:
-            return PrivacyPlan(**json.loads(path.read_text()))
+            return PrivacyPlan.from_dict(json.loads(path.read_text()))
         except (ValueError, TypeError):
             pass  # an unreadable entry is calibrated again and rewritten
     calibrated = _calibrate(*args)
@@ -124,18 +138,51 @@ def _calibration_file(cache_dir: Path, args: tuple) -> Path:
 
 
 def _calibrate(epsilon: float, delta: float, num_samples: int, batch_size: int, epochs: int,
-               accountant: str) -> PrivacyPlan:
+               accountant: str, prior: tuple = ()) -> PrivacyPlan:
     q = batch_size / num_samples
     steps = epochs * steps_per_epoch(num_samples, batch_size)
     try:
         with _largest_order_said_once():
-            sigma = get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=q,
-                                         steps=steps, accountant=accountant,
-                                         epsilon_tolerance=EPSILON_TOLERANCE, **_orders(accountant))
+            if prior:
+                sigma = _noise_multiplier_after(prior, epsilon, delta, q, steps, accountant)
+            else:
+                sigma = get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=q,
+                                             steps=steps, accountant=accountant,
+                                             epsilon_tolerance=EPSILON_TOLERANCE, **_orders(accountant))
     except ValueError as e:  # Opacus: "The privacy budget is too low."
+        spent = f" after the {AccountantHistory(accountant, list(prior)).epsilon(delta):.3g} spent first" if prior else ""
         raise BudgetError(f"--epsilon: no noise level fits ε={epsilon}, δ={delta} for {steps} steps at "
-                          f"sample rate {q:.4g} ({e}); raise --epsilon or lower --epochs") from e
-    return PrivacyPlan(float(sigma), q, steps, epsilon, delta, accountant)
+                          f"sample rate {q:.4g}{spent} ({e}); raise --epsilon or lower --epochs") from e
+    return PrivacyPlan(float(sigma), q, steps, epsilon, delta, accountant, tuple(tuple(p) for p in prior))
+
+
+MAX_SIGMA = 2000.0  # Opacus' bound on the search (opacus.accountants.utils.MAX_SIGMA)
+
+
+def _noise_multiplier_after(prior: tuple, epsilon: float, delta: float, sample_rate: float, steps: int,
+                            accountant: str) -> float:
+    """Opacus' get_noise_multiplier (the same doubling, then bisection to EPSILON_TOLERANCE
+    below the target), with the accountant's history starting with `prior`: Opacus' own
+    search starts from an empty history."""
+    def spent(sigma: float) -> float:
+        return AccountantHistory(accountant, [*map(list, prior), [sigma, sample_rate, steps]]).epsilon(delta)
+
+    if AccountantHistory(accountant, list(prior)).epsilon(delta) >= epsilon:
+        raise ValueError("The privacy budget is too low.")
+    sigma_low, sigma_high, eps_high = 0.0, 10.0, float("inf")
+    while eps_high > epsilon:
+        sigma_high *= 2
+        eps_high = spent(sigma_high)
+        if sigma_high > MAX_SIGMA:
+            raise ValueError("The privacy budget is too low.")
+    while epsilon - eps_high > EPSILON_TOLERANCE:
+        sigma = (sigma_low + sigma_high) / 2
+        eps = spent(sigma)
+        if eps < epsilon:
+            sigma_high, eps_high = sigma, eps
+        else:
+            sigma_low = sigma
+    return sigma_high
 
 
 @functools.lru_cache(maxsize=4096)
@@ -174,7 +221,10 @@ class AccountantHistory:
         if not self._accountant.history:
             return 0.0
         if self.kind != "rdp":
-            return float(self._accountant.get_epsilon(delta=delta, **_orders(self.kind)))
+            # PRV's subsampled Gaussian takes log(1 − q): −inf, harmlessly, for an entry at q = 1
+            # (a release over the whole data set, such as the private feature normalisation)
+            with np.errstate(divide="ignore"):
+                return float(self._accountant.get_epsilon(delta=delta, **_orders(self.kind)))
         # Opacus' RDPAccountant.get_epsilon, with each (q, σ)'s per-step RDP computed once
         rdp = sum(_rdp_of_one_step(q, sigma) * steps for sigma, q, steps in self._accountant.history)
         with _largest_order_said_once():

@@ -46,6 +46,9 @@ class RunResult:
     privacy: dict | None = None
     route: dict | None = None
     physical_batch_size: int | None = None  # the most samples one pass took (fedsd.physical)
+    # --feature-norm private: the released per-channel statistics the features were normalised
+    # with (a DP release, part of what the run publishes: load_model needs them)
+    feature_statistics: dict | None = None
     epochs: list | None = None
     resumed: bool | None = None
     # a federation
@@ -233,15 +236,18 @@ class ReleasedModel(torch.nn.Module):
     """What a run released, ready to use: its network with the weights of model.pt, taking uint8
     images (N, C, H, W) or floats in [0, 1] and normalising them as the run did."""
 
-    def __init__(self, net: torch.nn.Module, mean: tuple[float, ...], std: tuple[float, ...]):
+    def __init__(self, net: torch.nn.Module, mean: tuple[float, ...], std: tuple[float, ...],
+                 features: torch.nn.Module | None = None):
         super().__init__()
         self.net = net
+        self.features = features  # the run's --features, made on the fly (fedsd.features.FeatureMap)
         self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1))
         self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = images.to(torch.float32) / 255.0 if images.dtype == torch.uint8 else images
-        return self.net((x - self.mean) / self.std)
+        x = (x - self.mean) / self.std
+        return self.net(x if self.features is None else self.features(x))
 
 
 def load_model(run_dir: str | os.PathLike) -> ReleasedModel:
@@ -263,7 +269,13 @@ def load_model(run_dir: str | os.PathLike) -> ReleasedModel:
     net = model_for(cfg, classes)
     net.load_state_dict(weights)
     mean, std = input_stats(cfg)
-    return ReleasedModel(net, mean, std).eval()
+    feature_map = None
+    if cfg.features != "none":
+        from .features import FeatureMap
+        from .models import image_shape_of
+
+        feature_map = FeatureMap(image_shape_of(cfg)[1], result.feature_statistics)
+    return ReleasedModel(net, mean, std, feature_map).eval()
 
 
 def finished_run_refusal(run_dir, length: str) -> str:

@@ -252,7 +252,7 @@ class DPTrainer:
         """
         cfg = self.cfg
         self.check_budget(state, epochs)
-        state = copy.deepcopy(state) if state is not None else TrainState()
+        state = copy.deepcopy(state) if state is not None else TrainState(self.plan.history_before_training())
         accountant = AccountantHistory(self.plan.accountant, state.history)
         if state.rng_state is None:
             self.generator.manual_seed(_rng_seed(cfg, self.client))
@@ -310,7 +310,8 @@ class DPTrainer:
 
     def check_budget(self, state: TrainState | None, epochs: list[int]) -> None:
         """Raise BudgetExhausted when these epochs would spend more than this run's (ε, δ)."""
-        accountant = AccountantHistory(self.plan.accountant, state.history if state is not None else [])
+        accountant = AccountantHistory(self.plan.accountant, state.history if state is not None
+                                       else self.plan.history_before_training())
         steps_to_run = len(epochs) * self.steps_per_epoch
         after = accountant.epsilon_after(steps_to_run, self.plan.noise_multiplier, self.plan.sample_rate,
                                      self.plan.delta)

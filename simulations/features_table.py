@@ -9,6 +9,10 @@ Two stages, as for the readings: nothing is chosen on test accuracy.
   lr is at the edge of its grid, the grid goes on past that edge (half or twice again), so that
   the chosen lr is one the screen brackets. CIFAR-10 is not screened (a run takes hours here):
   Tramèr & Boneh's ScatterNet + CNN settings.
+- The normalisation, on validation (dpsgd, seed 0): at each data set's chosen network, B, lr and
+  epochs (CIFAR-10: Tramèr & Boneh's), the features normalised per sample by GroupNorm (free of
+  privacy cost; the screen's) against Tramèr & Boneh's private per-channel statistics (their ε
+  composed into the run's: fedsd.features.private_statistics). A tie keeps GroupNorm.
 - The recipe, on validation: dpema (dpsgd releasing an average of its iterates) at the chosen
   setting against dpsgd's run of it; the better is what fedsd reports against the anchors.
 - The confirmation, on test: each data set's best validated setting, three seeds, for dpsgd,
@@ -24,9 +28,11 @@ Two stages, as for the readings: nothing is chosen on test accuracy.
   These runs take minutes to an hour; they go after CIFAR-10's dpsgd seeds and before its
   other methods' (hours each).
 
-The features are normalised per sample by GroupNorm (27 groups) where Tramèr & Boneh used, for
-MNIST and CIFAR-10, batch statistics made private at a cost in ε. Each run is `fedsd train`,
-resumable, written to <out>/runs/features/<run>/; a finished run is not run again.
+The screen normalises the features per sample by GroupNorm (27 groups), Tramèr & Boneh's choice for
+Fashion-MNIST; for MNIST and CIFAR-10 they used private statistics, which the normalisation stage
+weighs against it. The federation normalises per sample (--feature-norm private is central only).
+Each run is `fedsd train`, resumable, written to <out>/runs/features/<run>/; a finished run is
+not run again.
 """
 from __future__ import annotations
 
@@ -50,6 +56,10 @@ BASELINE = "dpsgd"
 EMA = "dpema"
 METHODS = (BASELINE, "dp3sd", "dpdsd", EMA)  # the baseline first: every gain is against it
 PAPERS = "papers"  # the papers' literal reading: the method's settings as Table 1 runs them
+# The normalisation stage's candidates (fedsd.features.FEATURE_NORMS), the free one first: a
+# tie on validation keeps it.
+NORMS = ("group", "private")
+NORM_TITLES = {"group": "GroupNorm", "private": "private statistics"}
 LR_SCALES = (0.5, 1.0, 2.0)
 LR_STEP = (0.5, 2.0)  # the factor past the grid's low and high edge
 MAX_LR_STEPS = 2
@@ -113,7 +123,8 @@ class FeatureRun:
     @property
     def setting_name(self) -> str:
         s = self.settings
-        return f"{self.dataset}-{s['model']}-B{s['batch_size']}-lr{s['lr']:g}-e{s['epochs']}"
+        norm = "" if norm_of(s) == "group" else f"-{norm_of(s)}-norm"
+        return f"{self.dataset}-{s['model']}-B{s['batch_size']}-lr{s['lr']:g}-e{s['epochs']}{norm}"
 
     @property
     def name(self) -> str:
@@ -124,6 +135,16 @@ class FeatureRun:
         return dict(dataset=self.dataset, method=self.method, epsilon=EPSILON, seed=self.seed, features="scatter",
                     clip=0.1, validation=self.validation, device=device, threads=threads, data_dir=data_dir,
                     **reading_settings(self.reading, {"momentum": 0.9, **self.settings}))
+
+
+def norm_of(settings: dict) -> str:
+    """A features setting's normalisation (the screen's settings leave it out: GroupNorm)."""
+    return settings.get("feature_norm", "group")
+
+
+def with_norm(settings: dict, norm: str) -> dict:
+    rest = {k: v for k, v in settings.items() if k != "feature_norm"}
+    return rest if norm == "group" else {**rest, "feature_norm": norm}
 
 
 def screen_runs(runs_dir: Path, datasets) -> list[FeatureRun]:
@@ -169,15 +190,33 @@ def read(runs_dir: Path, run: FeatureRun) -> RunResult | None:
     return RunResult.read(path) if path.is_file() else None
 
 
-def chosen(runs_dir: Path, dataset: str) -> dict | None:
-    """A data set's best validated setting (its screen complete), or Tramèr & Boneh's where it is
-    not screened; None while its screen runs."""
+def chosen_network(runs_dir: Path, dataset: str) -> dict | None:
+    """A data set's best validated network, B, lr and epochs (its screen complete; GroupNorm), or
+    Tramèr & Boneh's where it is not screened; None while its screen runs."""
     if dataset not in SCREENED:
         return TB_SETTINGS[dataset][0]
     results = [(run, read(runs_dir, run)) for run in screen_runs(runs_dir, [dataset])]
     if any(r is None for _, r in results):
         return None
     return max(results, key=lambda pair: preference(*pair))[0].settings
+
+
+def norm_runs(runs_dir: Path, datasets) -> list[FeatureRun]:
+    """dpsgd on validation, seed 0, at each data set's chosen network under each normalisation
+    (a screened data set's GroupNorm run is its screen's own)."""
+    return [FeatureRun(d, with_norm(network, norm), seed=SCREEN_SEED, validation=VALIDATION)
+            for d in datasets if (network := chosen_network(runs_dir, d)) is not None for norm in NORMS]
+
+
+def chosen(runs_dir: Path, dataset: str) -> dict | None:
+    """A data set's setting: its chosen network under the normalisation that did better on
+    validation (a tie keeps GroupNorm, which spends nothing); None while either stage runs."""
+    runs = norm_runs(runs_dir, [dataset])
+    results = [read(runs_dir, run) for run in runs]
+    if not runs or any(r is None for r in results):
+        return None
+    best = max(range(len(runs)), key=lambda k: (results[k].validation_accuracy, -k))  # NORMS: the free one first
+    return runs[best].settings
 
 
 def recipe_runs(runs_dir: Path, datasets) -> list[FeatureRun]:
@@ -259,7 +298,7 @@ def fed_screen_runs(runs_dir: Path) -> list[FedFeatureRun]:
     of FED_DATASET has not chosen its network."""
     from .federated_table import FED_TABLE
 
-    central = chosen(runs_dir, FED_DATASET)
+    central = chosen_network(runs_dir, FED_DATASET)
     if central is None:
         return []
     tb = tb_setting(FED_DATASET, central["model"])
@@ -329,6 +368,7 @@ def reproduce_features(datasets: list[str] | None, seeds: int, jobs: int, thread
 
     for _ in range(MAX_LR_STEPS + 1):  # each pass may extend a network's grid past its edge
         run_all(screen_runs(runs_dir, datasets), "features: screen")
+    run_all(norm_runs(runs_dir, datasets), "features: normalisation")
     run_all(recipe_runs(runs_dir, datasets), "features: the recipe's EMA")
     write_features_table(runs_dir, out, seeds)
     slow = [d for d in datasets if d not in SCREENED]  # CIFAR-10: hours a run
@@ -351,23 +391,26 @@ def _mean_se(values: list[float]) -> tuple[float, float | None]:
 
 def table_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
     screen = []
-    for run in screen_runs(runs_dir, SCREENED):
+    screened = screen_runs(runs_dir, SCREENED)
+    for run in screened + [run for run in norm_runs(runs_dir, TB_SETTINGS) if run not in screened]:
         r = read(runs_dir, run)
         if r is not None:
-            screen.append(dict(dataset=run.dataset, method=run.method, setting=run.setting_name, **run.settings,
+            screen.append(dict(dataset=run.dataset, method=run.method, setting=run.setting_name,
+                               **with_norm(run.settings, "group"), feature_norm=norm_of(run.settings),
                                validation_accuracy=100 * r.validation_accuracy, minutes=round(r.wall_seconds / 60, 1)))
     for run in recipe_runs(runs_dir, SCREENED):
         r = read(runs_dir, run)
         if r is not None:
             screen.append(dict(dataset=run.dataset, method=method_cell(dict(method=run.method, reading=run.reading)),
-                               setting=run.setting_name, **run.settings, validation_accuracy=100 * r.validation_accuracy,
-                               minutes=round(r.wall_seconds / 60, 1)))
+                               setting=run.setting_name, **with_norm(run.settings, "group"), feature_norm=norm_of(run.settings),
+                               validation_accuracy=100 * r.validation_accuracy, minutes=round(r.wall_seconds / 60, 1)))
     recipes = {d: chosen_recipe for d in SCREENED if (chosen_recipe := recipe(runs_dir, d)) is not None}
     confirmed = []
-    for d in TB_SETTINGS:
-        settings = chosen(runs_dir, d)
-        if settings is None:
-            continue
+    for d, settings in ((d, with_norm(network, norm)) for d in TB_SETTINGS
+                        if (network := chosen_network(runs_dir, d)) is not None for norm in NORMS):
+        final = chosen(runs_dir, d)
+        if final is None and norm_of(settings) != "group":
+            continue  # until the normalisation is chosen, the rows confirmed under GroupNorm
         base = None
         for m, reading in ((m, r) for m in METHODS for r in method_readings(runs_dir, m)):
             found = {s: r for s in range(seeds)
@@ -376,8 +419,11 @@ def table_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
                 continue
             accuracies = [100 * r.test_accuracy for r in found.values()]
             mean, se = _mean_se(accuracies)
-            row = dict(dataset=d, method=m, reading=reading, setting=FeatureRun(d, settings).setting_name, **settings,
-                       chosen_on="validation" if d in SCREENED else "Tramèr & Boneh's settings (not screened)",
+            row = dict(dataset=d, method=m, reading=reading, setting=FeatureRun(d, settings).setting_name,
+                       **with_norm(settings, "group"), feature_norm=norm_of(settings),
+                       chosen=None if final is None else settings == final,
+                       chosen_on=("validation" if d in SCREENED else "Tramèr & Boneh's network, B, lr and epochs (not "
+                                  "screened); the normalisation on validation"),
                        seeds=list(found), accuracies=accuracies, mean=mean, se=se,
                        epsilon_spent=[r.epsilon_spent for r in found.values()],
                        minutes=[round(r.wall_seconds / 60, 1) for r in found.values()],
@@ -385,7 +431,8 @@ def table_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
             if m == BASELINE:
                 base = row
             row["gain_over_dpsgd"] = paired_difference(row, base)
-            row["recipe"] = d in recipes and (recipes[d]["method"], recipes[d]["reading"]) == (m, reading)
+            row["recipe"] = (settings == final and d in recipes
+                             and (recipes[d]["method"], recipes[d]["reading"]) == (m, reading))
             confirmed.append(row)
     return dict(screen=screen, recipes=recipes, confirmed=confirmed, federated=fed_rows(runs_dir, seeds))
 
@@ -432,7 +479,7 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
              "over dpsgd paired by seed; minutes per run on the CPU that ran it (one thread, shared). The data set's "
              "recipe (**bold**), what fedsd reports against the anchors, is the better on validation of dpsgd's last "
              "iterate and dpema's average of its iterates at the chosen setting.", "",
-             "| data set | method | network, B, lr, epochs | chosen on | seeds | test accuracy | gain over dpsgd | "
+             "| data set | method | network, B, lr, epochs, normalisation | chosen on | seeds | test accuracy | gain over dpsgd | "
              "minutes a run | " + " | ".join(names) + " |",
              "|---|---|---|---|---|---|---|---|" + "---|" * len(names)]
     for r in rows["confirmed"]:
@@ -440,16 +487,19 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
         gain = r["gain_over_dpsgd"]
         gain = "" if gain is None else f"{gain['mean']:+.2f}" + (f" ± {gain['se']:.2f}" if gain["se"] is not None else "")
         method = f"**{method_cell(r)}**" if r.get("recipe") else method_cell(r)
-        lines.append(f"| {r['dataset']} | {method} | {r['model']}, {r['batch_size']}, {r['lr']:g}, {r['epochs']} | "
-                     f"{r['chosen_on']} | {len(r['seeds'])} | {acc} | {gain} | {statistics.mean(r['minutes']):.1f} | "
+        chosen_on = {True: r["chosen_on"], False: "not chosen (the other normalisation did better on validation)",
+                     None: "the normalisation not yet chosen"}[r["chosen"]]
+        lines.append(f"| {r['dataset']} | {method} | {r['model']}, {r['batch_size']}, {r['lr']:g}, {r['epochs']}, "
+                     f"{NORM_TITLES[r['feature_norm']]} | {chosen_on} | {len(r['seeds'])} | {acc} | {gain} | "
+                     f"{statistics.mean(r['minutes']):.1f} | "
                      + " | ".join(f"{v:g}" for v in r["anchors"].values()) + " |")
-    lines += ["", f"## The screen (seed {SCREEN_SEED}, {VALIDATION} training samples held out): dpsgd, then dpema at the "
-              "chosen setting", "",
-              "| data set | method | network | B | lr | epochs | validation accuracy | minutes |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", f"## The screen (seed {SCREEN_SEED}, {VALIDATION} training samples held out): dpsgd's networks and "
+              "lrs under GroupNorm, then its normalisation at the chosen network, then dpema at the chosen setting", "",
+              "| data set | method | network | B | lr | epochs | normalisation | validation accuracy | minutes |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows["screen"]:
         lines.append(f"| {r['dataset']} | {r['method']} | {r['model']} | {r['batch_size']} | {r['lr']:g} | {r['epochs']} | "
-                     f"{r['validation_accuracy']:.2f} | {r['minutes']:.1f} |")
+                     f"{NORM_TITLES[r['feature_norm']]} | {r['validation_accuracy']:.2f} | {r['minutes']:.1f} |")
     lines += fed_md(rows["federated"])
     (out / f"{TABLE_NAME}.md").write_text("\n".join(lines) + "\n")
     return out / f"{TABLE_NAME}.md"

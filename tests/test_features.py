@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedsd import data as data_lib, features
+import fedsd
+from fedsd import data as data_lib, features, privacy
 from fedsd.config import TrainConfig, validate
 from fedsd.errors import ConfigError
 from fedsd.models import model_for
@@ -69,6 +70,87 @@ def test_features_that_do_not_fit_are_refused(settings, says):
         validate(TrainConfig(epsilon=3, **settings).resolved(), 1000)
 
 
+@pytest.mark.parametrize("settings,says", [
+    (dict(dataset="mnist", feature_norm="private"), "--feature-norm: applies to --features scatter, got 'private'"),
+    (dict(dataset="mnist", features="scatter", feature_norm="private", feature_norm_noise=0.0),
+     "--feature-norm-noise: must be > 0, got 0.0"),
+    (dict(dataset="mnist", features="scatter", feature_norm="batch"), "--feature-norm: unknown value 'batch'"),
+])
+def test_a_private_normalisation_that_does_not_fit_is_refused(settings, says):
+    with pytest.raises(ConfigError, match=says):
+        validate(TrainConfig(epsilon=3, **settings).resolved(), 1000)
+
+
+def test_a_federation_refuses_the_private_normalisation_before_any_work():
+    from fedsd.fed_settings import FedOptions, client_config
+
+    cfg = TrainConfig(dataset="fmnist", features="scatter", feature_norm="private", epsilon=3)
+    with pytest.raises(ConfigError, match="--feature-norm private: central runs only"):
+        client_config(cfg, FedOptions())
+
+
+def test_private_statistics_of_real_features_are_the_data_sets_own_plus_noise_of_the_stated_scale(cache):
+    """Fashion-MNIST's features: with almost no noise the released mean and variance are the
+    data's (the bounds clip almost nothing); with σ = 8 the noise on each channel's mean has std
+    √3 · σ · its order's bound / n, what the accountant is told; one sample, however large, moves
+    the sums by at most √3 in units of the bounds."""
+    require("fmnist")
+    images = data_lib.load("fmnist")
+    f = features.scattered(images.normalised(images.x_test[:2000]))
+    n = len(f)
+    true_mean = f.float().flatten(2).mean(-1).mean(0)
+    true_var = f.float().flatten(2).square().mean(-1).mean(0) - true_mean.square()
+    mean, var = features.private_statistics(f, 1, 1e-9, torch.Generator().manual_seed(0))
+    assert torch.allclose(mean, true_mean, rtol=0.01, atol=1e-5) and torch.allclose(var, true_var, rtol=0.02, atol=1e-6)
+    draws = torch.stack([features.private_statistics(f, 1, 8.0, torch.Generator().manual_seed(s))[0] - mean
+                         for s in range(20)])
+    bounds, _ = features.norm_bounds(1)
+    for order in range(3):  # each order's noise at its own scale: 81 channels, 20 draws
+        channels = features.SCATTER_ORDER == order
+        expected = 3 ** 0.5 * 8.0 * features.MEAN_BOUNDS[order] / n
+        assert draws[:, channels].std().item() == pytest.approx(expected, rel=0.35 if order == 0 else 0.15)
+    # on a training set of 60,000, the noise on the second-order channels' mean squares is a
+    # twentieth of their variance; one bound of 2 for every channel, four times it
+    second = true_var[features.SCATTER_ORDER == 2].median()
+    assert 3 ** 0.5 * 8.0 * features.SQUARE_BOUNDS[2] / 60_000 < second / 20 and 2 * 8.0 / 60_000 > 4 * second
+    # one outlier sample: its clipped contribution is at most √3 in units of the bounds
+    outlier = torch.full((1, *f.shape[1:]), 100.0, dtype=torch.float16)
+    with_outlier, _ = features.private_statistics(torch.cat([f, outlier]), 1, 1e-9, torch.Generator().manual_seed(0))
+    assert (((n + 1) * with_outlier - n * mean) / bounds).norm().item() <= 3 ** 0.5 * 1.001
+    # normalised with the data's statistics, each channel has mean 0 and variance 1, less BatchNorm's
+    # ε against the channels of tiny variance, as a frozen BatchNorm would give
+    z = features.normalise(f, mean, var).float()
+    assert z.flatten(2).mean((0, 2)).abs().max() < 0.01
+    assert torch.allclose(z.transpose(0, 1).flatten(1).var(1), var / (var + features.NORM_EPS), rtol=0.02)
+
+
+@pytest.mark.slow
+def test_dp_sgd_on_privately_normalised_features_spends_the_runs_epsilon_with_the_normalisation(tmp_path, cache):
+    """--feature-norm private: the network has no GroupNorm, the normalisation's two releases
+    open the accountant's history, σ is calibrated to what they leave, and it learns."""
+    require("mnist")
+    out = tmp_path / "run"
+    assert main(["train", "--dataset", "mnist", "--features", "scatter", "--feature-norm", "private", "--method",
+                 "dpsgd", "--subset", "5000", "--epochs", "5", "--batch-size", "500", "--lr", "4", "--epsilon", "3",
+                 "--threads", "1", "--quiet", "--out", str(out)]) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["privacy"]["prior"] == [[8.0, 1.0, 2]]
+    assert 2.99 <= result["epsilon_spent"] <= 3
+    free = privacy.plan(3.0, 1e-5, 5000, 500, 5)
+    assert result["noise_multiplier"] > free.noise_multiplier  # the normalisation's ε is not DP-SGD's to spend
+    assert result["test_accuracy"] >= 0.93, result["test_accuracy"]
+    cfg = TrainConfig(dataset="mnist", features="scatter", feature_norm="private").resolved()
+    assert not any(isinstance(m, torch.nn.GroupNorm) for m in model_for(cfg, 10).modules())
+    # what it released is usable on raw images: the features made on the fly, normalised by the
+    # statistics result.json publishes, give the run's test accuracy
+    assert len(result["feature_statistics"]["mean"]) == len(result["feature_statistics"]["variance"]) == 81
+    images = data_lib.load("mnist")
+    model = fedsd.load_model(out)
+    with torch.no_grad():
+        predicted = torch.cat([model(x).argmax(1) for x in images.x_test.split(1000)])
+    assert (predicted == images.y_test).float().mean().item() == pytest.approx(result["test_accuracy"], abs=0.002)
+
+
 @pytest.mark.slow
 def test_dp_sgd_on_scatternet_features_learns_mnist_from_few_samples(tmp_path, cache):
     """5000 MNIST images, ε = 3: the linear model on ScatterNet features reaches 93 % (95.8 % here)."""
@@ -80,6 +162,10 @@ def test_dp_sgd_on_scatternet_features_learns_mnist_from_few_samples(tmp_path, c
     result = json.loads((out / "result.json").read_text())
     assert result["config"]["model"] == "scatter-linear" and result["epsilon_spent"] <= 3
     assert result["test_accuracy"] >= 0.93, result["test_accuracy"]
+    images = data_lib.load("mnist")  # released: fedsd.load_model makes the features of raw images itself
+    with torch.no_grad():
+        predicted = fedsd.load_model(out)(images.x_test[:2000]).argmax(1)
+    assert (predicted == images.y_test[:2000]).float().mean().item() >= 0.93
 
 
 @pytest.mark.slow

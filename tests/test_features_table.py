@@ -19,6 +19,15 @@ def _central(runs_dir, run, test, validation=None):
     _write(runs_dir / run.name, TrainConfig(**run.config(1, "cpu", None)).resolved(), test, validation)
 
 
+def _groupnorm_kept(runs_dir, dataset):
+    """The normalisation stage done, GroupNorm kept: the private statistics' run does worse."""
+    from simulations.features_table import norm_runs
+
+    for run in norm_runs(runs_dir, [dataset]):
+        if not (runs_dir / run.name).exists():
+            _central(runs_dir, run, test=0.5, validation=0.1)
+
+
 def _federation(runs_dir, run, test, validation=None, missed=None):
     cfg, fed = run.settings("cpu", None)
     _write(runs_dir / run.name, cfg, test, validation, rounds=[dict(round=1)], missed=missed,
@@ -26,8 +35,8 @@ def _federation(runs_dir, run, test, validation=None, missed=None):
 
 
 def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(tmp_path):
-    from simulations.features_table import (FED_LR_SCALES, chosen, confirm_runs, fed_confirm_runs, fed_screen_runs,
-                                            recipe, recipe_runs, screen_runs, write_features_table)
+    from simulations.features_table import (FED_LR_SCALES, chosen, chosen_network, confirm_runs, fed_confirm_runs,
+                                            fed_screen_runs, recipe, recipe_runs, screen_runs, write_features_table)
 
     runs_dir = tmp_path / "runs" / "features"
     screen = screen_runs(runs_dir, ["fmnist"])
@@ -37,6 +46,9 @@ def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(t
         _central(runs_dir, run, test=0.99 if k == 0 else 0.80, validation={1: 0.86, 4: 0.855}.get(k, 0.85))
     assert screen_runs(runs_dir, ["fmnist"]) == screen
     best = screen[1].settings  # the best on validation, not the best on test (screen[0])
+    assert chosen_network(runs_dir, "fmnist") == best
+    assert chosen(runs_dir, "fmnist") is None and recipe_runs(runs_dir, ["fmnist"]) == []  # the normalisation next
+    _groupnorm_kept(runs_dir, "fmnist")
     assert chosen(runs_dir, "fmnist") == best
     # the recipe: dpema's average of the iterates at the chosen setting, against dpsgd's last iterate
     (ema,) = recipe_runs(runs_dir, ["fmnist"])
@@ -94,7 +106,8 @@ def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(t
 
 
 def test_the_screen_goes_past_the_edge_of_its_lr_grid_while_the_best_is_there(tmp_path):
-    from simulations.features_table import LR_SCALES, MAX_LR_STEPS, TB_SETTINGS, chosen, fed_screen_runs, screen_runs
+    from simulations.features_table import (LR_SCALES, MAX_LR_STEPS, TB_SETTINGS, chosen_network, fed_screen_runs,
+                                            screen_runs)
 
     runs_dir = tmp_path / "runs" / "features"
     linear, cnn = TB_SETTINGS["mnist"]
@@ -115,7 +128,7 @@ def test_the_screen_goes_past_the_edge_of_its_lr_grid_while_the_best_is_there(tm
     finish(screen_runs(runs_dir, ["mnist"]))
     assert grid(linear["model"]) == [0.25 * lin, 0.5 * lin, lin, 2 * lin]
     assert grid(cnn["model"]) == [0.5 * cnn_lr, cnn_lr, 2 * cnn_lr, 4 * cnn_lr]
-    assert chosen(runs_dir, "mnist") is None  # the extended grid has runs to do
+    assert chosen_network(runs_dir, "mnist") is None  # the extended grid has runs to do
 
     validation[(linear["model"], 0.25 * lin)] = 0.975  # the linear network's best now inside its grid
     validation[(cnn["model"], 4 * cnn_lr)] = 0.995  # the CNN's still at the edge: one step more, the last
@@ -125,7 +138,7 @@ def test_the_screen_goes_past_the_edge_of_its_lr_grid_while_the_best_is_there(tm
     validation[(cnn["model"], 8 * cnn_lr)] = 0.999
     finish(screen)
     assert screen_runs(runs_dir, ["mnist"]) == screen  # MAX_LR_STEPS past the grid, and no further
-    assert chosen(runs_dir, "mnist") == {**cnn, "lr": 8 * cnn_lr}
+    assert chosen_network(runs_dir, "mnist") == {**cnn, "lr": 8 * cnn_lr}
     assert fed_screen_runs(runs_dir) == []  # the federation is on Fashion-MNIST
 
 
@@ -149,6 +162,7 @@ def test_a_method_runs_on_features_in_the_reading_the_readings_screen_chose_besi
     linear = TB_SETTINGS["fmnist"][0]
     for k, run in enumerate(screen_runs(runs_dir, ["fmnist"])):
         _central(runs_dir, run, test=0.8, validation={1: 0.9, 4: 0.89}.get(k, 0.85))  # the linear network, their lr
+    _groupnorm_kept(runs_dir, "fmnist")
     confirm = confirm_runs(runs_dir, ["fmnist"], seeds=1)
     assert {(r.method, r.reading) for r in confirm} == {("dpsgd", "papers"), ("dp3sd", "papers"),
                                                         ("dp3sd", "momentum0-lr3"), ("dpdsd", "papers"),
@@ -174,7 +188,7 @@ def test_a_method_runs_on_features_in_the_reading_the_readings_screen_chose_besi
 def test_a_tie_on_validation_keeps_the_lr_nearer_tramer_and_bonehs(tmp_path):
     """Accuracy on 10,000 samples comes in steps of 0.01 %: a tie between the grid's edge and its
     inside neither extends the grid nor moves the choice away from the published lr."""
-    from simulations.features_table import TB_SETTINGS, chosen, screen_runs
+    from simulations.features_table import TB_SETTINGS, chosen_network, screen_runs
 
     runs_dir = tmp_path / "runs" / "features"
     linear = TB_SETTINGS["mnist"][0]["lr"]
@@ -184,4 +198,40 @@ def test_a_tie_on_validation_keeps_the_lr_nearer_tramer_and_bonehs(tmp_path):
         _central(runs_dir, run, test=0.5, validation=validation.get(run.settings["lr"], 0.9)
                  if run.settings["model"] == "scatter-linear" else 0.9)
     assert screen_runs(runs_dir, ["mnist"]) == screen
-    assert chosen(runs_dir, "mnist")["lr"] == linear
+    assert chosen_network(runs_dir, "mnist")["lr"] == linear
+
+
+def test_the_normalisation_is_chosen_on_validation_and_a_tie_keeps_groupnorm(tmp_path):
+    """At the chosen network (CIFAR-10: Tramèr & Boneh's, not screened), dpsgd on validation under
+    GroupNorm and under private statistics; the better is the setting every method confirms, a
+    tie keeps GroupNorm (it spends no ε). Rows confirmed under the other stay in the table,
+    marked as not chosen."""
+    from simulations.features_table import TB_SETTINGS, FeatureRun, chosen, confirm_runs, norm_runs, write_features_table
+
+    runs_dir = tmp_path / "runs" / "features"
+    tb = TB_SETTINGS["cifar10"][0]
+    group, private = norm_runs(runs_dir, ["cifar10"])
+    assert (group.settings, private.settings) == (tb, {**tb, "feature_norm": "private"})
+    assert {group.validation, private.validation, group.seed, private.seed} == {10_000, 0}
+    assert private.name == "cifar10-scatter-cnn-B8192-lr4-e85-private-norm-dpsgd-val-seed0"
+    assert private.config(1, "cpu", None)["feature_norm"] == "private" and "feature_norm" not in group.config(1, "cpu", None)
+    _central(runs_dir, group, test=0.5, validation=0.66)
+    assert chosen(runs_dir, "cifar10") is None and confirm_runs(runs_dir, ["cifar10"], 1) == []
+    _central(runs_dir, private, test=0.5, validation=0.66)
+    assert chosen(runs_dir, "cifar10") == tb  # a tie
+    import shutil
+
+    shutil.rmtree(runs_dir / private.name)
+    _central(runs_dir, private, test=0.5, validation=0.68)
+    assert chosen(runs_dir, "cifar10") == private.settings
+    assert {r.settings["feature_norm"] for r in confirm_runs(runs_dir, ["cifar10"], 1)} == {"private"}
+    _central(runs_dir, FeatureRun("cifar10", tb, "dpsgd", 0), 0.668)  # confirmed before the stage: kept, not chosen
+    _central(runs_dir, FeatureRun("cifar10", private.settings, "dpsgd", 0), 0.69)
+    write_features_table(runs_dir, tmp_path, seeds=1)
+    rows = {r["feature_norm"]: r for r in json.loads((tmp_path / "table-features.json").read_text())["confirmed"]}
+    assert (rows["private"]["chosen"], rows["group"]["chosen"]) == (True, False)
+    assert rows["private"]["mean"] == pytest.approx(69.0)
+    md = (tmp_path / "table-features.md").read_text()
+    assert "| cifar10 | dpsgd | scatter-cnn, 8192, 4, 85, private statistics | Tramèr & Boneh's network" in md
+    assert "| cifar10 | dpsgd | scatter-cnn, 8192, 4, 85, GroupNorm | not chosen" in md
+    assert "| cifar10 | dpsgd | scatter-cnn | 8192 | 4 | 85 | private statistics | 68.00 |" in md

@@ -2,6 +2,7 @@
 import pytest
 from opacus.accountants import PRVAccountant, RDPAccountant
 
+from fedsd import privacy
 from fedsd.privacy import AccountantHistory, plan, steps_per_epoch
 from fedsd.errors import BudgetError
 
@@ -103,3 +104,23 @@ def test_calibration_is_kept_on_disk_for_other_processes(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert privacy.plan(*args, cache_dir=str(tmp_path)) == searched
     assert privacy.PrivacyPlan(**__import__("json").loads(files[0].read_text())) == searched
+
+
+def test_a_prior_release_is_composed_into_the_plan_and_its_sigma_calibrated_to_what_is_left(tmp_path):
+    """A run's private feature normalisation (two Gaussian releases at σ = 8 over the whole set)
+    spends part of ε before DP-SGD: σ is searched with the accountant's history starting with
+    it, so the two together spend the target, and a saved plan says so (a plan without a prior
+    saves what it always did, so older runs resume)."""
+    prior = ((8.0, 1.0, 2),)
+    alone = privacy.plan(3.0, 1e-5, 50_000, 8192, 60, cache_dir=str(tmp_path))
+    after = privacy.plan(3.0, 1e-5, 50_000, 8192, 60, cache_dir=str(tmp_path), prior=prior)
+    assert after.noise_multiplier > alone.noise_multiplier
+    spent = privacy.AccountantHistory("rdp", [[8.0, 1.0, 2], [after.noise_multiplier, after.sample_rate,
+                                                              after.planned_steps]]).epsilon(1e-5)
+    assert 3.0 - privacy.EPSILON_TOLERANCE <= spent <= 3.0
+    assert "prior" not in alone.to_dict() and after.to_dict()["prior"] == [[8.0, 1.0, 2]]
+    assert privacy.PrivacyPlan.from_dict(after.to_dict()) == after
+    privacy.plan.cache_clear()
+    assert privacy.plan(3.0, 1e-5, 50_000, 8192, 60, cache_dir=str(tmp_path), prior=prior) == after  # from disk
+    with pytest.raises(BudgetError, match="after the .* spent first"):
+        privacy.plan(0.5, 1e-5, 50_000, 8192, 60, cache_dir=str(tmp_path), prior=prior)
