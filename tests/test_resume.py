@@ -23,7 +23,15 @@ ARGS = ["--dataset", "fmnist", "--epsilon", "3", "--subset", "1000", "--batch-si
         "--threads", "1", "--quiet"]
 
 
+# a run whose features were normalised by released statistics: the same noise on resuming (the
+# run's seed's), and its two releases kept at the head of the accountant's history
+PRIVATE_NORM = "dpsgd on privately normalised features"
+
+
 def config(method: str) -> TrainConfig:
+    if method == PRIVATE_NORM:
+        return TrainConfig(dataset="fmnist", method="dpsgd", features="scatter", feature_norm="private", epsilon=3,
+                           subset=1000, batch_size=100, lr=4.0, epochs=4, threads=1)
     return TrainConfig(dataset="fmnist", method=method, epsilon=3, subset=1000, batch_size=100, lr=1.0, epochs=4,
                        threads=1, distill_warmup_epochs=1)
 
@@ -33,7 +41,7 @@ def same_weights(a: Path, b: Path) -> bool:
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-@pytest.mark.parametrize("method", ["dpema", "dpkd", "dp3sd"])  # EMA, DPKD's two stages, a teacher
+@pytest.mark.parametrize("method", ["dpema", "dpkd", "dp3sd", PRIVATE_NORM])  # EMA, DPKD's two stages, a teacher
 def test_a_run_stopped_after_an_epoch_resumes_to_the_same_weights(method, tmp_path, monkeypatch):
     require("fmnist")
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
@@ -58,6 +66,7 @@ def test_a_run_stopped_after_an_epoch_resumes_to_the_same_weights(method, tmp_pa
     assert resumed["resumed"] is True and resumed["steps"] == uninterrupted["steps"]
     strip = lambda epochs: [{k: v for k, v in e.items() if k != "seconds"} for e in epochs]  # noqa: E731
     assert strip(resumed["epochs"]) == strip(uninterrupted["epochs"])
+    assert resumed.get("feature_statistics") == uninterrupted.get("feature_statistics")
 
 
 @pytest.mark.slow
