@@ -27,6 +27,13 @@ def run_summary(result: dict, out) -> str:
              f"  test accuracy  {accuracy * 100:.2f} %{by}" if accuracy is not None else "  test accuracy  -",
              f"  ε spent        {eps} (target {result['epsilon_target']:g}, δ {result['delta']:g})",
              f"  settings       {settings_line(result)}"]
+    prior = (result.get("privacy") or {}).get("prior")
+    if prior:  # what the normalisation's releases took of ε, before DP-SGD's first step
+        from .privacy import AccountantHistory
+
+        alone = AccountantHistory("rdp", prior).epsilon(result["delta"])
+        lines.append(f"  features       {result['config']['features']}, normalised by released statistics "
+                     f"(σ = {prior[0][0]:g}; alone they spend ε {alone:.2f}, composed into the total)")
     if result["dataset"] == "custom":  # your own files, and whether a test split was held out of them
         lines.append(f"  data           {result['data_source']}")
     if clients:

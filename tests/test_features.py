@@ -181,3 +181,15 @@ def test_each_federated_client_trains_on_the_features_of_its_own_shard(tmp_path)
     assert result["config"]["features"] == "scatter" and result["test_accuracy"] >= 0.7, result["test_accuracy"]
     # each client's shard (2000 images) and the server's test split, each scattered once
     assert len(list((tmp_path / "cache" / "features").glob("scatter-*.npy"))) == 3
+
+
+def test_the_summary_says_what_the_private_normalisation_spent():
+    from fedsd.summary import run_summary
+
+    result = dict(dataset="cifar10", method="dpsgd", test_accuracy=0.68, wall_seconds=60.0, epsilon_spent=2.995,
+                  epsilon_target=3.0, delta=1e-5, noise_multiplier=6.29, privacy=dict(prior=[[8.0, 1.0, 2]]),
+                  config=dict(features="scatter", batch_size=8192, lr=4.0, momentum=0.9, epochs=85))
+    text = run_summary(result, "/tmp/run")
+    assert ("  features       scatter, normalised by released statistics (σ = 8; alone they spend ε 0.69, "
+            "composed into the total)") in text
+    assert "features" not in run_summary({**result, "privacy": {}}, "/tmp/run")
