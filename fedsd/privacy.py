@@ -21,7 +21,7 @@ from . import cache_root
 import opacus
 from opacus.accountants import create_accountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
-from opacus.accountants.utils import get_noise_multiplier
+from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
 
 from .errors import BudgetError, BudgetRefused, FedsdNote
 
@@ -154,9 +154,6 @@ def _calibrate(epsilon: float, delta: float, num_samples: int, batch_size: int, 
         raise BudgetError(f"--epsilon: no noise level fits ε={epsilon}, δ={delta} for {steps} steps at "
                           f"sample rate {q:.4g}{spent} ({e}); raise --epsilon or lower --epochs") from e
     return PrivacyPlan(float(sigma), q, steps, epsilon, delta, accountant, tuple(tuple(p) for p in prior))
-
-
-MAX_SIGMA = 2000.0  # Opacus' bound on the search (opacus.accountants.utils.MAX_SIGMA)
 
 
 def _noise_multiplier_after(prior: tuple, epsilon: float, delta: float, sample_rate: float, steps: int,
