@@ -368,11 +368,14 @@ def reproduce_features(datasets: list[str] | None, seeds: int, jobs: int, thread
 
     for _ in range(MAX_LR_STEPS + 1):  # each pass may extend a network's grid past its edge
         run_all(screen_runs(runs_dir, datasets), "features: screen")
-    run_all(norm_runs(runs_dir, datasets), "features: normalisation")
+    slow = [d for d in datasets if d not in SCREENED]  # CIFAR-10: hours a run
+    fast = [d for d in datasets if d not in slow]
+    # the data sets of minutes a run first, each to its confirmation, then CIFAR-10's
+    run_all(norm_runs(runs_dir, fast), "features: normalisation")
     run_all(recipe_runs(runs_dir, datasets), "features: the recipe's EMA")
     write_features_table(runs_dir, out, seeds)
-    slow = [d for d in datasets if d not in SCREENED]  # CIFAR-10: hours a run
-    run_all(confirm_runs(runs_dir, [d for d in datasets if d not in slow], seeds), "features: confirmation")
+    run_all(confirm_runs(runs_dir, fast, seeds), "features: confirmation")
+    run_all(norm_runs(runs_dir, slow), "features: normalisation")
     # the baseline's seeds on every data set before the federation (minutes to an hour a run)
     # and before the other methods' hours-long runs: the table's first question is the baseline
     run_all([r for r in confirm_runs(runs_dir, slow, seeds) if r.method == BASELINE], "features: confirmation")
