@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedsd import audit, privacy
+from fedsd import audit, features, privacy
 from fedsd import data as data_lib
 from fedsd.client_data import input_stats
 from fedsd.central import prepare_run, resolve_device
@@ -120,11 +120,16 @@ def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bo
     if out is not None:
         check_out_dir(out, overwrite)
     cfg = cfg.resolved()
+    if cfg.feature_norm != "group":
+        # The canaries' membership is read off DP-SGD's steps; a release made before them, from
+        # the data, is a second mechanism the audit would not see.
+        raise ConfigError(f"--feature-norm {cfg.feature_norm}: fedsd audit measures DP-SGD's steps alone; audit "
+                          "ScatterNet features with --feature-norm group")
     seed = derive_seed(cfg.seed, SEED_AUDIT)
     if settings.clients == 1:
         inputs = prepare_run(cfg)
         cfg, images, device = inputs.cfg, inputs.data, inputs.device
-        holders = [data_lib.prepare(images, inputs.train_indices, device, input_stats(cfg))]
+        holders = [data_lib.prepare(images, inputs.train_indices, device, input_stats(cfg), cfg.features)]
     else:
         from fedsd.fed_settings import FedOptions
         from task.simulated_shards import build_federation
@@ -136,6 +141,7 @@ def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bo
     black = None
     if settings.threat == "black":
         x, y, positions = _black_box_canaries(images, settings.canaries, seed, input_stats(cfg))
+        x = features.inputs(x, cfg.features, "canary images")  # what the network takes, as the data's
         included = torch.rand(settings.canaries, generator=torch.Generator().manual_seed(seed + 1)) < 0.5
         black = (x, y, included)
         holders[0] = _with_canaries(holders[0], x, y, included, positions)
