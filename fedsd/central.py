@@ -128,6 +128,8 @@ class CentralRun:
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
         self.started = time.perf_counter()
+        # (mean, variance) the features were normalised by: released under --feature-norm private
+        self.feature_stats: tuple[torch.Tensor, torch.Tensor] | None = None
         self.trainer = self._trainer(saved)
         self.validation = self._validation_split()
         if saved is None:
@@ -159,7 +161,7 @@ class CentralRun:
         """--validation's held-out samples, normalised and laid out as the training data."""
         x, y = data_lib.validation_split(self.prepared.data, self.cfg.validation, input_stats(self.cfg),
                                          self.cfg.features)
-        if self.cfg.feature_norm == "private":
+        if self.feature_stats is not None:
             x = features.normalise(x, *self.feature_stats)  # the training set's released statistics
         return x.to(self.prepared.device).contiguous(memory_format=self.trainer.memory_format), y.to(self.prepared.device)
 
@@ -220,7 +222,7 @@ class CentralRun:
             privacy=plan.to_dict(), route=self._route(), physical_batch_size=self.trainer.physical_batch_size,
             epochs=self.epochs, resumed=True if self.resumed else None,
             feature_statistics=dict(mean=self.feature_stats[0].tolist(), variance=self.feature_stats[1].tolist())
-            if self.cfg.feature_norm == "private" else None)
+            if self.feature_stats is not None else None)
         weights = {k: v.cpu() for k, v in released(self.model).items()}
         if self.out is not None:
             write_run(self.out, result, weights)

@@ -196,11 +196,16 @@ def private_statistics(features: torch.Tensor, image_channels: int, noise_multip
     return mean, variance
 
 
+def shift_and_scale(mean: torch.Tensor, variance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-channel (shift, scale) of a frozen BatchNorm, (x − shift) · scale, shaped to
+    broadcast over (N, C, H, W)."""
+    return mean.view(1, -1, 1, 1), (variance + NORM_EPS).rsqrt().view(1, -1, 1, 1)
+
+
 def normalise(features: torch.Tensor, mean: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
     """(features − mean) / √(variance + ε) per channel, as a frozen BatchNorm would, kept in
     float16 (made in chunks)."""
-    shift = mean.view(1, -1, 1, 1)
-    scale = (variance + NORM_EPS).rsqrt().view(1, -1, 1, 1)
+    shift, scale = shift_and_scale(mean, variance)
     out = torch.empty_like(features, dtype=torch.float16)
     for start in range(0, len(features), 4 * CHUNK):
         out[start:start + 4 * CHUNK] = ((features[start:start + 4 * CHUNK].float() - shift) * scale).half()
@@ -217,8 +222,9 @@ class FeatureMap(torch.nn.Module):
         self.transform = scattering_class()(J=SCATTER_J, shape=(image_size, image_size), L=SCATTER_L)
         self.normalised = statistics is not None
         if self.normalised:
-            self.register_buffer("mean", torch.tensor(statistics["mean"]).view(1, -1, 1, 1))
-            self.register_buffer("scale", (torch.tensor(statistics["variance"]) + NORM_EPS).rsqrt().view(1, -1, 1, 1))
+            shift, scale = shift_and_scale(torch.tensor(statistics["mean"]), torch.tensor(statistics["variance"]))
+            self.register_buffer("mean", shift)
+            self.register_buffer("scale", scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.transform(x.contiguous())

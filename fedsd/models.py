@@ -261,7 +261,57 @@ def build_model(name: str, num_classes: int = 10, seed: int | None = None, activ
     for module in model.modules():  # the same function out of place: Opacus' backward hooks
         if getattr(module, "inplace", False) is True:  # cannot follow an in-place op (resnet's ReLU)
             module.inplace = False
-    return check_private_trainable(model, fix=True, name=name)
+    model = check_private_trainable(model, fix=True, name=name)
+    return followable_by_hooks(model, name, (channels, image_size, image_size))
+
+
+def followable_by_hooks(model: nn.Module, name: str, input_shape: tuple[int, ...]) -> nn.Module:
+    """The model, or the same function traced with torch.fx where only the trace lets Opacus'
+    hooks follow it.
+
+    Opacus' hook modes (hooks, functorch's and ghost clipping's) pass each layer's output through
+    its backward hook. An in-place op on that output, as resnet's `out += identity`, is then
+    refused by autograd, and only expanded weights could train the network: for resnet18 at
+    B = 256 on an H200 its step took 1.5× the hooks' (results/README.md, the GPU checks).
+    torch.fx records `+=` on a traced value as an out-of-place add, the same function on the
+    same modules and weights (the same state_dict keys). The trace is kept only where the hooks
+    fail on the model and follow the trace, and where the trace is one graph in training and in
+    evaluation (a forward that branches on self.training is left as it is)."""
+    import torch.fx
+
+    if _hooks_follow(model, input_shape):
+        return model
+    try:
+        traced = torch.fx.symbolic_trace(model.train())
+        same_in_eval = torch.fx.symbolic_trace(model.eval()).code == traced.code
+    except Exception:  # noqa: BLE001  (not traceable: left as it is; expanded weights still train it)
+        return model.train()
+    model.train()
+    if not same_in_eval or not _hooks_follow(traced, input_shape):
+        return model
+    _say_once(f"--model {name}: traced with torch.fx, which makes its in-place additions out of place, so that "
+              "Opacus' per-layer hooks can follow it (the same function and weights)")
+    return traced.train()
+
+
+def _hooks_follow(model: nn.Module, input_shape: tuple[int, ...]) -> bool:
+    """Whether a forward pass through Opacus' hooks runs: False only for autograd's refusal of
+    an in-place op on a hooked output (any other failure is said by check_fits_task or when
+    the route is measured)."""
+    import copy
+
+    from . import _opacus  # noqa: F401  (Opacus without its root-logger handler)
+    from opacus import GradSampleModule
+
+    try:
+        probe = GradSampleModule(copy.deepcopy(model), batch_first=True, loss_reduction="sum")
+        with torch.random.fork_rng(devices=[]):  # a dropout draws nothing of the run's
+            probe(torch.zeros((2, *input_shape)))
+    except RuntimeError as e:
+        return "modified inplace" not in str(e)
+    except Exception:  # noqa: BLE001
+        return True
+    return True
 
 
 def image_shape_of(cfg) -> tuple[int, int]:

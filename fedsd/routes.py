@@ -325,7 +325,9 @@ def _step(mode: str, cfg, x: torch.Tensor, y: torch.Tensor, num_classes: int, co
     x = x.contiguous(memory_format=layout)
 
     def step():
-        optimizer.zero_grad(set_to_none=True)
         clipper.backward(nn.functional.cross_entropy(clipper.module(x), y, reduction="none"))
         optimizer.step()
+        # The candidates take turns (_interleaved): each frees its per-sample gradients before the
+        # next one's turn, so that the measuring holds one candidate's at a time, as a run does.
+        optimizer.zero_grad(set_to_none=True)
     return step

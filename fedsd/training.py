@@ -35,7 +35,7 @@ from .models import model_for
 from .physical import physical_batch_size
 from .privacy import AccountantHistory, PrivacyPlan, steps_per_epoch
 from .seeds import SEED_CLIENT_RNG, SEED_MODEL_INIT, derive_seed
-from .errors import BudgetExhausted, StateMismatch, TrainingDiverged
+from .errors import BudgetExhausted, ConfigError, StateMismatch, TrainingDiverged
 
 
 # A run has diverged when a step's loss is not finite, or when the mean over the last
@@ -112,8 +112,13 @@ def load_train_state(path, plan: PrivacyPlan) -> TrainState:
     return TrainState.from_state_dict(torch.load(path, weights_only=True), plan)
 
 
-def torch_memory_format(cfg: TrainConfig) -> torch.memory_format:
-    """The layout of a run's images, student and teacher (TrainConfig.channels_last)."""
+def torch_memory_format(cfg: TrainConfig, device: torch.device | None = None) -> torch.memory_format:
+    """The layout of a run's images, student and teacher (TrainConfig.channels_last); on CUDA,
+    expanded weights under --memory-format auto take NCHW: there torch's expanded-weights
+    GroupNorm refuses channels-last input (seen on an H100, torch 2.11: "Expected
+    X.is_contiguous(memory_format)"; results/README.md, the GPU checks)."""
+    if device is not None and device.type == "cuda" and cfg.grad_sample_mode == "ew" and cfg.memory_format == "auto":
+        return torch.contiguous_format
     return torch.channels_last if cfg.channels_last else torch.contiguous_format
 
 
@@ -205,8 +210,12 @@ class DPTrainer:
         self.route = route if cfg.grad_sample_mode == routes.AUTO else None
         mode = self.route.mode if self.route is not None else cfg.grad_sample_mode
         self.memory_format = (routes.LAYOUTS[self.route.memory_format] if self.route is not None
-                              else torch_memory_format(cfg))
+                              else torch_memory_format(cfg, self.device))
         self.model = model_for(cfg, data.num_classes)
+        if (mode == "ew" and self.device.type == "cuda" and self.memory_format == torch.channels_last
+                and any(isinstance(m, torch.nn.GroupNorm) for m in self.model.modules())):
+            raise ConfigError("--memory-format channels-last: on CUDA, torch's expanded weights (--grad-sample-mode "
+                              "ew) cannot take GroupNorm's input channels-last; use --memory-format auto or contiguous")
         self.model = self.model.to(self.device, memory_format=self.memory_format)
         # A Poisson batch larger than this is trained in parts (fedsd.physical)
         self.physical_batch_size = physical_batch_size(cfg, self.model, tuple(data.x_train.shape[1:]), self.device)

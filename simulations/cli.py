@@ -154,7 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_data_service_parser(sub) -> None:
-    from clients.data_service import add_service_arguments, run_service
+    try:
+        from clients.data_service import add_service_arguments, run_service
+    except ImportError:  # Flower not installed: no client machine to serve, central training still works
+        return
 
     p = sub.add_parser("data-service", help="a client machine's data service: the owner's process that alone reads "
                                             "the node's data, state and budget (deploy/README.md)",

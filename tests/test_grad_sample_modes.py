@@ -76,6 +76,17 @@ def test_default_is_the_measured_route():
     assert not TrainConfig(grad_sample_mode="hooks").channels_last  # auto: NCHW where Opacus needs it
 
 
+def test_expanded_weights_take_nchw_on_cuda_by_default():
+    """torch's expanded-weights GroupNorm refuses channels-last input on CUDA (seen on an H100):
+    under --memory-format auto, ew runs NCHW there and channels-last on a CPU, where it is exact."""
+    from fedsd.training import torch_memory_format
+
+    ew = TrainConfig(grad_sample_mode="ew")
+    assert torch_memory_format(ew, torch.device("cpu")) == torch.channels_last
+    assert torch_memory_format(ew, torch.device("cuda")) == torch.contiguous_format
+    assert torch_memory_format(TrainConfig(grad_sample_mode="functorch"), torch.device("cuda")) == torch.channels_last
+
+
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 def test_channels_last_refused_where_opacus_gets_it_wrong(mode):
     """Opacus' hooks and ghost clipping unfold NCHW-strided memory: on channels-last tensors

@@ -171,3 +171,43 @@ def test_every_method_trains_a_users_network(user_module, tmp_path, method):
                  "--quiet", "--out", str(out), *(["--kd-teacher-epochs", "1"] if method == "dpkd" else [])]) == 0
     result = json.loads((out / "result.json").read_text())
     assert result["method"] == method and result["test_accuracy"] > 0.3, result["test_accuracy"]
+
+
+def test_a_residual_network_is_traced_so_that_opacus_hooks_follow_it():
+    """resnet's `out += identity` on a hooked layer's output is refused by autograd under Opacus'
+    hooks; the network fedsd builds is the same function, traced, which the hooks follow."""
+    import torchvision
+    from opacus import GradSampleModule
+    from opacus.validators import ModuleValidator
+
+    net = build_model("torchvision:resnet18", 10, seed=0, channels=3, image_size=32)
+    plain = ModuleValidator.fix(torchvision.models.resnet18(num_classes=10))
+    plain.load_state_dict(net.state_dict())  # the same weights under the same names
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(net.eval()(x), plain.eval()(x), atol=1e-5)
+    net.train(), plain.train()
+    with pytest.raises(RuntimeError, match="modified inplace"):
+        GradSampleModule(plain)(x)
+    hooked = GradSampleModule(net, loss_reduction="sum")
+    hooked(x).sum().backward()
+    assert all(p.grad_sample.shape[0] == 3 for p in net.parameters() if p.requires_grad)
+
+
+class _BranchesOnTraining(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(1, 4, 3), nn.Linear(4 * 26 * 26, 10)
+
+    def forward(self, x):
+        out = self.conv(x)
+        out += 1.0 if self.training else 0.0  # in place on a hooked output, and unlike in evaluation
+        return self.fc(out.flatten(1))
+
+
+def test_a_network_whose_trace_would_differ_in_evaluation_is_left_as_it_is():
+    from fedsd.models import followable_by_hooks
+
+    net = _BranchesOnTraining()
+    assert followable_by_hooks(net, "branches", (1, 28, 28)) is net
+    assert followable_by_hooks(nn.Sequential(nn.Conv2d(1, 2, 3)), "plain", (1, 28, 28)).__class__ is nn.Sequential
