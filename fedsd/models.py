@@ -265,6 +265,12 @@ def build_model(name: str, num_classes: int = 10, seed: int | None = None, activ
     return followable_by_hooks(model, name, (channels, image_size, image_size))
 
 
+# Whether a network (its name, input shape and class) is traced (followable_by_hooks), decided
+# on its first build in this process: a run builds its network several times (the
+# route's candidates, the memory estimate, the trainer), each the same code with other weights.
+_TRACED: dict[tuple[str, tuple[int, ...], str], bool] = {}
+
+
 def followable_by_hooks(model: nn.Module, name: str, input_shape: tuple[int, ...]) -> nn.Module:
     """The model, or the same function traced with torch.fx where only the trace lets Opacus'
     hooks follow it.
@@ -279,6 +285,10 @@ def followable_by_hooks(model: nn.Module, name: str, input_shape: tuple[int, ...
     evaluation (a forward that branches on self.training is left as it is)."""
     import torch.fx
 
+    key = (name, tuple(input_shape), type(model).__qualname__)
+    if key in _TRACED:
+        return torch.fx.symbolic_trace(model.train()).train() if _TRACED[key] else model
+    _TRACED[key] = False
     if _hooks_follow(model, input_shape):
         return model
     try:
@@ -289,6 +299,7 @@ def followable_by_hooks(model: nn.Module, name: str, input_shape: tuple[int, ...
     model.train()
     if not same_in_eval or not _hooks_follow(traced, input_shape):
         return model
+    _TRACED[key] = True
     _say_once(f"--model {name}: traced with torch.fx, which makes its in-place additions out of place, so that "
               "Opacus' per-layer hooks can follow it (the same function and weights)")
     return traced.train()
