@@ -220,17 +220,16 @@ def chosen(runs_dir: Path, dataset: str) -> dict | None:
 
 
 def recipe_runs(runs_dir: Path, datasets) -> list[FeatureRun]:
-    """dpema at each screened data set's chosen setting, on validation, seed 0 (in its reading
-    from the readings' screen, where that has chosen one): against dpsgd's run of the same
-    setting, it decides the data set's recipe."""
+    """dpema at each data set's chosen setting, on validation, seed 0 (in its reading from the
+    readings' screen, where that has chosen one): against dpsgd's run of the same setting (the
+    normalisation stage's), it decides the data set's recipe."""
     return [FeatureRun(d, settings, EMA, SCREEN_SEED, VALIDATION, reading=method_readings(runs_dir, EMA)[-1])
-            for d in SCREENED if d in datasets and (settings := chosen(runs_dir, d)) is not None]
+            for d in TB_SETTINGS if d in datasets and (settings := chosen(runs_dir, d)) is not None]
 
 
 def recipe(runs_dir: Path, dataset: str) -> dict | None:
     """The data set's recipe, what fedsd reports against the anchors: of dpsgd's last iterate and
-    dpema's EMA at the chosen setting, the better on validation. None where the data set is not
-    screened or the run is not done."""
+    dpema's EMA at the chosen setting, the better on validation. None while either run is not done."""
     runs = recipe_runs(runs_dir, [dataset])
     if not runs or (ema := read(runs_dir, runs[0])) is None:
         return None
@@ -376,6 +375,7 @@ def reproduce_features(datasets: list[str] | None, seeds: int, jobs: int, thread
     write_features_table(runs_dir, out, seeds)
     run_all(confirm_runs(runs_dir, fast, seeds), "features: confirmation")
     run_all(norm_runs(runs_dir, slow), "features: normalisation")
+    run_all(recipe_runs(runs_dir, slow), "features: the recipe's EMA")
     # the baseline's seeds on every data set before the federation (minutes to an hour a run)
     # and before the other methods' hours-long runs: the table's first question is the baseline
     run_all([r for r in confirm_runs(runs_dir, slow, seeds) if r.method == BASELINE], "features: confirmation")
@@ -400,14 +400,16 @@ def table_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
         if r is not None:
             screen.append(dict(dataset=run.dataset, method=run.method, setting=run.setting_name,
                                **with_norm(run.settings, "group"), feature_norm=norm_of(run.settings),
-                               validation_accuracy=100 * r.validation_accuracy, minutes=round(r.wall_seconds / 60, 1)))
-    for run in recipe_runs(runs_dir, SCREENED):
+                               validation_accuracy=100 * r.validation_accuracy, minutes=round(r.wall_seconds / 60, 1),
+                               device=device_kind(r.device)))
+    for run in recipe_runs(runs_dir, TB_SETTINGS):
         r = read(runs_dir, run)
         if r is not None:
             screen.append(dict(dataset=run.dataset, method=method_cell(dict(method=run.method, reading=run.reading)),
                                setting=run.setting_name, **with_norm(run.settings, "group"), feature_norm=norm_of(run.settings),
-                               validation_accuracy=100 * r.validation_accuracy, minutes=round(r.wall_seconds / 60, 1)))
-    recipes = {d: chosen_recipe for d in SCREENED if (chosen_recipe := recipe(runs_dir, d)) is not None}
+                               validation_accuracy=100 * r.validation_accuracy, minutes=round(r.wall_seconds / 60, 1),
+                               device=device_kind(r.device)))
+    recipes = {d: chosen_recipe for d in TB_SETTINGS if (chosen_recipe := recipe(runs_dir, d)) is not None}
     confirmed = []
     for d, settings in ((d, with_norm(network, norm)) for d in TB_SETTINGS
                         if (network := chosen_network(runs_dir, d)) is not None for norm in NORMS):
@@ -426,10 +428,11 @@ def table_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
                        **with_norm(settings, "group"), feature_norm=norm_of(settings),
                        chosen=None if final is None else settings == final,
                        chosen_on=("validation" if d in SCREENED else "Tramèr & Boneh's network, B, lr and epochs (not "
-                                  "screened); the normalisation on validation"),
+                                  "screened); the normalisation and the recipe on validation"),
                        seeds=list(found), accuracies=accuracies, mean=mean, se=se,
                        epsilon_spent=[r.epsilon_spent for r in found.values()],
                        minutes=[round(r.wall_seconds / 60, 1) for r in found.values()],
+                       devices=[device_kind(r.device) for r in found.values()],
                        anchors={name: values[d] for name, values in ANCHORS})
             if m == BASELINE:
                 base = row
@@ -479,7 +482,8 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
     lines = ["# DP training on ScatterNet features (central, ε = 3, δ = 1e-5)", "",
              "Written by `fedsd reproduce --table features` from results/runs/features/ "
              "(simulations/features_table.py). Test accuracy (%), mean ± standard error over the seeds; the gain "
-             "over dpsgd paired by seed; minutes per run on the CPU that ran it (one thread, shared). The data set's "
+             "over dpsgd paired by seed; minutes per run on the machine that ran it: this project's CPU (one thread, "
+             "shared) unless the cell names a GPU (cuda). The data set's "
              "recipe (**bold**), what fedsd reports against the anchors, is the better on validation of dpsgd's last "
              "iterate and dpema's average of its iterates at the chosen setting.", "",
              "| data set | method | network, B, lr, epochs, normalisation | chosen on | seeds | test accuracy | gain over dpsgd | "
@@ -494,7 +498,7 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
                      None: "the normalisation not yet chosen"}[r["chosen"]]
         lines.append(f"| {r['dataset']} | {method} | {r['model']}, {r['batch_size']}, {r['lr']:g}, {r['epochs']}, "
                      f"{NORM_TITLES[r['feature_norm']]} | {chosen_on} | {len(r['seeds'])} | {acc} | {gain} | "
-                     f"{statistics.mean(r['minutes']):.1f} | "
+                     f"{minutes_cell(r['minutes'], r.get('devices'))} | "
                      + " | ".join(f"{v:g}" for v in r["anchors"].values()) + " |")
     lines += ["", f"## The screen (seed {SCREEN_SEED}, {VALIDATION} training samples held out): dpsgd's networks and "
               "lrs under GroupNorm, then its normalisation at the chosen network, then dpema at the chosen setting", "",
@@ -502,10 +506,25 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
               "|---|---|---|---|---|---|---|---|---|"]
     for r in rows["screen"]:
         lines.append(f"| {r['dataset']} | {r['method']} | {r['model']} | {r['batch_size']} | {r['lr']:g} | {r['epochs']} | "
-                     f"{NORM_TITLES[r['feature_norm']]} | {r['validation_accuracy']:.2f} | {r['minutes']:.1f} |")
+                     f"{NORM_TITLES[r['feature_norm']]} | {r['validation_accuracy']:.2f} | "
+                     f"{minutes_cell([r['minutes']], [r.get('device', 'cpu')])} |")
     lines += fed_md(rows["federated"])
     (out / f"{TABLE_NAME}.md").write_text("\n".join(lines) + "\n")
     return out / f"{TABLE_NAME}.md"
+
+
+def device_kind(device: str) -> str:
+    """Where a run went, as the table names it: cpu or cuda (an index such as cuda:0 left out)."""
+    return device.split(":")[0]
+
+
+def minutes_cell(minutes: list[float], devices: list[str] | None) -> str:
+    """The mean minutes a run, and the device where it was not the CPU (a GPU's minutes are not
+    the CPU's: CIFAR-10's ScatterNet runs took about 0.4 on an H200 against 50 here)."""
+    others = sorted(set(devices or ["cpu"]) - {"cpu"})
+    mixed = others and "cpu" in (devices or [])
+    where = "" if not others else f" ({', '.join(others)}{' and cpu' if mixed else ''})"
+    return f"{statistics.mean(minutes):.1f}{where}"
 
 
 def method_cell(row: dict) -> str:

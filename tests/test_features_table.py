@@ -9,14 +9,14 @@ from fedsd.config import TrainConfig
 from fedsd.results import RunResult
 
 
-def _write(folder, cfg, test, validation=None, **facts):
+def _write(folder, cfg, test, validation=None, device="cpu", **facts):
     folder.mkdir(parents=True)
-    RunResult.of_run(cfg, epsilon_spent=3.0, test_accuracy=test, wall_seconds=120.0, device="cpu",
+    RunResult.of_run(cfg, epsilon_spent=3.0, test_accuracy=test, wall_seconds=120.0, device=device,
                      data_source="test", validation_accuracy=validation, **facts).write(folder / "result.json")
 
 
-def _central(runs_dir, run, test, validation=None):
-    _write(runs_dir / run.name, TrainConfig(**run.config(1, "cpu", None)).resolved(), test, validation)
+def _central(runs_dir, run, test, validation=None, device="cpu"):
+    _write(runs_dir / run.name, TrainConfig(**run.config(1, device, None)).resolved(), test, validation, device)
 
 
 def _groupnorm_kept(runs_dir, dataset):
@@ -103,6 +103,33 @@ def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(t
     assert "| fmnist | **dpema** | " in md and "| fmnist | dpema | " + best["model"] in md  # its row, its screen run
     assert f"| {best['model']} | {fed_screen[0].lr:g} | diverged | |" in md
     assert f"| iid | dp3sd | {best['model']}, {fed_screen[1].lr:g} | 2 | 82.00 ± 2.00 | -3.50 ± 1.50 | 2.0 |" in md
+
+
+def test_cifar10s_recipe_is_chosen_on_validation_too_and_a_gpus_minutes_are_marked(tmp_path):
+    """CIFAR-10 is not screened, but its recipe is chosen as the others' are: dpema against
+    dpsgd on validation, at the chosen normalisation. A run that went to a GPU says so beside
+    its minutes: they are not this CPU's."""
+    from simulations.features_table import confirm_runs, norm_runs, recipe, recipe_runs, write_features_table
+
+    runs_dir = tmp_path / "runs" / "features"
+    assert recipe_runs(runs_dir, ["cifar10"]) == []  # the normalisation first
+    group, private = norm_runs(runs_dir, ["cifar10"])
+    _central(runs_dir, group, test=0.5, validation=0.64)
+    _central(runs_dir, private, test=0.5, validation=0.66)
+    (ema,) = recipe_runs(runs_dir, ["cifar10"])
+    assert (ema.method, ema.settings, ema.validation) == ("dpema", private.settings, 10_000)
+    _central(runs_dir, ema, test=0.9, validation=0.655, device="cuda:0")  # better on test, worse on validation
+    assert recipe(runs_dir, "cifar10")["method"] == "dpsgd"
+    for run in confirm_runs(runs_dir, ["cifar10"], seeds=2):
+        if run.method in ("dpsgd", "dpema"):
+            _central(runs_dir, run, test=0.68 if run.method == "dpsgd" else 0.685,
+                     device="cpu" if run.method == "dpsgd" else "cuda:0")
+    write_features_table(runs_dir, tmp_path, seeds=2)
+    md = (tmp_path / "table-features.md").read_text()
+    assert "| cifar10 | **dpsgd** | scatter-cnn, 8192, 4, 85, private statistics |" in md
+    assert "| 2 | 68.50 ± 0.00 | +0.50 ± 0.00 | 2.0 (cuda) |" in md  # dpema's row
+    assert "| 2 | 68.00 ± 0.00 |  | 2.0 |" in md  # dpsgd's, on the CPU
+    assert "| cifar10 | dpema | scatter-cnn | 8192 | 4 | 85 | private statistics | 65.50 | 2.0 (cuda) |" in md
 
 
 def test_the_screen_goes_past_the_edge_of_its_lr_grid_while_the_best_is_there(tmp_path):
