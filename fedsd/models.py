@@ -305,6 +305,20 @@ def followable_by_hooks(model: nn.Module, name: str, input_shape: tuple[int, ...
     return traced.train()
 
 
+def traced_for_hooks(cfg, num_classes: int) -> bool:
+    """Whether a run's network is traced for Opacus' hooks (followable_by_hooks), as its route's
+    hook modes are timed on it: decided on the network's first build in this process (built
+    here where it has not been). The papers' networks never are."""
+    if is_builtin(cfg.model):
+        return False
+    channels, size, _ = input_shape_of(cfg)
+    decided = [traced for (name, shape, _), traced in _TRACED.items() if (name, shape) == (cfg.model, (channels, size, size))]
+    if not decided:
+        model_for(cfg, num_classes, seed=0)
+        return traced_for_hooks(cfg, num_classes)
+    return any(decided)
+
+
 def _hooks_follow(model: nn.Module, input_shape: tuple[int, ...]) -> bool:
     """Whether a forward pass through Opacus' hooks runs: False only for autograd's refusal of
     an in-place op on a hooked output (any other failure is said by check_fits_task or when

@@ -42,6 +42,7 @@ from . import cache_root, conv_kernel
 from .bookkeeping import CONV_WAYS, BookKeepingClipper
 from .clippers import CLIPPERS
 from .errors import ConfigError, ModelNotPrivateError
+from .models import traced_for_hooks
 from .physical import measured_batch_size
 
 AUTO = "auto"
@@ -190,7 +191,11 @@ def _key(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.devi
                 batch_size=cfg.batch_size, memory_format=cfg.memory_format, device=device.type, where=where,
                 threads=threads, torch=torch.__version__, kernel=kernel,
                 kernel_march=os.environ.get(conv_kernel.MARCH_ENV, "native"), cc=os.environ.get("CC", ""),
-                format=FORMAT_VERSION)
+                format=FORMAT_VERSION,
+                # Named only where the network is traced: a route measured before fedsd traced it
+                # (expanded weights, the one mode that could run) is then measured again, and
+                # every other kept route stays valid.
+                **({"traced_for_hooks": True} if traced_for_hooks(cfg, num_classes) else {}))
 
 
 def timer(device: torch.device):

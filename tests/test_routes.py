@@ -3,6 +3,7 @@ clipper auto may pick, interleaved, once, and kept only when it is clear; every 
 on the machine then takes the same one, and a run whose steps come out far slower than measured
 makes the machine measure again. Every way book-keeping can take a conv layer gives the same
 clipped sum."""
+import hashlib
 import json
 
 import pytest
@@ -78,6 +79,20 @@ def test_a_run_far_slower_than_its_route_forgets_it(cache):
     measured = route.step_ms[route.mode] / 1000
     assert routes.check(route, cfg, 10, (1, 28, 28), CPU, 1.2 * measured) and kept.exists()
     assert not routes.check(route, cfg, 10, (1, 28, 28), CPU, 3 * measured) and not kept.exists()
+
+
+def test_a_route_kept_from_before_a_network_was_traced_is_not_read_and_the_others_are(cache):
+    """torchvision's resnets are traced for Opacus' hooks since the GPU checks: a route kept from
+    before (measured without the hook modes, which could not run) is measured again; the key of a
+    network that is not traced, and so every route kept for one, is what it was."""
+    resnet = TrainConfig(dataset="cifar10", model="torchvision:resnet18", method="dpsgd", epsilon=3, batch_size=8,
+                         threads=1).resolved()
+    key = routes._key(resnet, 10, (3, 32, 32), CPU, 1)
+    assert key.pop("traced_for_hooks") is True
+    kept_before = routes._cache_file(resnet, 10, (3, 32, 32), CPU, 1).parent / (
+        hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24] + ".json")
+    assert routes._cache_file(resnet, 10, (3, 32, 32), CPU, 1) != kept_before
+    assert "traced_for_hooks" not in routes._key(small(), 10, (1, 28, 28), CPU, 1)
 
 
 def test_fedsd_bench_routes_lists_and_clears(cache, capsys):
