@@ -312,11 +312,10 @@ def traced_for_hooks(cfg, num_classes: int) -> bool:
     if is_builtin(cfg.model):
         return False
     channels, size, _ = input_shape_of(cfg)
-    decided = [traced for (name, shape, _), traced in _TRACED.items() if (name, shape) == (cfg.model, (channels, size, size))]
-    if not decided:
+    network = (cfg.model, (channels, size, size))  # _TRACED's key less the class, which a build gives
+    if not any(key[:2] == network for key in _TRACED):
         model_for(cfg, num_classes, seed=0)
-        return traced_for_hooks(cfg, num_classes)
-    return any(decided)
+    return any(traced for key, traced in _TRACED.items() if key[:2] == network)
 
 
 def _hooks_follow(model: nn.Module, input_shape: tuple[int, ...]) -> bool:
