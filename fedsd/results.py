@@ -19,6 +19,12 @@ from .errors import DataError, OutputExistsError
 RESULT_FORMAT = 1
 
 
+def gpu_name(device) -> str | None:
+    """The GPU a device is (its card's name), or None for the CPU or where CUDA is absent."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else None
+
+
 @dataclass
 class RunResult:
     """What a finished run says about itself, in result.json: a central run (`fedsd train`,
@@ -46,6 +52,9 @@ class RunResult:
     privacy: dict | None = None
     route: dict | None = None
     physical_batch_size: int | None = None  # the most samples one pass took (fedsd.physical)
+    # the card where the run went to a GPU (torch.cuda.get_device_name): a GPU's seconds are
+    # not a CPU's, and a table that reports them says on which
+    device_name: str | None = None
     # --feature-norm private: the released per-channel statistics the features were normalised
     # with (a DP release, part of what the run publishes: load_model needs them)
     feature_statistics: dict | None = None
@@ -70,7 +79,8 @@ class RunResult:
         TrainConfig) fill what every result has, `facts` the kind's own fields."""
         return cls(dataset=cfg.dataset, method=cfg.method, epsilon_target=cfg.epsilon, epsilon_spent=epsilon_spent,
                    delta=cfg.delta, test_accuracy=test_accuracy, seed=cfg.seed, wall_seconds=wall_seconds,
-                   device=str(device), data_source=data_source, config=cfg.to_dict(), **facts)
+                   device=str(device), device_name=gpu_name(device), data_source=data_source, config=cfg.to_dict(),
+                   **facts)
 
     @property
     def federated(self) -> bool:

@@ -401,14 +401,14 @@ def table_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
             screen.append(dict(dataset=run.dataset, method=run.method, setting=run.setting_name,
                                **with_norm(run.settings, "group"), feature_norm=norm_of(run.settings),
                                validation_accuracy=100 * r.validation_accuracy, minutes=round(r.wall_seconds / 60, 1),
-                               device=device_kind(r.device)))
+                               device=device_kind(r)))
     for run in recipe_runs(runs_dir, TB_SETTINGS):
         r = read(runs_dir, run)
         if r is not None:
             screen.append(dict(dataset=run.dataset, method=method_cell(dict(method=run.method, reading=run.reading)),
                                setting=run.setting_name, **with_norm(run.settings, "group"), feature_norm=norm_of(run.settings),
                                validation_accuracy=100 * r.validation_accuracy, minutes=round(r.wall_seconds / 60, 1),
-                               device=device_kind(r.device)))
+                               device=device_kind(r)))
     recipes = {d: chosen_recipe for d in TB_SETTINGS if (chosen_recipe := recipe(runs_dir, d)) is not None}
     confirmed = []
     for d, settings in ((d, with_norm(network, norm)) for d in TB_SETTINGS
@@ -432,7 +432,7 @@ def table_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
                        seeds=list(found), accuracies=accuracies, mean=mean, se=se,
                        epsilon_spent=[r.epsilon_spent for r in found.values()],
                        minutes=[round(r.wall_seconds / 60, 1) for r in found.values()],
-                       devices=[device_kind(r.device) for r in found.values()],
+                       devices=[device_kind(r) for r in found.values()],
                        anchors={name: values[d] for name, values in ANCHORS})
             if m == BASELINE:
                 base = row
@@ -483,7 +483,8 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
              "Written by `fedsd reproduce --table features` from results/runs/features/ "
              "(simulations/features_table.py). Test accuracy (%), mean ± standard error over the seeds; the gain "
              "over dpsgd paired by seed; minutes per run on the machine that ran it: this project's CPU (one thread, "
-             "shared) unless the cell names a GPU (cuda). The data set's "
+             "shared) unless the cell names a GPU (its card, or cuda where the run did not record it). "
+             "The data set's "
              "recipe (**bold**), what fedsd reports against the anchors, is the better on validation of dpsgd's last "
              "iterate and dpema's average of its iterates at the chosen setting.", "",
              "| data set | method | network, B, lr, epochs, normalisation | chosen on | seeds | test accuracy | gain over dpsgd | "
@@ -513,9 +514,10 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
     return out / f"{TABLE_NAME}.md"
 
 
-def device_kind(device: str) -> str:
-    """Where a run went, as the table names it: cpu or cuda (an index such as cuda:0 left out)."""
-    return device.split(":")[0]
+def device_kind(result: RunResult) -> str:
+    """Where a run went, as the table names it: its GPU's name where result.json has it, else
+    cpu or cuda (an index such as cuda:0 left out)."""
+    return result.device_name or result.device.split(":")[0]
 
 
 def minutes_cell(minutes: list[float], devices: list[str] | None) -> str:

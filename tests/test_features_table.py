@@ -9,14 +9,17 @@ from fedsd.config import TrainConfig
 from fedsd.results import RunResult
 
 
-def _write(folder, cfg, test, validation=None, device="cpu", **facts):
+def _write(folder, cfg, test, validation=None, device="cpu", device_name=None, **facts):
     folder.mkdir(parents=True)
-    RunResult.of_run(cfg, epsilon_spent=3.0, test_accuracy=test, wall_seconds=120.0, device=device,
-                     data_source="test", validation_accuracy=validation, **facts).write(folder / "result.json")
+    result = RunResult.of_run(cfg, epsilon_spent=3.0, test_accuracy=test, wall_seconds=120.0, device=device,
+                              data_source="test", validation_accuracy=validation, **facts)
+    result.device_name = device_name or result.device_name  # a GPU's card, where this machine has none
+    result.write(folder / "result.json")
 
 
-def _central(runs_dir, run, test, validation=None, device="cpu"):
-    _write(runs_dir / run.name, TrainConfig(**run.config(1, device, None)).resolved(), test, validation, device)
+def _central(runs_dir, run, test, validation=None, device="cpu", device_name=None):
+    _write(runs_dir / run.name, TrainConfig(**run.config(1, device, None)).resolved(), test, validation, device,
+           device_name)
 
 
 def _groupnorm_kept(runs_dir, dataset):
@@ -108,7 +111,7 @@ def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(t
 def test_cifar10s_recipe_is_chosen_on_validation_too_and_a_gpus_minutes_are_marked(tmp_path):
     """CIFAR-10 is not screened, but its recipe is chosen as the others' are: dpema against
     dpsgd on validation, at the chosen normalisation. A run that went to a GPU says so beside
-    its minutes: they are not this CPU's."""
+    its minutes, by its card where result.json names it: they are not this CPU's."""
     from simulations.features_table import confirm_runs, norm_runs, recipe, recipe_runs, write_features_table
 
     runs_dir = tmp_path / "runs" / "features"
@@ -118,7 +121,8 @@ def test_cifar10s_recipe_is_chosen_on_validation_too_and_a_gpus_minutes_are_mark
     _central(runs_dir, private, test=0.5, validation=0.66)
     (ema,) = recipe_runs(runs_dir, ["cifar10"])
     assert (ema.method, ema.settings, ema.validation) == ("dpema", private.settings, 10_000)
-    _central(runs_dir, ema, test=0.9, validation=0.655, device="cuda:0")  # better on test, worse on validation
+    _central(runs_dir, ema, test=0.9, validation=0.655, device="cuda:0",  # better on test, worse on validation
+             device_name="NVIDIA H200")
     assert recipe(runs_dir, "cifar10")["method"] == "dpsgd"
     for run in confirm_runs(runs_dir, ["cifar10"], seeds=2):
         if run.method in ("dpsgd", "dpema"):
@@ -129,7 +133,7 @@ def test_cifar10s_recipe_is_chosen_on_validation_too_and_a_gpus_minutes_are_mark
     assert "| cifar10 | **dpsgd** | scatter-cnn, 8192, 4, 85, private statistics |" in md
     assert "| 2 | 68.50 ± 0.00 | +0.50 ± 0.00 | 2.0 (cuda) |" in md  # dpema's row
     assert "| 2 | 68.00 ± 0.00 |  | 2.0 |" in md  # dpsgd's, on the CPU
-    assert "| cifar10 | dpema | scatter-cnn | 8192 | 4 | 85 | private statistics | 65.50 | 2.0 (cuda) |" in md
+    assert "| cifar10 | dpema | scatter-cnn | 8192 | 4 | 85 | private statistics | 65.50 | 2.0 (NVIDIA H200) |" in md
 
 
 def test_the_screen_goes_past_the_edge_of_its_lr_grid_while_the_best_is_there(tmp_path):

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedsd.config import TrainConfig
 from fedsd.errors import DataError
@@ -62,6 +63,23 @@ def test_a_result_round_trips_and_a_newer_or_foreign_file_is_refused(tmp_path):
     (tmp_path / "foreign.json").write_text(json.dumps({"accuracy": 0.9}))
     with pytest.raises(DataError, match="not a readable fedsd result"):
         RunResult.read(tmp_path / "foreign.json")
+
+
+def test_a_result_names_its_gpu_and_a_cpu_run_names_none(tmp_path):
+    """device_name: the card a run went to (torch.cuda.get_device_name), absent for the CPU and from
+    results written before it was recorded."""
+    from fedsd.results import gpu_name
+
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3).resolved()
+    cpu = RunResult.of_run(cfg, epsilon_spent=3.0, test_accuracy=0.8, wall_seconds=1.0, device="cpu", data_source="x")
+    cpu.write(tmp_path / "result.json")
+    assert gpu_name("cpu") is None and "device_name" not in json.loads((tmp_path / "result.json").read_text())
+    if torch.cuda.is_available():
+        gpu = RunResult.of_run(cfg, epsilon_spent=3.0, test_accuracy=0.8, wall_seconds=1.0, device="cuda:0",
+                               data_source="x")
+        assert gpu.device_name == torch.cuda.get_device_name(0)
+    else:
+        assert gpu_name("cuda:0") is None  # a run that says cuda where there is none names no card
 
 
 def test_settings_saved_before_a_setting_was_removed_still_load():
