@@ -114,7 +114,8 @@ def choose(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.de
     threads = cfg.threads or torch.get_num_threads()
     # measured on one pass's batch: a run in physical batches takes several such passes a step
     cfg = dataclasses.replace(cfg, batch_size=measured_batch_size(cfg, num_classes, input_shape, device))
-    path = _cache_file(cfg, num_classes, input_shape, device, threads)
+    key = _key(cfg, num_classes, input_shape, device, threads)
+    path = _route_file(key)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.is_file():
@@ -134,8 +135,7 @@ def choose(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.de
             torch.set_num_threads(before)
         from .results import write_json
 
-        write_json(path, {"key": _key(cfg, num_classes, input_shape, device, threads), "route": route.to_dict(),
-                          "measured_at": time.time()})
+        write_json(path, {"key": key, "route": route.to_dict(), "measured_at": time.time()})
         return route
 
 
@@ -150,14 +150,15 @@ def check(route: Route | None, cfg, num_classes: int, input_shape: tuple[int, ..
     if 1000 * seconds_per_step <= SLOWER_THAN_MEASURED * passes * route.step_ms[route.mode]:
         return True
     cfg = dataclasses.replace(cfg, batch_size=measured)
-    _cache_file(cfg, num_classes, input_shape, device, cfg.threads or torch.get_num_threads()).unlink(missing_ok=True)
+    threads = cfg.threads or torch.get_num_threads()
+    _route_file(_key(cfg, num_classes, input_shape, device, threads)).unlink(missing_ok=True)
     return False
 
 
-def _cache_file(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.device, threads: int):
+def _route_file(key: dict):
+    """Where the route measured for `key` (_key) is kept."""
     folder = cache_root() / "routes"
     folder.mkdir(parents=True, exist_ok=True)
-    key = _key(cfg, num_classes, input_shape, device, threads)
     return folder / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]}.json"
 
 

@@ -499,7 +499,7 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
                      None: "the normalisation not yet chosen"}[r["chosen"]]
         lines.append(f"| {r['dataset']} | {method} | {r['model']}, {r['batch_size']}, {r['lr']:g}, {r['epochs']}, "
                      f"{NORM_TITLES[r['feature_norm']]} | {chosen_on} | {len(r['seeds'])} | {acc} | {gain} | "
-                     f"{minutes_cell(r['minutes'], r.get('devices'))} | "
+                     f"{minutes_cell(r['minutes'], r['devices'])} | "
                      + " | ".join(f"{v:g}" for v in r["anchors"].values()) + " |")
     lines += ["", f"## The screen (seed {SCREEN_SEED}, {VALIDATION} training samples held out): dpsgd's networks and "
               "lrs under GroupNorm, then its normalisation at the chosen network, then dpema at the chosen setting", "",
@@ -508,7 +508,7 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
     for r in rows["screen"]:
         lines.append(f"| {r['dataset']} | {r['method']} | {r['model']} | {r['batch_size']} | {r['lr']:g} | {r['epochs']} | "
                      f"{NORM_TITLES[r['feature_norm']]} | {r['validation_accuracy']:.2f} | "
-                     f"{minutes_cell([r['minutes']], [r.get('device', 'cpu')])} |")
+                     f"{minutes_cell([r['minutes']], [r['device']])} |")
     lines += fed_md(rows["federated"])
     (out / f"{TABLE_NAME}.md").write_text("\n".join(lines) + "\n")
     return out / f"{TABLE_NAME}.md"
@@ -520,12 +520,11 @@ def device_kind(result: RunResult) -> str:
     return result.device_name or result.device.split(":")[0]
 
 
-def minutes_cell(minutes: list[float], devices: list[str] | None) -> str:
-    """The mean minutes a run, and the device where it was not the CPU (a GPU's minutes are not
-    the CPU's: CIFAR-10's ScatterNet runs took about 0.4 on an H200 against 50 here)."""
-    others = sorted(set(devices or ["cpu"]) - {"cpu"})
-    mixed = others and "cpu" in (devices or [])
-    where = "" if not others else f" ({', '.join(others)}{' and cpu' if mixed else ''})"
+def minutes_cell(minutes: list[float], devices: list[str]) -> str:
+    """The mean minutes a run, and its runs' devices (device_kind) where not only the CPU (a GPU's
+    minutes are not the CPU's: CIFAR-10's ScatterNet runs took about 0.4 on an H200 against 50 here)."""
+    others = sorted(set(devices) - {"cpu"})
+    where = "" if not others else f" ({', '.join(others)}{' and cpu' if 'cpu' in devices else ''})"
     return f"{statistics.mean(minutes):.1f}{where}"
 
 
