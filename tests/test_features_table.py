@@ -31,6 +31,15 @@ def _groupnorm_kept(runs_dir, dataset):
             _central(runs_dir, run, test=0.5, validation=0.1)
 
 
+def _screen_done(runs_dir, dataset):
+    """A data set's lr screen done, Tramèr & Boneh's lr the best (inside the grid)."""
+    from simulations.features_table import TB_SETTINGS, screen_runs
+
+    tb_lrs = {tb["lr"] for tb in TB_SETTINGS[dataset]}
+    for run in screen_runs(runs_dir, [dataset]):
+        _central(runs_dir, run, test=0.5, validation=0.6 if run.settings["lr"] in tb_lrs else 0.55)
+
+
 def _federation(runs_dir, run, test, validation=None, missed=None):
     cfg, fed = run.settings("cpu", None)
     _write(runs_dir / run.name, cfg, test, validation, rounds=[dict(round=1)], missed=missed,
@@ -109,15 +118,23 @@ def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(t
 
 
 def test_cifar10s_recipe_is_chosen_on_validation_too_and_a_gpus_minutes_are_marked(tmp_path):
-    """CIFAR-10 is not screened, but its recipe is chosen as the others' are: dpema against
-    dpsgd on validation, at the chosen normalisation. A run that went to a GPU says so beside
-    its minutes, by its card where result.json names it: they are not this CPU's."""
-    from simulations.features_table import confirm_runs, norm_runs, recipe, recipe_runs, write_features_table
+    """CIFAR-10's settings are chosen as the others' are: its lr screened on validation, then
+    its normalisation, then its recipe (dpema against dpsgd). A run that went to a GPU says so
+    beside its minutes, by its card where result.json names it: they are not this CPU's."""
+    from simulations.features_table import (chosen_network, confirm_runs, norm_runs, recipe, recipe_runs, screen_runs,
+                                            write_features_table)
 
     runs_dir = tmp_path / "runs" / "features"
-    assert recipe_runs(runs_dir, ["cifar10"]) == []  # the normalisation first
+    screen = screen_runs(runs_dir, ["cifar10"])
+    assert [r.settings["lr"] for r in screen] == [2.0, 4.0, 8.0]
+    # Tramèr & Boneh's lr is the run this project made before CIFAR-10 was screened: it is kept
+    assert screen[1].name == "cifar10-scatter-cnn-B8192-lr4-e85-dpsgd-val-seed0"
+    assert norm_runs(runs_dir, ["cifar10"]) == [] and recipe_runs(runs_dir, ["cifar10"]) == []  # the screen first
+    _screen_done(runs_dir, "cifar10")
+    assert chosen_network(runs_dir, "cifar10") == screen[1].settings
     group, private = norm_runs(runs_dir, ["cifar10"])
-    _central(runs_dir, group, test=0.5, validation=0.64)
+    assert group == screen[1]  # the screen's run: not run again
+    assert recipe_runs(runs_dir, ["cifar10"]) == []  # the normalisation first
     _central(runs_dir, private, test=0.5, validation=0.66)
     (ema,) = recipe_runs(runs_dir, ["cifar10"])
     assert (ema.method, ema.settings, ema.validation) == ("dpema", private.settings, 10_000)
@@ -233,7 +250,7 @@ def test_a_tie_on_validation_keeps_the_lr_nearer_tramer_and_bonehs(tmp_path):
 
 
 def test_the_normalisation_is_chosen_on_validation_and_a_tie_keeps_groupnorm(tmp_path):
-    """At the chosen network (CIFAR-10: Tramèr & Boneh's, not screened), dpsgd on validation under
+    """At the chosen network (here CIFAR-10's, Tramèr & Boneh's lr the best), dpsgd on validation under
     GroupNorm and under private statistics; the better is the setting every method confirms, a
     tie keeps GroupNorm (it spends no ε). Rows confirmed under the other stay in the table,
     marked as not chosen."""
@@ -241,17 +258,19 @@ def test_the_normalisation_is_chosen_on_validation_and_a_tie_keeps_groupnorm(tmp
 
     runs_dir = tmp_path / "runs" / "features"
     tb = TB_SETTINGS["cifar10"][0]
+    _screen_done(runs_dir, "cifar10")
     group, private = norm_runs(runs_dir, ["cifar10"])
     assert (group.settings, private.settings) == (tb, {**tb, "feature_norm": "private"})
     assert {group.validation, private.validation, group.seed, private.seed} == {10_000, 0}
     assert private.name == "cifar10-scatter-cnn-B8192-lr4-e85-private-norm-dpsgd-val-seed0"
     assert private.config(1, "cpu", None)["feature_norm"] == "private" and "feature_norm" not in group.config(1, "cpu", None)
+    import shutil
+
+    shutil.rmtree(runs_dir / group.name)  # the screen's run, at 60 % there
     _central(runs_dir, group, test=0.5, validation=0.66)
     assert chosen(runs_dir, "cifar10") is None and confirm_runs(runs_dir, ["cifar10"], 1) == []
     _central(runs_dir, private, test=0.5, validation=0.66)
     assert chosen(runs_dir, "cifar10") == tb  # a tie
-    import shutil
-
     shutil.rmtree(runs_dir / private.name)
     _central(runs_dir, private, test=0.5, validation=0.68)
     assert chosen(runs_dir, "cifar10") == private.settings
@@ -263,6 +282,6 @@ def test_the_normalisation_is_chosen_on_validation_and_a_tie_keeps_groupnorm(tmp
     assert (rows["private"]["chosen"], rows["group"]["chosen"]) == (True, False)
     assert rows["private"]["mean"] == pytest.approx(69.0)
     md = (tmp_path / "table-features.md").read_text()
-    assert "| cifar10 | dpsgd | scatter-cnn, 8192, 4, 85, private statistics | Tramèr & Boneh's network" in md
+    assert "| cifar10 | dpsgd | scatter-cnn, 8192, 4, 85, private statistics | validation |" in md
     assert "| cifar10 | dpsgd | scatter-cnn, 8192, 4, 85, GroupNorm | not chosen" in md
     assert "| cifar10 | dpsgd | scatter-cnn | 8192 | 4 | 85 | private statistics | 68.00 |" in md
