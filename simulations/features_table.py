@@ -525,11 +525,14 @@ def device_kind(result: RunResult) -> str:
 
 
 def minutes_cell(minutes: list[float], devices: list[str]) -> str:
-    """The mean minutes a run, and its runs' devices (device_kind) where not only the CPU (a GPU's
-    minutes are not the CPU's: CIFAR-10's ScatterNet runs took about 0.4 on an H200 against 50 here)."""
-    others = sorted(set(devices) - {"cpu"})
-    where = "" if not others else f" ({', '.join(others)}{' and cpu' if 'cpu' in devices else ''})"
-    return f"{statistics.mean(minutes):.1f}{where}"
+    """The mean minutes a run on each device (device_kind) its runs went to, the device named
+    unless it is this CPU: a GPU's minutes are not the CPU's (CIFAR-10's ScatterNet runs took
+    about 0.4 on an H200 against 50 here), so a cell never averages the two."""
+    by_device: dict[str, list[float]] = {}
+    for m, device in zip(minutes, devices, strict=True):
+        by_device.setdefault(device, []).append(m)
+    return ", ".join(f"{statistics.mean(ms):.1f}" + ("" if device == "cpu" else f" ({device})")
+                     for device, ms in sorted(by_device.items(), key=lambda item: item[0] != "cpu"))
 
 
 def method_cell(row: dict) -> str:

@@ -145,11 +145,15 @@ def test_cifar10s_recipe_is_chosen_on_validation_too_and_a_gpus_minutes_are_mark
         if run.method in ("dpsgd", "dpema"):
             _central(runs_dir, run, test=0.68 if run.method == "dpsgd" else 0.685,
                      device="cpu" if run.method == "dpsgd" else "cuda:0")
+        elif (run.method, run.reading) == ("dpdsd", "papers"):  # one seed here, one on an H200
+            _central(runs_dir, run, test=0.67, device="cuda:0" if run.seed else "cpu",
+                     device_name="NVIDIA H200" if run.seed else None)
     write_features_table(runs_dir, tmp_path, seeds=2)
     md = (tmp_path / "table-features.md").read_text()
     assert "| cifar10 | **dpsgd** | scatter-cnn, 8192, 4, 85, private statistics |" in md
     assert "| 2 | 68.50 ± 0.00 | +0.50 ± 0.00 | 2.0 (cuda) |" in md  # dpema's row
     assert "| 2 | 68.00 ± 0.00 |  | 2.0 |" in md  # dpsgd's, on the CPU
+    assert "| 2 | 67.00 ± 0.00 | -1.00 ± 0.00 | 2.0, 2.0 (NVIDIA H200) |" in md  # dpdsd's: each device's own
     assert "| cifar10 | dpema | scatter-cnn | 8192 | 4 | 85 | private statistics | 65.50 | 2.0 (NVIDIA H200) |" in md
 
 

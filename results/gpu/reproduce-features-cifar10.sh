@@ -15,7 +15,7 @@ export PYTHONPATH=/tmp/site:$PWD FEDSD_DATA_DIR=/tmp/data PYTHONUNBUFFERED=1 FED
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 mkdir -p /tmp/out/runs && tar xzf .carry-runs/results.tgz -C /tmp/out/runs && touch /tmp/carried
 timeout $(( t_end - $(date +%s) )) python3 -m simulations.cli reproduce --table features --datasets cifar10 \
-    --device cuda --threads 0 --out /tmp/out 2>&1 | tr '\r' '\n' | grep -v '^\s*$' | awk '!seen[$0]++' | tail -n 40
+    --device cuda --out /tmp/out 2>&1 | tr '\r' '\n' | grep -v '^\s*$' | awk '!seen[$0]++' | tail -n 40
 cd /tmp/out/runs && find features -newer /tmp/carried -name result.json | sed 's|/result.json||' | sort > /tmp/made
 tar czf $OUT/runs.tgz --exclude=checkpoint.pt -T /tmp/made && for d in $(cat /tmp/made); do
     python3 -c "import json,sys; r=json.load(open('$d/result.json')); print('$d', r.get('validation_accuracy'), r.get('test_accuracy'), round(r['wall_seconds']), r.get('device_name'))"; done
