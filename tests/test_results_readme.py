@@ -67,3 +67,17 @@ def test_results_command_passes_its_checks_and_resolves_as_stated(command, state
         assert WOULD.search(out.out).groups() == STATED.search(stated).groups(), (out.out, stated)
     elif args[0] in ("sweep", "reproduce"):
         assert re.search(r"would (run|simulate) 0 of \d+ ", out.out), out.out  # every run in its folder, as written
+
+
+def test_the_python_in_results_readme_prints_what_its_last_comment_says(capsys):
+    """results/README.md's Python blocks (the anchors' ε, every step charged) run as written and
+    print the numbers their last line states (`# a / b / c`: each printed line, in order), so the
+    README's table cannot drift from the computation it shows."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "results" / "README.md").read_text(), re.S)
+    assert blocks, "no ```python block in results/README.md"
+    for block in blocks:
+        stated = block.strip().splitlines()[-1]
+        assert stated.startswith("# "), f"a Python block's last line states its output: {stated!r}"
+        exec(compile(block, "results/README.md", "exec"), {})
+        printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+        assert printed == [part.strip() for part in stated[2:].split(" / ")]
