@@ -34,6 +34,7 @@ import faulthandler
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -55,9 +56,24 @@ from fedsd.errors import BudgetRefused
 APP_ROOT = Path(__file__).resolve().parents[1]  # the installed code's folder (clients/, fedsd/, task/)
 CODE = ("clients", "fedsd", "task")  # the code that answers a node's rounds
 START_SECONDS = 120.0  # how long a new worker may take to import torch and listen
-MAX_FRAME = 1 << 30  # bytes; a model of this project is a few MB: more is a peer misbehaving
+# What one message may be: everything that crosses into the service is read as hostile, so each
+# part is bounded before it is parsed, and a frame that stops arriving is given up on.
+MAX_HEADER = 1 << 16  # bytes of a JSON header (its keys are a kind, two ids and a node config)
+MAX_DEPTH = 8  # nesting of that JSON (the node config is one level below the top)
+MAX_RECORDS = 1 << 28  # bytes of a message's records: resnet18's weights are 45 MB
+FRAME_SECONDS = 30.0  # a frame must arrive whole within this long
+MAX_CONNECTIONS = 32  # connections read at once; more wait in the listen queue
 TAKEN = {"status": "taken"}  # the service's word that it has the message and will answer it
 KINDS = ("train", "evaluate")
+# What the owner's service says when answering failed: the details (a path, a count of the data)
+# go to the owner's log only.
+FAILED = "the owner's data service could not answer this message; its owner's log has the details"
+log = logging.getLogger("fedsd.data_service")
+
+
+class Refused(ValueError):
+    """A message the service does not take (malformed, too large, too deep, too slow); the text
+    names what was wrong with the message, nothing of the data."""
 
 
 class ServiceError(RuntimeError):
@@ -111,21 +127,34 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(struct.pack("!Q", len(payload)) + payload)
 
 
-def recv_frame(sock: socket.socket) -> bytes:
-    size = struct.unpack("!Q", _recv_exactly(sock, 8))[0]
-    if size > MAX_FRAME:
-        raise ConnectionError(f"a frame of {size} bytes, over the {MAX_FRAME} allowed")
-    return _recv_exactly(sock, size)
+def recv_frame(sock: socket.socket, limit: int, seconds: float | None = None) -> bytes:
+    """One frame of at most `limit` bytes (Refused over it, before any of it is read); with
+    `seconds`, all of it within that long (Refused when it stops arriving)."""
+    deadline = None if seconds is None else time.monotonic() + seconds
+    size = struct.unpack("!Q", _recv_exactly(sock, 8, deadline))[0]
+    if size > limit:
+        raise Refused(f"a frame of {size} bytes, over the {limit} allowed")
+    return _recv_exactly(sock, size, deadline)
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def _recv_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     chunks, left = [], n
     while left:
-        chunk = sock.recv(min(left, 1 << 20))
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Refused(f"a frame that did not arrive whole within {FRAME_SECONDS:g} s")
+            sock.settimeout(remaining)
+        try:
+            chunk = sock.recv(min(left, 1 << 20))
+        except socket.timeout:
+            raise Refused(f"a frame that did not arrive whole within {FRAME_SECONDS:g} s") from None
         if not chunk:
             raise EOFError("the peer closed the connection")
         chunks.append(chunk)
         left -= len(chunk)
+    if deadline is not None:
+        sock.settimeout(None)
     return b"".join(chunks)
 
 
@@ -133,11 +162,41 @@ def send_json(sock: socket.socket, obj: dict) -> None:
     send_frame(sock, json.dumps(obj).encode())
 
 
-def recv_json(sock: socket.socket) -> dict:
-    obj = json.loads(recv_frame(sock))
+def recv_json(sock: socket.socket, seconds: float | None = None) -> dict:
+    """A JSON object of at most MAX_HEADER bytes nested at most MAX_DEPTH deep (Refused else)."""
+    raw = recv_frame(sock, MAX_HEADER, seconds)
+    if json_depth(raw) > MAX_DEPTH:
+        raise Refused(f"a header nested over {MAX_DEPTH} deep")
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise Refused(f"a header that is not JSON ({type(e).__name__})") from None
     if not isinstance(obj, dict):
-        raise ConnectionError("a header that is not a JSON object")
+        raise Refused("a header that is not a JSON object")
     return obj
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep the arrays and objects of a JSON text nest, counted without parsing it (a
+    parser recurses once a level: 100,000 levels end it in a RecursionError)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # closing quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
 
 
 def send_records(sock: socket.socket, records: RecordDict) -> None:
@@ -146,13 +205,19 @@ def send_records(sock: socket.socket, records: RecordDict) -> None:
     send_frame(sock, recorddict_to_proto(records).SerializeToString())
 
 
-def recv_records(sock: socket.socket) -> RecordDict:
+def recv_records(sock: socket.socket, seconds: float | None = None) -> RecordDict:
+    """Flower's RecordDict from its protobuf (at most MAX_RECORDS bytes; Refused if it does not
+    parse as one)."""
     from flwr.common.serde import recorddict_from_proto
     from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
-    proto = ProtoRecordDict()
-    proto.ParseFromString(recv_frame(sock))
-    return recorddict_from_proto(proto)
+    raw = recv_frame(sock, MAX_RECORDS, seconds)
+    try:
+        proto = ProtoRecordDict()
+        proto.ParseFromString(raw)
+        return recorddict_from_proto(proto)
+    except Exception as e:  # noqa: BLE001  (protobuf's DecodeError, or records Flower cannot build)
+        raise Refused(f"records that are not Flower's RecordDict ({type(e).__name__})") from None
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -194,13 +259,17 @@ def ask_worker(node: NodeConfig, kind: str, content: RecordDict, context: Contex
 
 
 def _offer(sock: socket.socket, kind: str, content: RecordDict, context: Context) -> bool:
+    """Whether the service took the message (ServiceError when it refused it, with its reason)."""
     try:
         send_json(sock, {"kind": kind, "run_id": int(context.run_id), "node_id": int(context.node_id),
                          "node_config": dict(context.node_config)})
         send_records(sock, content)
-        return recv_json(sock) == TAKEN
+        answer = recv_json(sock)
     except (EOFError, OSError, ValueError):
         return False
+    if answer.get("status") == "refused":
+        raise ServiceError(f"the data service refused the message: {answer.get('error')}")
+    return answer == TAKEN
 
 
 def _answer(sock: socket.socket, kind: str, where) -> RecordDict:
@@ -294,7 +363,14 @@ def _start_worker(folder: Path, address: Path, node: NodeConfig) -> socket.socke
 
 # -- the service's side ------------------------------------------------------------------------
 class DataService:
-    """Accepts one message at a time and answers it with clients/local.py's handlers.
+    """Answers messages with clients/local.py's handlers, one message at a time.
+
+    Every connection is read in a thread of its own, under bounds (a frame's size, its JSON's
+    depth, the time it may take to arrive): a connection that sends garbage, or half a frame
+    and then nothing, is refused or given up on without holding up any other. A message that
+    is taken is answered under one lock (the handlers share the trainer and the privacy state).
+    Anything a message makes go wrong, BaseException included, is caught for that message:
+    the service answers and goes on.
 
     `node`: the owner's node config (the owner's service); None for a warm worker, which takes
     the node config its ClientApp (the same user, the same code) sends. `allowed_uids`: who may
@@ -307,10 +383,13 @@ class DataService:
         self.watch_pid, self.idle_seconds = watch_pid, idle_seconds
         self.contexts: dict[tuple[int, int], RecordDict] = {}  # (run, node) → the Context's state
         self.identity = None
+        self.handlers = None
         self.last = time.monotonic()
-        self.busy = False
+        self.busy = 0  # messages taken and not yet answered
         self.closing = False
         self.state_lock = threading.Lock()  # busy / closing: a message is taken, or the worker closes
+        self.answer_lock = threading.Lock()  # one message answered at a time
+        self.readers = threading.BoundedSemaphore(MAX_CONNECTIONS)
 
     def serve(self) -> None:
         from fedsd.runtime import tune_process
@@ -319,6 +398,7 @@ class DataService:
         tune_process()
         from clients import local  # torch, Opacus, fedsd: once, for every round to come
 
+        self.handlers = local.HANDLERS
         if self.node is not None:
             from fedsd import __version__
 
@@ -328,27 +408,45 @@ class DataService:
             threading.Thread(target=self._watch, daemon=True).start()
         while True:
             conn, _ = listener.accept()
+            if peer_uid(conn) not in self.allowed:
+                log.warning("refused a connection from uid %d, which this service does not answer", peer_uid(conn))
+                conn.close()  # a user this service does not answer: closed without a word
+                continue
+            self.readers.acquire()
+            threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        """One connection: read and check its message, then take and answer it, or refuse it."""
+        try:
             with conn:
-                if peer_uid(conn) not in self.allowed:
-                    continue  # a user this service does not answer: closed without a word
                 try:
-                    header, content = recv_json(conn), recv_records(conn)
-                except (EOFError, OSError, ValueError):
-                    continue
-                if header.get("kind") not in KINDS:
-                    continue
-                with self.state_lock:
-                    if self.closing:
-                        return  # not taken: the caller starts a new worker
-                    self.busy = True
-                try:
-                    send_json(conn, TAKEN)
-                    self._answer(conn, header, content, local.HANDLERS[header["kind"]])
+                    header, content = recv_json(conn, FRAME_SECONDS), recv_records(conn, FRAME_SECONDS)
+                    if header.get("kind") not in KINDS:
+                        raise Refused(f"a message of kind {str(header.get('kind'))[:40]!r}; the kinds are train "
+                                      f"and evaluate")
+                except Refused as e:
+                    log.warning("refused a message: %s", e)
+                    _try_send(conn, {"status": "refused", "error": str(e)})
+                    return
                 except (EOFError, OSError):
-                    pass  # the ClientApp went away (its SuperNode stopping)
+                    return  # the peer went away
                 finally:
+                    self.readers.release()
+                with self.answer_lock:
                     with self.state_lock:
-                        self.busy, self.last = False, time.monotonic()
+                        if self.closing:
+                            return  # not taken: the caller starts a new worker
+                        self.busy += 1
+                    try:
+                        send_json(conn, TAKEN)
+                        self._answer(conn, header, content)
+                    except (EOFError, OSError):
+                        pass  # the ClientApp went away (its SuperNode stopping)
+                    finally:
+                        with self.state_lock:
+                            self.busy, self.last = self.busy - 1, time.monotonic()
+        except BaseException:  # noqa: BLE001  (nothing a message does ends the service)
+            log.exception("a connection failed")
 
     def _listen(self) -> socket.socket:
         if self.address.is_socket():  # left by a service that stopped; refused if one still listens
@@ -362,21 +460,25 @@ class DataService:
             listener.bind(where)
         if self.node is not None:  # who may talk to it is decided by its peer's uid (above)
             os.chmod(self.address, 0o666)
-        listener.listen(8)
+        listener.listen(64)
         return listener
 
-    def _answer(self, conn: socket.socket, header: dict, content: RecordDict, handler) -> None:
+    def _answer(self, conn: socket.socket, header: dict, content: RecordDict) -> None:
         try:
             context = self._context(header)
-            reply = handler(content, context)
+            reply = self.handlers[header["kind"]](content, context)
             if self.identity is not None:  # the owner's service says what code answered
                 from flwr.app import ConfigRecord
 
                 reply["service"] = ConfigRecord(dict(self.identity))
-        except Exception as e:  # the ClientApp raises it, as if the handler had run there
+        except BaseException as e:  # noqa: BLE001  (SystemExit too: the ClientApp raises it, the service goes on)
             traceback.print_exc(file=sys.stderr)
             sys.stderr.flush()
-            send_json(conn, {"status": "error", "error": f"{type(e).__name__}: {e}"})
+            # The owner's service says only that it failed: an error's text can hold a path, or a
+            # count of the data. A warm worker is the ClientApp's own process, in effect.
+            said = str(e) if isinstance(e, Refused) else FAILED if self.node is not None else f"{type(e).__name__}: {e}"
+            log.warning("answered a %s message with an error: %s: %s", header.get("kind"), type(e).__name__, e)
+            send_json(conn, {"status": "error", "error": said})
             return
         send_json(conn, {"status": "ok"})
         send_records(conn, reply)
@@ -386,11 +488,13 @@ class DataService:
         the run and node the message names, and this service's own state for them."""
         run_id, node_id = int(header["run_id"]), int(header["node_id"])
         node_config = header.get("node_config") or {}
+        if not isinstance(node_config, dict):
+            raise Refused("a node_config that is not an object")
         if self.node is not None:
             theirs = node_config.get("partition-id")
             if theirs is not None and theirs != self.node.partition_id:
-                raise NodeConfigError(f"node-config partition-id={theirs} of the SuperNode, but its data service is "
-                                      f"partition-id={self.node.partition_id}")
+                raise Refused(f"node-config partition-id={str(theirs)[:20]} of the SuperNode, but its data service is "
+                              f"partition-id={self.node.partition_id}")
             node_config = self.node.as_node_config()
         state = self.contexts.setdefault((run_id, node_id), RecordDict())
         return Context(run_id=run_id, node_id=node_id, node_config=node_config, state=state, run_config={})
@@ -409,6 +513,13 @@ class DataService:
                         self.closing = True
                         self.address.unlink(missing_ok=True)
                         os._exit(0)
+
+
+def _try_send(conn: socket.socket, obj: dict) -> None:
+    try:
+        send_json(conn, obj)
+    except OSError:
+        pass
 
 
 def _alive(pid: int) -> bool:
@@ -436,6 +547,8 @@ def run_service(args: argparse.Namespace) -> int:
     """`fedsd data-service` and `python -m clients.data_service`: the owner's checks first (its
     node config, its state folder), then serve until stopped."""
     os.umask(0o077)  # everything it writes is the owner's alone
+    # The owner's log (standard error): every refusal and failure in full, with the time.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s fedsd data-service %(levelname)s: %(message)s")
     node = None
     if args.node_config is not None:
         from flwr.common.config import parse_config_args

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
+import logging
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,15 +53,39 @@ from fedsd.features import inputs
 from fedsd.errors import BudgetExhausted, BudgetRefused, ConfigError, DataError, TrainingDiverged
 from fedsd.config import validate
 from fedsd.results import save_atomic, write_json
+from fedsd.secret_random import SecretStream
 from fedsd.fed_settings import FedOptions, client_config, from_flat, round_epochs, round_teacher
 from fedsd.training import DPTrainer, Model, TrainState, load_train_state, planned_trainer, save_train_state
 from fedsd.methods import released
+from fedsd.models import SCATTER_MODELS, TORCHVISION, is_builtin
 
 from task.simulated_shards import Federation, build_federation
 from task.records import SPENT_EPSILON, load_state, model_to_record, record_to_model, save_state
 
 from clients import node_config as node_configs
 from clients.node_config import NodeConfig, NodeConfigError
+
+
+log = logging.getLogger("fedsd.client")
+
+# What a client with its own data tells the server when its data does not fit a run, whatever
+# the reason: a reason computed from the records (a class folder's name, a label, a file's name,
+# a count) would be a release no noise covers. Its owner's log has the reason in full.
+DATA_REFUSED = ("data: this client's own data does not fit the run's task (dataset, classes, channels, "
+                "image-size), or cannot be read; its owner's log says why")
+
+STATE_REFUSED = ("node-config state-dir: this client's state folder is not its owner's alone (another user owns "
+                 "or can write to it or to a folder above it, or a link is on its way); its owner's log says which")
+
+
+def private_state_folder(node: NodeConfig, *parts: str) -> Path:
+    """node.state_folder for a node with its own data, its refusal said to the server without
+    the owner's paths (NodeConfigError, in full in the owner's log)."""
+    try:
+        return node.state_folder(*parts)
+    except NodeConfigError as e:
+        log.warning("refused a round: %s", e)
+        raise NodeConfigError(STATE_REFUSED) from None
 
 
 # Per worker process: the federation's data side and one DPTrainer, for the latest run only
@@ -142,10 +167,16 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
     its fingerprint and the files left out). Raises DataError / ConfigError naming the file or
     setting, before any step."""
     cfg, fed = from_flat(flat)
+    check_model_allowed(cfg.model, node)
     fed.validate()
     cfg = client_config(cfg, fed)
     task = task_for(cfg)
-    held = load_holder_data(node.data, task, node.state_folder("data-cache"), skip_bad_files=node.skip_bad_files)
+    cache = private_state_folder(node, "data-cache")
+    try:
+        held = load_holder_data(node.data, task, cache, skip_bad_files=node.skip_bad_files)
+    except (DataError, ConfigError) as e:  # said in full to the owner alone
+        log.warning("refused a round: %s", e)
+        raise DataError(DATA_REFUSED) from None
     ledgers.adopt(node.state_root, held.named_fingerprint, held.fingerprint)  # a ledger of fedsd 0.1.0's
     key = (tuple(sorted(flat.items())), "own", held.fingerprint, partition_id)
     if key not in _TRAINERS:
@@ -163,11 +194,28 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
                             cache_dir=str(node.state_folder("calibrations")))
         _TRAINERS.clear()  # one data set a process: a fresh ClientApp process, or one Ray worker's client
         _TRAINERS[key] = planned_trainer(cfg, tensors, plan, client=partition_id)
-    # Secret noise is drawn as Opacus' secure_mode draws it (the sum of four Gaussians, halved):
-    # the low bits of a single Gaussian sample would tell an observer about the noise (the
-    # floating-point attack of Jin et al., 2022). Its seed is secret_start's.
-    _TRAINERS[key].optimizer.secure_mode = node.secret_noise
     return fed, _TRAINERS[key], held
+
+
+def check_model_allowed(model: str, node: NodeConfig) -> None:
+    """A network named by the server is data, never code, on a node with its own data: a
+    built-in network or a torchvision one, or the one user's factory its owner names
+    (node-config allow-model). Refused (ConfigError) before anything is imported or read."""
+    if model is None or is_builtin(model) or model in SCATTER_MODELS or model.startswith(TORCHVISION) \
+            or model == node.allow_model:  # None: the data set's built-in network
+        return
+    raise ConfigError(f"model={model[:80]!r}: this client takes the built-in networks and torchvision:NAME; a "
+                      f"network of a user's own only where its owner's node config names it (allow-model=...)")
+
+
+def check_finite_model(arrays: ArrayRecord) -> None:
+    """The model a server sends to a node with its own data holds finite weights (ConfigError
+    before any record is read): a non-finite weight would make the round's outcome a property of
+    the records rather than of the noise."""
+    for key in arrays:
+        a = arrays[key].numpy()
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            raise ConfigError(f"model: the global model's {key[:80]} holds weights that are not finite")
 
 
 def shard_fingerprint(federation: Federation, partition_id: int) -> str:
@@ -247,7 +295,10 @@ def client_side(content: RecordDict, context: Context) -> ClientSide:
         if not flat.get("experiment-id"):  # its privacy state lives on its disk, under the experiment's name
             raise ConfigError("experiment-id: a client with its own data needs the run's experiment id (the "
                               "server sets it)")
+        if "arrays" in content:
+            check_finite_model(content["arrays"])
         fed, trainer, held = own_trainer(flat, node, node.partition_id)
+        private_state_folder(node, fed.experiment_id)  # checked here, where a refusal can still be said
         return ClientSide(server_round, node, fed, trainer, held.fingerprint, None, held.skipped, recorded_epsilon)
     federation, trainer = trainer_for(flat, node.partition_id)
     return ClientSide(server_round, node, federation.fed, trainer, shard_fingerprint(federation, node.partition_id),
@@ -255,7 +306,9 @@ def client_side(content: RecordDict, context: Context) -> ClientSide:
 
 
 def refusal(metrics: dict, reason: str) -> RecordDict:
-    """A reply that trains nothing, with the owner's reason for the server's summary."""
+    """A reply that trains nothing, with the owner's reason for the server's summary (and in
+    this client's log)."""
+    log.warning("refused a round: %s", reason)
     return RecordDict({"metrics": MetricRecord({**metrics, "skipped": 1, "refused": 1}),
                        "refusal": ConfigRecord({"reason": reason})})
 
@@ -420,14 +473,12 @@ def admit(side: ClientSide, state: TrainState | None, context: Context, base: di
     return None
 
 
-def secret_start(trainer: DPTrainer) -> TrainState:
-    """The state a client with its own data starts a run from: its sampling and noise generator
-    seeded from the operating system's CSPRNG. The seed is never derived from anything the
-    server sends or sees, and is kept only in the client's state folder, so the server cannot
-    replay the noise and subtract it from the update."""
-    generator = torch.Generator(device=trainer.device)
-    generator.manual_seed(secrets.randbits(64))
-    return TrainState(rng_state=generator.get_state())
+def secret_start() -> TrainState:
+    """The state a client with its own data starts a run from: its batches and noise drawn from
+    a secret stream (fedsd.secret_random: AES-256-CTR under a 256-bit key from the operating
+    system), never from anything the server sends or sees. The key is kept only in the client's
+    state folder (0600), so the server can neither replay the noise nor search for it."""
+    return TrainState(secret=SecretStream.fresh())
 
 
 def train_round(side: ClientSide, state: TrainState | None, content: RecordDict, context: Context, request: str,
@@ -436,7 +487,7 @@ def train_round(side: ClientSide, state: TrainState | None, content: RecordDict,
     trainer, fed = side.trainer, side.fed
     model: Model = record_to_model(content["arrays"])
     if state is None and side.node.secret_noise:
-        state = secret_start(trainer)
+        state = secret_start()
     teacher, state = round_teacher(fed, state, model["student"])
     proximal_mu = fed.proximal_mu if fed.strategy == "fedprox" else 0.0  # FedProx's μ, the run config's key
     try:

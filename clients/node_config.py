@@ -71,6 +71,10 @@ class NodeConfig:
                                   "process, paying the start-up every round", choices=("auto", "off"))
     worker_idle_seconds: float = setting(600.0, "a warm worker exits after this many seconds without a message "
                                                 "(and at once when its SuperNode stops)")
+    allow_model: str = setting("", "own data: the one network of a user's own (package.module:callable, importable "
+                                   "from this node's installation) the server may name in `model`; without it, only "
+                                   "the built-in networks and torchvision:NAME are taken, and no code the server "
+                                   "names is ever imported")
     skip_bad_files: bool = setting(False, "train on the readable images of `data` and leave out unreadable ones "
                                           "(reported to the server); default: one unreadable image refuses the "
                                           "whole data set")
@@ -89,9 +93,12 @@ class NodeConfig:
         """A folder of this client's state (made 0700). A node with its own data also refuses a
         state folder that another user owns or can write to, or has such a folder above it
         (private_folder); a simulated client's state lives in its run's folder."""
+        if self.owns_data:  # every folder on the way made or checked without following a link
+            folder = private_folder(self.state_root)
+            for part in parts:
+                folder = _private_child(folder, part)
+            return folder
         folder = self.state_root.joinpath(*parts)
-        if self.owns_data:
-            private_folder(self.state_root)
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         return folder
 
@@ -174,31 +181,53 @@ def _state_root(state_dir: str) -> Path:
 
 
 def private_folder(folder: Path) -> Path:
-    """`folder` made (mode 0700) or checked as this user's own: refused (NodeConfigError) when
-    it, or a folder above it, is owned by another user or can be written by one (a folder with
-    the sticky bit, such as /tmp, owned by root or this user is allowed above it: others
-    cannot rename or remove what is ours in it). Another user who could write there could swap
-    the ledger, plant a prepared data set or stand in for the worker's socket."""
+    """`folder` made (mode 0700) or checked as this user's own, and returned as the real path
+    it names; refused (NodeConfigError), never repaired, when it or a folder above it is owned
+    by another user or can be written by one (a folder with the sticky bit, such as /tmp, owned
+    by root or this user is allowed above it: others cannot rename or remove what is ours in
+    it). The path is resolved first, so a link on the way is judged by where it leads. Another
+    user who could write there could swap the ledger or the secret key, plant a prepared data
+    set or stand in for the worker's socket."""
+    real = Path(os.path.realpath(folder))
+    for above in reversed(real.parents):
+        if above.exists():
+            _check_owned(os.stat(above), above, folder, sticky_ok=True)
+        else:  # made here, ours and closed, as the folder itself
+            _private_child(above.parent, above.name, folder)
+    return _private_child(real.parent, real.name, folder)
+
+
+def _private_child(parent: Path, name: str, named: Path | None = None) -> Path:
+    """parent/name as a folder of this user's alone: made (0700) where it is missing, else
+    checked with lstat, so a link planted there is refused rather than followed."""
+    if name in ("", ".", "..") or "/" in name:
+        raise NodeConfigError(f"node-config state-dir: {name!r} is not a folder name")
+    path = parent / name
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise NodeConfigError(f"node-config state-dir={named or path}: {path} is "
+                              f"{'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'not a folder'}; this client's "
+                              f"state lives in real folders only, which no one else can replace")
+    _check_owned(st, path, named or path, sticky_ok=False)
+    if stat.S_IMODE(st.st_mode) & 0o077:  # readable by others: closed (what is written there is 0600 too)
+        os.chmod(path, 0o700)
+    return path
+
+
+def _check_owned(st: os.stat_result, path: Path, named: Path, sticky_ok: bool) -> None:
     me = os.geteuid()
-    for above in reversed(folder.parents):
-        if not above.exists():  # made here, ours and closed, as the folder itself
-            above.mkdir(mode=0o700, exist_ok=True)
-        st = os.stat(above)
-        if st.st_uid not in (0, me):
-            raise NodeConfigError(f"node-config state-dir={folder}: {above} belongs to another user (uid "
-                                  f"{st.st_uid}), who could replace this client's ledger; choose a state folder "
-                                  f"under folders only you or root own")
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise NodeConfigError(f"node-config state-dir={folder}: {above} can be written by other users "
-                                  f"(mode {stat.S_IMODE(st.st_mode):o}), who could replace this client's ledger; "
-                                  f"choose a state folder under folders only you can write")
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(folder)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != me:
-        raise NodeConfigError(f"node-config state-dir={folder}: not a folder of this user's (uid {me})")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(folder, 0o700)
-    return folder
+    if st.st_uid not in (0, me) or (not sticky_ok and st.st_uid != me):
+        raise NodeConfigError(f"node-config state-dir={named}: {path} belongs to another user (uid "
+                              f"{st.st_uid}), who could replace this client's ledger; choose a state folder "
+                              f"under folders only you or root own")
+    if st.st_mode & 0o022 and not (sticky_ok and st.st_mode & stat.S_ISVTX):
+        raise NodeConfigError(f"node-config state-dir={named}: {path} can be written by other users "
+                              f"(mode {stat.S_IMODE(st.st_mode):o}), who could replace this client's ledger; "
+                              f"choose a state folder under folders only you can write")
 
 
 def _value(key: str, value):

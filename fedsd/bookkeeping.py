@@ -130,6 +130,7 @@ class BookKeepingClipper:
         self.conv_ways = dict(conv_ways) if conv_ways is not None else None
         self.taken: dict[int, str] = {}  # the way each conv layer took in the last step (benchmarks)
         self._inputs: dict[nn.Module, torch.Tensor] = {}
+        self.norms: torch.Tensor | None = None  # the last backward pass's per-sample gradient norms
         self._outputs: dict[nn.Module, torch.Tensor] = {}
         for layer in self.layers:
             layer.register_forward_hook(self._keep)
@@ -233,6 +234,7 @@ class BookKeepingClipper:
         # Scale back from the mean's gradients to each sample's own (×n), in the norms and in the
         # weights of the sum, rather than in every output gradient.
         norms = norms2.sqrt() * batch_size
+        self.norms = norms  # each sample's gradient norm, for a trainer that checks them (fedsd.training)
         coeff = clip_factor(norms, self.max_grad_norm) * batch_size
         for layer, a, g, needs in kept:
             self.layer_clipped_sum(layer, a, g, needs, coeff)

@@ -343,9 +343,9 @@ def validate(c: TrainConfig, num_train: int) -> None:
     check_setting(c.batch_size >= 1, "--batch-size", "must be >= 1", c.batch_size)
     check_setting(c.batch_size <= num_train, "--batch-size",
            f"must not exceed the {num_train} training samples it samples from", c.batch_size)
-    check_setting(c.lr > 0, "--lr", "must be > 0", c.lr)
-    check_setting(c.clip > 0, "--clip", "must be > 0", c.clip)
-    check_setting(c.momentum >= 0, "--momentum", "must be >= 0", c.momentum)
+    check_setting(math.isfinite(c.lr) and c.lr > 0, "--lr", "must be a finite number > 0", c.lr)
+    check_setting(math.isfinite(c.clip) and c.clip > 0, "--clip", "must be a finite number > 0", c.clip)
+    check_setting(0 <= c.momentum < 1, "--momentum", "must be in [0, 1)", c.momentum)
     check_setting(c.threads >= 0, "--threads", "must be >= 0", c.threads)
     check_setting(c.max_physical_batch_size >= 0, "--max-physical-batch-size", "must be >= 0 (0: what fits)",
                   c.max_physical_batch_size)

@@ -27,6 +27,7 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -176,6 +177,23 @@ def _compile(cc: list[str], flags: list[str], target: Path, fallback: bool) -> N
     raise OSError(f"{shlex.join(cc)} could not build the conv kernel: {done.stderr.decode(errors='replace')[-500:]}")
 
 
+def check_loadable(path: Path) -> None:
+    """Refuse (OSError) to load a cached library another user could have written: the file a
+    regular one (not a link) owned by this user or root, and neither it nor any folder above it
+    writable by another user (a sticky folder owned by root or this user excepted). Loading it
+    runs its code as this user, the data owner's included."""
+    me = os.geteuid()
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, me) or st.st_mode & 0o022:
+        raise OSError(f"{path}: not loaded, as another user could have written it (owner uid {st.st_uid}, mode "
+                      f"{stat.S_IMODE(st.st_mode):o}); delete it to rebuild")
+    for folder in Path(os.path.realpath(path)).parents:
+        st = os.stat(folder)
+        if st.st_uid not in (0, me) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+            raise OSError(f"{path}: not loaded, as {folder} can be written by another user (owner uid "
+                          f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+
+
 @dataclass(frozen=True)
 class Kernel:
     fn: object  # per_sample_conv_grads, through ctypes
@@ -200,6 +218,7 @@ def compiled(march: str = "native", defines: tuple[str, ...] = (), load: bool = 
         _compile(cc, flags, path, fallback=march == "native")
     if not load:
         return path
+    check_loadable(path)
     lib = ctypes.CDLL(str(path))
     fn = lib.per_sample_conv_grads
     fn.restype = None

@@ -15,8 +15,6 @@ in the Flower app (README: bring your own network).
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 import warnings
 
 import torch
@@ -168,17 +166,10 @@ def check_private_trainable(model: nn.Module, fix: bool = False, name: str = "th
     raise ModelNotPrivateError(f"--model {name}: cannot be trained with DP-SGD: {listed}{hint}")
 
 
-def _with_cwd_on_path():
-    """A user's module is looked up as Python's `-m` would: on sys.path, then in the working
-    directory (a console script such as `fedsd` does not put it on sys.path)."""
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)
-
-
 def _factory(name: str):
+    """A user's network factory, imported from the Python path as it is (fedsd never changes
+    sys.path; the `fedsd` command puts the working directory on it, as `python -m` does)."""
     module_name, _, attribute = name.partition(":")
-    _with_cwd_on_path()
     try:
         found = importlib.import_module(module_name)
     except ImportError as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -177,6 +178,8 @@ def from_flat(flat: dict, *classes) -> tuple:
                     value = s.type(value)
                 except (TypeError, ValueError):
                     raise ConfigError(f"{s.key}: expects {s.type.__name__}, got {value!r}") from None
+                if s.type is float and not math.isfinite(value):  # nan and inf are no setting's value
+                    raise ConfigError(f"{s.key}: expects a finite number, got {value!r}")
             values[s.name] = value
         out.append(cls(**values))
     return tuple(out)

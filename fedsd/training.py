@@ -34,6 +34,7 @@ from .methods import EpochLoss, Model, Weights, method_of, release_callbacks, wi
 from .models import model_for
 from .physical import physical_batch_size
 from .privacy import AccountantHistory, PrivacyPlan, steps_per_epoch
+from .secret_random import SecretStream
 from .seeds import SEED_CLIENT_RNG, SEED_MODEL_INIT, derive_seed
 from .errors import BudgetExhausted, ConfigError, StateMismatch, TrainingDiverged
 
@@ -65,7 +66,10 @@ class TrainState:
     and on its own disk, both through state_dict / from_state_dict)."""
 
     history: list = field(default_factory=list)  # Opacus accountant history
-    rng_state: torch.Tensor | None = None  # sampling and noise generator
+    rng_state: torch.Tensor | None = None  # sampling and noise generator (seeded from the run's seed)
+    # An own-data client's secret sampling and noise (fedsd.secret_random), in place of rng_state:
+    # a state that holds one trains as against a server that may be hostile (DPTrainer.local_update).
+    secret: SecretStream | None = None
     steps: int = 0
     local_model: Weights | None = None  # the end-of-round student, for teacher=local-previous
     momentum: list[torch.Tensor] | None = None  # SGD momentum buffers, when momentum > 0
@@ -78,6 +82,8 @@ class TrainState:
                 "mechanism/sample_rate": plan.sample_rate, "history": json.dumps(self.history), "steps": self.steps}
         if self.rng_state is not None:
             flat["rng_state"] = self.rng_state
+        if self.secret is not None:
+            flat.update(self.secret.state())
         flat.update({f"local_model/{k}": v.detach().cpu() for k, v in (self.local_model or {}).items()})
         flat.update({f"momentum/{i}": v.detach().cpu() for i, v in enumerate(self.momentum or [])})
         flat.update({f"teacher_average/{k}": v.detach().cpu() for k, v in (self.teacher_average or {}).items()})
@@ -96,7 +102,8 @@ class TrainState:
         local_model = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith("local_model/")}
         momentum = [flat[f"momentum/{i}"] for i in range(sum(k.startswith("momentum/") for k in flat))]
         average = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith("teacher_average/")}
-        return cls(history=json.loads(flat["history"]), rng_state=flat.get("rng_state"), steps=int(flat["steps"]),
+        return cls(history=json.loads(flat["history"]), rng_state=flat.get("rng_state"),
+                   secret=SecretStream.from_state(flat), steps=int(flat["steps"]),
                    local_model=local_model or None, momentum=momentum or None, teacher_average=average or None)
 
 
@@ -221,6 +228,7 @@ class DPTrainer:
         self.physical_batch_size = physical_batch_size(cfg, self.model, tuple(data.x_train.shape[1:]), self.device)
         self.teacher = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.generator = torch.Generator(device=self.device)
+        self.secret: SecretStream | None = None  # during a call with secret draws only
         self.method = method_of(cfg)
         self._evaluation_model: torch.nn.Module | None = None  # built on first use
         # The clipping route: it computes the clipped per-sample gradient sum and owns the Opacus
@@ -263,6 +271,12 @@ class DPTrainer:
         self.check_budget(state, epochs)
         state = copy.deepcopy(state) if state is not None else TrainState(self.plan.history_before_training())
         accountant = AccountantHistory(self.plan.accountant, state.history)
+        # Secret draws (an own-data client): its batches and noise from its secret stream, a
+        # sample whose gradient is not finite kept out of the clipped sum, and no stop on
+        # divergence, which would release a bit of the data no noise covers. Else the seeded
+        # generator, bit for bit as ever.
+        self.secret = state.secret
+        self.optimizer.noise_source = state.secret
         if state.rng_state is None:
             self.generator.manual_seed(_rng_seed(cfg, self.client))
         else:
@@ -288,19 +302,23 @@ class DPTrainer:
             objective = self.method.epoch_loss(cfg, epoch)
             for _ in range(self.steps_per_epoch):
                 loss = self._step(objective, callbacks)
-                divergence.after_step(loss, epoch, objective.chance)
+                if self.secret is None:
+                    divergence.after_step(loss, epoch, objective.chance)
                 loss_sum += loss
                 accountant.step(self.plan.noise_multiplier, self.plan.sample_rate)
                 state.steps += 1
                 steps_run += 1
 
-        divergence.at_end()
+        if self.secret is None:
+            divergence.at_end()
         for callback in callbacks:
             callback.on_call_end(self)
         student = self.student_weights()
         model["student"] = student
         state.history = accountant.history
-        state.rng_state = self.generator.get_state()
+        if self.secret is None:
+            state.rng_state = self.generator.get_state()
+        self.secret = self.optimizer.noise_source = None  # the stream lives in the returned state only
         state.local_model = student
         state.momentum = self._momentum()
         metrics = dict(num_examples=self.num_train, train_loss=loss_sum / max(steps_run, 1), steps=steps_run,
@@ -341,7 +359,10 @@ class DPTrainer:
     # -- one step ---------------------------------------------------------------------------
     def _step(self, objective: EpochLoss, callbacks=()) -> float:
         # Poisson sampling (SPEC §1): each sample joins the batch independently with rate q.
-        mask = torch.rand(self.num_train, generator=self.generator, device=self.device) < self.plan.sample_rate
+        if self.secret is not None:
+            mask = self.secret.bernoulli(self.num_train, self.plan.sample_rate, self.device)
+        else:
+            mask = torch.rand(self.num_train, generator=self.generator, device=self.device) < self.plan.sample_rate
         return self.train_on_batch(self.data.x_train[mask], self.data.y_train[mask], objective, callbacks)
 
     def train_on_batch(self, x: torch.Tensor, y: torch.Tensor, objective: EpochLoss, callbacks=()) -> float:
@@ -366,7 +387,27 @@ class DPTrainer:
         return loss
 
     def _backward(self, x: torch.Tensor, y: torch.Tensor, objective: EpochLoss) -> torch.Tensor:
-        """The clipped per-sample gradients of (x, y) where the optimizer reads them; the mean loss."""
+        """The clipped per-sample gradients of (x, y) where the optimizer reads them; the mean loss.
+
+        With secret draws, a sample whose gradient is not finite (its loss overflowed, or a
+        model the server chose makes it so) joins the clipped sum with a zero gradient: the
+        pass is run again without it. Whether a sample's gradient is finite depends on that
+        sample and the model alone, so this is a per-sample clipping rule (norm 0 ≤ C): the
+        sensitivity and the accounting are unchanged, and the released update stays finite."""
+        loss = self._clipped_backward(x, y, objective)
+        if self.secret is None:
+            return loss
+        keep = torch.ones(len(y), dtype=torch.bool, device=y.device)
+        while bool((bad := self.clipper.nonfinite_samples()).any()):
+            self.clipper.discard_last()
+            keep[keep.clone()] = ~bad.to(keep.device)
+            if not keep.any():  # none left: this part adds nothing to the sum
+                self.clipper.empty_batch()
+                return torch.zeros((), device=y.device)
+            loss = self._clipped_backward(x[keep], y[keep], objective)
+        return loss
+
+    def _clipped_backward(self, x: torch.Tensor, y: torch.Tensor, objective: EpochLoss) -> torch.Tensor:
         logits = self.clipper.module(x)
         teacher_logits = None
         if objective.reads_teacher:

@@ -7,6 +7,7 @@ from fedsd.runtime import tune_process
 tune_process()
 
 import argparse
+import os
 import sys
 
 from fedsd.config import TrainConfig
@@ -189,12 +190,25 @@ def say_notes_in_one_line() -> None:
     warnings.showwarning = show
 
 
+def users_modules_from_working_directory() -> None:
+    """A user's own network (`--model package.module:callable`) is found as `python -m` would
+    find it: on the Python path, then in the working directory, which a console script such as
+    `fedsd` does not put there. Said here, at the entry point of the user's own commands, and
+    never in the owner's data service (`fedsd data-service`), which imports no code a server
+    names; fedsd itself never touches sys.path."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
     say_notes_in_one_line()
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command they were given to, with its nearest option
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command != "data-service":
+        users_modules_from_working_directory()
     try:
         return args.func(args)
     except dry_run.DryRun as e:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
+from clients import local
 from clients.app import app
 from task.records import model_to_record, record_to_model
 from fedsd import client_data
@@ -369,8 +370,9 @@ def test_fedsd_ledger_shows_what_two_experiments_spent(split, tmp_path, capsys):
     assert "owner's budget  ε ≤ 5, δ ≤ 1e-05" in text and "exp-1: ε = " in text and "exp-2: ε = " in text
 
 
-def test_skip_bad_files_trains_on_the_readable_images_and_keeps_their_ledger(split, tmp_path):
-    """One unreadable image refuses the data set, naming it; with skip-bad-files it is left out
+def test_skip_bad_files_trains_on_the_readable_images_and_keeps_their_ledger(split, tmp_path, caplog):
+    """One unreadable image refuses the data set, naming it to the owner alone (the server is told
+    that the data does not fit, no file name); with skip-bad-files it is left out
     and reported, and the data set's fingerprint (its ledger) is that of the readable images:
     the same as the folder without the bad file."""
     import shutil
@@ -383,8 +385,9 @@ def test_skip_bad_files_trains_on_the_readable_images_and_keeps_their_ledger(spl
     (folder / "train" / "3" / "bad.png").write_bytes(b"junk")
     reply, _ = send(flat, node, initial_model(cfg.resolved(), 10), 1)
     assert reply.content["metrics"]["refused"] == 1
-    assert "bad.png: not a readable PNG or JPEG image" in reply.content["refusal"]["reason"]
-    assert "skip-bad-files=true" in reply.content["refusal"]["reason"]  # says what the owner can do
+    assert reply.content["refusal"]["reason"] == local.DATA_REFUSED
+    assert "bad.png: not a readable PNG or JPEG image" in caplog.text  # the owner's log has it in full
+    assert "skip-bad-files=true" in caplog.text  # and says what the owner can do
     reply, _ = send(flat, {**node, "skip-bad-files": True}, initial_model(cfg.resolved(), 10), 1)
     assert reply.content["metrics"]["skipped"] == 0 and reply.content["metrics"]["num-examples"] == 300
     assert reply.content["skipped-files"]["count"] == 1

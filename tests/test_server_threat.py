@@ -13,6 +13,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
+from clients import local
 from clients.app import app
 from clients.node_config import NodeConfigError, parse, private_folder
 from fedsd import data as data_lib
@@ -147,17 +148,84 @@ def test_seeded_noise_on_own_data_needs_the_owners_word(own_npz, tmp_path):
 
 
 def test_an_own_data_reply_carries_nothing_unnoised(own_npz, tmp_path):
-    """No training loss, and a divergence says that it diverged, not at what loss."""
+    """No training loss, and no word on divergence: a huge lr trains, noised, like any other."""
     cfg, fed, flat = one_step_run()
     start = initial_model(client_config(cfg, fed), 10)
     metrics = ask(flat, node(own_npz, tmp_path / "ok"), start)["metrics"]
-    assert set(metrics) == {"num-examples", "partition-id", "noise-multiplier", "sample-rate", "max-epsilon",
-                            "max-delta", "skipped", "epsilon", "seconds", "steps"}
+    keys = {"num-examples", "partition-id", "noise-multiplier", "sample-rate", "max-epsilon", "max-delta", "skipped",
+            "epsilon", "seconds", "steps"}
+    assert set(metrics) == keys
     cfg, fed, flat = one_step_run(experiment="diverge", local_epochs=3, lr=1e30)
     reply = ask(flat, node(own_npz, tmp_path / "diverged"), start)
-    assert reply["metrics"]["diverged"] == 1
-    reason = reply["divergence"]["reason"]
-    assert reason.startswith("training diverged") and not any(ch.isdigit() for ch in reason)
+    assert set(reply["metrics"]) == keys and reply["metrics"]["skipped"] == 0 and reply.array_records
+
+
+def with_and_without_a_seven(own_npz, folder):
+    """Two data sets that differ in one record: the first 64 training images with exactly one 7,
+    and the same with that 7 replaced by another image of another class."""
+    images = data_lib.load("fmnist")
+    x, y = images.x_train[:, 0].numpy(), images.y_train.numpy()
+    sevens, others = np.flatnonzero(y == 7), np.flatnonzero(y != 7)
+    with_seven = np.concatenate([others[:N - 1], sevens[:1]])
+    without = np.concatenate([others[:N - 1], others[N - 1:N]])
+    paths = []
+    for name, rows in (("with", with_seven), ("without", without)):
+        path = folder / f"{name}.npz"
+        np.savez(path, x_train=x[rows], y_train=y[rows], x_test=x[:200], y_test=y[:200])
+        paths.append(path)
+    return paths
+
+
+def test_a_crafted_model_learns_no_unnoised_bit_of_one_record(own_npz, tmp_path):
+    """The server crafts a model whose loss is enormous on class 7 alone (its last bias −1e38):
+    a stop on divergence would say exactly whether the data holds a 7. The two data sets, with
+    and without that one record, give replies of the same keys and status, each with a model."""
+    cfg, fed, flat = one_step_run(experiment="crafted")
+    start = initial_model(client_config(cfg, fed), 10)
+    crafted = {k: v.clone() for k, v in start["student"].items()}
+    last_bias = [k for k in crafted if k.endswith("bias")][-1]
+    crafted[last_bias][7] = -1e38
+    replies = [ask(flat, node(path, tmp_path / path.stem), {"student": crafted})
+               for path in with_and_without_a_seven(own_npz, tmp_path)]
+    first, second = replies
+    assert set(first["metrics"]) == set(second["metrics"]) and set(first) == set(second)
+    assert first["metrics"]["skipped"] == second["metrics"]["skipped"] == 0
+    assert "diverged" not in first["metrics"] and first.array_records and second.array_records
+    for reply in replies:  # finite, and noised: the record's gradient joins the sum as any other
+        trained = record_to_model(reply["arrays"])["student"]
+        assert all(torch.isfinite(v).all() for k, v in trained.items() if k != last_bias)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bk"])
+def test_a_sample_whose_gradient_is_not_finite_joins_the_sum_as_zero(own_npz, mode):
+    """The per-sample rule behind it: with secret draws, a sample whose gradient overflows is
+    left out of the clipped sum (gradient 0), the others are summed as ever, and the noise is
+    the noise: the same draws give the same update as the batch without that sample."""
+    import dataclasses
+
+    from fedsd.privacy import PrivacyPlan
+    from fedsd.secret_random import SecretStream
+    from fedsd.training import DPTrainer
+
+    cfg, fed, _ = one_step_run()
+    c = dataclasses.replace(client_config(cfg, fed), grad_sample_mode=mode)
+    with np.load(own_npz) as z:
+        x = normalised(torch.from_numpy(z["x_train"]).unsqueeze(1), builtin_task("fmnist"))
+        y = torch.from_numpy(z["y_train"]).long()
+    poisoned = x.clone()
+    poisoned[0] = 3e38  # its activations overflow: a loss and gradient that are not finite, sample 0's alone
+    start = initial_model(c, 10)["student"]
+    plan = PrivacyPlan(noise_multiplier=1.0, sample_rate=1.0, planned_steps=1, epsilon=3.0, delta=1e-5,
+                       accountant="rdp")
+    updates = []
+    for xs, ys in ((poisoned, y), (x[1:], y[1:])):
+        trainer = DPTrainer(c, data_lib.TensorData(xs, ys, x[:8], y[:8], 10), plan)
+        trainer.load_student(start)
+        trainer.secret = trainer.optimizer.noise_source = SecretStream(b"s" * 32)  # as local_update sets them
+        trainer.train_on_batch(trainer.data.x_train, trainer.data.y_train, trainer.method.epoch_loss(c, 1))
+        updates.append(torch.cat([v.flatten() for v in trainer.student_weights().values()]))
+    assert torch.isfinite(updates[0]).all()
+    assert torch.allclose(updates[0], updates[1], atol=1e-5), (updates[0] - updates[1]).abs().max()
 
 
 def evaluate(flat, node_config, model):
@@ -213,7 +281,9 @@ def test_sizes_a_server_asks_for_are_bounded(tmp_path):
     assert not list((tmp_path / "state").rglob("prepared-*"))  # refused before the data was prepared
 
 
-def test_refusals_name_files_relative_to_the_data_folder(tmp_path):
+def test_refusals_name_no_file_class_label_or_path(tmp_path, caplog):
+    """What a refusal tells the server is the owner's fixed reason: never a file's name, a class
+    folder's name, a label or a path; the owner's log has the details."""
     from simulations.cli import main
 
     require("fmnist")
@@ -222,10 +292,81 @@ def test_refusals_name_files_relative_to_the_data_folder(tmp_path):
     folder = tmp_path / "parts" / "client-0"
     bad = next((folder / "train" / "3").iterdir())
     bad.write_bytes(b"not an image")
+    (folder / "train" / "diagnosis-positive").mkdir()  # a class folder the task does not have
+    labels = tmp_path / "labels.npz"
+    np.savez(labels, x_train=np.zeros((70, 28, 28), np.uint8), y_train=np.full(70, 9))
     cfg, fed, flat = one_step_run()
-    reply = ask({**flat, "batch-size": 10}, node(folder, tmp_path / "state"), initial_model(client_config(cfg, fed), 10))
-    reason = reply["refusal"]["reason"]
-    assert f"data=train/3/{bad.name}: not a readable" in reason and str(tmp_path) not in reason
+    start = initial_model(client_config(cfg, fed), 10)
+    custom = {**flat, "dataset": "custom", "classes": "cat,dog", "channels": 1, "image-size": 28, "batch-size": 10}
+    for data, request in ((folder, {**flat, "batch-size": 10}), (labels, custom)):
+        caplog.clear()
+        reply = ask(request, node(data, tmp_path / "state"), start)
+        reason = reply["refusal"]["reason"]
+        assert reply["metrics"]["refused"] == 1 and reason == local.DATA_REFUSED
+        for secret in (bad.name, "diagnosis-positive", "label 9", "9", str(tmp_path), "/"):
+            assert secret not in reason.replace("image-size", "")
+        assert bad.name in caplog.text or "label 9" in caplog.text  # the owner is told in full
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"clip": float("inf")}, "clip"), ({"lr": float("inf")}, "lr"), ({"momentum": float("nan")}, "momentum"),
+    ({"lr": float("nan")}, "lr"), ({"momentum": 1.5}, "momentum"), ({"epsilon": float("inf")}, "epsilon"),
+])
+def test_settings_a_server_sends_are_finite_and_in_range(own_npz, tmp_path, change, key):
+    cfg, fed, flat = one_step_run()
+    reply = ask({**flat, **change}, node(own_npz, tmp_path / "state"), initial_model(client_config(cfg, fed), 10))
+    assert reply["metrics"]["refused"] == 1 and not reply.array_records
+    assert key in reply["refusal"]["reason"].split(":")[0]
+    assert not list((tmp_path / "state").glob("ledger-*"))  # nothing read, nothing charged
+
+
+def test_a_model_with_weights_that_are_not_finite_is_refused_before_the_data_is_read(own_npz, tmp_path):
+    cfg, fed, flat = one_step_run()
+    start = initial_model(client_config(cfg, fed), 10)
+    start["student"][next(iter(start["student"]))][0] = float("-inf")
+    reply = ask(flat, node(own_npz, tmp_path / "state"), start)
+    assert reply["metrics"]["refused"] == 1 and "not finite" in reply["refusal"]["reason"]
+    assert not list((tmp_path / "state").rglob("prepared-*")) and not list((tmp_path / "state").glob("ledger-*"))
+
+
+PLANTED = """
+import pathlib
+pathlib.Path({marker!r}).write_text("ran as the owner")
+def make(num_classes, channels, image_size):
+    import torch
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(channels * image_size * image_size, num_classes))
+"""
+
+
+@pytest.mark.parametrize("model", ["unittest.__main__:main", "planted_net_for_the_test:make", "os:system"])
+def test_a_model_the_server_names_is_data_never_code(own_npz, tmp_path, monkeypatch, model):
+    """A name the server sends is never imported on a node with its own data: not a module that
+    ends the process, not one planted in its working directory, not any callable."""
+    import sys
+
+    marker = tmp_path / "ran"
+    (tmp_path / "planted_net_for_the_test.py").write_text(PLANTED.format(marker=str(marker)))
+    monkeypatch.chdir(tmp_path)
+    path_before = list(sys.path)
+    cfg, fed, flat = one_step_run()
+    reply = ask({**flat, "model": model}, node(own_npz, tmp_path / "state"), initial_model(client_config(cfg, fed), 10))
+    assert reply["metrics"]["refused"] == 1 and "allow-model" in reply["refusal"]["reason"]
+    assert not marker.exists() and "planted_net_for_the_test" not in sys.modules and sys.path == path_before
+    assert not list((tmp_path / "state").glob("ledger-*"))
+
+
+def test_the_owner_may_name_the_one_factory_a_server_may_ask_for(own_npz, tmp_path, monkeypatch):
+    """The owner's node config names a user's network installed on its machine: that one trains."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "owners_net_for_the_test.py").write_text(PLANTED.format(marker=str(tmp_path / "imported")))
+    monkeypatch.syspath_prepend(str(site))  # the owner's installation
+    cfg, fed, flat = one_step_run()
+    name = "owners_net_for_the_test:make"
+    c = client_config(cfg, fed)
+    start = {"student": build_model(name, 10, seed=0, channels=1, image_size=28).state_dict()}
+    reply = ask({**flat, "model": name}, node(own_npz, tmp_path / "state", **{"allow-model": name}), start)
+    assert reply["metrics"]["skipped"] == 0 and reply.array_records and c.model != name
 
 
 def modes_under(root):
@@ -245,7 +386,7 @@ def test_what_a_client_keeps_is_its_owners_alone(own_npz, tmp_path):
     assert all(mode & 0o077 == 0 for mode in modes.values()), {str(p): oct(m) for p, m in modes.items() if m & 0o077}
 
 
-def test_a_state_folder_others_can_write_to_is_refused(own_npz, tmp_path):
+def test_a_state_folder_others_can_write_to_is_refused(own_npz, tmp_path, caplog):
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)  # group and others may write, no sticky bit: they could swap the ledger
@@ -253,7 +394,8 @@ def test_a_state_folder_others_can_write_to_is_refused(own_npz, tmp_path):
         private_folder(shared / "state")
     cfg, fed, flat = one_step_run()
     reply = ask(flat, node(own_npz, shared / "state"), initial_model(client_config(cfg, fed), 10))
-    assert reply["metrics"]["refused"] == 1 and "can be written by other users" in reply["refusal"]["reason"]
+    assert reply["metrics"]["refused"] == 1 and reply["refusal"]["reason"] == local.STATE_REFUSED
+    assert str(tmp_path) not in reply["refusal"]["reason"] and "can be written by other users" in caplog.text
     sticky = tmp_path / "sticky"
     sticky.mkdir()
     sticky.chmod(0o1777)  # as /tmp: others cannot rename or remove what is ours in it
@@ -263,6 +405,48 @@ def test_a_state_folder_others_can_write_to_is_refused(own_npz, tmp_path):
         os.chown(tmp_path / "other", 12345, 12345)
         with pytest.raises(NodeConfigError, match="belongs to another user"):
             private_folder(tmp_path / "other" / "state")
+
+
+def test_an_owners_own_state_folder_others_can_write_is_refused_not_repaired(own_npz, tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    state.chmod(0o777)  # the owner's own folder, opened to everyone
+    cfg, fed, flat = one_step_run()
+    reply = ask(flat, node(own_npz, state), initial_model(client_config(cfg, fed), 10))
+    assert reply["metrics"]["refused"] == 1 and reply["refusal"]["reason"] == local.STATE_REFUSED
+    assert stat.S_IMODE(state.stat().st_mode) == 0o777 and not list(state.iterdir())  # refused, not chmodded
+
+
+def test_a_link_on_the_way_to_the_state_folder_is_judged_by_where_it_leads(own_npz, tmp_path):
+    """good/link/state, with link pointing into a folder anyone can write (open/inner, itself
+    closed): refused, as anyone could swap open/inner for a folder of their own."""
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    (open_to_all / "inner").mkdir(mode=0o700)
+    good = tmp_path / "good"
+    good.mkdir(mode=0o700)
+    (good / "link").symlink_to(open_to_all / "inner")
+    with pytest.raises(NodeConfigError, match="can be written by other users"):
+        private_folder(good / "link" / "state")
+    cfg, fed, flat = one_step_run()
+    reply = ask(flat, node(own_npz, good / "link" / "state"), initial_model(client_config(cfg, fed), 10))
+    assert reply["metrics"]["refused"] == 1 and not list((open_to_all / "inner").iterdir())
+
+
+def test_a_planted_link_inside_the_state_folder_is_refused_not_followed(own_npz, tmp_path):
+    """state/<experiment> planted as a link to an attacker's folder, holding a generator state of
+    a known seed: refused before anything is read from it or written to it."""
+    state = private_folder(tmp_path / "state")
+    attacker = tmp_path / "attacker"
+    attacker.mkdir()
+    torch.save({"rng_state": torch.Generator().manual_seed(7).get_state()}, attacker / "client-0.pt")
+    (state / "attack").symlink_to(attacker)
+    cfg, fed, flat = one_step_run(experiment="attack")
+    reply = ask(flat, node(own_npz, state), initial_model(client_config(cfg, fed), 10))
+    assert reply["metrics"]["refused"] == 1 and reply["refusal"]["reason"] == local.STATE_REFUSED
+    assert sorted(p.name for p in attacker.iterdir()) == ["client-0.pt"]
+    assert not list(state.glob("ledger-*"))  # refused before it was charged
 
 
 def test_a_state_folder_is_made_closed_with_every_folder_on_the_way(tmp_path):
@@ -322,3 +506,189 @@ def test_renaming_files_keeps_the_data_sets_ledger(own_npz, tmp_path):
     ledgers.adopt(state, held.named_fingerprint, held.fingerprint)
     assert json.loads(ledgers.ledger_path(state, held.fingerprint).read_text()) == {"entries": [1]}
     assert not ledgers.ledger_path(state, old).exists()
+
+
+# -- against the owner's real data service ------------------------------------------------------
+@pytest.fixture
+def service(own_npz, tmp_path):
+    """The owner's `fedsd data-service` as a real process: its socket, its state folder, its
+    node config (secret noise, the default) and its log (the owner's)."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(prefix="fedsd-threat-", dir="/tmp"))  # a short socket path
+    address, state, log = folder / "service.sock", tmp_path / "owner-state", tmp_path / "owner.log"
+    config = f"partition-id=0 data='{own_npz}' max-epsilon=inf state-dir='{state}' federated-evaluation=true " \
+             f"min-evaluation-samples=10"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "simulations.cli", "data-service", "--socket", str(address),
+                                 "--node-config", config], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    deadline = time.monotonic() + 120
+    while not address.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    try:
+        yield address, state, log, proc
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def via_service(address, flat, model, server_round=1, kind="train"):
+    from clients import data_service
+
+    supernode = {"partition-id": 0, "service": str(address)}
+    context = Context(run_id=1, node_id=11, node_config=supernode, state=RecordDict(), run_config={})
+    content = RecordDict({"arrays": model_to_record(model),
+                          "config": ConfigRecord({**flat, "server-round": server_round})})
+    return data_service.ask_service(parse(supernode), kind, content, context)
+
+
+def candidate_seeds(state_file, cfg) -> set[int]:
+    """Where a search over 32- and 64-bit seeds would find the client's generator if it had one:
+    the seed of any torch generator state the client keeps (read here from the owner's disk, in
+    place of the 2^32 search a server would run on a cluster), every 4- and 8-byte word of any
+    key it keeps, the run's own derived seed, and the first few hundred integers."""
+    kept = torch.load(state_file, weights_only=True)
+    seeds = set(range(256)) | {derive_seed(cfg.seed, SEED_CLIENT_RNG, 0)}
+    if "rng_state" in kept:
+        generator = torch.Generator()
+        generator.set_state(kept["rng_state"])
+        seeds.add(generator.initial_seed())
+    if "secret/key" in kept:
+        key = bytes(kept["secret/key"].tolist())
+        seeds |= {int.from_bytes(key[i:i + w], "little") for w in (4, 8) for i in range(0, len(key) - w + 1, w)}
+    return seeds | {s & 0xFFFFFFFF for s in seeds}
+
+
+def replayed_noise(seed: int, net, sigma_c: float, secure: bool) -> torch.Tensor:
+    """The noise a client whose generator is seeded with `seed` adds (the Poisson mask drawn
+    first; Opacus' draws, plain or secure_mode's throw-away and four-draw sum)."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.rand(N, generator=generator)
+    parts = []
+    for p in net.parameters():
+        if secure:
+            torch.normal(0.0, sigma_c, (1, 1), generator=generator)
+            parts.append(sum(torch.normal(0.0, sigma_c, p.shape, generator=generator) for _ in range(4)) / 2)
+        else:
+            parts.append(torch.normal(0.0, sigma_c, p.shape, generator=generator))
+    return torch.cat([t.flatten() for t in parts])
+
+
+@pytest.mark.slow
+def test_a_seed_search_does_not_find_a_real_services_noise(own_npz, service):
+    """The search of a server with a cluster, against a real service: every candidate seed's
+    noise subtracted from the update leaves an error at the noise's own scale (σC√d), never the
+    clipped sum; with the right seed it would be left to float error (about 1e-5)."""
+    address, state, _, _ = service
+    cfg, fed, flat = one_step_run(experiment="search")
+    start = initial_model(client_config(cfg, fed), 10)["student"]
+    reply = via_service(address, flat, {"student": start})
+    assert reply["metrics"]["skipped"] == 0
+    c = client_config(cfg, fed)
+    sigma_c = float(reply["metrics"]["noise-multiplier"]) * c.clip
+    net = build_model(c.model, 10)
+    names = [n for n, _ in net.named_parameters()]
+    update = (flat_parameters(start, names) - flat_parameters(record_to_model(reply["arrays"])["student"], names)) \
+        * B / c.lr
+    truth = clipped_sum(c, own_npz, start, c.clip)
+    noise_scale = sigma_c * len(update) ** 0.5
+    best = min((update - replayed_noise(seed, net, sigma_c, secure) - truth).norm().item()
+               for seed in candidate_seeds(state / "search" / "client-0.pt", c) for secure in (False, True))
+    assert best >= 0.5 * noise_scale, (best, noise_scale)
+
+
+def raw_exchange(address, *frames: bytes, read: bool = True) -> dict | None:
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(address))
+        sock.settimeout(60)
+        for frame in frames:
+            sock.sendall(struct.pack("!Q", len(frame)) + frame)
+        if not read:
+            return None
+        size = struct.unpack("!Q", sock.recv(8))[0]
+        return json.loads(sock.recv(size))
+
+
+@pytest.mark.slow
+def test_no_message_stops_or_blocks_a_real_service(own_npz, service):
+    """Deep JSON, garbage protobuf, an oversized frame, a kind that is not one, and a model that
+    would end the process if imported: each refused with a reply, in full in the owner's log,
+    and the service goes on. A half-sent frame held open blocks no one: another client is
+    answered within a second."""
+    import socket
+    import struct
+    import time
+
+    from clients import data_service
+
+    address, state, log, proc = service
+    cfg, fed, flat = one_step_run(experiment="robust")
+    start = initial_model(client_config(cfg, fed), 10)
+    header = json.dumps({"kind": "evaluate", "run_id": 1, "node_id": 11, "node_config": {}}).encode()
+    deep = b"[" * 30_000 + b"]" * 30_000  # within the header's size: a parser's recursion would end the process
+    assert raw_exchange(address, deep)["status"] == "refused"
+    assert raw_exchange(address, header, b"\xff\x00garbage" * 10)["status"] == "refused"
+    assert raw_exchange(address, json.dumps({"kind": "shell"}).encode(), b"")["status"] == "refused"
+    with socket.socket(socket.AF_UNIX) as big:
+        big.connect(str(address))
+        big.sendall(struct.pack("!Q", 1 << 40))  # a terabyte announced: refused before any is read
+        assert b"refused" in big.recv(4096)
+    refused = via_service(address, {**flat, "model": "unittest.__main__:main"}, start)
+    assert refused["metrics"]["refused"] == 1 and "allow-model" in refused["refusal"]["reason"]
+    assert proc.poll() is None
+    first = via_service(address, flat, start)  # a round trained: the data and trainer are loaded
+    assert first["metrics"]["skipped"] == 0
+    with socket.socket(socket.AF_UNIX) as stalled:  # half a frame, then nothing
+        stalled.connect(str(address))
+        stalled.sendall(struct.pack("!Q", 1000) + b"{")
+        began = time.monotonic()
+        reply = via_service(address, flat, start, kind="evaluate")
+        assert time.monotonic() - began < 1.0 and "metrics" in reply
+    assert proc.poll() is None
+    wrong = {"student": {"not-a-layer": torch.zeros(3)}}  # a round that fails after it was taken
+    with pytest.raises(Exception) as failed:
+        via_service(address, {**flat, "experiment-id": "fails"}, wrong)
+    said = str(failed.value)
+    assert said.endswith(data_service.FAILED) and str(own_npz) not in said and proc.poll() is None
+    text = log.read_text()
+    assert text.count("refused a message") >= 4 and "nested over" in text and "allow-model" in text
+
+
+@pytest.mark.slow
+def test_cached_native_code_another_user_could_write_is_not_loaded(tmp_path, monkeypatch):
+    """The conv kernel's cached library runs as whoever loads it, the data owner included: one
+    that another user could have replaced is refused (and the step takes PyTorch's route)."""
+    import shutil
+
+    from fedsd import conv_kernel
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler here: nothing is built or loaded")
+    monkeypatch.setenv("FEDSD_CACHE_DIR", str(tmp_path / "cache"))
+    path = conv_kernel.compiled(load=False)  # built here: ours
+    assert conv_kernel.compiled().isa
+    path.chmod(0o666)
+    with pytest.raises(OSError, match="another user could have written it"):
+        conv_kernel.compiled()
+    path.chmod(0o755)
+    path.parent.chmod(0o777)
+    with pytest.raises(OSError, match="can be written by another user"):
+        conv_kernel.compiled()
+    path.parent.chmod(0o755)
+    planted = tmp_path / "elsewhere.so"
+    shutil.copy(path, planted)
+    path.unlink()
+    path.symlink_to(planted)
+    with pytest.raises(OSError, match="another user could have written it"):
+        conv_kernel.compiled()

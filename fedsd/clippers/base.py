@@ -36,11 +36,26 @@ class Clipper:
         layout (book-keeping: each conv layer's way)."""
 
     def make_optimizer(self, sgd: torch.optim.Optimizer, **dp):
-        from .. import _opacus  # noqa: F401  (first: Opacus without its root-logger handler)
-        from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+        """Opacus' optimizer for this clipper, whose noise can come from a secret stream
+        (fedsd.clippers.optimizers)."""
+        from .optimizers import SourcedDPOptimizer, SourcedDPOptimizerFastGradientClipping
 
-        self.optimizer = (DPOptimizerFastGradientClipping if self.writes_clipped_sum else DPOptimizer)(sgd, **dp)
+        kind = SourcedDPOptimizerFastGradientClipping if self.writes_clipped_sum else SourcedDPOptimizer
+        self.optimizer = kind(sgd, **dp)
         return self.optimizer
+
+    def nonfinite_samples(self) -> torch.Tensor:
+        """A bool per sample of the last backward pass: True where its gradient (its norm) is
+        not finite. Read only by a trainer with secret draws (fedsd.training), which keeps such
+        samples out of the clipped sum."""
+        raise NotImplementedError(f"{type(self).__name__} cannot say which samples' gradients are not finite")
+
+    def discard_last(self) -> None:
+        """Forget the last backward pass's gradients (what `hold` kept aside stays)."""
+        for p in self.model.parameters():
+            p.grad = None
+            if hasattr(p, "grad_sample"):
+                p.grad_sample = None
 
     def backward(self, per_sample_loss: torch.Tensor) -> torch.Tensor:
         """From the batch's per-sample losses, the clipped per-sample gradients where the

@@ -38,3 +38,8 @@ class BookKeeping(Clipper):
         loss = per_sample_loss.mean()
         self.engine.backward(loss, len(per_sample_loss))
         return loss
+
+    def nonfinite_samples(self):
+        import torch
+
+        return ~torch.isfinite(self.engine.norms)

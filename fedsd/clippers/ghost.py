@@ -32,3 +32,8 @@ class GhostClipping(Clipper):
             (coeff.to(per_sample_loss.device) * per_sample_loss).sum().backward()
             self.module.enable_hooks()
         return loss
+
+    def nonfinite_samples(self):
+        import torch
+
+        return ~torch.isfinite(self.module.get_norm_sample())

@@ -35,6 +35,14 @@ class PerSampleGradients(Clipper):
             loss.backward()
         return loss
 
+    def nonfinite_samples(self) -> torch.Tensor:
+        bad = None
+        for p in self.model.parameters():
+            if getattr(p, "grad_sample", None) is not None:
+                rows = ~torch.isfinite(p.grad_sample.flatten(1)).all(1)
+                bad = rows if bad is None else bad | rows
+        return bad if bad is not None else torch.zeros(0, dtype=torch.bool)
+
     def hold(self) -> None:
         """Physical batches: Opacus clips this part's per-sample gradients into its running sum
         (p.summed_grad, as under its BatchMemoryManager); the noise comes once, after the last."""
