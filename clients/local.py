@@ -1,5 +1,5 @@
 """What a client does with a round's message, in whichever process answers it: local DP-SGD
-with self-distillation on this client's data (SPEC §5, §8), or federated evaluation.
+with self-distillation on this client's data (docs/algorithms.md), or federated evaluation.
 
 Its data is its SuperNode's own (`--node-config data=...`, with client-data=own), or in a
 simulation its shard of a built-in data set. Each round it receives the global model and the
@@ -19,10 +19,10 @@ its privacy state: sending the same update twice releases nothing new, so it is 
 again. Training it anew would release a second, different update and cost a second round, and
 the resumed run's last round would then find the budget spent.
 
-A node with its own data holds out against a server it does not trust (issue 45): its noise and
-its batches come from a secret seed kept only in its state folder, never from the run's seed;
-its replies carry no training loss and no divergence value (each an exact function of its
-records); it answers federated evaluation only when its owner says so; it takes no path from
+A node with its own data holds out against a server it does not trust: its noise and its
+batches come from a secret stream (fedsd.secret_random) whose key is kept only in its state
+folder, never from the run's seed; its replies carry no training loss and no divergence (each a
+function of its records); it answers federated evaluation only when its owner says so; it takes no path from
 the server (no shard of a data set at a server's data-dir); and its privacy state stays in its
 state folder (0700), never in the Context, which the ClientApp's code (the server's) can read.
 
@@ -441,7 +441,7 @@ def carried_state(side: ClientSide, context: Context) -> TrainState | None:
     """This client's privacy state in the run: context.state, else what it left on its disk in an
     earlier launch of the same experiment (a resumed server, a restarted SuperNode). A client
     with its own data keeps it on its disk only: the Context is readable by the ClientApp's
-    code, which is the server's, and the state holds the secret seed of its noise."""
+    code, which is the server's, and the state holds the secret key of its noise."""
     state = None if side.own_data else load_state(context.state, side.trainer.plan)
     if state is None and side.state_file is not None and side.state_file.is_file():
         state = load_train_state(side.state_file, side.trainer.plan)

@@ -6,12 +6,13 @@ budget for that data, and where it keeps its state. A node that names its own `d
 only under an owner's `max-epsilon` (`inf` is an explicit "no limit"): one forgotten key must
 not turn the guarantee off.
 
-What the owner's config decides against a server it does not trust (issue 45): a node with its
-own data draws its noise and batches from a secret seed (the operating system's CSPRNG, kept in
-its state folder), never from the run's seed, which the server sets; it answers federated
-evaluation only when its owner says so; and with `service` its ClientApp, the code the server
-ships, only forwards messages to the owner's data service (clients/service.py), which alone can
-read the data and the state.
+What the owner's config decides against a server it does not trust: a node with its own data
+draws its noise and batches from a secret stream (fedsd.secret_random: a key from the operating
+system's CSPRNG, kept in its state folder), never from the run's seed, which the server sets; it
+trains only the networks its owner allows (allow-model); it answers federated evaluation only
+when its owner says so; and with `service` its ClientApp, the code the server ships, only
+forwards messages to the owner's data service (clients/data_service.py), which alone can read
+the data and the state.
 """
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ class NodeConfig:
                             default_text="FEDSD_DATA_DIR or the usual places")
     download: bool = setting(False, "a shard of a built-in data set: download it with torchvision when this machine "
                                     "lacks it (the node's choice; a server's download=true is not taken)")
-    noise: str = setting("auto", "where the noise and the batch sampling come from. secret: a seed drawn from the "
-                                 "operating system's CSPRNG, kept only in state-dir (0600); seeded: the run's seed, "
+    noise: str = setting("auto", "where the noise and the batch sampling come from. secret: AES-256-CTR under a key "
+                                 "from the operating system's CSPRNG, kept only in state-dir (0600); seeded: the run's seed, "
                                  "which the server sets, so the server can predict the noise and subtract it "
                                  "(needs trust-server-with-noise=true with own data); auto: secret with own data, "
                                  "seeded for a shard of a built-in data set (a simulation, reproducible bit for bit)",
@@ -104,7 +105,7 @@ class NodeConfig:
 
     @property
     def secret_noise(self) -> bool:
-        """Whether this client's noise and batches come from a secret seed (NodeConfig.noise)."""
+        """Whether this client's noise and batches come from a secret stream (NodeConfig.noise)."""
         return self.noise == "secret" or (self.noise == "auto" and self.owns_data)
 
     def as_node_config(self) -> dict:

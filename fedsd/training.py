@@ -358,7 +358,7 @@ class DPTrainer:
 
     # -- one step ---------------------------------------------------------------------------
     def _step(self, objective: EpochLoss, callbacks=()) -> float:
-        # Poisson sampling (SPEC §1): each sample joins the batch independently with rate q.
+        # Poisson sampling (docs/algorithms.md): each sample joins the batch independently with rate q.
         if self.secret is not None:
             mask = self.secret.bernoulli(self.num_train, self.plan.sample_rate, self.device)
         else:

@@ -1,4 +1,4 @@
-"""A client with its own data against a server it does not trust (issue 45), through the ClientApp
+"""A client with its own data against a server it does not trust, through the ClientApp
 called in-process with real Flower Messages: the server plays every trick it can with what it
 knows (the run config, the code, the initial weights, the replies) and learns no more than the
 noise allows; nothing a reply carries is an unnoised function of the records; a request carries
@@ -102,7 +102,7 @@ def servers_estimate(cfg, fed, reply, start) -> tuple[torch.Tensor, float, int]:
 
 @pytest.mark.parametrize("noise", ["secret", "seeded"])
 def test_a_malicious_server_cannot_remove_an_own_data_clients_noise(own_npz, tmp_path, noise):
-    """The attack of issue 45 against the client as it stands (secret noise, the default) and
+    """The replay attack against the client as it stands (secret noise, the default) and
     against a client whose owner chose seeded noise: there the same attack recovers the clipped
     sum to float error, so this test can fail."""
     cfg, fed, flat = one_step_run()
