@@ -636,6 +636,11 @@ def test_no_message_stops_or_blocks_a_real_service(own_npz, service):
     cfg, fed, flat = one_step_run(experiment="robust")
     start = initial_model(client_config(cfg, fed), 10)
     header = json.dumps({"kind": "evaluate", "run_id": 1, "node_id": 11, "node_config": {}}).encode()
+
+    def charges() -> int:
+        return sum(len(json.loads(p.read_text())["entries"]) for p in state.glob("ledger-*.json"))
+
+    assert via_service(address, flat, start)["metrics"]["skipped"] == 0 and charges() == 1
     deep = b"[" * 30_000 + b"]" * 30_000  # within the header's size: a parser's recursion would end the process
     assert raw_exchange(address, deep)["status"] == "refused"
     assert raw_exchange(address, header, b"\xff\x00garbage" * 10)["status"] == "refused"
@@ -647,8 +652,7 @@ def test_no_message_stops_or_blocks_a_real_service(own_npz, service):
     refused = via_service(address, {**flat, "model": "unittest.__main__:main"}, start)
     assert refused["metrics"]["refused"] == 1 and "allow-model" in refused["refusal"]["reason"]
     assert proc.poll() is None
-    first = via_service(address, flat, start)  # a round trained: the data and trainer are loaded
-    assert first["metrics"]["skipped"] == 0
+    assert charges() == 1  # nothing refused was charged
     with socket.socket(socket.AF_UNIX) as stalled:  # half a frame, then nothing
         stalled.connect(str(address))
         stalled.sendall(struct.pack("!Q", 1000) + b"{")
@@ -656,6 +660,8 @@ def test_no_message_stops_or_blocks_a_real_service(own_npz, service):
         reply = via_service(address, flat, start, kind="evaluate")
         assert time.monotonic() - began < 1.0 and "metrics" in reply
     assert proc.poll() is None
+    second = via_service(address, {**flat, "experiment-id": "next"}, start)  # the next legitimate round: charged once
+    assert second["metrics"]["skipped"] == 0 and charges() == 2
     wrong = {"student": {"not-a-layer": torch.zeros(3)}}  # a round that fails after it was taken
     with pytest.raises(Exception) as failed:
         via_service(address, {**flat, "experiment-id": "fails"}, wrong)
