@@ -1,5 +1,6 @@
 """One-run privacy auditing (Steinke, Nasr & Jagielski, "Privacy auditing with one (1) training
-run", NeurIPS 2023; SPEC §9): an empirical lower bound on ε, measured from one real run.
+run", NeurIPS 2023; docs/algorithms.md, "Measured privacy"): an empirical lower bound on ε,
+measured from one real run.
 
 m canaries are each included with probability ½, the run trains once, every canary gets a
 score, and the auditor guesses the k₊ highest-scoring as included and the k₋ lowest as excluded.

@@ -1,4 +1,4 @@
-"""Training settings: the papers' defaults per data set (SPEC §7), and the checks every setting
+"""Training settings: the papers' defaults per data set (docs/algorithms.md), and the checks every setting
 passes before any work starts.
 
 `TrainConfig` is assembled when fedsd loads: the run's own settings (`RunSettings`, below) and
@@ -36,7 +36,8 @@ GRAD_SAMPLE_MODES = ("auto",) + tuple(clippers.CLIPPERS)
 MEMORY_FORMATS = ("auto", "channels-last", "contiguous")
 CHANNELS_LAST_EXACT = ("auto",) + clippers.CHANNELS_LAST_EXACT
 
-# SPEC §7: B, η, C, epochs (each method's own settings are in its file, fedsd/methods/)
+# The papers' B, η, C, epochs (docs/algorithms.md, "Settings and their defaults"); each method's own
+# settings are in its file, fedsd/methods/
 PAPER = {
     "mnist": dict(batch_size=1200, lr=0.8, clip=0.1, epochs=60),
     "fmnist": dict(batch_size=1600, lr=3.0, clip=0.1, epochs=60),
@@ -86,7 +87,7 @@ def _epochs_text() -> str:
 
 
 def _paper_text(key: str) -> str:
-    """The help text of a default that is the paper's value for the data set (SPEC §7)."""
+    """The help text of a default that is the paper's value for the data set."""
     values = ", ".join(f"{DATASET_TITLES[d]} {PAPER[d][key]}" for d in PAPER)
     return f"the paper's value for the data set: {values}"
 

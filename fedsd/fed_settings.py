@@ -1,6 +1,6 @@
 """Federated settings, free of Flower: what a federation adds to a TrainConfig, the flat
 key/value form both travel in (Flower's run config and each round's ConfigRecord), and the
-epoch numbering that lines a federation up with central training (SPEC §5, §8)."""
+epoch numbering that lines a federation up with central training (docs/algorithms.md)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""A data owner's lifetime privacy ledgers, on the owner's own disk (SPEC §8).
+"""A data owner's lifetime privacy ledgers, on the owner's own disk (docs/algorithms.md).
 
 One Rényi privacy filter (fedsd.privacy.PrivacyFilter) per data set, kept as readable JSON in
 the client's state folder, `ledger-<fingerprint>.json`, where the fingerprint is a hash of the

@@ -1,4 +1,4 @@
-"""Per-sample losses of the five methods (SPEC §3, §4, §6).
+"""Per-sample losses of the five methods (docs/algorithms.md, "The methods").
 
 Every loss is computed per sample and then averaged over the batch (never over classes), so
 Opacus' per-sample gradients are the gradients of each sample's own loss. Teacher logits are

@@ -1,4 +1,4 @@
-"""Privacy planning and accounting with Opacus' accountants (SPEC §1, §8).
+"""Privacy planning and accounting with Opacus' accountants (docs/algorithms.md, "Accounting").
 
 σ is calibrated once, for every step the protected data set will ever see; one accountant's
 history is kept for the whole run (central, or a client across all its rounds) and the spent ε

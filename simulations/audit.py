@@ -1,4 +1,5 @@
-"""`fedsd audit`: measure the privacy of a real run, not only compute it (fedsd.audit, SPEC §9).
+"""`fedsd audit`: measure the privacy of a real run, not only compute it (fedsd.audit;
+docs/algorithms.md, "Measured privacy").
 
     fedsd audit --dataset mnist --method dp3sd --epsilon 2 --subset 5000 --epochs 10 \\
         [--canaries 1000] [--threat white|black] [--clients N] [--noise-scale s] --out DIR

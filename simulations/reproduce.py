@@ -242,7 +242,7 @@ def second_protocol(runs_root: Path) -> list[dict]:
 
 
 def second_protocol_md(rows: list[dict]) -> list[str]:
-    lines = ["", "## Second protocol: each method at its own validated reading (issue 40)", "",
+    lines = ["", "## Second protocol: each method at its own validated reading", "",
              "The reading and length chosen for each method on validation by the readings screen (`fedsd reproduce "
              "--table readings`, results/table-readings.md), on test; test accuracy mean ± standard error over the "
              "seeds, and the gain over dpsgd (at dpsgd's own chosen reading) paired by seed, the papers' difference "

@@ -1,4 +1,4 @@
-"""The losses against hand computations of SPEC §3, §4 (plain Python math, sample by sample)."""
+"""The losses of docs/algorithms.md against hand computations (plain Python math, sample by sample)."""
 import dataclasses
 import math
 

@@ -22,7 +22,7 @@ def test_plan_spends_at_most_the_budget_per_opacus(accountant, cls):
         ledger.step(p.noise_multiplier, p.sample_rate)
     assert ledger.epsilon(1e-5) == pytest.approx(spent, rel=1e-9)
     if accountant == "rdp":
-        assert p.noise_multiplier == pytest.approx(2.05, abs=0.03)  # SPEC §7: 2.04 under Opacus' q = 1/38
+        assert p.noise_multiplier == pytest.approx(2.05, abs=0.03)  # the papers' FMNIST: 2.04 under Opacus' q = 1/38
 
 
 def test_ledger_across_rounds_equals_one_accountant():

@@ -8,7 +8,7 @@ from .base import (POSITIVE, UNIT_INTERVAL, EpochLoss, SelfDistillationSettings,
                distill_weight, register, warming_up)
 
 PAPERS = "the paper's"
-# SPEC §7: DP3SD's (τs, τt, α) per data set
+# DP3SD's (τs, τt, α) per data set, its paper's §4.1 (docs/algorithms.md)
 PAPER = {"mnist": dict(tau_s=0.1, tau_t=5.0, alpha=0.1), "fmnist": dict(tau_s=0.3, tau_t=5.0, alpha=0.3),
          "cifar10": dict(tau_s=0.1, tau_t=5.0, alpha=0.3)}
 KL_REDUCTIONS = ("batchmean", "mean")

@@ -15,7 +15,7 @@ from .base import (POSITIVE, EpochLoss, SelfDistillationSettings, SelfDistilling
                warming_up)
 
 PAPERS = "the paper's"
-# SPEC §7: DPDSD's (τ, α, β) per data set
+# DPDSD's (τ, α, β) per data set, its paper's §4.1 (docs/algorithms.md)
 PAPER = {"mnist": dict(tau=2.0, alpha=0.1, beta=0.5), "fmnist": dict(tau=5.0, alpha=0.1, beta=0.3),
          "cifar10": dict(tau=5.0, alpha=0.1, beta=0.3)}
 NON_NEGATIVE = (lambda v: v >= 0, "must be >= 0")

@@ -1,7 +1,7 @@
 #!/bin/bash
-# CIFAR-10's ScatterNet confirmation runs (issue 41) on the device: features-cifar10-plan.json, until $1 seconds from now.
-# Carry .carry-cifar10.npz-{1,2,3} (../shared/tools/device-pieces cifar10.npz: three calls back to back) and .whl
-# (opacus, kymatio, appdirs wheels). $2: the sha256 device-pieces printed. Results: $OUT/runs.tgz.
+# CIFAR-10's ScatterNet confirmation runs on the device: features-cifar10-plan.json, until $1 seconds from now.
+# Carry .carry-cifar10.npz-{1,2,3} (cifar10.npz split in three pieces, carried by three calls back to back) and .whl
+# (opacus, kymatio, appdirs wheels). $2: the sha256 of the whole file. Results: $OUT/runs.tgz.
 t_end=$(( $(date +%s) + $1 ))
 cat .carry-cifar10.npz-*/cifar10.npz.part* > /tmp/cifar10.npz && echo "$2  /tmp/cifar10.npz" | sha256sum -c - || exit 1
 mkdir -p /tmp/data/cifar10 && mv /tmp/cifar10.npz /tmp/data/cifar10/

@@ -1,11 +1,11 @@
 #!/bin/bash
-# `fedsd reproduce --table features --datasets cifar10` on the device (issue 41), until $1 seconds
+# `fedsd reproduce --table features --datasets cifar10` on the device, until $1 seconds
 # from now: it runs what the table still needs (CIFAR-10's lr screen, then whatever stage it
 # chooses next), skipping every run finished here. Carry .carry-cifar10.npz-{1,2,3}
-# (../shared/tools/device-pieces cifar10.npz: three calls back to back), .carry-whl (opacus,
+# (cifar10.npz split in three pieces, carried by three calls back to back), .carry-whl (opacus,
 # kymatio, appdirs wheels: the image has torch but not these) and .carry-runs/results.tgz (every
 # finished run's result.json under results/runs/features and results/runs/readings: the readings'
-# screen chooses each method's reading). $2: the sha256 device-pieces printed.
+# screen chooses each method's reading). $2: the sha256 of the whole file.
 # Results: $OUT/runs.tgz, the runs made here (no checkpoints).
 t_end=$(( $(date +%s) + $1 ))
 cat .carry-cifar10.npz-*/cifar10.npz.part* > /tmp/cifar10.npz && echo "$2  /tmp/cifar10.npz" | sha256sum -c - || exit 1
