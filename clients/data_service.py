@@ -60,9 +60,10 @@ START_SECONDS = 120.0  # how long a new worker may take to import torch and list
 # part is bounded before it is parsed, and a frame that stops arriving is given up on.
 MAX_HEADER = 1 << 16  # bytes of a JSON header (its keys are a kind, two ids and a node config)
 MAX_DEPTH = 8  # nesting of that JSON (the node config is one level below the top)
-MAX_RECORDS = 1 << 28  # bytes of a message's records: resnet18's weights are 45 MB
-FRAME_SECONDS = 30.0  # a frame must arrive whole within this long
-MAX_CONNECTIONS = 32  # connections read at once; more wait in the listen queue
+MAX_RECORDS = 1 << 27  # bytes of a message's records: resnet18's weights are 45 MB
+FRAME_SECONDS = 30.0  # a frame must arrive whole within this long, and a reply be taken within it
+MAX_CONNECTIONS = 8  # messages read or waiting at once (so at most 1 GiB of records); more wait unread
+MAX_CONTEXTS = 16  # (run, node) states kept in memory; the privacy state is on disk in any case
 TAKEN = {"status": "taken"}  # the service's word that it has the message and will answer it
 KINDS = ("train", "evaluate")
 # What the owner's service says when answering failed: the details (a path, a count of the data)
@@ -430,8 +431,6 @@ class DataService:
                     return
                 except (EOFError, OSError):
                     return  # the peer went away
-                finally:
-                    self.readers.release()
                 with self.answer_lock:
                     with self.state_lock:
                         if self.closing:
@@ -439,14 +438,24 @@ class DataService:
                         self.busy += 1
                     try:
                         send_json(conn, TAKEN)
-                        self._answer(conn, header, content)
+                        reply = self._reply(header, content)
                     except (EOFError, OSError):
-                        pass  # the ClientApp went away (its SuperNode stopping)
+                        return  # the ClientApp went away (its SuperNode stopping)
                     finally:
                         with self.state_lock:
                             self.busy, self.last = self.busy - 1, time.monotonic()
+                # Sent outside the lock, and given up on if the peer does not read it in time: a
+                # peer that never reads its reply holds no one else up.
+                conn.settimeout(FRAME_SECONDS)
+                try:
+                    for frame in reply:
+                        send_frame(conn, frame)
+                except OSError as e:
+                    log.warning("gave up sending a reply: %s", e)
         except BaseException:  # noqa: BLE001  (nothing a message does ends the service)
             log.exception("a connection failed")
+        finally:
+            self.readers.release()
 
     def _listen(self) -> socket.socket:
         if self.address.is_socket():  # left by a service that stopped; refused if one still listens
@@ -463,7 +472,10 @@ class DataService:
         listener.listen(64)
         return listener
 
-    def _answer(self, conn: socket.socket, header: dict, content: RecordDict) -> None:
+    def _reply(self, header: dict, content: RecordDict) -> list[bytes]:
+        """The frames that answer a taken message: its status, then its records."""
+        from flwr.common.serde import recorddict_to_proto
+
         try:
             context = self._context(header)
             reply = self.handlers[header["kind"]](content, context)
@@ -478,10 +490,8 @@ class DataService:
             # count of the data. A warm worker is the ClientApp's own process, in effect.
             said = str(e) if isinstance(e, Refused) else FAILED if self.node is not None else f"{type(e).__name__}: {e}"
             log.warning("answered a %s message with an error: %s: %s", header.get("kind"), type(e).__name__, e)
-            send_json(conn, {"status": "error", "error": said})
-            return
-        send_json(conn, {"status": "ok"})
-        send_records(conn, reply)
+            return [json.dumps({"status": "error", "error": said}).encode()]
+        return [json.dumps({"status": "ok"}).encode(), recorddict_to_proto(reply).SerializeToString()]
 
     def _context(self, header: dict) -> Context:
         """The Context a handler sees: the owner's node config (never the one a message brings),
@@ -496,7 +506,10 @@ class DataService:
                 raise Refused(f"node-config partition-id={str(theirs)[:20]} of the SuperNode, but its data service is "
                               f"partition-id={self.node.partition_id}")
             node_config = self.node.as_node_config()
-        state = self.contexts.setdefault((run_id, node_id), RecordDict())
+        state = self.contexts.pop((run_id, node_id), None) or RecordDict()
+        self.contexts[(run_id, node_id)] = state  # the most recent last; the oldest dropped past MAX_CONTEXTS
+        while len(self.contexts) > MAX_CONTEXTS:
+            self.contexts.pop(next(iter(self.contexts)))
         return Context(run_id=run_id, node_id=node_id, node_config=node_config, state=state, run_config={})
 
     def _watch(self) -> None:

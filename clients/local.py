@@ -32,10 +32,11 @@ owner's data service (clients/data_service.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
-import math
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,9 +169,12 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
     setting, before any step."""
     cfg, fed = from_flat(flat)
     check_model_allowed(cfg.model, node)
+    if cfg.threads > (os.cpu_count() or 1):  # a process-wide setting of the owner's service
+        raise ConfigError(f"threads={cfg.threads}: more than this machine's {os.cpu_count()} CPUs")
     fed.validate()
     cfg = client_config(cfg, fed)
     task = task_for(cfg)
+    pin_task(node, task)
     cache = private_state_folder(node, "data-cache")
     try:
         held = load_holder_data(node.data, task, cache, skip_bad_files=node.skip_bad_files)
@@ -182,7 +186,7 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
     if key not in _TRAINERS:
         n = len(held.y_train)
         if n < cfg.batch_size:
-            raise DataError(f"data={held.source}: {n} training samples, fewer than the batch size {cfg.batch_size}")
+            raise ConfigError(f"batch-size={cfg.batch_size}: more than this client's training samples")
         validate(cfg, n)
         # the run's features of this client's own images, made on this machine (fedsd.features)
         tensors = data_lib.TensorData(
@@ -194,7 +198,30 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
                             cache_dir=str(node.state_folder("calibrations")))
         _TRAINERS.clear()  # one data set a process: a fresh ClientApp process, or one Ray worker's client
         _TRAINERS[key] = planned_trainer(cfg, tensors, plan, client=partition_id)
+    if node.secret_noise and not _TRAINERS[key].clipper.guards_nonfinite:  # before anything is charged
+        raise ConfigError(f"grad-sample-mode: the run's route ({_TRAINERS[key].clipper.mode}) cannot keep a sample "
+                          f"whose gradient is not finite out of the clipped sum, which this client's secret draws "
+                          f"need; use bk, hooks, functorch or ew")
     return fed, _TRAINERS[key], held
+
+
+def pin_task(node: NodeConfig, task) -> None:
+    """Whether a node's data fits a task (its labels, its class folders) is a fact about its
+    records, which a refusal would tell the server. So the first task a node is asked to fit is
+    kept in its state folder (task.json), and a run of any other task is refused as a setting,
+    before a record is read: the server learns that one bit once, not one a query. The owner
+    can delete task.json to allow another task."""
+    path = private_state_folder(node) / "task.json"
+    wanted = {"classes": list(task.classes), "channels": task.channels, "image-size": task.image_size}
+    if not path.is_file():
+        write_json(path, wanted)
+        return
+    kept = json.loads(path.read_text())
+    if kept != wanted:
+        raise ConfigError(f"dataset, classes, channels, image-size: this client's data is kept for one task "
+                          f"({len(kept['classes'])} classes {','.join(kept['classes'])[:200]}, {kept['channels']} "
+                          f"channel(s), {kept['image-size']} pixels); its owner can delete state-dir/task.json to "
+                          f"allow another")
 
 
 def check_model_allowed(model: str, node: NodeConfig) -> None:
@@ -214,7 +241,7 @@ def check_finite_model(arrays: ArrayRecord) -> None:
     the records rather than of the noise."""
     for key in arrays:
         a = arrays[key].numpy()
-        if a.dtype.kind == "f" and not np.isfinite(a).all():
+        if a.dtype.kind == "f" and not np.isfinite(a.astype(np.float32)).all():  # as the network will hold them
             raise ConfigError(f"model: the global model's {key[:80]} holds weights that are not finite")
 
 
@@ -364,16 +391,18 @@ def evaluation_file(state_file: Path) -> Path:
 def evaluation_refused(side: ClientSide, arrays: ArrayRecord) -> str | None:
     """Why an own-data client does not evaluate this model on its private test split, else None.
     Evaluation is a release no accountant covers, so it is the owner's to allow
-    (federated-evaluation=true), of the model this client last received for training only (the
-    server cannot send models of its choosing to probe the test split), at most once for each,
-    and on at least min-evaluation-samples samples."""
+    (federated-evaluation=true), of the model this client last received for training only, at
+    most once for each, and on at least min-evaluation-samples samples. That does not stop a
+    server from evaluating a model of its choosing: it can send it for training first (one round,
+    charged). So an owner who allows evaluation releases, each round, one number computed from
+    its test split by a function the server may choose: outside the DP guarantee."""
     node = side.node
     if not node.federated_evaluation:
         return ("this client's owner has not allowed federated evaluation of its private test split "
                 "(node-config federated-evaluation=true)")
     n = len(side.trainer.data.y_test)
     if n < node.min_evaluation_samples:
-        return f"its test split has {n} samples, fewer than the owner's min-evaluation-samples={node.min_evaluation_samples}"
+        return f"its test split is smaller than the owner's min-evaluation-samples={node.min_evaluation_samples}"
     path = evaluation_file(side.state_file)
     kept = json.loads(path.read_text()) if path.is_file() else {}
     if kept.get("model") != model_digest(arrays):
@@ -486,8 +515,11 @@ def train_round(side: ClientSide, state: TrainState | None, content: RecordDict,
     """The admitted round: train, keep the state that charged it on disk, then release."""
     trainer, fed = side.trainer, side.fed
     model: Model = record_to_model(content["arrays"])
-    if state is None and side.node.secret_noise:
-        state = secret_start()
+    if side.node.secret_noise and (state is None or state.secret is None):
+        # A first round, or a state an earlier version kept (its generator seeded with a 64-bit
+        # secret, which torch cuts to 32 bits): its accounting goes on, its draws from a new key.
+        state = secret_start() if state is None else dataclasses.replace(state, secret=SecretStream.fresh(),
+                                                                         rng_state=None)
     teacher, state = round_teacher(fed, state, model["student"])
     proximal_mu = fed.proximal_mu if fed.strategy == "fedprox" else 0.0  # FedProx's μ, the run config's key
     try:

@@ -130,7 +130,6 @@ class BookKeepingClipper:
         self.conv_ways = dict(conv_ways) if conv_ways is not None else None
         self.taken: dict[int, str] = {}  # the way each conv layer took in the last step (benchmarks)
         self._inputs: dict[nn.Module, torch.Tensor] = {}
-        self.norms: torch.Tensor | None = None  # the last backward pass's per-sample gradient norms
         self._outputs: dict[nn.Module, torch.Tensor] = {}
         for layer in self.layers:
             layer.register_forward_hook(self._keep)
@@ -221,9 +220,12 @@ class BookKeepingClipper:
         if layer.bias is not None:
             layer.bias.grad = weighted.sum((0, 2, 3))
 
-    def backward(self, loss: torch.Tensor, batch_size: int) -> None:
+    def backward(self, loss: torch.Tensor, batch_size: int, zero_nonfinite: bool = False) -> None:
         """Set p.grad to the sum over the batch of the clipped per-sample gradients of the
-        per-sample losses (`loss` is their mean over `batch_size` samples)."""
+        per-sample losses (`loss` is their mean over `batch_size` samples). zero_nonfinite: a
+        sample whose gradient norm is not finite joins the sum with a zero gradient (its rows of
+        every layer's input, output gradient and per-sample gradients zeroed; the same work for
+        any data)."""
         norms2 = torch.zeros(batch_size, device=loss.device, dtype=loss.dtype)
         kept = []
         for index, (layer, a, g) in enumerate(self.captured(loss)):
@@ -234,10 +236,21 @@ class BookKeepingClipper:
         # Scale back from the mean's gradients to each sample's own (×n), in the norms and in the
         # weights of the sum, rather than in every output gradient.
         norms = norms2.sqrt() * batch_size
-        self.norms = norms  # each sample's gradient norm, for a trainer that checks them (fedsd.training)
         coeff = clip_factor(norms, self.max_grad_norm) * batch_size
+        if zero_nonfinite:
+            bad = ~torch.isfinite(norms)
+            coeff = torch.where(bad, torch.zeros((), dtype=coeff.dtype, device=coeff.device), coeff)
+            kept = [(layer, *(_zero_rows(t, bad) for t in (a, g)), tuple(_zero_rows(t, bad) for t in needs))
+                    for layer, a, g, needs in kept]
         for layer, a, g, needs in kept:
             self.layer_clipped_sum(layer, a, g, needs, coeff)
+
+
+def _zero_rows(t, bad: torch.Tensor):
+    """`t` with the rows (first dimension) of the `bad` samples zeroed; what is not a tensor, as it is."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.where(bad.view(-1, *([1] * (t.dim() - 1))), torch.zeros((), dtype=t.dtype, device=t.device), t)
 
 
 def _format_of(weight: torch.Tensor) -> torch.memory_format:

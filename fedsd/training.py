@@ -275,8 +275,13 @@ class DPTrainer:
         # sample whose gradient is not finite kept out of the clipped sum, and no stop on
         # divergence, which would release a bit of the data no noise covers. Else the seeded
         # generator, bit for bit as ever.
+        if state.secret is not None and not self.clipper.guards_nonfinite:
+            raise ConfigError(f"--grad-sample-mode {self.clipper.mode}: cannot keep a sample whose gradient is not "
+                              f"finite out of the clipped sum, which secret draws need (an own-data client); use "
+                              f"bk, hooks, functorch or ew")
         self.secret = state.secret
         self.optimizer.noise_source = state.secret
+        self.clipper.zero_nonfinite = state.secret is not None
         if state.rng_state is None:
             self.generator.manual_seed(_rng_seed(cfg, self.client))
         else:
@@ -319,6 +324,7 @@ class DPTrainer:
         if self.secret is None:
             state.rng_state = self.generator.get_state()
         self.secret = self.optimizer.noise_source = None  # the stream lives in the returned state only
+        self.clipper.zero_nonfinite = False
         state.local_model = student
         state.momentum = self._momentum()
         metrics = dict(num_examples=self.num_train, train_loss=loss_sum / max(steps_run, 1), steps=steps_run,
@@ -391,23 +397,10 @@ class DPTrainer:
 
         With secret draws, a sample whose gradient is not finite (its loss overflowed, or a
         model the server chose makes it so) joins the clipped sum with a zero gradient: the
-        pass is run again without it. Whether a sample's gradient is finite depends on that
-        sample and the model alone, so this is a per-sample clipping rule (norm 0 ≤ C): the
-        sensitivity and the accounting are unchanged, and the released update stays finite."""
-        loss = self._clipped_backward(x, y, objective)
-        if self.secret is None:
-            return loss
-        keep = torch.ones(len(y), dtype=torch.bool, device=y.device)
-        while bool((bad := self.clipper.nonfinite_samples()).any()):
-            self.clipper.discard_last()
-            keep[keep.clone()] = ~bad.to(keep.device)
-            if not keep.any():  # none left: this part adds nothing to the sum
-                self.clipper.empty_batch()
-                return torch.zeros((), device=y.device)
-            loss = self._clipped_backward(x[keep], y[keep], objective)
-        return loss
-
-    def _clipped_backward(self, x: torch.Tensor, y: torch.Tensor, objective: EpochLoss) -> torch.Tensor:
+        clipper zeroes it in the same pass, with the same work for any data (Clipper.
+        zero_nonfinite). Whether a sample's gradient is finite depends on that sample and the
+        model alone, so this is a per-sample clipping rule (norm 0 ≤ C): the sensitivity and the
+        accounting are unchanged, and the released update stays finite."""
         logits = self.clipper.module(x)
         teacher_logits = None
         if objective.reads_teacher:

@@ -200,7 +200,7 @@ def test_fewer_samples_than_the_batch_size_is_refused_before_any_step(split, tmp
     node = {"partition-id": 0, "data": str(split / "npz" / "client-0"), "state-dir": str(tmp_path), "max-epsilon": 3}
     reply, _ = send(flat, node, initial_model(cfg.resolved(), 10), 1)  # refused, named, for the server's summary
     assert reply.content["metrics"]["refused"] == 1 and not reply.content.array_records
-    assert reply.content["refusal"]["reason"].endswith("300 training samples, fewer than the batch size 1000")
+    assert reply.content["refusal"]["reason"] == "batch-size=1000: more than this client's training samples"
 
 
 def test_own_data_run_without_data_says_how_to_start_the_node(tmp_path):

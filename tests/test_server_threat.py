@@ -196,11 +196,13 @@ def test_a_crafted_model_learns_no_unnoised_bit_of_one_record(own_npz, tmp_path)
         assert all(torch.isfinite(v).all() for k, v in trained.items() if k != last_bias)
 
 
-@pytest.mark.parametrize("mode", ["hooks", "ghost", "bk"])
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "bk"])
 def test_a_sample_whose_gradient_is_not_finite_joins_the_sum_as_zero(own_npz, mode):
-    """The per-sample rule behind it: with secret draws, a sample whose gradient overflows is
-    left out of the clipped sum (gradient 0), the others are summed as ever, and the noise is
-    the noise: the same draws give the same update as the batch without that sample."""
+    """The per-sample rule behind it: with secret draws, a sample whose gradient overflows joins
+    the clipped sum with a zero gradient, the others are summed as ever, and the noise is the
+    noise: the same draws give the same update as the batch whose sample is a zero gradient's.
+    And in the same work: as many forward and backward passes with the sample as without (a
+    second pass only where a sample overflowed would tell the server so in the reply's time)."""
     import dataclasses
 
     from fedsd.privacy import PrivacyPlan
@@ -217,15 +219,28 @@ def test_a_sample_whose_gradient_is_not_finite_joins_the_sum_as_zero(own_npz, mo
     start = initial_model(c, 10)["student"]
     plan = PrivacyPlan(noise_multiplier=1.0, sample_rate=1.0, planned_steps=1, epsilon=3.0, delta=1e-5,
                        accountant="rdp")
-    updates = []
+    updates, passes = [], []
     for xs, ys in ((poisoned, y), (x[1:], y[1:])):
         trainer = DPTrainer(c, data_lib.TensorData(xs, ys, x[:8], y[:8], 10), plan)
         trainer.load_student(start)
         trainer.secret = trainer.optimizer.noise_source = SecretStream(b"s" * 32)  # as local_update sets them
+        trainer.clipper.zero_nonfinite = True
+        calls = []
+        trainer.model.register_forward_hook(lambda *_: calls.append(1))
         trainer.train_on_batch(trainer.data.x_train, trainer.data.y_train, trainer.method.epoch_loss(c, 1))
         updates.append(torch.cat([v.flatten() for v in trainer.student_weights().values()]))
-    assert torch.isfinite(updates[0]).all()
+        passes.append(len(calls))
+    assert torch.isfinite(updates[0]).all() and passes[0] == passes[1] == 1
     assert torch.allclose(updates[0], updates[1], atol=1e-5), (updates[0] - updates[1]).abs().max()
+
+
+def test_ghost_clipping_is_refused_with_secret_draws(own_npz, tmp_path):
+    """Ghost clipping sums the samples inside autograd, where one sample's gradient that is not
+    finite poisons the sum: an own-data client refuses it, naming the setting."""
+    cfg, fed, flat = one_step_run(grad_sample_mode="ghost")
+    reply = ask(flat, node(own_npz, tmp_path / "state"), initial_model(client_config(cfg, fed), 10))
+    assert reply["metrics"]["refused"] == 1 and "grad-sample-mode" in reply["refusal"]["reason"]
+    assert not list((tmp_path / "state").glob("ledger-*"))
 
 
 def evaluate(flat, node_config, model):
@@ -254,7 +269,7 @@ def test_federated_evaluation_of_own_data_is_the_owners_once_and_only_of_the_tra
     few = node(own_npz, tmp_path / "few", **{"federated-evaluation": True, "min-evaluation-samples": 500})
     ask(flat, few, start)
     metrics, why = evaluate(flat, few, start)
-    assert metrics["num-examples"] == 0 and "fewer than the owner's min-evaluation-samples=500" in why
+    assert metrics["num-examples"] == 0 and "smaller than the owner's min-evaluation-samples=500" in why
 
 
 @pytest.mark.parametrize("change, key", [
@@ -300,12 +315,28 @@ def test_refusals_name_no_file_class_label_or_path(tmp_path, caplog):
     custom = {**flat, "dataset": "custom", "classes": "cat,dog", "channels": 1, "image-size": 28, "batch-size": 10}
     for data, request in ((folder, {**flat, "batch-size": 10}), (labels, custom)):
         caplog.clear()
-        reply = ask(request, node(data, tmp_path / "state"), start)
+        reply = ask(request, node(data, tmp_path / f"state-{data.name}"), start)
         reason = reply["refusal"]["reason"]
         assert reply["metrics"]["refused"] == 1 and reason == local.DATA_REFUSED
         for secret in (bad.name, "diagnosis-positive", "label 9", "9", str(tmp_path), "/"):
             assert secret not in reason.replace("image-size", "")
         assert bad.name in caplog.text or "label 9" in caplog.text  # the owner is told in full
+
+
+def test_whether_the_data_fits_a_task_is_told_once_not_once_a_query(own_npz, tmp_path):
+    """The first task a node is asked to fit is kept; a run of another task (another list of
+    class names, a guess at a folder's name or a label's range) is refused as a setting, before
+    a record is read and before anything is charged."""
+    cfg, fed, flat = one_step_run()
+    start = initial_model(client_config(cfg, fed), 10)
+    state = tmp_path / "state"
+    assert ask(flat, node(own_npz, state), start)["metrics"]["skipped"] == 0
+    custom = {**flat, "experiment-id": "probe", "dataset": "custom", "classes": "a,b,c,d,e,f,g,h,i,j", "channels": 1,
+              "image-size": 28}
+    for _ in range(2):
+        reply = ask(custom, node(own_npz, state), start)
+        assert reply["metrics"]["refused"] == 1 and reply["refusal"]["reason"].startswith("dataset, classes")
+    assert len(json.loads(next(state.glob("ledger-*.json")).read_text())["entries"]) == 1
 
 
 @pytest.mark.parametrize("change, key", [
@@ -509,6 +540,14 @@ def test_renaming_files_keeps_the_data_sets_ledger(own_npz, tmp_path):
 
 
 # -- against the owner's real data service ------------------------------------------------------
+WIDE_NET = """
+import torch
+def make(num_classes, channels, image_size):  # 101,770 weights: a reply of 400 kB, more than a socket buffers
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(channels * image_size ** 2, 128), torch.nn.ReLU(),
+                               torch.nn.Linear(128, num_classes))
+"""
+
+
 @pytest.fixture
 def service(own_npz, tmp_path):
     """The owner's `fedsd data-service` as a real process: its socket, its state folder, its
@@ -522,12 +561,15 @@ def service(own_npz, tmp_path):
 
     folder = Path(tempfile.mkdtemp(prefix="fedsd-threat-", dir="/tmp"))  # a short socket path
     address, state, log = folder / "service.sock", tmp_path / "owner-state", tmp_path / "owner.log"
+    site = tmp_path / "owners-site"  # the owner's installation: one network of its own, allowed by name
+    site.mkdir()
+    (site / "owners_wide_net.py").write_text(WIDE_NET)
     config = f"partition-id=0 data='{own_npz}' max-epsilon=inf state-dir='{state}' federated-evaluation=true " \
-             f"min-evaluation-samples=10"
+             f"min-evaluation-samples=10 allow-model='owners_wide_net:make'"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "simulations.cli", "data-service", "--socket", str(address),
                                  "--node-config", config], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
-                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                                env={**os.environ, "PYTHONPATH": f"{Path(__file__).resolve().parents[1]}:{site}"})
     deadline = time.monotonic() + 120
     while not address.exists():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -605,6 +647,17 @@ def test_a_seed_search_does_not_find_a_real_services_noise(own_npz, service):
     assert best >= 0.5 * noise_scale, (best, noise_scale)
 
 
+def wait_until(predicate, timeout: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def raw_exchange(address, *frames: bytes, read: bool = True) -> dict | None:
     import socket
     import struct
@@ -662,6 +715,27 @@ def test_no_message_stops_or_blocks_a_real_service(own_npz, service):
     assert proc.poll() is None
     second = via_service(address, {**flat, "experiment-id": "next"}, start)  # the next legitimate round: charged once
     assert second["metrics"]["skipped"] == 0 and charges() == 2
+    # A peer that asks for a reply larger than a socket holds (400 kB) and never reads it holds no one up.
+    import threading
+
+    from flwr.common.serde import recorddict_to_proto
+
+    hog_header = json.dumps({"kind": "train", "run_id": 1, "node_id": 11, "node_config": {}}).encode()
+    wide_flat = {**flat, "experiment-id": "hog", "model": "owners_wide_net:make", "server-round": 1}
+    weights = {"1.weight": torch.zeros(128, 784), "1.bias": torch.zeros(128), "3.weight": torch.zeros(10, 128),
+               "3.bias": torch.zeros(10)}  # Flatten, Linear, ReLU, Linear
+    hog_records = recorddict_to_proto(RecordDict({"arrays": model_to_record({"student": weights}),
+                                                 "config": ConfigRecord(wide_flat)})).SerializeToString()
+    hog = socket.socket(socket.AF_UNIX)
+    hog.connect(str(address))
+    hog.sendall(struct.pack("!Q", len(hog_header)) + hog_header + struct.pack("!Q", len(hog_records)) + hog_records)
+    assert wait_until(lambda: (state / "hog" / "client-0-last-reply.pt").exists(), 120)  # trained; its reply unread
+    answered = []
+    asker = threading.Thread(target=lambda: answered.append(via_service(address, flat, start, kind="evaluate")))
+    asker.start()
+    asker.join(timeout=10)
+    hog.close()
+    assert answered and "metrics" in answered[0] and charges() == 3
     wrong = {"student": {"not-a-layer": torch.zeros(3)}}  # a round that fails after it was taken
     with pytest.raises(Exception) as failed:
         via_service(address, {**flat, "experiment-id": "fails"}, wrong)
@@ -698,3 +772,30 @@ def test_cached_native_code_another_user_could_write_is_not_loaded(tmp_path, mon
     path.symlink_to(planted)
     with pytest.raises(OSError, match="another user could have written it"):
         conv_kernel.compiled()
+
+
+def test_a_state_an_earlier_version_kept_goes_on_with_a_new_key(own_npz, tmp_path):
+    """A privacy state written before the secret stream (a generator seeded with a 64-bit secret,
+    32 bits of which torch keeps) is not trained from: its accounting goes on, its draws from a
+    new key, so two machines holding the same old state release different updates."""
+    import shutil
+
+    import dataclasses
+
+    cfg, fed, _ = one_step_run(experiment="old")
+    fed = dataclasses.replace(fed, rounds=2)
+    flat2 = to_flat(cfg, fed)
+    start = initial_model(client_config(cfg, fed), 10)
+    first = ask(flat2, node(own_npz, tmp_path / "a"), start)
+    assert first["metrics"]["skipped"] == 0
+    state_file = tmp_path / "a" / "old" / "client-0.pt"
+    kept = torch.load(state_file, weights_only=True)
+    old = {k: v for k, v in kept.items() if not k.startswith("secret/")}
+    old["rng_state"] = torch.Generator().manual_seed(7).get_state()
+    torch.save(old, state_file)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    replies = [ask(flat2, node(own_npz, tmp_path / m), record_to_model(first["arrays"]), server_round=2) for m in "ab"]
+    a, b = (record_to_model(r["arrays"])["student"] for r in replies)
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    for m in "ab":
+        assert "secret/key" in torch.load(tmp_path / m / "old" / "client-0.pt", weights_only=True)

@@ -25,11 +25,18 @@ class Clipper:
     # noises and averages it); False: it leaves per-sample gradients in p.grad_sample, which
     # Opacus' DPOptimizer clips, sums, noises and averages.
     writes_clipped_sum = True
+    # Whether it can keep a sample whose gradient is not finite out of the clipped sum, in the
+    # same work whatever the data (a trainer with secret draws sets zero_nonfinite, below).
+    guards_nonfinite = True
 
     def __init__(self, model: torch.nn.Module, cfg: "TrainConfig", mode: str):
         self.model, self.cfg, self.mode = model, cfg, mode
         self.module: torch.nn.Module = model
         self.optimizer = None
+        # Set by a trainer with secret draws (fedsd.training): every backward pass then zeroes
+        # the gradient of each sample whose gradient is not finite, in the same work either way,
+        # so that neither the update nor the time taken says whether a sample overflowed.
+        self.zero_nonfinite = False
 
     def take(self, route) -> None:
         """What a measured route (fedsd.routes.Route) says about this clipper beyond its mode and
@@ -44,18 +51,6 @@ class Clipper:
         self.optimizer = kind(sgd, **dp)
         return self.optimizer
 
-    def nonfinite_samples(self) -> torch.Tensor:
-        """A bool per sample of the last backward pass: True where its gradient (its norm) is
-        not finite. Read only by a trainer with secret draws (fedsd.training), which keeps such
-        samples out of the clipped sum."""
-        raise NotImplementedError(f"{type(self).__name__} cannot say which samples' gradients are not finite")
-
-    def discard_last(self) -> None:
-        """Forget the last backward pass's gradients (what `hold` kept aside stays)."""
-        for p in self.model.parameters():
-            p.grad = None
-            if hasattr(p, "grad_sample"):
-                p.grad_sample = None
 
     def backward(self, per_sample_loss: torch.Tensor) -> torch.Tensor:
         """From the batch's per-sample losses, the clipped per-sample gradients where the

@@ -36,10 +36,5 @@ class BookKeeping(Clipper):
 
     def backward(self, per_sample_loss):
         loss = per_sample_loss.mean()
-        self.engine.backward(loss, len(per_sample_loss))
+        self.engine.backward(loss, len(per_sample_loss), zero_nonfinite=self.zero_nonfinite)
         return loss
-
-    def nonfinite_samples(self):
-        import torch
-
-        return ~torch.isfinite(self.engine.norms)

@@ -11,6 +11,9 @@ from .base import Clipper, register
 class GhostClipping(Clipper):
     modes = ("ghost",)
     auto_layouts = {"ghost": "contiguous"}  # its per-sample norms assume NCHW strides
+    # Its second backward pass sums the samples inside autograd, where a sample whose gradient
+    # is not finite poisons the sum even at weight 0: it cannot train with secret draws.
+    guards_nonfinite = False
 
     def __init__(self, model, cfg, mode):
         super().__init__(model, cfg, mode)
@@ -32,8 +35,3 @@ class GhostClipping(Clipper):
             (coeff.to(per_sample_loss.device) * per_sample_loss).sum().backward()
             self.module.enable_hooks()
         return loss
-
-    def nonfinite_samples(self):
-        import torch
-
-        return ~torch.isfinite(self.module.get_norm_sample())

@@ -33,15 +33,23 @@ class PerSampleGradients(Clipper):
             # about that on every step, and it is expected there: no news to the user.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             loss.backward()
+        if self.zero_nonfinite:
+            self._zero_nonfinite_rows()
         return loss
 
-    def nonfinite_samples(self) -> torch.Tensor:
-        bad = None
-        for p in self.model.parameters():
-            if getattr(p, "grad_sample", None) is not None:
-                rows = ~torch.isfinite(p.grad_sample.flatten(1)).all(1)
-                bad = rows if bad is None else bad | rows
-        return bad if bad is not None else torch.zeros(0, dtype=torch.bool)
+    def _zero_nonfinite_rows(self) -> None:
+        """Each sample's per-sample gradient zeroed, in every layer, where any of its entries is
+        not finite: Opacus then clips a zero row (norm 0 ≤ C). The same work for any data."""
+        grads = [p for p in self.model.parameters() if getattr(p, "grad_sample", None) is not None]
+        if not grads:
+            return
+        bad = torch.zeros(len(grads[0].grad_sample), dtype=torch.bool, device=grads[0].grad_sample.device)
+        for p in grads:
+            bad |= ~torch.isfinite(p.grad_sample.flatten(1)).all(1)
+        for p in grads:
+            p.grad_sample = torch.where(bad.view(-1, *([1] * (p.grad_sample.dim() - 1))),
+                                        torch.zeros((), dtype=p.grad_sample.dtype, device=p.grad_sample.device),
+                                        p.grad_sample)
 
     def hold(self) -> None:
         """Physical batches: Opacus clips this part's per-sample gradients into its running sum
