@@ -26,6 +26,7 @@ from fedsd.seeds import SEED_CLIENT_RNG, derive_seed
 from fedsd.training import initial_model
 from task.records import model_to_record, record_to_model
 from tests.conftest import require
+from tests.test_data_service import wait_for
 
 pytestmark = pytest.mark.usefixtures("flower_task")
 N = B = 64  # one step of the whole data set: the batch the server would have to guess is known to it
@@ -647,17 +648,6 @@ def test_a_seed_search_does_not_find_a_real_services_noise(own_npz, service):
     assert best >= 0.5 * noise_scale, (best, noise_scale)
 
 
-def wait_until(predicate, timeout: float) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def raw_exchange(address, *frames: bytes, read: bool = True) -> dict | None:
     import socket
     import struct
@@ -729,7 +719,7 @@ def test_no_message_stops_or_blocks_a_real_service(own_npz, service):
     hog = socket.socket(socket.AF_UNIX)
     hog.connect(str(address))
     hog.sendall(struct.pack("!Q", len(hog_header)) + hog_header + struct.pack("!Q", len(hog_records)) + hog_records)
-    assert wait_until(lambda: (state / "hog" / "client-0-last-reply.pt").exists(), 120)  # trained; its reply unread
+    assert wait_for(lambda: (state / "hog" / "client-0-last-reply.pt").exists(), 120)  # trained; its reply unread
     answered = []
     asker = threading.Thread(target=lambda: answered.append(via_service(address, flat, start, kind="evaluate")))
     asker.start()
