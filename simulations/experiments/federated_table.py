@@ -24,7 +24,7 @@ from fedsd.errors import ConfigError, TrainingDiverged
 from fedsd.fed_settings import FedOptions, client_config
 from fedsd.results import RunResult, write_json
 
-from .runs import DIVERGED, NOT_SETTINGS, paired_difference, plot_curves, seed_files, seeds_run
+from simulations.commands.runs import DIVERGED, NOT_SETTINGS, paired_difference, plot_curves, seed_files, seeds_run
 
 # The issue's settings, declared once. lr 1.5, chosen on the federation's validation split: the
 # central B = 256 sweep's best, 3, makes a Dirichlet(0.1) client diverge in round 1 once 10,000
@@ -165,7 +165,7 @@ def run_state(run_out: Path, cfg: TrainConfig, fed: FedOptions) -> str:
 def reproduce_fed(partitions, methods, seeds: int, jobs: int, rounds: int | None, subset: int | None,
                   device: str, data_dir: str | None, out: Path, quiet: bool) -> None:
     """Run what is missing of the federated table, then write it from every finished run."""
-    from simulations import dry_run
+    from simulations.commands import dry_run
     from task.simulated_shards import build_federation
 
     if device != "cpu" and jobs > 1:
@@ -195,7 +195,7 @@ def reproduce_fed(partitions, methods, seeds: int, jobs: int, rounds: int | None
 def run_federation(cfg: TrainConfig, fed: FedOptions, run_out: Path, state: str, jobs: int, quiet: bool) -> None:
     """One table run, by its run_state: resumed from its checkpoint, or started afresh (what a
     run with other settings left there removed); a run that diverges leaves diverged.json."""
-    from simulations.simulate import simulate
+    from simulations.commands.simulate import simulate
 
     try:
         if state == "resume":

@@ -57,7 +57,7 @@ def write_client_folders(cfg: TrainConfig, fed: FedOptions, out: Path, fmt: str,
     fed.validate()
     check_out_dir(out, overwrite)
     images, indices, parts = cut_shards(cfg, fed)
-    from simulations import dry_run
+    from simulations.commands import dry_run
 
     dry_run.stop_here(f"write {fed.num_clients} client folders ({fmt}, {len(indices)} training samples) into {out}")
     test_parts = np.array_split(np.random.default_rng(cfg.seed).permutation(len(images.y_test)), fed.num_clients)

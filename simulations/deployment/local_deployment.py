@@ -1,5 +1,5 @@
 """A real Flower deployment on this machine, the harness that `scripts/deploy-local.sh`
-(simulations/deploy.py), `fedsd bench deploy` and the deployment tests drive: one
+(simulations/deployment/deploy.py), `fedsd bench deploy` and the deployment tests drive: one
 `flower-superlink` and N `flower-supernode` processes on loopback, with TLS and SuperNode
 authentication, runs submitted with `flwr run`, and the faults a deployment must survive (kill a
 SuperNode, restart the SuperLink, bring an unknown key); with `isolate`, every client on a

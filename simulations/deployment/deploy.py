@@ -1,4 +1,4 @@
-"""`scripts/deploy-local.sh`: a federation deployed on this machine (simulations/local_deployment.py),
+"""`scripts/deploy-local.sh`: a federation deployed on this machine (simulations/deployment/local_deployment.py),
 run once with the options `fedsd simulate` has, its result written as `fedsd simulate` writes
 it, plus the deployment's facts; every process it started is stopped on the way out."""
 from __future__ import annotations
@@ -16,8 +16,8 @@ from fedsd.errors import ConfigError, DataNotFoundError, UserError
 from fedsd.fed_settings import FedOptions, from_flat
 from fedsd.results import RunResult, check_out_dir
 from fedsd.settings import add_options, given_flat
-from simulations import dry_run
-from simulations.local_deployment import DeploymentError, LocalDeployment
+from simulations.commands import dry_run
+from simulations.deployment.local_deployment import DeploymentError, LocalDeployment
 from fedsd.summary import run_summary
 
 

@@ -22,7 +22,7 @@ from fedsd.errors import ConfigError
 from fedsd.data import DATASETS
 from fedsd.settings import settings_of
 
-from .runs import DIVERGED, finished_with, run_jobs, threads_per_job
+from simulations.commands.runs import DIVERGED, finished_with, run_jobs, threads_per_job
 
 SWEEPABLE = {s.name: s for s in settings_of(TrainConfig)
              if s.name in ("ema_decay", "tau", "tau_s", "tau_t", "alpha", "beta", "kd_teacher_epochs", "epochs",
