@@ -90,15 +90,26 @@ def circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     return found
 
 
-def describe(graph, component) -> list[str]:
-    return [f"{a} -> {b} (line {graph[a][b]})" for a in component for b in graph[a] if b in component]
+def describe(graph, component) -> str:
+    """One shortest circle through the component's first module, with each import's line."""
+    start, inside = component[0], set(component)
+    came_from, frontier = {start: None}, [start]
+    while frontier and start not in [w for v in frontier for w in graph[v]]:
+        frontier = [w for v in frontier for w in graph[v] if w in inside and w not in came_from
+                    and came_from.setdefault(w, v) == v]
+    last = next(v for v in frontier if start in graph[v])
+    path = [last]
+    while came_from[path[-1]] is not None:
+        path.append(came_from[path[-1]])
+    path = path[::-1] + [start]
+    return "circle: " + " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(path, path[1:])) + f" -> {start}"
 
 
 def test_no_import_circle():
     graph = import_graph()
     assert len(graph) > 60  # the project's modules were found
     found = circles(graph)
-    assert found == [], "\n".join(line for c in found for line in describe(graph, c))
+    assert found == [], "\n".join(describe(graph, c) for c in found)
 
 
 def test_an_added_circle_is_found(tmp_path):

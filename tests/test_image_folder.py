@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from fedsd import client_data
 from fedsd.client_data import builtin_task, load_holder_data
@@ -71,13 +72,11 @@ def test_a_plain_image_folder_trains_centrally_as_train_does(tmp_path, capsys, m
     for name, data in (("plain", plain), ("nested", nested)):
         assert main(["train", "--dataset", "custom", "--data-dir", str(data), "--method", "dpsgd", "--epochs", "4",
                      "--batch-size", "40", "--lr", "0.5", "--epsilon", "8", "--threads", "1", "--quiet",
-                     "--out", str(tmp_path / name)]) == 0
+                     "--out", str(tmp_path / f"run-{name}")]) == 0
         assert "(no test split: 60 of its 300 training samples, 20%, held out as the test split" in \
             capsys.readouterr().out
-        results[name] = json.loads((tmp_path / name / "result.json").read_text())
-    import torch
-
-    weights = {name: torch.load(tmp_path / name / "model.pt", weights_only=True) for name in results}
+        results[name] = json.loads((tmp_path / f"run-{name}" / "result.json").read_text())
+    weights = {name: torch.load(tmp_path / f"run-{name}" / "model.pt", weights_only=True) for name in results}
     assert all(torch.equal(weights["plain"][k], weights["nested"][k]) for k in weights["nested"])
     assert results["plain"]["test_accuracy"] == results["nested"]["test_accuracy"] >= 0.85
     assert results["plain"]["config"]["classes"] == "trouser,tshirt"

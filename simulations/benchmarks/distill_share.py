@@ -1,5 +1,5 @@
 """`fedsd bench distill-share`: how much of a self-distilling method's clipped gradient comes
-from its distillation term, against its cross-entropy term, reading by reading (issue 40).
+from its distillation term, against its cross-entropy term, reading by reading.
 
 Each sample's loss is a cross-entropy part (α·CE for dp3sd and dpkd, CE for dpdsd) plus a
 distillation part (the rest of the method's own loss, so whatever the reading makes of it). Per

@@ -1,4 +1,4 @@
-"""`fedsd reproduce --table features`: DP training on ScatterNet features (issue 41; Tramèr &
+"""`fedsd reproduce --table features`: DP training on ScatterNet features (Tramèr &
 Boneh, ICLR 2021), central, ε = 3, δ = 10⁻⁵, against the anchors that use no public data.
 
 Two stages, as for the readings: nothing is chosen on test accuracy.
@@ -19,7 +19,7 @@ Two stages, as for the readings: nothing is chosen on test accuracy.
 - The confirmation, on test: each data set's best validated setting, three seeds, for dpsgd,
   dpema and, to answer whether self-distillation adds on a strong feature baseline, for dp3sd
   and dpdsd in the papers' reading (their τ, α, β for the data set) and, once the readings'
-  screen (`--table readings`, issue 40) has chosen one for the method, in that reading too.
+  screen (`--table readings`) has chosen one for the method, in that reading too.
 
 - In a federation (does the recipe hold there?): the federated table's shape and partitions
   IID and Dirichlet(0.5) (`fedsd reproduce --table fed`: Fashion-MNIST, 10 clients, 30 rounds
@@ -86,7 +86,7 @@ ANCHORS = (
     ("the DP3SD/DPDSD papers", {"mnist": 98.42, "fmnist": 87.68, "cifar10": 63.34}),
     ("Tramèr & Boneh, ScatterNet", {"mnist": 98.7, "fmnist": 89.7, "cifar10": 69.3}),
     ("DPSUR, ScatterNet", {"mnist": 98.88, "fmnist": 89.71, "cifar10": 70.83}),
-    ("goal (issue 41)", {"mnist": 98.9, "fmnist": 89.8, "cifar10": 70.9}),
+    ("goal set before the runs", {"mnist": 98.9, "fmnist": 89.8, "cifar10": 70.9}),
 )
 
 

@@ -33,7 +33,7 @@ FED_TABLE = dict(dataset="fmnist", epsilon=3.0, batch_size=256, lr=1.5)
 FED_SHAPE = dict(num_clients=10, rounds=30, local_epochs=1)
 FED_PARTITIONS = {"iid": ("iid", 0.5), "dirichlet0.5": ("dirichlet", 0.5), "dirichlet0.1": ("dirichlet", 0.1)}
 FED_METHODS = ("dpsgd", "dpema", "dp3sd", "dpdsd")
-# The teachers and schedules made for a federation (issue 27), each chosen on the validation
+# The teachers and schedules made for a federation, each chosen on the validation
 # split first (results/README.md): (method, --teacher, --distill-schedule, --release, partitions).
 TEACHER_VARIANTS = (
     # the average of the global models received (FedGKD's ensemble of past global models, as an EMA)

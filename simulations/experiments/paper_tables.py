@@ -126,7 +126,7 @@ def write_tables(table: int, cells: list[Cell], runs_dir: Path, out: Path) -> No
 
 
 def second_protocol(runs_root: Path) -> list[dict]:
-    """Table 1's second protocol (issue 40): each method at its own validated reading and length,
+    """Table 1's second protocol: each method at its own validated reading and length,
     the readings' confirmation as it stands on disk under <runs_root>/readings (and the Table 1
     runs it reuses), each row with the papers' accuracy and their difference to their dpsgd."""
     runs_dir = runs_root / "readings"
@@ -141,7 +141,7 @@ def second_protocol(runs_root: Path) -> list[dict]:
 
 
 def second_protocol_md(rows: list[dict]) -> list[str]:
-    lines = ["", "## Second protocol: each method at its own validated reading (issue 40)", "",
+    lines = ["", "## Second protocol: each method at its own validated reading", "",
              "The reading and length chosen for each method on validation by the readings screen (`fedsd reproduce "
              "--table readings`, results/table-readings.md), on test; test accuracy mean ± standard error over the "
              "seeds, and the gain over dpsgd (at dpsgd's own chosen reading) paired by seed, the papers' difference "

@@ -1,5 +1,5 @@
-"""`fedsd reproduce --table readings`: every reading of the papers, each method tuned for itself
-(issue 40), as resumable central runs.
+"""`fedsd reproduce --table readings`: every reading of the papers, each method tuned for itself,
+as resumable central runs.
 
 A reading is a labelled variant of a method: the papers' literal reading (Table 1's first
 protocol) or another way their text can be read (SPEC §5, "Readings of the papers"), each a
@@ -51,7 +51,7 @@ class Reading:
 
 
 DISTILLING = ("dp3sd", "dpdsd", "dpkd")
-# Every reading of issue 40 that a setting makes (SPEC §5, "Readings of the papers").
+# Every reading of the papers that a setting makes (SPEC §5, "Readings of the papers").
 READINGS = (
     Reading("papers", METHODS_ORDER, {}, "the papers' literal reading (Table 1)"),
     Reading("ramp", ("dp3sd", "dpdsd"), {"distill_schedule": "ramp"}, "PS-KD's ramped distillation weight"),
