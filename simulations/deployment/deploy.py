@@ -19,6 +19,7 @@ from fedsd.settings import add_options, given_flat
 from simulations.commands import dry_run
 from simulations.deployment.local_deployment import DeploymentError, LocalDeployment
 from fedsd.summary import run_summary
+from task.simulated_shards import build_federation
 
 
 def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, work: Path | None = None,
@@ -127,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
                 raise DataNotFoundError(f"--client-data: no {args.client_folders}/client-{missing[0]} "
                                         f"(fedsd split-data --clients {args.num_clients} ... --out {args.client_folders})")
         else:  # a simulation's checks, before any process starts: data found, every shard, every budget
-            from task.simulated_shards import build_federation
-
             build_federation(*from_flat(run_config)).check_plans()
     except UserError as e:
         print(f"deploy-local: error: {e}", file=sys.stderr)
