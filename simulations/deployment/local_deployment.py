@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (simulations/deployment/ is two below it)
 FLOOR_APP = ROOT / "deploy" / "floor"  # Flower's floor: a round that only sends and returns a model
 FEDERATION = "fedsd"  # the SuperLink connection's name in the deployment's Flower config
 
