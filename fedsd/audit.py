@@ -15,7 +15,7 @@ Two kinds of canaries:
   is the likelihood ratio of every noised gradient the run released on its coordinate (the
   model updates, all iterates visible: SGD with momentum is an invertible function of them).
 - Black-box canaries are input-space samples (mislabelled images) in the training set, scored
-  by the final model's loss (simulations/audit.py builds them; only `guess` and the bound here).
+  by the final model's loss (simulations/commands/audit_command.py builds them; only `guess` and the bound here).
 """
 from __future__ import annotations
 

@@ -12,11 +12,13 @@ private data that no accountant covers.
 
 Layouts (torchvision's ImageFolder convention, or arrays):
   DIR/train/<class>/<image>  and optionally  DIR/test/<class>/<image>   (PNG or JPEG, any size)
+  DIR/<class>/<image>        (a plain ImageFolder: training images only, as train/ without test/)
   FILE.npz with x_train (uint8, N×H×W or N×H×W×C), y_train (integers), optionally x_test, y_test
   (or a folder holding such a data.npz, as `fedsd split-data --format npz` writes)
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,14 +29,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data import STANDARD_STATS, normalise
-from .errors import DataError
+from . import data as data_lib
+from .atomic import save_atomic, write_json
+from .cache import cache_root
+from .data import BUILTIN_SHAPES, CUSTOM, STANDARD_STATS, ImageData, normalise, stratified_subset
+from .errors import ConfigError, DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 # Bounds on a task's sizes: a run config is the server's, and a client prepares its data to it
 # (a 100 000-pixel square or a million classes would only exhaust the client's memory).
 MAX_IMAGE_SIZE, MAX_CLASSES = 512, 1000
-BUILTIN_SHAPES = {"mnist": (1, 28), "fmnist": (1, 28), "cifar10": (3, 32)}  # channels, image size
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,19 @@ def _stat_key(files: list[Path]) -> str:
     return h.hexdigest()[:32]
 
 
+def is_plain_image_folder(path: Path) -> bool:
+    """A plain ImageFolder: no train/, and class folders right under `path` holding images."""
+    return (path.is_dir() and not (path / "train").exists() and not (path / "test").exists()
+            and any(f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES
+                    for folder in path.iterdir() if folder.is_dir() for f in folder.iterdir()))
+
+
+def split_roots(path: Path) -> dict[str, Path]:
+    """The class folders' parent for each split a folder of images has: train/ and test/, or,
+    in a plain ImageFolder, the folder itself as the training split (no test split)."""
+    return {"train": path} if is_plain_image_folder(path) else {"train": path / "train", "test": path / "test"}
+
+
 def data_file(path: Path) -> Path:
     """`path`, or for a folder of `fedsd split-data --format npz` (a data.npz, no train/) its data.npz."""
     if path.is_dir() and not (path / "train").exists() and (path / "data.npz").is_file():
@@ -129,9 +146,8 @@ def load_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.Pa
         raise DataError(f"data={path}: no such file or folder")
     path = data_file(path)
     if path.is_file() and path.suffix != ".npz":
-        raise DataError(f"data={path}: expected a folder (train/<class>/<image>) or an .npz file")
+        raise DataError(f"data={path}: expected a folder (train/<class>/<image>, or <class>/<image>) or an .npz file")
     files = _listing(path)
-    from .results import save_atomic, write_json
 
     cache = Path(cache_dir)
     # Names, sizes and times map to the content's fingerprint, so an unchanged folder is not
@@ -228,10 +244,11 @@ def _load_folder(path: Path, task: Task, skip: bool = False) -> tuple[dict, list
 
     mode = ImageReadMode.GRAY if task.channels == 1 else ImageReadMode.RGB
     out, skipped = {}, []
+    roots = split_roots(path)
     for split in ("train", "test"):
-        root = path / split
+        root = roots.get(split)
         images, labels = [], []
-        if root.is_dir():
+        if root is not None and root.is_dir():
             for folder in sorted(p for p in root.iterdir() if p.is_dir()):
                 if folder.name not in task.classes:
                     raise DataError(f"data={folder}: class folder {folder.name!r} is not one of the task's "
@@ -252,7 +269,8 @@ def _load_folder(path: Path, task: Task, skip: bool = False) -> tuple[dict, list
                     images.append(_to_task(image[None], task, f"data={f}")[0])
                     labels.append(label)
         elif split == "train":
-            raise DataError(f"data={path}: no train/ folder (expected train/<class>/<image>)")
+            raise DataError(f"data={path}: no train/ folder and no class folder of images (expected "
+                            f"train/<class>/<image>, or <class>/<image>)")
         shape = (0, task.channels, task.image_size, task.image_size)
         out[f"x_{split}"] = torch.stack(images) if images else torch.zeros(shape, dtype=torch.uint8)
         out[f"y_{split}"] = torch.tensor(labels, dtype=torch.long)
@@ -277,7 +295,6 @@ def normalised(images: torch.Tensor, task: Task) -> torch.Tensor:
 
 
 def _floats(text: str, option: str, channels: int) -> tuple[float, ...]:
-    from .errors import ConfigError
 
     try:
         values = tuple(float(v) for v in text.split(","))
@@ -291,8 +308,6 @@ def _floats(text: str, option: str, channels: int) -> tuple[float, ...]:
 def task_for(cfg) -> Task:
     """The task a (resolved) TrainConfig describes; ConfigError naming the setting when the
     task and the model do not fit."""
-    from .config import CUSTOM
-    from .errors import ConfigError
 
     if cfg.dataset != CUSTOM:
         task = builtin_task(cfg.dataset)
@@ -329,13 +344,13 @@ def task_for(cfg) -> Task:
 # drawn with a fixed seed, so that runs of every seed are judged on the same held-out samples.
 CUSTOM_TEST_SHARE = 0.2
 CUSTOM_TEST_SEED = 104729
-CUSTOM_LAYOUTS = ("a folder train/<class>/<image> (PNG or JPEG; optionally test/<class>/<image>), or an .npz "
-                  "file with x_train (uint8, N×H×W or N×H×W×C) and y_train (optionally x_test, y_test)")
+CUSTOM_LAYOUTS = ("a folder train/<class>/<image> (PNG or JPEG; optionally test/<class>/<image>), a folder "
+                  "<class>/<image> (torchvision's ImageFolder), or an .npz file with x_train (uint8, N×H×W or "
+                  "N×H×W×C) and y_train (optionally x_test, y_test)")
 
 
 def custom_path(cfg) -> Path:
     """A custom run's data: --data-dir, which must exist (a folder, an .npz, or a folder of data.npz)."""
-    from .errors import ConfigError
 
     if not cfg.data_dir:
         raise ConfigError(f"--data-dir: --dataset custom trains on files of your own; pass --data-dir with "
@@ -344,7 +359,8 @@ def custom_path(cfg) -> Path:
     if not path.exists():
         raise ConfigError(f"--data-dir {cfg.data_dir}: no such file or folder")
     path = data_file(path)
-    if not (path.suffix == ".npz" and path.is_file()) and not (path / "train").is_dir():
+    if not (path.suffix == ".npz" and path.is_file()) and not (path / "train").is_dir() \
+            and not is_plain_image_folder(path):
         raise ConfigError(f"--data-dir {cfg.data_dir}: expected {CUSTOM_LAYOUTS}")
     return path
 
@@ -382,7 +398,7 @@ def describe(path: Path) -> FoundTask:
         return FoundTask(tuple(str(i) for i in range(count)), channels, ((int(shape[1]), int(shape[2])),))
     from torchvision.io import ImageReadMode, decode_image, read_file
 
-    folders = sorted((p for p in (path / "train").iterdir() if p.is_dir()), key=lambda p: p.name)
+    folders = sorted((p for p in split_roots(path)["train"].iterdir() if p.is_dir()), key=lambda p: p.name)
     channels, sizes = 1, set()
     for folder in folders:
         for f in sorted((f for f in folder.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES), key=_natural)[:3]:
@@ -393,7 +409,8 @@ def describe(path: Path) -> FoundTask:
             channels = max(channels, 1 if image.shape[0] in (1, 2) else 3)
             sizes.add((int(image.shape[1]), int(image.shape[2])))
     if not sizes:
-        raise DataError(f"data={path}: no readable PNG or JPEG image under train/<class>/")
+        raise DataError(f"data={path}: no readable PNG or JPEG image under "
+                        f"{'<class>/' if is_plain_image_folder(path) else 'train/<class>/'}")
     return FoundTask(tuple(p.name for p in folders), channels, tuple(sorted(sizes)))
 
 
@@ -409,10 +426,6 @@ def with_custom_task(cfg):
     """dataset=custom: a copy of `cfg` with the classes, channels and image size the files say,
     where the run does not give them (every party of a simulation reads the same files, so all
     agree). Other data sets: `cfg` as it is."""
-    import dataclasses
-
-    from .config import CUSTOM
-    from .errors import ConfigError
 
     if cfg.dataset != CUSTOM or (cfg.classes and cfg.channels and cfg.image_size):
         return cfg
@@ -434,8 +447,6 @@ def custom_images(cfg):
     samples when the files have none: CUSTOM_TEST_SHARE, stratified, seeded; `source` says so).
     `cfg` has its task (with_custom_task). The prepared tensors are cached on this machine
     (fedsd.cache_root()/custom-data), so a simulation's Ray workers decode the images once."""
-    from . import cache_root
-    from .data import ImageData, stratified_subset
 
     path, task = custom_path(cfg), task_for(cfg)
     held = load_holder_data(path, task, cache_root() / "custom-data", skip_bad_files=False)
@@ -458,8 +469,6 @@ def custom_images(cfg):
 def run_images(cfg):
     """The labelled images a run trains and tests on: a built-in data set, or (dataset=custom,
     `cfg` with its task) the files at --data-dir."""
-    from . import data as data_lib
-    from .config import CUSTOM
 
     if cfg.dataset == CUSTOM:
         return custom_images(cfg)

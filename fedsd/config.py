@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from . import clippers, methods
-from .data import DATASET_TITLES, DATASETS
+from .data import CUSTOM, DATASET_TITLES, DATASETS
 from .features import FEATURE_NORMS, FEATURES, check_features
 from .models import (ACTIVATIONS, DEFAULT_MODEL, MODEL_FORMS, SCATTER_MODELS, check_model_name, image_shape_of,
                      is_builtin)
@@ -20,7 +20,6 @@ from .settings import Setting, check_choices, check_setting, declared_only, sett
 from .errors import ConfigError
 
 METHODS = tuple(methods.METHODS)
-CUSTOM = "custom"  # a task whose data only the clients hold (fedsd.client_data)
 ACCOUNTANTS = ("rdp", "prv")
 DEVICES = ("cpu", "cuda", "auto")
 # The clipping routes (fedsd.clippers: Opacus' per-sample gradients, ghost clipping, fedsd's
@@ -154,7 +153,8 @@ class RunSettings:
                         "set's standard constants (never statistics of a client's private data)")
     std: str = setting("", "normalisation std per channel, comma-separated (as mean)")
     data_dir: str | None = setting(None, "root holding mnist/, fashion-mnist/, cifar10/; dataset=custom: your "
-                                   "folder train/<class>/<image> (optionally test/) or .npz file",
+                                   "folder train/<class>/<image> (optionally test/), a folder <class>/<image> "
+                                   "(ImageFolder) or an .npz file",
                                    default_text="FEDSD_DATA_DIR, then Debian's fashion-mnist")
     download: bool = setting(False, "download the data set with torchvision when it is not found")
     extra: dict = field(default_factory=dict)

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import cache_root
+from .cache import cache_root
 
 # One block of ∇_i (DB rows of d × NV vectors of output channels) lives in vector registers for
 # a whole sum over the positions, so the block is sized for the target's registers. AVX-512 has

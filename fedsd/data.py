@@ -16,8 +16,11 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, DataError, DataNotFoundError
+from .features import inputs
 
 DATASETS = ("mnist", "fmnist", "cifar10")
+BUILTIN_SHAPES = {"mnist": (1, 28), "fmnist": (1, 28), "cifar10": (3, 32)}  # channels, image size
+CUSTOM = "custom"  # a task whose data only the clients hold (fedsd.client_data)
 DATASET_TITLES = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR-10"}  # as the papers name them
 # Fixed normalisation constants: the public training sets' per-channel mean and std (checked in
 # tests/test_data.py). Every party uses these, never statistics of anybody's private data,
@@ -264,7 +267,6 @@ def validation_split(data: ImageData, size: int, stats: tuple | None = None,
                      features: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
     """The --validation split's images (normalised with `stats`, as ImageData.normalised; their
     `features`, as prepare) and labels (empty for size 0)."""
-    from .features import inputs
 
     held_out = validation_indices(data, size)
     return (inputs(data.normalised(data.x_train[held_out], stats), features, "validation images"),
@@ -310,7 +312,6 @@ def prepare(data: ImageData, train_indices: torch.Tensor | None = None, device="
     """Normalise with `stats` (a run's --mean / --std: client_data.input_stats; by default the
     data set's fixed constants), keep the chosen training indices, and make the run's
     `features` of both (fedsd.features: computed on this machine, from these images only)."""
-    from .features import inputs
 
     x_train, y_train = data.x_train, data.y_train
     if train_indices is not None:

@@ -25,7 +25,7 @@ import tempfile
 import numpy as np
 import torch
 
-from . import cache_root
+from .cache import cache_root
 from .errors import ConfigError
 
 FEATURES = ("none", "scatter")

@@ -12,6 +12,7 @@ from . import settings
 from .config import TrainConfig, check_setting
 from .errors import ConfigError
 from .settings import declared_only, setting
+from .training import TrainState
 
 PARTITIONS = ("iid", "dirichlet", "inner-dirichlet", "pathological")
 CLIENT_DATA = ("partition", "own")
@@ -148,8 +149,6 @@ def round_teacher(fed: FedOptions, state, incoming_student: dict) -> tuple[dict 
     if fed.teacher == "local-previous":
         return (state.local_model if state is not None else None), state
     if fed.teacher == "global-ema":
-        from .training import TrainState
-
         state = state if state is not None else TrainState()
         d, previous = fed.teacher_ema_decay, state.teacher_average
         average = ({k: v.detach().clone() for k, v in incoming_student.items()} if previous is None else

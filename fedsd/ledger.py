@@ -4,7 +4,7 @@ One Rényi privacy filter (fedsd.privacy.PrivacyFilter) per data set, kept as re
 the client's state folder, `ledger-<fingerprint>.json`, where the fingerprint is a hash of the
 data's content (so a copied or moved data set keeps its ledger). A charge is admitted and
 written under a file lock, so two runs on one machine cannot both take what is left.
-`fedsd ledger --state-dir DIR` reads them back for the owner (simulations/ledger.py).
+`fedsd ledger --state-dir DIR` reads them back for the owner (simulations/commands/ledger_command.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .privacy import PrivacyFilter
-from .results import write_json
+from .atomic import write_json
 from .errors import DataError, DataNotFoundError
 
 PREFIX = "ledger-"

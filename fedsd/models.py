@@ -20,7 +20,9 @@ import warnings
 import torch
 from torch import nn
 
+from .data import BUILTIN_SHAPES, CUSTOM
 from .errors import ConfigError, FedsdNote, ModelNotPrivateError
+from .features import feature_shape
 
 BUILTIN_MODELS = ("mnist-cnn", "cifar-cnn")
 SCATTER_MODELS = ("scatter-linear", "scatter-cnn")  # on --features scatter (fedsd.features)
@@ -331,16 +333,11 @@ def _hooks_follow(model: nn.Module, input_shape: tuple[int, ...]) -> bool:
 
 def image_shape_of(cfg) -> tuple[int, int]:
     """(channels, side) of a run's square images: a built-in data set's, or a custom task's."""
-    from .client_data import BUILTIN_SHAPES
-    from .config import CUSTOM
-
     return (cfg.channels, cfg.image_size) if cfg.dataset == CUSTOM else BUILTIN_SHAPES[cfg.dataset]
 
 
 def input_shape_of(cfg) -> tuple[int, int, int]:
     """(channels, height, width) of what a (resolved) run's network takes: its images, or their features."""
-    from .features import feature_shape
-
     channels, size = image_shape_of(cfg)
     return feature_shape(channels, size) if cfg.features == "scatter" else (channels, size, size)
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .models import model_for
+
 # The share of the free memory one trainer may take, and on a CPU at most this many bytes: the
 # nodes of a federation that share a machine (Ray's workers, co-located SuperNodes) each train
 # at once, and a swapping machine is worse than more, smaller physical batches.
@@ -77,7 +79,5 @@ def physical_batch_size(cfg, model: nn.Module, input_shape: tuple[int, ...], dev
 def measured_batch_size(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.device) -> int:
     """The batch one pass of a run of `cfg` takes (its batch size, or its physical batch size
     where that is smaller): what its clipping route is measured on (fedsd.routes)."""
-    from .models import model_for
-
     model = model_for(cfg, num_classes, seed=0).to(device)  # seeded: the run's random state untouched
     return min(cfg.batch_size, physical_batch_size(cfg, model, input_shape, device))

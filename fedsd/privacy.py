@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 from . import _opacus  # noqa: F401  (first: Opacus without its root-logger handler)
-from . import cache_root
+from .atomic import write_json  # atomic: a concurrent reader sees the old file or the new one
+from .cache import cache_root
 import opacus
 from opacus.accountants import create_accountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
@@ -122,8 +123,6 @@ def plan(epsilon: float, delta: float, num_samples: int, batch_size: int, epochs
         except (ValueError, TypeError):
             pass  # an unreadable entry is calibrated again and rewritten
     calibrated = _calibrate(*args)
-    from .results import write_json  # atomic: a concurrent reader sees the old file or the new one
-
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, calibrated.to_dict())

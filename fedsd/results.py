@@ -1,5 +1,6 @@
 """Result folders: result.json, model.pt and curve.png, written whole or not at all; and
-`RunResult`, the one type that writes result.json and reads it back."""
+`RunResult`, the one type that writes result.json and reads it back. (Atomic writes are
+fedsd.atomic's; loading a released model, fedsd.released's.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .atomic import atomic_path, save_atomic, write_json  # noqa: F401  (result files are written atomically)
 from .errors import DataError, OutputExistsError
 
 # result.json's format. 0: the files written before it carried one (they read the same).
@@ -154,52 +156,6 @@ def staged_out_dir(out: str | os.PathLike, overwrite: bool = False):
     os.replace(scratch, out)
 
 
-@contextmanager
-def atomic_path(path: str | os.PathLike):
-    """Yield a temporary path beside `path`; once written it replaces `path` in one rename
-    (a reader, or a run resumed after a crash, sees the old file or the new one, never half of
-    one). On failure the temporary file is removed. Durable: the file is flushed to the disk
-    before the rename and the folder after it, so once this returns the new file survives a
-    crash of the machine, not only of the process (a client's charge is on its disk before the
-    update it paid for leaves)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-        _fsync(tmp)
-        os.replace(tmp, path)
-        _fsync(path.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json(path: Path, obj) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, default=_jsonable) + "\n")
-
-
-def save_atomic(path: str | os.PathLike, obj) -> None:
-    """torch.save, atomically (checkpoints, client privacy state)."""
-    with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
-
-
-def _jsonable(o):
-    if isinstance(o, torch.Tensor):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
-
-
 def save_model(path: Path, weights: dict[str, torch.Tensor]) -> None:
     save_atomic(path, {k: v.detach().cpu() for k, v in weights.items()})
 
@@ -240,52 +196,6 @@ def write_run(out: Path, result: RunResult, weights: dict[str, torch.Tensor]) ->
     plot_curve(out / "curve.png", result.curve, "round" if result.federated else "epoch",
                f"{result.dataset} {result.method} ε={result.epsilon_target}")
     result.write(out / "result.json")
-
-
-class ReleasedModel(torch.nn.Module):
-    """What a run released, ready to use: its network with the weights of model.pt, taking uint8
-    images (N, C, H, W) or floats in [0, 1] and normalising them as the run did."""
-
-    def __init__(self, net: torch.nn.Module, mean: tuple[float, ...], std: tuple[float, ...],
-                 features: torch.nn.Module | None = None):
-        super().__init__()
-        self.net = net
-        self.features = features  # the run's --features, made on the fly (fedsd.features.FeatureMap)
-        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1))
-        self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1))
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.to(torch.float32) / 255.0 if images.dtype == torch.uint8 else images
-        x = (x - self.mean) / self.std
-        return self.net(x if self.features is None else self.features(x))
-
-
-def load_model(run_dir: str | os.PathLike) -> ReleasedModel:
-    """The model a finished run (`fedsd train`, `fedsd simulate`, a deployment) released in
-    `run_dir`: its network (the run's model and activation, as many classes as it was trained
-    on) with model.pt's weights and the run's input normalisation, in eval mode. DataError
-    naming the file when the folder holds no finished run."""
-    from .client_data import input_stats
-    from .config import TrainConfig
-    from .models import model_for
-
-    run_dir = Path(run_dir)
-    result = RunResult.read(run_dir / "result.json")
-    if not (run_dir / "model.pt").is_file():
-        raise DataError(f"{run_dir / 'model.pt'}: missing; a finished run writes it beside result.json")
-    weights = torch.load(run_dir / "model.pt", weights_only=True)
-    cfg = TrainConfig.from_dict(result.config)
-    classes = next(v.shape[0] for k, v in reversed(list(weights.items())) if k.endswith("weight"))
-    net = model_for(cfg, classes)
-    net.load_state_dict(weights)
-    mean, std = input_stats(cfg)
-    feature_map = None
-    if cfg.features != "none":
-        from .features import FeatureMap
-        from .models import image_shape_of
-
-        feature_map = FeatureMap(image_shape_of(cfg)[1], result.feature_statistics)
-    return ReleasedModel(net, mean, std, feature_map).eval()
 
 
 def finished_run_refusal(run_dir, length: str) -> str:

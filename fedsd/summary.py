@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .privacy import AccountantHistory
+
 
 def run_summary(result: dict, out) -> str:
     """A finished run in a few lines: what ran, its accuracy, the ε it spent (the range across
@@ -29,8 +31,6 @@ def run_summary(result: dict, out) -> str:
              f"  settings       {settings_line(result)}"]
     prior = (result.get("privacy") or {}).get("prior")
     if prior:  # what the normalisation's releases took of ε, before DP-SGD's first step
-        from .privacy import AccountantHistory
-
         alone = AccountantHistory("rdp", prior).epsilon(result["delta"])
         lines.append(f"  features       {result['config']['features']}, normalised by released statistics "
                      f"(σ = {prior[0][0]:g}; alone they spend ε {alone:.2f}, composed into the total)")

@@ -1,4 +1,6 @@
-"""The `fedsd` command: train (central), simulate (federated, Ray), bench, reproduce, sweep, audit."""
+"""The `fedsd` command: train centrally or simulate a federation, prepare and check a client's data and
+privacy, choose settings and measure; and, apart, this repository's experiments (`fedsd reproduce`).
+The methods, their settings and the privacy accounting: docs/algorithms.md."""
 from __future__ import annotations
 
 # An entry point: fedsd's process-wide speed settings, before torch loads (fedsd/runtime.py).
@@ -10,11 +12,29 @@ import argparse
 import os
 import sys
 
+import warnings
+
+from fedsd import __version__
+from fedsd.central import load_checkpoint, plan_run, train
 from fedsd.config import TrainConfig
-from fedsd.errors import ConfigError, UserError
+from fedsd.errors import ConfigError, FedsdNote, UserError
+from fedsd.fed_settings import FedOptions
 from fedsd.settings import add_options, from_args, settings_of
-from simulations import dry_run
 from fedsd.summary import run_summary
+from simulations.benchmarks.bench import add_bench_parser
+from simulations.commands import dry_run
+from simulations.commands.audit_command import add_audit_parser
+from simulations.commands.ledger_command import add_ledger_parser
+from simulations.commands.parsing import Parser
+from simulations.commands.privacy_check import add_check_parser
+from simulations.commands.simulate import add_sim_options, sim_options_from_args, simulate
+from simulations.commands.split_data import add_split_data_parser
+from simulations.commands.sweep import add_sweep_parser
+
+try:  # a client machine's data service (Flower's); without Flower, central training still works
+    from clients.data_service import add_service_arguments, run_service
+except ImportError:
+    add_service_arguments = run_service = None
 
 
 def add_train_options(p: argparse.ArgumentParser, epsilon_required: bool = True, out_required: bool = True) -> None:
@@ -33,8 +53,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def cmd_train(args) -> int:
-    from fedsd.central import load_checkpoint, plan_run, train
-
     if args.resume:
         given = [s.flag for s in settings_of(TrainConfig) if hasattr(args, s.name)]
         given += [flag for flag, on in (("--out", args.out), ("--overwrite", args.overwrite)) if on]
@@ -64,9 +82,6 @@ def cmd_train(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    from fedsd.fed_settings import FedOptions
-    from simulations.simulate import simulate, sim_options_from_args
-
     fed = sim_options_from_args(args)
     if hasattr(args, "epochs"):
         raise ConfigError("--epochs: a federation's length is --rounds × --local-epochs (each client plans its "
@@ -86,36 +101,52 @@ def cmd_simulate(args) -> int:
     return 0
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse, stricter and shorter: no abbreviated options (`--verbos` is not taken for
-    `--verbose`), and a bad option or value answered in one line, with the nearest allowed one."""
+# The product's commands, grouped as `fedsd --help` lists them.
+COMMAND_GROUPS = (
+    ("training", ("train", "simulate")),
+    ("a client's data and privacy", ("split-data", "data-service", "ledger", "check-privacy", "audit")),
+    ("choose settings and measure", ("sweep", "bench")),
+)
+# This repository's own result tables: experiments, not the product. `fedsd reproduce` loads
+# them only when it is asked for (simulations/experiments/reproduce.py has its own parser).
+EXPERIMENTS = "reproduce"
+EXPERIMENTS_TITLE = "this repository's result tables (experiments, run from a checkout)"
+EXPERIMENTS_HELP = "the papers' Table 1 / Table 2 and the federated, readings and features tables, resumable"
 
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
 
-    def error(self, message: str):
-        import difflib
-        import re
+class CommandsHelp(argparse.RawDescriptionHelpFormatter):
+    """`fedsd --help`: the commands by group, not argparse's one list."""
 
-        hint = ""
-        if m := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message):
-            close = difflib.get_close_matches(m.group(1), [c.strip(" '") for c in m.group(2).split(",")], n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-        elif m := re.search(r"unrecognized arguments: (--[\w-]+)", message):
-            options = [o for action in self._actions for o in action.option_strings]
-            close = difflib.get_close_matches(m.group(1), options, n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-        self.exit(2, f"{self.prog}: error: {message}{hint} (all options: {self.prog} --help)\n")
+    def _format_action(self, action):
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            width = max(map(len, helps)) + 2
+            lines = []
+            for title, names in COMMAND_GROUPS + ((EXPERIMENTS_TITLE, (EXPERIMENTS,)),):
+                lines += [f"  {title}:"] + [f"    {n.ljust(width)}{helps[n]}" for n in names if n in helps] + [""]
+            return "\n".join(lines)
+        return super()._format_action(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fedsd import __version__
-
-    parser = Parser(prog="fedsd", description=__doc__)
+    parser = Parser(prog="fedsd", description=__doc__, formatter_class=CommandsHelp)
     parser.add_argument("--version", action="version", version=f"fedsd {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
     parser.commands = sub.choices  # each command's own parser: it answers for the options given to it
+    add_train_parser(sub)
+    p_sim = sub.add_parser("simulate", help="federated simulation on Flower's Ray engine")
+    add_train_options(p_sim, epsilon_required=False, out_required=False)
+    add_sim_options(p_sim)
+    p_sim.set_defaults(func=cmd_simulate)
+    for add in (add_split_data_parser, add_data_service_parser, add_ledger_parser, add_check_parser,
+                add_audit_parser, add_sweep_parser, add_bench_parser):
+        add(sub)
+    # listed, and named in "did you mean"; main() hands its arguments to the experiments' own parser
+    sub.add_parser(EXPERIMENTS, help=EXPERIMENTS_HELP, add_help=False)
+    return parser
+
+
+def add_train_parser(sub) -> None:
     p_train = sub.add_parser("train", help="central DP training (the papers' setup)")
     add_train_options(p_train, epsilon_required=False, out_required=False)
     # Required unless --resume (argparse cannot say "one of"): its help must not show the
@@ -126,38 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="continue the unfinished run in DIR (stopped at any moment) with its own saved "
                               "settings; it ends with the weights of a run that was never stopped")
     p_train.set_defaults(func=cmd_train)
-    try:
-        from simulations.simulate import add_sim_options
-    except ImportError:  # Flower not installed: central training still works
-        add_sim_options = None
-    if add_sim_options is not None:
-        p_sim = sub.add_parser("simulate", help="federated simulation on Flower's Ray engine")
-        add_train_options(p_sim, epsilon_required=False, out_required=False)
-        add_sim_options(p_sim)
-        p_sim.set_defaults(func=cmd_simulate)
-    from simulations.audit import add_audit_parser
-    from simulations.bench import add_bench_parser
-    from simulations.ledger import add_ledger_parser
-    from simulations.privacy_check import add_check_parser
-    from simulations.reproduce import add_reproduce_parser
-    from simulations.split_data import add_split_data_parser
-    from simulations.sweep import add_sweep_parser
-
-    add_bench_parser(sub)
-    add_reproduce_parser(sub)
-    add_sweep_parser(sub)
-    add_split_data_parser(sub)
-    add_audit_parser(sub)
-    add_ledger_parser(sub)
-    add_check_parser(sub)
-    add_data_service_parser(sub)
-    return parser
 
 
 def add_data_service_parser(sub) -> None:
-    try:
-        from clients.data_service import add_service_arguments, run_service
-    except ImportError:  # Flower not installed: no client machine to serve, central training still works
+    if add_service_arguments is None:  # Flower not installed: no client machine to serve
         return
 
     p = sub.add_parser("data-service", help="a client machine's data service: the owner's process that alone reads "
@@ -172,10 +175,6 @@ def add_data_service_parser(sub) -> None:
 def say_notes_in_one_line() -> None:
     """fedsd's notes (FedsdNote) as one line each on stderr, `fedsd: note: …`, not Python's
     two-line warning with a file and line; other warnings as Python shows them."""
-    import warnings
-
-    from fedsd.errors import FedsdNote
-
     shown = warnings.showwarning
     if getattr(shown, "fedsd", False):
         return
@@ -203,12 +202,28 @@ def users_modules_from_working_directory() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     say_notes_in_one_line()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return run(parse_experiment(argv[1:]) if argv[:1] == [EXPERIMENTS] else parse_command(argv))
+
+
+def parse_command(argv: list[str]) -> argparse.Namespace:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command they were given to, with its nearest option
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command != "data-service":
         users_modules_from_working_directory()
+    return args
+
+
+def parse_experiment(argv: list[str]) -> argparse.Namespace:
+    """`fedsd reproduce`: the experiments are imported here, only when asked for."""
+    from simulations.experiments.reproduce import reproduce_parser
+
+    return reproduce_parser().parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except dry_run.DryRun as e:

@@ -150,7 +150,7 @@ def flower_env(tmp_path):
     `flwr run` starts is this test's own, not a user's), and no per-run `uv sync` of the app's
     dependencies (the venv already has them and CI has no route to every index). Whatever
     Flower left running under that home is stopped afterwards."""
-    from simulations.local_deployment import flower_tool_env, free_port
+    from simulations.deployment.local_deployment import flower_tool_env, free_port
 
     home = tmp_path / "flwr-home"
     home.mkdir()

@@ -9,7 +9,7 @@ import pytest
 
 from fedsd import audit
 from fedsd.config import GRAD_SAMPLE_MODES, TrainConfig
-from simulations.audit import AuditSettings, run_audit
+from simulations.commands.audit_command import AuditSettings, run_audit
 from tests.conftest import require
 
 

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 
 def own_data(tmp_path):
-    from simulations.split_data import write_client_folders
+    from simulations.commands.split_data import write_client_folders
 
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", batch_size=64, subset=600, threads=1)

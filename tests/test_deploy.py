@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from simulations.local_deployment import ISOLATION_TOOLS, LocalDeployment
+from simulations.deployment.local_deployment import ISOLATION_TOOLS, LocalDeployment
 from tests.conftest import require
 
 pytestmark = pytest.mark.slow
@@ -479,7 +479,7 @@ def test_more_churn_than_a_run_can_absorb_is_refused_before_any_process_starts(t
 
 @pytest.mark.parametrize("rounds", [3, 8, 30])
 def test_churn_plans_one_absence_at_a_time_each_followed_by_a_round_back(rounds):
-    from simulations.soak import MAX_AWAY, max_absences, plan_churn, plan_faults
+    from simulations.benchmarks.soak import MAX_AWAY, max_absences, plan_churn, plan_faults
 
     for seed in range(20):
         for k in range(max_absences(rounds) + 1):

@@ -1,5 +1,5 @@
 """What `fedsd deploy-local` reports when a run stops, read from `flwr run --stream`'s output."""
-from simulations.local_deployment import server_error
+from simulations.deployment.local_deployment import server_error
 
 REFUSED = """\x1b[91mERROR \x1b[0m:     ServerApp raised an exception
 Traceback (most recent call last):

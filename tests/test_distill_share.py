@@ -5,7 +5,7 @@ import torch
 
 from fedsd import losses
 from fedsd.models import build_model
-from simulations.distill_share import clipped_shares
+from simulations.benchmarks.distill_share import clipped_shares
 from tests.conftest import require
 
 

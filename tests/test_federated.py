@@ -17,7 +17,7 @@ from fedsd.central import train
 from fedsd.config import TrainConfig
 from fedsd.fed_settings import FedOptions
 from simulations.cli import main
-from simulations.simulate import simulate
+from simulations.commands.simulate import simulate
 from tests.conftest import require
 
 pytestmark = pytest.mark.slow

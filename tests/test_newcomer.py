@@ -210,7 +210,7 @@ def test_train_help_says_epsilon_is_required_as_the_command_does(capsys, tmp_pat
 def test_colocated_nodes_share_the_machines_cores_unless_the_operator_says(tmp_path, monkeypatch):
     """deploy-local and `fedsd bench deploy`: each SuperNode (and its worker or data service, which
     inherit its environment) takes cores ÷ nodes threads, as Ray gives a simulated client its CPUs."""
-    from simulations.local_deployment import LocalDeployment, node_threads
+    from simulations.deployment.local_deployment import LocalDeployment, node_threads
 
     assert [node_threads(n, cores=16) for n in (1, 2, 3, 16, 40)] == [16, 8, 5, 1, 1]
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -6,7 +6,7 @@ import json
 import pytest
 from pathlib import Path
 
-from simulations.reproduce import DATASETS, TABLE1_METHODS, table1_cells, table_cells, write_tables
+from simulations.experiments.paper_tables import DATASETS, TABLE1_METHODS, table1_cells, table_cells, write_tables
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -58,7 +58,7 @@ def test_readings_table_gives_each_method_its_own_length_and_its_gain_over_dpsgd
     setting; a gain is final only once both have every length."""
     from fedsd.config import TrainConfig
     from fedsd.results import RunResult
-    from simulations.readings import READINGS, ScreenRun, write_readings
+    from simulations.experiments.readings import READINGS, ScreenRun, write_readings
 
     papers = READINGS[0]
     runs = [ScreenRun("mnist", "relu", 1.0, m, papers, n) for m in ("dpsgd", "dpdsd") for n in (15, 30, 60)]
@@ -78,7 +78,7 @@ def test_readings_table_gives_each_method_its_own_length_and_its_gain_over_dpsgd
 
 
 def test_a_reading_more_than_a_point_below_its_methods_papers_reading_in_two_settings_is_dropped():
-    from simulations.readings import dropped
+    from simulations.experiments.readings import dropped
 
     def row(best, complete=True):
         return dict(best=best, chosen_epochs=30 if complete else None)
@@ -101,7 +101,7 @@ def test_each_method_is_confirmed_at_its_best_reading_once_its_screen_is_done(tm
     gain over dpsgd is paired by seed."""
     from fedsd.config import TrainConfig, default_epochs
     from fedsd.results import RunResult
-    from simulations.readings import CONFIRM_CELLS, SCREEN_SETTINGS, chosen_readings, confirm_rows, confirm_runs
+    from simulations.experiments.readings import CONFIRM_CELLS, SCREEN_SETTINGS, chosen_readings, confirm_rows, confirm_runs
 
     def row(best, epochs=30):
         return dict(best=best, chosen_epochs=epochs)
@@ -148,8 +148,8 @@ def test_table1_second_protocol_is_the_readings_confirmation_of_each_method_at_i
     reading's test runs, paired with dpsgd's chosen reading by seed, beside the papers' gain."""
     from fedsd.config import TrainConfig
     from fedsd.results import RunResult
-    from simulations.readings import confirm_runs, screen_rows, screen_runs
-    from simulations.reproduce import second_protocol, second_protocol_md
+    from simulations.experiments.readings import confirm_runs, screen_rows, screen_runs
+    from simulations.experiments.paper_tables import second_protocol, second_protocol_md
 
     runs_dir = tmp_path / "runs" / "readings"
 

@@ -1,4 +1,4 @@
-"""`fedsd check-privacy`: an independent check of a deployed run's privacy promise (issue 43):
+"""`fedsd check-privacy`: an independent check of a deployed run's privacy promise:
 no update leaves a client without its cost on that client's disk, and no client spends more
 than its owner allows.
 

@@ -22,7 +22,8 @@ from fedsd.errors import ConfigError
 from fedsd.data import DATASETS
 from fedsd.settings import settings_of
 
-from .runs import DIVERGED, finished_with, run_jobs, threads_per_job
+from simulations.commands.runs import DIVERGED, finished_with, run_jobs, threads_per_job
+from fedsd.results import RunResult, write_json
 
 SWEEPABLE = {s.name: s for s in settings_of(TrainConfig)
              if s.name in ("ema_decay", "tau", "tau_s", "tau_t", "alpha", "beta", "kd_teacher_epochs", "epochs",
@@ -125,8 +126,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def write_sweep(out: Path, args: argparse.Namespace, grid: dict, combos: list[dict]) -> dict:
-    from fedsd.results import RunResult, write_json
-
     rows = []
     for combo in combos:
         runs = [out / "runs" / f"{slug(combo)}-seed{s}" for s in range(args.seeds)]

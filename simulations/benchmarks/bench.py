@@ -12,21 +12,48 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
+import torch
+from torch import nn
+
+from fedsd import conv_kernel, routes
+from fedsd import data as data_lib
+from fedsd.central import plan_run, prepare_run, resolve_device, train
+from fedsd.client_data import input_stats
 from fedsd.config import GRAD_SAMPLE_MODES, TrainConfig
+from fedsd.data import TensorData
 from fedsd.errors import ConfigError
-from fedsd.fed_settings import FedOptions
-from fedsd.results import RunResult
+from fedsd.fed_settings import FedOptions, to_flat
+from fedsd.methods import METHODS, method_of, released
+from fedsd.models import build_model
+from fedsd.privacy import plan
+from fedsd.results import RunResult, check_out_dir
 from fedsd.settings import add_options, from_args
-from simulations import dry_run
+from fedsd.training import evaluate, initial_model, planned_trainer
+from simulations.benchmarks.distill_share import measure, summary
+from simulations.benchmarks.soak import plan_churn, plan_faults, soak
+from simulations.commands import dry_run
+from simulations.commands.simulate import simulate
+from simulations.commands.split_data import write_client_folders
+from simulations.deployment.local_deployment import FLOOR_APP, LocalDeployment
+from task.simulated_shards import build_federation
 
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (ratios measured side by side)")
     what = p.add_subparsers(dest="what", required=True)
+    for add in (_add_federated, _add_step, _add_epoch, _add_deploy, _add_distill_share, _add_routes, _add_soak):
+        add(what)
+
+
+def _add_federated(what) -> None:
     fed = what.add_parser("federated", help="federated round vs central epoch, same data and DP training")
     fed.add_argument("--dataset", default="fmnist")
     fed.add_argument("--method", default="dp3sd")
@@ -40,6 +67,9 @@ def add_bench_parser(sub) -> None:
     fed.add_argument("--ray-address", default=None, help="a running Ray cluster (as fedsd simulate)")
     fed.add_argument("--json", action="store_true")
     fed.set_defaults(func=bench_federated)
+
+
+def _add_step(what) -> None:
     step = what.add_parser("step", help="every DP mode vs the eager NCHW and the fastest non-private step")
     step.add_argument("--model", choices=["mnist-cnn", "cifar-cnn"], default="mnist-cnn")
     step.add_argument("--batch-size", type=int, default=None, help="default: the paper's (1600 / 1000)")
@@ -53,6 +83,9 @@ def add_bench_parser(sub) -> None:
     step.add_argument("--warmup", type=int, default=3)
     step.add_argument("--json", action="store_true")
     step.set_defaults(func=bench_step)
+
+
+def _add_epoch(what) -> None:
     epoch = what.add_parser("epoch", help="a central DP epoch with evaluation: the default path vs hooks on NCHW")
     epoch.add_argument("--dataset", default="fmnist")
     epoch.add_argument("--method", default="dp3sd")
@@ -60,6 +93,9 @@ def add_bench_parser(sub) -> None:
     epoch.add_argument("--threads", type=int, default=0, help="torch threads; 0 leaves torch's default")
     epoch.add_argument("--json", action="store_true")
     epoch.set_defaults(func=bench_epoch)
+
+
+def _add_deploy(what) -> None:
     dep = what.add_parser("deploy", help="simulated round vs deployed round vs Flower's floor, same data and settings")
     add_options(dep, TrainConfig)  # every training setting, as fedsd simulate has them
     add_options(dep, FedOptions, required=("num_clients", "rounds"),
@@ -69,15 +105,24 @@ def add_bench_parser(sub) -> None:
     dep.add_argument("--timeout", type=float, default=3600, help="seconds each deployed run may take")
     dep.add_argument("--json", action="store_true")
     dep.set_defaults(func=bench_deploy)
+
+
+def _add_distill_share(what) -> None:
     share = what.add_parser("distill-share", help="a self-distilling method's clipped gradient: the distillation "
                                                    "term's share against the cross-entropy's, epoch by epoch")
     add_options(share, TrainConfig, required=("epsilon",))  # a reading is its settings (--teacher-every step …)
     share.add_argument("--probe-samples", type=int, default=256, help="training samples the shares are measured on")
     share.add_argument("--json", action="store_true")
     share.set_defaults(func=bench_distill_share)
+
+
+def _add_routes(what) -> None:
     rts = what.add_parser("routes", help="the routes --grad-sample-mode auto measured and keeps on this machine")
     rts.add_argument("--clear", action="store_true", help="forget them all: each is measured again when next needed")
     rts.set_defaults(func=bench_routes)
+
+
+def _add_soak(what) -> None:
     soak = what.add_parser("soak", help="a real deployment under seeded faults (SIGKILLs, restarts), then the "
                                         "independent privacy check and the accuracy against the run without faults")
     soak.add_argument("--clients", type=int, default=4)
@@ -93,8 +138,6 @@ def add_bench_parser(sub) -> None:
 
 def every_epoch_distils(method: str) -> dict:
     """No warm-up for a self-distilling method: every timed epoch pays for its teacher."""
-    from fedsd.methods import METHODS
-
     return {"distill_warmup_epochs": 0} if METHODS[method].self_distilling else {}
 
 
@@ -102,10 +145,6 @@ def bench_federated(args: argparse.Namespace) -> int:
     """A federation's steady-state round against a central epoch over as many samples as the
     round's cohort holds, with the same DP training (B, ε, method), timed in one run; and the
     peak resident memory of each Ray worker, sampled from /proc while the federation runs."""
-    from fedsd.central import train
-    from fedsd.config import TrainConfig
-    from simulations.simulate import simulate
-
     cfg = TrainConfig(dataset=args.dataset, method=args.method, epsilon=args.epsilon, batch_size=args.batch_size,
                       subset=args.subset, **every_epoch_distils(args.method))
     fed = from_args(FedOptions, args, rounds=args.rounds)
@@ -138,9 +177,7 @@ def bench_federated(args: argparse.Namespace) -> int:
 class WorkerMemory:
     """Peak resident memory (VmHWM) of each Ray worker serving clients on this machine, read
     from /proc every half second while the block runs (Linux)."""
-
     def __init__(self):
-        import threading
 
         self.peaks: dict[int, int] = {}  # pid → kB
         self._stop = threading.Event()
@@ -155,7 +192,6 @@ class WorkerMemory:
         self._thread.join()
 
     def _watch(self) -> None:
-        from pathlib import Path
 
         while not self._stop.wait(0.5):
             for proc in Path("/proc").iterdir():
@@ -187,17 +223,6 @@ BASELINE = dict(grad_sample_mode="hooks", memory_format="contiguous")
 def bench_step(args: argparse.Namespace) -> int:
     """Every variant is timed once per round, round after round (interleaved), so all see the
     same machine state; medians after the warm-up rounds."""
-    import torch
-
-    from fedsd import conv_kernel, routes
-    from fedsd.central import resolve_device
-    from fedsd.config import TrainConfig
-    from fedsd.data import TensorData
-    from fedsd.methods import method_of
-    from fedsd.models import build_model
-    from fedsd.privacy import plan
-    from fedsd.training import planned_trainer
-
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -205,57 +230,75 @@ def bench_step(args: argparse.Namespace) -> int:
     shape = (1, 28, 28) if args.model == "mnist-cnn" else (3, 32, 32)
     base = TrainConfig(dataset=dataset, method=args.method, epsilon=3.0, epochs=1, batch_size=args.batch_size,
                        model=args.model, **every_epoch_distils(args.method)).resolved()
-    batch = base.batch_size
     g = torch.Generator().manual_seed(0)
     # Timing only: the values do not matter, the shapes do (no accuracy is claimed here).
-    x = torch.randn(batch, *shape, generator=g).to(device)
-    y = torch.randint(0, 10, (batch,), generator=g).to(device)
-    steps, trainers = {}, {}
+    x = torch.randn(base.batch_size, *shape, generator=g).to(device)
+    y = torch.randint(0, 10, (base.batch_size,), generator=g).to(device)
     objective = method_of(base).epoch_loss(base, 1)  # every step, private or not, times the same loss
-    for mode in args.grad_sample_mode:
+    steps, trainers = private_steps(base, args.grad_sample_mode, x, y, objective)
+    for layout, compiled, name in ((torch.contiguous_format, False, "eager-nchw"),
+                                   (torch.channels_last, False, "eager-channels-last"),
+                                   (torch.channels_last, True, "compiled-channels-last")):
+        if not (compiled and args.no_compile):
+            steps["nonprivate:" + name] = nonprivate_step(base, objective, x, y, device, layout, compiled)
+    dry_run.stop_here(f"time {len(steps)} steps ({', '.join(steps)}) {args.warmup} + {args.repeats} times, "
+                      "interleaved")
+    median = interleaved_medians(steps, device, args.warmup, args.repeats)
+    rows = step_rows(args, base.batch_size, device, median, trainers)
+    return _emit(args, rows, "\n".join(step_lines(args, base.batch_size, device, rows)))
+
+
+def private_steps(base: TrainConfig, modes: list[str], x, y, objective) -> tuple[dict, dict]:
+    """A DP step in each clipping mode ("dp:MODE"), and each mode's trainer."""
+    steps, trainers = {}, {}
+    batch = base.batch_size
+    for mode in modes:
         cfg = TrainConfig(**{**base.__dict__, "grad_sample_mode": mode})
         trainer = trainers[mode] = planned_trainer(cfg, TensorData(x, y, x[:1], y[:1], 10),
                                                    plan(3.0, 1e-5, 10 * batch, batch, 1))
         steps["dp:" + mode] = lambda t=trainer: t.train_on_batch(t.data.x_train, y, objective)
+    return steps, trainers
 
-    def nonprivate(layout, compiled):
-        """A plain SGD step of the same model, loss, teacher and momentum, without privacy."""
-        student = build_model(args.model).to(device, memory_format=layout)
-        teacher = build_model(args.model).to(device, memory_format=layout).eval().requires_grad_(False)
-        forward, teacher_forward = student, teacher
-        if compiled:
-            forward, teacher_forward = torch.compile(student), torch.compile(teacher)
-        sgd = torch.optim.SGD(student.parameters(), lr=base.lr, momentum=base.momentum)
-        xs = x.contiguous(memory_format=layout)
 
-        def step():
-            sgd.zero_grad(set_to_none=True)
-            t = None
-            if objective.reads_teacher:
-                with torch.no_grad():
-                    t = teacher_forward(xs)
-            objective.per_sample(forward(xs), t, y).mean().backward()
-            sgd.step()
-        return step
+def nonprivate_step(base: TrainConfig, objective, x, y, device, layout, compiled: bool):
+    """A plain SGD step of the same model, loss, teacher and momentum, without privacy."""
+    student = build_model(base.model).to(device, memory_format=layout)
+    teacher = build_model(base.model).to(device, memory_format=layout).eval().requires_grad_(False)
+    forward, teacher_forward = student, teacher
+    if compiled:
+        forward, teacher_forward = torch.compile(student), torch.compile(teacher)
+    sgd = torch.optim.SGD(student.parameters(), lr=base.lr, momentum=base.momentum)
+    xs = x.contiguous(memory_format=layout)
 
-    steps["nonprivate:eager-nchw"] = nonprivate(torch.contiguous_format, False)
-    steps["nonprivate:eager-channels-last"] = nonprivate(torch.channels_last, False)
-    if not args.no_compile:
-        steps["nonprivate:compiled-channels-last"] = nonprivate(torch.channels_last, True)
-    dry_run.stop_here(f"time {len(steps)} steps ({', '.join(steps)}) {args.warmup} + {args.repeats} times, "
-                      "interleaved")
+    def step():
+        sgd.zero_grad(set_to_none=True)
+        t = None
+        if objective.reads_teacher:
+            with torch.no_grad():
+                t = teacher_forward(xs)
+        objective.per_sample(forward(xs), t, y).mean().backward()
+        sgd.step()
+    return step
+
+
+def interleaved_medians(steps: dict, device, warmup: int, repeats: int) -> dict[str, float]:
+    """Each step's median seconds: every step once per round, `warmup` rounds left out."""
     timed = routes.timer(device)
     times = {name: [] for name in steps}
-    for i in range(args.warmup + args.repeats):
+    for i in range(warmup + repeats):
         for name, fn in steps.items():
             seconds = timed(fn)
-            if i >= args.warmup:
+            if i >= warmup:
                 times[name].append(seconds)
-    median = {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def step_rows(args: argparse.Namespace, batch: int, device, median: dict, trainers: dict) -> list[dict]:
+    """One row a DP mode: its step against the eager NCHW and the fastest non-private step."""
     eager = median["nonprivate:eager-nchw"]
     fastest_name = min((n for n in median if n.startswith("nonprivate:")), key=median.get)
     fastest = median[fastest_name]
-    rows = [dict(model=args.model, batch_size=batch, method=args.method, grad_sample_mode=mode,
+    return [dict(model=args.model, batch_size=batch, method=args.method, grad_sample_mode=mode,
                  default=mode == TrainConfig.grad_sample_mode, device=str(device), threads=torch.get_num_threads(),
                  cpu_isa=torch.backends.cpu.get_cpu_capability().lower(), kernel_isa=conv_kernel.isa(),
                  **route_taken(trainers[mode]),
@@ -265,6 +308,9 @@ def bench_step(args: argparse.Namespace) -> int:
                                           if n.startswith("nonprivate:")},
                  ratio_to_eager=median["dp:" + mode] / eager, ratio_to_fastest=median["dp:" + mode] / fastest)
             for mode in args.grad_sample_mode]
+
+
+def step_lines(args: argparse.Namespace, batch: int, device, rows: list[dict]) -> list[str]:
     lines = [f"{args.model} B={batch} {args.method} on {device}, {torch.get_num_threads()} threads: non-private "
              + ", ".join(f"{n} {v * 1000:.1f} ms" for n, v in rows[0]["nonprivate_step_seconds"].items())]
     lines[0] += f"; CPU {rows[0]['cpu_isa']}, conv kernel {rows[0]['kernel_isa'] or 'not built'}"
@@ -275,13 +321,11 @@ def bench_step(args: argparse.Namespace) -> int:
                      f"layers: {' '.join(r['layer_routes'].values())}")
         if r["chosen"]:
             lines.append(f"      auto chose {r['chosen']}")
-    return _emit(args, rows, "\n".join(lines))
+    return lines
 
 
 def bench_routes(args: argparse.Namespace) -> int:
     """List the routes this machine keeps (what each was measured for, and the choice), or forget them."""
-    from fedsd import routes
-
     if args.clear:
         print(f"bench routes: forgot {routes.forget_all()} route(s); each is measured again when next needed")
         return 0
@@ -295,8 +339,6 @@ def bench_routes(args: argparse.Namespace) -> int:
 def route_taken(trainer) -> dict:
     """What a trainer's steps ran: the mode (auto's choice), each conv layer's way (bk) and,
     for auto, why (its measured times, in one line)."""
-    from torch import nn
-
     mode = trainer.route.mode if trainer.route is not None else trainer.cfg.grad_sample_mode
     if mode == "bk":
         layers = {f"conv{i}": r for i, r in trainer.clipper.taken.items()}
@@ -312,17 +354,8 @@ def route_taken(trainer) -> dict:
 def bench_epoch(args: argparse.Namespace) -> int:
     """A central DP epoch with its test-set evaluation, the default path against the baseline
     (hooks on NCHW), the same data, settings and privacy plan, epochs interleaved."""
-    import time
 
-    import torch
 
-    from fedsd import data as data_lib
-    from fedsd.client_data import input_stats
-    from fedsd.central import prepare_run
-    from fedsd.config import TrainConfig
-    from fedsd.privacy import plan
-    from fedsd.training import evaluate, initial_model, planned_trainer
-    from fedsd.methods import released
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -368,20 +401,6 @@ def bench_deploy(args: argparse.Namespace) -> int:
     its own folder of the same shard under max-epsilon=inf), and Flower's floor on the same
     deployment (deploy/floor: a round that sends a model of the same shapes and gets it back).
     Each is the median of rounds 2…R (round 1 starts processes and fills caches)."""
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    import torch
-
-    from fedsd.fed_settings import to_flat
-    from fedsd.results import check_out_dir
-    from server.grid import default_poll_seconds
-    from simulations.local_deployment import FLOOR_APP, LocalDeployment
-    from simulations.simulate import simulate
-    from simulations.split_data import write_client_folders
-    from task.simulated_shards import build_federation
-
     cfg, fed = from_args(TrainConfig, args), from_args(FedOptions, args)
     fed.validate()
     cfg.resolved()  # every setting checked before anything starts
@@ -393,57 +412,12 @@ def bench_deploy(args: argparse.Namespace) -> int:
     dry_run.stop_here(f"time {fed.rounds} rounds of {fed.num_clients} clients simulated, deployed and at Flower's "
                       f"floor in {args.work or 'a temporary folder'}")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="fedsd-bench-deploy-"))
-
-    def phase(text: str) -> None:
-        print(f"bench deploy: {text}", file=sys.stderr, flush=True)
-
     try:
-        phase(f"{fed.num_clients} client folders")
-        write_client_folders(cfg, fed, work / "client-data", "npz", echo=lambda line: None)
-        phase("simulated run (Ray)")
-        simulated, simulated_weights = simulate(cfg, fed, progress=False)
-        phase("deployment: SuperLink, SuperNodes, TLS, node authentication")
-        # Seeded noise, the owner's word given: this bench owns both sides and checks that the
-        # deployed clients train the simulated model exactly (a real owner keeps the default,
-        # secret noise, which no server can predict).
-        with LocalDeployment(work / "deployment", fed.num_clients, client_data=work / "client-data",
-                             node_config="max-epsilon=inf noise='seeded' trust-server-with-noise=true") as deployment:
-            deployment.start()
-            phase("deployed run (clients on their own data)")
-            deployment.run({**to_flat(cfg, fed), "client-data": "own", "num-clients": fed.num_clients,
-                            "num-server-rounds": fed.rounds, "out-dir": str(work / "deployed")}, timeout=args.timeout)
-            # The floor sends what fedsd's ServerApp sends: the model's arrays, as many floats.
-            shapes = [list(v.shape) for v in simulated_weights.values()]
-            phase("Flower's floor (deploy/floor) on the same deployment")
-            deployment.run({"num-server-rounds": fed.rounds, "num-clients": fed.num_clients,
-                            "shapes": json.dumps(shapes, separators=(",", ":")),
-                            "out-dir": str(work / "floor")}, timeout=args.timeout, app=FLOOR_APP)
-            superexec_poll = float(deployment.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"])
-            node_threads = deployment.node_threads
-        deployed = RunResult.read(work / "deployed" / "result.json")
-        floor = json.loads((work / "floor" / "floor.json").read_text())["round_seconds"]
-        deployed_weights = torch.load(work / "deployed" / "model.pt", weights_only=True)
+        runs = three_ways(cfg, fed, work, args.timeout)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    sim_rounds = [r["seconds"] for r in simulated["rounds"]]
-    dep_rounds = [r["seconds"] for r in deployed.rounds]
-    report = dict(dataset=cfg.dataset, method=cfg.method, epsilon=cfg.epsilon, batch_size=deployed.config["batch_size"],
-                  clients=fed.num_clients, rounds=fed.rounds, local_epochs=fed.local_epochs, partition=fed.partition,
-                  threads=cfg.threads, deployed_threads_per_node=cfg.threads or node_threads,
-                  simulated_threads_per_client=cfg.threads or max(1, int(fed.client_cpus)), shard_sizes=deployed.shard_sizes, cpu_isa=torch.backends.cpu.get_cpu_capability().lower(),
-                  grid_poll_seconds=default_poll_seconds(), superexec_poll_seconds=superexec_poll,
-                  simulated_round_seconds=statistics.median(sim_rounds[1:]),
-                  deployed_round_seconds=statistics.median(dep_rounds[1:]),
-                  floor_round_seconds=statistics.median(floor[1:]),
-                  simulated_rounds=sim_rounds, deployed_rounds=dep_rounds, floor_rounds=floor,
-                  simulated_test_accuracy=simulated["test_accuracy"], deployed_test_accuracy=deployed.test_accuracy,
-                  max_weight_difference=max(float((simulated_weights[k] - v).abs().max())
-                                            for k, v in deployed_weights.items()))
-    report["deployed_over_simulated"] = report["deployed_round_seconds"] / report["simulated_round_seconds"]
-    # What fedsd adds to Flower's floor, per second of a simulated round (issue 25's target: ≤ 1.15).
-    report["fedsd_share"] = (report["deployed_round_seconds"] - report["floor_round_seconds"]) / \
-        report["simulated_round_seconds"]
+    report = deploy_report(cfg, fed, runs)
     return _emit(args, report, f"{fed.num_clients} clients, {cfg.dataset} {cfg.method}, rounds 2–{fed.rounds} median: "
                                f"simulated {report['simulated_round_seconds']:.2f} s, deployed "
                                f"{report['deployed_round_seconds']:.2f} s, Flower's floor "
@@ -451,15 +425,75 @@ def bench_deploy(args: argparse.Namespace) -> int:
                                f"{report['fedsd_share']:.2f}; same model: max |Δw| = {report['max_weight_difference']:.1e}")
 
 
+def _phase(text: str) -> None:
+    print(f"bench deploy: {text}", file=sys.stderr, flush=True)
+
+
+def three_ways(cfg: TrainConfig, fed: FedOptions, work: Path, timeout: float) -> dict:
+    """The federation simulated, deployed on the clients' own folders, and Flower's floor on the
+    same deployment: what each run left (results, weights, the deployment's poll and threads)."""
+    _phase(f"{fed.num_clients} client folders")
+    write_client_folders(cfg, fed, work / "client-data", "npz", echo=lambda line: None)
+    _phase("simulated run (Ray)")
+    simulated, simulated_weights = simulate(cfg, fed, progress=False)
+    _phase("deployment: SuperLink, SuperNodes, TLS, node authentication")
+    # Seeded noise, the owner's word given: this bench owns both sides and checks that the
+    # deployed clients train the simulated model exactly (a real owner keeps the default,
+    # secret noise, which no server can predict).
+    with LocalDeployment(work / "deployment", fed.num_clients, client_data=work / "client-data",
+                         node_config="max-epsilon=inf noise='seeded' trust-server-with-noise=true") as deployment:
+        deployment.start()
+        _phase("deployed run (clients on their own data)")
+        deployment.run({**to_flat(cfg, fed), "client-data": "own", "num-clients": fed.num_clients,
+                        "num-server-rounds": fed.rounds, "out-dir": str(work / "deployed")}, timeout=timeout)
+        # The floor sends what fedsd's ServerApp sends: the model's arrays, as many floats.
+        shapes = [list(v.shape) for v in simulated_weights.values()]
+        _phase("Flower's floor (deploy/floor) on the same deployment")
+        deployment.run({"num-server-rounds": fed.rounds, "num-clients": fed.num_clients,
+                        "shapes": json.dumps(shapes, separators=(",", ":")),
+                        "out-dir": str(work / "floor")}, timeout=timeout, app=FLOOR_APP)
+        superexec_poll = float(deployment.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"])
+        node_threads = deployment.node_threads
+    return dict(simulated=simulated, simulated_weights=simulated_weights,
+                deployed=RunResult.read(work / "deployed" / "result.json"),
+                deployed_weights=torch.load(work / "deployed" / "model.pt", weights_only=True),
+                floor=json.loads((work / "floor" / "floor.json").read_text())["round_seconds"],
+                superexec_poll=superexec_poll, node_threads=node_threads)
+
+
+def deploy_report(cfg: TrainConfig, fed: FedOptions, runs: dict) -> dict:
+    """Rounds 2…R's medians of the three, and what fedsd adds to Flower's floor per second of a
+    simulated round."""
+    from server.grid import default_poll_seconds  # Flower's
+
+    simulated, deployed, floor = runs["simulated"], runs["deployed"], runs["floor"]
+    sim_rounds = [r["seconds"] for r in simulated["rounds"]]
+    dep_rounds = [r["seconds"] for r in deployed.rounds]
+    report = dict(dataset=cfg.dataset, method=cfg.method, epsilon=cfg.epsilon, batch_size=deployed.config["batch_size"],
+                  clients=fed.num_clients, rounds=fed.rounds, local_epochs=fed.local_epochs, partition=fed.partition,
+                  threads=cfg.threads, deployed_threads_per_node=cfg.threads or runs["node_threads"],
+                  simulated_threads_per_client=cfg.threads or max(1, int(fed.client_cpus)),
+                  shard_sizes=deployed.shard_sizes, cpu_isa=torch.backends.cpu.get_cpu_capability().lower(),
+                  grid_poll_seconds=default_poll_seconds(), superexec_poll_seconds=runs["superexec_poll"],
+                  simulated_round_seconds=statistics.median(sim_rounds[1:]),
+                  deployed_round_seconds=statistics.median(dep_rounds[1:]),
+                  floor_round_seconds=statistics.median(floor[1:]),
+                  simulated_rounds=sim_rounds, deployed_rounds=dep_rounds, floor_rounds=floor,
+                  simulated_test_accuracy=simulated["test_accuracy"], deployed_test_accuracy=deployed.test_accuracy,
+                  max_weight_difference=max(float((runs["simulated_weights"][k] - v).abs().max())
+                                            for k, v in runs["deployed_weights"].items()))
+    report["deployed_over_simulated"] = report["deployed_round_seconds"] / report["simulated_round_seconds"]
+    # What fedsd adds to Flower's floor, per second of a simulated round (the target: ≤ 1.15).
+    report["fedsd_share"] = (report["deployed_round_seconds"] - report["floor_round_seconds"]) / \
+        report["simulated_round_seconds"]
+    return report
+
+
 def bench_distill_share(args: argparse.Namespace) -> int:
     """Train a self-distilling method as `fedsd train` would (the validation split held out; no
     folder written) and say, each epoch after the warm-up, ‖S_kd‖ / ‖S_ce‖: the distillation
     term's share of the batch's clipped gradient against the cross-entropy term's
-    (simulations/distill_share.py)."""
-    from fedsd.central import plan_run
-    from fedsd.methods import METHODS
-    from simulations.distill_share import measure, summary
-
+    (simulations/benchmarks/distill_share.py)."""
     cfg = from_args(TrainConfig, args)
     if not METHODS[cfg.method].self_distilling and cfg.method != "dpkd":
         raise ConfigError(f"--method: {cfg.method} has no distillation term; use dp3sd, dpdsd or dpkd")
@@ -485,8 +519,6 @@ def bench_distill_share(args: argparse.Namespace) -> int:
 
 def bench_soak(args) -> int:
     """`fedsd bench soak`: prints the report as JSON; exit code 0 when the checks pass."""
-    from .soak import plan_churn, plan_faults, soak
-
     for name in ("clients", "rounds"):
         if getattr(args, name) < 2:
             raise ConfigError(f"--{name}: at least 2, got {getattr(args, name)}")

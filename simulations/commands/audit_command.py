@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from fedsd import audit, features, privacy
 from fedsd import data as data_lib
@@ -31,12 +32,14 @@ from fedsd.client_data import input_stats
 from fedsd.central import prepare_run, resolve_device
 from fedsd.config import TrainConfig, check_setting
 from fedsd.errors import ConfigError
+from fedsd.fed_settings import FedOptions
 from fedsd.results import atomic_path, check_out_dir, staged_out_dir, write_json
 from fedsd.settings import add_options, from_args, setting
 from fedsd.training import DPTrainer, evaluate, initial_model, planned_trainer
 from fedsd.seeds import derive_seed
 from fedsd.methods import released
-from simulations import dry_run
+from simulations.commands import dry_run
+from task.simulated_shards import build_federation
 
 SEED_AUDIT = 3  # canaries: inclusion and participation (fedsd.training's purposes 0–2)
 THREATS = ("white", "black")
@@ -117,28 +120,9 @@ def _with_canaries(data: data_lib.TensorData, x: torch.Tensor, y: torch.Tensor, 
 def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bool = False,
               progress: bool = True) -> dict:
     """Train once with canaries and measure; returns audit.json's content (and writes `out`)."""
-    settings.validate()
-    if out is not None:
-        check_out_dir(out, overwrite)
-    cfg = cfg.resolved()
-    if cfg.feature_norm != "group":
-        # The canaries' membership is read off DP-SGD's steps; a release made before them, from
-        # the data, is a second mechanism the audit would not see.
-        raise ConfigError(f"--feature-norm {cfg.feature_norm}: fedsd audit measures DP-SGD's steps alone; audit "
-                          "ScatterNet features with --feature-norm group")
+    cfg = _checked(cfg, settings, out, overwrite)
     seed = derive_seed(cfg.seed, SEED_AUDIT)
-    if settings.clients == 1:
-        inputs = prepare_run(cfg)
-        cfg, images, device = inputs.cfg, inputs.data, inputs.device
-        holders = [data_lib.prepare(images, inputs.train_indices, device, input_stats(cfg), cfg.features)]
-    else:
-        from fedsd.fed_settings import FedOptions
-        from task.simulated_shards import build_federation
-
-        device = resolve_device(cfg.device)
-        federation = build_federation(cfg, FedOptions(num_clients=settings.clients, rounds=cfg.epochs, local_epochs=1))
-        cfg, images = federation.cfg, federation.images
-        holders = [federation.client_data(k, device) for k in range(settings.clients)]
+    cfg, images, holders = _holders(cfg, settings)
     black = None
     if settings.threat == "black":
         x, y, positions = _black_box_canaries(images, settings.canaries, seed, input_stats(cfg))
@@ -149,40 +133,16 @@ def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bo
     plans = [privacy.plan(cfg.epsilon, cfg.delta, len(h.y_train), cfg.batch_size, cfg.epochs, cfg.accountant)
              for h in holders]
     parties = [Party(planned_trainer(cfg, h, plan, client=k)) for k, (h, plan) in enumerate(zip(holders, plans))]
-    audited = parties[0].trainer
     canaries = None
     if settings.threat == "white":
         canaries = audit.GradientCanaries(settings.canaries, cfg.clip, plans[0].sample_rate,
-                                          plans[0].noise_multiplier, cfg.batch_size, seed, audited.device)
-    audited_steps = [audit.AuditedSteps(canaries, settings.noise_scale)]  # the audited holder's calls only
+                                          plans[0].noise_multiplier, cfg.batch_size, seed, parties[0].trainer.device)
     dry_run.stop_here(f"audit {cfg.method} ({settings.threat}-box, {settings.canaries} canaries) over {cfg.epochs} "
                       f"epochs of {len(holders)} holder(s)")
-
-    from tqdm.auto import tqdm
-
     started = time.perf_counter()
-    model = initial_model(cfg, images.num_classes)
-    for epoch in tqdm(range(1, cfg.epochs + 1), desc=f"audit {cfg.dataset} {cfg.method} ε={cfg.epsilon:g}",
-                      unit="round" if len(parties) > 1 else "epoch", disable=not progress):
-        replies = []
-        for party in parties:
-            trained, party.state, metrics = party.trainer.local_update(
-                model, party.state, [epoch], callbacks=audited_steps if party.trainer is audited else ())
-            replies.append((trained, len(party.trainer.data.y_train), metrics))
-        model = fedavg(replies)
-    epsilon_accountant = replies[0][2]["epsilon"]
-    audited.model.load_state_dict(released(model))
-    accuracy, _ = evaluate(audited.model, audited.data.x_test, audited.data.y_test)
-
-    if canaries is not None:
-        scores, included = canaries.scores.numpy(), canaries.included.numpy()
-    else:
-        x, y, included = black
-        audited.model.eval()
-        with torch.no_grad():
-            logits = audited.model(x.to(audited.device).contiguous(memory_format=audited.memory_format))
-            loss = torch.nn.functional.cross_entropy(logits, y.to(audited.device), reduction="none")
-        scores, included = (-loss).double().cpu().numpy(), included.numpy()  # low loss: seen in training
+    epsilon_accountant, accuracy = _train(cfg, parties, audit.AuditedSteps(canaries, settings.noise_scale),
+                                          images.num_classes, progress)
+    scores, included = _scores(canaries, black, parties[0].trainer)
     outcome = audit.guess(scores, included, cfg.delta, settings.confidence)
     report = dict(epsilon_accountant=epsilon_accountant, epsilon_lower_bound=outcome.epsilon_lower_bound,
                   confidence=settings.confidence, canaries=settings.canaries, guesses=outcome.guesses,
@@ -199,6 +159,62 @@ def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bo
             plot_scores(scratch / "scores.png", scores, included, report)
             write_json(scratch / "audit.json", report)
     return report
+
+
+def _checked(cfg: TrainConfig, settings: AuditSettings, out, overwrite: bool) -> TrainConfig:
+    """The run's settings resolved, every check made before any work."""
+    settings.validate()
+    if out is not None:
+        check_out_dir(out, overwrite)
+    cfg = cfg.resolved()
+    if cfg.feature_norm != "group":
+        # The canaries' membership is read off DP-SGD's steps; a release made before them, from
+        # the data, is a second mechanism the audit would not see.
+        raise ConfigError(f"--feature-norm {cfg.feature_norm}: fedsd audit measures DP-SGD's steps alone; audit "
+                          "ScatterNet features with --feature-norm group")
+    return cfg
+
+
+def _holders(cfg: TrainConfig, settings: AuditSettings) -> tuple[TrainConfig, data_lib.ImageData, list]:
+    """The data each holder trains on: the run's training split, or each client's shard."""
+    if settings.clients == 1:
+        inputs = prepare_run(cfg)
+        cfg, images, device = inputs.cfg, inputs.data, inputs.device
+        return cfg, images, [data_lib.prepare(images, inputs.train_indices, device, input_stats(cfg), cfg.features)]
+    device = resolve_device(cfg.device)
+    federation = build_federation(cfg, FedOptions(num_clients=settings.clients, rounds=cfg.epochs, local_epochs=1))
+    return federation.cfg, federation.images, [federation.client_data(k, device) for k in range(settings.clients)]
+
+
+def _train(cfg: TrainConfig, parties: list, audited_steps, num_classes: int, progress: bool) -> tuple[float, float]:
+    """Every epoch (round) of every party, the first one's steps audited; the audited party's
+    accountant ε and its released model's test accuracy."""
+    audited = parties[0].trainer
+    model = initial_model(cfg, num_classes)
+    for epoch in tqdm(range(1, cfg.epochs + 1), desc=f"audit {cfg.dataset} {cfg.method} ε={cfg.epsilon:g}",
+                      unit="round" if len(parties) > 1 else "epoch", disable=not progress):
+        replies = []
+        for party in parties:
+            trained, party.state, metrics = party.trainer.local_update(
+                model, party.state, [epoch], callbacks=[audited_steps] if party.trainer is audited else ())
+            replies.append((trained, len(party.trainer.data.y_train), metrics))
+        model = fedavg(replies)
+    audited.model.load_state_dict(released(model))
+    accuracy, _ = evaluate(audited.model, audited.data.x_test, audited.data.y_test)
+    return replies[0][2]["epsilon"], accuracy
+
+
+def _scores(canaries, black, audited) -> tuple[np.ndarray, np.ndarray]:
+    """Each canary's score and whether it was included: the white-box canaries' own, or the
+    black-box canaries' negative loss under the released model (low loss: seen in training)."""
+    if canaries is not None:
+        return canaries.scores.numpy(), canaries.included.numpy()
+    x, y, included = black
+    audited.model.eval()
+    with torch.no_grad():
+        logits = audited.model(x.to(audited.device).contiguous(memory_format=audited.memory_format))
+        loss = torch.nn.functional.cross_entropy(logits, y.to(audited.device), reduction="none")
+    return (-loss).double().cpu().numpy(), included.numpy()
 
 
 def fedavg(replies: list[tuple[dict, int, dict]]) -> dict:

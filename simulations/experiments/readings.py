@@ -1,5 +1,5 @@
-"""`fedsd reproduce --table readings`: every reading of the papers, each method tuned for itself
-(issue 40), as resumable central runs.
+"""`fedsd reproduce --table readings`: every reading of the papers, each method tuned for itself,
+as resumable central runs.
 
 A reading is a labelled variant of a method: the papers' literal reading (Table 1's first
 protocol) or another way their text can be read (SPEC §5, "Readings of the papers"), each a
@@ -22,6 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedsd.config import PAPER, default_epochs
+from fedsd.results import RunResult, write_json
+from simulations.commands.runs import finished_with, paired_difference
+
 VALIDATION = 10_000
 SCREEN_LENGTHS = (15, 30, 60)
 # (data set, activation, ε): where our dpsgd equals the papers', so their numbers are the target
@@ -43,13 +47,11 @@ class Reading:
     def settings(self, dataset: str) -> dict:
         if self.lr_scale is None:
             return dict(self.overrides)
-        from fedsd.config import PAPER
-
         return {**self.overrides, "lr": PAPER[dataset]["lr"] * self.lr_scale}
 
 
 DISTILLING = ("dp3sd", "dpdsd", "dpkd")
-# Every reading of issue 40 that a setting makes (SPEC §5, "Readings of the papers").
+# Every reading of the papers that a setting makes (SPEC §5, "Readings of the papers").
 READINGS = (
     Reading("papers", METHODS_ORDER, {}, "the papers' literal reading (Table 1)"),
     Reading("ramp", ("dp3sd", "dpdsd"), {"distill_schedule": "ramp"}, "PS-KD's ramped distillation weight"),
@@ -128,8 +130,6 @@ class ConfirmRun(ScreenRun):
     def folder(self, runs_dir: Path) -> Path:
         """Where this run is: Table 1's run where that one computed exactly this (not run twice;
         a CIFAR-10 run takes hours), else its own folder under runs_dir."""
-        from .runs import finished_with
-
         table1 = runs_dir.parent / "table1" / self.table1_name
         return table1 if finished_with(table1, self.config()) else runs_dir / self.name
 
@@ -153,8 +153,6 @@ def chosen_readings(rows: dict[tuple, dict]) -> dict[str, str]:
 
 def confirm_runs(rows: dict[tuple, dict], seeds: int = CONFIRM_SEEDS) -> list[ConfirmRun]:
     """The confirmation's runs, for each method whose screen is done."""
-    from fedsd.config import default_epochs
-
     chosen, by_name = chosen_readings(rows), {r.name: r for r in READINGS}
     runs = []
     for dataset, activation, epsilon, methods in CONFIRM_CELLS:
@@ -166,45 +164,9 @@ def confirm_runs(rows: dict[tuple, dict], seeds: int = CONFIRM_SEEDS) -> list[Co
     return runs
 
 
-def reproduce_readings(out: Path, jobs: int, threads: int, device: str, data_dir: str | None,
-                       quiet: bool) -> Path:
-    """Run the screen's missing runs, then the confirmation's of each method whose screen is
-    done, then write table-readings.{json,md} from what is on disk."""
-    from .runs import finished_with, run_jobs
-
-    runs_dir = out / "runs" / "readings"
-    runs = screen_runs()
-    drop = dropped(screen_rows(runs, runs_dir))
-    todo = []
-    for run in runs:
-        config = run.config(device=device, threads=threads, data_dir=data_dir)
-        if (run.method, run.reading.name) not in drop and not finished_with(runs_dir / run.name, config):
-            todo.append((config, str(runs_dir / run.name)))
-    run_jobs(todo, len(runs), jobs, "readings: screen", quiet)
-    write_readings(runs, runs_dir, out)
-    confirm = confirm_runs(screen_rows(runs, runs_dir))
-    todo = [(run.config(device=device, threads=threads, data_dir=data_dir), str(run.folder(runs_dir)))
-            for run in confirm]
-    run_jobs([(c, o) for c, o in todo if not finished_with(Path(o), c)], len(todo), jobs, "readings: confirmation",
-             quiet)
-    rewrite_table1(out)  # its second protocol is this confirmation
-    return write_readings(runs, runs_dir, out)
-
-
-def rewrite_table1(out: Path) -> None:
-    """Table 1 written again from the runs on disk, its second protocol from this confirmation."""
-    from .reproduce import table_cells, write_tables
-
-    table1 = out / "runs" / "table1"
-    if table1.is_dir():
-        write_tables(1, table_cells(1, [], table1), table1, out)
-
-
 def write_readings(runs: list[ScreenRun], runs_dir: Path, out: Path) -> Path:
     """table-readings.json and .md: per (setting, method, reading), validation accuracy at each
     length and the chosen length (the best final validation accuracy)."""
-    from fedsd.results import write_json
-
     rows = screen_rows(runs, runs_dir)
     drop = dropped(rows)
     for row in rows.values():
@@ -238,10 +200,6 @@ def confirm_rows(runs: list[ConfirmRun], runs_dir: Path) -> list[dict]:
     """Per cell and method: its reading and length, test accuracy per seed run so far, mean ±
     SE, and the gain over dpsgd in the same cell paired by seed."""
     import statistics
-
-    from fedsd.results import RunResult
-
-    from .runs import paired_difference
 
     rows: dict[tuple, dict] = {}
     for run in runs:
@@ -299,8 +257,6 @@ def dropped(rows: dict[tuple, dict]) -> set[tuple[str, str]]:
 def screen_rows(runs: list[ScreenRun], runs_dir: Path) -> dict[tuple, dict]:
     """Per (setting, method, reading): validation and test accuracy per length run so far, the
     chosen length (once every length has run), the best, and the gain over dpsgd."""
-    from fedsd.results import RunResult
-
     rows: dict[tuple, dict] = {}
     for run in runs:
         key = (run.dataset, run.activation, run.epsilon, run.method, run.reading.name)

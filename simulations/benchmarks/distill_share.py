@@ -1,5 +1,5 @@
 """`fedsd bench distill-share`: how much of a self-distilling method's clipped gradient comes
-from its distillation term, against its cross-entropy term, reading by reading (issue 40).
+from its distillation term, against its cross-entropy term, reading by reading.
 
 Each sample's loss is a cross-entropy part (α·CE for dp3sd and dpkd, CE for dpdsd) plus a
 distillation part (the rest of the method's own loss, so whatever the reading makes of it). Per
@@ -21,6 +21,10 @@ import math
 import torch
 
 from fedsd.callbacks import StepCallback
+from fedsd import losses
+from fedsd.central import CentralRun
+from fedsd.methods import METHODS
+from fedsd.models import model_for
 
 PROBE_SAMPLES = 256
 
@@ -35,8 +39,6 @@ class TeacherAtEnd(StepCallback):
 
 def ce_part(cfg, method: str):
     """The cross-entropy part of a method's loss, per sample (the rest is the distillation part)."""
-    from fedsd import losses
-
     if method == "dp3sd":
         return lambda s, y: cfg.alpha * losses.cross_entropy(s, y, tau=cfg.tau_s, reduction="none")
     if method == "dpdsd":
@@ -79,10 +81,6 @@ def clipped_shares(net: torch.nn.Module, student: dict, teacher: dict, x: torch.
 def measure(cfg, probe_samples: int = PROBE_SAMPLES, progress=None) -> list[dict]:
     """Train `cfg` (central, no folder) and measure the shares at the end of every epoch whose
     loss reads the teacher; one record per such epoch."""
-    from fedsd.central import CentralRun
-    from fedsd.methods import METHODS
-    from fedsd.models import model_for
-
     run = CentralRun(cfg)
     cfg = run.cfg
     method = METHODS[cfg.method]

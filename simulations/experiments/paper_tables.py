@@ -1,20 +1,19 @@
-"""`fedsd reproduce`: the papers' Table 1 (and Table 2, the FMNIST ablation) as a resumable
-set of central runs, several at once, with one progress bar for the whole table.
+"""The papers' Table 1 (and Table 2, the FMNIST ablation), `fedsd reproduce --table 1|2`: its
+cells as a resumable set of central runs, and the table files made from the runs on disk.
 
 Each run is `fedsd train` with the SPEC §7 settings, written to <out>/runs/<run>/; a run whose
 result.json exists is not run again. The table files are made from whatever runs exist.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedsd.config import METHODS
 from fedsd.data import DATASET_TITLES, DATASETS
-
-from .runs import finished_with, paired_difference, plot_curves, run_jobs, seed_files, seeds_run, threads_per_job
+from fedsd.results import write_json
+from simulations.commands.runs import paired_difference, plot_curves, seed_files, seeds_run
+from simulations.experiments.readings import confirm_rows, confirm_runs, screen_rows, screen_runs
 
 # Table 1 of both papers (test accuracy, %), ε = 1, 2, 3 (SPEC §7).
 PAPER_TABLE1 = {
@@ -74,102 +73,6 @@ def table2_cells() -> list[Cell]:
             in PAPER_TABLE2]
 
 
-def add_reproduce_parser(sub) -> None:
-    from .federated_table import FED_PARTITIONS
-
-    p = sub.add_parser("reproduce", help="the papers' Table 1 / Table 2 and the federated table, resumable")
-    p.add_argument("--table", choices=["1", "2", "fed", "readings", "features"], default="1",
-                   help="1, 2: the papers' tables (central runs); fed: the federated table (simulations); "
-                        "readings: every reading of the papers on validation (simulations/readings.py); "
-                        "features: DP-SGD on ScatterNet features, ε = 3 (simulations/features_table.py)")
-    p.add_argument("--datasets", nargs="+", choices=DATASETS, default=None,
-                   help="Table 1 (default: all); Table 2 and the federated table are FMNIST's")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=None, help="default: the table's")
-    p.add_argument("--epsilons", nargs="+", type=float, choices=[1.0, 2.0, 3.0], default=[1.0, 2.0, 3.0],
-                   help="Table 1")
-    p.add_argument("--partitions", nargs="+", choices=list(FED_PARTITIONS), default=list(FED_PARTITIONS),
-                   help="the federated table")
-    p.add_argument("--variant", choices=list(TABLE1_VARIANTS), default="",
-                   help="Table 1: every cell with a setting the papers do not use, in rows of its own")
-    p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: 3; the federated table 1)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="runs at once (processes); the federated table: CPUs its one simulation at a time uses")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads of each run (default: the CPUs divided by --jobs)")
-    p.add_argument("--epochs", type=int, default=None,
-                   help="override the run length of every cell (the federated table: its rounds)")
-    p.add_argument("--subset", type=int, default=None, help="train on a subset (quick checks only)")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--out", default="results")
-    p.add_argument("--quiet", action="store_true")
-    p.set_defaults(func=cmd_reproduce)
-
-
-def cmd_reproduce(args: argparse.Namespace) -> int:
-    from fedsd.errors import ConfigError
-
-    for name in ("seeds", "jobs", "epochs", "subset", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name}: must be >= 1, got {value}")
-    if args.table not in ("1", "features") and args.datasets not in (None, ["fmnist"]):
-        raise ConfigError(f"--datasets: Table {args.table} is Fashion-MNIST's only; leave --datasets out")
-    if args.table != "1" and args.variant:
-        raise ConfigError(f"--variant: Table 1's only; Table {args.table} has its own rows")
-    out = Path(args.out)
-    threads = args.threads or threads_per_job(args.device, args.jobs)
-    if args.table == "features":
-        from .features_table import reproduce_features
-
-        for name in ("methods", "variant", "epochs", "subset"):
-            if getattr(args, name):
-                raise ConfigError(f"--{name}: the features table has its own settings; leave it out")
-        written = reproduce_features(args.datasets, args.seeds or 3, args.jobs, threads, args.device, args.data_dir,
-                                     out, args.quiet)
-        print(f"wrote {written}")
-        return 0
-    if args.table == "readings":
-        from .readings import reproduce_readings
-
-        for name in ("datasets", "methods", "variant", "seeds", "epochs", "subset"):
-            if getattr(args, name):
-                raise ConfigError(f"--{name}: the readings table has its own settings, runs and seeds; leave it out")
-        print(f"wrote {reproduce_readings(out, args.jobs, threads, args.device, args.data_dir, args.quiet)}")
-        return 0
-    if args.table == "fed":
-        from .federated_table import FED_METHODS, FED_TABLE_NAME, reproduce_fed
-
-        methods = args.methods or FED_METHODS
-        if not set(methods) <= set(FED_METHODS):
-            raise ConfigError(f"--methods: the federated table has {', '.join(FED_METHODS)}")
-        reproduce_fed(args.partitions, methods, args.seeds or 1, args.jobs, args.epochs, args.subset, args.device,
-                      args.data_dir, out, args.quiet)
-        print(f"wrote {out / f'{FED_TABLE_NAME}.json'} and {out / f'{FED_TABLE_NAME}.md'}")
-        return 0
-    table = int(args.table)
-    methods = args.methods or list(TABLE1_METHODS)
-    cells = (table2_cells() if table == 2
-             else table1_cells(args.datasets or DATASETS, methods, args.epsilons, args.variant))
-    if table == 2 and args.methods:
-        cells = [c for c in cells if c.method in methods]
-    seeds = args.seeds or 3
-    runs_dir = out / "runs" / f"table{table}"
-    todo = []
-    for cell in cells:
-        for seed in range(seeds):
-            run_out = runs_dir / f"{cell.name}-seed{seed}"
-            config = dict(dataset=cell.dataset, method=cell.method, epsilon=cell.epsilon, seed=seed,
-                          device=args.device, threads=threads, epochs=args.epochs, subset=args.subset,
-                          data_dir=args.data_dir, **cell.overrides)
-            if not finished_with(run_out, config):
-                todo.append((config, str(run_out)))
-    run_jobs(todo, len(cells) * seeds, args.jobs, f"table {table}", args.quiet)
-    write_tables(table, table_cells(table, cells, runs_dir), runs_dir, out)
-    print(f"wrote {out / f'table{table}.json'} and {out / f'table{table}.md'}")
-    return 0
-
-
 def table_cells(table: int, asked: list[Cell], runs_dir: Path) -> list[Cell]:
     """The cells asked for and every other cell of the table that has a run on disk, in the
     table's order: a reproduce of some cells rewrites the table without dropping the others."""
@@ -183,8 +86,6 @@ def table_cells(table: int, asked: list[Cell], runs_dir: Path) -> list[Cell]:
 def write_tables(table: int, cells: list[Cell], runs_dir: Path, out: Path) -> None:
     """table<N>.json and table<N>.md from every finished run of `cells` (mean ± std over the
     seeds found), and for Table 1 the gain of each method over dpsgd in the same seeds."""
-    from fedsd.results import write_json
-
     rows = []
     for cell in cells:
         runs = seeds_run(runs_dir, cell)
@@ -225,11 +126,9 @@ def write_tables(table: int, cells: list[Cell], runs_dir: Path, out: Path) -> No
 
 
 def second_protocol(runs_root: Path) -> list[dict]:
-    """Table 1's second protocol (issue 40): each method at its own validated reading and length,
+    """Table 1's second protocol: each method at its own validated reading and length,
     the readings' confirmation as it stands on disk under <runs_root>/readings (and the Table 1
     runs it reuses), each row with the papers' accuracy and their difference to their dpsgd."""
-    from .readings import confirm_rows, confirm_runs, screen_rows, screen_runs
-
     runs_dir = runs_root / "readings"
     rows = confirm_rows(confirm_runs(screen_rows(screen_runs(), runs_dir)), runs_dir)
     for r in rows:

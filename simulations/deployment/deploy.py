@@ -1,4 +1,4 @@
-"""`scripts/deploy-local.sh`: a federation deployed on this machine (simulations/local_deployment.py),
+"""`scripts/deploy-local.sh`: a federation deployed on this machine (simulations/deployment/local_deployment.py),
 run once with the options `fedsd simulate` has, its result written as `fedsd simulate` writes
 it, plus the deployment's facts; every process it started is stopped on the way out."""
 from __future__ import annotations
@@ -16,9 +16,10 @@ from fedsd.errors import ConfigError, DataNotFoundError, UserError
 from fedsd.fed_settings import FedOptions, from_flat
 from fedsd.results import RunResult, check_out_dir
 from fedsd.settings import add_options, given_flat
-from simulations import dry_run
-from simulations.local_deployment import DeploymentError, LocalDeployment
+from simulations.commands import dry_run
+from simulations.deployment.local_deployment import DeploymentError, LocalDeployment
 from fedsd.summary import run_summary
+from task.simulated_shards import build_federation
 
 
 def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, work: Path | None = None,
@@ -127,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
                 raise DataNotFoundError(f"--client-data: no {args.client_folders}/client-{missing[0]} "
                                         f"(fedsd split-data --clients {args.num_clients} ... --out {args.client_folders})")
         else:  # a simulation's checks, before any process starts: data found, every shard, every budget
-            from task.simulated_shards import build_federation
-
             build_federation(*from_flat(run_config)).check_plans()
     except UserError as e:
         print(f"deploy-local: error: {e}", file=sys.stderr)

@@ -49,7 +49,7 @@ def run_jobs(todo: list[tuple[dict, str]], total: int, jobs: int, desc: str, qui
 
     from fedsd.central import prepare_run
     from fedsd.config import TrainConfig
-    from simulations import dry_run
+    from simulations.commands import dry_run
 
     for config, _ in todo:  # every run's settings and data checked before the first starts
         prepare_run(TrainConfig(**config))

@@ -1,4 +1,4 @@
-"""`fedsd reproduce --table features`: DP training on ScatterNet features (issue 41; Tramèr &
+"""`fedsd reproduce --table features`: DP training on ScatterNet features (Tramèr &
 Boneh, ICLR 2021), central, ε = 3, δ = 10⁻⁵, against the anchors that use no public data.
 
 Two stages, as for the readings: nothing is chosen on test accuracy.
@@ -19,7 +19,7 @@ Two stages, as for the readings: nothing is chosen on test accuracy.
 - The confirmation, on test: each data set's best validated setting, three seeds, for dpsgd,
   dpema and, to answer whether self-distillation adds on a strong feature baseline, for dp3sd
   and dpdsd in the papers' reading (their τ, α, β for the data set) and, once the readings'
-  screen (`--table readings`, issue 40) has chosen one for the method, in that reading too.
+  screen (`--table readings`) has chosen one for the method, in that reading too.
 
 - In a federation (does the recipe hold there?): the federated table's shape and partitions
   IID and Dirichlet(0.5) (`fedsd reproduce --table fed`: Fashion-MNIST, 10 clients, 30 rounds
@@ -42,9 +42,14 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedsd.config import TrainConfig
+from fedsd.fed_settings import FedOptions, client_config
 from fedsd.results import RunResult, write_json
-
-from .runs import finished_with, paired_difference, run_jobs
+from simulations.commands.runs import DIVERGED, finished_with, paired_difference, run_jobs
+from simulations.experiments.federated_table import (FED_PARTITIONS, FED_SHAPE, FED_TABLE, flawed, run_federation,
+                                                     run_state)
+from simulations.experiments.readings import READINGS, chosen_readings, screen_rows
+from simulations.experiments.readings import screen_runs as readings_screen
 
 TABLE_NAME = "table-features"
 EPSILON = 3.0
@@ -86,10 +91,8 @@ ANCHORS = (
 
 
 def reading_settings(reading: str, settings: dict) -> dict:
-    """A reading of the papers (simulations.readings.READINGS) applied to a features setting:
+    """A reading of the papers (simulations.experiments.readings.READINGS) applied to a features setting:
     its settings, and its lr scale (given against the papers' lr there) against this setting's lr."""
-    from .readings import READINGS
-
     r = next(x for x in READINGS if x.name == reading)
     return {**settings, **r.overrides, **({} if r.lr_scale is None else {"lr": settings["lr"] * r.lr_scale})}
 
@@ -97,9 +100,6 @@ def reading_settings(reading: str, settings: dict) -> dict:
 def readings_chosen(runs_dir: Path) -> dict[str, str]:
     """Each method's reading as the readings' screen chose it (runs under <out>/runs/readings),
     for the methods whose screen is done."""
-    from .readings import chosen_readings, screen_rows
-    from .readings import screen_runs as readings_screen
-
     readings_dir = runs_dir.parent / "readings"
     return chosen_readings(screen_rows(readings_screen(), readings_dir)) if readings_dir.is_dir() else {}
 
@@ -280,11 +280,6 @@ class FedFeatureRun:
 
     def settings(self, device: str, data_dir):
         """(TrainConfig, FedOptions) as `fedsd simulate` takes them."""
-        from fedsd.config import TrainConfig
-        from fedsd.fed_settings import FedOptions, client_config
-
-        from .federated_table import FED_PARTITIONS, FED_SHAPE, FED_TABLE
-
         partition, alpha = FED_PARTITIONS[self.partition]
         settings = reading_settings(self.reading, {"momentum": 0.9, "lr": self.lr})
         cfg = TrainConfig(**{**FED_TABLE, **settings}, method=self.method, seed=self.seed, features="scatter",
@@ -296,8 +291,6 @@ class FedFeatureRun:
 def fed_screen_runs(runs_dir: Path) -> list[FedFeatureRun]:
     """dpsgd, IID, seed 0, on validation, at each lr of the grid; none while the central screen
     of FED_DATASET has not chosen its network."""
-    from .federated_table import FED_TABLE
-
     central = chosen_network(runs_dir, FED_DATASET)
     if central is None:
         return []
@@ -308,8 +301,6 @@ def fed_screen_runs(runs_dir: Path) -> list[FedFeatureRun]:
 
 
 def read_fed(runs_dir: Path, run: FedFeatureRun) -> RunResult | None:
-    from .federated_table import flawed
-
     path = runs_dir / run.name / "result.json"
     result = RunResult.read(path) if path.is_file() else None
     return None if result is None or flawed(result) else result
@@ -317,8 +308,6 @@ def read_fed(runs_dir: Path, run: FedFeatureRun) -> RunResult | None:
 
 def fed_diverged(runs_dir: Path, run: FedFeatureRun) -> bool:
     """A run that diverged (its diverged.json): done, with no accuracy."""
-    from .runs import DIVERGED
-
     return (runs_dir / run.name / DIVERGED).is_file()
 
 
@@ -344,8 +333,6 @@ def fed_confirm_runs(runs_dir: Path, seeds: int) -> list[FedFeatureRun]:
 
 def run_federations(runs: list[FedFeatureRun], runs_dir: Path, device: str, data_dir, jobs: int,
                     quiet: bool) -> None:
-    from .federated_table import run_federation, run_state
-
     for k, run in enumerate(runs, 1):
         cfg, fed = run.settings(device, data_dir)
         state = run_state(runs_dir / run.name, cfg, fed)
@@ -485,7 +472,7 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
     names = [name for name, _ in ANCHORS]
     lines = ["# DP training on ScatterNet features (central, ε = 3, δ = 1e-5)", "",
              "Written by `fedsd reproduce --table features` from results/runs/features/ "
-             "(simulations/features_table.py). Test accuracy (%), mean ± standard error over the seeds; the gain "
+             "(simulations/experiments/features_table.py). Test accuracy (%), mean ± standard error over the seeds; the gain "
              "over dpsgd paired by seed; minutes per run on the machine that ran it: this project's CPU (one thread, "
              "shared) unless the cell names a GPU (its card, or cuda where the run did not record it). "
              "The data set's "
@@ -541,8 +528,6 @@ def method_cell(row: dict) -> str:
 
 
 def fed_md(fed: dict) -> list[str]:
-    from .federated_table import FED_SHAPE, FED_TABLE
-
     lines = ["", f"## In a federation ({FED_DATASET}, {FED_SHAPE['num_clients']} clients, {FED_SHAPE['rounds']} rounds of "
              f"{FED_SHAPE['local_epochs']} local epoch, B = {FED_TABLE['batch_size']} and ε = {FED_TABLE['epsilon']:g} a "
              "client, each client's own features)", ""]

@@ -21,6 +21,10 @@ from fedsd.config import TrainConfig
 from fedsd.errors import ConfigError
 from fedsd.fed_settings import FedOptions
 from fedsd.settings import add_options, from_args
+from fedsd import data as data_lib
+from fedsd.results import check_out_dir, staged_out_dir
+from simulations.commands import dry_run
+from task.simulated_shards import cut_shards
 
 FORMATS = ("imagefolder", "npz")
 
@@ -48,17 +52,11 @@ def write_client_folders(cfg: TrainConfig, fed: FedOptions, out: Path, fmt: str,
     """out/client-K for every client of `fed`: its shard of cfg.dataset's training split (as
     `fedsd simulate` cuts it) and an even share of the test split, in `fmt`. Checks first;
     writes into a staging folder that becomes `out` only when every client's is written."""
-    from task.simulated_shards import cut_shards
-    from fedsd import data as data_lib
-    from fedsd.results import check_out_dir, staged_out_dir
-
     if cfg.dataset not in data_lib.DATASETS:
         raise ConfigError(f"--dataset: split-data cuts a built-in data set; choose one of {', '.join(data_lib.DATASETS)}")
     fed.validate()
     check_out_dir(out, overwrite)
     images, indices, parts = cut_shards(cfg, fed)
-    from simulations import dry_run
-
     dry_run.stop_here(f"write {fed.num_clients} client folders ({fmt}, {len(indices)} training samples) into {out}")
     test_parts = np.array_split(np.random.default_rng(cfg.seed).permutation(len(images.y_test)), fed.num_clients)
     with staged_out_dir(out, overwrite) as scratch:

@@ -2,7 +2,7 @@
 node authentication, each client with its own state folder and its owner's max-epsilon, the
 ServerApp) under K seeded faults, each a SIGKILL of one part, restarted after a seeded delay as
 a supervisor would (the SuperLink on its database, the server with resume-dir); then the
-independent privacy check (simulations/privacy_check.py: Opacus' RDP accountant over each
+independent privacy check (simulations/commands/privacy_check.py: Opacus' RDP accountant over each
 client's ledger and the rounds the server aggregated) and the accuracy against the same seed's
 run without faults.
 
@@ -25,12 +25,19 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from fedsd.atomic import write_json
+from fedsd.config import TrainConfig
 from fedsd.errors import ConfigError
+from fedsd.fed_settings import FedOptions
+from simulations.commands.privacy_check import check_run, deployment_state_dirs
+from simulations.commands.split_data import write_client_folders
+from simulations.deployment.local_deployment import LocalDeployment
 
 KINDS = ("supernode", "worker", "superlink", "serverapp")
 # lr 0.2: at 0.8 (momentum 0.9; σ = 4.98 at q = 1/6) every fault-free 30-round run peaked at
@@ -234,29 +241,42 @@ def soak(clients: int, rounds: int, faults: int, seed: int, work: Path, echo=pri
     """Run the same seed's fault-free baseline (kept in work/baseline-seed<S> and reused), then
     the soak (work/soak-seed<S>: every node's state, the server's result, the logs, report.json);
     return the report."""
-    from fedsd.results import write_json
-
-    from .local_deployment import LocalDeployment
-    from .privacy_check import check_run, deployment_state_dirs
-
     plan = plan_faults(clients, rounds, faults, seed)
     absences = plan_churn(clients, rounds, churn, seed)
     config = {**RUN, "num-clients": clients, "num-server-rounds": rounds, "client-data": "own", "seed": seed}
     work = Path(work)
-    data = work / "client-data"  # each client's own images (fedsd split-data), one folder a SuperNode
+    owners = dict(client_data=_client_data(work, clients, echo), node_config=f"max-epsilon={MAX_EPSILON}")
+    baseline, base_wall = _baseline(work / f"baseline-seed{seed}", clients, config, owners)
+    soaked = work / (f"soak-seed{seed}" + (f"-churn{churn}" if churn else ""))
+    if soaked.exists():  # a soak is one run from the start: an earlier one's state would be resumed
+        shutil.rmtree(soaked)
+    out = soaked / "out"
+    restarts = []
+    with LocalDeployment(soaked / "deployment", clients, **owners) as d:
+        d.start()
+        loop = FaultLoop(d, out, Supervisor(d, out, restarts, {**config, "out-dir": str(out)}), plan, absences,
+                         clients, base_wall, rounds, echo)
+        wall = loop.run()
+    result = json.loads((out / "result.json").read_text())
+    check = check_run(out, deployment_state_dirs(d.work, clients))
+    report = dict(seed=seed, clients=clients, rounds=rounds, faults=faults, churn=churn,
+                  **_outcome(plan, absences, result, baseline, check), restarts=restarts,
+                  wall_seconds=round(wall, 1), baseline_wall_seconds=round(base_wall, 1))
+    write_json(soaked / "report.json", report)
+    return report
+
+
+def _client_data(work: Path, clients: int, echo) -> Path:
+    """Each client's own images (as `fedsd split-data` writes them), one folder a SuperNode."""
+    data = work / "client-data"
     if not data.is_dir():
-        import contextlib
-        import sys
+        write_client_folders(TrainConfig(dataset=RUN["dataset"], subset=600 * clients), FedOptions(num_clients=clients),
+                             data, "imagefolder", echo=echo)
+    return data
 
-        from .cli import main
 
-        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the report alone
-            made = main(["split-data", "--dataset", RUN["dataset"], "--clients", str(clients),
-                         "--subset", str(600 * clients), "--format", "imagefolder", "--out", str(data)])
-        if made != 0:
-            raise RuntimeError("fedsd split-data failed")
-    owners = dict(client_data=data, node_config=f"max-epsilon={MAX_EPSILON}")
-    base = work / f"baseline-seed{seed}"  # the same seed's run without faults, kept and reused
+def _baseline(base: Path, clients: int, config: dict, owners: dict) -> tuple[dict, float]:
+    """The same seed's run without faults, kept in `base` and reused: its result and its wall seconds."""
     base_out = base / "out"
     if not (base_out / "result.json").is_file():
         with LocalDeployment(base / "deployment", clients, **owners) as d:
@@ -264,82 +284,12 @@ def soak(clients: int, rounds: int, faults: int, seed: int, work: Path, echo=pri
             started = time.monotonic()
             d.run({**config, "out-dir": str(base_out)}, timeout=3600)
             write_json(base / "wall.json", {"seconds": time.monotonic() - started})
-    baseline = json.loads((base_out / "result.json").read_text())
-    base_wall = json.loads((base / "wall.json").read_text())["seconds"]
-    per_round = base_wall / rounds
+    return json.loads((base_out / "result.json").read_text()), json.loads((base / "wall.json").read_text())["seconds"]
 
-    soaked = work / (f"soak-seed{seed}" + (f"-churn{churn}" if churn else ""))
-    if soaked.exists():  # a soak is one run from the start: an earlier one's state would be resumed
-        import shutil
 
-        shutil.rmtree(soaked)
-    out = soaked / "out"
-    restarts = []
-    with LocalDeployment(soaked / "deployment", clients, **owners) as d:
-        d.start()
-        started = time.monotonic()
-        sup = Supervisor(d, out, restarts, {**config, "out-dir": str(out)})
-        sup.run = d.submit(sup.config)
-        pending, leaving = list(plan), list(absences)
-        away: Absence | None = None
-        round_began, round_began_ns, seen_round = time.monotonic(), time.time_ns(), 0
-        while not (out / "result.json").is_file():
-            if time.monotonic() - started > 20 * base_wall + 600:
-                raise RuntimeError(f"the soak did not finish within {20 * base_wall + 600:.0f} s; see {d.logs}")
-            done = _checkpoint_round(out)
-            if done != seen_round:
-                if done == seen_round + 1 and seen_round:  # a whole round, in this run: the next one's measure
-                    per_round = time.monotonic() - round_began
-                seen_round, round_began, round_began_ns = done, time.monotonic(), time.time_ns()
-                echo(f"soak: round {done} checkpointed at {time.monotonic() - started:.0f} s")
-            if away is None and leaving and done >= leaving[0].leaves_after:
-                away = leaving.pop(0)
-                if away.client not in d.supernodes:  # down after a fault: its restart becomes the return
-                    sup.cancel(away.client)
-                else:
-                    _take_away(d, away)
-                away.left_at = round(time.monotonic() - started, 1)
-                echo(f"soak: client {away.client} taken away after round {done}, for {away.rounds} round(s)")
-            elif away is not None and (done >= away.away.stop - 1 or _sent_without(d.work, away, clients)):
-                sup.start_again(away.client, "back from churn")
-                away.back_at = round(time.monotonic() - started, 1)
-                echo(f"soak: client {away.client} on its way back, after rounds {away.away.start}-{away.away.stop - 1}")
-                away = None
-            fault = pending[0] if pending else None
-            aimed = None
-            if fault is not None and fault.aim and done + 1 == fault.round:  # its round, and not over yet
-                aimed = _aimed_phase_found(fault, d.work, out, sorted(d.supernodes), round_began_ns)
-            # due: its aimed phase found, its round over (it lands at once: a fault left to the last
-            # round's seeded moment could miss the run's end), or its seeded moment in its round
-            if fault is not None and done + 1 >= fault.round and (
-                    aimed is not None or done + 1 > fault.round or
-                    not fault.aim and time.monotonic() - round_began >= fault.share * per_round):
-                pending.pop(0)
-                up = sorted(d.supernodes)
-                if aimed is not None and aimed >= 0 and fault.client is not None:
-                    fault.planned_client, fault.client = fault.client, aimed  # the client found in that phase
-                # Not a client away, down, or back from churn but not yet trained since: each absence
-                # is to show its client going on with its ledger. The next such client instead.
-                returning = {a.client for a in absences if a.back_at and a is not away and
-                             max(_charged_rounds(d.work / "client-state" / str(a.client)), default=0) < a.away.stop}
-                targets = [k for k in up if k not in returning] or up
-                if fault.client is not None and fault.client not in targets and targets:
-                    fault.planned_client = fault.client
-                    fault.client = next((k for k in targets if k > fault.client), targets[0])
-                fault.phase = fault.aim if aimed is not None else _phase(d.work, out, done + 1, up)
-                fault.landed_round = done + 1
-                fault.landed_at = round(time.monotonic() - started, 1)
-                echo(f"soak: fault {fault.kind}" + (f" (client {fault.client})" if fault.client is not None else "")
-                     + f" in round {done + 1}, {fault.phase}")
-                sup.inject(fault)
-            sup.step()
-            aiming = pending and pending[0].aim and done + 1 == pending[0].round
-            time.sleep(AIM_POLL_SECONDS if aiming else 0.2)
-        wall = time.monotonic() - started
-        d.stop(sup.run)
-    result = json.loads((out / "result.json").read_text())
-    check = check_run(out, deployment_state_dirs(d.work, clients))
-    gap = 100 * (baseline["test_accuracy"] - result["test_accuracy"])
+def _outcome(plan: list[Fault], absences: list[Absence], result: dict, baseline: dict, check: dict) -> dict:
+    """The soak's findings: its faults by kind and phase, each absence's missed rounds and return,
+    the accuracy against the baseline's, the privacy check; passed when all of them hold."""
     kinds, phases = {}, {}
     for f in plan:
         kinds[f.kind] = kinds.get(f.kind, 0) + 1
@@ -349,18 +299,114 @@ def soak(clients: int, rounds: int, faults: int, seed: int, work: Path, echo=pri
                            and any(m.get("client") == a.client for m in r.get("missed", []))]
         a.trained_again = next((r["round"] for r in result["rounds"]
                                 if r["round"] > a.away.stop - 1 and a.client in r.get("trained", [])), None)
+    gap = 100 * (baseline["test_accuracy"] - result["test_accuracy"])
     unexplained = charged_again_unexplained(check, plan, absences)
     churn_ok = all(a.trained_again is not None for a in absences)
-    report = dict(seed=seed, clients=clients, rounds=rounds, faults=faults, churn=churn,
-                  rounds_completed=len(result["rounds"]), faults_landed=sum(bool(f.phase) for f in plan),
-                  faults_by_kind=kinds, faults_by_phase=phases,
-                  fault_log=[asdict(f) for f in plan], absences=[asdict(a) for a in absences], restarts=restarts,
-                  wall_seconds=round(wall, 1), baseline_wall_seconds=round(base_wall, 1),
-                  test_accuracy=result["test_accuracy"], baseline_test_accuracy=baseline["test_accuracy"],
-                  accuracy_gap_points=round(gap, 2), charged_again_unexplained=unexplained, privacy_check=check,
-                  passed=check["passed"] and check["finished"] and not unexplained and churn_ok and gap <= 3.0)
-    write_json(soaked / "report.json", report)
-    return report
+    return dict(rounds_completed=len(result["rounds"]), faults_landed=sum(bool(f.phase) for f in plan),
+                faults_by_kind=kinds, faults_by_phase=phases,
+                fault_log=[asdict(f) for f in plan], absences=[asdict(a) for a in absences],
+                test_accuracy=result["test_accuracy"], baseline_test_accuracy=baseline["test_accuracy"],
+                accuracy_gap_points=round(gap, 2), charged_again_unexplained=unexplained, privacy_check=check,
+                passed=check["passed"] and check["finished"] and not unexplained and churn_ok and gap <= 3.0)
+
+
+class FaultLoop:
+    """The soak's run under its faults and churn: it watches the run's checkpoints and, at each
+    due moment, takes a client away, brings it back, or lands the next fault (the Supervisor
+    kills the fault's part and starts it again)."""
+
+    def __init__(self, d, out: Path, sup: "Supervisor", plan: list[Fault], absences: list[Absence], clients: int,
+                 base_wall: float, rounds: int, echo):
+        self.d, self.out, self.sup, self.absences, self.clients, self.echo = d, out, sup, absences, clients, echo
+        self.limit = 20 * base_wall + 600
+        self.per_round = base_wall / rounds  # the baseline's, until this run has a whole round of its own
+        self.pending, self.leaving = list(plan), list(absences)
+        self.away: Absence | None = None
+        self.started = time.monotonic()
+        self.round_began, self.round_began_ns, self.seen_round = time.monotonic(), time.time_ns(), 0
+
+    def run(self) -> float:
+        """Submit the run and drive it to its result.json; the soak's wall seconds."""
+        d, sup = self.d, self.sup
+        sup.run = d.submit(sup.config)
+        while not (self.out / "result.json").is_file():
+            if time.monotonic() - self.started > self.limit:
+                raise RuntimeError(f"the soak did not finish within {self.limit:.0f} s; see {d.logs}")
+            done = self._track_round()
+            self._churn(done)
+            self._fault(done)
+            sup.step()
+            aiming = self.pending and self.pending[0].aim and done + 1 == self.pending[0].round
+            time.sleep(AIM_POLL_SECONDS if aiming else 0.2)
+        wall = time.monotonic() - self.started
+        d.stop(sup.run)
+        return wall
+
+    def _elapsed(self) -> float:
+        return round(time.monotonic() - self.started, 1)
+
+    def _track_round(self) -> int:
+        """The last checkpointed round; a new one starts the round's clock."""
+        done = _checkpoint_round(self.out)
+        if done != self.seen_round:
+            if done == self.seen_round + 1 and self.seen_round:  # a whole round, in this run: the next one's measure
+                self.per_round = time.monotonic() - self.round_began
+            self.seen_round, self.round_began, self.round_began_ns = done, time.monotonic(), time.time_ns()
+            self.echo(f"soak: round {done} checkpointed at {time.monotonic() - self.started:.0f} s")
+        return done
+
+    def _churn(self, done: int) -> None:
+        """Take the next absence's client away after its round, or bring the away one back."""
+        d, away = self.d, self.away
+        if away is None and self.leaving and done >= self.leaving[0].leaves_after:
+            away = self.away = self.leaving.pop(0)
+            if away.client not in d.supernodes:  # down after a fault: its restart becomes the return
+                self.sup.cancel(away.client)
+            else:
+                _take_away(d, away)
+            away.left_at = self._elapsed()
+            self.echo(f"soak: client {away.client} taken away after round {done}, for {away.rounds} round(s)")
+        elif away is not None and (done >= away.away.stop - 1 or _sent_without(d.work, away, self.clients)):
+            self.sup.start_again(away.client, "back from churn")
+            away.back_at = self._elapsed()
+            self.echo(f"soak: client {away.client} on its way back, after rounds {away.away.start}-{away.away.stop - 1}")
+            self.away = None
+
+    def _fault(self, done: int) -> None:
+        """Land the next fault when it is due: its aimed phase found, its round over (it lands at
+        once: a fault left to the last round's seeded moment could miss the run's end), or its
+        seeded moment in its round."""
+        fault = self.pending[0] if self.pending else None
+        if fault is None:
+            return
+        aimed = None
+        if fault.aim and done + 1 == fault.round:  # its round, and not over yet
+            aimed = _aimed_phase_found(fault, self.d.work, self.out, sorted(self.d.supernodes), self.round_began_ns)
+        if done + 1 >= fault.round and (aimed is not None or done + 1 > fault.round or not fault.aim and
+                                        time.monotonic() - self.round_began >= fault.share * self.per_round):
+            self.pending.pop(0)
+            self._land(fault, aimed, done)
+
+    def _land(self, fault: Fault, aimed: int | None, done: int) -> None:
+        """The fault on its client (the one found in its aimed phase, or the next one present)."""
+        d = self.d
+        up = sorted(d.supernodes)
+        if aimed is not None and aimed >= 0 and fault.client is not None:
+            fault.planned_client, fault.client = fault.client, aimed  # the client found in that phase
+        # Not a client away, down, or back from churn but not yet trained since: each absence
+        # is to show its client going on with its ledger. The next such client instead.
+        returning = {a.client for a in self.absences if a.back_at and a is not self.away and
+                     max(_charged_rounds(d.work / "client-state" / str(a.client)), default=0) < a.away.stop}
+        targets = [k for k in up if k not in returning] or up
+        if fault.client is not None and fault.client not in targets and targets:
+            fault.planned_client = fault.client
+            fault.client = next((k for k in targets if k > fault.client), targets[0])
+        fault.phase = fault.aim if aimed is not None else _phase(d.work, self.out, done + 1, up)
+        fault.landed_round = done + 1
+        fault.landed_at = self._elapsed()
+        self.echo(f"soak: fault {fault.kind}" + (f" (client {fault.client})" if fault.client is not None else "")
+                  + f" in round {done + 1}, {fault.phase}")
+        self.sup.inject(fault)
 
 
 def charged_again_unexplained(check: dict, plan: list[Fault], absences: list[Absence]) -> list[str]:
@@ -452,8 +498,6 @@ class Supervisor:
             self.run = self.d.submit({"resume-dir": str(self.out)})
             self.restarts.append("server (resume-dir)")
         else:
-            import shutil
-
             shutil.rmtree(self.out, ignore_errors=True)
             self.run = self.d.submit(self.config)
             self.restarts.append("server (from the start)")

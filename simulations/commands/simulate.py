@@ -15,8 +15,10 @@ from fedsd.config import TrainConfig
 from fedsd.errors import ConfigError, UserError
 from fedsd.fed_settings import FedOptions
 from fedsd.results import check_out_dir
+from fedsd.runtime import quiet_ray
 from fedsd.settings import add_options, from_args
-from simulations import dry_run
+from simulations.commands import dry_run
+from task.simulated_shards import build_federation
 
 def add_sim_options(p: argparse.ArgumentParser) -> None:
     """Every FedOptions setting as an option (declared once, in fedsd.fed_settings)."""
@@ -118,12 +120,8 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
     (`ray_cpus` CPUs, default all), even when a cluster runs here; with it, the simulation is
     a job on that running cluster, whose scheduler places each client by --client-cpus and
     --client-gpus."""
-    from clients.app import app as client_app
-    from fedsd.runtime import quiet_ray
-    from task.simulated_shards import build_federation
-
     if fed.resume_dir:
-        from server.checkpoint import resumed_settings
+        from server.checkpoint import resumed_settings  # Flower's side
 
         cfg, fed = resumed_settings(fed.resume_dir)
         out = None  # the run's own folder
@@ -143,10 +141,16 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
         dry_run.stop_here(f"simulate {fed.num_clients} clients ({fed.partition}) for {fed.rounds} rounds of {cfg.method}"
                           f" ({c.epochs} epochs a client) at B = {c.batch_size}, lr {c.lr:g}, momentum {c.momentum:g}, "
                           f"σ={sigma}, ε={cfg.epsilon:g} each" + (f" into {out}" if out else ""))
+    return run_on_ray(cfg, fed, out, overwrite, progress, ray_cpus, verbose, ray_address, log_dir)
 
+
+def run_on_ray(cfg: TrainConfig, fed: FedOptions, out, overwrite: bool, progress: bool, ray_cpus: int | None,
+               verbose: bool, ray_address: str | None, log_dir: str | None) -> tuple[dict, dict]:
+    """The checked federation on Flower's simulation engine: fedsd's ServerApp and ClientApp."""
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
+    from clients.app import app as client_app
     from server.app import run_server
 
     holder: dict = {}

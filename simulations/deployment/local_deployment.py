@@ -1,5 +1,5 @@
 """A real Flower deployment on this machine, the harness that `scripts/deploy-local.sh`
-(simulations/deploy.py), `fedsd bench deploy` and the deployment tests drive: one
+(simulations/deployment/deploy.py), `fedsd bench deploy` and the deployment tests drive: one
 `flower-superlink` and N `flower-supernode` processes on loopback, with TLS and SuperNode
 authentication, runs submitted with `flwr run`, and the faults a deployment must survive (kill a
 SuperNode, restart the SuperLink, bring an unknown key); with `isolate`, every client on a
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (simulations/deployment/ is two below it)
 FLOOR_APP = ROOT / "deploy" / "floor"  # Flower's floor: a round that only sends and returns a model
 FEDERATION = "fedsd"  # the SuperLink connection's name in the deployment's Flower config
 

@@ -24,7 +24,10 @@ from fedsd.errors import ConfigError, TrainingDiverged
 from fedsd.fed_settings import FedOptions, client_config
 from fedsd.results import RunResult, write_json
 
-from .runs import DIVERGED, NOT_SETTINGS, paired_difference, plot_curves, seed_files, seeds_run
+from simulations.commands.runs import DIVERGED, NOT_SETTINGS, paired_difference, plot_curves, seed_files, seeds_run
+from simulations.commands import dry_run
+from simulations.commands.simulate import simulate
+from task.simulated_shards import build_federation
 
 # The issue's settings, declared once. lr 1.5, chosen on the federation's validation split: the
 # central B = 256 sweep's best, 3, makes a Dirichlet(0.1) client diverge in round 1 once 10,000
@@ -33,7 +36,7 @@ FED_TABLE = dict(dataset="fmnist", epsilon=3.0, batch_size=256, lr=1.5)
 FED_SHAPE = dict(num_clients=10, rounds=30, local_epochs=1)
 FED_PARTITIONS = {"iid": ("iid", 0.5), "dirichlet0.5": ("dirichlet", 0.5), "dirichlet0.1": ("dirichlet", 0.1)}
 FED_METHODS = ("dpsgd", "dpema", "dp3sd", "dpdsd")
-# The teachers and schedules made for a federation (issue 27), each chosen on the validation
+# The teachers and schedules made for a federation, each chosen on the validation
 # split first (results/README.md): (method, --teacher, --distill-schedule, --release, partitions).
 TEACHER_VARIANTS = (
     # the average of the global models received (FedGKD's ensemble of past global models, as an EMA)
@@ -165,9 +168,6 @@ def run_state(run_out: Path, cfg: TrainConfig, fed: FedOptions) -> str:
 def reproduce_fed(partitions, methods, seeds: int, jobs: int, rounds: int | None, subset: int | None,
                   device: str, data_dir: str | None, out: Path, quiet: bool) -> None:
     """Run what is missing of the federated table, then write it from every finished run."""
-    from simulations import dry_run
-    from task.simulated_shards import build_federation
-
     if device != "cpu" and jobs > 1:
         raise ConfigError("--jobs: the federated table runs one simulation at a time; on a GPU its clients "
                           "share it by --client-gpus, so leave --jobs at 1")
@@ -195,8 +195,6 @@ def reproduce_fed(partitions, methods, seeds: int, jobs: int, rounds: int | None
 def run_federation(cfg: TrainConfig, fed: FedOptions, run_out: Path, state: str, jobs: int, quiet: bool) -> None:
     """One table run, by its run_state: resumed from its checkpoint, or started afresh (what a
     run with other settings left there removed); a run that diverges leaves diverged.json."""
-    from simulations.simulate import simulate
-
     try:
         if state == "resume":
             simulate(cfg, dataclasses.replace(fed, resume_dir=str(run_out)), None, progress=not quiet, ray_cpus=jobs)

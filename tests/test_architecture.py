@@ -1,0 +1,192 @@
+"""The layout docs/architecture.md describes, checked from the code's own imports: no import
+circle among the project's modules, the rule of which folder may import which, no function over
+60 lines, and `fedsd --help` without this repository's experiments loaded."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("fedsd", "clients", "server", "task", "simulations")
+MAX_FUNCTION_LINES = 60
+
+
+def project_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of the project's packages, by dotted name (a package by its __init__)."""
+    found = {}
+    for package in PACKAGES:
+        for path in (root / package).rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def runtime_imports(tree: ast.AST):
+    """Every import statement of a module, at module level or inside a function, except those
+    under `if TYPE_CHECKING:` (annotations only: never run)."""
+    skipped = {id(node) for guard in ast.walk(tree)
+               if isinstance(guard, ast.If) and "TYPE_CHECKING" in ast.unparse(guard.test)
+               for statement in guard.body for node in ast.walk(statement)}
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped]
+
+
+def imported_names(name: str, path: Path, tree: ast.AST) -> list[tuple[str, int]]:
+    """(the dotted name it imports, line) for each import of module `name`, relative ones resolved;
+    `from P import X` names P.X (a submodule or a name of P: the caller tells them apart)."""
+    found = []
+    for node in runtime_imports(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+            continue
+        base = node.module or ""
+        if node.level:
+            package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+        found += [(f"{base}.{alias.name}", node.lineno) for alias in node.names]
+    return found
+
+
+def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """module -> {project module it imports: line}. `from P import X` is an edge to P.X where
+    that is a module, else to P (the nearest module the name lies in)."""
+    modules = project_modules(root)
+    graph = {}
+    for name, path in modules.items():
+        edges = {}
+        for target, line in imported_names(name, path, ast.parse(path.read_text())):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges.setdefault(target, line)
+        graph[name] = edges
+    return graph
+
+
+def circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def describe(graph, component) -> str:
+    """One shortest circle through the component's first module, with each import's line."""
+    start, inside = component[0], set(component)
+    came_from, frontier = {start: None}, [start]
+    while frontier and start not in [w for v in frontier for w in graph[v]]:
+        frontier = [w for v in frontier for w in graph[v] if w in inside and w not in came_from
+                    and came_from.setdefault(w, v) == v]
+    last = next(v for v in frontier if start in graph[v])
+    path = [last]
+    while came_from[path[-1]] is not None:
+        path.append(came_from[path[-1]])
+    path = path[::-1] + [start]
+    return "circle: " + " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(path, path[1:])) + f" -> {start}"
+
+
+def test_no_import_circle():
+    graph = import_graph()
+    assert len(graph) > 60  # the project's modules were found
+    found = circles(graph)
+    assert found == [], "\n".join(describe(graph, c) for c in found)
+
+
+def test_an_added_circle_is_found(tmp_path):
+    """The check can fail: a copy of the project where fedsd.cache imports fedsd.config (inside a
+    function, as the old circles hid) has a circle through fedsd.cache."""
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            copy = tmp_path / path.relative_to(ROOT)
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            copy.write_text(path.read_text())
+    cache = tmp_path / "fedsd" / "cache.py"
+    cache.write_text(cache.read_text() + "\n\ndef planted():\n    from .config import TrainConfig\n")
+    found = circles(import_graph(tmp_path))
+    assert len(found) == 1 and {"fedsd.cache", "fedsd.config"} <= set(found[0])
+
+
+# Which folder may import which (docs/architecture.md): the project's top-level packages and
+# Flower's, each forbidden to a folder; and inside simulations/, no command of the product
+# imports the experiments (only simulations.cli does, when `fedsd reproduce` is asked for).
+FORBIDDEN = {
+    "fedsd": {"flwr", "flwr_datasets", "ray", "task", "clients", "server", "simulations"},
+    "task": {"clients", "server", "simulations"},
+    "clients": {"server", "simulations"},
+    "server": {"clients", "simulations"},
+    "simulations.commands": {"simulations.cli", "simulations.deployment", "simulations.benchmarks",
+                             "simulations.experiments"},
+    "simulations.deployment": {"simulations.cli", "simulations.benchmarks", "simulations.experiments"},
+    "simulations.benchmarks": {"simulations.cli", "simulations.experiments"},
+    "simulations.experiments": {"simulations.cli", "simulations.deployment", "simulations.benchmarks"},
+}
+
+
+def layer_breaches(root: Path = ROOT) -> list[str]:
+    breaches = []
+    for name, path in project_modules(root).items():
+        for folder, forbidden in FORBIDDEN.items():
+            if name != folder and not name.startswith(folder + "."):
+                continue
+            for target, line in imported_names(name, path, ast.parse(path.read_text())):
+                hit = [f for f in forbidden if target == f or target.startswith(f + ".")]
+                breaches += [f"{name} imports {target} (line {line}): {folder}/ must not import {hit[0]}"] if hit else []
+    return breaches
+
+
+def test_each_folder_imports_only_what_it_may():
+    assert layer_breaches() == []
+
+
+def test_fedsd_help_loads_none_of_the_experiments():
+    code = ("import sys, simulations.cli as cli; cli.build_parser().format_help(); "
+            "print(sorted(m for m in sys.modules if m.startswith('simulations.experiments')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def long_functions(root: Path = ROOT) -> list[str]:
+    """Functions (and methods) over MAX_FUNCTION_LINES lines: from the `def` line (or its first
+    decorator) to its last line, docstring, comments and blank lines inside it included."""
+    found = []
+    for package in PACKAGES:
+        for path in (root / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                    lines = node.end_lineno - first + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        found.append(f"{path.relative_to(root)}:{first} {node.name}: {lines} lines")
+    return found
+
+
+def test_no_function_over_60_lines():
+    assert long_functions() == []
+
+
+def test_a_long_function_is_found(tmp_path):
+    (tmp_path / "fedsd").mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(60))
+    (tmp_path / "fedsd" / "long.py").write_text(f"@staticmethod\ndef long():\n{body}")  # 62 lines with its decorator
+    (tmp_path / "fedsd" / "short.py").write_text(f"def short():\n{body[:-len('    x59 = 59')-1]}")  # 60 lines
+    assert long_functions(tmp_path) == ["fedsd/long.py:1 long: 62 lines"]
