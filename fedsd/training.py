@@ -271,21 +271,7 @@ class DPTrainer:
         self.check_budget(state, epochs)
         state = copy.deepcopy(state) if state is not None else TrainState(self.plan.history_before_training())
         accountant = AccountantHistory(self.plan.accountant, state.history)
-        # Secret draws (an own-data client): its batches and noise from its secret stream, a
-        # sample whose gradient is not finite kept out of the clipped sum, and no stop on
-        # divergence, which would release a bit of the data no noise covers. Else the seeded
-        # generator, bit for bit as ever.
-        if state.secret is not None and not self.clipper.guards_nonfinite:
-            raise ConfigError(f"--grad-sample-mode {self.clipper.mode}: cannot keep a sample whose gradient is not "
-                              f"finite out of the clipped sum, which secret draws need (an own-data client); use "
-                              f"bk, hooks, functorch or ew")
-        self.secret = state.secret
-        self.optimizer.noise_source = state.secret
-        self.clipper.zero_nonfinite = state.secret is not None
-        if state.rng_state is None:
-            self.generator.manual_seed(_rng_seed(cfg, self.client))
-        else:
-            self.generator.set_state(state.rng_state)
+        self._start_draws(state)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
 
@@ -321,16 +307,36 @@ class DPTrainer:
         student = self.student_weights()
         model["student"] = student
         state.history = accountant.history
-        if self.secret is None:
-            state.rng_state = self.generator.get_state()
-        self.secret = self.optimizer.noise_source = None  # the stream lives in the returned state only
-        self.clipper.zero_nonfinite = False
+        self._end_draws(state)
         state.local_model = student
         state.momentum = self._momentum()
         metrics = dict(num_examples=self.num_train, train_loss=loss_sum / max(steps_run, 1), steps=steps_run,
                        epsilon=accountant.epsilon(self.plan.delta), noise_multiplier=self.plan.noise_multiplier,
                        seconds=time.perf_counter() - started)
         return model, state, metrics
+
+    def _start_draws(self, state: TrainState) -> None:
+        """Where this call's batches and noise come from. Secret draws (an own-data client): its
+        secret stream, a sample whose gradient is not finite kept out of the clipped sum, and no
+        stop on divergence, which would release a bit of the data no noise covers. Else the
+        seeded generator, bit for bit as ever."""
+        if state.secret is not None and not self.clipper.guards_nonfinite:
+            raise ConfigError(f"--grad-sample-mode {self.clipper.mode}: cannot keep a sample whose gradient is not "
+                              f"finite out of the clipped sum, which secret draws need (an own-data client); use "
+                              f"bk, hooks, functorch or ew")
+        self.secret = self.optimizer.noise_source = state.secret
+        self.clipper.zero_nonfinite = state.secret is not None
+        if state.rng_state is None:
+            self.generator.manual_seed(_rng_seed(self.cfg, self.client))
+        else:
+            self.generator.set_state(state.rng_state)
+
+    def _end_draws(self, state: TrainState) -> None:
+        """The generator's state into `state`; a secret stream lives in the returned state only."""
+        if self.secret is None:
+            state.rng_state = self.generator.get_state()
+        self.secret = self.optimizer.noise_source = None
+        self.clipper.zero_nonfinite = False
 
     def evaluate(self, weights: Weights, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
         """(accuracy, mean loss) of `weights` on (x, y), in a plain copy of the model: no
