@@ -1,5 +1,5 @@
 """The weights a short run of each method and each clipping route ends with, as recorded before
-the trainer was split into methods, clippers and step callbacks (issue 26): a refactor must
+the trainer was split into methods, clippers and step callbacks: a refactor must
 not change a number. `python -m tests.same_weights --write` records them anew (only when a
 change is meant to change the numbers, and said so in its commit)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A client that owns its data and its privacy budget (issue 9), through the ClientApp called
+"""A client that owns its data and its privacy budget, through the ClientApp called
 in-process with real Flower Messages: its own files (image folders or .npz, prepared once and
 cached), its lifetime ledger across experiments, and clear errors for bad data."""
 import json
@@ -298,7 +298,7 @@ def test_mean_and_std_reach_every_party_on_a_built_in_data_set():
     assert data_lib.prepare(images, inputs.train_indices, "cpu", input_stats(standard)).x_test is images.normalised_x_test
 
 
-# -- issue 28: own data never trains without its owner's budget ---------------------------------
+# -- own data never trains without its owner's budget ---------------------------------
 def test_own_data_without_a_budget_is_refused_before_its_data_is_read(split, tmp_path):
     cfg, flat = run_config()
     node = {"partition-id": 0, "data": str(split / "npz" / "client-0"), "state-dir": str(tmp_path)}

@@ -435,7 +435,7 @@ def test_a_small_soak_with_churn_finishes_under_the_independent_privacy_check(tm
     released is within its ledger and its owner's limit; no round is charged twice on a client
     that nothing stopped in it; each absent client is recorded missing and trains again after it
     comes back. The report's accuracy criterion (within 3 points of the same seed's run without
-    faults) is for the issue's long runs: own data draws its noise from a secret seed, so two
+    faults) is for the long runs: own data draws its noise from a secret stream, so two
     fault-free runs of 8 short rounds already differ by a few points (62.22 and 64.10 here), and
     a client away for rounds of 8 costs more (6.53 points with this seed); this test bounds the
     gap at 15, where a run that stopped learning after a fault (chance: 10 %) would fail it."""

@@ -1,4 +1,4 @@
-"""`fedsd bench distill-share`'s measure (issue 40): the clipped gradient of a self-distilling
+"""`fedsd bench distill-share`'s measure: the clipped gradient of a self-distilling
 loss split into its cross-entropy part and its distillation part, on real MNIST images."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""`fedsd reproduce --table features` (issue 41): what the table chooses, on validation only,
+"""`fedsd reproduce --table features`: what the table chooses, on validation only,
 and how it pairs each method with dpsgd, central and in a federation. Made-up results in the
 real folders; the runs themselves are the slow tests of ScatterNet training."""
 import json
@@ -196,7 +196,7 @@ def test_the_screen_goes_past_the_edge_of_its_lr_grid_while_the_best_is_there(tm
 
 
 def test_a_method_runs_on_features_in_the_reading_the_readings_screen_chose_beside_the_papers(tmp_path):
-    """Issue 41: each self-distilling method in its best reading from issue 40 once that screen
+    """Each self-distilling method in its best reading from the readings' screen once that screen
     has chosen one (the papers' until then), its lr scale applied to the features setting's lr,
     centrally and in the federation; dpsgd stays at its features setting."""
     from simulations.experiments.features_table import (TB_SETTINGS, FeatureRun, FedFeatureRun, confirm_runs, fed_confirm_runs,

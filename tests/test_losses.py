@@ -152,7 +152,7 @@ def test_distill_schedule_scales_the_distillation_terms_by_epoch(batch, schedule
             assert got == pytest.approx(expected, rel=1e-10), (method, epoch)
 
 
-# -- the readings of the papers (issue 40), each against its hand computation -------------------
+# -- the readings of the papers, each against its hand computation -------------------
 SMALL = (torch.tensor([[2.0, -1.0, 0.5], [0.1, 0.2, 3.0]], dtype=torch.float64),  # 2 samples, 3 classes
          torch.tensor([[1.0, 0.0, -1.0], [-0.5, 1.5, 0.5]], dtype=torch.float64), torch.tensor([0, 1]))
 

@@ -1,4 +1,4 @@
-"""A newcomer's second hour (issue 44): what a user types is taken as typed or refused saying
+"""A newcomer's second hour: what a user types is taken as typed or refused saying
 why, a dry run checks what the real run would and writes nothing, and a run's result is easy
 to see and to use."""
 import json

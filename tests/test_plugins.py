@@ -1,6 +1,6 @@
 """A method from another package (tests/plugins/fedsd-smooth), installed into an environment of
 its own beside fedsd: it appears in `fedsd train --help` with its setting, trains, and is
-checked like fedsd's own, with nothing in fedsd changed (issue 42)."""
+checked like fedsd's own, with nothing in fedsd changed."""
 import json
 import os
 import shutil

@@ -1,4 +1,4 @@
-"""`fedsd check-privacy` (issue 43), on a run's files as a deployment leaves them: it passes
+"""`fedsd check-privacy`, on a run's files as a deployment leaves them: it passes
 only when every aggregated update is charged on its client's disk within the owner's limit,
 and fails loudly, naming the file, when it cannot read a ledger."""
 import json

@@ -2,7 +2,7 @@
 check its real run makes; a train or simulate command resolves to the epochs, B, lr, momentum
 and σ that the line under it states (`# → …`); and a sweep or reproduce command finds every run
 it would make already in its folder, finished with exactly these settings (nothing to run), so
-the text cannot drift from what the command now does (issue 44: a command that said 60 epochs
+the text cannot drift from what the command now does (a command that said 60 epochs
 trained 30, with another momentum)."""
 import re
 import shlex

@@ -1,6 +1,6 @@
 """The Table 1 files under results/ say what the kept runs say: table1.{json,md} are the ones
 `fedsd reproduce` writes from results/runs/table1, results/README.md shows the same cells, and
-the table holds every cell of the papers with the seeds issue 24 asks for."""
+the table holds every cell of the papers with the seeds the table promises."""
 import json
 
 import pytest
@@ -34,14 +34,14 @@ def test_the_kept_table1_is_the_one_its_runs_give(tmp_path):
 def test_the_readme_shows_table1_as_the_runs_give_it():
     by_data_set = (RESULTS / "table1.md").read_text().split("## By data set, as in the papers")[1]
     expected = _markdown_tables(by_data_set)
-    assert len(expected) == 5  # MNIST, FMNIST, CIFAR-10, the gains over dpsgd, the second protocol (issue 40)
+    assert len(expected) == 5  # MNIST, FMNIST, CIFAR-10, the gains over dpsgd, the second protocol
     shown = _markdown_tables((RESULTS / "README.md").read_text())
     for table in expected:
         assert table in shown, f"results/README.md lacks, or shows other numbers in:\n{table}"
 
 
 def test_table1_has_every_cell_of_the_papers_with_the_seeds_asked_for():
-    """Issue 24's 'done when': all 45 cells; three seeds in every ε = 3 cell and in every MNIST
+    """All 45 cells; three seeds in every ε = 3 cell and in every MNIST
     and Fashion-MNIST cell (CIFAR-10 at ε = 1 and 2: seed 0)."""
     rows = {(r["dataset"], r["method"], r["epsilon"]): r
             for r in json.loads((RESULTS / "table1.json").read_text())["cells"] if not r["variant"]}
@@ -144,7 +144,7 @@ def test_each_method_is_confirmed_at_its_best_reading_once_its_screen_is_done(tm
 
 
 def test_table1_second_protocol_is_the_readings_confirmation_of_each_method_at_its_chosen_reading(tmp_path):
-    """Table 1's second protocol (issue 40): once a method's screen is done on disk, its chosen
+    """Table 1's second protocol: once a method's screen is done on disk, its chosen
     reading's test runs, paired with dpsgd's chosen reading by seed, beside the papers' gain."""
     from fedsd.config import TrainConfig
     from fedsd.results import RunResult

@@ -14,7 +14,7 @@ from tests.conftest import require
 
 @pytest.mark.slow
 def test_fmnist_dp3sd_three_epochs_learns():
-    """Issue 2: 3 epochs, 12,000-sample subset, ε = 3, B = 256 → test accuracy ≥ 0.68 on CPU."""
+    """The first milestone: 3 epochs, 12,000-sample subset, ε = 3, B = 256 → test accuracy ≥ 0.68 on CPU."""
     require("fmnist")
     result, _ = train(TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, epochs=3, batch_size=256,
                                   lr=3.0, subset=12000, seed=0), progress=False)
@@ -236,7 +236,7 @@ def test_the_divergence_limit_scales_with_the_objectives_chance_level(method, se
 
 
 def test_the_tanh_variant_on_raw_inputs_is_a_tanh_network_and_learns():
-    """Tramèr & Boneh's variant (issue 24): tanh for every ReLU, inputs in [0, 1] (mean 0, std 1)."""
+    """Tramèr & Boneh's variant: tanh for every ReLU, inputs in [0, 1] (mean 0, std 1)."""
     require("fmnist")
     net = build_model("mnist-cnn", activation="tanh")
     assert sum(isinstance(m, torch.nn.Tanh) for m in net.modules()) == 3

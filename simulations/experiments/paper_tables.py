@@ -1,7 +1,7 @@
 """The papers' Table 1 (and Table 2, the FMNIST ablation), `fedsd reproduce --table 1|2`: its
 cells as a resumable set of central runs, and the table files made from the runs on disk.
 
-Each run is `fedsd train` with the SPEC §7 settings, written to <out>/runs/<run>/; a run whose
+Each run is `fedsd train` with the papers' settings (docs/algorithms.md, "Settings and their defaults"), written to <out>/runs/<run>/; a run whose
 result.json exists is not run again. The table files are made from whatever runs exist.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fedsd.results import write_json
 from simulations.commands.runs import paired_difference, plot_curves, seed_files, seeds_run
 from simulations.experiments.readings import confirm_rows, confirm_runs, screen_rows, screen_runs
 
-# Table 1 of both papers (test accuracy, %), ε = 1, 2, 3 (SPEC §7).
+# Table 1 of both papers (test accuracy, %), ε = 1, 2, 3 (docs/algorithms.md).
 PAPER_TABLE1 = {
     ("mnist", "dpsgd"): (95.51, 96.46, 97.01), ("mnist", "dpkd"): (94.31, 95.59, 96.88),
     ("mnist", "dpema"): (96.63, 97.51, 97.93), ("mnist", "dp3sd"): (97.21, 97.95, 98.42),

@@ -2,7 +2,7 @@
 as resumable central runs.
 
 A reading is a labelled variant of a method: the papers' literal reading (Table 1's first
-protocol) or another way their text can be read (SPEC §5, "Readings of the papers"), each a
+protocol) or another way their text can be read (docs/algorithms.md, "Readings of the papers"), each a
 setting. Two stages, chosen on validation only:
 
 - the screen: in the settings where our dpsgd already equals the papers' (MNIST at ε = 1 and 3,
@@ -51,7 +51,7 @@ class Reading:
 
 
 DISTILLING = ("dp3sd", "dpdsd", "dpkd")
-# Every reading of the papers that a setting makes (SPEC §5, "Readings of the papers").
+# Every reading of the papers that a setting makes (docs/algorithms.md, "Readings of the papers").
 READINGS = (
     Reading("papers", METHODS_ORDER, {}, "the papers' literal reading (Table 1)"),
     Reading("ramp", ("dp3sd", "dpdsd"), {"distill_schedule": "ramp"}, "PS-KD's ramped distillation weight"),
