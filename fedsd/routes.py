@@ -8,9 +8,9 @@ not be a clock. Which choices change the bits, and who makes them:
 
   - the mode (the clipper), its layout (channels-last or contiguous) and each conv layer's way:
     every one changes the bits. `--grad-sample-mode auto` (the default) takes them by `rule`,
-    which reads the shapes, the instruction set of the conv kernel's build and the thread count,
-    never a clock (a cost model calibrated per instruction set, RULES below), and the run records
-    the route it took (result.json's and the checkpoint's `route`). `--route` (or `fedsd train
+    which reads the shapes and the instruction set of the conv kernel's build, never a clock (a
+    cost model calibrated per instruction set, RULES below), and the run records the route it
+    took (result.json's and the checkpoint's `route`). `--route` (or `fedsd train
     --route-from RUN`) gives a recorded route back: the same weights on any machine with the
     same thread count and instruction set.
   - how the conv kernel splits a batch over threads (one sample to one thread) and the size of
@@ -49,22 +49,23 @@ WARMUP, REPEATS, MAX_REPEATS = 1, 3, 9
 RULE = "isa-flops-1"
 # Book-keeping's way per conv layer, by the instruction set of fedsd.conv_kernel's build (None:
 # no kernel; "cuda": a GPU): where per-sample gradients come from ("kernel" where it applies,
-# else PyTorch's patches), and below what share of their flops ghost norms are taken instead
-# (at 1 thread; `ghost_below_threaded` at more). Ghost norms cost 2T²(d+p) flops a sample,
-# per-sample gradients 2T·d·p (T output positions, d = c·k·k inputs, p output channels).
-# Calibrated by `fedsd bench routes --measure` at the papers' batch sizes (results/perf.md):
-#   - avx512 (kernel 1 thread: mnist-cnn conv2 at 0.9× the flops 34 ms, ghost 42; cifar-cnn
-#     conv3 at 1.1× 70 against 116, conv4 at 0.15× 65 against 32; at 2 threads mnist-cnn conv2
-#     ghost 24.5 ms against the kernel's 29.9);
-#   - avx2 and sse (the kernel loses to the patches on every layer at 1 thread; patches at 0.9×
-#     and 1.1× 28 and 118 ms against ghost 39 and 181, at 0.15× 117 against ghost 58);
+# else PyTorch's patches), and below what share of their flops ghost norms are taken instead.
+# Ghost norms cost 2T²(d+p) flops a sample, per-sample gradients 2T·d·p (T output positions,
+# d = c·k·k inputs, p output channels). Calibrated by `fedsd bench routes --measure` at the
+# papers' batch sizes (results/perf.md):
+#   - avx512: the kernel at 0.9× the flops (mnist-cnn conv2) 34 ms against ghost's 42, at 1.1×
+#     (cifar-cnn conv3) 70 against 116, at 0.15× (conv4) 65 against 32. At 2 threads ghost
+#     won mnist-cnn conv2 on a quiet machine (24.5 ms against 29.9) and lost it by 1.3× the whole
+#     step on a busy one: one share for every thread count;
+#   - avx2 and sse: the kernel loses to the patches on every layer at 1 thread; the patches at
+#     0.9× and 1.1× took 28 and 118 ms against ghost's 39 and 181, at 0.15× 117 against 58;
 #   - a GPU: bk's flops rule without the kernel (GHOST_FLOPS_LIMIT), not measured beyond it.
 RULES = {
-    "avx512": dict(per_sample="kernel", ghost_below=0.5, ghost_below_threaded=1.0),
-    "avx2": dict(per_sample="patches", ghost_below=0.5, ghost_below_threaded=0.5),
-    "sse": dict(per_sample="patches", ghost_below=0.5, ghost_below_threaded=0.5),
-    None: dict(per_sample="patches", ghost_below=0.5, ghost_below_threaded=0.5),
-    "cuda": dict(per_sample="patches", ghost_below=2.0, ghost_below_threaded=2.0),
+    "avx512": dict(per_sample="kernel", ghost_below=0.5),
+    "avx2": dict(per_sample="patches", ghost_below=0.5),
+    "sse": dict(per_sample="patches", ghost_below=0.5),
+    None: dict(per_sample="patches", ghost_below=0.5),
+    "cuda": dict(per_sample="patches", ghost_below=2.0),
 }
 # Where book-keeping cannot take a network (a layer it has no rule for): the first of these
 # that trains it, in the layout it runs in under auto (each clipper's auto_layouts). Ghost
@@ -198,14 +199,13 @@ def _captured(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch
     return clipper.captured(nn.functional.cross_entropy(model(x), y))
 
 
-def conv_way(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, kernel_isa: str | None, device: torch.device,
-             threads: int) -> str:
-    """The rule's way for one conv layer (RULES): by its shapes, the kernel's instruction set
-    and the thread count."""
+def conv_way(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, kernel_isa: str | None,
+             device: torch.device) -> str:
+    """The rule's way for one conv layer (RULES): by its shapes and the kernel's instruction set
+    (the thread count does not change it: see RULES)."""
     chosen = RULES["cuda" if device.type == "cuda" else kernel_isa if kernel_isa in RULES else None]
     T, p, d = g.shape[2] * g.shape[3], g.shape[1], layer.weight[0].numel()
-    limit = chosen["ghost_below" if threads <= 1 else "ghost_below_threaded"]
-    if T * T * (d + p) < limit * T * d * p:
+    if T * T * (d + p) < chosen["ghost_below"] * T * d * p:
         return "ghost"
     return "kernel" if chosen["per_sample"] == "kernel" and conv_kernel.applies(layer, a, g) else "patches"
 
@@ -214,13 +214,12 @@ def rule(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.devi
     """The route --grad-sample-mode auto takes, by a rule that reads no clock: book-keeping
     wherever it takes the network, in its auto layout (or the one --memory-format asks for),
     each conv layer's way by `conv_way`; else the first of FALLBACK_ORDER that trains it."""
-    threads = cfg.threads or torch.get_num_threads()
     made_for = dict(_made_for(cfg, num_classes, input_shape, device), rule=RULE)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         layout = layout_for("bk", cfg.memory_format)
         captured = _captured(cfg, num_classes, input_shape, device, layout)
         if captured is not None:
-            ways = {i: conv_way(layer, a, g, made_for["kernel_isa"], device, threads)
+            ways = {i: conv_way(layer, a, g, made_for["kernel_isa"], device)
                     for i, (layer, a, g) in enumerate(captured) if isinstance(layer, nn.Conv2d)}
             return Route("bk", layout, ways, conv_kernel.isa(), chosen_by="rule", made_for=made_for)
         failed = {}
