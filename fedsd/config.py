@@ -137,9 +137,9 @@ class RunSettings:
                                            "its one noisy step (Opacus' BatchMemoryManager; same weights and ε); 0 = "
                                            "what fits in memory, estimated from the model on each machine")
     grad_sample_mode: str = setting("auto", "per-sample clipping route; all give the same weights (to float "
-                                    "rounding) and ε (auto: chosen by a rule of the network's shapes, the CPU's "
-                                    "instruction set and the thread count, never by a clock, and recorded with "
-                                    "the run)", choices=GRAD_SAMPLE_MODES)
+                                    "rounding) and ε (auto: chosen by a rule of the network's shapes and the CPU's "
+                                    "instruction set, never by a clock, and recorded with the run: --route gives "
+                                    "it back)", choices=GRAD_SAMPLE_MODES)
     memory_format: str = setting("auto", "image and activation layout; auto: channels-last where the "
                                  "clipping mode is exact under it", choices=MEMORY_FORMATS)
     route: str = setting("", "the clipping route to take, as a run records it: MODE:LAYOUT, or for bk "
