@@ -113,7 +113,7 @@ class BookKeepingClipper:
                  conv_ways: dict[int, str] | None = None):
         """kernel=False: per-sample gradients by PyTorch's batched products, never fedsd.conv_kernel.
         conv_ways: a way of CONV_WAYS for each conv layer (by its index among the model's
-        Conv2d/Linear layers), as measured on this machine (fedsd.routes); unset, a flops rule
+        Conv2d/Linear layers), as the run's route says (fedsd.routes); unset, a flops rule
         chooses (uses_ghost_norm)."""
         self.layers = []
         for module in model.modules():

@@ -51,7 +51,10 @@ def prepare_run(cfg: TrainConfig) -> CentralInputs:
     check_fits_task(net, cfg.model, images.num_classes, input_shape_of(cfg))
     if cfg.grad_sample_mode == "bk":
         BookKeepingClipper(net, cfg.clip)  # a layer book-keeping has no rule for is refused, named
-    return CentralInputs(cfg, images, indices, resolve_device(cfg.device))
+    device = resolve_device(cfg.device)
+    if cfg.route:  # a given route fits this network (each conv layer's way, the kernel where it takes one)
+        routes.given(cfg, images.num_classes, input_shape_of(cfg), device)
+    return CentralInputs(cfg, images, indices, device)
 
 
 def plan_run(cfg: TrainConfig, out: str | Path | None = None,
@@ -177,10 +180,6 @@ class CentralRun:
             if self.out is not None and not self.resumed:
                 shutil.rmtree(self.out, ignore_errors=True)
             raise
-        if not self.epochs:  # the run's first epoch: its steps against what its route was measured at
-            data = self.trainer.data
-            routes.check(self.trainer.route, self.cfg, data.num_classes, tuple(data.x_train.shape[1:]),
-                         data.x_train.device, metrics["seconds"] / max(metrics["steps"], 1))
         net, tensors = self.trainer.model, self.trainer.data
         net.load_state_dict(released(self.model))
         accuracy, loss = evaluate(net, tensors.x_test, tensors.y_test)

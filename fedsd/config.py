@@ -23,8 +23,7 @@ METHODS = tuple(methods.METHODS)
 ACCOUNTANTS = ("rdp", "prv")
 DEVICES = ("cpu", "cuda", "auto")
 # The clipping routes (fedsd.clippers: Opacus' per-sample gradients, ghost clipping, fedsd's
-# book-keeping), and auto: the fastest of bk and ew on this machine, measured once and cached
-# (fedsd.routes)
+# book-keeping), and auto: chosen by a rule that reads no clock, and recorded (fedsd.routes)
 GRAD_SAMPLE_MODES = ("auto",) + tuple(clippers.CLIPPERS)
 # How images and activations are laid out in memory: channels-last runs this project's
 # convolutions about twice as fast on CPU (results/perf.md); "contiguous" is PyTorch's NCHW.
@@ -138,11 +137,15 @@ class RunSettings:
                                            "its one noisy step (Opacus' BatchMemoryManager; same weights and ε); 0 = "
                                            "what fits in memory, estimated from the model on each machine")
     grad_sample_mode: str = setting("auto", "per-sample clipping route; all give the same weights (to float "
-                                    "rounding) and ε (auto: the fastest exact route on this machine, measured "
-                                    "once and cached; name one for bit-for-bit repeats on a busy machine)",
-                                    choices=GRAD_SAMPLE_MODES)
+                                    "rounding) and ε (auto: chosen by a rule of the network's shapes and the CPU's "
+                                    "instruction set, never by a clock, and recorded with the run: --route gives "
+                                    "it back)", choices=GRAD_SAMPLE_MODES)
     memory_format: str = setting("auto", "image and activation layout; auto: channels-last where the "
                                  "clipping mode is exact under it", choices=MEMORY_FORMATS)
+    route: str = setting("", "the clipping route to take, as a run records it: MODE:LAYOUT, or for bk "
+                         "bk:LAYOUT:INDEX=WAY,... (e.g. bk:channels-last:0=kernel,1=ghost; fedsd train --route-from "
+                         "RUN gives a run's back): that run's weights on any machine with the same thread count and "
+                         "instruction set", default_text="\"\": --grad-sample-mode's")
     classes: str = setting("", "dataset=custom: the class names in label order, comma-separated",
                            default_text="read from the data: its class folders, sorted, or an .npz's labels 0 … K−1")
     image_size: int = setting(0, "dataset=custom: the square size images are resized to",
@@ -337,6 +340,12 @@ def validate(c: TrainConfig, num_train: int) -> None:
     check_setting(math.isfinite(c.feature_norm_noise) and c.feature_norm_noise > 0, "--feature-norm-noise",
                   "must be > 0", c.feature_norm_noise)
     check_layout(c)
+    if c.route:
+        from .routes import Route
+
+        Route.from_spec(c.route)  # its form here; against the network where the run is planned (fedsd.routes.given)
+        check_setting(c.grad_sample_mode == "auto", "--route", "takes the place of --grad-sample-mode; leave that auto",
+                      c.route)
     check_setting(math.isfinite(c.epsilon) and c.epsilon > 0, "--epsilon", "must be > 0", c.epsilon)
     check_setting(0 < c.delta < 1.0 / num_train, "--delta",
            f"must be in (0, 1/n) = (0, {1.0 / num_train:.3g}) for n = {num_train} training samples", c.delta)

@@ -51,8 +51,8 @@ from .cache import cache_root
 # -D WIDE_NV=… WIDE_DB=… NARROW_DB=… overrides it for measurement. The output channels go in
 # vectors, so p must be a multiple of 16 (every conv of the papers' CNNs); other layers take
 # the PyTorch route. On the AVX2 CPU measured, even the best block loses to PyTorch's patches
-# and batched products on every layer of the papers' CNNs: fedsd.routes measures and leaves
-# the kernel out there.
+# and batched products on every layer of the papers' CNNs: fedsd.routes' rule (RULES, by the
+# kernel's instruction set) leaves the kernel out there.
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>

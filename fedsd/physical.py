@@ -78,6 +78,6 @@ def physical_batch_size(cfg, model: nn.Module, input_shape: tuple[int, ...], dev
 
 def measured_batch_size(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.device) -> int:
     """The batch one pass of a run of `cfg` takes (its batch size, or its physical batch size
-    where that is smaller): what its clipping route is measured on (fedsd.routes)."""
+    where that is smaller): what `fedsd bench routes --measure` times a route on (fedsd.routes)."""
     model = model_for(cfg, num_classes, seed=0).to(device)  # seeded: the run's random state untouched
     return min(cfg.batch_size, physical_batch_size(cfg, model, input_shape, device))

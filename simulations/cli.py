@@ -43,19 +43,35 @@ def add_train_options(p: argparse.ArgumentParser, epsilon_required: bool = True,
     p.add_argument("--out", required=out_required, help="result folder (must be new or empty)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--route-from", metavar="RUN", default=None,
+                   help="take the clipping route the run in folder RUN recorded (its result.json or checkpoint): "
+                        "its weights again, on any machine with the same thread count and instruction set")
     p.add_argument("--log-dir", default=None, help="TensorBoard log folder, per epoch or round: accuracy, loss, ε "
                    "(each client's too), and the settings as hparams (default: OUT/tensorboard where TensorBoard is "
                    "installed, pip install 'fedsd[tensorboard]'; off: none)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return from_args(TrainConfig, args)
+    """The settings given, with --route-from's route as --route (checked against the run's network,
+    input and thread count)."""
+    cfg = from_args(TrainConfig, args)
+    if getattr(args, "route_from", None):
+        import dataclasses
+
+        from fedsd import routes
+        from fedsd.client_data import with_custom_task
+
+        if cfg.route:
+            raise ConfigError("--route-from: gives the run's route; leave out --route")
+        cfg = dataclasses.replace(cfg, route=routes.route_from(args.route_from, with_custom_task(cfg).resolved()))
+    return cfg
 
 
 def cmd_train(args) -> int:
     if args.resume:
         given = [s.flag for s in settings_of(TrainConfig) if hasattr(args, s.name)]
-        given += [flag for flag, on in (("--out", args.out), ("--overwrite", args.overwrite)) if on]
+        given += [flag for flag, on in (("--out", args.out), ("--overwrite", args.overwrite),
+                                        ("--route-from", args.route_from)) if on]
         if given:
             raise ConfigError(f"--resume DIR goes on with that run's own saved settings and folder; leave out "
                              f"{', '.join(given)}")
@@ -89,7 +105,8 @@ def cmd_simulate(args) -> int:
     if fed.resume_dir:
         given = [s.flag for cls in (TrainConfig, FedOptions) for s in settings_of(cls)
                  if hasattr(args, s.name) and s.name != "resume_dir"]
-        given += [flag for flag, on in (("--out", args.out), ("--overwrite", args.overwrite)) if on]
+        given += [flag for flag, on in (("--out", args.out), ("--overwrite", args.overwrite),
+                                        ("--route-from", args.route_from)) if on]
         if given:
             raise ConfigError(f"--resume DIR goes on with that run's own saved settings and folder; leave out "
                               f"{', '.join(given)}")

@@ -152,10 +152,10 @@ def test_the_audit_runs_on_scatternet_features(tmp_path):
     """--features scatter: the audited holder trains on its features (the black-box canaries are
     scattered like the data), and a tenth of the accounted noise shows as a broken mechanism there
     too; the white-box bound stays below the accountant's ε at the full noise."""
-    require("mnist")
+    require("fmnist")
     from simulations.cli import main
 
-    base = ["audit", "--dataset", "mnist", "--features", "scatter", "--method", "dpsgd", "--epsilon", "2",
+    base = ["audit", "--dataset", "fmnist", "--features", "scatter", "--method", "dpsgd", "--epsilon", "2",
             "--subset", "3000", "--epochs", "4", "--batch-size", "150", "--lr", "0.5", "--threads", "2", "--quiet"]
     reports = {}
     for name, extra in (("broken", ["--noise-scale", "0.1"]), ("sound", []), ("black", ["--threat", "black",

@@ -1,5 +1,6 @@
 """`fedsd bench distill-share`'s measure: the clipped gradient of a self-distilling
-loss split into its cross-entropy part and its distillation part, on real MNIST images."""
+loss split into its cross-entropy part and its distillation part, on real Fashion-MNIST images
+(any real images of mnist-cnn's shape do: which data set is not the point)."""
 import pytest
 import torch
 
@@ -13,8 +14,8 @@ from tests.conftest import require
 def batch():
     from fedsd import data as data_lib
 
-    require("mnist")
-    images = data_lib.load("mnist")
+    require("fmnist")
+    images = data_lib.load("fmnist")
     return images.normalised(images.x_train[:32]), images.y_train[:32].clone()
 
 

@@ -2,6 +2,7 @@
 made private-trainable by Opacus' ModuleValidator (the fix said once), refused with the path,
 the layer or both shapes named; and memory bounded by physical batches (fedsd.physical)."""
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -144,12 +145,19 @@ def test_the_papers_networks_fit_their_whole_batches():
 @pytest.mark.slow
 def test_resnet18_trains_privately_on_cifar10_in_bounded_memory(tmp_path):
     """The issue's command: resnet18 at B = 1000 would need about 44 GB of per-sample gradients at
-    once; in physical batches it stays under 8 GB, with the BatchNorm → GroupNorm fix reported."""
-    require("cifar10")
+    once; in physical batches it stays under 8 GB, with the BatchNorm → GroupNorm fix reported.
+    Where CIFAR-10 is not on this machine, on a CIFAR-10-shaped set the test makes: the memory is
+    the point, not the pixels."""
+    from fedsd import data as data_lib
+    from tests.conftest import write_cifar_shaped
+
+    stand_in = {} if data_lib.locate("cifar10") else \
+        {"FEDSD_DATA_DIR": str(write_cifar_shaped(tmp_path / "data", n_train=2500, n_test=500))}
+    env = {**os.environ, **stand_in}
     proc = subprocess.run([sys.executable, "-m", "simulations.cli", "train", "--model", "torchvision:resnet18",
                            "--dataset", "cifar10", "--epochs", "1", "--subset", "2000", "--epsilon", "3",
                            "--threads", "1", "--quiet", "--out", str(tmp_path / "r18")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     peak_bytes = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     assert peak_bytes < 8e9, peak_bytes

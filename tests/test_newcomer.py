@@ -32,10 +32,10 @@ def test_a_dry_run_of_split_data_writes_nothing(tmp_path):
 
 @pytest.mark.parametrize("command", [["train"], ["simulate", "--clients", "2", "--rounds", "1"]])
 def test_a_dry_run_refuses_what_the_run_would(tmp_path, capsys, monkeypatch, command):
-    """mnist (one grey channel) on cifar-cnn (three): refused by the dry run, as by the run, before any data or Ray."""
-    require("mnist")
+    """fmnist (one grey channel) on cifar-cnn (three): refused by the dry run, as by the run, before any data or Ray."""
+    require("fmnist")
     monkeypatch.setenv("FEDSD_DRY_RUN", "1")
-    assert main([*command, "--epsilon", "3", "--dataset", "mnist", "--model", "cifar-cnn", "--out",
+    assert main([*command, "--epsilon", "3", "--dataset", "fmnist", "--model", "cifar-cnn", "--out",
                  str(tmp_path / "o")]) == 2
     assert "--model: cifar-cnn takes 3 channels; the task has 1 channel(s) at 28×28" in capsys.readouterr().err
 
@@ -84,18 +84,18 @@ def test_version():
 @pytest.mark.slow
 def test_load_model_gives_what_the_run_released_ready_to_use(tmp_path, capsys):
     """fedsd.load_model: the network with the run's weights and normalisation, on raw images."""
-    require("mnist")
+    require("fmnist")
     import fedsd
     from fedsd import data as data_lib
 
     out = tmp_path / "run"
-    assert main(["train", "--dataset", "mnist", "--method", "dpsgd", "--subset", "2000", "--epochs", "2",
+    assert main(["train", "--dataset", "fmnist", "--method", "dpsgd", "--subset", "2000", "--epochs", "2",
                  "--batch-size", "200", "--lr", "2", "--epsilon", "3", "--threads", "1", "--quiet",
                  "--out", str(out)]) == 0
     summary = capsys.readouterr().out.splitlines()
     assert summary[3].startswith("  settings       B = 200, lr 2, momentum 0.9, σ = ") and summary[3].endswith(", 2 epochs")
     model = fedsd.load_model(out)
-    images = data_lib.load("mnist")
+    images = data_lib.load("fmnist")
     with torch.no_grad():
         accuracy = (model(images.x_test).argmax(1) == images.y_test).float().mean().item()
     assert accuracy == pytest.approx(json.loads((out / "result.json").read_text())["test_accuracy"], abs=1e-3)
@@ -164,9 +164,9 @@ def test_own_npz_data_simulates_as_a_federation(tmp_path):
 def test_a_run_writes_a_tensorboard_log_that_tensorboard_reads(tmp_path):
     """Per epoch: test accuracy and loss, validation accuracy, ε, as result.json has them; the
     resolved settings as hparams. --log-dir off writes none."""
-    require("mnist")
+    require("fmnist")
     out = tmp_path / "run"
-    assert main(["train", "--dataset", "mnist", "--method", "dpsgd", "--subset", "1000", "--validation", "500",
+    assert main(["train", "--dataset", "fmnist", "--method", "dpsgd", "--subset", "1000", "--validation", "500",
                  "--epochs", "2", "--batch-size", "100", "--epsilon", "3", "--threads", "1", "--quiet",
                  "--out", str(out)]) == 0
     epochs = json.loads((out / "result.json").read_text())["epochs"]
@@ -175,7 +175,7 @@ def test_a_run_writes_a_tensorboard_log_that_tensorboard_reads(tmp_path):
                      ("validation/accuracy", "validation_accuracy")):
         assert scalars[tag] == [(e["epoch"], pytest.approx(e[key], rel=1e-6)) for e in epochs], tag
     assert hparams["method"] == "dpsgd" and hparams["batch_size"] == 100 and hparams["epochs"] == 2
-    assert main(["train", "--dataset", "mnist", "--method", "dpsgd", "--subset", "1000", "--epochs", "1",
+    assert main(["train", "--dataset", "fmnist", "--method", "dpsgd", "--subset", "1000", "--epochs", "1",
                  "--batch-size", "100", "--epsilon", "3", "--threads", "1", "--quiet", "--log-dir", "off",
                  "--out", str(tmp_path / "quiet")]) == 0
     assert not (tmp_path / "quiet" / "tensorboard").exists()
@@ -232,7 +232,7 @@ def test_central_training_needs_no_flower(tmp_path):
     """Someone reproducing the papers centrally may have no Flower or Ray installed: `fedsd train`
     builds its parser and checks its run without importing either (the federated commands are
     left out, as when Flower is missing)."""
-    require("mnist")
+    require("fmnist")
     block = ("import importlib.abc, sys\n"
              "class NoFlower(importlib.abc.MetaPathFinder):\n"
              "    def find_spec(self, name, path, target=None):\n"
@@ -241,7 +241,7 @@ def test_central_training_needs_no_flower(tmp_path):
              "sys.meta_path.insert(0, NoFlower())\n"
              "from simulations.cli import main\n"
              "sys.exit(main(sys.argv[1:]))\n")
-    proc = subprocess.run([sys.executable, "-c", block, "train", "--dataset", "mnist", "--epsilon", "3", "--epochs", "1",
+    proc = subprocess.run([sys.executable, "-c", block, "train", "--dataset", "fmnist", "--epsilon", "3", "--epochs", "1",
                            "--out", str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT, timeout=300,
                           env={**os.environ, "FEDSD_DRY_RUN": "1"})
     assert proc.returncode == 0, proc.stderr

@@ -36,23 +36,23 @@ def fedsd(site, *args, cwd):
 
 
 def test_a_plugin_method_is_an_option_of_fedsd_and_trains(site, tmp_path):
-    require("mnist")
+    require("fmnist")
     helped = fedsd(site, "train", "--help", cwd=tmp_path)
     text = " ".join(helped.stdout.split())
     assert "dpsmooth" in text and "--label-smoothing X dpsmooth: the cross-entropy's label smoothing (default: 0.1, " \
                                   "the plugin's)" in text
     out = tmp_path / "run"
-    trained = fedsd(site, "train", "--method", "dpsmooth", "--dataset", "mnist", "--subset", "2000", "--epochs", "2",
+    trained = fedsd(site, "train", "--method", "dpsmooth", "--dataset", "fmnist", "--subset", "2000", "--epochs", "2",
                     "--batch-size", "200", "--lr", "2", "--epsilon", "3", "--threads", "1", "--quiet", "--out", str(out),
                     cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
     assert result["config"]["method"] == "dpsmooth" and result["config"]["label_smoothing"] == 0.1
     assert result["test_accuracy"] > 0.5, result["test_accuracy"]  # chance: 0.1
-    refused = fedsd(site, "train", "--method", "dpsmooth", "--dataset", "mnist", "--label-smoothing", "1.5",
+    refused = fedsd(site, "train", "--method", "dpsmooth", "--dataset", "fmnist", "--label-smoothing", "1.5",
                     "--epsilon", "3", "--out", str(tmp_path / "bad"), cwd=tmp_path)
     assert refused.returncode == 2 and "--label-smoothing: must be in [0, 1), got 1.5" in refused.stderr
-    other = fedsd(site, "train", "--method", "dpsgd", "--dataset", "mnist", "--label-smoothing", "0.2",
+    other = fedsd(site, "train", "--method", "dpsgd", "--dataset", "fmnist", "--label-smoothing", "0.2",
                   "--epsilon", "3", "--out", str(tmp_path / "bad"), cwd=tmp_path)
     assert other.returncode == 2 and "--label-smoothing: a setting of dpsmooth, not of --method dpsgd" in other.stderr
     without = subprocess.run([sys.executable, "-m", "simulations.cli", "train", "--help"], capture_output=True,

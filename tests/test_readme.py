@@ -44,31 +44,6 @@ def test_the_readme_lists_the_commands_this_file_runs():
 DRY = [line for line in readme_commands() if line.startswith(("fedsd ", "scripts/deploy-local.sh "))]
 
 
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    """A data root with the three data sets at their real sizes: each where this machine has it,
-    else a stand-in of the same shape and size made from Fashion-MNIST (MNIST: its files as they
-    are; CIFAR-10: its images padded to 32×32 over three channels). A dry run checks the data's
-    presence, sizes and the σ they give, not its pixels, so the README's commands for the
-    papers' other data sets pass their checks on a machine that has only what `make` installs."""
-    from fedsd import data as data_lib
-    from tests.conftest import write_cifar_shaped
-
-    require("fmnist")
-    root = tmp_path_factory.mktemp("data")
-    (root / "fashion-mnist").symlink_to(data_lib.locate("fmnist"))
-    (root / "mnist").symlink_to(data_lib.locate("mnist") or data_lib.locate("fmnist"))
-    cifar = data_lib.locate("cifar10")
-    if cifar is not None:
-        (root / "cifar10").mkdir()
-        (root / "cifar10" / cifar.name).symlink_to(cifar)
-    else:
-        write_cifar_shaped(root, n_train=50000, n_test=10000)
-    # the README's ~/my-images (HOME is root/home): ten classes, 40 images each
-    write_image_folder(root / "home" / "my-images", {f"class-{k}": k for k in range(10)}, per_class=40)
-    return root
-
-
 MY_NET = """from torch import nn
 
 

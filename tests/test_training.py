@@ -25,9 +25,8 @@ def test_fmnist_dp3sd_three_epochs_learns():
 
 @pytest.mark.slow
 def test_same_seed_same_weights_bit_for_bit():
-    """At one route: "auto" measures the fastest route and forgets it when a run's steps come out
-    slower than measured (a busy machine), so two auto runs can take two routes, equal only to
-    float rounding (a fresh clone's suite, beside a soak, failed this so)."""
+    """At one route, pinned (a forced mode): a test that compares weights across runs never
+    depends on how a route is chosen (auto's rule reads no clock; tests/test_routes.py)."""
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dpdsd", epsilon=2, epochs=2, batch_size=128, subset=1500, seed=7,
                       threads=1, grad_sample_mode="hooks")

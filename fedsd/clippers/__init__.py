@@ -1,8 +1,9 @@
 """Per-sample clippers, one file each, registered by their mode names (`register`).
 
 Every clipper computes the same thing, the sum over the batch of each sample's gradient
-clipped to norm C, and differs in how (and how fast: fedsd.routes measures them and keeps the
-fastest, the run's route). A clipper owns the Opacus optimizer that adds the noise and
+clipped to norm C, and differs in how: how fast, and the order it sums in, so each gives
+weights of its own in the last bits (fedsd.routes chooses the run's route by a rule and records
+it). A clipper owns the Opacus optimizer that adds the noise and
 averages, and puts the clipped sum where that optimizer reads it, the empty Poisson batch
 included. A new clipper is a subclass of `Clipper` in a file of its own, with its mode names
 and the layouts `auto` may run them in, decorated with `@register`; a package outside fedsd

@@ -18,8 +18,10 @@ class Clipper:
 
     modes: tuple[str, ...] = ()  # the --grad-sample-mode values this clipper serves
     channels_last_exact: tuple[str, ...] = ()  # its modes whose gradients are exact on channels-last tensors
-    # The modes --grad-sample-mode auto may pick, each with the layout it runs in then (one in
-    # which it is exact, and its faster where both are); fedsd.routes times every one.
+    # The modes a route may take, each with the layout it runs in then (one in which it is exact,
+    # and its faster where both are): auto's rule takes bk, else the first of
+    # fedsd.routes.FALLBACK_ORDER that trains the network; --route may name any of them, and
+    # `fedsd bench routes --measure` times every one.
     auto_layouts: dict[str, str] = {}
     # True: the route writes the clipped sum into p.grad itself (Opacus' DPOptimizerFastGradientClipping
     # noises and averages it); False: it leaves per-sample gradients in p.grad_sample, which
@@ -39,7 +41,7 @@ class Clipper:
         self.zero_nonfinite = False
 
     def take(self, route) -> None:
-        """What a measured route (fedsd.routes.Route) says about this clipper beyond its mode and
+        """What the run's route (fedsd.routes.Route) says about this clipper beyond its mode and
         layout (book-keeping: each conv layer's way)."""
 
     def make_optimizer(self, sgd: torch.optim.Optimizer, **dp):

@@ -18,7 +18,8 @@ class BookKeeping(Clipper):
         self.engine = BookKeepingClipper(model, cfg.clip)
 
     def take(self, route) -> None:
-        """Each conv layer's way, as measured on this machine (fedsd.routes); else the flops rule."""
+        """Each conv layer's way, as the run's route says (fedsd.routes: its rule's, or given back);
+        else the flops rule."""
         self.conv_ways = route.conv_ways or None
 
     @property

@@ -117,8 +117,15 @@ def _add_distill_share(what) -> None:
 
 
 def _add_routes(what) -> None:
-    rts = what.add_parser("routes", help="the routes --grad-sample-mode auto measured and keeps on this machine")
-    rts.add_argument("--clear", action="store_true", help="forget them all: each is measured again when next needed")
+    rts = what.add_parser("routes", help="the routes runs took on this machine (--grad-sample-mode auto: by rule), "
+                                         "or --measure: every candidate timed against the rule's choice")
+    rts.add_argument("--clear", action="store_true", help="forget the list (no run reads it: a route is chosen by rule)")
+    rts.add_argument("--measure", action="store_true",
+                     help="time every clipper and every way of each conv layer on --model at --batch-size, and say "
+                          "where the rule's choice (fedsd.routes.RULES) is not the fastest: how the rule is calibrated")
+    rts.add_argument("--model", choices=["mnist-cnn", "cifar-cnn"], default="mnist-cnn")
+    rts.add_argument("--batch-size", type=int, default=None, help="default: the papers' for the model's data set")
+    rts.add_argument("--threads", type=int, default=0, help="torch threads; 0 leaves torch's default")
     rts.set_defaults(func=bench_routes)
 
 
@@ -327,7 +334,24 @@ def step_lines(args: argparse.Namespace, batch: int, device, rows: list[dict]) -
 def bench_routes(args: argparse.Namespace) -> int:
     """List the routes this machine keeps (what each was measured for, and the choice), or forget them."""
     if args.clear:
-        print(f"bench routes: forgot {routes.forget_all()} route(s); each is measured again when next needed")
+        print(f"bench routes: forgot {routes.forget_all()} route(s) (a run's route is chosen by rule, not read here)")
+        return 0
+    if args.measure:
+        import torch
+
+        from fedsd.config import TrainConfig
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        dataset, shape = ("fmnist", (1, 28, 28)) if args.model == "mnist-cnn" else ("cifar10", (3, 32, 32))
+        cfg = TrainConfig(dataset=dataset, method="dpsgd", epsilon=3.0, batch_size=args.batch_size,
+                          threads=args.threads).resolved()
+        dry_run.stop_here(f"time every route of {args.model} at B = {cfg.batch_size}")
+        measured = routes.measure(cfg, 10, shape, torch.device("cpu"))
+        chosen = routes.rule(cfg, 10, shape, torch.device("cpu"))
+        print(f"{args.model} B={cfg.batch_size} {torch.get_num_threads()} thread(s), measured: {measured.describe()}")
+        print(f"the rule takes {chosen.describe()}" + ("" if chosen.spec() == measured.spec() else
+                                                        f"; the fastest measured was {measured.spec()}"))
         return 0
     kept = routes.cached()
     for key, route in kept:

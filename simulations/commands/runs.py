@@ -30,7 +30,7 @@ def _run_one(config: dict, out: str) -> dict:
         if unfinished(out) and same_settings(load_checkpoint(out)["config"].to_dict(), config):
             result, _ = train(None, out, resume=True, progress=False)  # stopped earlier: goes on where it was
         else:
-            result, _ = train(TrainConfig(**config), out, overwrite=True, progress=False)
+            result, _ = train(TrainConfig(**with_recorded_route(config, out)), out, overwrite=True, progress=False)
     except TrainingDiverged as e:
         # A sweep's answer too: this setting does not train. Kept, so that it is not run again.
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -40,6 +40,25 @@ def _run_one(config: dict, out: str) -> dict:
 
 
 DIVERGED = "diverged.json"  # beside where result.json would be, for a run that diverged
+
+
+def with_recorded_route(config: dict, out) -> dict:
+    """`config`, run again in `out`, where a run of the same settings recorded its route: with
+    that route (--route), so the run gives that run's weights. A route that does not fit (made
+    at another thread count, for another network) or none: `config` as it is."""
+    from fedsd import routes
+    from fedsd.config import TrainConfig
+    from fedsd.errors import ConfigError
+
+    if config.get("route") or config.get("grad_sample_mode", "auto") != "auto":
+        return config
+    try:
+        _, done = routes.recorded(out)
+        if not same_settings(done, config):
+            return config
+        return {**config, "route": routes.route_from(out, TrainConfig(**config).resolved())}
+    except ConfigError:
+        return config
 
 
 def run_jobs(todo: list[tuple[dict, str]], total: int, jobs: int, desc: str, quiet: bool = False) -> None:
@@ -70,7 +89,7 @@ def run_jobs(todo: list[tuple[dict, str]], total: int, jobs: int, desc: str, qui
 # How a run is computed, not what it computes: every clipping mode and layout gives the same
 # weights to float tolerance and the same ε (tests/test_grad_sample_modes.py), so a cell made
 # with another of them is not run again.
-NOT_SETTINGS = ("device", "threads", "data_dir", "download", "grad_sample_mode", "memory_format")
+NOT_SETTINGS = ("device", "threads", "data_dir", "download", "grad_sample_mode", "memory_format", "route")
 
 
 def finished_with(run_out: Path, config: dict) -> bool:
