@@ -197,7 +197,7 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
         plan = privacy.plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant,
                             cache_dir=str(node.state_folder("calibrations")))
         _TRAINERS.clear()  # one data set a process: a fresh ClientApp process, or one Ray worker's client
-        _TRAINERS[key] = planned_trainer(cfg, tensors, plan, client=partition_id)
+        _TRAINERS[key] = planned_trainer(cfg, tensors, plan, client=partition_id, guarded=node.secret_noise)
     if node.secret_noise and not _TRAINERS[key].clipper.guards_nonfinite:  # before anything is charged
         raise ConfigError(f"grad-sample-mode: the run's route ({_TRAINERS[key].clipper.mode}) cannot keep a sample "
                           f"whose gradient is not finite out of the clipped sum, which this client's secret draws "

@@ -150,19 +150,22 @@ class Route:
                 + ("" if self.settled else "; not settled"))
 
 
-def for_run(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.device) -> "Route | None":
+def for_run(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.device,
+            guarded: bool = False) -> "Route | None":
     """The route a run of `cfg` takes, chosen while the run is planned: None unless
-    --grad-sample-mode auto (a forced mode is its own route); --route's where given, else the rule's."""
-    return choose(cfg, num_classes, input_shape, device) if cfg.grad_sample_mode == AUTO else None
+    --grad-sample-mode auto (a forced mode is its own route); --route's where given, else the
+    rule's. guarded: only a clipper that can keep a sample whose gradient is not finite out of
+    the sum (Clipper.guards_nonfinite: what secret draws need, an own-data client)."""
+    return choose(cfg, num_classes, input_shape, device, guarded) if cfg.grad_sample_mode == AUTO else None
 
 
-def choose(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.device) -> Route:
+def choose(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.device, guarded: bool = False) -> Route:
     """The route for a run of `cfg` (a resolved TrainConfig) on `device`: --route's (checked
     against the network, `given`), else the rule's. Either is kept in FEDSD_CACHE_DIR/routes/,
     for `fedsd bench routes` to list what runs on this machine took; nothing reads it back."""
     threads = cfg.threads or torch.get_num_threads()
     route = given(cfg, num_classes, input_shape, device) if getattr(cfg, "route", "") else \
-        rule(cfg, num_classes, input_shape, device)
+        rule(cfg, num_classes, input_shape, device, guarded)
     from .results import write_json
 
     key = _key(dataclasses.replace(cfg, batch_size=measured_batch_size(cfg, num_classes, input_shape, device)),
@@ -210,7 +213,7 @@ def conv_way(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, kernel_isa: str
     return "kernel" if chosen["per_sample"] == "kernel" and conv_kernel.applies(layer, a, g) else "patches"
 
 
-def rule(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.device) -> Route:
+def rule(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.device, guarded: bool = False) -> Route:
     """The route --grad-sample-mode auto takes, by a rule that reads no clock: book-keeping
     wherever it takes the network, in its auto layout (or the one --memory-format asks for),
     each conv layer's way by `conv_way`; else the first of FALLBACK_ORDER that trains it."""
@@ -225,6 +228,8 @@ def rule(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.devi
         failed = {}
         for mode in FALLBACK_ORDER:
             if mode not in step_candidates() or (cfg.memory_format != AUTO and mode not in _exact_in(cfg.memory_format)):
+                continue
+            if guarded and not CLIPPERS[mode].guards_nonfinite:
                 continue
             try:  # whether this clipper can train the network at all: a deterministic failure, not a time
                 x = torch.randn(4, *input_shape, generator=torch.Generator().manual_seed(0)).to(device)

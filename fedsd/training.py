@@ -188,11 +188,12 @@ class DivergenceCheck:
 
 
 def planned_trainer(cfg: TrainConfig, data: TensorData, plan: PrivacyPlan, client: int = 0,
-                    route: routes.Route | None = None) -> "DPTrainer":
-    """The trainer of a run being planned: with --grad-sample-mode auto its route is measured
-    (or read from this machine's cache) first, then handed to the trainer."""
+                    route: routes.Route | None = None, guarded: bool = False) -> "DPTrainer":
+    """The trainer of a run being planned: with --grad-sample-mode auto its route is chosen
+    first (fedsd.routes; guarded: one that can train with secret draws), then handed to the
+    trainer."""
     if route is None:
-        route = routes.for_run(cfg, data.num_classes, tuple(data.x_train.shape[1:]), data.x_train.device)
+        route = routes.for_run(cfg, data.num_classes, tuple(data.x_train.shape[1:]), data.x_train.device, guarded)
     return DPTrainer(cfg, data, plan, client=client, route=route)
 
 

@@ -789,3 +789,30 @@ def test_a_state_an_earlier_version_kept_goes_on_with_a_new_key(own_npz, tmp_pat
     assert any(not torch.equal(a[k], b[k]) for k in a)
     for m in "ab":
         assert "secret/key" in torch.load(tmp_path / m / "old" / "client-0.pt", weights_only=True)
+
+
+GROUPNORM_NET = """
+import torch
+def make(num_classes, channels, image_size):  # GroupNorm with weights: no book-keeping rule for it
+    return torch.nn.Sequential(torch.nn.Conv2d(channels, 4, 3), torch.nn.GroupNorm(2, 4), torch.nn.ReLU(),
+                               torch.nn.Flatten(), torch.nn.Linear(4 * (image_size - 2) ** 2, num_classes))
+"""
+
+
+def test_an_own_data_clients_route_can_keep_a_sample_out_of_the_sum(own_npz, tmp_path, monkeypatch):
+    """Where book-keeping cannot take a network, the rule's first other route is ghost clipping,
+    which cannot train with secret draws: an own-data client takes the next one instead."""
+    from fedsd import routes
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "owners_groupnorm_net.py").write_text(GROUPNORM_NET)
+    monkeypatch.syspath_prepend(str(site))
+    name = "owners_groupnorm_net:make"
+    cfg, fed, flat = one_step_run(model=name)
+    c = client_config(cfg, fed)
+    assert routes.rule(c, 10, (1, 28, 28), torch.device("cpu")).mode == "ghost"  # the rule, unguarded
+    start = {"student": build_model(name, 10, seed=0, channels=1, image_size=28).state_dict()}
+    reply = ask({**flat, "model": name}, node(own_npz, tmp_path / "state", **{"allow-model": name}), start)
+    assert reply["metrics"]["skipped"] == 0 and reply.array_records
+    assert [t.clipper.mode for t in local._TRAINERS.values()] == ["ew"]
