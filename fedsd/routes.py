@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from . import cache_root, conv_kernel
+from . import conv_kernel
+from .cache import cache_root
 from .bookkeeping import CONV_WAYS, BookKeepingClipper
 from .clippers import CHANNELS_LAST_EXACT, CLIPPERS
 from .errors import ConfigError, ModelNotPrivateError
