@@ -268,7 +268,8 @@ def test_own_data_trains_only_under_an_owners_budget(tmp_path):
 def test_operators_see_each_round_who_did_not_train_and_why(tmp_path):
     """Three clients on their own image folders, one holding an unreadable image, owners'
     limit ε = 2. At ε = 1.5 each round prints a line (who trained, who missed), and the summary
-    names the client and its file. At ε = 3 every client refuses: the run stops after round 1
+    names the client and that its data does not fit (the file is named in its owner's log only,
+    never to the server). At ε = 3 every client refuses: the run stops after round 1
     with each reason. With skip-bad-files=true the third run trains on all three, and the
     summary names the file left out."""
     require("fmnist")
@@ -289,14 +290,14 @@ def test_operators_see_each_round_who_did_not_train_and_why(tmp_path):
     assert all(line.endswith("; trained 0, 2, refused 1") for line in rounds), rounds
     summary = "\n".join(lines[lines.index(rounds[-1]) + 1:])
     assert "test accuracy" in summary and "ε spent" in summary and "\\u03b5" not in first.stdout
-    assert "not trained    client 1 in rounds 1–2: refused: data=" in summary, summary
-    assert "bad.png: not a readable PNG or JPEG image" in summary
+    assert "not trained    client 1 in rounds 1–2: refused: data: this client's own data does not fit" in summary, summary
+    assert "bad.png" not in summary
     assert "owners' budget client 0: ε ≤ 2, δ ≤ 1e-05" in summary
     too_much = no_client_can_train([*common, "--rounds", "3", "--epsilon", "3", "--node-config", "max-epsilon=2",
                                     "--work", str(tmp_path / "work-2")], tmp_path / "run-2")
     for k in (0, 2):
         assert f"client {k} refused: run asks ε=3, this client allows at most 2" in too_much
-    assert "client 1 refused: data=" in too_much and "bad.png" in too_much
+    assert "client 1 refused: data: this client's own data does not fit" in too_much and "bad.png" not in too_much
     skipping = deploy_local([*common, "--rounds", "1", "--epsilon", "1.5", "--node-config",
                              "max-epsilon=2 skip-bad-files=true", "--work", str(tmp_path / "work-3")], tmp_path / "run-3")
     assert skipping["rounds"][0]["trained"] == [0, 1, 2]
