@@ -409,8 +409,9 @@ class DataService:
             threading.Thread(target=self._watch, daemon=True).start()
         while True:
             conn, _ = listener.accept()
-            if peer_uid(conn) not in self.allowed:
-                log.warning("refused a connection from uid %d, which this service does not answer", peer_uid(conn))
+            uid = peer_uid(conn)
+            if uid not in self.allowed:
+                log.warning("refused a connection from uid %d, which this service does not answer", uid)
                 conn.close()  # a user this service does not answer: closed without a word
                 continue
             self.readers.acquire()
