@@ -29,6 +29,10 @@ from clients import node_config as node_configs
 from clients import data_service
 
 app = ClientApp()
+# Secure aggregation's keys live in the owner's data service, never in this process (the
+# server's code); a simulation runs the protocol in its own process, not through ClientApps.
+SECAGG_NEEDS_SERVICE = ("secure aggregation: this node has no owner's data service (node config service=...); "
+                        "its stages are answered by the service alone, which holds the round's keys")
 
 
 def answer(kind: str, msg: Message, context: Context) -> Message:
@@ -51,6 +55,8 @@ def reply_content(kind: str, content: RecordDict, context: Context) -> RecordDic
         node = None  # said to the server by the round itself (a refusal naming the key)
     if node is not None and node.service:  # never answered here: this process cannot read the data
         return data_service.ask_service(node, kind, content, context)
+    if kind in data_service.SECAGG_KINDS:
+        raise ValueError(SECAGG_NEEDS_SERVICE)
     if node is not None and data_service.wanted(node):
         try:
             return data_service.ask_worker(node, kind, content, context)
@@ -69,3 +75,14 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     return answer("evaluate", msg, context)
+
+
+def _secagg_stage(stage: str):
+    def handler(msg: Message, context: Context) -> Message:
+        return answer(f"secagg-{stage}", msg, context)
+    handler.__name__ = f"secagg_{stage}"
+    return handler
+
+
+for _stage in ("advertise", "share", "masked", "unmask"):  # message type query.secagg_<stage>
+    app.query(f"secagg_{_stage}")(_secagg_stage(_stage))

@@ -66,6 +66,9 @@ MAX_CONNECTIONS = 8  # messages read or waiting at once (so at most 1 GiB of rec
 MAX_CONTEXTS = 16  # (run, node) states kept in memory; the privacy state is on disk in any case
 TAKEN = {"status": "taken"}  # the service's word that it has the message and will answer it
 KINDS = ("train", "evaluate")
+# Secure aggregation's stages (clients/secure_aggregation.py): the owner's service only, whose
+# memory alone holds a round's keys.
+SECAGG_KINDS = ("secagg-advertise", "secagg-share", "secagg-masked", "secagg-unmask")
 # What the owner's service says when answering failed: the details (a path, a count of the data)
 # go to the owner's log only.
 FAILED = "the owner's data service could not answer this message; its owner's log has the details"
@@ -399,7 +402,11 @@ class DataService:
         tune_process()
         from clients import local  # torch, Opacus, fedsd: once, for every round to come
 
-        self.handlers = local.HANDLERS
+        self.handlers = dict(local.HANDLERS)
+        if self.node is not None:
+            from clients import secure_aggregation
+
+            self.handlers.update(secure_aggregation.HANDLERS)
         if self.node is not None:
             from fedsd import __version__
 
@@ -423,9 +430,10 @@ class DataService:
             with conn:
                 try:
                     header, content = recv_json(conn, FRAME_SECONDS), recv_records(conn, FRAME_SECONDS)
-                    if header.get("kind") not in KINDS:
+                    if header.get("kind") not in KINDS + (SECAGG_KINDS if self.node is not None else ()):
                         raise Refused(f"a message of kind {str(header.get('kind'))[:40]!r}; the kinds are train "
-                                      f"and evaluate")
+                                      f"and evaluate" + (", and secure aggregation's stages in an owner's data "
+                                                         "service" if self.node is None else ""))
                 except Refused as e:
                     log.warning("refused a message: %s", e)
                     _try_send(conn, {"status": "refused", "error": str(e)})
@@ -451,6 +459,7 @@ class DataService:
                 try:
                     for frame in reply:
                         send_frame(conn, frame)
+                    log.info("answered a %s message", header.get("kind"))
                 except OSError as e:
                     log.warning("gave up sending a reply: %s", e)
         except BaseException:  # noqa: BLE001  (nothing a message does ends the service)
@@ -485,11 +494,13 @@ class DataService:
 
                 reply["service"] = ConfigRecord(dict(self.identity))
         except BaseException as e:  # noqa: BLE001  (SystemExit too: the ClientApp raises it, the service goes on)
+            from clients.secure_aggregation import StageRefused
+
             traceback.print_exc(file=sys.stderr)
             sys.stderr.flush()
             # The owner's service says only that it failed: an error's text can hold a path, or a
             # count of the data. A warm worker is the ClientApp's own process, in effect.
-            said = str(e) if isinstance(e, Refused) else FAILED if self.node is not None else f"{type(e).__name__}: {e}"
+            said = str(e) if isinstance(e, (Refused, StageRefused)) else FAILED if self.node is not None else f"{type(e).__name__}: {e}"
             log.warning("answered a %s message with an error: %s: %s", header.get("kind"), type(e).__name__, e)
             return [json.dumps({"status": "error", "error": said}).encode()]
         return [json.dumps({"status": "ok"}).encode(), recorddict_to_proto(reply).SerializeToString()]

@@ -79,6 +79,12 @@ class NodeConfig:
     skip_bad_files: bool = setting(False, "train on the readable images of `data` and leave out unreadable ones "
                                           "(reported to the server); default: one unreadable image refuses the "
                                           "whole data set")
+    secagg_min_clients: int = setting(2, "secure aggregation: the fewest clients a round's cohort, and its survivors, "
+                                         "may have for this node to take part (its assumption of how many honest "
+                                         "clients hide its input in the sum); a smaller cohort is refused")
+    secagg_keep_inputs: bool = setting(False, "secure aggregation: keep each round's unmasked vector, as this node "
+                                              "released it into the sum, in state-dir/secagg/<run>-<round>.npy "
+                                              "(the owner's own audit of what it released)")
 
     @property
     def owns_data(self) -> bool:
@@ -150,6 +156,9 @@ def parse(node_config: Mapping) -> NodeConfig:
         raise NodeConfigError(f"node-config partition-id={node.partition_id}: must be ≥ 0")
     if not node.worker_idle_seconds > 0:
         raise NodeConfigError(f"node-config worker-idle-seconds={node.worker_idle_seconds:g}: must be > 0")
+    if node.secagg_min_clients < 2:
+        raise NodeConfigError(f"node-config secagg-min-clients={node.secagg_min_clients}: must be ≥ 2 (a sum of one "
+                              f"client's input is that input)")
     if node.min_evaluation_samples < 1:
         raise NodeConfigError(f"node-config min-evaluation-samples={node.min_evaluation_samples}: must be ≥ 1")
     if node.service:

@@ -12,6 +12,7 @@ import dataclasses
 import shutil
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from datetime import datetime
 from logging import INFO
 from pathlib import Path
@@ -40,6 +41,7 @@ from task.records import model_to_record, record_to_model
 from . import checkpoint
 from .rounds import RoundBook
 from .grid import PollingGrid
+from .secure_aggregation import SecureRounds
 from .strategy import ClientsFailed, RecordingStrategy, base_strategy
 
 
@@ -59,10 +61,15 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
         # Every message carries the run's settings (the strategy adds them); this is what Flower logs at the start.
         train_config = ConfigRecord({"experiment-id": launch.experiment_id})
         try:
-            outcome = side.strategy.start(grid=PollingGrid(grid), initial_arrays=model_to_record(initial),
-                                          num_rounds=launch.fed.rounds - launch.round, timeout=launch.fed.round_timeout,
-                                          train_config=train_config, evaluate_config=ConfigRecord(dict(train_config)),
-                                          evaluate_fn=side.book.evaluate_global)
+            if launch.fed.secure_aggregation:  # the four stages of SecAgg+ each round, in place of the strategy's
+                outcome = SimpleNamespace(arrays=SecureRounds(PollingGrid(grid), side, launch).run(
+                    model_to_record(initial)))
+            else:
+                outcome = side.strategy.start(grid=PollingGrid(grid), initial_arrays=model_to_record(initial),
+                                              num_rounds=launch.fed.rounds - launch.round,
+                                              timeout=launch.fed.round_timeout, train_config=train_config,
+                                              evaluate_config=ConfigRecord(dict(train_config)),
+                                              evaluate_fn=side.book.evaluate_global)
         except ClientsFailed:
             # Stopped before any round completed (no client could train): nothing to keep or resume.
             if launch.out is not None and not launch.resumed and not (launch.out / checkpoint.CHECKPOINT).exists():

@@ -1,0 +1,132 @@
+"""Secure aggregation's four stages as the owner's data service answers them
+(clients/secure_aggregation.py), in this process against fedsd.secagg's server: an honest round
+sums exactly what each service kept as its input; then hostile messages (a replayed stage, a
+share from another round, a round never advertised, a client named both survivor and dropped, a
+cohort below the owner's minimum, malformed fields) are each refused with their reason, and
+nothing in any owner's state folder, its ledger included, changes."""
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Context, RecordDict
+
+from clients import secure_aggregation as service
+from fedsd.config import TrainConfig
+from fedsd.fed_settings import FedOptions, client_config, to_flat
+from fedsd.secagg import SecAggServer
+from fedsd.training import initial_model
+from task import secure_sum
+from task.records import model_to_record
+from tests.conftest import require
+
+IDS = (101, 102, 103)
+EXPERIMENT = "secagg-test"
+
+
+@pytest.fixture
+def owners(tmp_path):
+    from simulations.commands.split_data import write_client_folders
+
+    require("fmnist")
+    cfg = TrainConfig(dataset="fmnist", method="dp3sd", batch_size=50, subset=300, threads=1)
+    fed = FedOptions(num_clients=3, rounds=2, client_data="own")
+    write_client_folders(cfg, fed, tmp_path / "data", "npz", echo=lambda line: None)
+    flat = {**to_flat(cfg, fed), "experiment-id": EXPERIMENT}
+    contexts = {node: Context(run_id=7, node_id=node, state=RecordDict(), run_config={}, node_config={
+        "partition-id": k, "num-partitions": 3, "data": str(tmp_path / "data" / f"client-{k}"), "max-epsilon": 3.0,
+        "state-dir": str(tmp_path / f"state-{k}"), "secagg-min-clients": 3, "secagg-keep-inputs": True})
+        for k, node in enumerate(IDS)}
+    service._SESSIONS.clear()
+    arrays = model_to_record(initial_model(client_config(cfg, fed), 10))
+    yield contexts, flat, arrays, tmp_path
+    service._SESSIONS.clear()
+
+
+def stage(base: dict, **fields) -> RecordDict:
+    return RecordDict({secure_sum.RECORD: ConfigRecord({**base, **fields})})
+
+
+def with_map(base: dict, **maps) -> RecordDict:
+    record = ConfigRecord(dict(base))
+    for name, values in maps.items():
+        secure_sum.write_map(record, name, values)
+    return RecordDict({secure_sum.RECORD: record})
+
+
+def keys_message(base, server, node) -> RecordDict:
+    theirs = server.keys_for(node)
+    return with_map(base, **{"keys-c": {j: k["c"] for j, k in theirs.items()},
+                             "keys-s": {j: k["s"] for j, k in theirs.items()}})
+
+
+def masked_message(base, flat, arrays, shares) -> RecordDict:
+    content = with_map(base, shares=shares)
+    content["arrays"], content["config"] = arrays, ConfigRecord({**flat, **base})
+    return content
+
+
+def state_files(tmp_path) -> dict:
+    return {p: p.read_bytes() for p in sorted(tmp_path.glob("state-*/**/*")) if p.is_file()}
+
+
+def up_to_shares(contexts, server_round):
+    base = {"experiment-id": EXPERIMENT, "server-round": server_round}
+    server = SecAggServer(secure_sum.round_id(7, EXPERIMENT, server_round), list(IDS), 10)
+    server.collect_keys({n: dict(service.advertise_reply(stage(base, **server.setup(n)), contexts[n])["secagg"])
+                         for n in IDS})
+    server.collect_shares({n: secure_sum.read_map(service.share_reply(keys_message(base, server, n), contexts[n])
+                                                  ["secagg"], "shares") for n in IDS})
+    return base, server
+
+
+def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without_charging(owners):
+    contexts, flat, arrays, tmp_path = owners
+    # An honest round: the sum is exactly the inputs each owner kept (mod 2^64).
+    base, server = up_to_shares(contexts, 1)
+    server.length = secure_sum.vector_length(arrays)
+    old_shares = {n: server.shares_for(n) for n in IDS}
+    masked = {n: service.masked_reply(masked_message(base, flat, arrays, old_shares[n]), contexts[n])["secagg"]
+              ["masked"].numpy() for n in IDS}
+    server.collect_masked(masked)
+    answers = {}
+    for n in IDS:
+        reply = service.unmask_reply(stage(base, **server.unmask_request(n)), contexts[n])["secagg"]
+        answers[n] = {"b": secure_sum.read_map(reply, "b"), "s": secure_sum.read_map(reply, "s")}
+    total = server.finish(answers)
+    kept = [np.load(tmp_path / f"state-{k}" / "secagg" / "7-1.npy") for k in range(3)]
+    assert total.dtype == np.uint64 and len(total) == server.length > 1000
+    assert np.array_equal(total, kept[0] + kept[1] + kept[2])
+    assert np.count_nonzero(kept[0]) > len(kept[0]) // 2  # a real training update, not zeros
+    assert len(list(tmp_path.glob("state-*/ledger-*.json"))) == 3  # each owner charged for its round
+    before = state_files(tmp_path)
+
+    def refused(handler, content, node, reason):
+        with pytest.raises(service.StageRefused, match=reason):
+            handler(content, contexts[node])
+        assert state_files(tmp_path) == before  # the ledger and every other file untouched
+
+    # Round 2: every hostile message refused.
+    base2, server2 = up_to_shares(contexts, 2)
+    refused(service.advertise_reply, stage(base2, **server2.setup(101)), 101, "was answered already")
+    refused(service.share_reply, keys_message(base2, server2, 101), 101, "was answered already")
+    refused(service.masked_reply, masked_message(base2, flat, arrays, old_shares[101]), 101,
+            "not for this round and client")
+    refused(service.masked_reply, masked_message({**base2, "server-round": 9}, flat, arrays,
+                                                 server2.shares_for(101)), 101, "round 9 of this run was not advertised")
+    refused(service.masked_reply, masked_message({**base2, "experiment-id": "../x"}, flat, arrays, {}), 101,
+            "experiment-id")
+    bad = with_map(base2, shares=server2.shares_for(101))
+    bad["secagg"]["shares-ids"] = [101]
+    refused(service.masked_reply, bad, 101, "two lists of one length")
+    refused(service.unmask_reply, stage(base2, survivors=list(IDS), dropped=[]), 101, "came before its turn")
+    for n in IDS:  # now the honest masked inputs (charged: the ledger moves here, legitimately)
+        service.masked_reply(masked_message(base2, flat, arrays, server2.shares_for(n)), contexts[n])
+    before = state_files(tmp_path)
+    refused(service.masked_reply, masked_message(base2, flat, arrays, server2.shares_for(102)), 102,
+            "was answered already")
+    refused(service.unmask_reply, stage(base2, survivors=list(IDS), dropped=[102]), 101,
+            "both a survivor and dropped")
+    # A cohort below the owner's secagg-min-clients=3 (the protocol itself would take 2).
+    base3 = {"experiment-id": EXPERIMENT, "server-round": 3}
+    refused(service.advertise_reply, stage(base3, cohort=[101, 102], neighbours=[101, 102], threshold=2), 101,
+            "below the 3 this owner requires")
+    assert (7, EXPERIMENT, 3, 101) not in service._SESSIONS  # a refused round leaves nothing behind
+    refused(service.share_reply, keys_message(base3, server2, 101), 101, "round 3 of this run was not advertised")
