@@ -130,3 +130,51 @@ def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without
             "below the 3 this owner requires")
     assert (7, EXPERIMENT, 3, 101) not in service._SESSIONS  # a refused round leaves nothing behind
     refused(service.share_reply, keys_message(base3, server2, 101), 101, "round 3 of this run was not advertised")
+
+
+class ServicesGrid:
+    """A Grid whose nodes are the services' handlers in this process; `gone` nodes never answer."""
+
+    def __init__(self, contexts, gone=()):
+        self.contexts, self.gone = contexts, set(gone)
+
+    def create_message(self, content, message_type, dst_node_id, group_id):
+        from flwr.app import Message, Metadata
+
+        return Message(content=content, metadata=Metadata(
+            run_id=7, message_id=f"{message_type}-{dst_node_id}", src_node_id=1, dst_node_id=dst_node_id,
+            reply_to_message_id="", group_id=group_id, created_at=0.0, ttl=60.0, message_type=message_type))
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from flwr.app import Error, Message
+
+        handlers = {f"query.secagg_{s}": service.HANDLERS[f"secagg-{s}"] for s in secure_sum.STAGES}
+        replies = []
+        for m in messages:
+            node = m.metadata.dst_node_id
+            if node in self.gone:
+                replies.append(Message(Error(code=0, reason="gone"), reply_to=m))
+                continue
+            replies.append(Message(handlers[m.metadata.message_type](m.content, self.contexts[node]), reply_to=m))
+        return replies
+
+
+def test_the_servers_stages_sum_the_survivors_and_drop_a_node_that_does_not_answer(owners):
+    from server.secure_aggregation import Exchange, protocol
+
+    contexts, flat, arrays, tmp_path = owners
+    base = {"experiment-id": EXPERIMENT, "server-round": 1}
+    server = SecAggServer(secure_sum.round_id(7, EXPERIMENT, 1), list(IDS) + [104], secure_sum.vector_length(arrays))
+    exchange = Exchange(ServicesGrid(contexts, gone={104}), 1, timeout=60)
+    train = RecordDict({"arrays": arrays, "config": ConfigRecord({**flat, **base})})
+    total, replies = protocol(exchange, server, base, train)
+    kept = [np.load(tmp_path / f"state-{k}" / "secagg" / "7-1.npy") for k in range(3)]
+    assert np.array_equal(total, kept[0] + kept[1] + kept[2])
+    assert sorted(server.masked) == list(IDS) and len(replies) == 3
+    assert exchange.stages["advertise"]["answered"] == list(IDS) and "104" in exchange.stages["advertise"]["failed"]
+    assert all(exchange.stages[s]["bytes_sent"] > 0 and exchange.stages[s]["bytes_received"] > 0
+               for s in secure_sum.STAGES)
+    moved = secure_sum.apply_sum(arrays, total, 3)
+    key = secure_sum.float_keys(arrays)[0]
+    first = sum(k[:arrays[key].numpy().size].view(np.int64) for k in kept) / secure_sum.SCALE / 3
+    assert np.allclose(moved[key].numpy().ravel() - arrays[key].numpy().ravel(), first, atol=1e-6)
