@@ -55,7 +55,7 @@ def _stage_fields(content: RecordDict, context: Context) -> tuple[tuple, ConfigR
     if not isinstance(server_round, int) or isinstance(server_round, bool) or not 1 <= server_round <= 1 << 31:
         raise BadMessage("server-round: a positive integer")
     node = node_configs.parse(context.node_config)
-    return (int(context.run_id), experiment, server_round, int(context.node_id)), record, node
+    return (int(context.run_id), experiment, server_round, secure_sum.secagg_id(context.node_id)), record, node
 
 
 def _session(key: tuple, context: Context, node, create: bool = False) -> secagg.SecAggClient:
@@ -63,7 +63,7 @@ def _session(key: tuple, context: Context, node, create: bool = False) -> secagg
         return _SESSIONS[key]
     if not create:
         raise BadMessage(f"round {key[2]} of this run was not advertised to this client (or was dropped)")
-    client = secagg.SecAggClient(int(context.node_id), secure_sum.round_id(*key[:3]), min_cohort=node.secagg_min_clients)
+    client = secagg.SecAggClient(key[3], secure_sum.round_id(*key[:3]), min_cohort=node.secagg_min_clients)
     _SESSIONS[key] = client
     while len(_SESSIONS) > MAX_SESSIONS:
         _SESSIONS.popitem(last=False)

@@ -40,18 +40,22 @@ class Exchange:
     """One round's messages: sends a stage to some nodes, keeps the good replies, counts bytes
     and seconds per stage."""
 
-    def __init__(self, grid: Grid, server_round: int, timeout: float):
+    def __init__(self, grid: Grid, server_round: int, timeout: float, nodes: list[int]):
         self.grid, self.server_round, self.timeout = grid, server_round, timeout
         self.stages: dict[str, dict] = {}
+        self.nodes: dict[int, int] = {}  # the protocol's client id → the Flower node id
+        for node in sorted(nodes):
+            self.nodes.setdefault(secure_sum.secagg_id(node), node)  # (two nodes on one id: the first only)
+        self.ids = {node: client for client, node in self.nodes.items()}
 
     def ask(self, stage: str, contents: dict[int, RecordDict]) -> dict[int, RecordDict]:
         started = time.perf_counter()
-        messages = [self.grid.create_message(content, secure_sum.MESSAGE_TYPES[stage], node, str(self.server_round))
-                    for node, content in contents.items()]
+        messages = [self.grid.create_message(content, secure_sum.MESSAGE_TYPES[stage], self.nodes[client],
+                                             str(self.server_round)) for client, content in contents.items()]
         replies = self.grid.send_and_receive(messages, timeout=self.timeout)
         good, failed = {}, {}
         for reply in replies:
-            node = reply.metadata.src_node_id
+            node = self.ids.get(reply.metadata.src_node_id, -1)
             if reply.has_error():
                 failed[node] = reply.error.reason[:300]
             elif node in contents and secure_sum.RECORD in reply.content:
@@ -66,7 +70,7 @@ class Exchange:
                                   bytes_received=sum(_size(c) for c in good.values()),
                                   seconds=time.perf_counter() - started)
         for node, why in failed.items():
-            log(WARNING, "secure aggregation round %d, %s: node %d dropped: %s", self.server_round, stage, node, why)
+            log(WARNING, "secure aggregation round %d, %s: client %d dropped: %s", self.server_round, stage, node, why)
         return good
 
 
@@ -146,12 +150,12 @@ class SecureRounds:
     def one_round(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
         fed, experiment = self.launch.fed, self.launch.experiment_id
         started = time.perf_counter()
-        cohort = sorted(self.grid.get_node_ids())
+        exchange = Exchange(self.grid, server_round, fed.round_timeout, list(self.grid.get_node_ids()))
+        cohort = sorted(exchange.nodes)
         base = {"experiment-id": experiment, "server-round": server_round}
         rid = secure_sum.round_id(self.grid.run.run_id, experiment, server_round)
         server = SecAggServer(rid, cohort, secure_sum.vector_length(arrays))
         train = RecordDict({"arrays": arrays, "config": ConfigRecord({**self.side.strategy.settings, **base})})
-        exchange = Exchange(self.grid, server_round, fed.round_timeout)
         record = dict(round=server_round, cohort=cohort, threshold=server.threshold)
         try:
             total, replies = protocol(exchange, server, base, train)

@@ -24,6 +24,13 @@ class BadMessage(ValueError):
     """A stage message whose fields are not what the stage carries; the text names the field."""
 
 
+def secagg_id(node_id: int) -> int:
+    """A Flower node id (64 bits, unsigned) as the protocol's client id, which a ConfigRecord
+    carries as a signed 64-bit integer: its low 63 bits. Both sides derive it; two nodes that
+    share one are refused by the protocol (an id twice), never confused."""
+    return int(node_id) & MAX_ID
+
+
 def round_id(run_id: int, experiment_id: str, server_round: int) -> bytes:
     """The id both sides bind a round's shares and masks to: the Flower run, the experiment and
     the round (never a string the other side chose)."""

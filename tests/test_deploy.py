@@ -323,6 +323,21 @@ def isolation_unavailable() -> str | None:
     return None
 
 
+def isolated_client_data(tmp_path, clients: int, subset: int) -> Path:
+    """tmp_path/data: Fashion-MNIST split for `clients` owners (npz); the test skipped where
+    --isolate cannot run."""
+    reason = isolation_unavailable()
+    if reason:
+        pytest.skip(f"--isolate cannot run here: {reason}")
+    require("fmnist")
+    from simulations.cli import main
+
+    data = tmp_path / "data"
+    assert main(["split-data", "--dataset", "fmnist", "--clients", str(clients), "--subset", str(subset),
+                 "--format", "npz", "--out", str(data)]) == 0
+    return data
+
+
 def test_isolated_clients_train_on_their_own_data_and_cannot_read_each_others(tmp_path):
     """--isolate: three clients, each in its own network namespace (reaching the SuperLink on
     the bridge's address, never loopback), each data owner's service under its own uid with
@@ -330,16 +345,9 @@ def test_isolated_clients_train_on_their_own_data_and_cannot_read_each_others(tm
     that service. The run completes on their split-data folders; no client can read another's
     data, and no ClientApp, the code the server ships, can open its own client's data or state
     (a malicious app bundle tries)."""
-    reason = isolation_unavailable()
-    if reason:
-        pytest.skip(f"--isolate cannot run here: {reason}")
-    require("fmnist")
     from clients.data_service import code_hash
-    from simulations.cli import main
 
-    data, work, out = tmp_path / "data", tmp_path / "work", tmp_path / "out"
-    assert main(["split-data", "--dataset", "fmnist", "--clients", "3", "--subset", "900", "--format", "npz",
-                 "--out", str(data)]) == 0
+    data, work, out = isolated_client_data(tmp_path, 3, 900), tmp_path / "work", tmp_path / "out"
     with LocalDeployment(work, 3, client_data=data, node_config="max-epsilon=3", isolate=True) as deployment:
         deployment.start()
         assert not deployment.address.startswith("127.")

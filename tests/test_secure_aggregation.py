@@ -165,7 +165,7 @@ def test_the_servers_stages_sum_the_survivors_and_drop_a_node_that_does_not_answ
     contexts, flat, arrays, tmp_path = owners
     base = {"experiment-id": EXPERIMENT, "server-round": 1}
     server = SecAggServer(secure_sum.round_id(7, EXPERIMENT, 1), list(IDS) + [104], secure_sum.vector_length(arrays))
-    exchange = Exchange(ServicesGrid(contexts, gone={104}), 1, timeout=60)
+    exchange = Exchange(ServicesGrid(contexts, gone={104}), 1, timeout=60, nodes=list(IDS) + [104])
     train = RecordDict({"arrays": arrays, "config": ConfigRecord({**flat, **base})})
     total, replies = protocol(exchange, server, base, train)
     kept = [np.load(tmp_path / f"state-{k}" / "secagg" / "7-1.npy") for k in range(3)]
