@@ -50,10 +50,13 @@ def runs() -> list[tuple[str, TrainConfig, FedOptions]]:
     return out
 
 
-def run_all(out: Path, progress: bool = True) -> None:
+def run_all(out: Path, progress: bool = True, honest: int | None = None) -> None:
+    """Every run not finished yet (only those with t = `honest` when given: two queues)."""
     from simulations.commands.secure_simulation import CHECKPOINT, RESULT, simulate_secure
 
     for name, cfg, fed in runs():
+        if honest is not None and fed.honest_clients != honest:
+            continue
         folder = out / "runs" / "distributed" / name
         if (folder / RESULT).is_file():
             continue
@@ -122,4 +125,6 @@ def markdown(table: dict) -> str:
 
 
 if __name__ == "__main__":
-    run_all(Path("results"))
+    import sys
+
+    run_all(Path("results"), honest=int(sys.argv[1]) if len(sys.argv) > 1 else None)
