@@ -17,6 +17,7 @@ from .training import TrainState
 PARTITIONS = ("iid", "dirichlet", "inner-dirichlet", "pathological")
 CLIENT_DATA = ("partition", "own")
 STRATEGIES = ("fedavg", "fedadam", "fedprox")
+NOISE = ("local", "distributed")
 TEACHER_MODES = ("round-start", "local-previous", "global-ema")
 
 
@@ -52,6 +53,15 @@ class FedOptions:
                                          "test split and the server averages (weighted by count); a custom "
                                          "task, which has no public test split, always does. Releases each "
                                          "client's test accuracy, outside the DP guarantee")
+    secure_aggregation: bool = setting(False, "the server learns only the sum of the clients' updates (SecAgg+, run "
+                                       "by each client: in a deployment by its owner's data service)")
+    noise: str = setting("local", "where the DP noise is added: local = each client adds all of it to its own "
+                         "update; distributed = with --secure-aggregation, each client adds a share and only the "
+                         "sum carries all of it (one DP-SGD step a round; --batch-size is then the federation's "
+                         "expected batch and --rounds its steps)", choices=NOISE)
+    honest_clients: int = setting(0, "--noise distributed: t, the fewest clients assumed honest; each client's "
+                                  "share is sized so that any t shares give the target σ, and a round with fewer "
+                                  "clients is refused. 0 = every client")
     budget_rounds: int = setting(0, "rounds each client calibrates σ for; 0 = every round of the run")
     server_dp_noise: float = setting(0.0, "user-level DP at the server (Flower's fixed clipping): noise "
                                      "multiplier; 0 = off. A separate guarantee, not in ε")

@@ -13,6 +13,8 @@ from .privacy import AccountantHistory
 def run_summary(result: dict, out) -> str:
     """A finished run in a few lines: what ran, its accuracy, the ε it spent (the range across
     clients in a federation), its time, the clients that did not train, and where its files are."""
+    if "secure_aggregation" in result:
+        return secure_summary(result, out)
     clients = result.get("num_clients")
     what = f"{result['dataset']} {result['method']}" + (f", {clients} clients" if clients else ", central")
     accuracy = result["test_accuracy"]
@@ -42,6 +44,23 @@ def run_summary(result: dict, out) -> str:
         lines += _labelled("skipped files", [f"client {c}: {text}" for c, text in skipped_files(result["rounds"]).items()])
     lines.append(f"  files          {Path(out).absolute()}/ (result.json, model.pt, curve.png)")
     return "\n".join(lines)
+
+
+def secure_summary(result: dict, out) -> str:
+    """A distributed-noise federation's lines: every client spends the same ε."""
+    cfg, fed, cost = result["config"], result["fed"], result["secure_aggregation"]
+    honest = fed["honest_clients"] or fed["num_clients"]
+    return "\n".join([
+        f"fedsd: {cfg['dataset']} {cfg['method']}, {fed['num_clients']} clients, distributed noise under secure "
+        f"aggregation, finished, {result['wall_seconds']:.0f} s",
+        f"  test accuracy  {result['test_accuracy'] * 100:.2f} %",
+        f"  ε spent        {result['epsilon_spent']:.3f} by every client (target {cfg['epsilon']:g}, δ {cfg['delta']:g}), "
+        f"if at least {honest} of the {fed['num_clients']} clients are honest",
+        f"  settings       B = {cfg['batch_size']} (the federation's), lr {cfg['lr']:g}, z = "
+        f"{result['noise_multiplier']:.3f}, {result['steps']} rounds of one step",
+        f"  per round      {cost['bytes_to_server_per_round'] / 1e6:.2f} MB to the server, "
+        f"{cost['protocol_seconds_per_round']:.2f} s of the protocol, {cost['round_seconds']:.2f} s in all",
+        f"  files          {Path(out).absolute()}/ (result.json, model.pt)"])
 
 
 def settings_line(result: dict) -> str:

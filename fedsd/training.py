@@ -378,12 +378,14 @@ class DPTrainer:
             mask = torch.rand(self.num_train, generator=self.generator, device=self.device) < self.plan.sample_rate
         return self.train_on_batch(self.data.x_train[mask], self.data.y_train[mask], objective, callbacks)
 
-    def train_on_batch(self, x: torch.Tensor, y: torch.Tensor, objective: EpochLoss, callbacks=()) -> float:
-        """One DP-SGD step on a given batch: per-sample clipping, noise, the update."""
+    def train_on_batch(self, x: torch.Tensor, y: torch.Tensor, objective: EpochLoss, callbacks=(),
+                       update: bool = True) -> float:
+        """One DP-SGD step on a given batch: per-sample clipping, noise, the update (with
+        update=False, the private gradient is left in each p.grad and the weights unchanged)."""
         self.optimizer.zero_grad(set_to_none=True)
         if not len(y):
             self.clipper.empty_batch()
-            self._optimizer_step(callbacks)
+            self._optimizer_step(callbacks, update)
             return 0.0
         if len(y) <= self.physical_batch_size:
             loss = float(self._backward(x, y, objective).detach())
@@ -396,8 +398,24 @@ class DPTrainer:
                 loss += float(self._backward(x[part], y[part], objective).detach()) * len(y[part])
             self.clipper.release_held()
             loss /= len(y)
-        self._optimizer_step(callbacks)
+        self._optimizer_step(callbacks, update)
         return loss
+
+    def clipped_sum(self, objective: EpochLoss) -> tuple[float, torch.Tensor]:
+        """One Poisson batch's clipped per-sample gradient sum, flattened, with no noise and no
+        update: a client's part of a step whose noise the clients add together
+        (fedsd.distributed). Draws as `_step` does (the call's secret stream or generator)."""
+        if self.secret is not None:
+            mask = self.secret.bernoulli(self.num_train, self.plan.sample_rate, self.device)
+        else:
+            mask = torch.rand(self.num_train, generator=self.generator, device=self.device) < self.plan.sample_rate
+        noise, self.optimizer.noise_multiplier = self.optimizer.noise_multiplier, 0.0
+        try:
+            loss = self.train_on_batch(self.data.x_train[mask], self.data.y_train[mask], objective, update=False)
+        finally:
+            self.optimizer.noise_multiplier = noise
+        grads = [p.grad.reshape(-1) for p in self.model.parameters() if p.requires_grad]
+        return loss, torch.cat(grads) * self.optimizer.expected_batch_size
 
     def _backward(self, x: torch.Tensor, y: torch.Tensor, objective: EpochLoss) -> torch.Tensor:
         """The clipped per-sample gradients of (x, y) where the optimizer reads them; the mean loss.
@@ -415,14 +433,15 @@ class DPTrainer:
                 teacher_logits = self.teacher(x)
         return self.clipper.backward(objective.per_sample(logits, teacher_logits, y))
 
-    def _optimizer_step(self, callbacks) -> None:
+    def _optimizer_step(self, callbacks, update: bool = True) -> None:
         """Opacus' DPOptimizer.step, with the callbacks' hooks on either side of the noise."""
         for callback in callbacks:
             callback.before_noise(self)
         if self.optimizer.pre_step():  # clip, noise, average: the private gradient
             for callback in callbacks:
                 callback.after_noise(self)
-            self.optimizer.original_optimizer.step()
+            if update:
+                self.optimizer.original_optimizer.step()
         for callback in callbacks:
             callback.after_step(self)
 

@@ -120,6 +120,12 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
     (`ray_cpus` CPUs, default all), even when a cluster runs here; with it, the simulation is
     a job on that running cluster, whose scheduler places each client by --client-cpus and
     --client-gpus."""
+    if fed.secure_aggregation or fed.noise == "distributed":  # in this process, without Ray
+        from simulations.commands.secure_simulation import simulate_secure
+
+        if fed.resume_dir:
+            return simulate_secure(None, fed, fed.resume_dir, progress=progress, resume=True)
+        return simulate_secure(cfg, fed, out, overwrite, progress)
     if fed.resume_dir:
         from server.checkpoint import resumed_settings  # Flower's side
 

@@ -1,0 +1,123 @@
+"""DP-SGD run by a federation with distributed noise over secure aggregation: with every client
+honest, central DP-SGD on the union of the clients' data (the same q, σ and steps), whatever
+the partition (docs/algorithms.md).
+
+One round is one step:
+- each client draws its Poisson batch at the run's q from its own records, clips per sample,
+  sums, and sends that sum quantised with its share of the Skellam noise (`contribution`),
+  masked by secure aggregation (fedsd.secagg);
+- the server unmasks the sum only, divides it by the expected total batch q·N, and applies the
+  optimizer, momentum included (`ServerOptimizer`).
+The round-start teacher of self-distillation is then the model one step old.
+
+`secure_round` runs one round of the protocol in process, every client's side and the
+server's, as a simulation does; a deployment runs the clients' side in the owners' services.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import time
+
+import numpy as np
+import torch
+
+from . import distributed_noise as noise
+from .methods import Weights
+from .secagg import RoundAbandoned, SecAggClient, SecAggServer
+from .training import DPTrainer, TrainState
+
+
+def seeded_key(seed: int, client: int, round_number: int) -> bytes:
+    """A simulation's noise key for one client's round: 128 bits derived from the run's seed,
+    so a seeded simulation is reproducible (an owner's service draws its key from its secret
+    stream instead)."""
+    return hashlib.sha256(f"fedsd-distributed-noise|{seed}|{client}|{round_number}".encode()).digest()[:16]
+
+
+def contribution(trainer: DPTrainer, state: TrainState | None, student: Weights, epoch: int,
+                 plan: noise.NoisePlan, key: bytes | None = None,
+                 teacher: Weights | None = None) -> tuple[np.ndarray, TrainState, dict]:
+    """One client's part of a round: its clipped sum of one Poisson batch at the trainer's
+    q, quantised, plus its Skellam share, as uint64; the new state (its draws, its steps, its
+    accountant history charged with the round as the mechanism's Gaussian equivalent) and the
+    round's metrics. `key`: the noise generator's 16-byte key; None: 16 bytes of the state's
+    secret stream (an own-data client must have one)."""
+    state = copy.deepcopy(state) if state is not None else TrainState(trainer.plan.history_before_training())
+    trainer._start_draws(state)
+    try:
+        if key is None:
+            if state.secret is None:
+                raise ValueError("contribution: no noise key and no secret stream to draw one from")
+            key = state.secret.random_bytes(16)
+        trainer.load_student(student)
+        if teacher is not None or trainer.method.self_distilling:
+            trainer.load_teacher(teacher if teacher is not None else student)
+        started = time.perf_counter()
+        loss, clipped = trainer.clipped_sum(trainer.method.epoch_loss(trainer.cfg, epoch))
+        vector = noise.encode(clipped.detach().double().cpu().numpy(), plan, noise.generator(key))
+    finally:
+        trainer._end_draws(state)
+    state.history = state.history + [[plan.gaussian_equivalent(), plan.sample_rate, 1]]
+    state.steps += 1
+    return vector, state, dict(train_loss=loss, seconds=time.perf_counter() - started)
+
+
+class ServerOptimizer:
+    """The server's half of the step: the unmasked noisy sum over q·N, as the gradient of its
+    SGD (momentum included) on the global student."""
+
+    def __init__(self, net: torch.nn.Module, lr: float, momentum: float):
+        self.net = net
+        self.params = [p for p in net.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum)
+
+    def step(self, weights: Weights, noisy_sum: np.ndarray, plan: noise.NoisePlan) -> Weights:
+        self.net.load_state_dict(weights)
+        flat = torch.from_numpy(noisy_sum / plan.expected_batch)
+        offset = 0
+        for p in self.params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
+            offset += p.numel()
+        if offset != len(flat):
+            raise ValueError(f"the aggregate has {len(flat)} values, the model {offset}")
+        self.optimizer.step()
+        return {k: v.detach().clone() for k, v in self.net.state_dict().items()}
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.optimizer.load_state_dict(saved)
+
+
+def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min_cohort: int = 2,
+                 degree: int = 0, drop_before_masking: frozenset = frozenset()) -> tuple[np.ndarray, dict]:
+    """One round of SecAgg+ in process: every client's stages and the server's. `vectors`:
+    client id → a function that computes its vector (called at the masked-input stage, as a
+    service would). Returns the unmasked sum and the round's cost (bytes each way, seconds
+    outside the vectors' computation). RoundAbandoned when too few clients go on."""
+    started, computing = time.perf_counter(), 0.0
+    server = SecAggServer(round_id, list(vectors), length, degree=degree)
+    clients = {i: SecAggClient(i, round_id, min_cohort=min_cohort) for i in vectors}
+    server.collect_keys({i: c.advertise(**server.setup(i)) for i, c in clients.items()})
+    server.collect_shares({i: clients[i].share_keys(server.keys_for(i)) for i in server.keys})
+    masked = {}
+    for i in server.inbox:
+        if i in drop_before_masking:
+            continue
+        shares = server.shares_for(i)
+        t = time.perf_counter()
+        vector = vectors[i]()
+        computing += time.perf_counter() - t
+        masked[i] = clients[i].masked_input(shares, vector)
+    server.collect_masked(masked)
+    answers = {i: clients[i].unmask(**server.unmask_request(i)) for i in server.masked}
+    total = server.finish(answers)
+    cost = dict(bytes_to_server=server.bytes_in, bytes_from_server=server.bytes_out,
+                protocol_seconds=time.perf_counter() - started - computing, survivors=len(server.masked))
+    return total, cost
+
+
+__all__ = ["contribution", "ServerOptimizer", "secure_round", "seeded_key", "RoundAbandoned"]

@@ -1,0 +1,206 @@
+"""`fedsd simulate --secure-aggregation --noise distributed`: a federation whose clients add
+their shares of the noise under secure aggregation, simulated in this process.
+
+Every round runs the whole protocol (fedsd.secagg: every client's four stages and the
+server's), so every simulated round tests it; the clients' steps are those an owner's service
+takes (fedsd.distributed.contribution). One round is one DP-SGD step of the federation, so the
+run is planned as central DP-SGD on the union of the shards: --batch-size is the federation's
+expected batch B (q = B / N over all N training samples) and --rounds its steps; σ is
+calibrated for --epsilon over those steps (fedsd.distributed_noise). No Ray: the clients take
+their turns in one process, which is what makes a several-hundred-round run take minutes.
+
+The run's folder holds checkpoint.pt (every CHECKPOINT_EVERY rounds and at the end: resumable
+with --resume) until result.json is written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from fedsd import data as data_lib
+from fedsd import distributed_noise
+from fedsd.client_data import input_stats, with_custom_task, task_for
+from fedsd.config import TrainConfig
+from fedsd.distributed import ServerOptimizer, contribution, secure_round, seeded_key
+from fedsd.errors import ConfigError, ResumeError
+from fedsd.fed_settings import FedOptions
+from fedsd.methods import released
+from fedsd.models import model_for
+from fedsd.privacy import PrivacyPlan
+from fedsd.results import check_out_dir, fresh_out_dir, save_atomic, write_json
+from fedsd.training import TrainState, evaluate, initial_model, planned_trainer
+from task.simulated_shards import cut_shards
+
+CHECKPOINT, RESULT = "checkpoint.pt", "result.json"
+CHECKPOINT_EVERY = 25
+EVALUATIONS = 20  # test evaluations over a run (and the last round)
+DISTRIBUTED_METHODS = ("dpsgd", "dp3sd", "dpdsd")
+
+
+def check_options(cfg: TrainConfig, fed: FedOptions) -> None:
+    """What distributed noise needs, refused before any work with the option to change."""
+    if fed.noise == "distributed" and not fed.secure_aggregation:
+        raise ConfigError("--noise distributed: needs --secure-aggregation (without it the server would see each "
+                          "client's share, which alone is far below the noise the guarantee counts)")
+    if not fed.secure_aggregation:
+        return
+    if fed.noise != "distributed":
+        raise ConfigError("--secure-aggregation: a simulation runs it with --noise distributed (one step a round); "
+                          "secure aggregation of local-noise updates runs in a deployment's data services")
+    if fed.local_epochs != 1:
+        raise ConfigError(f"--local-epochs {fed.local_epochs}: --noise distributed takes one local step a round "
+                          f"(the server applies each step); leave --local-epochs at 1")
+    if fed.fraction_train != 1.0 or fed.strategy != "fedavg" or fed.server_dp_noise > 0:
+        raise ConfigError("--noise distributed: every client in every round, --strategy fedavg and no "
+                          "--server-dp-noise (the server's step is the optimizer's, on the secure sum)")
+    if cfg.method not in DISTRIBUTED_METHODS:
+        raise ConfigError(f"--method {cfg.method}: --noise distributed runs {', '.join(DISTRIBUTED_METHODS)}")
+    if not 0 <= fed.honest_clients <= fed.num_clients:
+        raise ConfigError(f"--honest-clients {fed.honest_clients}: must be in [0, --clients {fed.num_clients}] "
+                          f"(0: all of them)")
+
+
+def honest_count(fed: FedOptions) -> int:
+    """t: the clients whose noise shares alone give the target σ (0 in the settings: all)."""
+    return fed.honest_clients or fed.num_clients
+
+
+class SecureFederation:
+    """A run as it goes: its clients' shards and states, the global model and the server's
+    optimizer; `take_round` runs one, `save` checkpoints, `finish` writes the result."""
+
+    def __init__(self, cfg: TrainConfig, fed: FedOptions, out: Path | None):
+        self.cfg, self.fed, self.out = cfg, fed, out
+        images, indices, shards = cut_shards(cfg, fed)
+        n = len(indices)
+        self.sample_rate = min(1.0, cfg.batch_size / n)
+        whole = data_lib.prepare(images, indices, "cpu", input_stats(cfg), cfg.features)
+        self.test = (whole.x_test, whole.y_test)
+        self.shards = [data_lib.TensorData(whole.x_train[s], whole.y_train[s], whole.x_test[:0], whole.y_test[:0],
+                                           whole.num_classes) for s in shards]
+        self.net = model_for(cfg, whole.num_classes)
+        dim = sum(p.numel() for p in self.net.parameters() if p.requires_grad)
+        self.noise = distributed_noise.calibrate(cfg.epsilon, cfg.delta, cfg.clip, self.sample_rate,
+                                                 self.sample_rate * n, fed.rounds, honest_count(fed), dim)
+        plan = PrivacyPlan(0.0, self.sample_rate, fed.rounds, cfg.epsilon, cfg.delta, "rdp")
+        self.plans = [plan] * len(shards)
+        self.trainer = planned_trainer(cfg, self.shards[0], plan)
+        self.model = initial_model(cfg, whole.num_classes)
+        self.server = ServerOptimizer(self.net, cfg.lr, cfg.momentum)
+        self.states: list[TrainState | None] = [None] * len(shards)
+        self.rounds: list[dict] = []
+        self.num_train, self.seconds_before = n, 0.0
+
+    # -- one round ------------------------------------------------------------------------
+    def take_round(self, r: int) -> dict:
+        started, student = time.perf_counter(), self.model["student"]
+        epoch = math.ceil(r * self.cfg.batch_size / self.num_train)
+        losses = {}
+
+        def client(k: int):
+            def vector() -> np.ndarray:
+                self.trainer.bind(self.shards[k], self.plans[k], client=k)
+                v, self.states[k], m = contribution(self.trainer, self.states[k], student, epoch, self.noise,
+                                                    key=seeded_key(self.cfg.seed, k, r))
+                losses[k] = m["train_loss"]
+                return v
+            return vector
+
+        total, cost = secure_round(f"{self.cfg.seed}:{r}".encode(), {k: client(k) for k in range(len(self.shards))},
+                                   self.noise.dim, min_cohort=honest_count(self.fed))
+        self.model = dict(self.model, student=self.server.step(student, distributed_noise.decode(total, self.noise),
+                                                               self.noise))
+        record = dict(round=r, train_loss=float(np.mean(list(losses.values()))),
+                      epsilon=self.noise.epsilon(r, self.cfg.delta), seconds=time.perf_counter() - started, **cost)
+        if r == self.fed.rounds or r % max(1, self.fed.rounds // EVALUATIONS) == 0:
+            self.net.load_state_dict(released(self.model))
+            record["test_accuracy"], record["test_loss"] = evaluate(self.net, *self.test)
+            self.net.train()
+        self.rounds.append(record)
+        return record
+
+    # -- the folder -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        plan = self.plans[0]
+        return dict(settings=dict(config=self.cfg.to_dict(), fed=dataclasses.asdict(self.fed)),
+                    noise=self.noise.to_dict(), model=self.model, server=self.server.state_dict(),
+                    states=[s.state_dict(plan) if s is not None else None for s in self.states], rounds=self.rounds,
+                    seconds=self.seconds_before)
+
+    def load(self, saved: dict) -> None:
+        if saved["noise"] != self.noise.to_dict():
+            raise ResumeError(f"--resume: the run was planned with {saved['noise']}; this code plans "
+                              f"{self.noise.to_dict()}")
+        self.model, self.rounds, self.seconds_before = saved["model"], saved["rounds"], saved["seconds"]
+        self.server.load_state_dict(saved["server"])
+        self.states = [TrainState.from_state_dict(s, self.plans[0]) if s is not None else None
+                       for s in saved["states"]]
+
+    def save(self, seconds: float) -> None:
+        self.seconds_before = seconds
+        save_atomic(self.out / CHECKPOINT, self.state_dict())
+
+    def result(self, seconds: float) -> dict:
+        last = self.rounds[-1]
+        per_round = [r["protocol_seconds"] for r in self.rounds]
+        return dict(config=self.cfg.to_dict(), fed=dataclasses.asdict(self.fed), noise=self.noise.to_dict(),
+                    noise_multiplier=self.noise.noise_multiplier,
+                    gaussian_equivalent=self.noise.gaussian_equivalent(), sample_rate=self.sample_rate,
+                    steps=len(self.rounds), num_train=self.num_train, epsilon_spent=last["epsilon"],
+                    test_accuracy=last["test_accuracy"], wall_seconds=seconds,
+                    secure_aggregation=dict(bytes_to_server_per_round=last["bytes_to_server"],
+                                            bytes_from_server_per_round=last["bytes_from_server"],
+                                            protocol_seconds_per_round=float(np.mean(per_round)),
+                                            round_seconds=float(np.mean([r["seconds"] for r in self.rounds]))),
+                    rounds=self.rounds)
+
+
+def simulate_secure(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, overwrite: bool = False,
+                    progress: bool = True, resume: bool = False) -> tuple[dict, dict]:
+    """Run (or, with resume, go on with the one in `out`, by its own settings) a
+    distributed-noise federation; (result, weights)."""
+    saved = None
+    if resume:
+        if out is None or not (Path(out) / CHECKPOINT).is_file():
+            raise ResumeError(f"--resume: {out} holds no unfinished secure-aggregation run ({CHECKPOINT})")
+        saved = torch.load(Path(out) / CHECKPOINT, weights_only=False)
+        cfg = TrainConfig(**saved["settings"]["config"])
+        fed = FedOptions.from_dict(saved["settings"]["fed"])
+    cfg = with_custom_task(cfg).resolved()
+    task_for(cfg)
+    fed.validate()
+    check_options(cfg, fed)
+    out = Path(out) if out is not None else None
+    if saved is None and out is not None:
+        check_out_dir(out, overwrite)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    run = SecureFederation(cfg, fed, out)
+    if saved is not None:
+        run.load(saved)
+    elif out is not None:
+        fresh_out_dir(out, overwrite)
+    clock = time.perf_counter() - run.seconds_before
+    bar = tqdm(total=fed.rounds, initial=len(run.rounds), unit="round", disable=not progress,
+               desc=f"{cfg.dataset} {cfg.method} distributed ε={cfg.epsilon}", dynamic_ncols=True)
+    for r in range(len(run.rounds) + 1, fed.rounds + 1):
+        record = run.take_round(r)
+        bar.update(1)
+        if "test_accuracy" in record:
+            bar.set_postfix(acc=f"{record['test_accuracy']:.4f}", eps=f"{record['epsilon']:.3f}")
+        if out is not None and (r % CHECKPOINT_EVERY == 0):
+            run.save(time.perf_counter() - clock)
+    bar.close()
+    result = run.result(time.perf_counter() - clock)
+    weights = {k: v.cpu() for k, v in released(run.model).items()}
+    if out is not None:
+        save_atomic(out / "model.pt", weights)
+        write_json(out / RESULT, result)
+        (out / CHECKPOINT).unlink(missing_ok=True)
+    return result, weights
