@@ -75,10 +75,6 @@ class FedOptions:
     round_timeout: float = setting(3600.0, "seconds the server waits for a round's replies")
     min_nodes: int = setting(0, "nodes a round after a launch's first needs connected; 0 = half the "
                              "sampled clients")
-    secure_aggregation: bool = setting(False, "a deployment whose clients run owners' data services: each round "
-                                       "the server learns only the sum of the clients' updates (SecAgg+, "
-                                       "fedsd.secagg; server/secure_aggregation.py), never one client's",
-                                       cli=False)
     experiment_id: str = setting("", "set by the server: names each client's on-disk privacy state", cli=False)
 
     @property

@@ -25,6 +25,7 @@ from flwr.common import log
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
 
+from fedsd.errors import ConfigError
 from fedsd.secagg import RoundAbandoned, SecAggServer
 from task import secure_sum
 from task.secure_sum import BadMessage, read_map, write_map
@@ -136,6 +137,9 @@ class SecureRounds:
     records (who trained, each client's ε) kept as a plain run keeps them."""
 
     def __init__(self, grid: Grid, side, launch):
+        if launch.fed.noise != "local":
+            raise ConfigError("noise=distributed: not yet in a deployment (its clients' shares of the noise come "
+                              "with fedsd.distributed in the owners' services); fedsd simulate runs it in process")
         self.grid, self.side, self.launch = grid, side, launch
         self.out = Path(launch.out) if launch.out is not None else None
         self.records: list[dict] = []
