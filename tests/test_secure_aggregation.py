@@ -178,3 +178,22 @@ def test_the_servers_stages_sum_the_survivors_and_drop_a_node_that_does_not_answ
     key = secure_sum.float_keys(arrays)[0]
     first = sum(k[:arrays[key].numpy().size].view(np.int64) for k in kept) / secure_sum.SCALE / 3
     assert np.allclose(moved[key].numpy().ravel() - arrays[key].numpy().ravel(), first, atol=1e-6)
+
+
+def test_a_service_keeps_a_few_rounds_and_a_clientapp_without_one_refuses_the_stages(tmp_path):
+    from clients import app
+
+    service._SESSIONS.clear()
+    context = Context(run_id=7, node_id=101, state=RecordDict(), run_config={},
+                      node_config={"partition-id": 0, "state-dir": str(tmp_path / "state")})
+    for server_round in range(1, 11):
+        base = {"experiment-id": EXPERIMENT, "server-round": server_round}
+        reply = service.advertise_reply(stage(base, cohort=[101, 102], neighbours=[101, 102], threshold=2), context)
+        assert len(reply["secagg"]["c"]) == len(reply["secagg"]["s"]) == 32
+    assert len(service._SESSIONS) == service.MAX_SESSIONS == 8
+    with pytest.raises(service.StageRefused, match="round 2 of this run was not advertised"):
+        service.share_reply(with_map({"experiment-id": EXPERIMENT, "server-round": 2}), context)
+    service._SESSIONS.clear()
+    with pytest.raises(ValueError, match="no owner's data service"):
+        app.reply_content("secagg-advertise", stage({}), context)
+    assert not service._SESSIONS
