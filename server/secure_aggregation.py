@@ -106,6 +106,13 @@ def _masked(length: int):
     return parse
 
 
+def _unmask_answer(record) -> dict:
+    answer = {"b": read_map(record, "b"), "s": read_map(record, "s")}
+    if any(len(share) != 32 for shares in answer.values() for share in shares.values()):
+        raise BadMessage("a share of 32 bytes was expected")
+    return answer
+
+
 def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: RecordDict) -> tuple[np.ndarray, list]:
     """The four stages; the sum and the survivors (RoundAbandoned below the threshold)."""
     ask = exchange.ask
@@ -127,7 +134,7 @@ def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: Record
     replies = ask("masked", requests)
     server.collect_masked(_parsed(replies, _masked(server.length)))
     answers = _parsed(ask("unmask", {n: _stage_record(base, **server.unmask_request(n)) for n in server.masked}),
-                      lambda r: {"b": read_map(r, "b"), "s": read_map(r, "s")})
+                      _unmask_answer)
     total = server.finish(answers)
     return total, [replies[n] for n in sorted(server.masked)]
 

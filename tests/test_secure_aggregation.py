@@ -135,8 +135,8 @@ def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without
 class ServicesGrid:
     """A Grid whose nodes are the services' handlers in this process; `gone` nodes never answer."""
 
-    def __init__(self, contexts, gone=()):
-        self.contexts, self.gone = contexts, set(gone)
+    def __init__(self, contexts, gone=(), tamper=None):
+        self.contexts, self.gone, self.tamper = contexts, set(gone), tamper or (lambda kind, node, reply: reply)
 
     def create_message(self, content, message_type, dst_node_id, group_id):
         from flwr.app import Message, Metadata
@@ -155,7 +155,8 @@ class ServicesGrid:
             if node in self.gone:
                 replies.append(Message(Error(code=0, reason="gone"), reply_to=m))
                 continue
-            replies.append(Message(handlers[m.metadata.message_type](m.content, self.contexts[node]), reply_to=m))
+            reply = handlers[m.metadata.message_type](m.content, self.contexts[node])
+            replies.append(Message(self.tamper(m.metadata.message_type, node, reply), reply_to=m))
         return replies
 
 
@@ -197,3 +198,23 @@ def test_a_service_keeps_a_few_rounds_and_a_clientapp_without_one_refuses_the_st
     with pytest.raises(ValueError, match="no owner's data service"):
         app.reply_content("secagg-advertise", stage({}), context)
     assert not service._SESSIONS
+
+
+def test_a_client_that_answers_the_unmask_stage_with_garbage_is_dropped_and_the_round_abandoned(owners):
+    from fedsd.secagg import RoundAbandoned
+    from server.secure_aggregation import Exchange, protocol
+
+    contexts, flat, arrays, tmp_path = owners
+
+    def tamper(kind, node, reply):
+        if kind == "query.secagg_unmask" and node == 103:
+            secure_sum.write_map(reply["secagg"], "b", {101: b"short"})
+        return reply
+
+    base = {"experiment-id": EXPERIMENT, "server-round": 1}
+    server = SecAggServer(secure_sum.round_id(7, EXPERIMENT, 1), list(IDS), secure_sum.vector_length(arrays))
+    exchange = Exchange(ServicesGrid(contexts, tamper=tamper), 1, timeout=60, nodes=list(IDS))
+    train = RecordDict({"arrays": arrays, "config": ConfigRecord({**flat, **base})})
+    with pytest.raises(RoundAbandoned, match="2 clients answered the unmask request, below the threshold 3"):
+        protocol(exchange, server, base, train)
+    assert sorted(server.masked) == list(IDS)  # all three sent masked inputs; nothing was unmasked
