@@ -20,7 +20,7 @@ from logging import INFO, WARNING
 from pathlib import Path
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common import log
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
@@ -51,8 +51,9 @@ class Exchange:
 
     def ask(self, stage: str, contents: dict[int, RecordDict]) -> dict[int, RecordDict]:
         started = time.perf_counter()
-        messages = [self.grid.create_message(content, secure_sum.MESSAGE_TYPES[stage], self.nodes[client],
-                                             str(self.server_round)) for client, content in contents.items()]
+        kind = secure_sum.MESSAGE_TYPES[stage]
+        messages = [Message(content=content, dst_node_id=self.nodes[client], message_type=kind,
+                            group_id=str(self.server_round)) for client, content in contents.items()]
         replies = self.grid.send_and_receive(messages, timeout=self.timeout)
         good, failed = {}, {}
         for reply in replies:

@@ -22,8 +22,13 @@ EXPERIMENT = "secagg-test"
 
 
 @pytest.fixture
-def owners(tmp_path):
+def owners(tmp_path, monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
     from simulations.commands.split_data import write_client_folders
+
+    for name, value in (("_run_id", 7), ("_node_id", 1), ("_task_id", 1)):  # as a ServerApp's process has them
+        monkeypatch.setattr(TaskIdentity, name, value)
 
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", batch_size=50, subset=300, threads=1)
@@ -109,8 +114,8 @@ def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without
     refused(service.share_reply, keys_message(base2, server2, 101), 101, "was answered already")
     refused(service.masked_reply, masked_message(base2, flat, arrays, old_shares[101]), 101,
             "not for this round and client")
-    refused(service.masked_reply, masked_message({**base2, "server-round": 9}, flat, arrays,
-                                                 server2.shares_for(101)), 101, "round 9 of this run was not advertised")
+    round_9 = masked_message({**base2, "server-round": 9}, flat, arrays, server2.shares_for(101))
+    refused(service.masked_reply, round_9, 101, "round 9 of this run was not advertised")
     refused(service.masked_reply, masked_message({**base2, "experiment-id": "../x"}, flat, arrays, {}), 101,
             "experiment-id")
     bad = with_map(base2, shares=server2.shares_for(101))
@@ -137,13 +142,6 @@ class ServicesGrid:
 
     def __init__(self, contexts, gone=(), tamper=None):
         self.contexts, self.gone, self.tamper = contexts, set(gone), tamper or (lambda kind, node, reply: reply)
-
-    def create_message(self, content, message_type, dst_node_id, group_id):
-        from flwr.app import Message, Metadata
-
-        return Message(content=content, metadata=Metadata(
-            run_id=7, message_id=f"{message_type}-{dst_node_id}", src_node_id=1, dst_node_id=dst_node_id,
-            reply_to_message_id="", group_id=group_id, created_at=0.0, ttl=60.0, message_type=message_type))
 
     def send_and_receive(self, messages, *, timeout=None):
         from flwr.app import Error, Message
