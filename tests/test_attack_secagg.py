@@ -1,0 +1,79 @@
+"""Attacks on fedsd.secagg / fedsd.distributed_noise by a malicious server (the threat model of
+the module: everything a client's service receives is chosen by the server). Each test FAILS
+while the attack works."""
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from fedsd.secagg import (ProtocolError, SecAggClient, _derive, _info, _public, combine_secret,
+                          expand_mask, minimum_threshold, pairwise_sign)
+
+D = 1_000
+
+
+def _server_strips(round_id, target, y, holders, b_shares, s_shares_of, keys):
+    """What a server does with the answers: rebuild the target's self mask from b_shares, and
+    every partner's s key from s_shares_of[a], then remove all masks from the target's y."""
+    x = y - expand_mask(combine_secret(b_shares, holders[target], minimum_threshold(len(holders[target]))), D)
+    for a, shares in s_shares_of.items():
+        s_a = X25519PrivateKey.from_private_bytes(
+            combine_secret(shares, holders[a], minimum_threshold(len(holders[a]))))
+        pair = _derive(s_a.exchange(_public(keys[target]["s"], "s")),
+                       _info(round_id, "mask", min(a, target), max(a, target)))
+        mask = expand_mask(pair, D)
+        x = x - mask if pairwise_sign(target, a) > 0 else x + mask
+    return x
+
+
+def irregular_graph_attack(n: int, min_cohort: int, complete_graph_per_client: bool):
+    """n honest clients (no Sybil, no key substitution), every one with the owner's min_cohort.
+
+    The server gives the target u a neighbourhood of min_cohort clients {u} ∪ A, every a in A the
+    whole cohort, and every other client w the cohort without u (a symmetric graph, only not
+    regular). At unmask it tells u and the a's the truth (everybody survived), and tells every w
+    that the clients in A dropped. Each client's checks pass: no client is asked both shares of
+    one client, every survivor list is above its threshold (> 2/3 of its neighbourhood).
+    - b_u: from u and the a's (all of u's holders), u "survived";
+    - s_a for every a in A: from the w's (n - min_cohort ≥ t_a = ⌊2n/3⌋ + 1 of a's n holders).
+    Together they strip every mask from u's masked input: the server has u's vector.
+    complete_graph_per_client: every client is told neighbours == cohort (a rule "complete graph
+    only" would not help: the cohort itself is told per client)."""
+    rid = b"attack-round"
+    ids = list(range(1, n + 1))
+    u, A = ids[0], ids[1:min_cohort]
+    W = [w for w in ids if w != u and w not in A]
+    hood = {u: [u] + A, **{a: ids for a in A}, **{w: [i for i in ids if i != u] for w in W}}
+    rng = np.random.default_rng(1)
+    xs = {i: rng.integers(0, 2 ** 40, D, dtype=np.uint64) for i in ids}
+    clients = {i: SecAggClient(i, rid, min_cohort=min_cohort) for i in ids}
+    keys = {}
+    for i in ids:
+        cohort = hood[i] if complete_graph_per_client else ids
+        keys[i] = clients[i].advertise(cohort=cohort, neighbours=hood[i],
+                                       threshold=minimum_threshold(len(hood[i])))
+    cts = {i: clients[i].share_keys({j: keys[j] for j in hood[i]}) for i in ids}
+    holders = {i: sorted(cts[i]) for i in ids}
+    inbox = {i: {j: cts[j][i] for j in ids if i in cts[j] and j in hood[i]} for i in ids}
+    y = {i: clients[i].masked_input(inbox[i], xs[i]) for i in ids}
+    answers = {}
+    for i in ids:
+        mine = sorted(inbox[i])
+        if i in W:  # "A dropped": they reveal their shares of the a's s keys
+            answers[i] = clients[i].unmask(survivors=[j for j in mine if j not in A],
+                                           dropped=[j for j in mine if j in A])
+        else:  # u and the a's: everybody survived; they reveal their shares of u's b
+            answers[i] = clients[i].unmask(survivors=mine, dropped=[])
+    b_shares = {h: answers[h]["b"][u] for h in holders[u] if u in answers[h]["b"]}
+    s_shares = {a: {h: answers[h]["s"][a] for h in holders[a] if a in answers[h]["s"]} for a in A}
+    return xs[u], _server_strips(rid, u, y[u], holders, b_shares, s_shares, keys)
+
+
+@pytest.mark.parametrize("n,min_cohort,complete", [(9, 2, False), (18, 5, False), (18, 5, True), (33, 10, True)])
+def test_inconsistent_survivor_sets_on_an_irregular_graph_unmask_one_honest_clients_vector(n, min_cohort, complete):
+    """CRITICAL. Every client honest, every client-side check passes, and the server learns one
+    client's vector (its quantised clipped sum plus a noise share of variance μ/t only)."""
+    try:
+        truth, recovered = irregular_graph_attack(n, min_cohort, complete)
+    except ProtocolError:
+        return  # a client refused: the attack is stopped
+    assert not np.array_equal(recovered, truth), "the server unmasked an individual vector"
