@@ -77,3 +77,77 @@ def test_inconsistent_survivor_sets_on_an_irregular_graph_unmask_one_honest_clie
     except ProtocolError:
         return  # a client refused: the attack is stopped
     assert not np.array_equal(recovered, truth), "the server unmasked an individual vector"
+
+
+def test_a_neighbourhood_of_any_size_is_accepted_and_its_shamir_split_wedges_the_service():
+    """MEDIUM (availability). The cohort and neighbourhood sizes are unbounded; share_keys then
+    splits two secrets t-of-k with pure-Python Shamir, O(k·t) GF(2^128) products: measured here
+    0.8 s per secret at k = 100, 4 s at 200, 14 s at 400, so hours at k = 10^4, for a ~1 MB
+    message of random public keys (which pass every key check). advertise must refuse a
+    neighbourhood above a bound the owner sets (SecAgg+'s degree is O(log n))."""
+    n = 100_000
+    client = SecAggClient(1, b"r", min_cohort=5)
+    with pytest.raises(ProtocolError):
+        client.advertise(cohort=list(range(1, n + 1)), neighbours=list(range(1, n + 1)),
+                         threshold=minimum_threshold(n))
+
+
+# -- the client's contribution trusts the NoisePlan it is handed --------------------------------
+def _tiny_trainer():
+    import torch
+
+    from fedsd import data as data_lib
+    from fedsd.config import TrainConfig
+    from fedsd.fed_settings import FedOptions, client_config
+    from fedsd.privacy import PrivacyPlan
+    from fedsd.secret_random import SecretStream
+    from fedsd.training import DPTrainer, TrainState, initial_model
+
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", grad_sample_mode="hooks", epsilon=3.0, batch_size=8,
+                      lr=1.0, momentum=0.0, seed=1, threads=1, clip=0.1)
+    c = client_config(cfg, FedOptions(num_clients=1, rounds=1, local_epochs=1))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g)
+    plan = PrivacyPlan(noise_multiplier=0.0, sample_rate=0.5, planned_steps=1, epsilon=3.0, delta=1e-5,
+                       accountant="rdp")
+    trainer = DPTrainer(c, data_lib.TensorData(x, y, x[:8], y[:8], 10), plan)
+    state = TrainState(plan.history_before_training())
+    state.secret = SecretStream(b"k" * 32)
+    dim = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    return trainer, state, initial_model(c, 10)["student"], dim
+
+
+def test_contribution_refuses_a_plan_whose_clip_is_not_the_trainers():
+    """HIGH (if the plan reaches the owner's service from the server, as "what every client and
+    the server agree on"). γ = 2^20 / plan.clip while the trainer clips at its own C: a plan
+    with clip C/1000 makes one record move the integer vector by 1000·2^20 while the noise and
+    the accountant assume 2^20 (an effective z/1000, charged as z)."""
+    import dataclasses
+
+    from fedsd import distributed_noise as dn
+    from fedsd.distributed import contribution
+
+    trainer, state, start, dim = _tiny_trainer()
+    plan = dn.NoisePlan(noise_multiplier=1.0, clip=trainer.cfg.clip, sample_rate=0.5, expected_batch=8.0,
+                        honest=1, dim=dim)
+    contribution(trainer, state, start, 1, plan)  # the consistent plan is fine
+    with pytest.raises(ValueError):
+        contribution(trainer, state, start, 1, dataclasses.replace(plan, clip=trainer.cfg.clip / 1000))
+
+
+def test_contribution_charges_the_sample_rate_it_draws_at():
+    """HIGH (same condition). The batch is drawn at the trainer's q, the round is charged at the
+    plan's: a plan with q = 0.001 against a trainer at q = 0.5 under-charges ~500-fold in q."""
+    import dataclasses
+
+    from fedsd import distributed_noise as dn
+    from fedsd.distributed import contribution
+
+    trainer, state, start, dim = _tiny_trainer()
+    plan = dn.NoisePlan(noise_multiplier=1.0, clip=trainer.cfg.clip, sample_rate=0.001, expected_batch=8.0,
+                        honest=1, dim=dim)
+    try:
+        _, charged, _ = contribution(trainer, state, start, 1, plan)
+    except ValueError:
+        return  # refused: fine
+    assert charged.history[-1][1] >= trainer.plan.sample_rate, charged.history[-1]
