@@ -151,3 +151,33 @@ def test_contribution_charges_the_sample_rate_it_draws_at():
     except ValueError:
         return  # refused: fine
     assert charged.history[-1][1] >= trainer.plan.sample_rate, charged.history[-1]
+
+
+def test_dropouts_leave_fewer_than_t_honest_noise_shares_in_the_sum():
+    """HIGH. Owner assumption: at least t = min_cohort = 5 of the 10 clients are honest (the
+    others may be the server's). Each client adds Sk(μ/5). The server declares 3 honest clients
+    dropped (or they really time out); survivors = 7 ≥ max(threshold 7, min_cohort 5), so every
+    check passes and the sum is unmasked with 2 honest shares: once the 5 colluders' own
+    vectors are subtracted, the noise is Sk(2μ/5), 40 % of the variance the accountant charges.
+    (With the complete graph a client cannot tell honest survivors from colluding ones; it needs
+    |survivors| ≥ t + f where f = cohort − t, i.e. no dropout at all when t < n, or a noise share
+    of μ/(t − dropouts tolerated).)"""
+    from fedsd import distributed_noise as dn
+    from fedsd.distributed import secure_round
+    from fedsd.secagg import RoundAbandoned
+
+    d, t = 4_000, 5
+    plan = dn.NoisePlan(noise_multiplier=1.0, clip=0.1, sample_rate=0.1, expected_batch=10.0, honest=t, dim=d)
+    ids = list(range(100, 110))
+    colluders, honest = ids[:5], ids[5:]
+    enc = {i: dn.encode(np.zeros(d), plan, dn.generator(bytes([i - 100]) * 16)) for i in ids}
+    try:
+        total, cost = secure_round(b"drop", {i: (lambda v=enc[i]: v) for i in ids}, d, min_cohort=t,
+                                   drop_before_masking=frozenset(honest[:3]))
+    except (RoundAbandoned, ProtocolError):
+        return
+    residual = total.copy()
+    for c in colluders:
+        residual -= enc[c]  # the server knows its own clients' contributions
+    variance = residual.view(np.int64).astype(np.float64).var()
+    assert variance >= 0.95 * plan.variance, (variance / plan.variance, cost["survivors"])
