@@ -56,13 +56,24 @@ def irregular_graph_attack(n: int, min_cohort: int, complete_graph_per_client: b
     inbox = {i: {j: cts[j][i] for j in ids if i in cts[j] and j in hood[i]} for i in ids}
     y = {i: clients[i].masked_input(inbox[i], xs[i]) for i in ids}
     answers = {}
-    for i in ids:
-        mine = sorted(inbox[i])
-        if i in W:  # "A dropped": they reveal their shares of the a's s keys
-            answers[i] = clients[i].unmask(survivors=[j for j in mine if j not in A],
-                                           dropped=[j for j in mine if j in A])
-        else:  # u and the a's: everybody survived; they reveal their shares of u's b
-            answers[i] = clients[i].unmask(survivors=mine, dropped=[])
+    if not hasattr(SecAggClient, "confirm"):  # the code under attack: unmask(survivors, dropped)
+        for i in ids:
+            mine = sorted(inbox[i])
+            if i in W:  # "A dropped": they reveal their shares of the a's s keys
+                answers[i] = clients[i].unmask(survivors=[j for j in mine if j not in A],
+                                               dropped=[j for j in mine if j in A])
+            else:  # u and the a's: everybody survived; they reveal their shares of u's b
+                answers[i] = clients[i].unmask(survivors=mine, dropped=[])
+    else:  # with a consistency stage (the fix): the same two stories, every MAC routed everywhere
+        views = {i: ((sorted(set(ids) - set(A)), A) if i in W else (ids, [])) for i in ids}
+        tags = {i: clients[i].confirm(*views[i]) for i in ids}
+        for i in ids:
+            try:
+                answers[i] = clients[i].unmask({j: tags[j][i] for j in ids if i in tags[j]})
+            except ProtocolError:
+                pass
+    if sum(1 for h in holders[u] if h in answers and u in answers[h]["b"]) < minimum_threshold(len(holders[u])):
+        raise ProtocolError("too few shares of the target's self mask")
     b_shares = {h: answers[h]["b"][u] for h in holders[u] if u in answers[h]["b"]}
     s_shares = {a: {h: answers[h]["s"][a] for h in holders[a] if a in answers[h]["s"]} for a in A}
     return xs[u], _server_strips(rid, u, y[u], holders, b_shares, s_shares, keys)
