@@ -113,7 +113,8 @@ def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min
         computing += time.perf_counter() - t
         masked[i] = clients[i].masked_input(shares, vector)
     server.collect_masked(masked)
-    answers = {i: clients[i].unmask(**server.unmask_request(i)) for i in server.masked}
+    tags = server.route_confirmations({i: clients[i].confirm(**server.unmask_request(i)) for i in server.masked})
+    answers = {i: clients[i].unmask(tags.get(i, {})) for i in server.masked}
     total = server.finish(answers)
     cost = dict(bytes_to_server=server.bytes_in, bytes_from_server=server.bytes_out,
                 protocol_seconds=time.perf_counter() - started - computing, survivors=len(server.masked))

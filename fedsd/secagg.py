@@ -36,6 +36,8 @@ decrypts and names this round, its sender and this client.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 from dataclasses import dataclass, field
 
@@ -144,6 +146,8 @@ class SecAggClient:
     _keys: dict = field(default_factory=dict)  # neighbour → (c public, s public)
     _shares: dict = field(default_factory=dict)  # sender → (share of its b, share of its s)
     _masked_with: list[int] = field(default_factory=list)
+    _view: tuple = ((), ())
+    _statement: bytes = b""
 
     def _expect(self, stage: int, name: str) -> None:
         if self.stage != stage:
@@ -243,18 +247,44 @@ class SecAggClient:
                                 f"client, or was changed") from None
         return plain[:SEED_BYTES], plain[SEED_BYTES:]
 
-    def unmask(self, survivors: object, dropped: object) -> dict[str, dict[int, bytes]]:
-        """Stage 3: which of my neighbours sent a masked input and which did not; my shares of
-        the survivors' b and of the dropped clients' s. Never both for one client."""
-        self._expect(3, "unmask")
+    def confirm(self, survivors: object, dropped: object) -> dict[int, bytes]:
+        """Stage 3 (consistency, Bonawitz et al.'s round 3 with pairwise MACs in place of
+        signatures): the round's global survivor and dropped lists; a MAC of them for each of my
+        neighbours among the survivors. I confirm one view only, and reveal nothing yet."""
+        self._expect(3, "confirm")
         survivors, dropped = _ids(survivors, "survivors"), _ids(dropped, "dropped")
         if set(survivors) & set(dropped):
             raise ProtocolError("unmask: a client named both a survivor and dropped (that would reveal its input)")
-        if not (set(survivors) | set(dropped)) <= set(self._masked_with) or self.me not in survivors:
-            raise ProtocolError("unmask: clients this client did not mask with, or this client not a survivor")
-        if len(survivors) < max(self.threshold, self.min_cohort):
-            raise ProtocolError(f"unmask: {len(survivors)} survivors, below the threshold")
-        answer = {"b": {j: self._shares[j][0] for j in survivors}, "s": {j: self._shares[j][1] for j in dropped}}
+        if self.me not in survivors or not set(self._masked_with) <= set(survivors) | set(dropped):
+            raise ProtocolError("unmask: this client not a survivor, or a neighbour it masked with left unnamed")
+        local = [j for j in survivors if j in self._masked_with]
+        if len(local) < max(self.threshold, self.min_cohort):
+            raise ProtocolError(f"unmask: {len(local)} survivors, below the threshold")
+        self._view = (survivors, dropped)
+        self._statement = hashlib.sha256(_info(self.round_id, "view", *survivors, "|", *dropped)).digest()
+        return {j: self._mac(j, self.me, j) for j in local if j != self.me}
+
+    def _mac(self, peer: int, sender: int, receiver: int) -> bytes:
+        key = _derive(_agree(self._c, self._keys[peer][0], f"client {peer}'s c key"),
+                      _info(self.round_id, "confirm", min(sender, receiver), max(sender, receiver)))
+        return hmac.new(key, self._statement + _info(self.round_id, "from", sender, receiver), "sha256").digest()
+
+    def unmask(self, confirmations: object) -> dict[str, dict[int, bytes]]:
+        """Stage 4: my neighbours' MACs of the view (sender → tag); my shares of the survivors' b
+        and of the dropped clients' s, once at least t of my survivors (me included) confirmed
+        the view I confirmed. Never both for one client."""
+        self._expect(4, "unmask")
+        survivors, dropped = self._view
+        if not isinstance(confirmations, dict):
+            raise ProtocolError("unmask: a map of client id to confirmation was expected")
+        local = [j for j in survivors if j in self._masked_with]
+        agreed = 1 + sum(1 for j in local if j != self.me and isinstance(confirmations.get(j), (bytes, bytearray))
+                         and hmac.compare_digest(bytes(confirmations[j]), self._mac(j, j, self.me)))
+        if agreed < max(self.threshold, self.min_cohort):
+            self._shares, self._b = {}, b""
+            raise ProtocolError(f"unmask: {agreed} neighbours confirmed this round's survivors, below the threshold")
+        answer = {"b": {j: self._shares[j][0] for j in local},
+                  "s": {j: self._shares[j][1] for j in dropped if j in self._masked_with}}
         self._shares, self._b = {}, b""  # nothing more to reveal from this round
         return answer
 
@@ -325,9 +355,15 @@ class SecAggServer:
         self._enough(len(self.masked), "sent masked inputs")
 
     def unmask_request(self, client: int) -> dict:
-        masked_with = sorted(self.inbox.get(client, {}))
-        return {"survivors": [j for j in masked_with if j in self.masked],
-                "dropped": [j for j in masked_with if j not in self.masked]}
+        """The global view, the same for every client."""
+        return {"survivors": sorted(self.masked), "dropped": sorted(set(self.holders) - set(self.masked))}
+
+    def route_confirmations(self, tags: dict[int, dict[int, bytes]]) -> dict[int, dict[int, bytes]]:
+        out: dict[int, dict[int, bytes]] = {}
+        for sender, per_receiver in tags.items():
+            for receiver, tag in per_receiver.items():
+                out.setdefault(receiver, {})[sender] = tag
+        return out
 
     def finish(self, answers: dict[int, dict]) -> np.ndarray:
         """The sum of the survivors' vectors, from the unmask answers of at least t survivors."""
