@@ -14,9 +14,15 @@ papers number their rounds, and what each side does here:
   2. Masked input (`masked_input`): given the ciphertexts addressed to it, it keeps its shares
      and sends y = x + PRG(b) + Σ_j ±PRG(s_ij) mod 2^64 over the neighbours j that sent it
      shares; s_ij = HKDF(X25519(s_i, s_j)), the sign by id (the lower id adds).
-  3. Unmask (`unmask`): given who sent a masked input (survivors) and who did not (dropped), it
-     reveals its share of b for each survivor and its share of s for each dropped neighbour,
-     and never both for one client, nor a second answer in a round.
+  3. Consistency check (`confirm`; Bonawitz et al.'s round 3, with pairwise HMACs under keys
+     from X25519(c_i, c_j) in place of signatures): given the round's survivors (who sent a
+     masked input) and dropped clients, the same lists for every client, it checks them and
+     sends each neighbouring survivor a MAC of that one view. It confirms one view only.
+  4. Unmask (`unmask`): given its neighbours' MACs, once at least the threshold of them (and
+     its owner's t + f) confirmed the view it confirmed, it reveals its share of b for each
+     survivor and its share of s for each dropped neighbour: never both for one client, nor a
+     second answer in a round. Without the consistency check a server could tell two groups
+     two stories and collect both shares of one client (tests/test_attack_secagg.py).
 
 The server (`SecAggServer`) routes the messages, and at the end rebuilds each survivor's b and
 each dropped client's s from t shares, removes the self masks and the pairwise masks that
@@ -31,8 +37,11 @@ AES-256-CTR keystreams under 256-bit seeds. (Flower's own SecAgg+ XORs its 32-by
 What the clients' services check (everything from the server is hostile): the stages come in
 order, once each (a replayed or late message is refused); the round id is the one this state
 was made for; every id is in the cohort the client accepted; the cohort is at least the
-owner's `min_cohort`; a survivor and a dropped client are never the same; and every share
-decrypts and names this round, its sender and this client.
+owner's `min_cohort` (t), and the survivors at least t + `max_colluders` (f, the most of a
+round's clients the owner allows to be the server's), so that t honest noise shares are in the
+sum; a neighbourhood is at most `max_neighbours`; a survivor and a dropped client are never
+the same; every public key is canonical; and every share decrypts and names this round, its
+sender and this client.
 """
 from __future__ import annotations
 
@@ -82,9 +91,16 @@ def _raw(public: X25519PublicKey) -> bytes:
     return public.public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
+FIELD_PRIME = 2 ** 255 - 19
+
+
 def _public(raw: object, what: str) -> X25519PublicKey:
+    """A public key in its one canonical encoding (below 2^255 − 19, bit 255 clear): X25519
+    ignores bit 255, and two encodings of one point would pass the distinct-keys check."""
     if not isinstance(raw, (bytes, bytearray)) or len(raw) != 32:
         raise ProtocolError(f"{what}: not a 32-byte X25519 public key")
+    if int.from_bytes(raw, "little") >= FIELD_PRIME:
+        raise ProtocolError(f"{what}: not a canonical X25519 public key")
     return X25519PublicKey.from_public_bytes(bytes(raw))
 
 
@@ -136,6 +152,8 @@ class SecAggClient:
     me: int
     round_id: bytes
     min_cohort: int = 2
+    max_colluders: int = 0  # f: the most of a round's clients the owner allows to be the server's
+    max_neighbours: int = 128  # the largest neighbourhood it shares with (Shamir's cost grows as its square)
     stage: int = 0
     cohort: list[int] = field(default_factory=list)
     neighbours: list[int] = field(default_factory=list)  # the holders of my shares, me included
@@ -162,6 +180,8 @@ class SecAggClient:
         cohort, neighbours = _ids(cohort, "cohort"), _ids(neighbours, "neighbours")
         if self.me not in neighbours or not set(neighbours) <= set(cohort):
             raise ProtocolError("neighbours: must hold this client and lie in the cohort")
+        if len(neighbours) > self.max_neighbours:
+            raise ProtocolError(f"neighbours: {len(neighbours)}, above the {self.max_neighbours} this owner shares with")
         if len(cohort) < self.min_cohort:
             raise ProtocolError(f"cohort: {len(cohort)} clients, below the {self.min_cohort} this owner requires")
         if not isinstance(threshold, int) or isinstance(threshold, bool) or not (
@@ -260,6 +280,9 @@ class SecAggClient:
         local = [j for j in survivors if j in self._masked_with]
         if len(local) < max(self.threshold, self.min_cohort):
             raise ProtocolError(f"unmask: {len(local)} survivors, below the threshold")
+        if len(survivors) < self.min_cohort + self.max_colluders:
+            raise ProtocolError(f"unmask: {len(survivors)} survivors; this owner needs {self.min_cohort} honest ones "
+                                f"with up to {self.max_colluders} of the server's among them")
         self._view = (survivors, dropped)
         self._statement = hashlib.sha256(_info(self.round_id, "view", *survivors, "|", *dropped)).digest()
         return {j: self._mac(j, self.me, j) for j in local if j != self.me}
