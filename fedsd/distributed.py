@@ -16,6 +16,7 @@ server's, as a simulation does; a deployment runs the clients' side in the owner
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
 import time
@@ -36,14 +37,30 @@ def seeded_key(seed: int, client: int, round_number: int) -> bytes:
     return hashlib.sha256(f"fedsd-distributed-noise|{seed}|{client}|{round_number}".encode()).digest()[:16]
 
 
+def check_plan(trainer: DPTrainer, plan: noise.NoisePlan) -> None:
+    """A plan (from the server) that does not describe the step this client takes is refused:
+    a smaller clip would scale one record past the sensitivity the noise covers, a smaller q
+    would under-charge the draw, another length would not be this model's."""
+    plan.check()
+    dim = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    for name, planned, actual in (("clip", plan.clip, trainer.cfg.clip),
+                                  ("sample_rate", plan.sample_rate, trainer.plan.sample_rate), ("dim", plan.dim, dim)):
+        if planned != actual:
+            raise ValueError(f"distributed noise: the plan's {name} is {planned!r}, this client's step has {actual!r}")
+
+
 def contribution(trainer: DPTrainer, state: TrainState | None, student: Weights, epoch: int,
-                 plan: noise.NoisePlan, key: bytes | None = None,
-                 teacher: Weights | None = None) -> tuple[np.ndarray, TrainState, dict]:
+                 plan: noise.NoisePlan, key: bytes | None = None, teacher: Weights | None = None,
+                 honest: int | None = None) -> tuple[np.ndarray, TrainState, dict]:
     """One client's part of a round: its clipped sum of one Poisson batch at the trainer's
     q, quantised, plus its Skellam share, as uint64; the new state (its draws, its steps, its
     accountant history charged with the round as the mechanism's Gaussian equivalent) and the
     round's metrics. `key`: the noise generator's 16-byte key; None: 16 bytes of the state's
-    secret stream (an own-data client must have one)."""
+    secret stream (an own-data client must have one). `honest`: the owner's own t, which sizes
+    the share (μ / t) whatever the plan assumes."""
+    check_plan(trainer, plan)
+    if honest is not None:
+        plan = dataclasses.replace(plan, honest=honest)
     state = copy.deepcopy(state) if state is not None else TrainState(trainer.plan.history_before_training())
     trainer._start_draws(state)
     try:
@@ -93,14 +110,15 @@ class ServerOptimizer:
 
 
 def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min_cohort: int = 2,
-                 degree: int = 0, drop_before_masking: frozenset = frozenset()) -> tuple[np.ndarray, dict]:
+                 degree: int = 0, drop_before_masking: frozenset = frozenset(),
+                 max_colluders: int = 0) -> tuple[np.ndarray, dict]:
     """One round of SecAgg+ in process: every client's stages and the server's. `vectors`:
     client id → a function that computes its vector (called at the masked-input stage, as a
     service would). Returns the unmasked sum and the round's cost (bytes each way, seconds
     outside the vectors' computation). RoundAbandoned when too few clients go on."""
     started, computing = time.perf_counter(), 0.0
     server = SecAggServer(round_id, list(vectors), length, degree=degree)
-    clients = {i: SecAggClient(i, round_id, min_cohort=min_cohort) for i in vectors}
+    clients = {i: SecAggClient(i, round_id, min_cohort=min_cohort, max_colluders=max_colluders) for i in vectors}
     server.collect_keys({i: c.advertise(**server.setup(i)) for i, c in clients.items()})
     server.collect_shares({i: clients[i].share_keys(server.keys_for(i)) for i in server.keys})
     masked = {}
@@ -113,7 +131,8 @@ def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min
         computing += time.perf_counter() - t
         masked[i] = clients[i].masked_input(shares, vector)
     server.collect_masked(masked)
-    answers = {i: clients[i].unmask(**server.unmask_request(i)) for i in server.masked}
+    tags = server.route_confirmations({i: clients[i].confirm(**server.unmask_request(i)) for i in server.masked})
+    answers = {i: clients[i].unmask(tags.get(i, {})) for i in server.masked}
     total = server.finish(answers)
     cost = dict(bytes_to_server=server.bytes_in, bytes_from_server=server.bytes_out,
                 protocol_seconds=time.perf_counter() - started - computing, survivors=len(server.masked))

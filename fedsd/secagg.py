@@ -14,9 +14,15 @@ papers number their rounds, and what each side does here:
   2. Masked input (`masked_input`): given the ciphertexts addressed to it, it keeps its shares
      and sends y = x + PRG(b) + Σ_j ±PRG(s_ij) mod 2^64 over the neighbours j that sent it
      shares; s_ij = HKDF(X25519(s_i, s_j)), the sign by id (the lower id adds).
-  3. Unmask (`unmask`): given who sent a masked input (survivors) and who did not (dropped), it
-     reveals its share of b for each survivor and its share of s for each dropped neighbour,
-     and never both for one client, nor a second answer in a round.
+  3. Consistency check (`confirm`; Bonawitz et al.'s round 3, with pairwise HMACs under keys
+     from X25519(c_i, c_j) in place of signatures): given the round's survivors (who sent a
+     masked input) and dropped clients, the same lists for every client, it checks them and
+     sends each neighbouring survivor a MAC of that one view. It confirms one view only.
+  4. Unmask (`unmask`): given its neighbours' MACs, once at least the threshold of them (and
+     its owner's t + f) confirmed the view it confirmed, it reveals its share of b for each
+     survivor and its share of s for each dropped neighbour: never both for one client, nor a
+     second answer in a round. Without the consistency check a server could tell two groups
+     two stories and collect both shares of one client (tests/test_attack_secagg.py).
 
 The server (`SecAggServer`) routes the messages, and at the end rebuilds each survivor's b and
 each dropped client's s from t shares, removes the self masks and the pairwise masks that
@@ -31,11 +37,16 @@ AES-256-CTR keystreams under 256-bit seeds. (Flower's own SecAgg+ XORs its 32-by
 What the clients' services check (everything from the server is hostile): the stages come in
 order, once each (a replayed or late message is refused); the round id is the one this state
 was made for; every id is in the cohort the client accepted; the cohort is at least the
-owner's `min_cohort`; a survivor and a dropped client are never the same; and every share
-decrypts and names this round, its sender and this client.
+owner's `min_cohort` (t), and the survivors at least t + `max_colluders` (f, the most of a
+round's clients the owner allows to be the server's), so that t honest noise shares are in the
+sum; a neighbourhood is at most `max_neighbours`; a survivor and a dropped client are never
+the same; every public key is canonical; and every share decrypts and names this round, its
+sender and this client.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 from dataclasses import dataclass, field
 
@@ -80,9 +91,16 @@ def _raw(public: X25519PublicKey) -> bytes:
     return public.public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
+FIELD_PRIME = 2 ** 255 - 19
+
+
 def _public(raw: object, what: str) -> X25519PublicKey:
+    """A public key in its one canonical encoding (below 2^255 − 19, bit 255 clear): X25519
+    ignores bit 255, and two encodings of one point would pass the distinct-keys check."""
     if not isinstance(raw, (bytes, bytearray)) or len(raw) != 32:
         raise ProtocolError(f"{what}: not a 32-byte X25519 public key")
+    if int.from_bytes(raw, "little") >= FIELD_PRIME:
+        raise ProtocolError(f"{what}: not a canonical X25519 public key")
     return X25519PublicKey.from_public_bytes(bytes(raw))
 
 
@@ -134,6 +152,8 @@ class SecAggClient:
     me: int
     round_id: bytes
     min_cohort: int = 2
+    max_colluders: int = 0  # f: the most of a round's clients the owner allows to be the server's
+    max_neighbours: int = 128  # the largest neighbourhood it shares with (Shamir's cost grows as its square)
     stage: int = 0
     cohort: list[int] = field(default_factory=list)
     neighbours: list[int] = field(default_factory=list)  # the holders of my shares, me included
@@ -144,6 +164,8 @@ class SecAggClient:
     _keys: dict = field(default_factory=dict)  # neighbour → (c public, s public)
     _shares: dict = field(default_factory=dict)  # sender → (share of its b, share of its s)
     _masked_with: list[int] = field(default_factory=list)
+    _view: tuple = ((), ())
+    _statement: bytes = b""
 
     def _expect(self, stage: int, name: str) -> None:
         if self.stage != stage:
@@ -158,6 +180,8 @@ class SecAggClient:
         cohort, neighbours = _ids(cohort, "cohort"), _ids(neighbours, "neighbours")
         if self.me not in neighbours or not set(neighbours) <= set(cohort):
             raise ProtocolError("neighbours: must hold this client and lie in the cohort")
+        if len(neighbours) > self.max_neighbours:
+            raise ProtocolError(f"neighbours: {len(neighbours)}, above the {self.max_neighbours} this owner shares with")
         if len(cohort) < self.min_cohort:
             raise ProtocolError(f"cohort: {len(cohort)} clients, below the {self.min_cohort} this owner requires")
         if not isinstance(threshold, int) or isinstance(threshold, bool) or not (
@@ -243,18 +267,47 @@ class SecAggClient:
                                 f"client, or was changed") from None
         return plain[:SEED_BYTES], plain[SEED_BYTES:]
 
-    def unmask(self, survivors: object, dropped: object) -> dict[str, dict[int, bytes]]:
-        """Stage 3: which of my neighbours sent a masked input and which did not; my shares of
-        the survivors' b and of the dropped clients' s. Never both for one client."""
-        self._expect(3, "unmask")
+    def confirm(self, survivors: object, dropped: object) -> dict[int, bytes]:
+        """Stage 3 (consistency, Bonawitz et al.'s round 3 with pairwise MACs in place of
+        signatures): the round's global survivor and dropped lists; a MAC of them for each of my
+        neighbours among the survivors. I confirm one view only, and reveal nothing yet."""
+        self._expect(3, "confirm")
         survivors, dropped = _ids(survivors, "survivors"), _ids(dropped, "dropped")
         if set(survivors) & set(dropped):
             raise ProtocolError("unmask: a client named both a survivor and dropped (that would reveal its input)")
-        if not (set(survivors) | set(dropped)) <= set(self._masked_with) or self.me not in survivors:
-            raise ProtocolError("unmask: clients this client did not mask with, or this client not a survivor")
-        if len(survivors) < max(self.threshold, self.min_cohort):
-            raise ProtocolError(f"unmask: {len(survivors)} survivors, below the threshold")
-        answer = {"b": {j: self._shares[j][0] for j in survivors}, "s": {j: self._shares[j][1] for j in dropped}}
+        if self.me not in survivors or not set(self._masked_with) <= set(survivors) | set(dropped):
+            raise ProtocolError("unmask: this client not a survivor, or a neighbour it masked with left unnamed")
+        local = [j for j in survivors if j in self._masked_with]
+        if len(local) < max(self.threshold, self.min_cohort):
+            raise ProtocolError(f"unmask: {len(local)} survivors, below the threshold")
+        if len(survivors) < self.min_cohort + self.max_colluders:
+            raise ProtocolError(f"unmask: {len(survivors)} survivors; this owner needs {self.min_cohort} honest ones "
+                                f"with up to {self.max_colluders} of the server's among them")
+        self._view = (survivors, dropped)
+        self._statement = hashlib.sha256(_info(self.round_id, "view", *survivors, "|", *dropped)).digest()
+        return {j: self._mac(j, self.me, j) for j in local if j != self.me}
+
+    def _mac(self, peer: int, sender: int, receiver: int) -> bytes:
+        key = _derive(_agree(self._c, self._keys[peer][0], f"client {peer}'s c key"),
+                      _info(self.round_id, "confirm", min(sender, receiver), max(sender, receiver)))
+        return hmac.new(key, self._statement + _info(self.round_id, "from", sender, receiver), "sha256").digest()
+
+    def unmask(self, confirmations: object) -> dict[str, dict[int, bytes]]:
+        """Stage 4: my neighbours' MACs of the view (sender → tag); my shares of the survivors' b
+        and of the dropped clients' s, once at least t of my survivors (me included) confirmed
+        the view I confirmed. Never both for one client."""
+        self._expect(4, "unmask")
+        survivors, dropped = self._view
+        if not isinstance(confirmations, dict):
+            raise ProtocolError("unmask: a map of client id to confirmation was expected")
+        local = [j for j in survivors if j in self._masked_with]
+        agreed = 1 + sum(1 for j in local if j != self.me and isinstance(confirmations.get(j), (bytes, bytearray))
+                         and hmac.compare_digest(bytes(confirmations[j]), self._mac(j, j, self.me)))
+        if agreed < max(self.threshold, self.min_cohort):
+            self._shares, self._b = {}, b""
+            raise ProtocolError(f"unmask: {agreed} neighbours confirmed this round's survivors, below the threshold")
+        answer = {"b": {j: self._shares[j][0] for j in local},
+                  "s": {j: self._shares[j][1] for j in dropped if j in self._masked_with}}
         self._shares, self._b = {}, b""  # nothing more to reveal from this round
         return answer
 
@@ -325,9 +378,15 @@ class SecAggServer:
         self._enough(len(self.masked), "sent masked inputs")
 
     def unmask_request(self, client: int) -> dict:
-        masked_with = sorted(self.inbox.get(client, {}))
-        return {"survivors": [j for j in masked_with if j in self.masked],
-                "dropped": [j for j in masked_with if j not in self.masked]}
+        """The global view, the same for every client."""
+        return {"survivors": sorted(self.masked), "dropped": sorted(set(self.holders) - set(self.masked))}
+
+    def route_confirmations(self, tags: dict[int, dict[int, bytes]]) -> dict[int, dict[int, bytes]]:
+        out: dict[int, dict[int, bytes]] = {}
+        for sender, per_receiver in tags.items():
+            for receiver, tag in per_receiver.items():
+                out.setdefault(receiver, {})[sender] = tag
+        return out
 
     def finish(self, answers: dict[int, dict]) -> np.ndarray:
         """The sum of the survivors' vectors, from the unmask answers of at least t survivors."""

@@ -31,7 +31,8 @@ def test_an_honest_sum_equals_the_plain_sum_and_the_server_sees_masked_vectors_o
         # what reaches the server is far from the input in every coordinate: a uniform mask
         assert np.mean(y == xs[i]) < 0.01
         assert 0.45 < np.mean(y.view(np.int64) < 0) < 0.55  # top bit a fair coin
-    total = server.finish({i: clients[i].unmask(**server.unmask_request(i)) for i in masked})
+    tags = server.route_confirmations({i: clients[i].confirm(**server.unmask_request(i)) for i in masked})
+    total = server.finish({i: clients[i].unmask(tags.get(i, {})) for i in masked})
     assert np.array_equal(total, sum(xs.values()))
 
 
@@ -59,11 +60,11 @@ def test_a_request_for_both_shares_of_one_client_is_refused():
     others = [i for i in masked if i != target]
     # the server claims the target dropped, to one client, to rebuild its pairwise key
     with pytest.raises(ProtocolError, match="both a survivor and dropped"):
-        clients[100].unmask(survivors=sorted(masked), dropped=[target])
+        clients[100].confirm(survivors=sorted(masked), dropped=[target])
     # and a second request of the same client, after an honest first one, is refused too
-    clients[101].unmask(**server.unmask_request(101))
+    clients[101].confirm(**server.unmask_request(101))
     with pytest.raises(ProtocolError, match="answered already"):
-        clients[101].unmask(survivors=others, dropped=[target])
+        clients[101].confirm(survivors=others, dropped=[target])
 
 
 def test_replayed_and_out_of_order_stages_are_refused():
@@ -74,7 +75,7 @@ def test_replayed_and_out_of_order_stages_are_refused():
         clients[100].masked_input(server.shares_for(100), xs[100])
     fresh = SecAggClient(7, b"r")
     with pytest.raises(ProtocolError, match="before its turn"):
-        fresh.unmask([7], [])
+        fresh.confirm([7], [])
 
 
 def test_a_share_for_another_round_is_refused():

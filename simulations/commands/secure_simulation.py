@@ -99,7 +99,7 @@ class SecureFederation:
 
     # -- one round ------------------------------------------------------------------------
     def take_round(self, r: int) -> dict:
-        started, student = time.perf_counter(), self.model["student"]
+        started, student, honest = time.perf_counter(), self.model["student"], honest_count(self.fed)
         epoch = math.ceil(r * self.cfg.batch_size / self.num_train)
         losses = {}
 
@@ -107,13 +107,14 @@ class SecureFederation:
             def vector() -> np.ndarray:
                 self.trainer.bind(self.shards[k], self.plans[k], client=k)
                 v, self.states[k], m = contribution(self.trainer, self.states[k], student, epoch, self.noise,
-                                                    key=seeded_key(self.cfg.seed, k, r))
+                                                    key=seeded_key(self.cfg.seed, k, r), honest=honest)
                 losses[k] = m["train_loss"]
                 return v
             return vector
 
+        # each client's assumption: t honest, the other n − t possibly the server's
         total, cost = secure_round(f"{self.cfg.seed}:{r}".encode(), {k: client(k) for k in range(len(self.shards))},
-                                   self.noise.dim, min_cohort=honest_count(self.fed))
+                                   self.noise.dim, min_cohort=honest, max_colluders=len(self.shards) - honest)
         self.model = dict(self.model, student=self.server.step(student, distributed_noise.decode(total, self.noise),
                                                                self.noise))
         record = dict(round=r, train_loss=float(np.mean(list(losses.values()))),
