@@ -84,5 +84,5 @@ def _secagg_stage(stage: str):
     return handler
 
 
-for _stage in ("advertise", "share", "masked", "unmask"):  # message type query.secagg_<stage>
+for _stage in ("advertise", "share", "masked", "confirm", "unmask"):  # message type query.secagg_<stage>
     app.query(f"secagg_{_stage}")(_secagg_stage(_stage))

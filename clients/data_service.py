@@ -68,7 +68,7 @@ TAKEN = {"status": "taken"}  # the service's word that it has the message and wi
 KINDS = ("train", "evaluate")
 # Secure aggregation's stages (clients/secure_aggregation.py): the owner's service only, whose
 # memory alone holds a round's keys.
-SECAGG_KINDS = ("secagg-advertise", "secagg-share", "secagg-masked", "secagg-unmask")
+SECAGG_KINDS = ("secagg-advertise", "secagg-share", "secagg-masked", "secagg-confirm", "secagg-unmask")
 # What the owner's service says when answering failed: the details (a path, a count of the data)
 # go to the owner's log only.
 FAILED = "the owner's data service could not answer this message; its owner's log has the details"

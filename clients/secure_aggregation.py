@@ -1,4 +1,4 @@
-"""Secure aggregation in the owner's data service: the four stages of SecAgg+ (fedsd.secagg),
+"""Secure aggregation in the owner's data service: the five stages of SecAgg+ (fedsd.secagg),
 answered by the process that holds the data, the ledger and the secret randomness.
 
 The service keeps one `SecAggClient` per (run, experiment, round, node) in memory, the last
@@ -164,14 +164,29 @@ def keep_input(node, key: tuple, vector: np.ndarray) -> None:
     tmp.replace(path)
 
 
-def unmask_reply(content: RecordDict, context: Context) -> RecordDict:
-    """Stage 3: who sent a masked input and who did not; this client's shares of the survivors'
-    self masks and of the dropped clients' keys, never both for one client."""
+def confirm_reply(content: RecordDict, context: Context) -> RecordDict:
+    """Stage 3 (consistency): the round's survivors and dropped clients, the same list for every
+    client; a MAC of that view for each of this client's surviving neighbours. Nothing revealed."""
     try:
         key, record, node = _stage_fields(content, context)
         client = _session(key, context, node)
-        answer = client.unmask(list(record.get("survivors", [])), list(record.get("dropped", [])))
+        tags = client.confirm(list(record.get("survivors", [])), list(record.get("dropped", [])))
     except (BadMessage, secagg.ProtocolError, TypeError) as e:
+        raise _refused(e) from None
+    out = ConfigRecord({})
+    write_map(out, "tags", tags)
+    return RecordDict({secure_sum.RECORD: out})
+
+
+def unmask_reply(content: RecordDict, context: Context) -> RecordDict:
+    """Stage 4: the neighbours' confirmations of the view; once t of them agree with this
+    client's, its shares of the survivors' self masks and of the dropped clients' keys, never
+    both for one client."""
+    try:
+        key, record, node = _stage_fields(content, context)
+        client = _session(key, context, node)
+        answer = client.unmask(read_map(record, "confirmations"))
+    except (BadMessage, secagg.ProtocolError) as e:
         raise _refused(e) from None
     out = ConfigRecord({})
     write_map(out, "b", answer["b"])
@@ -181,4 +196,5 @@ def unmask_reply(content: RecordDict, context: Context) -> RecordDict:
 
 
 HANDLERS = {secure_sum.KINDS["advertise"]: advertise_reply, secure_sum.KINDS["share"]: share_reply,
-            secure_sum.KINDS["masked"]: masked_reply, secure_sum.KINDS["unmask"]: unmask_reply}
+            secure_sum.KINDS["masked"]: masked_reply, secure_sum.KINDS["confirm"]: confirm_reply,
+            secure_sum.KINDS["unmask"]: unmask_reply}

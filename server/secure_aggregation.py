@@ -1,5 +1,5 @@
 """Rounds under secure aggregation (run config `secure-aggregation = true`): the server
-coordinates SecAgg+'s four stages (fedsd.secagg) over Flower's Message API and learns only the
+coordinates SecAgg+'s five stages (fedsd.secagg) over Flower's Message API and learns only the
 sum of the clients' updates.
 
 Each round: every connected node is the cohort; stage messages (task.secure_sum.MESSAGE_TYPES)
@@ -115,7 +115,7 @@ def _unmask_answer(record) -> dict:
 
 
 def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: RecordDict) -> tuple[np.ndarray, list]:
-    """The four stages; the sum and the survivors (RoundAbandoned below the threshold)."""
+    """The five stages; the sum and the survivors' replies (RoundAbandoned below the threshold)."""
     ask = exchange.ask
     keys = _parsed(ask("advertise", {n: _stage_record(base, **server.setup(n)) for n in server.cohort}), _keys)
     server.collect_keys(keys)
@@ -134,8 +134,15 @@ def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: Record
         requests[n] = RecordDict({"arrays": train["arrays"], "config": train["config"], secure_sum.RECORD: record})
     replies = ask("masked", requests)
     server.collect_masked(_parsed(replies, _masked(server.length)))
-    answers = _parsed(ask("unmask", {n: _stage_record(base, **server.unmask_request(n)) for n in server.masked}),
-                      _unmask_answer)
+    tags = _parsed(ask("confirm", {n: _stage_record(base, **server.unmask_request(n)) for n in server.masked}),
+                   lambda r: read_map(r, "tags"))
+    routed = server.route_confirmations(tags)
+    requests = {}
+    for n in tags:
+        record = ConfigRecord(dict(base))
+        write_map(record, "confirmations", routed.get(n, {}))
+        requests[n] = RecordDict({secure_sum.RECORD: record})
+    answers = _parsed(ask("unmask", requests), _unmask_answer)
     total = server.finish(answers)
     return total, [replies[n] for n in sorted(server.masked)]
 

@@ -1,5 +1,5 @@
 """What secure aggregation's messages carry, shared by the ServerApp (server/secure_aggregation.py)
-and the owners' data services (clients/secure_aggregation.py): the four stages' message types,
+and the owners' data services (clients/secure_aggregation.py): the five stages' message types,
 the round id both sides derive, maps of client id to bytes as ConfigRecord lists, and a model
 update as the uint64 vector the protocol sums (fedsd.secagg), and back.
 
@@ -12,7 +12,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 # The stages as Flower message types ("query.<action>") and as the data service's kinds.
-STAGES = ("advertise", "share", "masked", "unmask")
+STAGES = ("advertise", "share", "masked", "confirm", "unmask")
 MESSAGE_TYPES = {stage: f"query.secagg_{stage}" for stage in STAGES}
 KINDS = {stage: f"secagg-{stage}" for stage in STAGES}
 RECORD = "secagg"  # the stage's own fields, beside a masked-input message's "config" and "arrays"

@@ -91,9 +91,11 @@ def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without
     masked = {n: service.masked_reply(masked_message(base, flat, arrays, old_shares[n]), contexts[n])["secagg"]
               ["masked"].numpy() for n in IDS}
     server.collect_masked(masked)
+    tags = server.route_confirmations({n: secure_sum.read_map(service.confirm_reply(
+        stage(base, **server.unmask_request(n)), contexts[n])["secagg"], "tags") for n in IDS})
     answers = {}
     for n in IDS:
-        reply = service.unmask_reply(stage(base, **server.unmask_request(n)), contexts[n])["secagg"]
+        reply = service.unmask_reply(with_map(base, confirmations=tags[n]), contexts[n])["secagg"]
         answers[n] = {"b": secure_sum.read_map(reply, "b"), "s": secure_sum.read_map(reply, "s")}
     total = server.finish(answers)
     kept = [np.load(tmp_path / f"state-{k}" / "secagg" / "7-1.npy") for k in range(3)]
@@ -121,14 +123,16 @@ def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without
     bad = with_map(base2, shares=server2.shares_for(101))
     bad["secagg"]["shares-ids"] = [101]
     refused(service.masked_reply, bad, 101, "two lists of one length")
-    refused(service.unmask_reply, stage(base2, survivors=list(IDS), dropped=[]), 101, "came before its turn")
+    refused(service.confirm_reply, stage(base2, survivors=list(IDS), dropped=[]), 101, "came before its turn")
     for n in IDS:  # now the honest masked inputs (charged: the ledger moves here, legitimately)
         service.masked_reply(masked_message(base2, flat, arrays, server2.shares_for(n)), contexts[n])
     before = state_files(tmp_path)
     refused(service.masked_reply, masked_message(base2, flat, arrays, server2.shares_for(102)), 102,
             "was answered already")
-    refused(service.unmask_reply, stage(base2, survivors=list(IDS), dropped=[102]), 101,
+    refused(service.confirm_reply, stage(base2, survivors=list(IDS), dropped=[102]), 101,
             "both a survivor and dropped")
+    service.confirm_reply(stage(base2, survivors=list(IDS), dropped=[]), contexts[102])
+    refused(service.unmask_reply, with_map(base2, confirmations={}), 102, "1 neighbours confirmed")  # none agreed
     # A cohort below the owner's secagg-min-clients=3 (the protocol itself would take 2).
     base3 = {"experiment-id": EXPERIMENT, "server-round": 3}
     refused(service.advertise_reply, stage(base3, cohort=[101, 102], neighbours=[101, 102], threshold=2), 101,
