@@ -82,6 +82,10 @@ class NodeConfig:
     secagg_min_clients: int = setting(2, "secure aggregation: the fewest clients a round's cohort, and its survivors, "
                                          "may have for this node to take part (its assumption of how many honest "
                                          "clients hide its input in the sum); a smaller cohort is refused")
+    secagg_max_colluders: int = setting(0, "secure aggregation: f, the most of a round's clients this owner allows "
+                                           "to be the server's own; this node reveals its shares only when at least "
+                                           "secagg-min-clients + f clients survive, so that secagg-min-clients "
+                                           "honest inputs are in the sum")
     secagg_keep_inputs: bool = setting(False, "secure aggregation: keep each round's unmasked vector, as this node "
                                               "released it into the sum, in state-dir/secagg/<run>-<round>.npy "
                                               "(the owner's own audit of what it released)")
@@ -159,6 +163,8 @@ def parse(node_config: Mapping) -> NodeConfig:
     if node.secagg_min_clients < 2:
         raise NodeConfigError(f"node-config secagg-min-clients={node.secagg_min_clients}: must be ≥ 2 (a sum of one "
                               f"client's input is that input)")
+    if node.secagg_max_colluders < 0:
+        raise NodeConfigError(f"node-config secagg-max-colluders={node.secagg_max_colluders}: must be ≥ 0")
     if node.min_evaluation_samples < 1:
         raise NodeConfigError(f"node-config min-evaluation-samples={node.min_evaluation_samples}: must be ≥ 1")
     if node.service:

@@ -63,7 +63,8 @@ def _session(key: tuple, context: Context, node, create: bool = False) -> secagg
         return _SESSIONS[key]
     if not create:
         raise BadMessage(f"round {key[2]} of this run was not advertised to this client (or was dropped)")
-    client = secagg.SecAggClient(key[3], secure_sum.round_id(*key[:3]), min_cohort=node.secagg_min_clients)
+    client = secagg.SecAggClient(key[3], secure_sum.round_id(*key[:3]), min_cohort=node.secagg_min_clients,
+                                 max_colluders=node.secagg_max_colluders)
     _SESSIONS[key] = client
     while len(_SESSIONS) > MAX_SESSIONS:
         _SESSIONS.popitem(last=False)

@@ -188,12 +188,14 @@ def test_a_service_keeps_a_few_rounds_and_a_clientapp_without_one_refuses_the_st
 
     service._SESSIONS.clear()
     context = Context(run_id=7, node_id=101, state=RecordDict(), run_config={},
-                      node_config={"partition-id": 0, "state-dir": str(tmp_path / "state")})
+                      node_config={"partition-id": 0, "state-dir": str(tmp_path / "state"),
+                                   "secagg-max-colluders": 1})
     for server_round in range(1, 11):
         base = {"experiment-id": EXPERIMENT, "server-round": server_round}
         reply = service.advertise_reply(stage(base, cohort=[101, 102], neighbours=[101, 102], threshold=2), context)
         assert len(reply["secagg"]["c"]) == len(reply["secagg"]["s"]) == 32
     assert len(service._SESSIONS) == service.MAX_SESSIONS == 8
+    assert all(c.max_colluders == 1 and c.min_cohort == 2 for c in service._SESSIONS.values())  # the owner's
     with pytest.raises(service.StageRefused, match="round 2 of this run was not advertised"):
         service.share_reply(with_map({"experiment-id": EXPERIMENT, "server-round": 2}), context)
     service._SESSIONS.clear()
