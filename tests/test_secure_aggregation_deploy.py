@@ -49,10 +49,11 @@ def test_a_service_killed_after_its_masked_input_is_in_the_sum_and_one_gone_befo
         node_ids = {k: secagg_id(n) for k, n in deployment.node_ids.items()}  # the protocol's ids
     records = json.loads((out / "secure-aggregation.json").read_text())
     assert [r["round"] for r in records] == [1, 2] and [r["abandoned"] for r in records] == [None, None]
-    # Round 1: all four sent masked inputs (so all four are summed); three answered the unmask.
+    # Round 1: all four sent masked inputs (so all four are summed); three confirmed the
+    # survivors and answered the unmask.
     assert records[0]["survivors"] == sorted(node_ids.values()) and records[0]["threshold"] == 3
+    assert str(node_ids[KILLED]) in records[0]["stages"]["confirm"]["failed"]
     assert records[0]["stages"]["unmask"]["answered"] == sorted(node_ids[k] for k in range(3))
-    assert str(node_ids[KILLED]) in records[0]["stages"]["unmask"]["failed"]
     total = np.load(out / "secagg-sum-1.npy")
     inputs = [np.load(kept[(k, 1)]) for k in range(4)]
     assert total.dtype == np.uint64 and len(total) > 1000
