@@ -22,8 +22,9 @@ import torch
 
 from fedsd.config import TrainConfig
 from fedsd.fed_settings import FedOptions
+from simulations.commands.secure_simulation import FEATURES_RECIPE as RECIPE
+from simulations.commands.secure_simulation import FEATURES_ROUNDS as ROUNDS
 from simulations.commands.secure_simulation import SecureFederation
-from simulations.experiments.distributed_table import RECIPE, ROUNDS
 
 
 def measure(clients: int, blocks: int, rounds: int) -> dict:

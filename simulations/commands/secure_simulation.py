@@ -41,6 +41,12 @@ CHECKPOINT, RESULT = "checkpoint.pt", "result.json"
 CHECKPOINT_EVERY = 25
 EVALUATIONS = 20  # test evaluations over a run (and the last round)
 DISTRIBUTED_METHODS = ("dpsgd", "dp3sd", "dpdsd")
+# The features table's Fashion-MNIST recipe (results/table-features.md), which the distributed
+# table and the cost benchmark run as a federation: 400 rounds are its 50 epochs of
+# ⌈60000 / 8192⌉ = 8 steps.
+FEATURES_RECIPE = dict(dataset="fmnist", features="scatter", model="scatter-linear", method="dpsgd", epsilon=3.0,
+                       batch_size=8192, lr=8.0, momentum=0.9, clip=0.1, threads=1)
+FEATURES_ROUNDS = 400
 
 
 def check_options(cfg: TrainConfig, fed: FedOptions) -> None:
