@@ -139,4 +139,18 @@ def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min
     return total, cost
 
 
-__all__ = ["contribution", "ServerOptimizer", "secure_round", "seeded_key", "RoundAbandoned"]
+def plain_round(vectors: dict[int, callable], length: int) -> tuple[np.ndarray, dict]:
+    """The same round without secure aggregation: the server sums the vectors it sees (the
+    baseline of the protocol's cost; each vector then reaches the server alone)."""
+    started, computing = time.perf_counter(), 0.0
+    total = np.zeros(length, dtype=np.uint64)
+    for vector in vectors.values():
+        t = time.perf_counter()
+        v = vector()
+        computing += time.perf_counter() - t
+        total += v
+    return total, dict(bytes_to_server=8 * length * len(vectors), bytes_from_server=0,
+                       protocol_seconds=time.perf_counter() - started - computing, survivors=len(vectors))
+
+
+__all__ = ["plain_round", "contribution", "ServerOptimizer", "secure_round", "seeded_key", "RoundAbandoned"]

@@ -27,7 +27,7 @@ from fedsd import data as data_lib
 from fedsd import distributed_noise
 from fedsd.client_data import input_stats, with_custom_task, task_for
 from fedsd.config import TrainConfig
-from fedsd.distributed import ServerOptimizer, contribution, secure_round, seeded_key
+from fedsd.distributed import ServerOptimizer, contribution, plain_round, secure_round, seeded_key
 from fedsd.errors import ConfigError, ResumeError
 from fedsd.fed_settings import FedOptions
 from fedsd.methods import released
@@ -41,6 +41,12 @@ CHECKPOINT, RESULT = "checkpoint.pt", "result.json"
 CHECKPOINT_EVERY = 25
 EVALUATIONS = 20  # test evaluations over a run (and the last round)
 DISTRIBUTED_METHODS = ("dpsgd", "dp3sd", "dpdsd")
+# The features table's Fashion-MNIST recipe (results/table-features.md), which the distributed
+# table and the cost benchmark run as a federation: 400 rounds are its 50 epochs of
+# ⌈60000 / 8192⌉ = 8 steps.
+FEATURES_RECIPE = dict(dataset="fmnist", features="scatter", model="scatter-linear", method="dpsgd", epsilon=3.0,
+                       batch_size=8192, lr=8.0, momentum=0.9, clip=0.1, threads=1)
+FEATURES_ROUNDS = 400
 
 
 def check_options(cfg: TrainConfig, fed: FedOptions) -> None:
@@ -75,8 +81,8 @@ class SecureFederation:
     """A run as it goes: its clients' shards and states, the global model and the server's
     optimizer; `take_round` runs one, `save` checkpoints, `finish` writes the result."""
 
-    def __init__(self, cfg: TrainConfig, fed: FedOptions, out: Path | None):
-        self.cfg, self.fed, self.out = cfg, fed, out
+    def __init__(self, cfg: TrainConfig, fed: FedOptions, out: Path | None, plain: bool = False):
+        self.cfg, self.fed, self.out, self.plain = cfg, fed, out, plain
         images, indices, shards = cut_shards(cfg, fed)
         n = len(indices)
         self.sample_rate = min(1.0, cfg.batch_size / n)
@@ -112,9 +118,12 @@ class SecureFederation:
                 return v
             return vector
 
-        # each client's assumption: t honest, the other n − t possibly the server's
-        total, cost = secure_round(f"{self.cfg.seed}:{r}".encode(), {k: client(k) for k in range(len(self.shards))},
-                                   self.noise.dim, min_cohort=honest, max_colluders=len(self.shards) - honest)
+        vectors = {k: client(k) for k in range(len(self.shards))}
+        if self.plain:  # the benchmark's baseline (simulations/benchmarks/secagg_cost.py)
+            total, cost = plain_round(vectors, self.noise.dim)
+        else:  # each client's assumption: t honest, the other n − t possibly the server's
+            total, cost = secure_round(f"{self.cfg.seed}:{r}".encode(), vectors, self.noise.dim, min_cohort=honest,
+                                       max_colluders=len(self.shards) - honest)
         self.model = dict(self.model, student=self.server.step(student, distributed_noise.decode(total, self.noise),
                                                                self.noise))
         record = dict(round=r, train_loss=float(np.mean(list(losses.values()))),

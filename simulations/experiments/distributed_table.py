@@ -20,14 +20,13 @@ from pathlib import Path
 from fedsd.config import TrainConfig
 from fedsd.fed_settings import FedOptions
 from fedsd.results import write_json
+from simulations.commands.secure_simulation import FEATURES_RECIPE as RECIPE
+from simulations.commands.secure_simulation import FEATURES_ROUNDS as ROUNDS
 
 TABLE_NAME = "table-distributed"
 SEEDS = (0, 1, 2)
 CLIENTS = 10
 PARTITIONS = (("iid", 0.5), ("dirichlet", 0.5), ("dirichlet", 0.1))
-RECIPE = dict(dataset="fmnist", features="scatter", model="scatter-linear", method="dpsgd", epsilon=3.0,
-              batch_size=8192, lr=8.0, momentum=0.9, clip=0.1, threads=1)
-ROUNDS = 400  # the central run's 50 epochs of ⌈60000 / 8192⌉ = 8 steps
 CENTRAL = {"test accuracy (%)": (89.56, 0.10), "source": "results/table-features.md (fmnist dpsgd, 3 seeds)"}
 LOCAL_NOISE = {"iid": (87.64, 0.10), "dirichlet0.5": (86.43, 0.36)}  # the federated features rows, local noise
 

@@ -30,10 +30,12 @@ HELP = "the papers' Table 1 / Table 2 and the federated, readings and features t
 
 def reproduce_parser() -> argparse.ArgumentParser:
     p = Parser(prog="fedsd reproduce", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--table", choices=["1", "2", "fed", "readings", "features"], default="1",
+    p.add_argument("--table", choices=["1", "2", "fed", "readings", "features", "distributed"], default="1",
                    help="1, 2: the papers' tables (central runs); fed: the federated table (simulations); "
                         "readings: every reading of the papers on validation (simulations/experiments/readings.py); "
-                        "features: DP-SGD on ScatterNet features, ε = 3 (simulations/experiments/features_table.py)")
+                        "features: DP-SGD on ScatterNet features, ε = 3 (simulations/experiments/features_table.py); "
+                        "distributed: the features recipe as a federation with distributed noise under secure "
+                        "aggregation (simulations/experiments/distributed_table.py)")
     p.add_argument("--datasets", nargs="+", choices=DATASETS, default=None,
                    help="Table 1 (default: all); Table 2 and the federated table are FMNIST's")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=None, help="default: the table's")
@@ -63,8 +65,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     check_reproduce_args(args)
     out = Path(args.out)
     threads = args.threads or threads_per_job(args.device, args.jobs)
-    table = {"features": features_table, "readings": readings_table, "fed": federated_table}.get(args.table,
-                                                                                               paper_table)
+    table = {"features": features_table, "readings": readings_table, "fed": federated_table,
+             "distributed": distributed_table}.get(args.table, paper_table)
     print(f"wrote {table(args, out, threads)}")
     return 0
 
@@ -81,7 +83,9 @@ def check_reproduce_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--variant: Table 1's only; Table {args.table} has its own rows")
     own = {"features": (("methods", "variant", "epochs", "subset"), "the features table has its own settings"),
            "readings": (("datasets", "methods", "variant", "seeds", "epochs", "subset"),
-                        "the readings table has its own settings, runs and seeds")}
+                        "the readings table has its own settings, runs and seeds"),
+           "distributed": (("datasets", "methods", "variant", "seeds", "epochs", "subset"),
+                           "the distributed table has its own settings, runs and seeds")}
     for name in own.get(args.table, ((), ""))[0]:
         if getattr(args, name):
             raise ConfigError(f"--{name}: {own[args.table][1]}; leave it out")
@@ -92,6 +96,13 @@ def check_reproduce_args(args: argparse.Namespace) -> None:
 def features_table(args: argparse.Namespace, out: Path, threads: int) -> str:
     return str(reproduce_features(args.datasets, args.seeds or 3, args.jobs, threads, args.device, args.data_dir, out,
                                   args.quiet))
+
+
+def distributed_table(args: argparse.Namespace, out: Path, threads: int) -> str:
+    from simulations.experiments.distributed_table import TABLE_NAME, run_all
+
+    run_all(out, progress=not args.quiet)
+    return f"{out / f'{TABLE_NAME}.json'} and {out / f'{TABLE_NAME}.md'}"
 
 
 def federated_table(args: argparse.Namespace, out: Path, threads: int) -> str:
