@@ -49,13 +49,13 @@ def runs() -> list[tuple[str, TrainConfig, FedOptions]]:
     return out
 
 
-def run_all(out: Path, progress: bool = True, honest: int | None = None) -> None:
-    """Every run not finished yet (only those with t = `honest` when given: two queues)."""
+def run_all(out: Path, progress: bool = True, only: list[str] = ()) -> None:
+    """Every run not finished yet; with `only`, those whose names hold one of its parts, in
+    that order (queues on several cores, e.g. "t10-seed0" and "t5-seed0")."""
     from simulations.commands.secure_simulation import CHECKPOINT, RESULT, simulate_secure
 
-    for name, cfg, fed in runs():
-        if honest is not None and fed.honest_clients != honest:
-            continue
+    chosen = [r for part in only for r in runs() if part in r[0]] if only else runs()
+    for name, cfg, fed in chosen:
         folder = out / "runs" / "distributed" / name
         if (folder / RESULT).is_file():
             continue
@@ -126,4 +126,4 @@ def markdown(table: dict) -> str:
 if __name__ == "__main__":
     import sys
 
-    run_all(Path("results"), honest=int(sys.argv[1]) if len(sys.argv) > 1 else None)
+    run_all(Path("results"), only=sys.argv[1:])
