@@ -35,6 +35,7 @@ from fedsd.models import model_for
 from fedsd.privacy import PrivacyPlan
 from fedsd.results import check_out_dir, fresh_out_dir, save_atomic, write_json
 from fedsd.training import TrainState, evaluate, initial_model, planned_trainer
+from simulations.commands import dry_run
 from task.simulated_shards import cut_shards
 
 CHECKPOINT, RESULT = "checkpoint.pt", "result.json"
@@ -192,6 +193,10 @@ def simulate_secure(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     run = SecureFederation(cfg, fed, out)
+    dry_run.stop_here(f"simulate {fed.num_clients} clients ({fed.partition}) with secure aggregation and distributed "
+                      f"noise for {fed.rounds} rounds of one step at B = {cfg.batch_size} (the federation's), lr "
+                      f"{cfg.lr:g}, z = {run.noise.noise_multiplier:.3f}, t = {honest_count(fed)}, ε={cfg.epsilon:g}"
+                      + (f" into {out}" if out else ""))
     if saved is not None:
         run.load(saved)
     elif out is not None:
