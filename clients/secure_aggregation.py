@@ -151,6 +151,10 @@ def contribution(content: RecordDict, context: Context) -> tuple[np.ndarray, Met
             raise _refused(reply[record]["reason"])
     if "arrays" not in reply:
         raise _refused("this client did not train this round (its run's budget is spent)")
+    if int(reply["metrics"].get("replayed", 0)):
+        # The round's update went into a sum already. Sent into a second sum, over another cohort,
+        # the same vector would come out of the difference of the two: one update, one sum.
+        raise _refused("this round's update went into a sum already; it goes into no other")
     return secure_sum.update_vector(content["arrays"], reply["arrays"]), reply["metrics"]
 
 

@@ -141,6 +141,23 @@ def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without
     refused(service.share_reply, keys_message(base3, server2, 101), 101, "round 3 of this run was not advertised")
 
 
+def test_a_round_asked_again_after_its_update_went_into_a_sum_is_refused(owners):
+    """A server that asks a round again (fresh sessions, the same model) would get each client's
+    kept update a second time, and the difference of two sums over cohorts one client apart is
+    that client's update. A service sends one update into one sum (found by a review playing the
+    attacker; without the refusal the second masked input is answered)."""
+    contexts, flat, arrays, tmp_path = owners
+    base, server = up_to_shares(contexts, 1)
+    for n in IDS:
+        service.masked_reply(masked_message(base, flat, arrays, server.shares_for(n)), contexts[n])
+    service._SESSIONS.clear()  # the round over (or the service restarted)
+    base, server = up_to_shares(contexts, 1)
+    before = state_files(tmp_path)
+    with pytest.raises(service.StageRefused, match="went into a sum already"):
+        service.masked_reply(masked_message(base, flat, arrays, server.shares_for(101)), contexts[101])
+    assert state_files(tmp_path) == before
+
+
 class ServicesGrid:
     """A Grid whose nodes are the services' handlers in this process; `gone` nodes never answer."""
 
