@@ -71,9 +71,25 @@ def _mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
 
 
+def central_by_seed(out: Path) -> dict[int, float]:
+    """The central runs of the recipe (the features table's), seed → test accuracy."""
+    found = {}
+    for seed in SEEDS:
+        path = out / "runs" / "features" / f"fmnist-scatter-linear-B8192-lr8-e50-dpsgd-seed{seed}" / "result.json"
+        if path.is_file():
+            found[seed] = json.loads(path.read_text())["test_accuracy"]
+    return found
+
+
+def _paired(values: list[float]) -> str:
+    if len(values) < 2:
+        return f"{values[0]:+.2f}" if values else ""
+    return f"{statistics.mean(values):+.2f} ± {statistics.stdev(values) / len(values) ** 0.5:.2f}"
+
+
 def write_table(out: Path) -> dict:
     """results/table-distributed.{json,md} from the finished runs."""
-    rows = []
+    rows, central = [], central_by_seed(out)
     for honest in (CLIENTS, CLIENTS // 2):
         for partition, alpha in PARTITIONS:
             part = partition_name(partition, alpha)
@@ -85,9 +101,11 @@ def write_table(out: Path) -> dict:
             if not results:
                 continue
             accuracy = [100 * r["test_accuracy"] for r in results]
+            paired = [100 * (r["test_accuracy"] - central[r["config"]["seed"]]) for r in results
+                      if r["config"]["seed"] in central]
             cost = results[0]["secure_aggregation"]
             rows.append(dict(partition=part, honest=honest, seeds=len(results), accuracy=accuracy,
-                             vs_central=statistics.mean(accuracy) - CENTRAL["test accuracy (%)"][0],
+                             vs_central=statistics.mean(accuracy) - CENTRAL["test accuracy (%)"][0], paired=paired,
                              local_noise=LOCAL_NOISE.get(part), epsilon=max(r["epsilon_spent"] for r in results),
                              z=results[0]["noise_multiplier"], minutes=statistics.mean(r["wall_seconds"] for r in results) / 60,
                              bytes_to_server=cost["bytes_to_server_per_round"],
@@ -108,17 +126,19 @@ def markdown(table: dict) -> str:
         "features recipe (ScatterNet features, the linear network, dpsgd, B = 8192 for the federation, lr 8, "
         "momentum 0.9, C = 0.1) run by 10 clients, one DP-SGD step a round for 400 rounds, each client adding its "
         "share of Skellam noise to its quantised clipped sum under SecAgg+. t: the fewest clients each assumes "
-        "honest (any t shares give the target σ). Test accuracy, mean ± std over the seeds; the central run "
+        "honest (any t shares give the target σ). Test accuracy, mean ± std over the seeds; vs central: "
+        "the difference of the means, and the seed-by-seed differences with the central run of the same seed "
+        "(mean ± standard error). The central run "
         f"of the same recipe: {table['central']['test accuracy (%)'][0]:.2f} ± "
         f"{table['central']['test accuracy (%)'][1]:.2f} ({table['central']['source']}).",
         "",
-        "| partition | t | seeds | test accuracy (%) | vs central | federated, local noise | client ε | z | "
-        "minutes a run | MB to the server a round | protocol s a round | round s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| partition | t | seeds | test accuracy (%) | vs central (mean) | vs central, paired by seed | federated, "
+        "local noise | client ε | z | minutes a run | MB to the server a round | protocol s a round | round s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table["rows"]:
         local = f"{r['local_noise'][0]:.2f} ± {r['local_noise'][1]:.2f}" if r["local_noise"] else ""
         lines.append(f"| {r['partition']} | {r['honest']} | {r['seeds']} | {_mean_sd(r['accuracy'])} | "
-                     f"{r['vs_central']:+.2f} | {local} | {r['epsilon']:.3f} | {r['z']:.3f} | {r['minutes']:.1f} | "
+                     f"{r['vs_central']:+.2f} | {_paired(r['paired'])} | {local} | {r['epsilon']:.3f} | {r['z']:.3f} | {r['minutes']:.1f} | "
                      f"{r['bytes_to_server'] / 1e6:.2f} | {r['protocol_seconds']:.2f} | {r['round_seconds']:.2f} |")
     return "\n".join(lines) + "\n"
 
