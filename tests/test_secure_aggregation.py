@@ -82,6 +82,7 @@ def up_to_shares(contexts, server_round):
     return base, server
 
 
+@pytest.mark.slow  # trains each owner's round (real data, real ledgers)
 def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without_charging(owners):
     contexts, flat, arrays, tmp_path = owners
     # An honest round: the sum is exactly the inputs each owner kept (mod 2^64).
@@ -141,6 +142,7 @@ def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without
     refused(service.share_reply, keys_message(base3, server2, 101), 101, "round 3 of this run was not advertised")
 
 
+@pytest.mark.slow  # trains each owner's round (real data, real ledgers)
 def test_a_round_asked_again_after_its_update_went_into_a_sum_is_refused(owners):
     """A server that asks a round again (fresh sessions, the same model) would get each client's
     kept update a second time, and the difference of two sums over cohorts one client apart is
@@ -179,6 +181,7 @@ class ServicesGrid:
         return replies
 
 
+@pytest.mark.slow  # trains each owner's round (real data, real ledgers)
 def test_the_servers_stages_sum_the_survivors_and_drop_a_node_that_does_not_answer(owners):
     from server.secure_aggregation import Exchange, protocol
 
@@ -221,6 +224,7 @@ def test_a_service_keeps_a_few_rounds_and_a_clientapp_without_one_refuses_the_st
     assert not service._SESSIONS
 
 
+@pytest.mark.slow  # trains each owner's round (real data, real ledgers)
 def test_a_client_that_answers_the_unmask_stage_with_garbage_is_dropped_and_the_round_abandoned(owners):
     from fedsd.secagg import RoundAbandoned
     from server.secure_aggregation import Exchange, protocol
