@@ -138,7 +138,7 @@ def request_digest(server_round: int, arrays: ArrayRecord) -> str:
     return hashlib.sha256(f"round {server_round} {model_digest(arrays)}".encode()).hexdigest()
 
 
-def replayed_reply(state_file: Path | None, request: str) -> tuple[ArrayRecord, dict] | None:
+def replayed_reply(state_file: Path | None, request: str) -> tuple[ArrayRecord, dict, bool] | None:
     """The arrays and metrics this client already released for `request`, if it is the last
     request it answered; else None. An unreadable file is no reply (the round is trained and
     charged, the safe side)."""
@@ -151,14 +151,15 @@ def replayed_reply(state_file: Path | None, request: str) -> tuple[ArrayRecord, 
         return None
     if not isinstance(kept, dict) or kept.get("format") != REPLY_FORMAT or kept.get("request") != request:
         return None
-    return ArrayRecord({k: Array(v.numpy()) for k, v in kept["arrays"].items()}), dict(kept["metrics"])
+    return (ArrayRecord({k: Array(v.numpy()) for k, v in kept["arrays"].items()}), dict(kept["metrics"]),
+            bool(kept.get("summed", False)))
 
 
-def keep_reply(state_file: Path, request: str, arrays: ArrayRecord, metrics: dict) -> None:
+def keep_reply(state_file: Path, request: str, arrays: ArrayRecord, metrics: dict, summed: bool = False) -> None:
     """Keep the reply about to be released (after the state that charged it is on disk: a
     client stopped between the two trains the round again and is charged again, never less)."""
     save_atomic(last_reply_file(state_file), dict(
-        format=REPLY_FORMAT, request=request, metrics=metrics,
+        format=REPLY_FORMAT, request=request, metrics=metrics, summed=summed,
         arrays={k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in arrays.items()}))
 
 
@@ -435,7 +436,7 @@ def evaluate_reply(content: RecordDict, context: Context) -> RecordDict:
 
 
 # -- training ----------------------------------------------------------------------------------
-def train_reply(content: RecordDict, context: Context) -> RecordDict:
+def train_reply(content: RecordDict, context: Context, into_sum: bool = False) -> RecordDict:
     """One round of local training (or a refusal, with the reason): admitted first (the node's
     config, its data, the run's plan, the owner's ledger), then trained."""
     try:
@@ -452,7 +453,10 @@ def train_reply(content: RecordDict, context: Context) -> RecordDict:
     request = request_digest(side.server_round, content["arrays"])
     kept = replayed_reply(side.state_file, request)
     if kept is not None:  # already released: the same reply again, nothing trained or charged
-        arrays, metrics = kept
+        arrays, metrics, summed = kept
+        if summed and not into_sum:  # released into a secure sum: never alone (clients/secure_aggregation.py)
+            return refusal({"num-examples": 0, "partition-id": side.node.partition_id, "epsilon": 0.0},
+                           "this round's update went into a secure sum; it is not released alone")
         if not side.own_data:
             save_state(context.state, load_train_state(side.state_file, side.trainer.plan), side.trainer.plan)
         return released_answer(arrays, MetricRecord({**metrics, "replayed": 1}), side)
@@ -463,7 +467,7 @@ def train_reply(content: RecordDict, context: Context) -> RecordDict:
     refused = admit(side, state, context, base)
     if refused is not None:
         return refused
-    return train_round(side, state, content, context, request, base)
+    return train_round(side, state, content, context, request, base, into_sum)
 
 
 def carried_state(side: ClientSide, context: Context) -> TrainState | None:
@@ -511,7 +515,7 @@ def secret_start() -> TrainState:
 
 
 def train_round(side: ClientSide, state: TrainState | None, content: RecordDict, context: Context, request: str,
-                base: dict) -> RecordDict:
+                base: dict, into_sum: bool = False) -> RecordDict:
     """The admitted round: train, keep the state that charged it on disk, then release."""
     trainer, fed = side.trainer, side.fed
     model: Model = record_to_model(content["arrays"])
@@ -544,7 +548,7 @@ def train_round(side: ClientSide, state: TrainState | None, content: RecordDict,
         reply["train-loss"] = metrics["train_loss"]
     arrays = model_to_record(model)
     if state_file is not None:
-        keep_reply(state_file, request, arrays, reply)
+        keep_reply(state_file, request, arrays, reply, summed=into_sum)
         if side.own_data:  # the one model it may evaluate afterwards (evaluation_refused)
             write_json(evaluation_file(state_file), {"round": side.server_round,
                                                      "model": model_digest(content["arrays"]), "evaluated": False})

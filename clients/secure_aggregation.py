@@ -114,7 +114,7 @@ def check_masked(client: secagg.SecAggClient, ciphertexts: dict[int, bytes]) -> 
     senders = set(ciphertexts)
     if not senders <= set(client.neighbours) or client.me not in senders:
         raise secagg.ProtocolError("masked-input: shares from clients outside this client's neighbourhood")
-    if len(senders) < max(client.threshold, client.min_cohort):
+    if len(senders) < client.needed:
         raise secagg.ProtocolError(f"masked-input: {len(senders)} clients sent shares, below the threshold")
     for j, ciphertext in ciphertexts.items():
         client._open(j, ciphertext)  # noqa: SLF001  (the protocol's own check, before any cost)
@@ -128,6 +128,8 @@ def masked_reply(content: RecordDict, context: Context) -> RecordDict:
         client = _session(key, context, node)
         ciphertexts = read_map(record, "shares")
         check_masked(client, ciphertexts)
+        if node.secagg_keep_inputs and kept_input_path(node, key).exists():
+            raise secagg.ProtocolError("this client kept an input for this round already; it sends no other")
     except (BadMessage, secagg.ProtocolError) as e:
         raise _refused(e) from None
     vector, metrics = contribution(content, context)
@@ -145,7 +147,7 @@ def contribution(content: RecordDict, context: Context) -> tuple[np.ndarray, Met
     from clients import local
 
     round_content = RecordDict({"arrays": content["arrays"], "config": content["config"]})
-    reply = local.train_reply(round_content, context)
+    reply = local.train_reply(round_content, context, into_sum=True)
     for record in ("refusal", "divergence"):
         if record in reply:
             raise _refused(reply[record]["reason"])
@@ -160,13 +162,20 @@ def contribution(content: RecordDict, context: Context) -> tuple[np.ndarray, Met
 
 def keep_input(node, key: tuple, vector: np.ndarray) -> None:
     """The owner's copy of what it released into the round's sum (secagg-keep-inputs=true)."""
-    from clients.local import private_state_folder
-
-    path = private_state_folder(node, "secagg") / f"{key[0]}-{key[2]}.npy"
+    path = kept_input_path(node, key)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         np.save(f, vector)
-    tmp.replace(path)
+    if path.exists():  # never over an earlier release's copy (masked_reply refused such a round before)
+        raise StageRefused("secure aggregation refused: this client kept an input for this round already")
+    tmp.rename(path)
+
+
+def kept_input_path(node, key: tuple):
+    """state-dir/secagg/<run>-<experiment>-<round>-<node>.npy: one file per session key."""
+    from clients.local import private_state_folder
+
+    return private_state_folder(node, "secagg") / f"{key[0]}-{key[1]}-{key[2]}-{key[3]}.npy"
 
 
 def confirm_reply(content: RecordDict, context: Context) -> RecordDict:

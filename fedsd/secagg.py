@@ -167,6 +167,13 @@ class SecAggClient:
     _view: tuple = ((), ())
     _statement: bytes = b""
 
+    @property
+    def needed(self) -> int:
+        """The fewest neighbours a stage goes on with: the threshold, and the owner's t honest
+        ones with up to f of the server's among them (each one a neighbour whose keys, shares
+        and MACs this client checks itself)."""
+        return max(self.threshold, self.min_cohort + self.max_colluders)
+
     def _expect(self, stage: int, name: str) -> None:
         if self.stage != stage:
             said = "was answered already" if self.stage > stage else "came before its turn"
@@ -184,6 +191,9 @@ class SecAggClient:
             raise ProtocolError(f"neighbours: {len(neighbours)}, above the {self.max_neighbours} this owner shares with")
         if len(cohort) < self.min_cohort:
             raise ProtocolError(f"cohort: {len(cohort)} clients, below the {self.min_cohort} this owner requires")
+        if len(neighbours) < self.min_cohort + self.max_colluders:  # it could never unmask: refused before any cost
+            raise ProtocolError(f"neighbours: {len(neighbours)} clients, below the {self.min_cohort} honest ones "
+                                f"and {self.max_colluders} of the server's this owner requires")
         if not isinstance(threshold, int) or isinstance(threshold, bool) or not (
                 minimum_threshold(len(neighbours)) <= threshold <= len(neighbours)):
             raise ProtocolError(f"threshold: must be in [{minimum_threshold(len(neighbours))}, {len(neighbours)}] "
@@ -201,7 +211,7 @@ class SecAggClient:
         holders = _ids(list(keys), "share-keys")
         if not set(holders) <= set(self.neighbours) or self.me not in holders:
             raise ProtocolError("share-keys: keys of clients outside this client's neighbourhood")
-        if len(holders) < max(self.threshold, self.min_cohort):
+        if len(holders) < self.needed:
             raise ProtocolError(f"share-keys: {len(holders)} clients went on, below the threshold")
         mine = keys[self.me]
         if not isinstance(mine, dict) or (mine.get("c"), mine.get("s")) != (
@@ -236,7 +246,7 @@ class SecAggClient:
         senders = _ids(list(ciphertexts), "masked-input")
         if not set(senders) <= set(self.neighbours) or self.me not in senders:
             raise ProtocolError("masked-input: shares from clients outside this client's neighbourhood")
-        if len(senders) < max(self.threshold, self.min_cohort):
+        if len(senders) < self.needed:
             raise ProtocolError(f"masked-input: {len(senders)} clients sent shares, below the threshold")
         for j in senders:
             self._shares[j] = self._open(j, ciphertexts[j])
@@ -273,13 +283,16 @@ class SecAggClient:
         neighbours among the survivors. I confirm one view only, and reveal nothing yet."""
         self._expect(3, "confirm")
         survivors, dropped = _ids(survivors, "survivors"), _ids(dropped, "dropped")
+        if not set(survivors) | set(dropped) <= set(self.cohort):
+            raise ProtocolError("unmask: survivors or dropped clients outside the cohort this client accepted")
         if set(survivors) & set(dropped):
             raise ProtocolError("unmask: a client named both a survivor and dropped (that would reveal its input)")
         if self.me not in survivors or not set(self._masked_with) <= set(survivors) | set(dropped):
             raise ProtocolError("unmask: this client not a survivor, or a neighbour it masked with left unnamed")
         local = [j for j in survivors if j in self._masked_with]
-        if len(local) < max(self.threshold, self.min_cohort):
-            raise ProtocolError(f"unmask: {len(local)} survivors, below the threshold")
+        if len(local) < self.needed:  # survivors it can check (its neighbours' MACs), never a list's length
+            raise ProtocolError(f"unmask: {len(local)} survivors among its neighbours, below the threshold and "
+                                f"the owner's {self.min_cohort} + {self.max_colluders}")
         if len(survivors) < self.min_cohort + self.max_colluders:
             raise ProtocolError(f"unmask: {len(survivors)} survivors; this owner needs {self.min_cohort} honest ones "
                                 f"with up to {self.max_colluders} of the server's among them")
@@ -303,7 +316,7 @@ class SecAggClient:
         local = [j for j in survivors if j in self._masked_with]
         agreed = 1 + sum(1 for j in local if j != self.me and isinstance(confirmations.get(j), (bytes, bytearray))
                          and hmac.compare_digest(bytes(confirmations[j]), self._mac(j, j, self.me)))
-        if agreed < max(self.threshold, self.min_cohort):
+        if agreed < self.needed:
             self._shares, self._b = {}, b""
             raise ProtocolError(f"unmask: {agreed} neighbours confirmed this round's survivors, below the threshold")
         answer = {"b": {j: self._shares[j][0] for j in local},
