@@ -87,7 +87,7 @@ class NodeConfig:
                                            "secagg-min-clients + f clients survive, so that secagg-min-clients "
                                            "honest inputs are in the sum")
     secagg_keep_inputs: bool = setting(False, "secure aggregation: keep each round's unmasked vector, as this node "
-                                              "released it into the sum, in state-dir/secagg/<run>-<round>.npy "
+                                              "released it into the sum, in state-dir/secagg/<run>-<experiment>-<round>-<node>.npy "
                                               "(the owner's own audit of what it released)")
 
     @property

@@ -13,7 +13,7 @@ its shares have been checked (`check_masked`).
 The vector a client contributes (`contribution`) is for now its ordinary training update (the
 model delta after local training, which charges the ledger as a train round does), in fixed
 point; with `secagg-keep-inputs=true` the owner keeps each round's vector, as released into the
-sum, in state-dir/secagg/<run>-<round>.npy.
+sum, in state-dir/secagg/<run>-<experiment>-<round>-<node>.npy.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ def only_kept_input(tmp_path):
     return np.load(path)
 
 
+@pytest.mark.slow  # trains each owner's round (real data, real ledgers)
 def test_a_plain_train_message_does_not_release_the_update_a_secure_round_summed(owners):
     """CRITICAL. After a secure round's masked input, the server sends the same round as an
     ordinary `train` message (the same config and model, which it chose itself): the service
@@ -78,6 +79,7 @@ def _sybil_attack(contexts, flat, arrays, tmp_path, cohort, survivors):
     ([101, 102], [101, 102, 999]),  # a survivor that is in no cohort at all
     ([101, 102, 999], [101, 102, 999]),  # a cohort member that never advertised to this client
 ], ids=["outside-the-cohort", "not-a-neighbour"])
+@pytest.mark.slow  # trains each owner's round (real data, real ledgers)
 def test_phantom_survivors_do_not_satisfy_the_owners_max_colluders(owners, cohort, survivors):
     """HIGH. An owner with secagg-min-clients=2, secagg-max-colluders=1 reveals its shares only
     when 2 + 1 clients survive, so that 2 honest inputs are in the sum. The check counts the
@@ -99,6 +101,7 @@ def test_phantom_survivors_do_not_satisfy_the_owners_max_colluders(owners, cohor
     pytest.fail("the honest client unmasked with one server client and a phantom survivor")
 
 
+@pytest.mark.slow  # trains each owner's round (real data, real ledgers)
 def test_an_owner_with_max_colluders_is_not_charged_for_a_round_too_small_to_unmask(owners):
     """LOW (budget burnt). secagg-max-colluders=1, secagg-min-clients=2: a cohort of 2 can never
     pass the confirm stage (survivors ≥ 3), yet advertise takes it and the masked stage trains
@@ -124,6 +127,7 @@ def test_an_owner_with_max_colluders_is_not_charged_for_a_round_too_small_to_unm
     assert not list(tmp_path.glob("state-0/ledger-*.json")), "charged for a round its owner can never unmask"
 
 
+@pytest.mark.slow  # trains each owner's round (real data, real ledgers)
 def test_a_later_release_does_not_overwrite_the_owners_kept_input(owners):
     """LOW (the owner's audit). secagg-keep-inputs names the file <run>-<round> by the round
     number the stage message carries: another experiment id (or another node id in the header,
