@@ -27,7 +27,9 @@ KILLED = 3
 
 
 def kept_input(deployment: LocalDeployment, k: int, server_round: int) -> Path | None:
-    found = sorted((deployment.owner_dir(k) / "state" / "secagg").glob(f"*-{server_round}.npy"))
+    # <run>-<experiment>-<round>-<node>.npy (clients/secure_aggregation.kept_input_path)
+    found = sorted(p for p in (deployment.owner_dir(k) / "state" / "secagg").glob("*.npy")
+                   if p.stem.rsplit("-", 2)[1] == str(server_round))
     return found[0] if found else None
 
 
