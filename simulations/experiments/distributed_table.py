@@ -65,10 +65,10 @@ def run_all(out: Path, progress: bool = True, only: list[str] = ()) -> None:
         write_table(out)
 
 
-def _mean_sd(values: list[float]) -> str:
+def _mean_se(values: list[float]) -> str:
     if len(values) < 2:
         return f"{values[0]:.2f}" if values else ""
-    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
+    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values) / len(values) ** 0.5:.2f}"
 
 
 def central_by_seed(out: Path) -> dict[int, float]:
@@ -126,18 +126,21 @@ def markdown(table: dict) -> str:
         "features recipe (ScatterNet features, the linear network, dpsgd, B = 8192 for the federation, lr 8, "
         "momentum 0.9, C = 0.1) run by 10 clients, one DP-SGD step a round for 400 rounds, each client adding its "
         "share of Skellam noise to its quantised clipped sum under SecAgg+. t: the fewest clients each assumes "
-        "honest (any t shares give the target σ). Test accuracy, mean ± std over the seeds; vs central: "
+        "honest (any t shares give the target σ). Test accuracy, mean ± standard error over the seeds (as in "
+        "results/table-features.md, whose central and local-noise federated rows stand beside these); vs central: "
         "the difference of the means, and the seed-by-seed differences with the central run of the same seed "
         "(mean ± standard error). The central run "
         f"of the same recipe: {table['central']['test accuracy (%)'][0]:.2f} ± "
-        f"{table['central']['test accuracy (%)'][1]:.2f} ({table['central']['source']}).",
+        f"{table['central']['test accuracy (%)'][1]:.2f} ({table['central']['source']}). Minutes and seconds: the "
+        "2-core development machine, two runs at once beside other work (one thread each); the protocol's cost "
+        "measured side by side is in results/bench-secagg-10clients-*.json.",
         "",
         "| partition | t | seeds | test accuracy (%) | vs central (mean) | vs central, paired by seed | federated, "
-        "local noise | client ε | z | minutes a run | MB to the server a round | protocol s a round | round s |",
+        "local noise, 10 clients | client ε | z | minutes a run | MB to the server a round | protocol s a round | round s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table["rows"]:
         local = f"{r['local_noise'][0]:.2f} ± {r['local_noise'][1]:.2f}" if r["local_noise"] else ""
-        lines.append(f"| {r['partition']} | {r['honest']} | {r['seeds']} | {_mean_sd(r['accuracy'])} | "
+        lines.append(f"| {r['partition']} | {r['honest']} | {r['seeds']} | {_mean_se(r['accuracy'])} | "
                      f"{r['vs_central']:+.2f} | {_paired(r['paired'])} | {local} | {r['epsilon']:.3f} | {r['z']:.3f} | {r['minutes']:.1f} | "
                      f"{r['bytes_to_server'] / 1e6:.2f} | {r['protocol_seconds']:.2f} | {r['round_seconds']:.2f} |")
     return "\n".join(lines) + "\n"
