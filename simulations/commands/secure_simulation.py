@@ -32,7 +32,7 @@ from fedsd.errors import ConfigError, ResumeError
 from fedsd.fed_settings import FedOptions
 from fedsd.methods import released
 from fedsd.models import model_for
-from fedsd.privacy import PrivacyPlan
+from fedsd.privacy import PrivacyPlan, steps_per_epoch
 from fedsd.results import check_out_dir, fresh_out_dir, save_atomic, write_json
 from fedsd.training import TrainState, evaluate, initial_model, planned_trainer
 from simulations.commands import dry_run
@@ -193,9 +193,11 @@ def simulate_secure(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     run = SecureFederation(cfg, fed, out)
+    epochs = fed.rounds / steps_per_epoch(run.num_train, cfg.batch_size)
     dry_run.stop_here(f"simulate {fed.num_clients} clients ({fed.partition}) with secure aggregation and distributed "
-                      f"noise for {fed.rounds} rounds of one step at B = {cfg.batch_size} (the federation's), lr "
-                      f"{cfg.lr:g}, z = {run.noise.noise_multiplier:.3f}, t = {honest_count(fed)}, ε={cfg.epsilon:g}"
+                      f"noise (t = {honest_count(fed)}): {fed.rounds} rounds of one step, {epochs:g} epochs at B = "
+                      f"{cfg.batch_size}, lr {cfg.lr:g}, momentum {cfg.momentum:g}, σ={run.noise.noise_multiplier:.3f} "
+                      f"(the honest sum's noise; B the federation's), ε={cfg.epsilon:g} each"
                       + (f" into {out}" if out else ""))
     if saved is not None:
         run.load(saved)
