@@ -48,7 +48,7 @@ def run_summary(result: dict, out) -> str:
 
 def secure_summary(result: dict, out) -> str:
     """A distributed-noise federation's lines: every client spends the same ε."""
-    cfg, fed, cost = result["config"], result["fed"], result["secure_aggregation"]
+    cfg, fed, cost = result["config"], result["federation"], result["secure_aggregation"]
     honest = fed["honest_clients"] or fed["num_clients"]
     return "\n".join([
         f"fedsd: {cfg['dataset']} {cfg['method']}, {fed['num_clients']} clients, distributed noise under secure "

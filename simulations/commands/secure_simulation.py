@@ -33,7 +33,7 @@ from fedsd.fed_settings import FedOptions
 from fedsd.methods import released
 from fedsd.models import model_for
 from fedsd.privacy import PrivacyPlan, steps_per_epoch
-from fedsd.results import check_out_dir, fresh_out_dir, save_atomic, write_json
+from fedsd.results import RunResult, check_out_dir, fresh_out_dir, save_atomic
 from fedsd.training import TrainState, evaluate, initial_model, planned_trainer
 from simulations.commands import dry_run
 from task.simulated_shards import cut_shards
@@ -88,7 +88,7 @@ class SecureFederation:
         n = len(indices)
         self.sample_rate = min(1.0, cfg.batch_size / n)
         whole = data_lib.prepare(images, indices, "cpu", input_stats(cfg), cfg.features)
-        self.test = (whole.x_test, whole.y_test)
+        self.test, self.data_source = (whole.x_test, whole.y_test), images.source
         self.shards = [data_lib.TensorData(whole.x_train[s], whole.y_train[s], whole.x_test[:0], whole.y_test[:0],
                                            whole.num_classes) for s in shards]
         self.net = model_for(cfg, whole.num_classes)
@@ -157,19 +157,22 @@ class SecureFederation:
         self.seconds_before = seconds
         save_atomic(self.out / CHECKPOINT, self.state_dict())
 
-    def result(self, seconds: float) -> dict:
+    def result(self, seconds: float) -> RunResult:
+        """The run's result.json, a federation's RunResult (its rounds), with the noise plan and
+        the protocol's cost beside it."""
         last = self.rounds[-1]
         per_round = [r["protocol_seconds"] for r in self.rounds]
-        return dict(config=self.cfg.to_dict(), fed=dataclasses.asdict(self.fed), noise=self.noise.to_dict(),
-                    noise_multiplier=self.noise.noise_multiplier,
-                    gaussian_equivalent=self.noise.gaussian_equivalent(), sample_rate=self.sample_rate,
-                    steps=len(self.rounds), num_train=self.num_train, epsilon_spent=last["epsilon"],
-                    test_accuracy=last["test_accuracy"], wall_seconds=seconds,
-                    secure_aggregation=dict(bytes_to_server_per_round=last["bytes_to_server"],
-                                            bytes_from_server_per_round=last["bytes_from_server"],
-                                            protocol_seconds_per_round=float(np.mean(per_round)),
-                                            round_seconds=float(np.mean([r["seconds"] for r in self.rounds]))),
-                    rounds=self.rounds)
+        return RunResult.of_run(
+            self.cfg, epsilon_spent=last["epsilon"], test_accuracy=last["test_accuracy"], wall_seconds=seconds,
+            device="cpu", data_source=self.data_source, noise_multiplier=self.noise.noise_multiplier,
+            sample_rate=self.sample_rate, steps=len(self.rounds), num_train=self.num_train,
+            num_clients=self.fed.num_clients, shard_sizes=[len(s.y_train) for s in self.shards],
+            federation=dataclasses.asdict(self.fed), rounds=self.rounds,
+            extra=dict(noise=self.noise.to_dict(), gaussian_equivalent=self.noise.gaussian_equivalent(),
+                       secure_aggregation=dict(bytes_to_server_per_round=last["bytes_to_server"],
+                                               bytes_from_server_per_round=last["bytes_from_server"],
+                                               protocol_seconds_per_round=float(np.mean(per_round)),
+                                               round_seconds=float(np.mean([r["seconds"] for r in self.rounds])))))
 
 
 def simulate_secure(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, overwrite: bool = False,
@@ -218,6 +221,6 @@ def simulate_secure(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = 
     weights = {k: v.cpu() for k, v in released(run.model).items()}
     if out is not None:
         save_atomic(out / "model.pt", weights)
-        write_json(out / RESULT, result)
+        result.write(out / RESULT)
         (out / CHECKPOINT).unlink(missing_ok=True)
-    return result, weights
+    return result.to_dict(), weights
