@@ -8,7 +8,7 @@ id is derived here from the run, the experiment and the round number, never take
 message), the order of the stages (a replayed or early one is refused), the owner's
 `secagg-min-clients` and the protocol's own checks. A refusal is a `StageRefused` with its reason,
 and comes before the ledger is charged: only the masked-input stage charges it, and only once
-its shares have been checked (`check_masked`).
+its shares have been checked (`SecAggClient.check_masked_input`).
 
 The vector a client contributes (`contribution`) is for now its ordinary training update (the
 model delta after local training, which charges the ledger as a train round does), in fixed
@@ -105,21 +105,6 @@ def share_reply(content: RecordDict, context: Context) -> RecordDict:
     return RecordDict({secure_sum.RECORD: out})
 
 
-def check_masked(client: secagg.SecAggClient, ciphertexts: dict[int, bytes]) -> None:
-    """What SecAggClient.masked_input checks, done before the vector is computed (and the ledger
-    charged for it): the stage's turn, the senders, their number, and that every share opens."""
-    if client.stage != 2:
-        said = "was answered already" if client.stage > 2 else "came before its turn"
-        raise secagg.ProtocolError(f"secure aggregation: the masked-input message {said} in this round")
-    senders = set(ciphertexts)
-    if not senders <= set(client.neighbours) or client.me not in senders:
-        raise secagg.ProtocolError("masked-input: shares from clients outside this client's neighbourhood")
-    if len(senders) < client.needed:
-        raise secagg.ProtocolError(f"masked-input: {len(senders)} clients sent shares, below the threshold")
-    for j, ciphertext in ciphertexts.items():
-        client._open(j, ciphertext)  # noqa: SLF001  (the protocol's own check, before any cost)
-
-
 def masked_reply(content: RecordDict, context: Context) -> RecordDict:
     """Stage 2: the shares sent to this client, and the round's model and settings; its vector,
     masked (the ledger charged by `contribution`, after every check)."""
@@ -127,7 +112,7 @@ def masked_reply(content: RecordDict, context: Context) -> RecordDict:
         key, record, node = _stage_fields(content, context)
         client = _session(key, context, node)
         ciphertexts = read_map(record, "shares")
-        check_masked(client, ciphertexts)
+        client.check_masked_input(ciphertexts)  # before the vector is computed and charged
         if node.secagg_keep_inputs and kept_input_path(node, key).exists():
             raise secagg.ProtocolError("this client kept an input for this round already; it sends no other")
     except (BadMessage, secagg.ProtocolError) as e:

@@ -174,11 +174,22 @@ class SecAggClient:
         and MACs this client checks itself)."""
         return max(self.threshold, self.min_cohort + self.max_colluders)
 
-    def _expect(self, stage: int, name: str) -> None:
+    def _expect(self, stage: int, name: str, advance: bool = True) -> None:
         if self.stage != stage:
             said = "was answered already" if self.stage > stage else "came before its turn"
             raise ProtocolError(f"secure aggregation: the {name} message {said} in this round")
-        self.stage = stage + 1
+        if advance:
+            self.stage = stage + 1
+
+    def _from_neighbours(self, ids: list, stage: str, what: str, went_on: str) -> list[int]:
+        """The ids a stage message names, sorted: in this client's neighbourhood, this client
+        among them, and at least `needed` of them."""
+        holders = _ids(ids, stage)
+        if not set(holders) <= set(self.neighbours) or self.me not in holders:
+            raise ProtocolError(f"{stage}: {what} outside this client's neighbourhood")
+        if len(holders) < self.needed:
+            raise ProtocolError(f"{stage}: {len(holders)} clients {went_on}, below the threshold")
+        return holders
 
     def advertise(self, cohort: object, neighbours: object, threshold: object) -> dict:
         """Stage 0: the round's cohort, my neighbourhood (me included) and the threshold t;
@@ -208,11 +219,7 @@ class SecAggClient:
         self._expect(1, "share-keys")
         if not isinstance(keys, dict) or not all(isinstance(k, int) for k in keys):
             raise ProtocolError("share-keys: a map of client id to public keys was expected")
-        holders = _ids(list(keys), "share-keys")
-        if not set(holders) <= set(self.neighbours) or self.me not in holders:
-            raise ProtocolError("share-keys: keys of clients outside this client's neighbourhood")
-        if len(holders) < self.needed:
-            raise ProtocolError(f"share-keys: {len(holders)} clients went on, below the threshold")
+        holders = self._from_neighbours(list(keys), "share-keys", "keys of clients", "went on")
         mine = keys[self.me]
         if not isinstance(mine, dict) or (mine.get("c"), mine.get("s")) != (
                 _raw(self._c.public_key()), _raw(self._s.public_key())):
@@ -241,15 +248,8 @@ class SecAggClient:
         """Stage 2: the shares sent to me (sender id → ciphertext), and my vector (uint64);
         the vector masked."""
         self._expect(2, "masked-input")
-        if not isinstance(ciphertexts, dict):
-            raise ProtocolError("masked-input: a map of sender id to ciphertext was expected")
-        senders = _ids(list(ciphertexts), "masked-input")
-        if not set(senders) <= set(self.neighbours) or self.me not in senders:
-            raise ProtocolError("masked-input: shares from clients outside this client's neighbourhood")
-        if len(senders) < self.needed:
-            raise ProtocolError(f"masked-input: {len(senders)} clients sent shares, below the threshold")
-        for j in senders:
-            self._shares[j] = self._open(j, ciphertexts[j])
+        self._shares = self._opened(ciphertexts)
+        senders = sorted(self._shares)
         vector = np.asarray(vector)
         if vector.dtype != np.uint64 or vector.ndim != 1:
             raise ValueError("masked_input: the vector is one-dimensional uint64")
@@ -262,6 +262,18 @@ class SecAggClient:
                 masked = masked + mask if pairwise_sign(self.me, j) > 0 else masked - mask
         self._masked_with = senders
         return masked
+
+    def check_masked_input(self, ciphertexts: object) -> None:
+        """Stage 2's checks of the shares, changing nothing: a service runs them before it
+        computes its vector (and charges its ledger for it), then masked_input."""
+        self._expect(2, "masked-input", advance=False)
+        self._opened(ciphertexts)
+
+    def _opened(self, ciphertexts: object) -> dict[int, tuple[bytes, bytes]]:
+        if not isinstance(ciphertexts, dict):
+            raise ProtocolError("masked-input: a map of sender id to ciphertext was expected")
+        senders = self._from_neighbours(list(ciphertexts), "masked-input", "shares from clients", "sent shares")
+        return {j: self._open(j, ciphertexts[j]) for j in senders}
 
     def _open(self, sender: int, ciphertext: object) -> tuple[bytes, bytes]:
         if not isinstance(ciphertext, (bytes, bytearray)) or len(ciphertext) != NONCE + 2 * SEED_BYTES + 16:

@@ -95,9 +95,9 @@ class SecureFederation:
         dim = sum(p.numel() for p in self.net.parameters() if p.requires_grad)
         self.noise = distributed_noise.calibrate(cfg.epsilon, cfg.delta, cfg.clip, self.sample_rate,
                                                  self.sample_rate * n, fed.rounds, honest_count(fed), dim)
-        plan = PrivacyPlan(0.0, self.sample_rate, fed.rounds, cfg.epsilon, cfg.delta, "rdp")
-        self.plans = [plan] * len(shards)
-        self.trainer = planned_trainer(cfg, self.shards[0], plan)
+        # every client's trainer draws at the run's q; its noise is the distributed plan's, not Opacus'
+        self.plan = PrivacyPlan(0.0, self.sample_rate, fed.rounds, cfg.epsilon, cfg.delta, "rdp")
+        self.trainer = planned_trainer(cfg, self.shards[0], self.plan)
         self.model = initial_model(cfg, whole.num_classes)
         self.server = ServerOptimizer(self.net, cfg.lr, cfg.momentum)
         self.states: list[TrainState | None] = [None] * len(shards)
@@ -112,7 +112,7 @@ class SecureFederation:
 
         def client(k: int):
             def vector() -> np.ndarray:
-                self.trainer.bind(self.shards[k], self.plans[k], client=k)
+                self.trainer.bind(self.shards[k], self.plan, client=k)
                 v, self.states[k], m = contribution(self.trainer, self.states[k], student, epoch, self.noise,
                                                     key=seeded_key(self.cfg.seed, k, r), honest=honest)
                 losses[k] = m["train_loss"]
@@ -138,7 +138,7 @@ class SecureFederation:
 
     # -- the folder -----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        plan = self.plans[0]
+        plan = self.plan
         return dict(settings=dict(config=self.cfg.to_dict(), fed=dataclasses.asdict(self.fed)),
                     noise=self.noise.to_dict(), model=self.model, server=self.server.state_dict(),
                     states=[s.state_dict(plan) if s is not None else None for s in self.states], rounds=self.rounds,
@@ -150,7 +150,7 @@ class SecureFederation:
                               f"{self.noise.to_dict()}")
         self.model, self.rounds, self.seconds_before = saved["model"], saved["rounds"], saved["seconds"]
         self.server.load_state_dict(saved["server"])
-        self.states = [TrainState.from_state_dict(s, self.plans[0]) if s is not None else None
+        self.states = [TrainState.from_state_dict(s, self.plan) if s is not None else None
                        for s in saved["states"]]
 
     def save(self, seconds: float) -> None:
