@@ -18,6 +18,7 @@ PARTITIONS = ("iid", "dirichlet", "inner-dirichlet", "pathological")
 CLIENT_DATA = ("partition", "own")
 STRATEGIES = ("fedavg", "fedadam", "fedprox")
 NOISE = ("local", "distributed")
+PRIVACY_UNITS = ("record", "client")
 TEACHER_MODES = ("round-start", "local-previous", "global-ema")
 
 
@@ -62,6 +63,12 @@ class FedOptions:
     honest_clients: int = setting(0, "--noise distributed: t, the fewest clients assumed honest; each client's "
                                   "share is sized so that any t shares give the target σ, and a round with fewer "
                                   "clients is refused. 0 = every client")
+    privacy_unit: str = setting("record", "--noise distributed: what one guarantee protects: record = each "
+                                "training record (one DP-SGD step a round); client = a whole client (each client "
+                                "trains --local-epochs without noise, clips its update to --update-clip and adds "
+                                "its share; every client every round, the server applies the mean, ε is each "
+                                "client's)", choices=PRIVACY_UNITS)
+    update_clip: float = setting(0.1, "--privacy-unit client: the L2 norm S each client clips its model update to")
     budget_rounds: int = setting(0, "rounds each client calibrates σ for; 0 = every round of the run")
     server_dp_noise: float = setting(0.0, "user-level DP at the server (Flower's fixed clipping): noise "
                                      "multiplier; 0 = off. A separate guarantee, not in ε")
@@ -100,6 +107,11 @@ class FedOptions:
         check(self.proximal_mu >= 0, "--proximal-mu", "must be >= 0", self.proximal_mu)
         check(self.server_lr > 0, "--server-lr", "must be > 0", self.server_lr)
         check(self.budget_rounds >= 0, "--budget-rounds", "must be >= 0", self.budget_rounds)
+        check(self.privacy_unit == "record" or self.noise == "distributed", "--privacy-unit client",
+              "needs --noise distributed and --secure-aggregation (each client adds its share; the server sees "
+              "only the sum)", self.noise)
+        check(math.isfinite(self.update_clip) and self.update_clip > 0, "--update-clip", "must be > 0",
+              self.update_clip)
         check(self.server_dp_noise >= 0, "--server-dp-noise", "must be >= 0", self.server_dp_noise)
         check(self.server_dp_clip > 0, "--server-dp-clip", "must be > 0", self.server_dp_clip)
         check(self.client_cpus > 0, "--client-cpus", "must be > 0", self.client_cpus)

@@ -50,17 +50,27 @@ def secure_summary(result: dict, out) -> str:
     """A distributed-noise federation's lines: every client spends the same ε."""
     cfg, fed, cost = result["config"], result["federation"], result["secure_aggregation"]
     honest = fed["honest_clients"] or fed["num_clients"]
+    unit = "client, protected whole," if fed.get("privacy_unit") == "client" else "client"
     return "\n".join([
         f"fedsd: {cfg['dataset']} {cfg['method']}, {fed['num_clients']} clients, distributed noise under secure "
         f"aggregation, finished, {result['wall_seconds']:.0f} s",
         f"  test accuracy  {result['test_accuracy'] * 100:.2f} %",
-        f"  ε spent        {result['epsilon_spent']:.3f} by every client (target {cfg['epsilon']:g}, δ {cfg['delta']:g}), "
-        f"if at least {honest} of the {fed['num_clients']} clients are honest",
-        f"  settings       B = {cfg['batch_size']} (the federation's), lr {cfg['lr']:g}, z = "
-        f"{result['noise_multiplier']:.3f}, {result['steps']} rounds of one step",
+        f"  ε spent        {result['epsilon_spent']:.3f} by every {unit} (target {cfg['epsilon']:g}, δ "
+        f"{cfg['delta']:g}), if at least {honest} of the {fed['num_clients']} clients are honest",
+        secure_settings(result),
         f"  per round      {cost['bytes_to_server_per_round'] / 1e6:.2f} MB to the server, "
         f"{cost['protocol_seconds_per_round']:.2f} s of the protocol, {cost['round_seconds']:.2f} s in all",
         f"  files          {Path(out).absolute()}/ (result.json, model.pt)"])
+
+
+def secure_settings(result: dict) -> str:
+    cfg, fed = result["config"], result["federation"]
+    if fed.get("privacy_unit") == "client":
+        return (f"  settings       each client whole: {result['steps']} rounds of {fed['local_epochs']} local epoch(s) "
+                f"at B = {cfg['batch_size']}, lr {cfg['lr']:g}, updates clipped to {fed['update_clip']:g}, z = "
+                f"{result['noise_multiplier']:.3f}")
+    return (f"  settings       B = {cfg['batch_size']} (the federation's), lr {cfg['lr']:g}, z = "
+            f"{result['noise_multiplier']:.3f}, {result['steps']} rounds of one step")
 
 
 def settings_line(result: dict) -> str:

@@ -47,3 +47,25 @@ def test_dp3sd_distils_from_the_model_one_step_old_and_writes_its_result(tmp_pat
     assert (tmp_path / "run" / "result.json").is_file() and not (tmp_path / "run" / "checkpoint.pt").exists()
     assert result["steps"] == 3 and 2.99 < result["epsilon_spent"] <= 3.0
     assert 0.0 <= result["test_accuracy"] <= 1.0 and all(torch.isfinite(v).all() for v in weights.values())
+
+
+def test_client_level_rounds_are_fedavg_of_clipped_updates_and_spend_the_clients_epsilon(tmp_path):
+    """--privacy-unit client: with the noise taken out, the rounds (local epochs, clipped
+    updates, secure sum, the server's mean) train a model well past chance; with it, the run
+    spends each client's ε as R Gaussian steps at q = 1 and moves the model by no more than the
+    clip plus the noise."""
+    import dataclasses
+
+    require("fmnist")
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", subset=3000, batch_size=50, lr=0.05, momentum=0.9,
+                      epsilon=3.0, threads=1, seed=3).resolved()
+    fed = FedOptions(num_clients=3, rounds=2, secure_aggregation=True, noise="distributed", privacy_unit="client",
+                     update_clip=2.0, local_epochs=1)
+    quiet = SecureFederation(cfg, fed, None)
+    quiet.noise = dataclasses.replace(quiet.noise, noise_multiplier=0.0)
+    records = [quiet.take_round(r) for r in (1, 2)]
+    assert records[-1]["test_accuracy"] > 0.6 and records[-1]["survivors"] == 3
+    result, weights = simulate_secure(cfg, fed, tmp_path / "run", progress=False)
+    assert result["privacy_unit"] == "client" and result["sample_rate"] == 1.0 and result["steps"] == 2
+    assert 2.99 < result["epsilon_spent"] <= 3.0
+    assert result["noise"]["clip"] == 2.0 and result["noise"]["expected_batch"] == 3.0

@@ -6,7 +6,9 @@ server's), so every simulated round tests it; the clients' steps are those an ow
 takes (fedsd.distributed.contribution). One round is one DP-SGD step of the federation, so the
 run is planned as central DP-SGD on the union of the shards: --batch-size is the federation's
 expected batch B (q = B / N over all N training samples) and --rounds its steps; σ is
-calibrated for --epsilon over those steps (fedsd.distributed_noise). No Ray: the clients take
+calibrated for --epsilon over those steps (fedsd.distributed_noise). With --privacy-unit
+client a round is instead each client's --local-epochs without noise, its update clipped and
+its share added (fedsd.client_level), and ε protects whole clients. No Ray: the clients take
 their turns in one process, which is what makes a several-hundred-round run take minutes.
 
 The run's folder holds checkpoint.pt (every CHECKPOINT_EVERY rounds and at the end: resumable
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from fedsd import client_level
 from fedsd import data as data_lib
 from fedsd import distributed_noise
 from fedsd.client_data import input_stats, with_custom_task, task_for
@@ -60,14 +63,18 @@ def check_options(cfg: TrainConfig, fed: FedOptions) -> None:
     if fed.noise != "distributed":
         raise ConfigError("--secure-aggregation: a simulation runs it with --noise distributed (one step a round); "
                           "secure aggregation of local-noise updates runs in a deployment's data services")
-    if fed.local_epochs != 1:
+    if fed.local_epochs != 1 and fed.privacy_unit == "record":
         raise ConfigError(f"--local-epochs {fed.local_epochs}: --noise distributed takes one local step a round "
-                          f"(the server applies each step); leave --local-epochs at 1")
+                          f"(the server applies each step); leave --local-epochs at 1, or protect whole clients "
+                          f"(--privacy-unit client)")
     if fed.fraction_train != 1.0 or fed.strategy != "fedavg" or fed.server_dp_noise > 0:
         raise ConfigError("--noise distributed: every client in every round, --strategy fedavg and no "
                           "--server-dp-noise (the server's step is the optimizer's, on the secure sum)")
     if cfg.method not in DISTRIBUTED_METHODS:
         raise ConfigError(f"--method {cfg.method}: --noise distributed runs {', '.join(DISTRIBUTED_METHODS)}")
+    if fed.privacy_unit == "client" and cfg.method != "dpsgd":
+        raise ConfigError(f"--method {cfg.method}: --privacy-unit client trains each client without noise and "
+                          f"without a teacher (--method dpsgd); self-distillation is record-level")
     if not 0 <= fed.honest_clients <= fed.num_clients:
         raise ConfigError(f"--honest-clients {fed.honest_clients}: must be in [0, --clients {fed.num_clients}] "
                           f"(0: all of them)")
@@ -93,16 +100,21 @@ class SecureFederation:
                                            whole.num_classes) for s in shards]
         self.net = model_for(cfg, whole.num_classes)
         dim = sum(p.numel() for p in self.net.parameters() if p.requires_grad)
+        self.model = initial_model(cfg, whole.num_classes)
+        self.states: list[TrainState | None] = [None] * len(shards)
+        self.rounds: list[dict] = []
+        self.num_train, self.seconds_before = n, 0.0
+        if fed.privacy_unit == "client":  # every client every round, its clipped update; the server's mean
+            self.noise = client_level.calibrate(cfg.epsilon, cfg.delta, fed.update_clip, len(shards), fed.rounds,
+                                                honest_count(fed), dim)
+            self.server, self.plan = ServerOptimizer(self.net, 1.0, 0.0), None
+            return
         self.noise = distributed_noise.calibrate(cfg.epsilon, cfg.delta, cfg.clip, self.sample_rate,
                                                  self.sample_rate * n, fed.rounds, honest_count(fed), dim)
         # every client's trainer draws at the run's q; its noise is the distributed plan's, not Opacus'
         self.plan = PrivacyPlan(0.0, self.sample_rate, fed.rounds, cfg.epsilon, cfg.delta, "rdp")
         self.trainer = planned_trainer(cfg, self.shards[0], self.plan)
-        self.model = initial_model(cfg, whole.num_classes)
         self.server = ServerOptimizer(self.net, cfg.lr, cfg.momentum)
-        self.states: list[TrainState | None] = [None] * len(shards)
-        self.rounds: list[dict] = []
-        self.num_train, self.seconds_before = n, 0.0
 
     # -- one round ------------------------------------------------------------------------
     def take_round(self, r: int) -> dict:
@@ -112,6 +124,8 @@ class SecureFederation:
 
         def client(k: int):
             def vector() -> np.ndarray:
+                if self.fed.privacy_unit == "client":
+                    return self.client_update(k, r, student, losses)
                 self.trainer.bind(self.shards[k], self.plan, client=k)
                 v, self.states[k], m = contribution(self.trainer, self.states[k], student, epoch, self.noise,
                                                     key=seeded_key(self.cfg.seed, k, r), honest=honest)
@@ -135,6 +149,15 @@ class SecureFederation:
             self.net.train()
         self.rounds.append(record)
         return record
+
+    def client_update(self, k: int, r: int, student, losses: dict) -> np.ndarray:
+        """Client k's vector at client level: its local epochs without noise from the round's
+        global model, the update clipped, quantised and its share added."""
+        generator = torch.Generator().manual_seed(int.from_bytes(seeded_key(self.cfg.seed, k, r)[:8], "little"))
+        update, losses[k] = client_level.local_update(self.net, self.shards[k], student, self.fed.local_epochs,
+                                                      self.cfg.batch_size, self.cfg.lr, self.cfg.momentum, generator)
+        return client_level.update_contribution(update, self.noise, seeded_key(self.cfg.seed, k, r),
+                                                honest_count(self.fed))
 
     # -- the folder -----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -165,14 +188,28 @@ class SecureFederation:
         return RunResult.of_run(
             self.cfg, epsilon_spent=last["epsilon"], test_accuracy=last["test_accuracy"], wall_seconds=seconds,
             device="cpu", data_source=self.data_source, noise_multiplier=self.noise.noise_multiplier,
-            sample_rate=self.sample_rate, steps=len(self.rounds), num_train=self.num_train,
+            sample_rate=self.noise.sample_rate, steps=len(self.rounds), num_train=self.num_train,
             num_clients=self.fed.num_clients, shard_sizes=[len(s.y_train) for s in self.shards],
             federation=dataclasses.asdict(self.fed), rounds=self.rounds,
-            extra=dict(noise=self.noise.to_dict(), gaussian_equivalent=self.noise.gaussian_equivalent(),
+            extra=dict(privacy_unit=self.fed.privacy_unit, noise=self.noise.to_dict(), gaussian_equivalent=self.noise.gaussian_equivalent(),
                        secure_aggregation=dict(bytes_to_server_per_round=last["bytes_to_server"],
                                                bytes_from_server_per_round=last["bytes_from_server"],
                                                protocol_seconds_per_round=float(np.mean(per_round)),
                                                round_seconds=float(np.mean([r["seconds"] for r in self.rounds])))))
+
+
+def plan_line(cfg: TrainConfig, fed: FedOptions, run: SecureFederation) -> str:
+    """What the run will do, as a dry run says it."""
+    head = f"simulate {fed.num_clients} clients ({fed.partition}) with secure aggregation and distributed noise"
+    if fed.privacy_unit == "client":
+        return (f"{head}, each client protected whole (t = {honest_count(fed)}): {fed.rounds} rounds of "
+                f"{fed.local_epochs} local epoch(s) without noise at B = {cfg.batch_size}, lr {cfg.lr:g}, momentum "
+                f"{cfg.momentum:g}, each update clipped to {fed.update_clip:g}, σ={run.noise.noise_multiplier:.3f} "
+                f"(the honest sum's noise over the clip), client-level ε={cfg.epsilon:g}")
+    epochs = fed.rounds / steps_per_epoch(run.num_train, cfg.batch_size)
+    return (f"{head} (t = {honest_count(fed)}): {fed.rounds} rounds of one step, {epochs:g} epochs at B = "
+            f"{cfg.batch_size}, lr {cfg.lr:g}, momentum {cfg.momentum:g}, σ={run.noise.noise_multiplier:.3f} "
+            f"(the honest sum's noise; B the federation's), ε={cfg.epsilon:g} each")
 
 
 def simulate_secure(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, overwrite: bool = False,
@@ -196,12 +233,7 @@ def simulate_secure(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     run = SecureFederation(cfg, fed, out)
-    epochs = fed.rounds / steps_per_epoch(run.num_train, cfg.batch_size)
-    dry_run.stop_here(f"simulate {fed.num_clients} clients ({fed.partition}) with secure aggregation and distributed "
-                      f"noise (t = {honest_count(fed)}): {fed.rounds} rounds of one step, {epochs:g} epochs at B = "
-                      f"{cfg.batch_size}, lr {cfg.lr:g}, momentum {cfg.momentum:g}, σ={run.noise.noise_multiplier:.3f} "
-                      f"(the honest sum's noise; B the federation's), ε={cfg.epsilon:g} each"
-                      + (f" into {out}" if out else ""))
+    dry_run.stop_here(plan_line(cfg, fed, run) + (f" into {out}" if out else ""))
     if saved is not None:
         run.load(saved)
     elif out is not None:

@@ -1,18 +1,23 @@
 """`fedsd reproduce --table distributed`: does a federation with distributed noise under secure
 aggregation train as well as central DP-SGD at the same ε, whatever the partition?
 
-Fashion-MNIST, ε = 3, δ = 10⁻⁵, 10 clients; the features recipe of the features table
-(ScatterNet features, the linear network, dpsgd, B = 8192, lr 8, momentum 0.9, C = 0.1, 400
-steps: 50 epochs) run by the federation, one step a round (400 rounds), under IID, Dirichlet(0.5)
-and Dirichlet(0.1) partitions, three seeds each, with every client assumed honest (t = n), and
-one seed each with half of them (t = n/2, each share twice as large). Its rows go beside the central run of
-the same recipe (results/table-features.md) and the federated rows with local noise.
+Fashion-MNIST, ε = 3, δ = 10⁻⁵, 10 clients; two central recipes run by the federation, one step
+a round:
+- features: the features table's (ScatterNet features, the linear network, dpsgd, B = 8192, lr 8,
+  momentum 0.9, C = 0.1), 400 rounds: its 50 epochs;
+- cnn: Table 1's (the papers' CNN, dpsgd, B = 1600, lr 3, momentum 0.9, C = 0.1), 1140 rounds: its
+  30 epochs of ⌈60000 / 1600⌉ = 38 steps.
+Each under IID, Dirichlet(0.5) and Dirichlet(0.1) partitions, three seeds each, with every client
+assumed honest (t = n), and one seed each with half of them (t = n/2, each share twice as large).
+Its rows go beside the central runs of the same recipe and seeds (results/table-features.md,
+results/table1.md) and the federated rows with local noise.
 
 Each run is written to <out>/runs/distributed/<name>/ and resumes from its checkpoint; a
 finished run is not run again.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -21,33 +26,64 @@ from fedsd.config import TrainConfig
 from fedsd.fed_settings import FedOptions
 from fedsd.results import write_json
 from simulations.commands import dry_run
-from simulations.commands.secure_simulation import FEATURES_RECIPE as RECIPE
-from simulations.commands.secure_simulation import FEATURES_ROUNDS as ROUNDS
+from simulations.commands.secure_simulation import FEATURES_RECIPE, FEATURES_ROUNDS
 
 TABLE_NAME = "table-distributed"
 SEEDS = (0, 1, 2)
 HALF_SEEDS = (0,)  # t = n/2: its cost against t = n, one seed a partition
 CLIENTS = 10
 PARTITIONS = (("iid", 0.5), ("dirichlet", 0.5), ("dirichlet", 0.1))
-CENTRAL = {"test accuracy (%)": (89.56, 0.10), "source": "results/table-features.md (fmnist dpsgd, 3 seeds)"}
-LOCAL_NOISE = {"iid": (87.64, 0.10), "dirichlet0.5": (86.43, 0.36)}  # the federated features rows, local noise
+# Table 1's Fashion-MNIST dpsgd cell at ε = 3 (results/runs/table1/fmnist-dpsgd-eps3-seed*), the papers' CNN
+CNN_RECIPE = dict(dataset="fmnist", model="mnist-cnn", method="dpsgd", epsilon=3.0, batch_size=1600, lr=3.0,
+                  momentum=0.9, clip=0.1, threads=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A central recipe run by the federation, and where its central runs and its federated
+    rows with local noise are."""
+    name: str
+    settings: dict
+    rounds: int
+    central_runs: str  # a path under <out>/runs with {seed}
+    central_source: str
+    local_noise: dict  # partition → (mean, standard error), the federated rows with local noise
+    local_noise_source: str
+
+
+RECIPES = (
+    Recipe("features", FEATURES_RECIPE, FEATURES_ROUNDS, "features/fmnist-scatter-linear-B8192-lr8-e50-dpsgd-seed{seed}",
+           "results/table-features.md (fmnist dpsgd)",
+           {"iid": (87.64, 0.10), "dirichlet0.5": (86.43, 0.36)}, "results/table-features.md"),
+    # the federated CNN rows: 30 rounds of one local epoch at B = 256 a client (results/table-fed.md,
+    # dpsgd, round-start; its std over 3 seeds here as a standard error)
+    Recipe("cnn", CNN_RECIPE, 30 * 38, "table1/fmnist-dpsgd-eps3-seed{seed}", "results/table1.md (fmnist dpsgd ε = 3)",
+           {"iid": (80.41, 0.38 / 3 ** 0.5), "dirichlet0.5": (80.72, 0.58 / 3 ** 0.5),
+            "dirichlet0.1": (72.79, 4.80 / 3 ** 0.5)}, "results/table-fed.md"),
+)
 
 
 def partition_name(partition: str, alpha: float) -> str:
     return "iid" if partition == "iid" else f"dirichlet{alpha:g}"
 
 
+def run_name(recipe: Recipe, part: str, honest: int, seed: int) -> str:
+    """The features runs keep the names they were first written under."""
+    return f"fmnist{'' if recipe.name == 'features' else '-' + recipe.name}-{part}-t{honest}-seed{seed}"
+
+
 def runs() -> list[tuple[str, TrainConfig, FedOptions]]:
-    """Every run, t = n first (seed by seed across the partitions), then t = n/2."""
+    """Every run, recipe by recipe: t = n first (seed by seed across the partitions), then t = n/2."""
     out = []
-    for honest, seeds in ((CLIENTS, SEEDS), (CLIENTS // 2, HALF_SEEDS)):
-        for seed in seeds:
-            for partition, alpha in PARTITIONS:
-                name = f"fmnist-{partition_name(partition, alpha)}-t{honest}-seed{seed}"
-                cfg = TrainConfig(**RECIPE, seed=seed)
-                fed = FedOptions(num_clients=CLIENTS, rounds=ROUNDS, partition=partition, dirichlet_alpha=alpha,
-                                 secure_aggregation=True, noise="distributed", honest_clients=honest)
-                out.append((name, cfg, fed))
+    for recipe in RECIPES:
+        for honest, seeds in ((CLIENTS, SEEDS), (CLIENTS // 2, HALF_SEEDS)):
+            for seed in seeds:
+                for partition, alpha in PARTITIONS:
+                    cfg = TrainConfig(**recipe.settings, seed=seed)
+                    fed = FedOptions(num_clients=CLIENTS, rounds=recipe.rounds, partition=partition,
+                                     dirichlet_alpha=alpha, secure_aggregation=True, noise="distributed",
+                                     honest_clients=honest)
+                    out.append((run_name(recipe, partition_name(partition, alpha), honest, seed), cfg, fed))
     return out
 
 
@@ -76,13 +112,13 @@ def _mean_se(values: list[float]) -> str:
     return f"{statistics.mean(values):.2f} ± {statistics.stdev(values) / len(values) ** 0.5:.2f}"
 
 
-def central_by_seed(out: Path) -> dict[int, float]:
-    """The central runs of the recipe (the features table's), seed → test accuracy."""
+def central_by_seed(out: Path, recipe: Recipe) -> dict[int, float]:
+    """The central runs of the recipe, seed → test accuracy (%)."""
     found = {}
     for seed in SEEDS:
-        path = out / "runs" / "features" / f"fmnist-scatter-linear-B8192-lr8-e50-dpsgd-seed{seed}" / "result.json"
+        path = out / "runs" / recipe.central_runs.format(seed=seed) / "result.json"
         if path.is_file():
-            found[seed] = json.loads(path.read_text())["test_accuracy"]
+            found[seed] = 100 * json.loads(path.read_text())["test_accuracy"]
     return found
 
 
@@ -92,62 +128,74 @@ def _paired(values: list[float]) -> str:
     return f"{statistics.mean(values):+.2f} ± {statistics.stdev(values) / len(values) ** 0.5:.2f}"
 
 
+def _row(out: Path, recipe: Recipe, part: str, honest: int, central: dict[int, float]) -> dict | None:
+    results = [json.loads(path.read_text()) for seed in SEEDS
+               if (path := out / "runs" / "distributed" / run_name(recipe, part, honest, seed) / "result.json").is_file()]
+    if not results:
+        return None
+    accuracy = [100 * r["test_accuracy"] for r in results]
+    paired = [a - central[r["config"]["seed"]] for a, r in zip(accuracy, results) if r["config"]["seed"] in central]
+    cost = results[0]["secure_aggregation"]
+    return dict(recipe=recipe.name, partition=part, honest=honest, seeds=len(results), accuracy=accuracy,
+                vs_central=statistics.mean(accuracy) - statistics.mean(central.values()) if central else None,
+                paired=paired, local_noise=recipe.local_noise.get(part),
+                epsilon=max(r["epsilon_spent"] for r in results), z=results[0]["noise_multiplier"],
+                minutes=statistics.mean(r["wall_seconds"] for r in results) / 60,
+                bytes_to_server=cost["bytes_to_server_per_round"],
+                protocol_seconds=cost["protocol_seconds_per_round"], round_seconds=cost["round_seconds"])
+
+
 def write_table(out: Path) -> dict:
     """results/table-distributed.{json,md} from the finished runs."""
-    rows, central = [], central_by_seed(out)
-    for honest in (CLIENTS, CLIENTS // 2):
-        for partition, alpha in PARTITIONS:
-            part = partition_name(partition, alpha)
-            results = []
-            for seed in SEEDS:
-                path = out / "runs" / "distributed" / f"fmnist-{part}-t{honest}-seed{seed}" / "result.json"
-                if path.is_file():
-                    results.append(json.loads(path.read_text()))
-            if not results:
-                continue
-            accuracy = [100 * r["test_accuracy"] for r in results]
-            paired = [100 * (r["test_accuracy"] - central[r["config"]["seed"]]) for r in results
-                      if r["config"]["seed"] in central]
-            cost = results[0]["secure_aggregation"]
-            rows.append(dict(partition=part, honest=honest, seeds=len(results), accuracy=accuracy,
-                             vs_central=statistics.mean(accuracy) - CENTRAL["test accuracy (%)"][0], paired=paired,
-                             local_noise=LOCAL_NOISE.get(part), epsilon=max(r["epsilon_spent"] for r in results),
-                             z=results[0]["noise_multiplier"], minutes=statistics.mean(r["wall_seconds"] for r in results) / 60,
-                             bytes_to_server=cost["bytes_to_server_per_round"],
-                             protocol_seconds=cost["protocol_seconds_per_round"],
-                             round_seconds=cost["round_seconds"]))
-    table = dict(question=__doc__.split("\n")[0], central=CENTRAL, recipe=RECIPE, rounds=ROUNDS, clients=CLIENTS,
-                 rows=rows)
+    rows, recipes = [], {}
+    for recipe in RECIPES:
+        central = central_by_seed(out, recipe)
+        recipes[recipe.name] = dict(settings=recipe.settings, rounds=recipe.rounds, central=sorted(central.items()),
+                                    central_source=recipe.central_source,
+                                    local_noise_source=recipe.local_noise_source)
+        for honest in (CLIENTS, CLIENTS // 2):
+            for partition, alpha in PARTITIONS:
+                row = _row(out, recipe, partition_name(partition, alpha), honest, central)
+                if row is not None:
+                    rows.append(row)
+    table = dict(question=__doc__.split("\n")[0], clients=CLIENTS, recipes=recipes, rows=rows)
     write_json(out / f"{TABLE_NAME}.json", table)
     (out / f"{TABLE_NAME}.md").write_text(markdown(table))
     return table
 
 
 def markdown(table: dict) -> str:
+    centrals = "; ".join(
+        f"{name}: {_mean_se([a for _, a in r['central']])} ({len(r['central'])} seeds, {r['central_source']})"
+        for name, r in table["recipes"].items() if r["central"])
     lines = [
         "# Distributed noise under secure aggregation: Fashion-MNIST, 10 clients, ε = 3",
         "",
-        "Written by `fedsd reproduce --table distributed` (simulations/experiments/distributed_table.py). The "
-        "features recipe (ScatterNet features, the linear network, dpsgd, B = 8192 for the federation, lr 8, "
-        "momentum 0.9, C = 0.1) run by 10 clients, one DP-SGD step a round for 400 rounds, each client adding its "
-        "share of Skellam noise to its quantised clipped sum under SecAgg+. t: the fewest clients each assumes "
-        "honest (any t shares give the target σ). Test accuracy, mean ± standard error over the seeds (as in "
-        "results/table-features.md, whose central and local-noise federated rows stand beside these); vs central: "
-        "the difference of the means, and the seed-by-seed differences with the central run of the same seed "
-        "(mean ± standard error). The central run "
-        f"of the same recipe: {table['central']['test accuracy (%)'][0]:.2f} ± "
-        f"{table['central']['test accuracy (%)'][1]:.2f} ({table['central']['source']}). Minutes and seconds: the "
+        "Written by `fedsd reproduce --table distributed` (simulations/experiments/distributed_table.py). Two "
+        "central recipes run by 10 clients, one DP-SGD step a round, each client adding its share of Skellam noise "
+        "to its quantised clipped sum under SecAgg+: **features** (ScatterNet features, the linear network, dpsgd, "
+        "B = 8192 for the federation, lr 8, momentum 0.9, C = 0.1, 400 rounds: 50 epochs) and **cnn** (the papers' "
+        "CNN, dpsgd, B = 1600 for the federation, lr 3, momentum 0.9, C = 0.1, 1140 rounds: 30 epochs). t: the "
+        "fewest clients each assumes honest (any t shares give the target σ). Test accuracy, mean ± standard error "
+        "over the seeds; vs central: the difference of the means, and the seed-by-seed differences with the "
+        f"central run of the same recipe and seed (mean ± standard error). The central runs: {centrals}. "
+        "Federated, local noise: the same federation with each update noised alone (features: "
+        "results/table-features.md, same recipe; cnn: results/table-fed.md, dpsgd, 30 rounds of one local epoch "
+        "at B = 256 a client, its standard deviation over 3 seeds as a standard error). Minutes and seconds: the "
         "2-core development machine, two runs at once beside other work (one thread each); the protocol's cost "
         "measured side by side is in results/bench-secagg-10clients-*.json.",
         "",
-        "| partition | t | seeds | test accuracy (%) | vs central (mean) | vs central, paired by seed | federated, "
-        "local noise, 10 clients | client ε | z | minutes a run | MB to the server a round | protocol s a round | round s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| recipe | partition | t | seeds | test accuracy (%) | vs central (mean) | vs central, paired by seed | "
+        "federated, local noise, 10 clients | client ε | z | minutes a run | MB to the server a round | "
+        "protocol s a round | round s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table["rows"]:
         local = f"{r['local_noise'][0]:.2f} ± {r['local_noise'][1]:.2f}" if r["local_noise"] else ""
-        lines.append(f"| {r['partition']} | {r['honest']} | {r['seeds']} | {_mean_se(r['accuracy'])} | "
-                     f"{r['vs_central']:+.2f} | {_paired(r['paired'])} | {local} | {r['epsilon']:.3f} | {r['z']:.3f} | {r['minutes']:.1f} | "
-                     f"{r['bytes_to_server'] / 1e6:.2f} | {r['protocol_seconds']:.2f} | {r['round_seconds']:.2f} |")
+        vs = f"{r['vs_central']:+.2f}" if r["vs_central"] is not None else ""
+        lines.append(f"| {r['recipe']} | {r['partition']} | {r['honest']} | {r['seeds']} | {_mean_se(r['accuracy'])} | "
+                     f"{vs} | {_paired(r['paired'])} | {local} | {r['epsilon']:.3f} | {r['z']:.3f} | "
+                     f"{r['minutes']:.1f} | {r['bytes_to_server'] / 1e6:.2f} | {r['protocol_seconds']:.2f} | "
+                     f"{r['round_seconds']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

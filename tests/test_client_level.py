@@ -1,0 +1,85 @@
+"""Client-level DP by the clients (fedsd.client_level): each clips its own update and adds its
+share, so the sum the server unmasks carries the whole client-level noise and no update
+reaches it unclipped or unnoised; the accountant against dp_accounting; the options refused."""
+import math
+
+import numpy as np
+import pytest
+
+from fedsd import client_level as cl
+from fedsd import distributed_noise as dn
+from fedsd.config import TrainConfig
+from fedsd.distributed import secure_round
+from fedsd.errors import ConfigError
+from fedsd.fed_settings import FedOptions
+from simulations.commands.secure_simulation import check_options
+
+
+def test_an_update_is_clipped_to_the_norm_a_small_one_is_left_alone_and_a_diverged_one_is_zero():
+    rng = np.random.default_rng(0)
+    big, small = rng.normal(size=1000) * 10, rng.normal(size=1000) * 1e-4
+    assert np.linalg.norm(cl.clipped_update(big, 0.5)) == pytest.approx(0.5)
+    assert np.allclose(cl.clipped_update(big, 0.5) / 0.5, big / np.linalg.norm(big))  # the direction kept
+    assert np.array_equal(cl.clipped_update(small, 0.5), small)
+    assert np.array_equal(cl.clipped_update(np.array([1.0, np.inf, np.nan]), 0.5), np.zeros(3))
+
+
+def test_the_sum_the_server_unmasks_is_the_clipped_updates_plus_exactly_the_planned_noise():
+    """Four clients with updates far beyond the clip; the server's sum, decoded, is the sum of the
+    clipped updates plus noise whose variance is n/t times the honest sum's (z·Δ2)², no more and
+    no less: without the clients' shares (or their clipping) this fails."""
+    clients, dim, honest, clip = 4, 40_000, 2, 0.5
+    plan = cl.calibrate(3.0, 1e-5, clip, clients, 20, honest, dim)
+    rng = np.random.default_rng(1)
+    updates = {k: rng.normal(size=dim) * (k + 1) for k in range(clients)}
+    vectors = {k: (lambda u=u, k=k: cl.update_contribution(u, plan, bytes([k]) * 16, honest))
+               for k, u in updates.items()}
+    total, _ = secure_round(b"client-level-test", vectors, dim, min_cohort=honest, max_colluders=clients - honest)
+    clipped = sum(cl.clipped_update(u, clip) for u in updates.values())
+    residual = dn.decode(total, plan) - clipped
+    expected = math.sqrt(clients / honest * plan.variance) / plan.scale  # in update units
+    assert np.std(residual) == pytest.approx(expected, rel=0.02)
+    assert abs(np.mean(residual)) < 4 * expected / math.sqrt(dim)
+    assert expected > 5 * clip / math.sqrt(dim)  # the noise dwarfs any one clipped update's coordinates
+
+
+def test_the_client_level_accountant_is_dp_accountings_gaussian_composition():
+    """q = 1 (every client every round): the run is R Gaussian steps at z_e; dp_accounting's own
+    RDP accountant for the composed Gaussian gives the same ε, and the calibrated plan spends ε."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+    plan = cl.calibrate(3.0, 1e-5, 0.1, 100, 50, 100, 30_000)
+    accountant = rdp.RdpAccountant(orders=dn.INTEGER_ORDERS)
+    accountant.compose(dp_event.GaussianDpEvent(plan.gaussian_equivalent()), 50)
+    assert plan.epsilon(50, 1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-3)
+    assert 2.99 < plan.epsilon(50, 1e-5) <= 3.0
+    assert plan.sample_rate == 1.0 and plan.expected_batch == 100.0
+
+
+@pytest.mark.parametrize("field,value", [("clip", 0.05), ("sample_rate", 0.5), ("expected_batch", 20.0),
+                                         ("dim", 99)])
+def test_a_plan_that_is_not_the_clients_own_is_refused(field, value):
+    """A smaller clip would not bound the update by the noise's sensitivity; q < 1 claims an
+    amplification that does not happen; another n or length is not this run."""
+    import dataclasses
+
+    plan = cl.calibrate(3.0, 1e-5, 0.1, 10, 20, 10, 100)
+    cl.check_plan(plan, 0.1, 10, 100)
+    with pytest.raises(ValueError, match=field):
+        cl.check_plan(dataclasses.replace(plan, **{field: value}), 0.1, 10, 100)
+
+
+def test_client_level_options_are_checked_before_any_work():
+    with pytest.raises(ConfigError, match="--privacy-unit client: needs --noise distributed"):
+        FedOptions(privacy_unit="client").validate()
+    with pytest.raises(ConfigError, match="--update-clip"):
+        FedOptions(privacy_unit="client", noise="distributed", secure_aggregation=True, update_clip=0).validate()
+    fed = FedOptions(privacy_unit="client", noise="distributed", secure_aggregation=True, local_epochs=3)
+    fed.validate()
+    check_options(TrainConfig(method="dpsgd"), fed)  # several local epochs: the unit is the whole update
+    with pytest.raises(ConfigError, match="--method dp3sd: --privacy-unit client"):
+        check_options(TrainConfig(method="dp3sd"), fed)
+    with pytest.raises(ConfigError, match="--local-epochs 3"):  # record level keeps one step a round
+        check_options(TrainConfig(method="dpsgd"), FedOptions(noise="distributed", secure_aggregation=True,
+                                                               local_epochs=3))
