@@ -10,10 +10,14 @@ clients, as Kairouz, Liu & Steinke and Agarwal et al. do: a round is
   by secure aggregation;
 - the server unmasks the sum only, divides it by the number of clients n and applies it with
   learning rate 1 (FedAvg on the clipped, noised updates; `ServerOptimizer` with lr 1).
-The unit protected is a whole client: adding or removing one changes the sum by at most S, and
-every client takes part in every round (q = 1), so the run is R Gaussian steps at z_e (the same
-Skellam-to-Gaussian bound and the same integer-order accountant as record-level distributed
-noise). A client-level guarantee covers each of the client's records as well, at the same ε.
+The unit protected is a whole client, as zero-out adjacency (Kairouz, McMahan, Song, Thakkar,
+Thakurta & Xu, ICML 2021): a
+client's data replaced by none changes its clipped update, and so the sum, by at most S, with
+its noise share still in the sum (the cohort itself is visible to the server; a client that
+leaves takes its share with it). Every client takes part in every round (q = 1), so the run is R
+Gaussian steps at z_e (the same Skellam-to-Gaussian bound and the same integer-order accountant
+as record-level distributed noise). One record of a client that stays can move its clipped
+update from S·u to −S·u: each record gets the guarantee at sensitivity 2S (`record_epsilon`).
 """
 from __future__ import annotations
 
@@ -66,21 +70,34 @@ def clipped_update(update: np.ndarray, clip: float) -> np.ndarray:
     return update * min(1.0, clip / norm) if norm > 0 else update
 
 
-def check_plan(plan: noise.NoisePlan, clip: float, clients: int, dim: int) -> None:
-    """A plan (from the server) that is not this client's: another clip would bound the update
-    by a sensitivity the noise does not cover, a q below 1 would claim an amplification that
-    does not happen (every client is in every round), another length is not this model's."""
+def check_plan(plan: noise.NoisePlan, own: noise.NoisePlan) -> None:
+    """A plan (from the server) that is not the client's own is refused: another clip would bound
+    the update by a sensitivity the noise does not cover, a q below 1 would claim an
+    amplification that does not happen (every client is in every round), another n or length
+    is not this run, and less noise than the client's own calibration (from its own ε, δ, S,
+    rounds and t) would spend more than its ε: this path keeps no accountant to charge it to."""
     plan.check()
-    for name, planned, actual in (("clip", plan.clip, clip), ("sample_rate", plan.sample_rate, 1.0),
-                                  ("expected_batch", plan.expected_batch, float(clients)), ("dim", plan.dim, dim)):
+    for name, planned, actual in (("clip", plan.clip, own.clip), ("sample_rate", plan.sample_rate, 1.0),
+                                  ("expected_batch", plan.expected_batch, own.expected_batch), ("dim", plan.dim, own.dim)):
         if planned != actual:
             raise ValueError(f"client-level noise: the plan's {name} is {planned!r}, this client's is {actual!r}")
+    if not plan.noise_multiplier >= own.noise_multiplier:
+        raise ValueError(f"client-level noise: the plan's noise_multiplier {plan.noise_multiplier!r} is below this "
+                         f"client's own {own.noise_multiplier!r} (its ε over its rounds)")
 
 
-def update_contribution(update: np.ndarray, plan: noise.NoisePlan, key: bytes, honest: int) -> np.ndarray:
-    """One client's vector: its update clipped to the plan's S, quantised, plus its Skellam share
-    sized by the owner's own t (μ / t), as uint64."""
-    return noise.encode(clipped_update(update, plan.clip), replace(plan, honest=honest), noise.generator(key))
+def update_contribution(update: np.ndarray, plan: noise.NoisePlan, own: noise.NoisePlan, key: bytes) -> np.ndarray:
+    """One client's vector: its update clipped to its own S, quantised, plus its Skellam share
+    sized by its own t (μ / t), as uint64, under a plan (the server's) that `check_plan` found
+    to be its own or noisier."""
+    check_plan(plan, own)
+    return noise.encode(clipped_update(update, own.clip), replace(plan, honest=own.honest), noise.generator(key))
+
+
+def record_epsilon(plan: noise.NoisePlan, rounds: int, delta: float) -> float:
+    """What the run gives each single record of a client that stays in it: one record can move
+    the clipped update from S·u to −S·u, a sensitivity of 2S, so it is the ε at z_e / 2."""
+    return noise.integer_order_epsilon(plan.gaussian_equivalent() / 2, 1.0, rounds, delta)
 
 
 def calibrate(epsilon: float, delta: float, clip: float, clients: int, rounds: int, honest: int,

@@ -107,9 +107,12 @@ class FedOptions:
         check(self.proximal_mu >= 0, "--proximal-mu", "must be >= 0", self.proximal_mu)
         check(self.server_lr > 0, "--server-lr", "must be > 0", self.server_lr)
         check(self.budget_rounds >= 0, "--budget-rounds", "must be >= 0", self.budget_rounds)
-        check(self.privacy_unit == "record" or self.noise == "distributed", "--privacy-unit client",
-              "needs --noise distributed and --secure-aggregation (each client adds its share; the server sees "
-              "only the sum)", self.noise)
+        check(self.noise == "local" or self.secure_aggregation, "--noise distributed",
+              "needs --secure-aggregation (without it the server would see each client's share, which alone is far "
+              "below the noise the guarantee counts)", self.noise)
+        check(self.privacy_unit == "record" or (self.noise == "distributed" and self.secure_aggregation),
+              "--privacy-unit client", "needs --noise distributed and --secure-aggregation (each client adds its "
+              "share; the server sees only the sum)", f"noise={self.noise}, secure-aggregation={self.secure_aggregation}")
         check(math.isfinite(self.update_clip) and self.update_clip > 0, "--update-clip", "must be > 0",
               self.update_clip)
         check(self.server_dp_noise >= 0, "--server-dp-noise", "must be >= 0", self.server_dp_noise)

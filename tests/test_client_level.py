@@ -32,7 +32,7 @@ def test_the_sum_the_server_unmasks_is_the_clipped_updates_plus_exactly_the_plan
     plan = cl.calibrate(3.0, 1e-5, clip, clients, 20, honest, dim)
     rng = np.random.default_rng(1)
     updates = {k: rng.normal(size=dim) * (k + 1) for k in range(clients)}
-    vectors = {k: (lambda u=u, k=k: cl.update_contribution(u, plan, bytes([k]) * 16, honest))
+    vectors = {k: (lambda u=u, k=k: cl.update_contribution(u, plan, plan, bytes([k]) * 16))
                for k, u in updates.items()}
     total, _ = secure_round(b"client-level-test", vectors, dim, min_cohort=honest, max_colluders=clients - honest)
     clipped = sum(cl.clipped_update(u, clip) for u in updates.values())
@@ -57,22 +57,38 @@ def test_the_client_level_accountant_is_dp_accountings_gaussian_composition():
     assert plan.sample_rate == 1.0 and plan.expected_batch == 100.0
 
 
-@pytest.mark.parametrize("field,value", [("clip", 0.05), ("sample_rate", 0.5), ("expected_batch", 20.0),
-                                         ("dim", 99)])
-def test_a_plan_that_is_not_the_clients_own_is_refused(field, value):
-    """A smaller clip would not bound the update by the noise's sensitivity; q < 1 claims an
-    amplification that does not happen; another n or length is not this run."""
+@pytest.mark.parametrize("field,value", [("clip", 0.05), ("clip", 1e6), ("sample_rate", 0.5),
+                                         ("expected_batch", 20.0), ("dim", 99), ("noise_multiplier", 0.0),
+                                         ("noise_multiplier", float("nan"))])
+def test_a_plan_that_is_not_the_clients_own_is_refused_before_anything_is_sent(field, value):
+    """Another clip would not bound the update by the noise's sensitivity (a larger one sends it
+    unclipped); q < 1 claims an amplification that does not happen; another n or length is not
+    this run; less noise than the client's own calibration (z = 0: the update in the clear)
+    would spend more than its ε."""
     import dataclasses
 
-    plan = cl.calibrate(3.0, 1e-5, 0.1, 10, 20, 10, 100)
-    cl.check_plan(plan, 0.1, 10, 100)
-    with pytest.raises(ValueError, match=field):
-        cl.check_plan(dataclasses.replace(plan, **{field: value}), 0.1, 10, 100)
+    own = cl.calibrate(3.0, 1e-5, 0.1, 10, 20, 10, 100)
+    cl.check_plan(own, own)
+    cl.check_plan(dataclasses.replace(own, noise_multiplier=2 * own.noise_multiplier), own)  # more noise: fine
+    hostile = dataclasses.replace(own, **{field: value})
+    with pytest.raises((ValueError, ConfigError), match=field):
+        cl.update_contribution(np.ones(100) * 10, hostile, own, bytes(16))
+
+
+def test_one_record_gets_the_guarantee_at_twice_the_clip():
+    """A record can turn a client's clipped update from S·u to −S·u (found by a review playing the
+    attacker): the record-level ε is that of sensitivity 2S, well above the client-level ε."""
+    plan = cl.calibrate(3.0, 1e-5, 0.5, 100, 30, 100, 30_000)
+    assert 6.5 < cl.record_epsilon(plan, 30, 1e-5) < 7.0 and plan.epsilon(30, 1e-5) <= 3.0
 
 
 def test_client_level_options_are_checked_before_any_work():
     with pytest.raises(ConfigError, match="--privacy-unit client: needs --noise distributed"):
         FedOptions(privacy_unit="client").validate()
+    with pytest.raises(ConfigError, match="needs --secure-aggregation"):
+        FedOptions(privacy_unit="client", noise="distributed", secure_aggregation=False).validate()  # a deployment's
+    with pytest.raises(ConfigError, match="--noise distributed: needs --secure-aggregation"):
+        FedOptions(noise="distributed").validate()
     with pytest.raises(ConfigError, match="--update-clip"):
         FedOptions(privacy_unit="client", noise="distributed", secure_aggregation=True, update_clip=0).validate()
     fed = FedOptions(privacy_unit="client", noise="distributed", secure_aggregation=True, local_epochs=3)

@@ -62,10 +62,10 @@ def test_client_level_rounds_are_fedavg_of_clipped_updates_and_spend_the_clients
     fed = FedOptions(num_clients=3, rounds=2, secure_aggregation=True, noise="distributed", privacy_unit="client",
                      update_clip=2.0, local_epochs=1)
     quiet = SecureFederation(cfg, fed, None)
-    quiet.noise = dataclasses.replace(quiet.noise, noise_multiplier=0.0)
+    quiet.noise = quiet.own = dataclasses.replace(quiet.noise, noise_multiplier=0.0)
     records = [quiet.take_round(r) for r in (1, 2)]
     assert records[-1]["test_accuracy"] > 0.6 and records[-1]["survivors"] == 3
     result, weights = simulate_secure(cfg, fed, tmp_path / "run", progress=False)
     assert result["privacy_unit"] == "client" and result["sample_rate"] == 1.0 and result["steps"] == 2
-    assert 2.99 < result["epsilon_spent"] <= 3.0
+    assert 2.99 < result["epsilon_spent"] <= 3.0 and result["record_epsilon"] > 2 * result["epsilon_spent"]
     assert result["noise"]["clip"] == 2.0 and result["noise"]["expected_batch"] == 3.0

@@ -107,6 +107,7 @@ class SecureFederation:
         if fed.privacy_unit == "client":  # every client every round, its clipped update; the server's mean
             self.noise = client_level.calibrate(cfg.epsilon, cfg.delta, fed.update_clip, len(shards), fed.rounds,
                                                 honest_count(fed), dim)
+            self.own = self.noise  # each client's own calibration, from its own settings (here the run's)
             self.server, self.plan = ServerOptimizer(self.net, 1.0, 0.0), None
             return
         self.noise = distributed_noise.calibrate(cfg.epsilon, cfg.delta, cfg.clip, self.sample_rate,
@@ -156,8 +157,7 @@ class SecureFederation:
         generator = torch.Generator().manual_seed(int.from_bytes(seeded_key(self.cfg.seed, k, r)[:8], "little"))
         update, losses[k] = client_level.local_update(self.net, self.shards[k], student, self.fed.local_epochs,
                                                       self.cfg.batch_size, self.cfg.lr, self.cfg.momentum, generator)
-        return client_level.update_contribution(update, self.noise, seeded_key(self.cfg.seed, k, r),
-                                                honest_count(self.fed))
+        return client_level.update_contribution(update, self.noise, self.own, seeded_key(self.cfg.seed, k, r))
 
     # -- the folder -----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -180,6 +180,12 @@ class SecureFederation:
         self.seconds_before = seconds
         save_atomic(self.out / CHECKPOINT, self.state_dict())
 
+    def record_level(self) -> dict:
+        """At client level, what each single record of a client gets (sensitivity 2S)."""
+        if self.fed.privacy_unit != "client":
+            return {}
+        return dict(record_epsilon=client_level.record_epsilon(self.noise, len(self.rounds), self.cfg.delta))
+
     def result(self, seconds: float) -> RunResult:
         """The run's result.json, a federation's RunResult (its rounds), with the noise plan and
         the protocol's cost beside it."""
@@ -191,7 +197,7 @@ class SecureFederation:
             sample_rate=self.noise.sample_rate, steps=len(self.rounds), num_train=self.num_train,
             num_clients=self.fed.num_clients, shard_sizes=[len(s.y_train) for s in self.shards],
             federation=dataclasses.asdict(self.fed), rounds=self.rounds,
-            extra=dict(privacy_unit=self.fed.privacy_unit, noise=self.noise.to_dict(), gaussian_equivalent=self.noise.gaussian_equivalent(),
+            extra=dict(privacy_unit=self.fed.privacy_unit, **self.record_level(), noise=self.noise.to_dict(), gaussian_equivalent=self.noise.gaussian_equivalent(),
                        secure_aggregation=dict(bytes_to_server_per_round=last["bytes_to_server"],
                                                bytes_from_server_per_round=last["bytes_from_server"],
                                                protocol_seconds_per_round=float(np.mean(per_round)),

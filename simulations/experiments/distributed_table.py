@@ -199,6 +199,25 @@ def markdown(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def beside(out: Path, recipe: str) -> list[str]:
+    """The recipe's rows as lines for the table that holds its federated rows with local noise
+    (results/table-features.md, results/table-fed.md), from results/table-distributed.json."""
+    path = out / f"{TABLE_NAME}.json"
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["recipe"] == recipe] if path.is_file() else []
+    if not rows:
+        return []
+    settings = next(r for r in RECIPES if r.name == recipe)
+    lines = ["", f"## The same federation with secure aggregation and distributed noise (results/{TABLE_NAME}.md)", "",
+             f"The central recipe (B = {settings.settings['batch_size']} for the federation, lr "
+             f"{settings.settings['lr']:g}, momentum {settings.settings['momentum']:g}) run by {CLIENTS} clients, one "
+             f"DP-SGD step a round for {settings.rounds} rounds, each adding its share of the noise under SecAgg+; t: the "
+             "clients each assumes honest. Test accuracy, mean ± standard error; vs central paired by seed.", "",
+             "| partition | t | seeds | test accuracy | vs central, paired by seed |", "|---|---|---|---|---|"]
+    lines += [f"| {r['partition']} | {r['honest']} | {r['seeds']} | {_mean_se(r['accuracy'])} | {_paired(r['paired'])} |"
+              for r in rows]
+    return lines
+
+
 if __name__ == "__main__":
     import sys
 

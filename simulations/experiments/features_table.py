@@ -48,6 +48,7 @@ from fedsd.results import RunResult, write_json
 from simulations.commands.runs import DIVERGED, finished_with, paired_difference, run_jobs
 from simulations.experiments.federated_table import (FED_PARTITIONS, FED_SHAPE, FED_TABLE, flawed, run_federation,
                                                      run_state)
+from simulations.experiments.distributed_table import beside as distributed_beside
 from simulations.experiments.readings import READINGS, chosen_readings, screen_rows
 from simulations.experiments.readings import screen_runs as readings_screen
 
@@ -500,7 +501,7 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
         lines.append(f"| {r['dataset']} | {r['method']} | {r['model']} | {r['batch_size']} | {r['lr']:g} | {r['epochs']} | "
                      f"{NORM_TITLES[r['feature_norm']]} | {r['validation_accuracy']:.2f} | "
                      f"{minutes_cell([r['minutes']], [r['device']])} |")
-    lines += fed_md(rows["federated"])
+    lines += fed_md(rows["federated"]) + distributed_beside(out, "features")
     (out / f"{TABLE_NAME}.md").write_text("\n".join(lines) + "\n")
     return out / f"{TABLE_NAME}.md"
 

@@ -27,6 +27,7 @@ from fedsd.results import RunResult, write_json
 from simulations.commands.runs import DIVERGED, NOT_SETTINGS, paired_difference, plot_curves, seed_files, seeds_run
 from simulations.commands import dry_run
 from simulations.commands.simulate import simulate
+from simulations.experiments.distributed_table import beside as distributed_beside
 from task.simulated_shards import build_federation
 
 # The settings, declared once. lr 1.5, chosen on the federation's validation split: the
@@ -269,6 +270,7 @@ def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
         lines.append(f"{label} {final:.2f} ± {std:.2f} | {len(r['final'])} | {_difference_text(r['vs_dpsgd'])} "
                      f"| {_difference_text(r['vs_dpema'])} | {r['best_accuracy']:.2f} at {r['best_round']} "
                      f"| {lo:.3f}–{hi:.3f} |")
+    lines += distributed_beside(out, "cnn")
     (out / f"{FED_TABLE_NAME}.md").write_text("\n".join(lines) + "\n")
     _figures(rows, out)
 
