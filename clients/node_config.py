@@ -86,6 +86,9 @@ class NodeConfig:
                                            "to be the server's own; this node reveals its shares only when at least "
                                            "secagg-min-clients + f clients survive, so that secagg-min-clients "
                                            "honest inputs are in the sum")
+    secagg_only: bool = setting(False, "take part only through secure aggregation: a plain train message, whose update "
+                                       "would reach the server alone, is refused before anything is trained or "
+                                       "charged")
     secagg_keep_inputs: bool = setting(False, "secure aggregation: keep each round's unmasked vector, as this node "
                                               "released it into the sum, in state-dir/secagg/<run>-<experiment>-<round>-<node>.npy "
                                               "(the owner's own audit of what it released)")

@@ -203,6 +203,21 @@ def test_the_servers_stages_sum_the_survivors_and_drop_a_node_that_does_not_answ
     assert np.allclose(moved[key].numpy().ravel() - arrays[key].numpy().ravel(), first, atol=1e-6)
 
 
+def test_an_owner_that_takes_part_only_through_secure_aggregation_refuses_a_plain_round(owners):
+    """secagg-only: a plain train message (the update would reach the server alone) is refused
+    with the reason, nothing trained, nothing in the owner's folder (its ledger) changed."""
+    from clients import local
+
+    contexts, flat, arrays, tmp_path = owners
+    context = contexts[101]
+    context.node_config["secagg-only"] = True
+    before = state_files(tmp_path)
+    reply = local.train_reply(RecordDict({"arrays": arrays, "config": ConfigRecord({**flat, "server-round": 1})}),
+                              context)
+    assert "arrays" not in reply and "secure aggregation" in reply["refusal"]["reason"]
+    assert state_files(tmp_path) == before
+
+
 def test_a_service_keeps_a_few_rounds_and_a_clientapp_without_one_refuses_the_stages(tmp_path):
     from clients import app
 
