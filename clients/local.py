@@ -436,23 +436,14 @@ def evaluate_reply(content: RecordDict, context: Context) -> RecordDict:
 
 
 # -- training ----------------------------------------------------------------------------------
-def secagg_only(context: Context) -> bool:
-    """The owner's secagg-only, read before anything else (a node config that does not parse is
-    refused with its reason by `client_side`)."""
-    try:
-        return node_configs.parse(context.node_config).secagg_only
-    except (ConfigError, ValueError):
-        return False
-
-
 def train_reply(content: RecordDict, context: Context, into_sum: bool = False) -> RecordDict:
     """One round of local training (or a refusal, with the reason): admitted first (the node's
     config, its data, the run's plan, the owner's ledger), then trained."""
-    if not into_sum and secagg_only(context):  # the owner's choice: its update never reaches the server alone
-        return refusal({"num-examples": 0, "partition-id": node_configs.parse_partition_id(context.node_config),
-                        "epsilon": 0.0}, "this owner takes part only through secure aggregation (node-config "
-                                         "secagg-only=true)")
     try:
+        # The owner's secagg-only, before anything is read: its update never reaches the server
+        # alone. A node config that does not parse is refused here, with its reason (fails closed).
+        if not into_sum and node_configs.parse(context.node_config).secagg_only:
+            raise ConfigError("this owner takes part only through secure aggregation (node-config secagg-only=true)")
         side = client_side(content, context)
     except (BudgetRefused, ConfigError, DataError) as e:
         # The node's own settings, its own data or a request it does not take say no: nothing

@@ -51,14 +51,19 @@ def check_plan(trainer: DPTrainer, plan: noise.NoisePlan) -> None:
 
 def contribution(trainer: DPTrainer, state: TrainState | None, student: Weights, epoch: int,
                  plan: noise.NoisePlan, key: bytes | None = None, teacher: Weights | None = None,
-                 honest: int | None = None) -> tuple[np.ndarray, TrainState, dict]:
+                 honest: int | None = None, least_noise: float = 0.0) -> tuple[np.ndarray, TrainState, dict]:
     """One client's part of a round: its clipped sum of one Poisson batch at the trainer's
     q, quantised, plus its Skellam share, as uint64; the new state (its draws, its steps, its
     accountant history charged with the round as the mechanism's Gaussian equivalent) and the
     round's metrics. `key`: the noise generator's 16-byte key; None: 16 bytes of the state's
     secret stream (an own-data client must have one). `honest`: the owner's own t, which sizes
-    the share (μ / t) whatever the plan assumes."""
+    the share (μ / t) whatever the plan assumes. `least_noise`: the client's own calibration's z;
+    a plan (from the server) with less is refused before anything is drawn (its round would be
+    charged, but the release could not be taken back)."""
     check_plan(trainer, plan)
+    if not plan.noise_multiplier >= least_noise:
+        raise ValueError(f"distributed noise: the plan's noise_multiplier {plan.noise_multiplier!r} is below this "
+                         f"client's own {least_noise!r}")
     if honest is not None:
         plan = dataclasses.replace(plan, honest=honest)
     state = copy.deepcopy(state) if state is not None else TrainState(trainer.plan.history_before_training())

@@ -139,6 +139,24 @@ def test_contribution_refuses_a_plan_whose_clip_is_not_the_trainers():
         contribution(trainer, state, start, 1, dataclasses.replace(plan, clip=trainer.cfg.clip / 1000))
 
 
+def test_contribution_refuses_a_plan_with_less_noise_than_the_clients_own():
+    """LOW (a second review playing the attacker; if the plan comes from the server). A plan with
+    z = 0 would send the clipped sum without noise; its ε (inf) would be charged only after the
+    release. Refused before anything is drawn, the state untouched."""
+    import dataclasses
+
+    from fedsd import distributed_noise as dn
+    from fedsd.distributed import contribution
+
+    trainer, state, start, dim = _tiny_trainer()
+    plan = dn.NoisePlan(noise_multiplier=1.0, clip=trainer.cfg.clip, sample_rate=trainer.plan.sample_rate,
+                        expected_batch=8.0, honest=1, dim=dim)
+    contribution(trainer, state, start, 1, plan, least_noise=1.0)
+    for z in (0.0, 0.5, float("nan")):
+        with pytest.raises(ValueError, match="noise_multiplier"):
+            contribution(trainer, state, start, 1, dataclasses.replace(plan, noise_multiplier=z), least_noise=1.0)
+
+
 def test_contribution_charges_the_sample_rate_it_draws_at():
     """HIGH (same condition). The batch is drawn at the trainer's q, the round is charged at the
     plan's: a plan with q = 0.001 against a trainer at q = 0.5 under-charges ~500-fold in q."""

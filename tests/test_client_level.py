@@ -61,8 +61,8 @@ def test_the_client_level_accountant_is_dp_accountings_gaussian_composition():
                                          ("expected_batch", 20.0), ("dim", 99), ("noise_multiplier", 0.0),
                                          ("noise_multiplier", float("nan"))])
 def test_a_plan_that_is_not_the_clients_own_is_refused_before_anything_is_sent(field, value):
-    """Another clip would not bound the update by the noise's sensitivity (a larger one sends it
-    unclipped); q < 1 claims an amplification that does not happen; another n or length is not
+    """Another clip would not bound the update by the noise's sensitivity (a smaller one scales a
+    unit of the update past it; a larger one is refused too: the plan is not this run's); q < 1 claims an amplification that does not happen; another n or length is not
     this run; less noise than the client's own calibration (z = 0: the update in the clear)
     would spend more than its ε."""
     import dataclasses

@@ -259,3 +259,26 @@ def test_a_client_that_answers_the_unmask_stage_with_garbage_is_dropped_and_the_
     with pytest.raises(RoundAbandoned, match="2 clients answered the unmask request, below the threshold 3"):
         protocol(exchange, server, base, train)
     assert sorted(server.masked) == list(IDS)  # all three sent masked inputs; nothing was unmasked
+
+
+def test_secagg_only_fails_closed_when_the_node_config_does_not_parse(tmp_path, monkeypatch):
+    """A node config that fails to parse when secagg-only is read is a refusal, never a plain
+    round that a later parse lets through (found by a review playing the attacker)."""
+    from clients import local
+    from clients import node_config as node_configs
+    from fedsd.errors import ConfigError
+
+    real, calls = node_configs.parse, []
+
+    def flaky(node_config):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConfigError("node-config data: not there right now")
+        return real(node_config)
+
+    monkeypatch.setattr(node_configs, "parse", flaky)
+    monkeypatch.setattr(local, "client_side", lambda *a: pytest.fail("a plain round went on to read the data"))
+    context = Context(run_id=7, node_id=101, state=RecordDict(), run_config={},
+                      node_config={"partition-id": 0, "state-dir": str(tmp_path / "state"), "secagg-only": True})
+    reply = local.train_reply(RecordDict({"config": ConfigRecord({"server-round": 1})}), context)
+    assert "arrays" not in reply and "not there right now" in reply["refusal"]["reason"]

@@ -112,6 +112,7 @@ class SecureFederation:
             return
         self.noise = distributed_noise.calibrate(cfg.epsilon, cfg.delta, cfg.clip, self.sample_rate,
                                                  self.sample_rate * n, fed.rounds, honest_count(fed), dim)
+        self.own = self.noise  # each client's own calibration, from its own settings (here the run's)
         # every client's trainer draws at the run's q; its noise is the distributed plan's, not Opacus'
         self.plan = PrivacyPlan(0.0, self.sample_rate, fed.rounds, cfg.epsilon, cfg.delta, "rdp")
         self.trainer = planned_trainer(cfg, self.shards[0], self.plan)
@@ -129,7 +130,8 @@ class SecureFederation:
                     return self.client_update(k, r, student, losses)
                 self.trainer.bind(self.shards[k], self.plan, client=k)
                 v, self.states[k], m = contribution(self.trainer, self.states[k], student, epoch, self.noise,
-                                                    key=seeded_key(self.cfg.seed, k, r), honest=honest)
+                                                    key=seeded_key(self.cfg.seed, k, r), honest=honest,
+                                                    least_noise=self.own.noise_multiplier)
                 losses[k] = m["train_loss"]
                 return v
             return vector
