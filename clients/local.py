@@ -307,14 +307,18 @@ class ClientSide:
         return client_state_file(self.node, self.fed.experiment_id, self.node.partition_id)
 
 
-def client_side(content: RecordDict, context: Context) -> ClientSide:
+def client_side(content: RecordDict, context: Context, plain_release: bool = False) -> ClientSide:
     """This SuperNode's own files with client-data=own, else (a simulation) this client's shard
-    of a built-in data set. The node config is checked first, and a node with its own data and
-    no owner's budget refuses (BudgetRefused) before its data is read."""
+    of a built-in data set. The node config is checked first (one that does not parse is a
+    refusal), and a node with its own data and no owner's budget refuses (BudgetRefused) before
+    its data is read; so does an owner's secagg-only for a `plain_release` (an update that would
+    reach the server alone, not inside a secure sum)."""
     flat = dict(content["config"])
     server_round = int(flat.pop("server-round"))
     recorded_epsilon = float(flat.pop(SPENT_EPSILON, 0.0))  # this client's alone: not a setting of the run
     node = node_settings(flat, context.node_config)
+    if plain_release and node.secagg_only:
+        raise ConfigError("this owner takes part only through secure aggregation (node-config secagg-only=true)")
     node.require_budget()
     if flat.get("client-data") == "own":
         if not node.owns_data:
@@ -440,11 +444,7 @@ def train_reply(content: RecordDict, context: Context, into_sum: bool = False) -
     """One round of local training (or a refusal, with the reason): admitted first (the node's
     config, its data, the run's plan, the owner's ledger), then trained."""
     try:
-        # The owner's secagg-only, before anything is read: its update never reaches the server
-        # alone. A node config that does not parse is refused here, with its reason (fails closed).
-        if not into_sum and node_configs.parse(context.node_config).secagg_only:
-            raise ConfigError("this owner takes part only through secure aggregation (node-config secagg-only=true)")
-        side = client_side(content, context)
+        side = client_side(content, context, plain_release=not into_sum)
     except (BudgetRefused, ConfigError, DataError) as e:
         # The node's own settings, its own data or a request it does not take say no: nothing
         # trained or spent. A refusal (not an error) so that the server can name this client and

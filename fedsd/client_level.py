@@ -29,12 +29,8 @@ import torch
 
 from . import distributed_noise as noise
 from .data import TensorData
+from .distributed import trainable
 from .methods import Weights
-
-
-def trainable(net: torch.nn.Module) -> list[torch.Tensor]:
-    """The parameters an update covers, in the order the server's optimizer applies them."""
-    return [p for p in net.parameters() if p.requires_grad]
 
 
 def local_update(net: torch.nn.Module, shard: TensorData, start: Weights, epochs: int, batch_size: int, lr: float,
@@ -76,14 +72,8 @@ def check_plan(plan: noise.NoisePlan, own: noise.NoisePlan) -> None:
     amplification that does not happen (every client is in every round), another n or length
     is not this run, and less noise than the client's own calibration (from its own ε, δ, S,
     rounds and t) would spend more than its ε: this path keeps no accountant to charge it to."""
-    plan.check()
-    for name, planned, actual in (("clip", plan.clip, own.clip), ("sample_rate", plan.sample_rate, 1.0),
-                                  ("expected_batch", plan.expected_batch, own.expected_batch), ("dim", plan.dim, own.dim)):
-        if planned != actual:
-            raise ValueError(f"client-level noise: the plan's {name} is {planned!r}, this client's is {actual!r}")
-    if not plan.noise_multiplier >= own.noise_multiplier:
-        raise ValueError(f"client-level noise: the plan's noise_multiplier {plan.noise_multiplier!r} is below this "
-                         f"client's own {own.noise_multiplier!r} (its ε over its rounds)")
+    noise.check_own(plan, "client-level noise", own.noise_multiplier, clip=own.clip, sample_rate=1.0,
+                    expected_batch=own.expected_batch, dim=own.dim)
 
 
 def update_contribution(update: np.ndarray, plan: noise.NoisePlan, own: noise.NoisePlan, key: bytes) -> np.ndarray:

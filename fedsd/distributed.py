@@ -37,16 +37,23 @@ def seeded_key(seed: int, client: int, round_number: int) -> bytes:
     return hashlib.sha256(f"fedsd-distributed-noise|{seed}|{client}|{round_number}".encode()).digest()[:16]
 
 
-def check_plan(trainer: DPTrainer, plan: noise.NoisePlan) -> None:
+def trainable(net: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters an update or a step covers, in the order the server's optimizer applies them."""
+    return [p for p in net.parameters() if p.requires_grad]
+
+
+def dimension(net: torch.nn.Module) -> int:
+    return sum(p.numel() for p in trainable(net))
+
+
+def check_plan(trainer: DPTrainer, plan: noise.NoisePlan, least_noise: float = 0.0) -> None:
     """A plan (from the server) that does not describe the step this client takes is refused:
     a smaller clip would scale one record past the sensitivity the noise covers, a smaller q
-    would under-charge the draw, another length would not be this model's."""
-    plan.check()
-    dim = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    for name, planned, actual in (("clip", plan.clip, trainer.cfg.clip),
-                                  ("sample_rate", plan.sample_rate, trainer.plan.sample_rate), ("dim", plan.dim, dim)):
-        if planned != actual:
-            raise ValueError(f"distributed noise: the plan's {name} is {planned!r}, this client's step has {actual!r}")
+    would under-charge the draw, another length would not be this model's, and less noise than
+    the client's own calibration (`least_noise`) would be charged only after the release, which
+    could not be taken back."""
+    noise.check_own(plan, "distributed noise", least_noise, clip=trainer.cfg.clip,
+                    sample_rate=trainer.plan.sample_rate, dim=dimension(trainer.model))
 
 
 def contribution(trainer: DPTrainer, state: TrainState | None, student: Weights, epoch: int,
@@ -58,12 +65,8 @@ def contribution(trainer: DPTrainer, state: TrainState | None, student: Weights,
     round's metrics. `key`: the noise generator's 16-byte key; None: 16 bytes of the state's
     secret stream (an own-data client must have one). `honest`: the owner's own t, which sizes
     the share (μ / t) whatever the plan assumes. `least_noise`: the client's own calibration's z;
-    a plan (from the server) with less is refused before anything is drawn (its round would be
-    charged, but the release could not be taken back)."""
-    check_plan(trainer, plan)
-    if not plan.noise_multiplier >= least_noise:
-        raise ValueError(f"distributed noise: the plan's noise_multiplier {plan.noise_multiplier!r} is below this "
-                         f"client's own {least_noise!r}")
+    a plan (from the server) with less is refused before anything is drawn (`check_plan`)."""
+    check_plan(trainer, plan, least_noise)
     if honest is not None:
         plan = dataclasses.replace(plan, honest=honest)
     state = copy.deepcopy(state) if state is not None else TrainState(trainer.plan.history_before_training())
@@ -92,7 +95,7 @@ class ServerOptimizer:
 
     def __init__(self, net: torch.nn.Module, lr: float, momentum: float):
         self.net = net
-        self.params = [p for p in net.parameters() if p.requires_grad]
+        self.params = trainable(net)
         self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum)
 
     def step(self, weights: Weights, noisy_sum: np.ndarray, plan: noise.NoisePlan) -> Weights:

@@ -124,6 +124,19 @@ class NoisePlan:
                 raise ConfigError(f"distributed noise: {name} = {getattr(self, name)!r} is out of range")
 
 
+def check_own(plan: NoisePlan, what: str, least_noise: float = 0.0, **own) -> None:
+    """A plan (from the server) refused unless it is in range, each named field is this client's
+    own, and its noise is at least the client's own calibration's (`least_noise`): what a
+    client checks before it draws or sends anything (fedsd.distributed, fedsd.client_level)."""
+    plan.check()
+    for name, actual in own.items():
+        if getattr(plan, name) != actual:
+            raise ValueError(f"{what}: the plan's {name} is {getattr(plan, name)!r}, this client's is {actual!r}")
+    if not plan.noise_multiplier >= least_noise:
+        raise ValueError(f"{what}: the plan's noise_multiplier {plan.noise_multiplier!r} is below this client's own "
+                         f"{least_noise!r} (its ε over its rounds)")
+
+
 def integer_order_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
     """ε of `steps` Poisson-subsampled Gaussian steps, over integer Rényi orders only."""
     if noise_multiplier == 0:

@@ -50,9 +50,8 @@ def secure_summary(result: dict, out) -> str:
     """A distributed-noise federation's lines: every client spends the same ε."""
     cfg, fed, cost = result["config"], result["federation"], result["secure_aggregation"]
     honest = fed["honest_clients"] or fed["num_clients"]
-    unit = "client, protected whole," if fed.get("privacy_unit") == "client" else "client"
-    if "record_epsilon" in result:
-        unit = f"client, protected whole (each single record: ε {result['record_epsilon']:.3f}),"
+    unit = (f"client, protected whole (each single record: ε {result['record_epsilon']:.3f}),"
+            if fed.get("privacy_unit") == "client" else "client")
     return "\n".join([
         f"fedsd: {cfg['dataset']} {cfg['method']}, {fed['num_clients']} clients, distributed noise under secure "
         f"aggregation, finished, {result['wall_seconds']:.0f} s",

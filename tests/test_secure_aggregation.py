@@ -277,7 +277,8 @@ def test_secagg_only_fails_closed_when_the_node_config_does_not_parse(tmp_path, 
         return real(node_config)
 
     monkeypatch.setattr(node_configs, "parse", flaky)
-    monkeypatch.setattr(local, "client_side", lambda *a: pytest.fail("a plain round went on to read the data"))
+    for reader in ("trainer_for", "own_trainer"):  # what reads the data, after the node config
+        monkeypatch.setattr(local, reader, lambda *a: pytest.fail("a plain round went on to read the data"))
     context = Context(run_id=7, node_id=101, state=RecordDict(), run_config={},
                       node_config={"partition-id": 0, "state-dir": str(tmp_path / "state"), "secagg-only": True})
     reply = local.train_reply(RecordDict({"config": ConfigRecord({"server-round": 1})}), context)

@@ -30,7 +30,7 @@ from fedsd import data as data_lib
 from fedsd import distributed_noise
 from fedsd.client_data import input_stats, with_custom_task, task_for
 from fedsd.config import TrainConfig
-from fedsd.distributed import ServerOptimizer, contribution, plain_round, secure_round, seeded_key
+from fedsd.distributed import ServerOptimizer, contribution, dimension, plain_round, secure_round, seeded_key
 from fedsd.errors import ConfigError, ResumeError
 from fedsd.fed_settings import FedOptions
 from fedsd.methods import released
@@ -99,7 +99,7 @@ class SecureFederation:
         self.shards = [data_lib.TensorData(whole.x_train[s], whole.y_train[s], whole.x_test[:0], whole.y_test[:0],
                                            whole.num_classes) for s in shards]
         self.net = model_for(cfg, whole.num_classes)
-        dim = sum(p.numel() for p in self.net.parameters() if p.requires_grad)
+        dim = dimension(self.net)
         self.model = initial_model(cfg, whole.num_classes)
         self.states: list[TrainState | None] = [None] * len(shards)
         self.rounds: list[dict] = []
@@ -107,16 +107,15 @@ class SecureFederation:
         if fed.privacy_unit == "client":  # every client every round, its clipped update; the server's mean
             self.noise = client_level.calibrate(cfg.epsilon, cfg.delta, fed.update_clip, len(shards), fed.rounds,
                                                 honest_count(fed), dim)
-            self.own = self.noise  # each client's own calibration, from its own settings (here the run's)
             self.server, self.plan = ServerOptimizer(self.net, 1.0, 0.0), None
-            return
-        self.noise = distributed_noise.calibrate(cfg.epsilon, cfg.delta, cfg.clip, self.sample_rate,
-                                                 self.sample_rate * n, fed.rounds, honest_count(fed), dim)
+        else:
+            self.noise = distributed_noise.calibrate(cfg.epsilon, cfg.delta, cfg.clip, self.sample_rate,
+                                                     self.sample_rate * n, fed.rounds, honest_count(fed), dim)
+            # every client's trainer draws at the run's q; its noise is the distributed plan's, not Opacus'
+            self.plan = PrivacyPlan(0.0, self.sample_rate, fed.rounds, cfg.epsilon, cfg.delta, "rdp")
+            self.trainer = planned_trainer(cfg, self.shards[0], self.plan)
+            self.server = ServerOptimizer(self.net, cfg.lr, cfg.momentum)
         self.own = self.noise  # each client's own calibration, from its own settings (here the run's)
-        # every client's trainer draws at the run's q; its noise is the distributed plan's, not Opacus'
-        self.plan = PrivacyPlan(0.0, self.sample_rate, fed.rounds, cfg.epsilon, cfg.delta, "rdp")
-        self.trainer = planned_trainer(cfg, self.shards[0], self.plan)
-        self.server = ServerOptimizer(self.net, cfg.lr, cfg.momentum)
 
     # -- one round ------------------------------------------------------------------------
     def take_round(self, r: int) -> dict:
@@ -156,10 +155,11 @@ class SecureFederation:
     def client_update(self, k: int, r: int, student, losses: dict) -> np.ndarray:
         """Client k's vector at client level: its local epochs without noise from the round's
         global model, the update clipped, quantised and its share added."""
-        generator = torch.Generator().manual_seed(int.from_bytes(seeded_key(self.cfg.seed, k, r)[:8], "little"))
+        key = seeded_key(self.cfg.seed, k, r)
+        generator = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
         update, losses[k] = client_level.local_update(self.net, self.shards[k], student, self.fed.local_epochs,
                                                       self.cfg.batch_size, self.cfg.lr, self.cfg.momentum, generator)
-        return client_level.update_contribution(update, self.noise, self.own, seeded_key(self.cfg.seed, k, r))
+        return client_level.update_contribution(update, self.noise, self.own, key)
 
     # -- the folder -----------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -30,6 +30,7 @@ from simulations.commands.secure_simulation import FEATURES_RECIPE, FEATURES_ROU
 
 TABLE_NAME = "table-distributed"
 SEEDS = (0, 1, 2)
+HALF_SEEDS = (0,)  # t = n/2, its cost against t = n: one seed a partition
 CLIENTS = 10
 PARTITIONS = (("iid", 0.5), ("dirichlet", 0.5), ("dirichlet", 0.1))
 # Table 1's Fashion-MNIST dpsgd cell at ε = 3 (results/runs/table1/fmnist-dpsgd-eps3-seed*), the papers' CNN
@@ -48,7 +49,6 @@ class Recipe:
     central_source: str
     local_noise: dict  # partition → (mean, standard error), the federated rows with local noise
     local_noise_source: str
-    half_seeds: tuple = (0,)  # t = n/2, its cost against t = n: one seed a partition
 
 
 RECIPES = (
@@ -76,7 +76,7 @@ def runs() -> list[tuple[str, TrainConfig, FedOptions]]:
     """Every run, recipe by recipe: t = n first (seed by seed across the partitions), then t = n/2."""
     out = []
     for recipe in RECIPES:
-        for honest, seeds in ((CLIENTS, SEEDS), (CLIENTS // 2, recipe.half_seeds)):
+        for honest, seeds in ((CLIENTS, SEEDS), (CLIENTS // 2, HALF_SEEDS)):
             for seed in seeds:
                 for partition, alpha in PARTITIONS:
                     cfg = TrainConfig(**recipe.settings, seed=seed)
@@ -106,10 +106,11 @@ def run_all(out: Path, progress: bool = True, only: list[str] = ()) -> None:
         write_table(out)
 
 
-def _mean_se(values: list[float]) -> str:
+def _mean_se(values: list[float], sign: str = "") -> str:
+    """Mean ± standard error, to two decimals (`sign` "+": a difference, its sign shown)."""
     if len(values) < 2:
-        return f"{values[0]:.2f}" if values else ""
-    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values) / len(values) ** 0.5:.2f}"
+        return f"{values[0]:{sign}.2f}" if values else ""
+    return f"{statistics.mean(values):{sign}.2f} ± {statistics.stdev(values) / len(values) ** 0.5:.2f}"
 
 
 def central_by_seed(out: Path, recipe: Recipe) -> dict[int, float]:
@@ -120,12 +121,6 @@ def central_by_seed(out: Path, recipe: Recipe) -> dict[int, float]:
         if path.is_file():
             found[seed] = 100 * json.loads(path.read_text())["test_accuracy"]
     return found
-
-
-def _paired(values: list[float]) -> str:
-    if len(values) < 2:
-        return f"{values[0]:+.2f}" if values else ""
-    return f"{statistics.mean(values):+.2f} ± {statistics.stdev(values) / len(values) ** 0.5:.2f}"
 
 
 def _row(out: Path, recipe: Recipe, part: str, honest: int, central: dict[int, float]) -> dict | None:
@@ -193,7 +188,7 @@ def markdown(table: dict) -> str:
         local = f"{r['local_noise'][0]:.2f} ± {r['local_noise'][1]:.2f}" if r["local_noise"] else ""
         vs = f"{r['vs_central']:+.2f}" if r["vs_central"] is not None else ""
         lines.append(f"| {r['recipe']} | {r['partition']} | {r['honest']} | {r['seeds']} | {_mean_se(r['accuracy'])} | "
-                     f"{vs} | {_paired(r['paired'])} | {local} | {r['epsilon']:.3f} | {r['z']:.3f} | "
+                     f"{vs} | {_mean_se(r['paired'], '+')} | {local} | {r['epsilon']:.3f} | {r['z']:.3f} | "
                      f"{r['minutes']:.1f} | {r['bytes_to_server'] / 1e6:.2f} | {r['protocol_seconds']:.2f} | "
                      f"{r['round_seconds']:.2f} |")
     return "\n".join(lines) + "\n"
@@ -213,7 +208,7 @@ def beside(out: Path, recipe: str) -> list[str]:
              f"DP-SGD step a round for {settings.rounds} rounds, each adding its share of the noise under SecAgg+; t: the "
              "clients each assumes honest. Test accuracy, mean ± standard error; vs central paired by seed.", "",
              "| partition | t | seeds | test accuracy | vs central, paired by seed |", "|---|---|---|---|---|"]
-    lines += [f"| {r['partition']} | {r['honest']} | {r['seeds']} | {_mean_se(r['accuracy'])} | {_paired(r['paired'])} |"
+    lines += [f"| {r['partition']} | {r['honest']} | {r['seeds']} | {_mean_se(r['accuracy'])} | {_mean_se(r['paired'], '+')} |"
               for r in rows]
     return lines
 
