@@ -307,7 +307,7 @@ class ClientSide:
         return client_state_file(self.node, self.fed.experiment_id, self.node.partition_id)
 
 
-def client_side(content: RecordDict, context: Context, plain_release: bool = False) -> ClientSide:
+def client_side(content: RecordDict, context: Context, *, plain_release: bool) -> ClientSide:
     """This SuperNode's own files with client-data=own, else (a simulation) this client's shard
     of a built-in data set. The node config is checked first (one that does not parse is a
     refusal), and a node with its own data and no owner's budget refuses (BudgetRefused) before
@@ -422,7 +422,7 @@ def evaluate_reply(content: RecordDict, context: Context) -> RecordDict:
     """Federated evaluation: the global model on this client's own test split (no training
     step, nothing spent from the budget; the accuracy it sends is outside the DP guarantee).
     A client with its own data answers only as its owner allows (evaluation_refused)."""
-    side = client_side(content, context)
+    side = client_side(content, context, plain_release=False)  # evaluation releases no update
     trainer, federation, partition_id = side.trainer, side.federation, side.node.partition_id
     x_test, y_test = trainer.data.x_test, trainer.data.y_test  # its own test split, or in a simulation
     if federation is not None:  # its share of the public one
