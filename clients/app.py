@@ -27,6 +27,7 @@ from flwr.clientapp import ClientApp
 
 from clients import node_config as node_configs
 from clients import data_service
+from task import secure_sum
 
 app = ClientApp()
 # Secure aggregation's keys live in the owner's data service, never in this process (the
@@ -84,5 +85,5 @@ def _secagg_stage(stage: str):
     return handler
 
 
-for _stage in ("advertise", "share", "masked", "confirm", "unmask"):  # message type query.secagg_<stage>
+for _stage in secure_sum.STAGES:  # message type query.secagg_<stage>
     app.query(f"secagg_{_stage}")(_secagg_stage(_stage))

@@ -52,6 +52,7 @@ from flwr.app import Context, RecordDict
 
 from clients.node_config import NodeConfig, NodeConfigError, parse, private_folder
 from fedsd.errors import BudgetRefused
+from task import secure_sum
 
 APP_ROOT = Path(__file__).resolve().parents[1]  # the installed code's folder (clients/, fedsd/, task/)
 CODE = ("clients", "fedsd", "task")  # the code that answers a node's rounds
@@ -68,7 +69,7 @@ TAKEN = {"status": "taken"}  # the service's word that it has the message and wi
 KINDS = ("train", "evaluate")
 # Secure aggregation's stages (clients/secure_aggregation.py): the owner's service only, whose
 # memory alone holds a round's keys.
-SECAGG_KINDS = ("secagg-advertise", "secagg-share", "secagg-masked", "secagg-confirm", "secagg-unmask")
+SECAGG_KINDS = tuple(secure_sum.KINDS.values())
 # What the owner's service says when answering failed: the details (a path, a count of the data)
 # go to the owner's log only.
 FAILED = "the owner's data service could not answer this message; its owner's log has the details"
@@ -558,7 +559,10 @@ def _alive(pid: int) -> bool:
 
 
 def add_service_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", required=True, help="the Unix socket to listen on")
+    p.add_argument("--socket", default=None, help="the Unix socket to listen on (required, but with --identity)")
+    p.add_argument("--identity", action="store_true",
+                   help="print this owner's public identity key, one line for the federation's roster (made in the "
+                        "node config's state-dir on first use, mode 0600), and exit")
     p.add_argument("--node-config", default=None, metavar="'K=V ...'",
                    help="the owner's service: this node's config, as a SuperNode's --node-config (data, max-epsilon, "
                         "state-dir, …; clients/node_config.py); without it, a warm worker started by its ClientApp")
@@ -583,6 +587,15 @@ def run_service(args: argparse.Namespace) -> int:
         if node.service:
             raise NodeConfigError("--node-config service=...: that key is the SuperNode's; the service's names data")
         private_folder(node.state_root)
+    if args.identity:
+        if node is None:
+            raise NodeConfigError("--identity: needs --node-config with this owner's state-dir")
+        from fedsd.identity import load_identity
+
+        print(load_identity(node.state_folder()).line())
+        return 0
+    if args.socket is None:
+        raise NodeConfigError("--socket: required (the Unix socket the SuperNode's ClientApp forwards to)")
     DataService(Path(args.socket).absolute(), node, tuple(args.allow_uid), args.watch_pid, args.idle_seconds).serve()
     return 0
 

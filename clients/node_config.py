@@ -89,6 +89,14 @@ class NodeConfig:
     secagg_only: bool = setting(False, "take part only through secure aggregation: a plain train message, whose update "
                                        "would reach the server alone, is refused before anything is trained or "
                                        "charged")
+    secagg_roster: str = setting("", "secure aggregation: the federation's roster, a file the owners agreed on (one "
+                                     "'name ed25519:<base64>' a line; deploy/README.md). Every neighbour's keys, "
+                                     "commitments and view must then be signed by its roster key, and this node's id "
+                                     "is its own entry's; without it, secure aggregation protects only against a server "
+                                     "that follows the protocol", default_text="none")
+    secagg_trust: str = setting("roster", "secure aggregation without a roster: with secagg-only=true this node refuses "
+                                          "to take part unless the owner says honest-but-curious (a server that "
+                                          "follows the protocol)", choices=("roster", "honest-but-curious"))
     secagg_keep_inputs: bool = setting(False, "secure aggregation: keep each round's unmasked vector, as this node "
                                               "released it into the sum, in state-dir/secagg/<run>-<experiment>-<round>-<node>.npy "
                                               "(the owner's own audit of what it released)")
@@ -168,6 +176,15 @@ def parse(node_config: Mapping) -> NodeConfig:
                               f"client's input is that input)")
     if node.secagg_max_colluders < 0:
         raise NodeConfigError(f"node-config secagg-max-colluders={node.secagg_max_colluders}: must be ≥ 0")
+    if node.secagg_roster:
+        from fedsd.identity import read_roster
+
+        read_roster(node.secagg_roster)  # a roster that does not parse, others can write, or lists a key twice
+    elif node.secagg_only and node.secagg_trust != "honest-but-curious":
+        raise NodeConfigError("node-config secagg-only=true without secagg-roster: secure aggregation without a roster "
+                              "protects only against a server that follows the protocol (it can substitute keys and "
+                              "read this node's update); name the federation's roster (secagg-roster=PATH) or say "
+                              "secagg-trust=honest-but-curious")
     if node.min_evaluation_samples < 1:
         raise NodeConfigError(f"node-config min-evaluation-samples={node.min_evaluation_samples}: must be ≥ 1")
     if node.service:

@@ -1,19 +1,30 @@
-"""Secure aggregation in the owner's data service: the five stages of SecAgg+ (fedsd.secagg),
-answered by the process that holds the data, the ledger and the secret randomness.
+"""Secure aggregation in the owner's data service: the stages of SecAgg+ (fedsd.secagg),
+answered by the process that holds the data, the ledger, the secret randomness and the owner's
+identity key.
 
-The service keeps one `SecAggClient` per (run, experiment, round, node) in memory, the last
-MAX_SESSIONS of them; its private keys and its self-mask seed never leave it. Every stage
-message is hostile until checked: its fields (task.secure_sum.read_map), its round (the round
-id is derived here from the run, the experiment and the round number, never taken from the
-message), the order of the stages (a replayed or early one is refused), the owner's
-`secagg-min-clients` and the protocol's own checks. A refusal is a `StageRefused` with its reason,
-and comes before the ledger is charged: only the masked-input stage charges it, and only once
-its shares have been checked (`SecAggClient.check_masked_input`).
+Who this service is in the protocol is the owner's, never the server's: with a roster
+(`secagg-roster`, fedsd.identity) its id is its identity key's and every neighbour's keys,
+commitments and view must carry that neighbour's roster signature; without one its id is its
+node id and a key made for each round signs, which protects only against a server that follows
+the protocol (said in the owner's log and in the identify reply, which the server's summary
+shows). The service takes part in a round once: its sessions are keyed by (state folder, run,
+experiment, round), so a second advertise for a round it joined, under any node id, is refused.
+
+The service keeps one `SecAggClient` per round in memory, the last MAX_SESSIONS of them; its
+private keys and its self-mask seed never leave it. Every stage message is hostile until
+checked: its fields (task.secure_sum.read_map), its round (the round id is derived here from the
+run, the experiment and the round number, never taken from the message), the order of the
+stages (a replayed or early one is refused), the owner's `secagg-min-clients` and
+`secagg-max-colluders`, and the protocol's own checks. A refusal is a `StageRefused` with its
+reason (naming a culprit by roster name), and comes before the ledger is charged: every
+neighbour's key is checked and every agreement computed at the share stage, and every share is
+decrypted and checked against its dealer's signed commitment before the masked-input stage
+trains and charges (`SecAggClient.check_masked_input`).
 
 The vector a client contributes (`contribution`) is for now its ordinary training update (the
 model delta after local training, which charges the ledger as a train round does), in fixed
 point; with `secagg-keep-inputs=true` the owner keeps each round's vector, as released into the
-sum, in state-dir/secagg/<run>-<experiment>-<round>-<node>.npy.
+sum, in state-dir/secagg/<run>-<experiment>-<round>-<id>.npy.
 """
 from __future__ import annotations
 
@@ -24,15 +35,21 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 
 from fedsd import secagg
+from fedsd.errors import ConfigError
 from fedsd.fed_settings import EXPERIMENT_ID
+from fedsd.identity import load_identity, read_roster
 from task import secure_sum
-from task.secure_sum import BadMessage, read_map, write_map
+from task.secure_sum import KEY_FIELDS, BadMessage, read_map, write_map
 
 from clients import node_config as node_configs
 
 log = logging.getLogger("fedsd.secure_aggregation")
-MAX_SESSIONS = 8  # (round, node) states a service keeps state for; an older one is dropped (its round cannot go on)
+MAX_SESSIONS = 8  # rounds a service keeps state for; an older one is dropped (its round cannot go on)
+MAX_JOINED = 4096  # rounds remembered as joined, so that a dropped one is not joined twice
 _SESSIONS: "OrderedDict[tuple, secagg.SecAggClient]" = OrderedDict()
+_JOINED: "OrderedDict[tuple, None]" = OrderedDict()
+UNAUTHENTICATED = ("secure aggregation without a roster (secagg-roster): this node protects its update only against "
+                   "a server that follows the protocol")
 
 
 class StageRefused(ValueError):
@@ -44,8 +61,32 @@ def _refused(e: object) -> StageRefused:
     return StageRefused(f"secure aggregation refused: {e}")
 
 
-def _stage_fields(content: RecordDict, context: Context) -> tuple[tuple, ConfigRecord, node_configs.NodeConfig]:
-    """The session key, the stage's own record and the owner's node config, checked."""
+class Owner:
+    """What the owner's node config and state folder say of this service in the protocol: its
+    identity, its roster (None without one) and its id."""
+
+    def __init__(self, node: node_configs.NodeConfig, context: Context):
+        from clients.local import private_state_folder
+
+        self.node = node
+        self.roster = read_roster(node.secagg_roster) if node.secagg_roster else None
+        if self.roster is not None:
+            self.identity = load_identity(private_state_folder(node))
+            self.id = self.identity.id
+            if self.id not in self.roster:
+                raise secagg.ProtocolError("this owner's identity is not on its own roster (fedsd data-service "
+                                           "--identity prints the line to add)")
+        else:
+            self.identity, self.id = None, secure_sum.secagg_id(context.node_id)
+
+    def client(self, round_id: bytes) -> secagg.SecAggClient:
+        node = self.node
+        return secagg.SecAggClient(self.id, round_id, min_cohort=node.secagg_min_clients,
+                                   max_colluders=node.secagg_max_colluders, identity=self.identity, roster=self.roster)
+
+
+def _stage_fields(content: RecordDict, context: Context) -> tuple[tuple, ConfigRecord, Owner]:
+    """The session key, the stage's own record and the owner, checked."""
     record = content.get(secure_sum.RECORD) if secure_sum.RECORD in content else None
     if not isinstance(record, ConfigRecord):
         raise BadMessage(f"a '{secure_sum.RECORD}' config record was expected")
@@ -54,74 +95,91 @@ def _stage_fields(content: RecordDict, context: Context) -> tuple[tuple, ConfigR
         raise BadMessage("experiment-id: letters, digits, '.', '_' and '-', at most 64")
     if not isinstance(server_round, int) or isinstance(server_round, bool) or not 1 <= server_round <= 1 << 31:
         raise BadMessage("server-round: a positive integer")
-    node = node_configs.parse(context.node_config)
-    return (int(context.run_id), experiment, server_round, secure_sum.secagg_id(context.node_id)), record, node
+    owner = Owner(node_configs.parse(context.node_config), context)
+    return (owner.node.state_dir, int(context.run_id), experiment, server_round), record, owner
 
 
-def _session(key: tuple, context: Context, node, create: bool = False) -> secagg.SecAggClient:
-    if key in _SESSIONS:
-        return _SESSIONS[key]
-    if not create:
-        raise BadMessage(f"round {key[2]} of this run was not advertised to this client (or was dropped)")
-    client = secagg.SecAggClient(key[3], secure_sum.round_id(*key[:3]), min_cohort=node.secagg_min_clients,
-                                 max_colluders=node.secagg_max_colluders)
-    _SESSIONS[key] = client
-    while len(_SESSIONS) > MAX_SESSIONS:
-        _SESSIONS.popitem(last=False)
-    return client
+def _round_id(key: tuple) -> bytes:
+    return secure_sum.round_id(*key[1:4])
+
+
+def _session(key: tuple) -> secagg.SecAggClient:
+    if key not in _SESSIONS:
+        raise BadMessage(f"round {key[3]} of this run was not advertised to this client (or was dropped)")
+    return _SESSIONS[key]
+
+
+def identify_reply(content: RecordDict, context: Context) -> RecordDict:
+    """Before stage 0: this service's id in the protocol and its identity's public key (empty
+    without a roster), which the server needs to name the cohort. Nothing secret, nothing kept."""
+    try:
+        _, _, owner = _stage_fields(content, context)
+    except (BadMessage, secagg.ProtocolError, ConfigError) as e:
+        raise _refused(e) from None
+    if owner.roster is None:
+        log.warning(UNAUTHENTICATED)
+    return RecordDict({secure_sum.RECORD: ConfigRecord({
+        "id": owner.id, "v": owner.identity.public if owner.identity is not None else b"",
+        "authenticated": owner.roster is not None})})
 
 
 def advertise_reply(content: RecordDict, context: Context) -> RecordDict:
-    """Stage 0: the cohort, this client's neighbours and the threshold; its two public keys."""
+    """Stage 0: the cohort, this client's neighbours and the threshold; its public keys, signed."""
     try:
-        key, record, node = _stage_fields(content, context)
-        fresh = key not in _SESSIONS
-        client = _session(key, context, node, create=True)
-        try:
-            keys = client.advertise(list(record.get("cohort", [])), list(record.get("neighbours", [])),
-                                    record.get("threshold"))
-        except secagg.ProtocolError:
-            if fresh:  # a refused round leaves nothing behind
-                _SESSIONS.pop(key, None)
-            raise
-    except (BadMessage, secagg.ProtocolError, TypeError) as e:
+        key, record, owner = _stage_fields(content, context)
+        if key in _SESSIONS or key in _JOINED:
+            raise secagg.ProtocolError(f"round {key[3]} was advertised to this owner already (under any node id, "
+                                       f"it takes part in a round once)")
+        client = owner.client(_round_id(key))
+        keys = client.advertise(list(record.get("cohort", [])), list(record.get("neighbours", [])),
+                                record.get("threshold"))
+    except (BadMessage, secagg.ProtocolError, ConfigError, TypeError) as e:
         raise _refused(e) from None
-    return RecordDict({secure_sum.RECORD: ConfigRecord({"c": keys["c"], "s": keys["s"]})})
+    _SESSIONS[key] = client  # a refused round leaves nothing behind; a joined one is remembered
+    _JOINED[key] = None
+    while len(_SESSIONS) > MAX_SESSIONS:
+        _SESSIONS.popitem(last=False)
+    while len(_JOINED) > MAX_JOINED:
+        _JOINED.popitem(last=False)
+    return RecordDict({secure_sum.RECORD: ConfigRecord(keys)})
 
 
 def share_reply(content: RecordDict, context: Context) -> RecordDict:
-    """Stage 1: the neighbours' public keys; this client's encrypted shares for each."""
+    """Stage 1: the neighbours' signed public keys; once every one is checked, this client's
+    encrypted shares for each and its signed commitments to them."""
     try:
-        key, record, node = _stage_fields(content, context)
-        client = _session(key, context, node)
-        cs, ss = read_map(record, "keys-c"), read_map(record, "keys-s")
-        if set(cs) != set(ss):
-            raise BadMessage("keys-c and keys-s name different clients")
-        shares = client.share_keys({j: {"c": cs[j], "s": ss[j]} for j in cs})
-    except (BadMessage, secagg.ProtocolError) as e:
+        key, record, _ = _stage_fields(content, context)
+        client = _session(key)
+        fields = {f: read_map(record, f"keys-{f}") for f in KEY_FIELDS}
+        if any(set(m) != set(fields["c"]) for m in fields.values()):
+            raise BadMessage("keys-c, keys-s, keys-v and keys-sig name different clients")
+        dealt = client.share_keys({j: {f: fields[f][j] for f in KEY_FIELDS} for j in fields["c"]})
+    except (BadMessage, secagg.ProtocolError, ConfigError) as e:
         raise _refused(e) from None
     out = ConfigRecord({})
-    write_map(out, "shares", shares)
+    write_map(out, "shares", dealt["shares"])
+    write_map(out, "commits", dealt["commits"])
     return RecordDict({secure_sum.RECORD: out})
 
 
 def masked_reply(content: RecordDict, context: Context) -> RecordDict:
-    """Stage 2: the shares sent to this client, and the round's model and settings; its vector,
-    masked (the ledger charged by `contribution`, after every check)."""
+    """Stage 2: the shares sent to this client with their dealers' commitments, and the round's
+    model and settings; its vector, masked (the ledger charged by `contribution`, after every
+    check)."""
     try:
-        key, record, node = _stage_fields(content, context)
-        client = _session(key, context, node)
-        ciphertexts = read_map(record, "shares")
-        client.check_masked_input(ciphertexts)  # before the vector is computed and charged
-        if node.secagg_keep_inputs and kept_input_path(node, key).exists():
+        key, record, owner = _stage_fields(content, context)
+        client = _session(key)
+        ciphertexts, commits = read_map(record, "shares"), read_map(record, "commits")
+        client.check_masked_input(ciphertexts, commits)  # before the vector is computed and charged
+        if owner.node.secagg_keep_inputs and kept_input_path(owner, key).exists():
             raise secagg.ProtocolError("this client kept an input for this round already; it sends no other")
-    except (BadMessage, secagg.ProtocolError) as e:
+    except (BadMessage, secagg.ProtocolError, ConfigError) as e:
         raise _refused(e) from None
     vector, metrics = contribution(content, context)
-    masked = client.masked_input(ciphertexts, vector)
-    if node.secagg_keep_inputs:
-        keep_input(node, key, vector)
-    log.info("secure aggregation: round %d's masked input (%d values) sent", key[2], len(vector))
+    masked = client.masked_input(ciphertexts, commits, vector)
+    if owner.node.secagg_keep_inputs:
+        keep_input(owner, key, vector)
+    log.info("secure aggregation: round %d's masked input (%d values) sent", key[3], len(vector))
     return RecordDict({secure_sum.RECORD: ArrayRecord({"masked": Array(masked)}), "metrics": metrics})
 
 
@@ -145,9 +203,9 @@ def contribution(content: RecordDict, context: Context) -> tuple[np.ndarray, Met
     return secure_sum.update_vector(content["arrays"], reply["arrays"]), reply["metrics"]
 
 
-def keep_input(node, key: tuple, vector: np.ndarray) -> None:
+def keep_input(owner: Owner, key: tuple, vector: np.ndarray) -> None:
     """The owner's copy of what it released into the round's sum (secagg-keep-inputs=true)."""
-    path = kept_input_path(node, key)
+    path = kept_input_path(owner, key)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         np.save(f, vector)
@@ -156,36 +214,34 @@ def keep_input(node, key: tuple, vector: np.ndarray) -> None:
     tmp.rename(path)
 
 
-def kept_input_path(node, key: tuple):
-    """state-dir/secagg/<run>-<experiment>-<round>-<node>.npy: one file per session key."""
+def kept_input_path(owner: Owner, key: tuple):
+    """state-dir/secagg/<run>-<experiment>-<round>-<id>.npy: one file per round and owner id."""
     from clients.local import private_state_folder
 
-    return private_state_folder(node, "secagg") / f"{key[0]}-{key[1]}-{key[2]}-{key[3]}.npy"
+    return private_state_folder(owner.node, "secagg") / f"{key[1]}-{key[2]}-{key[3]}-{owner.id}.npy"
 
 
 def confirm_reply(content: RecordDict, context: Context) -> RecordDict:
     """Stage 3 (consistency): the round's survivors and dropped clients, the same list for every
-    client; a MAC of that view for each of this client's surviving neighbours. Nothing revealed."""
+    client; this client's signature of that view. Nothing revealed."""
     try:
-        key, record, node = _stage_fields(content, context)
-        client = _session(key, context, node)
-        tags = client.confirm(list(record.get("survivors", [])), list(record.get("dropped", [])))
-    except (BadMessage, secagg.ProtocolError, TypeError) as e:
+        key, record, _ = _stage_fields(content, context)
+        client = _session(key)
+        signature = client.confirm(list(record.get("survivors", [])), list(record.get("dropped", [])))
+    except (BadMessage, secagg.ProtocolError, ConfigError, TypeError) as e:
         raise _refused(e) from None
-    out = ConfigRecord({})
-    write_map(out, "tags", tags)
-    return RecordDict({secure_sum.RECORD: out})
+    return RecordDict({secure_sum.RECORD: ConfigRecord({"sig": signature})})
 
 
 def unmask_reply(content: RecordDict, context: Context) -> RecordDict:
-    """Stage 4: the neighbours' confirmations of the view; once t of them agree with this
-    client's, its shares of the survivors' self masks and of the dropped clients' keys, never
-    both for one client."""
+    """Stage 4: the neighbours' signatures of the view; once enough of them signed this client's
+    view, its shares of the survivors' self masks and of the dropped clients' keys, never both
+    for one client."""
     try:
-        key, record, node = _stage_fields(content, context)
-        client = _session(key, context, node)
+        key, record, _ = _stage_fields(content, context)
+        client = _session(key)
         answer = client.unmask(read_map(record, "confirmations"))
-    except (BadMessage, secagg.ProtocolError) as e:
+    except (BadMessage, secagg.ProtocolError, ConfigError) as e:
         raise _refused(e) from None
     out = ConfigRecord({})
     write_map(out, "b", answer["b"])
@@ -194,6 +250,6 @@ def unmask_reply(content: RecordDict, context: Context) -> RecordDict:
     return RecordDict({secure_sum.RECORD: out})
 
 
-HANDLERS = {secure_sum.KINDS["advertise"]: advertise_reply, secure_sum.KINDS["share"]: share_reply,
-            secure_sum.KINDS["masked"]: masked_reply, secure_sum.KINDS["confirm"]: confirm_reply,
-            secure_sum.KINDS["unmask"]: unmask_reply}
+HANDLERS = {secure_sum.KINDS["identify"]: identify_reply, secure_sum.KINDS["advertise"]: advertise_reply,
+            secure_sum.KINDS["share"]: share_reply, secure_sum.KINDS["masked"]: masked_reply,
+            secure_sum.KINDS["confirm"]: confirm_reply, secure_sum.KINDS["unmask"]: unmask_reply}

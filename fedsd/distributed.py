@@ -26,7 +26,8 @@ import torch
 
 from . import distributed_noise as noise
 from .methods import Weights
-from .secagg import RoundAbandoned, SecAggClient, SecAggServer
+from .identity import Identity, Roster
+from .secagg import RoundAbandoned, SecAggClient, SecAggServer, minimum_threshold
 from .training import DPTrainer, TrainState
 
 
@@ -117,30 +118,46 @@ class ServerOptimizer:
         self.optimizer.load_state_dict(saved)
 
 
+def run_roster(clients, identities: dict | None = None) -> tuple[dict, Roster]:
+    """Identities and a roster for a simulated federation (its clients' keys are made here, so
+    every simulated round runs the authenticated protocol an owners' deployment runs)."""
+    identities = dict(identities or {})
+    for k in clients:
+        identities.setdefault(k, Identity())
+    return identities, Roster.of({f"client-{k}": identities[k].public for k in clients})
+
+
 def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min_cohort: int = 2,
                  degree: int = 0, drop_before_masking: frozenset = frozenset(),
-                 max_colluders: int = 0) -> tuple[np.ndarray, dict]:
-    """One round of SecAgg+ in process: every client's stages and the server's. `vectors`:
-    client id → a function that computes its vector (called at the masked-input stage, as a
-    service would). Returns the unmasked sum and the round's cost (bytes each way, seconds
-    outside the vectors' computation). RoundAbandoned when too few clients go on."""
+                 max_colluders: int = 0, identities: dict | None = None) -> tuple[np.ndarray, dict]:
+    """One round of SecAgg+ in process: every client's stages and the server's, each client
+    with its identity on the run's roster (`identities`: client → fedsd.identity.Identity, made
+    here where absent). `vectors`: client → a function that computes its vector (called at the
+    masked-input stage, as a service would). Returns the unmasked sum and the round's cost
+    (bytes each way, seconds outside the vectors' computation). RoundAbandoned when too few
+    clients go on."""
     started, computing = time.perf_counter(), 0.0
-    server = SecAggServer(round_id, list(vectors), length, degree=degree)
-    clients = {i: SecAggClient(i, round_id, min_cohort=min_cohort, max_colluders=max_colluders) for i in vectors}
+    identities, roster = run_roster(vectors, identities)
+    ids = {k: identities[k].id for k in vectors}
+    n = len(vectors) if degree <= 0 or degree >= len(vectors) - 1 else degree + (degree % 2) + 1
+    threshold = max(minimum_threshold(n), (n + max_colluders) // 2 + 1)  # one view only can reach it
+    server = SecAggServer(round_id, list(ids.values()), length, degree=degree, threshold=min(threshold, n))
+    clients = {ids[k]: SecAggClient(ids[k], round_id, min_cohort=min_cohort, max_colluders=max_colluders,
+                                    identity=identities[k], roster=roster) for k in vectors}
     server.collect_keys({i: c.advertise(**server.setup(i)) for i, c in clients.items()})
     server.collect_shares({i: clients[i].share_keys(server.keys_for(i)) for i in server.keys})
     masked = {}
-    for i in server.inbox:
-        if i in drop_before_masking:
+    for k, i in ids.items():
+        if i not in server.inbox or k in drop_before_masking:
             continue
         shares = server.shares_for(i)
         t = time.perf_counter()
-        vector = vectors[i]()
+        vector = vectors[k]()
         computing += time.perf_counter() - t
-        masked[i] = clients[i].masked_input(shares, vector)
+        masked[i] = clients[i].masked_input(shares["ciphertexts"], shares["commits"], vector)
     server.collect_masked(masked)
-    tags = server.route_confirmations({i: clients[i].confirm(**server.unmask_request(i)) for i in server.masked})
-    answers = {i: clients[i].unmask(tags.get(i, {})) for i in server.masked}
+    signatures = server.route_confirmations({i: clients[i].confirm(**server.unmask_request(i)) for i in server.masked})
+    answers = {i: clients[i].unmask(signatures.get(i, {})) for i in server.masked}
     total = server.finish(answers)
     cost = dict(bytes_to_server=server.bytes_in, bytes_from_server=server.bytes_out,
                 protocol_seconds=time.perf_counter() - started - computing, survivors=len(server.masked))
@@ -161,4 +178,4 @@ def plain_round(vectors: dict[int, callable], length: int) -> tuple[np.ndarray, 
                        protocol_seconds=time.perf_counter() - started - computing, survivors=len(vectors))
 
 
-__all__ = ["plain_round", "contribution", "ServerOptimizer", "secure_round", "seeded_key", "RoundAbandoned"]
+__all__ = ["plain_round", "contribution", "ServerOptimizer", "secure_round", "run_roster", "seeded_key", "RoundAbandoned"]

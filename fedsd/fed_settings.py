@@ -68,6 +68,13 @@ class FedOptions:
                                 "trains --local-epochs without noise, clips its update to --update-clip and adds "
                                 "its share; every client every round, the server applies the mean, ε is each "
                                 "client's)", choices=PRIVACY_UNITS)
+    secagg_threshold: int = setting(0, "--secure-aggregation: the shares needed to unmask (each client's neighbours); "
+                                    "0 = more than two thirds. An owner with secagg-max-colluders f refuses a "
+                                    "threshold at or below (neighbours + f) / 2", cli=False)
+    secagg_roster: str = setting("", "--secure-aggregation in a deployment: the server's copy of the owners' roster "
+                                 "(public keys); a node whose identity is not on it is left out of every round and "
+                                 "named. Each owner checks its own copy; this one only keeps strangers out early",
+                                 cli=False)
     update_clip: float = setting(0.1, "--privacy-unit client: the L2 norm S each client clips its model update to")
     budget_rounds: int = setting(0, "rounds each client calibrates σ for; 0 = every round of the run")
     server_dp_noise: float = setting(0.0, "user-level DP at the server (Flower's fixed clipping): noise "

@@ -60,6 +60,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from .identity import SIGNATURE_BYTES, Identity, Roster, verify
+
 MODULUS_BITS = 64  # the vectors are uint64, summed modulo 2^64
 SEED_BYTES = 32  # self-mask seeds and pairwise keys: 256 bits
 CHUNK = 16  # pycryptodome's Shamir shares 16-byte secrets: a 32-byte secret is two
@@ -72,7 +74,12 @@ class ProtocolError(Exception):
 
 
 class RoundAbandoned(Exception):
-    """Too few clients went on for the round to be unmasked; nothing was revealed."""
+    """Too few clients went on for the round to be unmasked, or their shares did not rebuild
+    one secret; nothing was revealed or applied. `culprits`: client id → what it did."""
+
+    def __init__(self, message: str, culprits: dict | None = None):
+        super().__init__(message)
+        self.culprits = dict(culprits or {})
 
 
 # -- primitives ------------------------------------------------------------------------------
@@ -143,17 +150,42 @@ def pairwise_sign(me: int, other: int) -> int:
 
 
 # -- the client's side: one object per round, held by the client's own process ---------------
+def _advert(round_id: bytes, member: int, cohort: list[int], threshold: int, c: bytes, s: bytes, v: bytes) -> bytes:
+    """What a client signs at stage 0: its keys for this round, its id, the cohort and the
+    threshold it was told (so that two clients told two cohorts or thresholds refuse)."""
+    return _info(round_id, "advertise", member, threshold, *cohort) + b"|" + bytes(c) + bytes(s) + bytes(v)
+
+
+def _commitment(round_id: bytes, dealer: int, holder: int, what: str, share: bytes) -> bytes:
+    """A dealer's commitment to one share (SHA-256; a share has 256 bits of entropy to the
+    server, which sees fewer than t of them in the clear)."""
+    return hashlib.sha256(_info(round_id, "commit", what, dealer, holder) + bytes(share)).digest()
+
+
+def _commit_message(round_id: bytes, dealer: int, holder: int, b_digest: bytes, s_digest: bytes) -> bytes:
+    return _info(round_id, "commitments", dealer, holder) + b"|" + bytes(b_digest) + bytes(s_digest)
+
+
+def _view_message(round_id: bytes, survivors: list[int], dropped: list[int]) -> bytes:
+    return _info(round_id, "view", *survivors, "|", *dropped)
+
+
 @dataclass
 class SecAggClient:
     """One client's state in one round. `min_cohort`: the fewest clients the owner lets a round
     have (its assumption of honest clients, with distributed noise); a cohort or a survivor set
-    below it, or below the threshold, is refused."""
+    below it, or below the threshold, is refused. `identity` and `roster`: the owner's long-term
+    signing key and the members it accepts (fedsd.identity); with them every neighbour's keys,
+    commitments and view must be signed by that neighbour's roster key. Without a roster a key
+    made for the round signs, which proves nothing against a server that relays keys falsely."""
 
     me: int
     round_id: bytes
     min_cohort: int = 2
     max_colluders: int = 0  # f: the most of a round's clients the owner allows to be the server's
     max_neighbours: int = 128  # the largest neighbourhood it shares with (Shamir's cost grows as its square)
+    identity: Identity | None = None
+    roster: Roster | None = None
     stage: int = 0
     cohort: list[int] = field(default_factory=list)
     neighbours: list[int] = field(default_factory=list)  # the holders of my shares, me included
@@ -161,17 +193,32 @@ class SecAggClient:
     _c: X25519PrivateKey | None = None
     _s: X25519PrivateKey | None = None
     _b: bytes = b""
-    _keys: dict = field(default_factory=dict)  # neighbour → (c public, s public)
+    _keys: dict = field(default_factory=dict)  # neighbour → (c public, s public, signing key)
+    _enc: dict = field(default_factory=dict)  # neighbour → the AES-GCM key of our shares
+    _pairs: dict = field(default_factory=dict)  # neighbour → our pairwise mask seed
     _shares: dict = field(default_factory=dict)  # sender → (share of its b, share of its s)
     _masked_with: list[int] = field(default_factory=list)
     _view: tuple = ((), ())
     _statement: bytes = b""
 
+    def __post_init__(self):
+        if self.roster is not None:
+            if self.identity is None or self.identity.id != self.me:
+                raise ValueError("with a roster, the client's id is its identity's (fedsd.identity.protocol_id)")
+            if self.me not in self.roster:
+                raise ProtocolError("this owner's own identity is not on its roster")
+        elif self.identity is None:
+            self.identity = Identity()  # a key for this round only: it signs, and proves nothing to the others
+
+    def name(self, member: int) -> str:
+        """A neighbour as the owner knows it: its roster name, else its id."""
+        return self.roster.name(member) if self.roster is not None else f"client {member}"
+
     @property
     def needed(self) -> int:
         """The fewest neighbours a stage goes on with: the threshold, and the owner's t honest
         ones with up to f of the server's among them (each one a neighbour whose keys, shares
-        and MACs this client checks itself)."""
+        and signatures this client checks itself)."""
         return max(self.threshold, self.min_cohort + self.max_colluders)
 
     def _expect(self, stage: int, name: str, advance: bool = True) -> None:
@@ -192,8 +239,8 @@ class SecAggClient:
         return holders
 
     def advertise(self, cohort: object, neighbours: object, threshold: object) -> dict:
-        """Stage 0: the round's cohort, my neighbourhood (me included) and the threshold t;
-        my two public keys."""
+        """Stage 0: the round's cohort, my neighbourhood (me included) and the threshold t; my
+        two public keys, my signing key and my signature of them with the round and cohort."""
         self._expect(0, "advertise-keys")
         cohort, neighbours = _ids(cohort, "cohort"), _ids(neighbours, "neighbours")
         if self.me not in neighbours or not set(neighbours) <= set(cohort):
@@ -202,6 +249,11 @@ class SecAggClient:
             raise ProtocolError(f"neighbours: {len(neighbours)}, above the {self.max_neighbours} this owner shares with")
         if len(cohort) < self.min_cohort:
             raise ProtocolError(f"cohort: {len(cohort)} clients, below the {self.min_cohort} this owner requires")
+        if self.roster is not None:
+            strangers = [j for j in cohort if j not in self.roster]
+            if strangers:
+                raise ProtocolError(f"cohort: {', '.join(self.name(j) for j in strangers[:4])} not on this owner's "
+                                    f"roster (culprit: {strangers[0]})")
         if len(neighbours) < self.min_cohort + self.max_colluders:  # it could never unmask: refused before any cost
             raise ProtocolError(f"neighbours: {len(neighbours)} clients, below the {self.min_cohort} honest ones "
                                 f"and {self.max_colluders} of the server's this owner requires")
@@ -209,46 +261,84 @@ class SecAggClient:
                 minimum_threshold(len(neighbours)) <= threshold <= len(neighbours)):
             raise ProtocolError(f"threshold: must be in [{minimum_threshold(len(neighbours))}, {len(neighbours)}] "
                                 f"for {len(neighbours)} neighbours (more than two thirds of them)")
+        if 2 * threshold <= len(neighbours) + self.max_colluders:
+            # Two stories: the server's f clients confirm both, and two groups of honest ones each
+            # reach t unless 2t > neighbours + f.
+            raise ProtocolError(f"threshold: {threshold} is at or below ({len(neighbours)} neighbours + "
+                                f"{self.max_colluders} of the server's) / 2; two views of the round could both "
+                                f"reach it")
         self.cohort, self.neighbours, self.threshold = cohort, neighbours, threshold
         self._c, self._s = X25519PrivateKey.generate(), X25519PrivateKey.generate()
-        return {"c": _raw(self._c.public_key()), "s": _raw(self._s.public_key())}
+        c, s, v = _raw(self._c.public_key()), _raw(self._s.public_key()), self.identity.public
+        return {"c": c, "s": s, "v": v, "sig": self.identity.sign(_advert(self.round_id, self.me, cohort,
+                                                                            threshold, c, s, v))}
 
-    def share_keys(self, keys: object) -> dict[int, bytes]:
-        """Stage 1: the public keys of my neighbours that advertised (id → {"c", "s"}); the
-        encrypted shares of b and s for each of them."""
+    def _checked_keys(self, keys: dict, holders: list[int]) -> dict[int, tuple]:
+        """Every neighbour's keys, before anything is drawn or charged: signed by the neighbour
+        (its roster key, where the owner has a roster) for this round, cohort and threshold,
+        canonical, distinct, and each agreeing on a secret with ours. A failure names the
+        neighbour."""
+        parsed = {}
+        for j in holders:
+            entry = keys[j] if isinstance(keys[j], dict) else {}
+            c = _public(entry.get("c"), f"{self.name(j)}'s c key (culprit: {j})")
+            s = _public(entry.get("s"), f"{self.name(j)}'s s key (culprit: {j})")
+            v = entry.get("v")
+            if not isinstance(v, (bytes, bytearray)) or len(v) != 32:
+                raise ProtocolError(f"share-keys: {self.name(j)} sent no signing key (culprit: {j})")
+            if self.roster is not None and self.roster.key(j) != bytes(v):
+                raise ProtocolError(f"share-keys: the signing key given for {self.name(j)} is not its roster key "
+                                    f"(culprit: {j})")
+            if not verify(bytes(v), entry.get("sig"), _advert(self.round_id, j, self.cohort, self.threshold,
+                                                               _raw(c), _raw(s), bytes(v))):
+                raise ProtocolError(f"share-keys: the keys of {self.name(j)} are not signed by it for this round, "
+                                    f"cohort and threshold (culprit: {j})")
+            parsed[j] = (c, s, bytes(v))
+        raws = [_raw(k) for c, s, _ in parsed.values() for k in (c, s)] + [v for _, _, v in parsed.values()]
+        if len(set(raws)) != len(raws):
+            raise ProtocolError("share-keys: two clients advertised the same key")
+        return parsed
+
+    def share_keys(self, keys: object) -> dict[str, dict[int, bytes]]:
+        """Stage 1: the public keys of my neighbours that advertised (id → {"c", "s", "v",
+        "sig"}); for each of them its encrypted shares of b and s, and my signed commitments to
+        them (the server checks the shares it is given at the end against these)."""
         self._expect(1, "share-keys")
         if not isinstance(keys, dict) or not all(isinstance(k, int) for k in keys):
             raise ProtocolError("share-keys: a map of client id to public keys was expected")
         holders = self._from_neighbours(list(keys), "share-keys", "keys of clients", "went on")
         mine = keys[self.me]
-        if not isinstance(mine, dict) or (mine.get("c"), mine.get("s")) != (
-                _raw(self._c.public_key()), _raw(self._s.public_key())):
+        if not isinstance(mine, dict) or (mine.get("c"), mine.get("s"), mine.get("v")) != (
+                _raw(self._c.public_key()), _raw(self._s.public_key()), self.identity.public):
             raise ProtocolError("share-keys: this client's own keys came back changed")
-        parsed = {j: (_public(keys[j].get("c") if isinstance(keys[j], dict) else None, f"client {j}'s c key"),
-                      _public(keys[j].get("s") if isinstance(keys[j], dict) else None, f"client {j}'s s key"))
-                  for j in holders}
-        raws = [_raw(k) for pair in parsed.values() for k in pair]
-        if len(set(raws)) != len(raws):
-            raise ProtocolError("share-keys: two clients advertised the same key")
-        self._keys, self.neighbours = parsed, holders
+        parsed = self._checked_keys(keys, holders)
+        enc, pairs = {}, {}
+        for j in holders:  # every agreement now: a low-order key is refused before anything is charged
+            low, high = min(self.me, j), max(self.me, j)
+            enc[j] = _derive(_agree(self._c, parsed[j][0], f"{self.name(j)}'s c key (culprit: {j})"),
+                             _info(self.round_id, "enc", low, high))
+            if j != self.me:
+                pairs[j] = _derive(_agree(self._s, parsed[j][1], f"{self.name(j)}'s s key (culprit: {j})"),
+                                   _info(self.round_id, "mask", low, high))
+        self._keys, self._enc, self._pairs, self.neighbours = parsed, enc, pairs, holders
         self._b = secrets.token_bytes(SEED_BYTES)
-        s_raw = self._s.private_bytes_raw()
         b_shares = split_secret(self._b, self.threshold, holders)
-        s_shares = split_secret(s_raw, self.threshold, holders)
-        out = {}
+        s_shares = split_secret(self._s.private_bytes_raw(), self.threshold, holders)
+        out, commits = {}, {}
         for j in holders:
-            key = _derive(_agree(self._c, parsed[j][0], f"client {j}'s c key"), _info(self.round_id, "enc", self.me, j)
-                          if self.me < j else _info(self.round_id, "enc", j, self.me))
             nonce = secrets.token_bytes(NONCE)
-            out[j] = nonce + AESGCM(key).encrypt(nonce, b_shares[j] + s_shares[j],
-                                                  _info(self.round_id, "share", self.me, j))
-        return out
+            out[j] = nonce + AESGCM(enc[j]).encrypt(nonce, b_shares[j] + s_shares[j],
+                                                     _info(self.round_id, "share", self.me, j))
+            hb = _commitment(self.round_id, self.me, j, "b", b_shares[j])
+            hs = _commitment(self.round_id, self.me, j, "s", s_shares[j])
+            commits[j] = hb + hs + self.identity.sign(_commit_message(self.round_id, self.me, j, hb, hs))
+        return {"shares": out, "commits": commits}
 
-    def masked_input(self, ciphertexts: object, vector: np.ndarray) -> np.ndarray:
-        """Stage 2: the shares sent to me (sender id → ciphertext), and my vector (uint64);
-        the vector masked."""
+    def masked_input(self, ciphertexts: object, commits: object, vector: np.ndarray) -> np.ndarray:
+        """Stage 2: the shares sent to me (sender id → ciphertext) with their dealers' signed
+        commitments, and my vector (uint64); the vector masked."""
         self._expect(2, "masked-input")
-        self._shares = self._opened(ciphertexts)
+        self._shares = self._opened(ciphertexts, commits)
         senders = sorted(self._shares)
         vector = np.asarray(vector)
         if vector.dtype != np.uint64 or vector.ndim != 1:
@@ -256,43 +346,46 @@ class SecAggClient:
         masked = vector + expand_mask(self._b, len(vector))
         for j in senders:
             if j != self.me:
-                pair = _derive(_agree(self._s, self._keys[j][1], f"client {j}'s s key"),
-                               _info(self.round_id, "mask", min(self.me, j), max(self.me, j)))
-                mask = expand_mask(pair, len(vector))
+                mask = expand_mask(self._pairs[j], len(vector))
                 masked = masked + mask if pairwise_sign(self.me, j) > 0 else masked - mask
         self._masked_with = senders
         return masked
 
-    def check_masked_input(self, ciphertexts: object) -> None:
+    def check_masked_input(self, ciphertexts: object, commits: object) -> None:
         """Stage 2's checks of the shares, changing nothing: a service runs them before it
         computes its vector (and charges its ledger for it), then masked_input."""
         self._expect(2, "masked-input", advance=False)
-        self._opened(ciphertexts)
+        self._opened(ciphertexts, commits)
 
-    def _opened(self, ciphertexts: object) -> dict[int, tuple[bytes, bytes]]:
-        if not isinstance(ciphertexts, dict):
-            raise ProtocolError("masked-input: a map of sender id to ciphertext was expected")
+    def _opened(self, ciphertexts: object, commits: object) -> dict[int, tuple[bytes, bytes]]:
+        if not isinstance(ciphertexts, dict) or not isinstance(commits, dict):
+            raise ProtocolError("masked-input: maps of sender id to ciphertext and to commitment were expected")
         senders = self._from_neighbours(list(ciphertexts), "masked-input", "shares from clients", "sent shares")
-        return {j: self._open(j, ciphertexts[j]) for j in senders}
+        return {j: self._open(j, ciphertexts[j], commits.get(j)) for j in senders}
 
-    def _open(self, sender: int, ciphertext: object) -> tuple[bytes, bytes]:
+    def _open(self, sender: int, ciphertext: object, commit: object) -> tuple[bytes, bytes]:
+        who = f"{self.name(sender)} (culprit: {sender})"
         if not isinstance(ciphertext, (bytes, bytearray)) or len(ciphertext) != NONCE + 2 * SEED_BYTES + 16:
-            raise ProtocolError(f"masked-input: the share from client {sender} is malformed")
-        low, high = min(self.me, sender), max(self.me, sender)
-        key = _derive(_agree(self._c, self._keys[sender][0], f"client {sender}'s c key"),
-                      _info(self.round_id, "enc", low, high))
+            raise ProtocolError(f"masked-input: the share from {who} is malformed")
         try:
-            plain = AESGCM(key).decrypt(bytes(ciphertext[:NONCE]), bytes(ciphertext[NONCE:]),
-                                        _info(self.round_id, "share", sender, self.me))
+            plain = AESGCM(self._enc[sender]).decrypt(bytes(ciphertext[:NONCE]), bytes(ciphertext[NONCE:]),
+                                                      _info(self.round_id, "share", sender, self.me))
         except InvalidTag:
-            raise ProtocolError(f"masked-input: the share from client {sender} is not for this round and "
-                                f"client, or was changed") from None
-        return plain[:SEED_BYTES], plain[SEED_BYTES:]
+            raise ProtocolError(f"masked-input: the share from {who} is not for this round and client, or was "
+                                f"changed") from None
+        b, s = plain[:SEED_BYTES], plain[SEED_BYTES:]
+        if not isinstance(commit, (bytes, bytearray)) or len(commit) != 64 + SIGNATURE_BYTES or not verify(
+                self._keys[sender][2], bytes(commit[64:]),
+                _commit_message(self.round_id, sender, self.me, bytes(commit[:32]), bytes(commit[32:64]))):
+            raise ProtocolError(f"masked-input: the commitment to the share from {who} is not signed by it")
+        if (bytes(commit[:32]), bytes(commit[32:64])) != (_commitment(self.round_id, sender, self.me, "b", b),
+                                                         _commitment(self.round_id, sender, self.me, "s", s)):
+            raise ProtocolError(f"masked-input: the share from {who} is not the one it committed to")
+        return b, s
 
-    def confirm(self, survivors: object, dropped: object) -> dict[int, bytes]:
-        """Stage 3 (consistency, Bonawitz et al.'s round 3 with pairwise MACs in place of
-        signatures): the round's global survivor and dropped lists; a MAC of them for each of my
-        neighbours among the survivors. I confirm one view only, and reveal nothing yet."""
+    def confirm(self, survivors: object, dropped: object) -> bytes:
+        """Stage 3 (consistency, Bonawitz et al.'s round 3): the round's global survivor and
+        dropped lists; my signature of that view. I sign one view only, and reveal nothing yet."""
         self._expect(3, "confirm")
         survivors, dropped = _ids(survivors, "survivors"), _ids(dropped, "dropped")
         if not set(survivors) | set(dropped) <= set(self.cohort):
@@ -302,35 +395,30 @@ class SecAggClient:
         if self.me not in survivors or not set(self._masked_with) <= set(survivors) | set(dropped):
             raise ProtocolError("unmask: this client not a survivor, or a neighbour it masked with left unnamed")
         local = [j for j in survivors if j in self._masked_with]
-        if len(local) < self.needed:  # survivors it can check (its neighbours' MACs), never a list's length
+        if len(local) < self.needed:  # survivors it can check (its neighbours' signatures), never a list's length
             raise ProtocolError(f"unmask: {len(local)} survivors among its neighbours, below the threshold and "
                                 f"the owner's {self.min_cohort} + {self.max_colluders}")
         if len(survivors) < self.min_cohort + self.max_colluders:
             raise ProtocolError(f"unmask: {len(survivors)} survivors; this owner needs {self.min_cohort} honest ones "
                                 f"with up to {self.max_colluders} of the server's among them")
         self._view = (survivors, dropped)
-        self._statement = hashlib.sha256(_info(self.round_id, "view", *survivors, "|", *dropped)).digest()
-        return {j: self._mac(j, self.me, j) for j in local if j != self.me}
-
-    def _mac(self, peer: int, sender: int, receiver: int) -> bytes:
-        key = _derive(_agree(self._c, self._keys[peer][0], f"client {peer}'s c key"),
-                      _info(self.round_id, "confirm", min(sender, receiver), max(sender, receiver)))
-        return hmac.new(key, self._statement + _info(self.round_id, "from", sender, receiver), "sha256").digest()
+        self._statement = _view_message(self.round_id, survivors, dropped)
+        return self.identity.sign(self._statement)
 
     def unmask(self, confirmations: object) -> dict[str, dict[int, bytes]]:
-        """Stage 4: my neighbours' MACs of the view (sender → tag); my shares of the survivors' b
-        and of the dropped clients' s, once at least t of my survivors (me included) confirmed
-        the view I confirmed. Never both for one client."""
+        """Stage 4: my neighbours' signatures of the view (signer → signature); my shares of the
+        survivors' b and of the dropped clients' s, once at least `needed` of my surviving
+        neighbours (me included) signed the view I signed. Never both for one client."""
         self._expect(4, "unmask")
         survivors, dropped = self._view
         if not isinstance(confirmations, dict):
-            raise ProtocolError("unmask: a map of client id to confirmation was expected")
+            raise ProtocolError("unmask: a map of client id to signature was expected")
         local = [j for j in survivors if j in self._masked_with]
-        agreed = 1 + sum(1 for j in local if j != self.me and isinstance(confirmations.get(j), (bytes, bytearray))
-                         and hmac.compare_digest(bytes(confirmations[j]), self._mac(j, j, self.me)))
+        agreed = 1 + sum(1 for j in local if j != self.me
+                         and verify(self._keys[j][2], confirmations.get(j), self._statement))
         if agreed < self.needed:
             self._shares, self._b = {}, b""
-            raise ProtocolError(f"unmask: {agreed} neighbours confirmed this round's survivors, below the threshold")
+            raise ProtocolError(f"unmask: {agreed} neighbours signed this round's survivors, below the threshold")
         answer = {"b": {j: self._shares[j][0] for j in local},
                   "s": {j: self._shares[j][1] for j in dropped if j in self._masked_with}}
         self._shares, self._b = {}, b""  # nothing more to reveal from this round
@@ -348,7 +436,9 @@ def minimum_threshold(holders: int) -> int:
 class SecAggServer:
     """The coordinator of one round: it routes the clients' messages and unmasks the sum. The
     neighbourhood graph is the complete graph up to `degree` + 1 clients, else a random graph
-    of that degree (SecAgg+'s Harary graph on a shuffled order)."""
+    of that degree (SecAgg+'s Harary graph on a shuffled order). `culprits` names, by id, each
+    client that sent a share other than the one its dealer committed to, or dealt shares that
+    do not rebuild one secret."""
 
     def __init__(self, round_id: bytes, cohort: list[int], length: int, degree: int = 0,
                  threshold: int | None = None, shuffle_seed: int | None = None):
@@ -366,8 +456,10 @@ class SecAggServer:
         self.threshold = threshold if threshold is not None else minimum_threshold(size)
         self.keys: dict[int, dict] = {}
         self.inbox: dict[int, dict[int, bytes]] = {}
+        self.commits: dict[int, dict[int, bytes]] = {}  # dealer → holder → signed commitment
         self.masked: dict[int, np.ndarray] = {}
         self.holders: dict[int, list[int]] = {}  # who holds shares of each client's secrets
+        self.culprits: dict[int, str] = {}
         self.bytes_in = self.bytes_out = 0
 
     def setup(self, client: int) -> dict:
@@ -375,27 +467,31 @@ class SecAggServer:
 
     def collect_keys(self, keys: dict[int, dict]) -> None:
         self.keys = dict(keys)
-        self.bytes_in += 64 * len(keys)
+        self.bytes_in += 160 * len(keys)
         self._enough(len(self.keys), "advertised keys")
 
     def keys_for(self, client: int) -> dict[int, dict]:
         out = {j: self.keys[j] for j in self.neighbours[client] if j in self.keys}
-        self.bytes_out += 64 * len(out)
+        self.bytes_out += 160 * len(out)
         return out
 
-    def collect_shares(self, shares: dict[int, dict[int, bytes]]) -> None:
+    def collect_shares(self, shares: dict[int, dict[str, dict[int, bytes]]]) -> None:
+        """Each dealer's {"shares": holder → ciphertext, "commits": holder → signed commitment}."""
         self.inbox = {}
-        for sender, per_receiver in shares.items():
-            self.holders[sender] = sorted(per_receiver)
-            for receiver, ciphertext in per_receiver.items():
+        for sender, dealt in shares.items():
+            self.holders[sender] = sorted(dealt["shares"])
+            self.commits[sender] = dict(dealt["commits"])
+            for receiver, ciphertext in dealt["shares"].items():
                 self.inbox.setdefault(receiver, {})[sender] = ciphertext
-                self.bytes_in += len(ciphertext)
+                self.bytes_in += len(ciphertext) + len(dealt["commits"].get(receiver, b""))
         self._enough(len(shares), "shared their keys")
 
-    def shares_for(self, client: int) -> dict[int, bytes]:
+    def shares_for(self, client: int) -> dict[str, dict[int, bytes]]:
+        """The ciphertexts addressed to `client`, and each dealer's commitment to them."""
         out = self.inbox.get(client, {})
-        self.bytes_out += sum(len(c) for c in out.values())
-        return out
+        commits = {j: self.commits.get(j, {}).get(client, b"") for j in out}
+        self.bytes_out += sum(len(c) for c in out.values()) + sum(len(c) for c in commits.values())
+        return {"ciphertexts": out, "commits": commits}
 
     def collect_masked(self, masked: dict[int, np.ndarray]) -> None:
         self.masked = {c: np.asarray(v, dtype=np.uint64) for c, v in masked.items() if c in self.inbox}
@@ -406,12 +502,38 @@ class SecAggServer:
         """The global view, the same for every client."""
         return {"survivors": sorted(self.masked), "dropped": sorted(set(self.holders) - set(self.masked))}
 
-    def route_confirmations(self, tags: dict[int, dict[int, bytes]]) -> dict[int, dict[int, bytes]]:
-        out: dict[int, dict[int, bytes]] = {}
-        for sender, per_receiver in tags.items():
-            for receiver, tag in per_receiver.items():
-                out.setdefault(receiver, {})[sender] = tag
+    def route_confirmations(self, signatures: dict[int, bytes]) -> dict[int, dict[int, bytes]]:
+        """Each survivor's signature of the view, to each of its neighbours."""
+        out = {receiver: {j: signatures[j] for j in self.neighbours[receiver] if j in signatures and j != receiver}
+               for receiver in signatures}
+        self.bytes_in += 64 * len(signatures)
+        self.bytes_out += sum(64 * len(v) for v in out.values())
         return out
+
+    def _secret(self, dealer: int, part: str, answers: dict[int, dict]) -> bytes:
+        """One client's b or s from the shares its holders sent, each checked against the
+        dealer's commitment (a holder that sent another share is named, and its share set
+        aside); with more than t good shares, two sets of t must rebuild the same secret, or the
+        dealer is named. Fewer than t good shares abandon the round."""
+        good = {}
+        for holder, answer in answers.items():
+            if dealer not in answer[part]:
+                continue
+            commit = self.commits.get(dealer, {}).get(holder, b"")
+            expected = commit[:32] if part == "b" else commit[32:64]
+            if _commitment(self.round_id, dealer, holder, part, answer[part][dealer]) == expected:
+                good[holder] = answer[part][dealer]
+            else:
+                self.culprits[holder] = f"sent a share of client {dealer}'s {part} other than the one committed to"
+        self._enough(len(good), f"sent a good share of client {dealer}'s {'self mask' if part == 'b' else 'key'}")
+        secret = combine_secret(good, self.holders[dealer], self.threshold)
+        if len(good) > self.threshold:
+            other = dict(sorted(good.items())[-self.threshold:])
+            if combine_secret(other, self.holders[dealer], self.threshold) != secret:
+                self.culprits[dealer] = "dealt shares that do not rebuild one secret"
+                raise RoundAbandoned(f"secure aggregation: client {dealer}'s shares rebuild two secrets; the round "
+                                     f"is abandoned and nothing was applied", self.culprits)
+        return secret
 
     def finish(self, answers: dict[int, dict]) -> np.ndarray:
         """The sum of the survivors' vectors, from the unmask answers of at least t survivors."""
@@ -420,15 +542,11 @@ class SecAggServer:
         for vector in self.masked.values():
             total += vector
         for j in self.masked:  # self masks
-            shares = {h: a["b"][j] for h, a in answers.items() if j in a["b"]}
-            self._enough(len(shares), f"hold a share of client {j}'s self mask")
-            total -= expand_mask(combine_secret(shares, self.holders[j], self.threshold), self.length)
+            total -= expand_mask(self._secret(j, "b", answers), self.length)
         for d in sorted(set(self.holders) - set(self.masked)):  # pairwise masks a dropped client left
-            shares = {h: a["s"][d] for h, a in answers.items() if d in a["s"]}
-            if not shares:
+            if not any(d in a["s"] for a in answers.values()):
                 continue
-            self._enough(len(shares), f"hold a share of dropped client {d}'s key")
-            private = X25519PrivateKey.from_private_bytes(combine_secret(shares, self.holders[d], self.threshold))
+            private = X25519PrivateKey.from_private_bytes(self._secret(d, "s", answers))
             for j in self.masked:
                 if d in self.inbox.get(j, {}) and j != d:
                     pair = _derive(private.exchange(_public(self.keys[j]["s"], "s key")),
@@ -441,4 +559,4 @@ class SecAggServer:
     def _enough(self, count: int, what: str) -> None:
         if count < self.threshold:
             raise RoundAbandoned(f"secure aggregation: {count} clients {what}, below the threshold "
-                                 f"{self.threshold}; the round is abandoned and nothing was unmasked")
+                                 f"{self.threshold}; the round is abandoned and nothing was unmasked", self.culprits)

@@ -14,6 +14,8 @@ each stage, bytes each way, seconds) goes to <out>/secure-aggregation.json, and 
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 from types import SimpleNamespace
 from logging import INFO, WARNING
@@ -25,10 +27,12 @@ from flwr.common import log
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
 
+from fedsd import sum_bound
 from fedsd.errors import ConfigError
-from fedsd.secagg import RoundAbandoned, SecAggServer
+from fedsd.identity import Roster, protocol_id, public_line, read_roster
+from fedsd.secagg import RoundAbandoned, SecAggServer, minimum_threshold
 from task import secure_sum
-from task.secure_sum import BadMessage, read_map, write_map
+from task.secure_sum import KEY_FIELDS, BadMessage, read_map, write_map
 
 from .strategy import client_report
 
@@ -37,16 +41,27 @@ def _size(content: RecordDict) -> int:
     return recorddict_to_proto(content).ByteSize()
 
 
+CULPRIT = re.compile(r"\(culprit: (\d+)\)")
+
+
 class Exchange:
     """One round's messages: sends a stage to some nodes, keeps the good replies, counts bytes
-    and seconds per stage."""
+    and seconds per stage. Clients are named by their protocol id, which each node's service
+    tells at the identify stage (its roster identity's, or its node id without a roster)."""
 
     def __init__(self, grid: Grid, server_round: int, timeout: float, nodes: list[int]):
         self.grid, self.server_round, self.timeout = grid, server_round, timeout
         self.stages: dict[str, dict] = {}
-        self.nodes: dict[int, int] = {}  # the protocol's client id → the Flower node id
-        for node in sorted(nodes):
-            self.nodes.setdefault(secure_sum.secagg_id(node), node)  # (two nodes on one id: the first only)
+        self.nodes: dict[int, int] = {secure_sum.secagg_id(node): node for node in sorted(nodes)}
+        self.ids = {node: client for client, node in self.nodes.items()}
+        self.named: dict[str, str] = {}  # a culprit (protocol id) → what its neighbours said of it
+
+    def identified(self, ids: dict[int, int]) -> None:
+        """The protocol ids the nodes told (protocol id → node); a node that told an id another
+        node told already is left out (an owner takes part once a round)."""
+        self.nodes = {}
+        for client, node in sorted(ids.items(), key=lambda kv: kv[1]):
+            self.nodes.setdefault(client, node)
         self.ids = {node: client for client, node in self.nodes.items()}
 
     def ask(self, stage: str, contents: dict[int, RecordDict]) -> dict[int, RecordDict]:
@@ -57,27 +72,40 @@ class Exchange:
         replies = self.grid.send_and_receive(messages, timeout=self.timeout)
         good, failed = {}, {}
         for reply in replies:
-            node = self.ids.get(reply.metadata.src_node_id, -1)
+            client = self.ids.get(reply.metadata.src_node_id, -1)
             if reply.has_error():
-                failed[node] = reply.error.reason[:300]
-            elif node in contents and secure_sum.RECORD in reply.content:
-                good[node] = reply.content
+                failed[client] = reply.error.reason[:300]
+                for culprit in CULPRIT.findall(failed[client]):
+                    self.named.setdefault(culprit, failed[client])
+            elif client in contents and secure_sum.RECORD in reply.content:
+                good[client] = reply.content
             else:
-                failed[node] = "a reply without the stage's record"
-        for node in set(contents) - set(good) - set(failed):
-            failed[node] = "no reply"
+                failed[client] = "a reply without the stage's record"
+        for client in set(contents) - set(good) - set(failed):
+            failed[client] = "no reply"
         self.stages[stage] = dict(asked=sorted(contents), answered=sorted(good), failed={str(k): v for k, v in
                                                                                         failed.items()},
                                   bytes_sent=sum(_size(c) for c in contents.values()),
                                   bytes_received=sum(_size(c) for c in good.values()),
                                   seconds=time.perf_counter() - started)
-        for node, why in failed.items():
-            log(WARNING, "secure aggregation round %d, %s: client %d dropped: %s", self.server_round, stage, node, why)
+        for client, why in failed.items():
+            log(WARNING, "secure aggregation round %d, %s: client %d dropped: %s", self.server_round, stage, client,
+                why)
         return good
 
 
 def _stage_record(base: dict, **fields) -> RecordDict:
     return RecordDict({secure_sum.RECORD: ConfigRecord({**base, **fields})})
+
+
+def _map_record(base: dict, extra: RecordDict | None = None, **maps) -> RecordDict:
+    record = ConfigRecord(dict(base))
+    for name, values in maps.items():
+        write_map(record, name, values)
+    content = RecordDict({secure_sum.RECORD: record})
+    for key, value in (extra or {}).items():
+        content[key] = value
+    return content
 
 
 def _parsed(replies: dict[int, RecordDict], parse) -> dict:
@@ -91,11 +119,23 @@ def _parsed(replies: dict[int, RecordDict], parse) -> dict:
     return out
 
 
+def _identity(record) -> dict:
+    client, public = record["id"], record["v"]
+    if not (isinstance(client, int) and 0 <= client <= secure_sum.MAX_ID and isinstance(public, bytes)
+            and len(public) in (0, 32)):
+        raise BadMessage("an id in [0, 2^63) and a 32-byte identity key (or none) were expected")
+    return {"id": client, "v": public, "authenticated": bool(record.get("authenticated", False))}
+
+
 def _keys(record) -> dict:
-    c, s = record["c"], record["s"]
-    if not (isinstance(c, bytes) and isinstance(s, bytes) and len(c) == len(s) == 32):
-        raise BadMessage("public keys are 32 bytes each")
-    return {"c": c, "s": s}
+    out = {f: record[f] for f in KEY_FIELDS}
+    if not all(isinstance(v, bytes) for v in out.values()) or any(len(out[f]) != 32 for f in ("c", "s", "v")):
+        raise BadMessage("public keys are 32 bytes each, with a signature")
+    return out
+
+
+def _dealt(record) -> dict:
+    return {"shares": read_map(record, "shares"), "commits": read_map(record, "commits")}
 
 
 def _masked(length: int):
@@ -107,6 +147,12 @@ def _masked(length: int):
     return parse
 
 
+def _signature(record) -> bytes:
+    if not isinstance(record["sig"], bytes):
+        raise BadMessage("a signature was expected")
+    return record["sig"]
+
+
 def _unmask_answer(record) -> dict:
     answer = {"b": read_map(record, "b"), "s": read_map(record, "s")}
     if any(len(share) != 32 for shares in answer.values() for share in shares.values()):
@@ -114,37 +160,64 @@ def _unmask_answer(record) -> dict:
     return answer
 
 
+def identify(exchange: Exchange, base: dict, roster: Roster | None) -> dict[int, dict]:
+    """Before stage 0: each node's protocol id and identity. With the server's copy of the roster
+    a node whose key is not on it, or whose id is not its key's, is left out and named."""
+    told = _parsed(exchange.ask("identify", {c: _stage_record(base) for c in exchange.nodes}), _identity)
+    ids, out = {}, {}
+    for client, who in told.items():
+        node = exchange.nodes[client]
+        if roster is not None and (roster.key(who["id"]) != who["v"] or protocol_id(who["v"]) != who["id"]):
+            exchange.named[str(who["id"])] = f"node {node}: a key not on the server's roster ({public_line(who['v'])})" \
+                if who["v"] else f"node {node}: no roster identity"
+            log(WARNING, "secure aggregation round %d: node %d left out: %s", exchange.server_round, node,
+                exchange.named[str(who["id"])])
+            continue
+        if who["id"] in ids:
+            exchange.named[str(who["id"])] = f"nodes {ids[who['id']]} and {node} told one id"
+            continue
+        ids[who["id"]], out[who["id"]] = node, who
+    exchange.identified(ids)
+    return out
+
+
 def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: RecordDict) -> tuple[np.ndarray, list]:
-    """The five stages; the sum and the survivors' replies (RoundAbandoned below the threshold)."""
+    """The five stages after identify; the sum and the survivors' replies (RoundAbandoned below
+    the threshold, or when the shares do not rebuild one secret)."""
     ask = exchange.ask
     keys = _parsed(ask("advertise", {n: _stage_record(base, **server.setup(n)) for n in server.cohort}), _keys)
     server.collect_keys(keys)
     requests = {}
     for n in keys:
-        record = ConfigRecord(dict(base))
         theirs = server.keys_for(n)
-        write_map(record, "keys-c", {j: k["c"] for j, k in theirs.items()})
-        write_map(record, "keys-s", {j: k["s"] for j, k in theirs.items()})
-        requests[n] = RecordDict({secure_sum.RECORD: record})
-    server.collect_shares(_parsed(ask("share", requests), lambda r: read_map(r, "shares")))
+        requests[n] = _map_record(base, **{f"keys-{f}": {j: k[f] for j, k in theirs.items()} for f in KEY_FIELDS})
+    server.collect_shares(_parsed(ask("share", requests), _dealt))
     requests = {}
     for n in server.holders:
-        record = ConfigRecord(dict(base))
-        write_map(record, "shares", server.shares_for(n))
-        requests[n] = RecordDict({"arrays": train["arrays"], "config": train["config"], secure_sum.RECORD: record})
+        shares = server.shares_for(n)
+        requests[n] = _map_record(base, {"arrays": train["arrays"], "config": train["config"]},
+                                  shares=shares["ciphertexts"], commits=shares["commits"])
     replies = ask("masked", requests)
     server.collect_masked(_parsed(replies, _masked(server.length)))
-    tags = _parsed(ask("confirm", {n: _stage_record(base, **server.unmask_request(n)) for n in server.masked}),
-                   lambda r: read_map(r, "tags"))
-    routed = server.route_confirmations(tags)
-    requests = {}
-    for n in tags:
-        record = ConfigRecord(dict(base))
-        write_map(record, "confirmations", routed.get(n, {}))
-        requests[n] = RecordDict({secure_sum.RECORD: record})
-    answers = _parsed(ask("unmask", requests), _unmask_answer)
+    signatures = _parsed(ask("confirm", {n: _stage_record(base, **server.unmask_request(n)) for n in server.masked}),
+                         _signature)
+    routed = server.route_confirmations(signatures)
+    answers = _parsed(ask("unmask", {n: _map_record(base, confirmations=routed.get(n, {})) for n in signatures}),
+                      _unmask_answer)
     total = server.finish(answers)
     return total, [replies[n] for n in sorted(server.masked)]
+
+
+def local_noise_bound(cfg, replies: list[RecordDict], dim: int) -> float:
+    """The L2 norm the mean of the survivors' honest updates stays below (fedsd.sum_bound), from
+    the run's settings and the median of the noise multipliers and step counts the survivors
+    reported (a minority cannot move it outside the honest ones' range)."""
+    reports = [client_report(SimpleNamespace(content=c)) for c in replies]
+    sigma = float(np.median([float(r.get("noise-multiplier", 0.0)) for r in reports]))
+    steps = int(np.median([int(r.get("steps", 1)) for r in reports]))
+    return sum_bound.local_update_bound(lr=cfg.lr, clip=cfg.clip, batch_size=cfg.batch_size, noise_multiplier=sigma,
+                                        steps=steps, momentum=cfg.momentum, dim=dim) + \
+        math.sqrt(dim) / secure_sum.SCALE  # each update's fixed-point rounding, half a unit a coordinate
 
 
 class SecureRounds:
@@ -156,6 +229,7 @@ class SecureRounds:
             raise ConfigError("noise=distributed: not yet in a deployment (its clients' shares of the noise come "
                               "with fedsd.distributed in the owners' services); fedsd simulate runs it in process")
         self.grid, self.side, self.launch = grid, side, launch
+        self.roster = read_roster(launch.fed.secagg_roster) if launch.fed.secagg_roster else None
         self.out = Path(launch.out) if launch.out is not None else None
         self.records: list[dict] = []
 
@@ -170,14 +244,26 @@ class SecureRounds:
         fed, experiment = self.launch.fed, self.launch.experiment_id
         started = time.perf_counter()
         exchange = Exchange(self.grid, server_round, fed.round_timeout, list(self.grid.get_node_ids()))
-        cohort = sorted(exchange.nodes)
         base = {"experiment-id": experiment, "server-round": server_round}
-        rid = secure_sum.round_id(self.grid.run.run_id, experiment, server_round)
-        server = SecAggServer(rid, cohort, secure_sum.vector_length(arrays))
-        train = RecordDict({"arrays": arrays, "config": ConfigRecord({**self.side.strategy.settings, **base})})
-        record = dict(round=server_round, cohort=cohort, threshold=server.threshold)
+        record = dict(round=server_round)
         try:
-            total, replies = protocol(exchange, server, base, train)
+            identities = identify(exchange, base, self.roster)
+            cohort = sorted(exchange.nodes)
+            plain = sorted(exchange.nodes[c] for c, who in identities.items() if not who["authenticated"])
+            n = len(cohort)
+            threshold = min(n, max(minimum_threshold(n), fed.secagg_threshold)) if n else 1
+            rid = secure_sum.round_id(self.grid.run.run_id, experiment, server_round)
+            server = SecAggServer(rid, cohort, secure_sum.vector_length(arrays), threshold=threshold)
+            record.update(cohort=cohort, threshold=server.threshold, nodes_without_roster=plain)
+            if plain:
+                log(WARNING, "secure aggregation round %d: %d nodes take part without a roster: they are protected "
+                    "only against a server that follows the protocol", server_round, len(plain))
+            train = RecordDict({"arrays": arrays, "config": ConfigRecord({**self.side.strategy.settings, **base})})
+            try:
+                total, replies = protocol(exchange, server, base, train)
+            finally:
+                exchange.named.update({str(k): v for k, v in server.culprits.items()})
+            self._check_sum(total, len(server.masked), replies, server)
             arrays = secure_sum.apply_sum(arrays, total, len(server.masked))
             self._reports(server_round, replies)
             record.update(survivors=sorted(server.masked), abandoned=None)
@@ -186,16 +272,29 @@ class SecureRounds:
         except RoundAbandoned as e:
             log(WARNING, "secure aggregation round %d abandoned: %s", server_round, e)
             record.update(survivors=[], abandoned=str(e))
-        record.update(stages=exchange.stages, seconds=time.perf_counter() - started,
+        record.update(culprits=exchange.named, stages=exchange.stages, seconds=time.perf_counter() - started,
                       bytes_sent=sum(s["bytes_sent"] for s in exchange.stages.values()),
                       bytes_received=sum(s["bytes_received"] for s in exchange.stages.values()))
+        for culprit, why in exchange.named.items():
+            log(WARNING, "secure aggregation round %d: client %s named: %s", server_round, culprit, why)
         log(INFO, "secure aggregation round %d: %d of %d clients summed, %.1f s, %d bytes sent, %d received",
-            server_round, len(record["survivors"]), len(cohort), record["seconds"], record["bytes_sent"],
-            record["bytes_received"])
+            server_round, len(record["survivors"]), len(record.get("cohort", [])), record["seconds"],
+            record["bytes_sent"], record["bytes_received"])
         self.records.append(record)
         if self.out is not None:
             (self.out / "secure-aggregation.json").write_text(json.dumps(self.records, indent=1))
         return arrays
+
+    def _check_sum(self, total: np.ndarray, count: int, replies: list[RecordDict], server: SecAggServer) -> None:
+        """A decoded sum outside what the round's clients could have sent honestly is refused:
+        nothing applied (fedsd.sum_bound)."""
+        mean = total.view(np.int64).astype(np.float64) / secure_sum.SCALE / max(count, 1)
+        bound = local_noise_bound(self.side.cfg, replies, len(total))
+        norm = float(np.linalg.norm(mean))
+        if not norm <= bound:
+            raise RoundAbandoned(f"secure aggregation: the survivors' mean update has norm {norm:.4g}, above the "
+                                 f"{bound:.4g} honest clients stay below (but once in 1e9 rounds); nothing was "
+                                 f"applied", server.culprits)
 
     def _reports(self, server_round: int, replies: list[RecordDict]) -> None:
         strategy = self.side.strategy

@@ -12,9 +12,10 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 # The stages as Flower message types ("query.<action>") and as the data service's kinds.
-STAGES = ("advertise", "share", "masked", "confirm", "unmask")
+STAGES = ("identify", "advertise", "share", "masked", "confirm", "unmask")
 MESSAGE_TYPES = {stage: f"query.secagg_{stage}" for stage in STAGES}
 KINDS = {stage: f"secagg-{stage}" for stage in STAGES}
+KEY_FIELDS = ("c", "s", "v", "sig")  # a client's stage-0 keys: its two X25519 keys, its signing key, its signature
 RECORD = "secagg"  # the stage's own fields, beside a masked-input message's "config" and "arrays"
 SCALE = 2 ** 20  # a float update's fixed point: x → round(x · 2^20), as int64 in a uint64
 MAX_ID = (1 << 63) - 1

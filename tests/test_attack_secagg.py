@@ -52,17 +52,18 @@ def irregular_graph_attack(n: int, min_cohort: int, complete_graph_per_client: b
         cohort = hood[i] if complete_graph_per_client else ids
         keys[i] = clients[i].advertise(cohort=cohort, neighbours=hood[i],
                                        threshold=minimum_threshold(len(hood[i])))
-    cts = {i: clients[i].share_keys({j: keys[j] for j in hood[i]}) for i in ids}
-    holders = {i: sorted(cts[i]) for i in ids}
-    inbox = {i: {j: cts[j][i] for j in ids if i in cts[j] and j in hood[i]} for i in ids}
-    y = {i: clients[i].masked_input(inbox[i], xs[i]) for i in ids}
+    dealt = {i: clients[i].share_keys({j: keys[j] for j in hood[i]}) for i in ids}
+    holders = {i: sorted(dealt[i]["shares"]) for i in ids}
+    inbox = {i: {j: dealt[j]["shares"][i] for j in ids if i in dealt[j]["shares"] and j in hood[i]} for i in ids}
+    commits = {i: {j: dealt[j]["commits"][i] for j in inbox[i]} for i in ids}
+    y = {i: clients[i].masked_input(inbox[i], commits[i], xs[i]) for i in ids}
     answers = {}
-    # the consistency stage: the two stories, every MAC routed everywhere
+    # the consistency stage: the two stories, every signature routed everywhere
     views = {i: ((sorted(set(ids) - set(A)), A) if i in W else (ids, [])) for i in ids}
-    tags = {i: clients[i].confirm(*views[i]) for i in ids}
+    signatures = {i: clients[i].confirm(*views[i]) for i in ids}
     for i in ids:
         try:
-            answers[i] = clients[i].unmask({j: tags[j][i] for j in ids if i in tags[j]})
+            answers[i] = clients[i].unmask({j: signatures[j] for j in ids if j != i})
         except ProtocolError:
             pass
     if sum(1 for h in holders[u] if h in answers and u in answers[h]["b"]) < minimum_threshold(len(holders[u])):

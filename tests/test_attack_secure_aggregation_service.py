@@ -11,8 +11,8 @@ from clients import secure_aggregation as service
 from fedsd import secagg
 from fedsd.secagg import SecAggServer
 from task import secure_sum
-from tests.test_secure_aggregation import (EXPERIMENT, IDS, keys_message, masked_message, owners,  # noqa: F401
-                                           stage, state_files, up_to_shares, with_map)
+from tests.test_secure_aggregation import (EXPERIMENT, IDS, dealt, keys_message, masked_message,  # noqa: F401
+                                           owners, stage, state_files, up_to_shares, with_map)
 
 
 def only_kept_input(tmp_path):
@@ -58,20 +58,18 @@ def _sybil_attack(contexts, flat, arrays, tmp_path, cohort, survivors):
     keys = {101: dict(service.advertise_reply(stage(base, **setup), contexts[101])["secagg"]),
             102: sybil.advertise(cohort, [101, 102], 2)}
     server.collect_keys(keys)
-    server.collect_shares({101: secure_sum.read_map(service.share_reply(keys_message(base, server, 101),
-                                                                        contexts[101])["secagg"], "shares"),
+    server.collect_shares({101: dealt(service.share_reply(keys_message(base, server, 101), contexts[101])),
                            102: sybil.share_keys(server.keys_for(102))})
     masked = {101: service.masked_reply(masked_message(base, flat, arrays, server.shares_for(101)),
                                         contexts[101])["secagg"]["masked"].numpy(),
-              102: sybil.masked_input(server.shares_for(102), np.zeros(length, dtype=np.uint64))}
+              102: sybil.masked_input(*server.shares_for(102).values(), np.zeros(length, dtype=np.uint64))}
     server.collect_masked(masked)
     view = {"survivors": survivors, "dropped": []}
-    tags = server.route_confirmations({
-        101: secure_sum.read_map(service.confirm_reply(stage(base, **view), contexts[101])["secagg"], "tags"),
-        102: sybil.confirm(survivors, [])})
-    reply = service.unmask_reply(with_map(base, confirmations=tags[101]), contexts[101])["secagg"]
+    signatures = {101: service.confirm_reply(stage(base, **view), contexts[101])["secagg"]["sig"],
+                  102: sybil.confirm(survivors, [])}
+    reply = service.unmask_reply(with_map(base, confirmations={102: signatures[102]}), contexts[101])["secagg"]
     answers = {101: {"b": secure_sum.read_map(reply, "b"), "s": secure_sum.read_map(reply, "s")},
-               102: sybil.unmask(tags[102])}
+               102: sybil.unmask({101: signatures[101]})}
     return server.finish(answers), only_kept_input(tmp_path)
 
 
@@ -117,8 +115,7 @@ def test_an_owner_with_max_colluders_is_not_charged_for_a_round_too_small_to_unm
         keys = {101: dict(service.advertise_reply(stage(base, **server.setup(101)), contexts[101])["secagg"]),
                 102: sybil.advertise(*server.setup(102).values())}
         server.collect_keys(keys)
-        server.collect_shares({101: secure_sum.read_map(service.share_reply(keys_message(base, server, 101),
-                                                                            contexts[101])["secagg"], "shares"),
+        server.collect_shares({101: dealt(service.share_reply(keys_message(base, server, 101), contexts[101])),
                                102: sybil.share_keys(server.keys_for(102))})
         service.masked_reply(masked_message(base, flat, arrays, server.shares_for(101)), contexts[101])
     except service.StageRefused:
@@ -145,8 +142,7 @@ def test_a_later_release_does_not_overwrite_the_owners_kept_input(owners):
     server2 = SecAggServer(secure_sum.round_id(7, "another", 1), list(IDS), 10)
     server2.collect_keys({n: dict(service.advertise_reply(stage(other, **server2.setup(n)), contexts[n])["secagg"])
                           for n in IDS})
-    server2.collect_shares({n: secure_sum.read_map(service.share_reply(keys_message(other, server2, n), contexts[n])
-                                                   ["secagg"], "shares") for n in IDS})
+    server2.collect_shares({n: dealt(service.share_reply(keys_message(other, server2, n), contexts[n])) for n in IDS})
     content = masked_message(other, flat, arrays, server2.shares_for(101))
     content["config"]["server-round"] = 2  # a fresh training round of the run (charged, a new update)
     try:

@@ -20,7 +20,7 @@ def run_to_masked(n: int, round_id: bytes = b"r", drop=()):
     clients = {i: SecAggClient(i, round_id) for i in xs}
     server.collect_keys({i: c.advertise(**server.setup(i)) for i, c in clients.items()})
     server.collect_shares({i: clients[i].share_keys(server.keys_for(i)) for i in xs})
-    masked = {i: clients[i].masked_input(server.shares_for(i), xs[i]) for i in xs if i not in drop}
+    masked = {i: clients[i].masked_input(*server.shares_for(i).values(), xs[i]) for i in xs if i not in drop}
     server.collect_masked(masked)
     return xs, server, clients, masked
 
@@ -72,7 +72,7 @@ def test_replayed_and_out_of_order_stages_are_refused():
     with pytest.raises(ProtocolError, match="answered already"):
         clients[100].advertise(**server.setup(100))
     with pytest.raises(ProtocolError, match="answered already"):
-        clients[100].masked_input(server.shares_for(100), xs[100])
+        clients[100].masked_input(*server.shares_for(100).values(), xs[100])
     fresh = SecAggClient(7, b"r")
     with pytest.raises(ProtocolError, match="before its turn"):
         fresh.confirm([7], [])
@@ -90,9 +90,10 @@ def test_a_share_for_another_round_is_refused():
     new = {i: SecAggClient(i, b"round-2") for i in ids}
     server.collect_keys({i: c.advertise(**server.setup(i)) for i, c in new.items()})
     server.collect_shares({i: new[i].share_keys(server.keys_for(i)) for i in ids})
-    stale = {**server.shares_for(100), 101: old_server.shares_for(100)[101]}
+    fresh, old_round = server.shares_for(100), old_server.shares_for(100)
+    stale = {**fresh["ciphertexts"], 101: old_round["ciphertexts"][101]}
     with pytest.raises(ProtocolError, match="not for this round"):
-        new[100].masked_input(stale, xs[100])
+        new[100].masked_input(stale, fresh["commits"], xs[100])
 
 
 def test_a_cohort_below_the_owners_minimum_is_refused_before_any_key():
@@ -108,15 +109,31 @@ def test_a_threshold_a_server_could_unmask_alone_is_refused(threshold):
         SecAggClient(1, b"r").advertise(cohort=list(range(1, 7)), neighbours=list(range(1, 7)), threshold=threshold)
 
 
+def resigned(client, entry, **changes):
+    """A client's stage-0 keys changed and signed again by that client (a fellow client that
+    sends what it likes under its own signature)."""
+    from fedsd.secagg import _advert
+
+    out = {**entry, **changes}
+    out["sig"] = client.identity.sign(_advert(client.round_id, client.me, client.cohort, client.threshold,
+                                              out["c"], out["s"], out["v"]))
+    return out
+
+
 def test_a_low_order_key_and_the_clients_own_keys_changed_are_refused():
-    xs, server = vectors(3), None
-    server = SecAggServer(b"r", list(xs), D)
-    clients = {i: SecAggClient(i, b"r") for i in xs}
-    server.collect_keys({i: c.advertise(**server.setup(i)) for i, c in clients.items()})
-    keys = server.keys_for(100)
-    with pytest.raises(ProtocolError, match="agrees on no secret|own keys"):
-        clients[100].share_keys({**keys, 101: {"c": bytes(32), "s": keys[101]["s"]}})
-    with pytest.raises(ProtocolError):
+    """A fellow client that advertises a low-order c or s key under its own signature is refused
+    at stage 1, named, before anything is drawn (its s key used to fail only at stage 2)."""
+    for which in ("c", "s"):
+        xs = vectors(3)
+        server = SecAggServer(b"r", list(xs), D)
+        clients = {i: SecAggClient(i, b"r") for i in xs}
+        server.collect_keys({i: c.advertise(**server.setup(i)) for i, c in clients.items()})
+        keys = server.keys_for(100)
+        evil = resigned(clients[101], keys[101], **{which: bytes(32)})
+        with pytest.raises(ProtocolError, match=r"agrees on no secret \(culprit: 101\)|culprit: 101"):
+            clients[100].share_keys({**keys, 101: evil})
+        assert clients[100]._b == b""  # nothing drawn
+    with pytest.raises(ProtocolError, match="own keys"):
         clients[101].share_keys({**server.keys_for(101), 101: keys[102]})
 
 

@@ -39,10 +39,10 @@ def owners(tmp_path, monkeypatch):
         "partition-id": k, "num-partitions": 3, "data": str(tmp_path / "data" / f"client-{k}"), "max-epsilon": 3.0,
         "state-dir": str(tmp_path / f"state-{k}"), "secagg-min-clients": 3, "secagg-keep-inputs": True})
         for k, node in enumerate(IDS)}
-    service._SESSIONS.clear()
+    service._SESSIONS.clear(), service._JOINED.clear()
     arrays = model_to_record(initial_model(client_config(cfg, fed), 10))
     yield contexts, flat, arrays, tmp_path
-    service._SESSIONS.clear()
+    service._SESSIONS.clear(), service._JOINED.clear()
 
 
 def stage(base: dict, **fields) -> RecordDict:
@@ -58,12 +58,11 @@ def with_map(base: dict, **maps) -> RecordDict:
 
 def keys_message(base, server, node) -> RecordDict:
     theirs = server.keys_for(node)
-    return with_map(base, **{"keys-c": {j: k["c"] for j, k in theirs.items()},
-                             "keys-s": {j: k["s"] for j, k in theirs.items()}})
+    return with_map(base, **{f"keys-{f}": {j: k[f] for j, k in theirs.items()} for f in secure_sum.KEY_FIELDS})
 
 
 def masked_message(base, flat, arrays, shares) -> RecordDict:
-    content = with_map(base, shares=shares)
+    content = with_map(base, shares=shares.get("ciphertexts", {}), commits=shares.get("commits", {}))
     content["arrays"], content["config"] = arrays, ConfigRecord({**flat, **base})
     return content
 
@@ -77,9 +76,24 @@ def up_to_shares(contexts, server_round):
     server = SecAggServer(secure_sum.round_id(7, EXPERIMENT, server_round), list(IDS), 10)
     server.collect_keys({n: dict(service.advertise_reply(stage(base, **server.setup(n)), contexts[n])["secagg"])
                          for n in IDS})
-    server.collect_shares({n: secure_sum.read_map(service.share_reply(keys_message(base, server, n), contexts[n])
-                                                  ["secagg"], "shares") for n in IDS})
+    server.collect_shares({n: dealt(service.share_reply(keys_message(base, server, n), contexts[n])) for n in IDS})
     return base, server
+
+
+def dealt(reply) -> dict:
+    return {"shares": secure_sum.read_map(reply["secagg"], "shares"),
+            "commits": secure_sum.read_map(reply["secagg"], "commits")}
+
+
+def finish_round(contexts, base, server, nodes=IDS):
+    """Stages 3 and 4 through the services' handlers, and the server's sum."""
+    signatures = server.route_confirmations({n: service.confirm_reply(stage(base, **server.unmask_request(n)),
+                                                                      contexts[n])["secagg"]["sig"] for n in nodes})
+    answers = {}
+    for n in nodes:
+        reply = service.unmask_reply(with_map(base, confirmations=signatures[n]), contexts[n])["secagg"]
+        answers[n] = {"b": secure_sum.read_map(reply, "b"), "s": secure_sum.read_map(reply, "s")}
+    return server.finish(answers)
 
 
 @pytest.mark.slow  # trains each owner's round (real data, real ledgers)
@@ -92,13 +106,7 @@ def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without
     masked = {n: service.masked_reply(masked_message(base, flat, arrays, old_shares[n]), contexts[n])["secagg"]
               ["masked"].numpy() for n in IDS}
     server.collect_masked(masked)
-    tags = server.route_confirmations({n: secure_sum.read_map(service.confirm_reply(
-        stage(base, **server.unmask_request(n)), contexts[n])["secagg"], "tags") for n in IDS})
-    answers = {}
-    for n in IDS:
-        reply = service.unmask_reply(with_map(base, confirmations=tags[n]), contexts[n])["secagg"]
-        answers[n] = {"b": secure_sum.read_map(reply, "b"), "s": secure_sum.read_map(reply, "s")}
-    total = server.finish(answers)
+    total = finish_round(contexts, base, server)
     kept = [np.load(tmp_path / f"state-{k}" / "secagg" / f"7-{EXPERIMENT}-1-{IDS[k]}.npy") for k in range(3)]
     assert total.dtype == np.uint64 and len(total) == server.length > 1000
     assert np.array_equal(total, kept[0] + kept[1] + kept[2])
@@ -113,7 +121,7 @@ def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without
 
     # Round 2: every hostile message refused.
     base2, server2 = up_to_shares(contexts, 2)
-    refused(service.advertise_reply, stage(base2, **server2.setup(101)), 101, "was answered already")
+    refused(service.advertise_reply, stage(base2, **server2.setup(101)), 101, "advertised to this owner already")
     refused(service.share_reply, keys_message(base2, server2, 101), 101, "was answered already")
     refused(service.masked_reply, masked_message(base2, flat, arrays, old_shares[101]), 101,
             "not for this round and client")
@@ -121,7 +129,7 @@ def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without
     refused(service.masked_reply, round_9, 101, "round 9 of this run was not advertised")
     refused(service.masked_reply, masked_message({**base2, "experiment-id": "../x"}, flat, arrays, {}), 101,
             "experiment-id")
-    bad = with_map(base2, shares=server2.shares_for(101))
+    bad = with_map(base2, shares=server2.shares_for(101)["ciphertexts"])
     bad["secagg"]["shares-ids"] = [101]
     refused(service.masked_reply, bad, 101, "two lists of one length")
     refused(service.confirm_reply, stage(base2, survivors=list(IDS), dropped=[]), 101, "came before its turn")
@@ -133,12 +141,12 @@ def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without
     refused(service.confirm_reply, stage(base2, survivors=list(IDS), dropped=[102]), 101,
             "both a survivor and dropped")
     service.confirm_reply(stage(base2, survivors=list(IDS), dropped=[]), contexts[102])
-    refused(service.unmask_reply, with_map(base2, confirmations={}), 102, "1 neighbours confirmed")  # none agreed
+    refused(service.unmask_reply, with_map(base2, confirmations={}), 102, "1 neighbours signed")  # none agreed
     # A cohort below the owner's secagg-min-clients=3 (the protocol itself would take 2).
     base3 = {"experiment-id": EXPERIMENT, "server-round": 3}
     refused(service.advertise_reply, stage(base3, cohort=[101, 102], neighbours=[101, 102], threshold=2), 101,
             "below the 3 this owner requires")
-    assert (7, EXPERIMENT, 3, 101) not in service._SESSIONS  # a refused round leaves nothing behind
+    assert not any(k[1:] == (7, EXPERIMENT, 3) for k in service._SESSIONS)  # a refused round leaves nothing
     refused(service.share_reply, keys_message(base3, server2, 101), 101, "round 3 of this run was not advertised")
 
 
@@ -152,7 +160,7 @@ def test_a_round_asked_again_after_its_update_went_into_a_sum_is_refused(owners)
     base, server = up_to_shares(contexts, 1)
     for n in IDS:
         service.masked_reply(masked_message(base, flat, arrays, server.shares_for(n)), contexts[n])
-    service._SESSIONS.clear()  # the round over (or the service restarted)
+    service._SESSIONS.clear(), service._JOINED.clear()  # the service restarted
     base, server = up_to_shares(contexts, 1)
     before = state_files(tmp_path)
     with pytest.raises(service.StageRefused, match="went into a sum already|kept an input for this round already"):
@@ -183,12 +191,14 @@ class ServicesGrid:
 
 @pytest.mark.slow  # trains each owner's round (real data, real ledgers)
 def test_the_servers_stages_sum_the_survivors_and_drop_a_node_that_does_not_answer(owners):
-    from server.secure_aggregation import Exchange, protocol
+    from server.secure_aggregation import Exchange, identify, protocol
 
     contexts, flat, arrays, tmp_path = owners
     base = {"experiment-id": EXPERIMENT, "server-round": 1}
     server = SecAggServer(secure_sum.round_id(7, EXPERIMENT, 1), list(IDS) + [104], secure_sum.vector_length(arrays))
     exchange = Exchange(ServicesGrid(contexts, gone={104}), 1, timeout=60, nodes=list(IDS) + [104])
+    identify(exchange, base, None)
+    exchange.identified({**{n: n for n in IDS}, 104: 104})  # the server asks the gone node anyway
     train = RecordDict({"arrays": arrays, "config": ConfigRecord({**flat, **base})})
     total, replies = protocol(exchange, server, base, train)
     kept = [np.load(tmp_path / f"state-{k}" / "secagg" / f"7-{EXPERIMENT}-1-{IDS[k]}.npy") for k in range(3)]
@@ -221,7 +231,7 @@ def test_an_owner_that_takes_part_only_through_secure_aggregation_refuses_a_plai
 def test_a_service_keeps_a_few_rounds_and_a_clientapp_without_one_refuses_the_stages(tmp_path):
     from clients import app
 
-    service._SESSIONS.clear()
+    service._SESSIONS.clear(), service._JOINED.clear()
     context = Context(run_id=7, node_id=101, state=RecordDict(), run_config={},
                       node_config={"partition-id": 0, "state-dir": str(tmp_path / "state"),
                                    "secagg-max-colluders": 1})
@@ -234,7 +244,7 @@ def test_a_service_keeps_a_few_rounds_and_a_clientapp_without_one_refuses_the_st
     assert all(c.max_colluders == 1 and c.min_cohort == 2 for c in service._SESSIONS.values())  # the owner's
     with pytest.raises(service.StageRefused, match="round 2 of this run was not advertised"):
         service.share_reply(with_map({"experiment-id": EXPERIMENT, "server-round": 2}), context)
-    service._SESSIONS.clear()
+    service._SESSIONS.clear(), service._JOINED.clear()
     with pytest.raises(ValueError, match="no owner's data service"):
         app.reply_content("secagg-advertise", stage({}), context)
     assert not service._SESSIONS
