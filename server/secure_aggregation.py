@@ -263,7 +263,8 @@ class SecureRounds:
                 total, replies = protocol(exchange, server, base, train)
             finally:
                 exchange.named.update({str(k): v for k, v in server.culprits.items()})
-            self._check_sum(total, len(server.masked), replies, server)
+            record.update(zip(("mean_update_norm", "honest_bound"), self._check_sum(total, len(server.masked), replies,
+                                                                                     server)))
             arrays = secure_sum.apply_sum(arrays, total, len(server.masked))
             self._reports(server_round, replies)
             record.update(survivors=sorted(server.masked), abandoned=None)
@@ -285,7 +286,7 @@ class SecureRounds:
             (self.out / "secure-aggregation.json").write_text(json.dumps(self.records, indent=1))
         return arrays
 
-    def _check_sum(self, total: np.ndarray, count: int, replies: list[RecordDict], server: SecAggServer) -> None:
+    def _check_sum(self, total: np.ndarray, count: int, replies: list[RecordDict], server: SecAggServer) -> tuple:
         """A decoded sum outside what the round's clients could have sent honestly is refused:
         nothing applied (fedsd.sum_bound)."""
         mean = total.view(np.int64).astype(np.float64) / secure_sum.SCALE / max(count, 1)
@@ -295,6 +296,7 @@ class SecureRounds:
             raise RoundAbandoned(f"secure aggregation: the survivors' mean update has norm {norm:.4g}, above the "
                                  f"{bound:.4g} honest clients stay below (but once in 1e9 rounds); nothing was "
                                  f"applied", server.culprits)
+        return norm, bound
 
     def _reports(self, server_round: int, replies: list[RecordDict]) -> None:
         strategy = self.side.strategy
