@@ -30,7 +30,7 @@ from flwr.serverapp import Grid
 from fedsd import sum_bound
 from fedsd.errors import ConfigError
 from fedsd.identity import Roster, protocol_id, public_line, read_roster
-from fedsd.secagg import RoundAbandoned, SecAggServer, minimum_threshold
+from fedsd.secagg import SEED_BYTES, SELF_SEED_BYTES, RoundAbandoned, SecAggServer, minimum_threshold
 from task import secure_sum
 from task.secure_sum import KEY_FIELDS, BadMessage, read_map, write_map
 
@@ -155,8 +155,9 @@ def _signature(record) -> bytes:
 
 def _unmask_answer(record) -> dict:
     answer = {"b": read_map(record, "b"), "s": read_map(record, "s")}
-    if any(len(share) != 32 for shares in answer.values() for share in shares.values()):
-        raise BadMessage("a share of 32 bytes was expected")
+    if any(len(share) != SELF_SEED_BYTES for share in answer["b"].values()) or any(
+            len(share) != SEED_BYTES for share in answer["s"].values()):
+        raise BadMessage(f"shares of {SELF_SEED_BYTES} (b) and {SEED_BYTES} bytes (s) were expected")
     return answer
 
 
