@@ -1,38 +1,47 @@
 """Secure aggregation: SecAgg+ (Bell, Bonawitz, Gascón, Lepoint & Raykova, CCS 2020), the server
-learning only the sum of the clients' vectors, modulo 2^64.
+learning only the sum of the clients' vectors, modulo 2^64, in Bonawitz et al.'s (CCS 2017)
+malicious-server form: each client signs with a long-term Ed25519 key its neighbours know from
+the owners' roster (fedsd.identity). SecAgg+ shares with a neighbourhood only; the complete
+graph is the 2017 protocol. The stages, as the papers number their rounds:
 
-The protocol is Bonawitz et al.'s (CCS 2017) on a neighbourhood graph (SecAgg+: each client
-shares with its neighbours only; the complete graph is the 2017 protocol). The stages, as the
-papers number their rounds, and what each side does here:
-
-  0. Advertise keys (`SecAggClient.advertise`): the client makes two X25519 key pairs, c for
-     encrypting its shares and s for agreeing its pairwise masks, and sends the public halves.
-  1. Share keys (`share_keys`): given its neighbours' public keys, it draws its self-mask seed b
-     (32 bytes from the operating system), splits b and its secret s key t-of-k with Shamir's
-     scheme, and sends each neighbour its two shares, encrypted with AES-GCM under a key HKDF
-     derives from X25519(c_i, c_j), bound to the round and to both ids.
-  2. Masked input (`masked_input`): given the ciphertexts addressed to it, it keeps its shares
-     and sends y = x + PRG(b) + Σ_j ±PRG(s_ij) mod 2^64 over the neighbours j that sent it
-     shares; s_ij = HKDF(X25519(s_i, s_j)), the sign by id (the lower id adds).
-  3. Consistency check (`confirm`; Bonawitz et al.'s round 3, with pairwise HMACs under keys
-     from X25519(c_i, c_j) in place of signatures): given the round's survivors (who sent a
-     masked input) and dropped clients, the same lists for every client, it checks them and
-     sends each neighbouring survivor a MAC of that one view. It confirms one view only.
-  4. Unmask (`unmask`): given its neighbours' MACs, once at least the threshold of them (and
-     its owner's t + f) confirmed the view it confirmed, it reveals its share of b for each
+  0. Advertise keys (`SecAggClient.advertise`): the client checks the cohort (every member on
+     its roster), its neighbourhood and the threshold (more than two thirds of the neighbours,
+     and more than (neighbours + F)/2, so two stories cannot both reach it); makes two X25519 key
+     pairs, c for encrypting its shares and s for its pairwise masks; sends the public halves
+     with its identity key, signed over the round, its id, the cohort and the threshold.
+  1. Share keys (`share_keys`): given its neighbours' signed keys, it checks every signature
+     against the signer's roster key, every key's encoding, and computes every agreement (a
+     low-order key is refused here, before anything is drawn or charged); then draws its
+     self-mask seed b (16 bytes from the operating system), splits b and its secret s key t-of-k
+     with Shamir's scheme, and sends each neighbour its two shares, encrypted with AES-GCM under
+     a key HKDF derives from X25519(c_i, c_j), bound to the round and to both ids, with a signed
+     commitment (SHA-256) to each share.
+  2. Masked input (`masked_input`): given the ciphertexts and commitments addressed to it, it
+     checks each share against its dealer's commitment and sends y = x + PRG(HKDF(b)) +
+     Σ_j ±PRG(s_ij) mod 2^64 over the neighbours j that sent it shares; s_ij = HKDF(X25519(s_i,
+     s_j)), the sign by id (the lower id adds).
+  3. Consistency check (`confirm`; Bonawitz et al.'s round 3): given the round's survivors (who
+     sent a masked input) and dropped clients, the same lists for every client, it checks them
+     and signs that one view.
+  4. Unmask (`unmask`): given its neighbours' signatures, once at least the threshold of them
+     (and its owner's t + f) signed the view it signed, it reveals its share of b for each
      survivor and its share of s for each dropped neighbour: never both for one client, nor a
      second answer in a round. Without the consistency check a server could tell two groups
      two stories and collect both shares of one client (tests/test_attack_secagg.py).
 
-The server (`SecAggServer`) routes the messages, and at the end rebuilds each survivor's b and
-each dropped client's s from t shares, removes the self masks and the pairwise masks that
-dropped clients left, and has the sum. Fewer than t at any stage: the round is abandoned
-before anything is unmasked.
+The server (`SecAggServer`) routes the messages, checks every share it is given against its
+dealer's commitment (a holder that sent another is named in `culprits`), and at the end rebuilds
+each survivor's b and each dropped client's s from t good shares, removes the self masks and the
+pairwise masks that dropped clients left, and has the sum. Fewer than t at any stage: the round
+is abandoned before anything is unmasked.
 
-Primitives, none written here: X25519, HKDF-SHA256, AES-GCM and AES-256-CTR from
+Primitives, none written here: X25519, Ed25519, HKDF-SHA256, AES-GCM and AES-256-CTR from
 `cryptography`; Shamir over GF(2^128) from pycryptodome (a Flower dependency). Masks are
-AES-256-CTR keystreams under 256-bit seeds. (Flower's own SecAgg+ XORs its 32-byte seed to
-32 bits and expands it with numpy's Mersenne Twister: its masks fall to a 2^32 search.)
+AES-256-CTR keystreams under 256-bit keys. (Flower's own SecAgg+ XORs its 32-byte seed to 32
+bits and expands it with numpy's Mersenne Twister: its masks fall to a 2^32 search.)
+
+Without a roster each client signs with a key made for the round: the checks run, and prove
+nothing against a server that relays keys falsely (docs/algorithms.md, "What it assumes").
 
 What the clients' services check (everything from the server is hostile): the stages come in
 order, once each (a replayed or late message is refused); the round id is the one this state
@@ -40,8 +49,8 @@ was made for; every id is in the cohort the client accepted; the cohort is at le
 owner's `min_cohort` (t), and the survivors at least t + `max_colluders` (f, the most of a
 round's clients the owner allows to be the server's), so that t honest noise shares are in the
 sum; a neighbourhood is at most `max_neighbours`; a survivor and a dropped client are never
-the same; every public key is canonical; and every share decrypts and names this round, its
-sender and this client.
+the same; every public key is canonical; every signature is the signer's; and every share
+decrypts, names this round, its sender and this client, and is the one its dealer committed to.
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | 
         # Every message carries the run's settings (the strategy adds them); this is what Flower logs at the start.
         train_config = ConfigRecord({"experiment-id": launch.experiment_id})
         try:
-            if launch.fed.secure_aggregation:  # the five stages of SecAgg+ each round, in place of the strategy's
+            if launch.fed.secure_aggregation:  # identify and the five stages of SecAgg+ each round, in place of the strategy's
                 outcome = SimpleNamespace(arrays=SecureRounds(PollingGrid(grid), side, launch).run(
                     model_to_record(initial)))
             else:

@@ -1,15 +1,19 @@
 """Rounds under secure aggregation (run config `secure-aggregation = true`): the server
-coordinates SecAgg+'s five stages (fedsd.secagg) over Flower's Message API and learns only the
+coordinates SecAgg+'s stages (fedsd.secagg) over Flower's Message API and learns only the
 sum of the clients' updates.
 
-Each round: every connected node is the cohort; stage messages (task.secure_sum.MESSAGE_TYPES)
-go to the nodes still in, each through its ClientApp to its owner's data service, which answers.
-A node that does not answer a stage, or answers with anything but what the stage carries, is
-dropped. Below the threshold at any stage the round is abandoned and logged, nothing is
-unmasked, and the global model stays as it was. Otherwise the sum (uint64) becomes the mean
-update of the survivors (task.secure_sum.apply_sum). Every round's protocol record (who was in at
-each stage, bytes each way, seconds) goes to <out>/secure-aggregation.json, and its sum to
-<out>/secagg-sum-<round>.npy.
+Each round: every connected node is asked who it is (the identify stage: its protocol id, its
+identity's key; with the server's copy of the roster, run config `secagg-roster`, a stranger is
+left out and named); the identified nodes are the cohort; stage messages
+(task.secure_sum.MESSAGE_TYPES) go to the nodes still in, each through its ClientApp to its
+owner's data service, which answers. A node that does not answer a stage, or answers with
+anything but what the stage carries, is dropped; a refusal that names a culprit is kept. Below
+the threshold at any stage the round is abandoned and logged, nothing is unmasked, and the global
+model stays as it was. A decoded sum above what honest clients send (fedsd.sum_bound) is refused
+the same way. Otherwise the sum (uint64) becomes the mean update of the survivors
+(task.secure_sum.apply_sum). Every round's protocol record (who was in at each stage, bytes each
+way, seconds, culprits, the mean update's norm and its bound) goes to
+<out>/secure-aggregation.json, and its sum to <out>/secagg-sum-<round>.npy.
 """
 from __future__ import annotations
 
