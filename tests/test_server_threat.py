@@ -449,9 +449,10 @@ def test_an_owners_own_state_folder_others_can_write_is_refused_not_repaired(own
     assert stat.S_IMODE(state.stat().st_mode) == 0o777 and not list(state.iterdir())  # refused, not chmodded
 
 
-def test_a_link_on_the_way_to_the_state_folder_is_judged_by_where_it_leads(own_npz, tmp_path):
-    """good/link/state, with link pointing into a folder anyone can write (open/inner, itself
-    closed): refused, as anyone could swap open/inner for a folder of their own."""
+def test_a_link_on_the_way_to_the_state_folder_is_refused_and_its_target_judged(own_npz, tmp_path):
+    """good/link/state: refused, whoever owns the link, with the resolved path to pass instead (a
+    link is looked up again at every use, and could be re-pointed between uses); that path,
+    open/inner/state with open/ writable by anyone, is refused as anyone could swap open/inner."""
     open_to_all = tmp_path / "open"
     open_to_all.mkdir()
     open_to_all.chmod(0o777)
@@ -459,8 +460,11 @@ def test_a_link_on_the_way_to_the_state_folder_is_judged_by_where_it_leads(own_n
     good = tmp_path / "good"
     good.mkdir(mode=0o700)
     (good / "link").symlink_to(open_to_all / "inner")
-    with pytest.raises(NodeConfigError, match="can be written by other users"):
+    with pytest.raises(NodeConfigError, match=f"link is a symbolic link; pass the folder's resolved path "
+                                              f"\\({open_to_all / 'inner' / 'state'}\\)"):
         private_folder(good / "link" / "state")
+    with pytest.raises(NodeConfigError, match="can be written by other users"):
+        private_folder(open_to_all / "inner" / "state")
     cfg, fed, flat = one_step_run()
     reply = ask(flat, node(own_npz, good / "link" / "state"), initial_model(client_config(cfg, fed), 10))
     assert reply["metrics"]["refused"] == 1 and not list((open_to_all / "inner").iterdir())
@@ -568,7 +572,7 @@ def service(own_npz, tmp_path):
     config = f"partition-id=0 data='{own_npz}' max-epsilon=inf state-dir='{state}' federated-evaluation=true " \
              f"min-evaluation-samples=10 allow-model='owners_wide_net:make'"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "simulations.cli", "data-service", "--socket", str(address),
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "simulations.cli", "data-service", "--socket", str(address),
                                  "--node-config", config], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
                                 env={**os.environ, "PYTHONPATH": f"{Path(__file__).resolve().parents[1]}:{site}"})
     deadline = time.monotonic() + 120
@@ -787,8 +791,9 @@ def test_a_state_an_earlier_version_kept_goes_on_with_a_new_key(own_npz, tmp_pat
     replies = [ask(flat2, node(own_npz, tmp_path / m), record_to_model(first["arrays"]), server_round=2) for m in "ab"]
     a, b = (record_to_model(r["arrays"])["student"] for r in replies)
     assert any(not torch.equal(a[k], b[k]) for k in a)
-    for m in "ab":
-        assert "secret/key" in torch.load(tmp_path / m / "old" / "client-0.pt", weights_only=True)
+    for m in "ab":  # secret draws from now on, and no key on the disk (each call draws its own)
+        kept = torch.load(tmp_path / m / "old" / "client-0.pt", weights_only=True)
+        assert kept["secret"] == 1 and not any(k.startswith("secret/") for k in kept) and "rng_state" not in kept
 
 
 GROUPNORM_NET = """
