@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import stat
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -553,10 +554,11 @@ def make(num_classes, channels, image_size):  # 101,770 weights: a reply of 400 
 """
 
 
-@pytest.fixture
-def service(own_npz, tmp_path):
-    """The owner's `fedsd data-service` as a real process: its socket, its state folder, its
-    node config (secret noise, the default) and its log (the owner's)."""
+@contextmanager
+def owner_service(npz, tmp_path, state, name="owner", more="", wait=True):
+    """The owner's `fedsd data-service` as a real process (secret noise, the default; one network
+    of its own, allowed by name): yields (address, log, process) once it listens, or at once
+    with wait=False; stopped after."""
     import shutil
     import subprocess
     import sys
@@ -565,26 +567,35 @@ def service(own_npz, tmp_path):
     from pathlib import Path
 
     folder = Path(tempfile.mkdtemp(prefix="fedsd-threat-", dir="/tmp"))  # a short socket path
-    address, state, log = folder / "service.sock", tmp_path / "owner-state", tmp_path / "owner.log"
+    address, log = folder / "service.sock", tmp_path / f"{name}.log"
     site = tmp_path / "owners-site"  # the owner's installation: one network of its own, allowed by name
-    site.mkdir()
+    site.mkdir(exist_ok=True)
     (site / "owners_wide_net.py").write_text(WIDE_NET)
-    config = f"partition-id=0 data='{own_npz}' max-epsilon=inf state-dir='{state}' federated-evaluation=true " \
-             f"min-evaluation-samples=10 allow-model='owners_wide_net:make'"
+    config = f"partition-id=0 data='{npz}' max-epsilon=inf state-dir='{state}' federated-evaluation=true " \
+             f"min-evaluation-samples=10 allow-model='owners_wide_net:make' {more}"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-P", "-m", "simulations.cli", "data-service", "--socket", str(address),
                                  "--node-config", config], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
                                 env={**os.environ, "PYTHONPATH": f"{Path(__file__).resolve().parents[1]}:{site}"})
     deadline = time.monotonic() + 120
-    while not address.exists():
+    while wait and not address.exists():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.1)
     try:
-        yield address, state, log, proc
+        yield address, log, proc
     finally:
         proc.kill()
         proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def service(own_npz, tmp_path):
+    """The owner's `fedsd data-service` as a real process: its socket, its state folder, its
+    node config (secret noise, the default) and its log (the owner's)."""
+    state = tmp_path / "owner-state"
+    with owner_service(own_npz, tmp_path, state) as (address, log, proc):
+        yield address, state, log, proc
 
 
 def via_service(address, flat, model, server_round=1, kind="train"):
