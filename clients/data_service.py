@@ -3,8 +3,9 @@ state and its budget, and answers the node's rounds with clients/local.py's hand
 
 Two ways it runs:
 
-- **The owner's service** (`fedsd data-service --node-config "…" --socket PATH --allow-uid UID`),
-  started by the data owner from the owner's own installation of fedsd, as the user who alone
+- **The owner's service** (`fedsd data-service --node-config "…" --socket PATH --allow-uid UID`,
+  the one way to start it: `python -m` would import from the working directory first, and this
+  module's entry point refuses it), started by the data owner from the owner's own installation of fedsd, as the user who alone
   can read the data and the state folder. The SuperNode runs as another user, with node config
   `partition-id=K service='PATH'`: its ClientApp, the code the server ships in the app bundle,
   only forwards each message here and cannot open the data, the state or the budget itself.
@@ -659,8 +660,9 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_service(args: argparse.Namespace) -> int:
-    """`fedsd data-service` and `python -m clients.data_service`: the owner's checks first (its
-    node config, its state folder), then serve until stopped."""
+    """`fedsd data-service` (the owner's service: its node config, then its state folder resolved,
+    held open and locked for its life) and `python -P -m clients.data_service` (a warm worker):
+    the checks first, then serve until stopped."""
     os.umask(0o077)  # everything it writes is the owner's alone
     # The owner's log (standard error): every refusal and failure in full, with the time.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s fedsd data-service %(levelname)s: %(message)s")

@@ -273,10 +273,8 @@ def state_folder(path: str | os.PathLike, private: bool = True, pin: bool = Fals
         if pin and not held[1]:
             _OPEN[key] = (held[0], True)
         return held[0]
-    folder = StateFolder.open(key[0], private)
-    if held is not None:
-        held[0].close()
-    _OPEN[key] = (folder, pin)
+    folder = StateFolder.open(key[0], private)  # a replaced one stays open: a path through its descriptor
+    _OPEN[key] = (folder, pin)                   # handed out earlier must never come to name another folder
     return folder
 
 
