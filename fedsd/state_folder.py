@@ -54,6 +54,8 @@ class StateFolder:
         above = os.fstat(fd)
         where = Path("/")
         try:
+            if private:
+                _check_owned(above, where, named, sticky_ok=True)
             for i, name in enumerate(named.parts[1:]):
                 last = i == len(named.parts) - 2
                 child = _open_or_make(fd, name, named, where, above, private)
