@@ -239,13 +239,15 @@ def _open_or_make(parent: int, name: str, named: Path, where: Path, parent_st: o
             if not stat.S_ISLNK(st.st_mode):
                 raise StateFolderError(f"state-dir={named}: {path} is not a folder") from None
             shared = parent_st.st_mode & stat.S_ISVTX and parent_st.st_mode & 0o002
+            if shared:  # where it leads is the other user's to choose: no path of it is suggested
+                raise StateFolderError(
+                    f"state-dir={named}: {path} is a symbolic link in {where}, a folder every user can write to, where "
+                    f"another user (uid {st.st_uid}) could have made it and could re-point it at any moment; pass a "
+                    f"folder of your own, without a link on its way") from None
             raise StateFolderError(
-                f"state-dir={named}: {path} is a symbolic link"
-                + (f" in {where}, a folder every user can write to, where another user (uid {st.st_uid}) could have "
-                   f"made it and could re-point it at any moment" if shared else "")
-                + f"; pass the folder's resolved path ({os.path.realpath(named)}) if it is yours, so that no link "
-                  f"is looked up again" + ("" if not private else ", or choose a folder under folders only you "
-                                                                  "can write")) from None
+                f"state-dir={named}: {path} is a symbolic link; pass the folder's resolved path "
+                f"({os.path.realpath(named)}) if it is yours, so that no link is looked up again"
+                + ("" if not private else ", or choose a folder under folders only you can write")) from None
     return os.open(name, flags, dir_fd=parent)
 
 

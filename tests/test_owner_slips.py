@@ -139,7 +139,7 @@ def test_a_state_dir_link_another_user_can_re_point_is_refused_and_no_raced_roun
             assert proc.wait(timeout=60) != 0 and not address.exists()
         said = log.read_text()
         assert f"{link} is a symbolic link in {shared}, a folder every user can write to, where another user " \
-               f"(uid {NOBODY}) could have made it" in said and f"resolved path ({owner})" in said, said
+               f"(uid {NOBODY}) could have made it" in said and "resolved path" not in said, said  # theirs to choose
         with owner_service(own_npz, tmp_path, owner) as (address, _, _):
             replies = [via_service(address, flat, start, server_round=r) for r in range(1, 51)]
         released = sorted(r for r, reply in enumerate(replies, 1) if reply["metrics"]["skipped"] == 0)
