@@ -3,8 +3,9 @@ state and its budget, and answers the node's rounds with clients/local.py's hand
 
 Two ways it runs:
 
-- **The owner's service** (`fedsd data-service --node-config "…" --socket PATH --allow-uid UID`),
-  started by the data owner from the owner's own installation of fedsd, as the user who alone
+- **The owner's service** (`fedsd data-service --node-config "…" --socket PATH --allow-uid UID`,
+  the one way to start it: `python -m` would import from the working directory first, and this
+  module's entry point refuses it), started by the data owner from the owner's own installation of fedsd, as the user who alone
   can read the data and the state folder. The SuperNode runs as another user, with node config
   `partition-id=K service='PATH'`: its ClientApp, the code the server ships in the app bundle,
   only forwards each message here and cannot open the data, the state or the budget itself.
@@ -29,6 +30,20 @@ seed included, never travels back to the ClientApp.
 """
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # before any other import: `python -m` put the working directory first on sys.path
+    from os import getcwd
+
+    if not sys.flags.safe_path:
+        sys.exit(f"python -m clients.data_service: refused, as the working directory ({getcwd()}) is first on the "
+                 f"import path and a package planted there would run as this user; the owner's service starts with "
+                 f"`fedsd data-service` (deploy/README.md), and a warm worker is started by its ClientApp with "
+                 f"`python -P` (3.11+)")
+    if any(a.startswith(("--node-config", "--allow-uid")) for a in sys.argv[1:]):
+        sys.exit("python -m clients.data_service: the owner's data service starts with `fedsd data-service` only "
+                 "(deploy/README.md); this module's entry point is the warm worker's")
+
 import argparse
 import faulthandler
 import fcntl
@@ -41,7 +56,6 @@ import socket
 import stat
 import struct
 import subprocess
-import sys
 import threading
 import time
 import traceback
@@ -52,6 +66,7 @@ from flwr.app import Context, RecordDict
 
 from clients.node_config import NodeConfig, NodeConfigError, parse, private_folder
 from fedsd.errors import BudgetRefused
+from fedsd.state_folder import StateFolderError
 from task import secure_sum
 
 APP_ROOT = Path(__file__).resolve().parents[1]  # the installed code's folder (clients/, fedsd/, task/)
@@ -63,8 +78,16 @@ MAX_HEADER = 1 << 16  # bytes of a JSON header (its keys are a kind, two ids and
 MAX_DEPTH = 8  # nesting of that JSON (the node config is one level below the top)
 MAX_RECORDS = 1 << 27  # bytes of a message's records: resnet18's weights are 45 MB
 FRAME_SECONDS = 30.0  # a frame must arrive whole within this long, and a reply be taken within it
-MAX_CONNECTIONS = 8  # messages read or waiting at once (so at most 1 GiB of records); more wait unread
+# Connections are never waited for: accepting goes on whatever the open ones do, and one over a
+# limit is refused at once with the reason. A peer (a process, by SO_PEERCRED) holds at most
+# PEER_CONNECTIONS open and PEER_BYTES of records being read, so a peer holding half frames holds
+# only its own slots; MAX_CONNECTIONS and MAX_BYTES bound the service as a whole (its memory).
+PEER_CONNECTIONS = 8
+PEER_BYTES = 1 << 28  # 256 MiB: two messages of the largest size
+MAX_CONNECTIONS = 128
+MAX_BYTES = 1 << 31  # 2 GiB of records being read at once
 MAX_CONTEXTS = 16  # (run, node) states kept in memory; the privacy state is on disk in any case
+SERVICE_LOCK = "service.lock"  # in the state folder: held by the owner's service for its life
 TAKEN = {"status": "taken"}  # the service's word that it has the message and will answer it
 KINDS = ("train", "evaluate")
 # Secure aggregation's stages (clients/secure_aggregation.py): the owner's service only, whose
@@ -132,14 +155,18 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(struct.pack("!Q", len(payload)) + payload)
 
 
-def recv_frame(sock: socket.socket, limit: int, seconds: float | None = None) -> bytes:
+def recv_frame(sock: socket.socket, limit: int, seconds: float | None = None, reserve=None) -> bytes:
     """One frame of at most `limit` bytes (Refused over it, before any of it is read); with
-    `seconds`, all of it within that long (Refused when it stops arriving)."""
+    `seconds`, all of it within that long (Refused when it stops arriving); with `reserve` (a
+    context manager of the size), its bytes reserved while they are read."""
     deadline = None if seconds is None else time.monotonic() + seconds
     size = struct.unpack("!Q", _recv_exactly(sock, 8, deadline))[0]
     if size > limit:
         raise Refused(f"a frame of {size} bytes, over the {limit} allowed")
-    return _recv_exactly(sock, size, deadline)
+    if reserve is None:
+        return _recv_exactly(sock, size, deadline)
+    with reserve(size):
+        return _recv_exactly(sock, size, deadline)
 
 
 def _recv_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
@@ -210,13 +237,13 @@ def send_records(sock: socket.socket, records: RecordDict) -> None:
     send_frame(sock, recorddict_to_proto(records).SerializeToString())
 
 
-def recv_records(sock: socket.socket, seconds: float | None = None) -> RecordDict:
+def recv_records(sock: socket.socket, seconds: float | None = None, reserve=None) -> RecordDict:
     """Flower's RecordDict from its protobuf (at most MAX_RECORDS bytes; Refused if it does not
     parse as one)."""
     from flwr.common.serde import recorddict_from_proto
     from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
-    raw = recv_frame(sock, MAX_RECORDS, seconds)
+    raw = recv_frame(sock, MAX_RECORDS, seconds, reserve)
     try:
         proto = ProtoRecordDict()
         proto.ParseFromString(raw)
@@ -227,8 +254,64 @@ def recv_records(sock: socket.socket, seconds: float | None = None) -> RecordDic
 
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end of a Unix socket, as the kernel knows it."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
+    return peer_credentials(sock)[1]
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process that connected at the other end of a Unix socket, as the kernel
+    knows them."""
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
+class Slots:
+    """What the connections being read hold, by peer and in all (PEER_CONNECTIONS, PEER_BYTES,
+    MAX_CONNECTIONS, MAX_BYTES): taken without waiting, or refused with the reason."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.connections: dict[int, int] = {}  # peer pid → connections open
+        self.bytes: dict[int, int] = {}  # peer pid → bytes of records reserved
+        self.total_connections = self.total_bytes = 0
+
+    def open(self, peer: int) -> str | None:
+        """A connection from `peer` taken (None), or why not."""
+        with self.lock:
+            if self.connections.get(peer, 0) >= PEER_CONNECTIONS:
+                return f"this process has {PEER_CONNECTIONS} connections open to the service, the most one may have"
+            if self.total_connections >= MAX_CONNECTIONS:
+                return f"the service has {MAX_CONNECTIONS} connections open, the most it reads at once; try again"
+            self.connections[peer] = self.connections.get(peer, 0) + 1
+            self.total_connections += 1
+        return None
+
+    def close(self, peer: int) -> None:
+        with self.lock:
+            self.connections[peer] -= 1
+            if not self.connections[peer]:
+                del self.connections[peer]
+            self.total_connections -= 1
+
+    @contextmanager
+    def reserve(self, peer: int, size: int):
+        """`size` bytes of records to be read for `peer`, held for the block (Refused if they do
+        not fit its share or the service's)."""
+        with self.lock:
+            if self.bytes.get(peer, 0) + size > PEER_BYTES:
+                raise Refused(f"records of {size} bytes, over the {PEER_BYTES} this process may have being read")
+            if self.total_bytes + size > MAX_BYTES:
+                raise Refused(f"records of {size} bytes while the service reads {self.total_bytes} of others, over "
+                              f"the {MAX_BYTES} it reads at once; try again")
+            self.bytes[peer] = self.bytes.get(peer, 0) + size
+            self.total_bytes += size
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.bytes[peer] -= size
+                if not self.bytes[peer]:
+                    del self.bytes[peer]
+                self.total_bytes -= size
 
 
 # -- the ClientApp's side ------------------------------------------------------------------------
@@ -349,7 +432,7 @@ def _start_worker(folder: Path, address: Path, node: NodeConfig) -> socket.socke
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(APP_ROOT), os.environ.get("PYTHONPATH")) if p)}
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "clients.data_service", "--socket", str(address),
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "clients.data_service", "--socket", str(address),
                                  "--watch-pid", str(os.getppid()), "--idle-seconds", str(node.worker_idle_seconds)],
                                 cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + START_SECONDS
@@ -394,7 +477,8 @@ class DataService:
         self.closing = False
         self.state_lock = threading.Lock()  # busy / closing: a message is taken, or the worker closes
         self.answer_lock = threading.Lock()  # one message answered at a time
-        self.readers = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.slots = Slots()
+        self.held = None  # the owner's service: its lock on its state folder, held for its life
 
     def serve(self) -> None:
         from fedsd.runtime import tune_process
@@ -415,22 +499,29 @@ class DataService:
         listener = self._listen()
         if self.watch_pid is not None or self.idle_seconds is not None:
             threading.Thread(target=self._watch, daemon=True).start()
-        while True:
+        while True:  # never waits on a peer: each connection is read in a thread of its own, or refused
             conn, _ = listener.accept()
-            uid = peer_uid(conn)
+            pid, uid = peer_credentials(conn)
             if uid not in self.allowed:
                 log.warning("refused a connection from uid %d, which this service does not answer", uid)
                 conn.close()  # a user this service does not answer: closed without a word
                 continue
-            self.readers.acquire()
-            threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
+            why = self.slots.open(pid)
+            if why is not None:
+                log.warning("refused a connection from pid %d: %s", pid, why)
+                conn.setblocking(False)  # a new connection's buffer holds the refusal; never waited on
+                _try_send(conn, {"status": "refused", "error": why})
+                conn.close()
+                continue
+            threading.Thread(target=self._connection, args=(conn, pid), daemon=True).start()
 
-    def _connection(self, conn: socket.socket) -> None:
+    def _connection(self, conn: socket.socket, peer: int) -> None:
         """One connection: read and check its message, then take and answer it, or refuse it."""
         try:
             with conn:
                 try:
-                    header, content = recv_json(conn, FRAME_SECONDS), recv_records(conn, FRAME_SECONDS)
+                    header = recv_json(conn, FRAME_SECONDS)
+                    content = recv_records(conn, FRAME_SECONDS, lambda size: self.slots.reserve(peer, size))
                     if header.get("kind") not in KINDS + (SECAGG_KINDS if self.node is not None else ()):
                         raise Refused(f"a message of kind {str(header.get('kind'))[:40]!r}; the kinds are train "
                                       f"and evaluate" + (", and secure aggregation's stages in an owner's data "
@@ -466,7 +557,7 @@ class DataService:
         except BaseException:  # noqa: BLE001  (nothing a message does ends the service)
             log.exception("a connection failed")
         finally:
-            self.readers.release()
+            self.slots.close(peer)
 
     def _listen(self) -> socket.socket:
         if self.address.is_socket():  # left by a service that stopped; refused if one still listens
@@ -573,8 +664,9 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_service(args: argparse.Namespace) -> int:
-    """`fedsd data-service` and `python -m clients.data_service`: the owner's checks first (its
-    node config, its state folder), then serve until stopped."""
+    """`fedsd data-service` (the owner's service: its node config, then its state folder resolved,
+    held open and locked for its life) and `python -P -m clients.data_service` (a warm worker):
+    the checks first, then serve until stopped."""
     os.umask(0o077)  # everything it writes is the owner's alone
     # The owner's log (standard error): every refusal and failure in full, with the time.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s fedsd data-service %(levelname)s: %(message)s")
@@ -586,17 +678,25 @@ def run_service(args: argparse.Namespace) -> int:
         node.require_budget()
         if node.service:
             raise NodeConfigError("--node-config service=...: that key is the SuperNode's; the service's names data")
-        private_folder(node.state_root)
     if args.identity:
         if node is None:
             raise NodeConfigError("--identity: needs --node-config with this owner's state-dir")
         from fedsd.identity import load_identity
 
-        print(load_identity(node.state_folder()).line())
+        print(load_identity(node.state()).line())
         return 0
     if args.socket is None:
         raise NodeConfigError("--socket: required (the Unix socket the SuperNode's ClientApp forwards to)")
-    DataService(Path(args.socket).absolute(), node, tuple(args.allow_uid), args.watch_pid, args.idle_seconds).serve()
+    service = DataService(Path(args.socket).absolute(), node, tuple(args.allow_uid), args.watch_pid, args.idle_seconds)
+    if node is not None:
+        # The state folder, resolved once and held open for the service's life (fedsd.state_folder),
+        # and locked: a second service on it is refused here, with the reason.
+        state = node.state(pin=True)
+        try:
+            service.held = state.hold(SERVICE_LOCK, "another data service")
+        except StateFolderError as e:
+            raise NodeConfigError(f"node-config {e}") from None
+    service.serve()
     return 0
 
 

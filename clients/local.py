@@ -20,8 +20,8 @@ again. Training it anew would release a second, different update and cost a seco
 the resumed run's last round would then find the budget spent.
 
 A node with its own data holds out against a server it does not trust: its noise and its
-batches come from a secret stream (fedsd.secret_random) whose key is kept only in its state
-folder, never from the run's seed; its replies carry no training loss and no divergence (each a
+batches come from a secret stream (fedsd.secret_random) under a fresh key from the OS for
+every training call, never stored and never from the run's seed; its replies carry no training loss and no divergence (each a
 function of its records); it answers federated evaluation only when its owner says so; it takes no path from
 the server (no shard of a data set at a server's data-dir); and its privacy state stays in its
 state folder (0700), never in the Context, which the ClientApp's code (the server's) can read.
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -55,6 +56,7 @@ from fedsd.errors import BudgetExhausted, BudgetRefused, ConfigError, DataError,
 from fedsd.config import validate
 from fedsd.results import save_atomic, write_json
 from fedsd.secret_random import SecretStream
+from fedsd.state_folder import read_nofollow
 from fedsd.fed_settings import FedOptions, client_config, from_flat, round_epochs, round_teacher
 from fedsd.training import DPTrainer, Model, TrainState, load_train_state, planned_trainer, save_train_state
 from fedsd.methods import released
@@ -143,11 +145,14 @@ def replayed_reply(state_file: Path | None, request: str) -> tuple[ArrayRecord, 
     request it answered; else None. An unreadable file is no reply (the round is trained and
     charged, the safe side)."""
     path = None if state_file is None else last_reply_file(state_file)
-    if path is None or not path.is_file() or not state_file.is_file():
+    if path is None or not state_file.is_file():
         return None
     try:
-        kept = torch.load(path, weights_only=True)
-    except Exception:  # noqa: BLE001  (a damaged file: train and charge instead)
+        raw = read_nofollow(path)
+        if raw is None:
+            return None
+        kept = torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception:  # noqa: BLE001  (a damaged file, or a link: train and charge instead)
         return None
     if not isinstance(kept, dict) or kept.get("format") != REPLY_FORMAT or kept.get("request") != request:
         return None
@@ -182,7 +187,7 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
     except (DataError, ConfigError) as e:  # said in full to the owner alone
         log.warning("refused a round: %s", e)
         raise DataError(DATA_REFUSED) from None
-    ledgers.adopt(node.state_root, held.named_fingerprint, held.fingerprint)  # a ledger of fedsd 0.1.0's
+    ledgers.adopt(node.state(), held.named_fingerprint, held.fingerprint)  # a ledger of fedsd 0.1.0's
     key = (tuple(sorted(flat.items())), "own", held.fingerprint, partition_id)
     if key not in _TRAINERS:
         n = len(held.y_train)
@@ -214,10 +219,11 @@ def pin_task(node: NodeConfig, task) -> None:
     can delete task.json to allow another task."""
     path = private_state_folder(node) / "task.json"
     wanted = {"classes": list(task.classes), "channels": task.channels, "image-size": task.image_size}
-    if not path.is_file():
+    raw = read_nofollow(path)
+    if raw is None:
         write_json(path, wanted)
         return
-    kept = json.loads(path.read_text())
+    kept = json.loads(raw)
     if kept != wanted:
         raise ConfigError(f"dataset, classes, channels, image-size: this client's data is kept for one task "
                           f"({len(kept['classes'])} classes {','.join(kept['classes'])[:200]}, {kept['channels']} "
@@ -259,7 +265,7 @@ def lifetime_ledger(node: NodeConfig, fingerprint: str):
     has one (NodeConfig.require_budget)."""
     if node.max_epsilon is None:
         return nullcontext(None)
-    return ledgers.opened(node.state_root, fingerprint, node.max_epsilon, node.max_delta)
+    return ledgers.opened(node.state(), fingerprint, node.max_epsilon, node.max_delta)
 
 
 def node_settings(flat: dict, node_config) -> NodeConfig:
@@ -409,7 +415,8 @@ def evaluation_refused(side: ClientSide, arrays: ArrayRecord) -> str | None:
     if n < node.min_evaluation_samples:
         return f"its test split is smaller than the owner's min-evaluation-samples={node.min_evaluation_samples}"
     path = evaluation_file(side.state_file)
-    kept = json.loads(path.read_text()) if path.is_file() else {}
+    raw = read_nofollow(path)
+    kept = json.loads(raw) if raw is not None else {}
     if kept.get("model") != model_digest(arrays):
         return "it evaluates only the model it last received for training"
     if kept.get("evaluated"):
@@ -454,6 +461,20 @@ def train_reply(content: RecordDict, context: Context, into_sum: bool = False) -
             raise  # without its number the server could not say who refused: a failed reply instead
         return refusal({"num-examples": 0, "partition-id": partition_id, "epsilon": 0.0},
                        told_the_server(str(e), context.node_config))
+    with state_lock(side):  # one round of this client's state at a time, whichever process answers it
+        return locked_train_reply(side, content, context, into_sum)
+
+
+def state_lock(side: "ClientSide"):
+    """Held from reading this client's privacy state to keeping its reply: two processes asked
+    the same experiment at once (two services, a worker and a service, on one state folder) take
+    turns, the second finding the first's state and kept reply rather than the state before it."""
+    if side.state_file is None:
+        return nullcontext()
+    return side.node.state().lock(f"{side.fed.experiment_id}/client-{side.node.partition_id}.lock")
+
+
+def locked_train_reply(side: "ClientSide", content: RecordDict, context: Context, into_sum: bool) -> RecordDict:
     request = request_digest(side.server_round, content["arrays"])
     kept = replayed_reply(side.state_file, request)
     if kept is not None:  # already released: the same reply again, nothing trained or charged
@@ -513,8 +534,9 @@ def admit(side: ClientSide, state: TrainState | None, context: Context, base: di
 def secret_start() -> TrainState:
     """The state a client with its own data starts a run from: its batches and noise drawn from
     a secret stream (fedsd.secret_random: AES-256-CTR under a 256-bit key from the operating
-    system), never from anything the server sends or sees. The key is kept only in the client's
-    state folder (0600), so the server can neither replay the noise nor search for it."""
+    system), never from anything the server sends or sees. The key lives in memory for one call
+    and is never written, so the server can neither replay the noise nor search for it, and no
+    copy of the state folder replays it either."""
     return TrainState(secret=SecretStream.fresh())
 
 
@@ -523,9 +545,10 @@ def train_round(side: ClientSide, state: TrainState | None, content: RecordDict,
     """The admitted round: train, keep the state that charged it on disk, then release."""
     trainer, fed = side.trainer, side.fed
     model: Model = record_to_model(content["arrays"])
-    if side.node.secret_noise and (state is None or state.secret is None):
-        # A first round, or a state an earlier version kept (its generator seeded with a 64-bit
-        # secret, which torch cuts to 32 bits): its accounting goes on, its draws from a new key.
+    if side.node.secret_noise:
+        # Every call's draws from a new key (fedsd.secret_random): no copy of the state on any disk
+        # (a second service, a restored backup) can replay a keystream. A state an earlier version
+        # kept (a key, or a generator seeded with a 64-bit secret): its accounting goes on.
         state = secret_start() if state is None else dataclasses.replace(state, secret=SecretStream.fresh(),
                                                                          rng_state=None)
     teacher, state = round_teacher(fed, state, model["student"])

@@ -19,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 from fedsd.errors import BudgetRefused, ConfigError
 from fedsd.settings import setting, settings_of
+from fedsd.state_folder import StateFolder, StateFolderError, state_folder
 
 NO_BUDGET = ("this client has no lifetime budget: start its SuperNode with "
              "--node-config \"max-epsilon=…\"")
@@ -111,18 +111,27 @@ class NodeConfig:
         (absolute, resolved once by `parse`)."""
         return Path(self.state_dir)
 
+    def state(self, pin: bool = False) -> StateFolder:
+        """This client's state folder held open (fedsd.state_folder): walked once from `/`
+        without following a link, as the owner's (private) for a node with its own data; every
+        file under it is then opened through its descriptor. `pin`: the owner's service, at its
+        start: the folder opened then is the one it uses for its life. NodeConfigError where the
+        folder is refused, naming it and why."""
+        try:
+            return state_folder(self.state_root, private=self.owns_data, pin=pin)
+        except StateFolderError as e:
+            raise NodeConfigError(f"node-config {e}") from None
+
     def state_folder(self, *parts: str) -> Path:
-        """A folder of this client's state (made 0700). A node with its own data also refuses a
-        state folder that another user owns or can write to, or has such a folder above it
-        (private_folder); a simulated client's state lives in its run's folder."""
-        if self.owns_data:  # every folder on the way made or checked without following a link
-            folder = private_folder(self.state_root)
-            for part in parts:
-                folder = _private_child(folder, part)
-            return folder
-        folder = self.state_root.joinpath(*parts)
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return folder
+        """A folder of this client's state (made 0700), as a path through the state folder's
+        descriptor (StateFolder.via). A node with its own data also refuses a state folder that
+        another user owns or can write to, or has such a folder above it, or a link on its way
+        (fedsd.state_folder); a simulated client's state lives in its run's folder."""
+        folder = self.state()
+        try:
+            return folder.folder(*parts)
+        except StateFolderError as e:
+            raise NodeConfigError(f"node-config {e}") from None
 
     @property
     def secret_noise(self) -> bool:
@@ -217,53 +226,17 @@ def _state_root(state_dir: str) -> Path:
 
 
 def private_folder(folder: Path) -> Path:
-    """`folder` made (mode 0700) or checked as this user's own, and returned as the real path
-    it names; refused (NodeConfigError), never repaired, when it or a folder above it is owned
-    by another user or can be written by one (a folder with the sticky bit, such as /tmp, owned
-    by root or this user is allowed above it: others cannot rename or remove what is ours in
-    it). The path is resolved first, so a link on the way is judged by where it leads. Another
-    user who could write there could swap the ledger or the secret key, plant a prepared data
-    set or stand in for the worker's socket."""
-    real = Path(os.path.realpath(folder))
-    for above in reversed(real.parents):
-        if above.exists():
-            _check_owned(os.stat(above), above, folder, sticky_ok=True)
-        else:  # made here, ours and closed, as the folder itself
-            _private_child(above.parent, above.name, folder)
-    return _private_child(real.parent, real.name, folder)
-
-
-def _private_child(parent: Path, name: str, named: Path | None = None) -> Path:
-    """parent/name as a folder of this user's alone: made (0700) where it is missing, else
-    checked with lstat, so a link planted there is refused rather than followed."""
-    if name in ("", ".", "..") or "/" in name:
-        raise NodeConfigError(f"node-config state-dir: {name!r} is not a folder name")
-    path = parent / name
+    """`folder` made (mode 0700) or checked as this user's own, and returned: refused
+    (NodeConfigError), never repaired, when it or a folder above it is owned by another user or
+    can be written by one (a folder with the sticky bit, such as /tmp, owned by root or this user
+    is allowed above it: others cannot rename or remove what is ours in it), or when a link is
+    on its way (fedsd.state_folder: pass the resolved path). Another user who could write there
+    could swap the ledger, plant a prepared data set or stand in for the worker's socket."""
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise NodeConfigError(f"node-config state-dir={named or path}: {path} is "
-                              f"{'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'not a folder'}; this client's "
-                              f"state lives in real folders only, which no one else can replace")
-    _check_owned(st, path, named or path, sticky_ok=False)
-    if stat.S_IMODE(st.st_mode) & 0o077:  # readable by others: closed (what is written there is 0600 too)
-        os.chmod(path, 0o700)
-    return path
-
-
-def _check_owned(st: os.stat_result, path: Path, named: Path, sticky_ok: bool) -> None:
-    me = os.geteuid()
-    if st.st_uid not in (0, me) or (not sticky_ok and st.st_uid != me):
-        raise NodeConfigError(f"node-config state-dir={named}: {path} belongs to another user (uid "
-                              f"{st.st_uid}), who could replace this client's ledger; choose a state folder "
-                              f"under folders only you or root own")
-    if st.st_mode & 0o022 and not (sticky_ok and st.st_mode & stat.S_ISVTX):
-        raise NodeConfigError(f"node-config state-dir={named}: {path} can be written by other users "
-                              f"(mode {stat.S_IMODE(st.st_mode):o}), who could replace this client's ledger; "
-                              f"choose a state folder under folders only you can write")
+        StateFolder.open(folder, private=True).close()
+    except StateFolderError as e:
+        raise NodeConfigError(f"node-config {e}") from None
+    return Path(os.path.abspath(folder))
 
 
 def _value(key: str, value):

@@ -66,12 +66,17 @@ class Owner:
     identity, its roster (None without one) and its id."""
 
     def __init__(self, node: node_configs.NodeConfig, context: Context):
-        from clients.local import private_state_folder
+        from clients.local import STATE_REFUSED
 
         self.node = node
         self.roster = read_roster(node.secagg_roster) if node.secagg_roster else None
         if self.roster is not None:
-            self.identity = load_identity(private_state_folder(node))
+            try:
+                state = node.state()
+            except node_configs.NodeConfigError as e:  # in full in the owner's log, never the paths to the server
+                log.warning("refused a round: %s", e)
+                raise node_configs.NodeConfigError(STATE_REFUSED) from None
+            self.identity = load_identity(state)
             self.id = self.identity.id
             if self.id not in self.roster:
                 raise secagg.ProtocolError("this owner's identity is not on its own roster (fedsd data-service "

@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from .errors import ConfigError
+from .state_folder import StateFolder
 
 PREFIX = "ed25519:"
 KEY_BYTES = 32
@@ -96,36 +97,30 @@ class Identity:
         return self._key.sign(message)
 
 
-def load_identity(folder: Path) -> Identity:
-    """The owner's identity in `folder` (its private state folder): read, or made on first use
-    (32 random bytes from the OS, through `cryptography`) and written 0600 without following a
-    link. A file others can read, or a link, is refused: it would be someone else's identity."""
-    path = Path(folder) / IDENTITY_FILE
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        key = Ed25519PrivateKey.generate()
-        fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),
-                     0o600)
+def load_identity(state: StateFolder) -> Identity:
+    """The owner's identity in its state folder (fedsd.state_folder, held open): read, or made on
+    first use (32 random bytes from the OS, through `cryptography`) and written 0600, under a
+    lock, relative to the folder's descriptor, never through a link. A file others can read, or
+    a link, is refused: it would be someone else's identity."""
+    with state.lock(IDENTITY_FILE + ".lock"):
         try:
-            os.write(fd, key.private_bytes_raw())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(path.with_suffix(".tmp"), path)  # complete or absent, never half written
-        return Identity(key)
-    except OSError as e:
-        raise ConfigError(f"{path}: the identity key cannot be opened without following a link ({e.strerror})") from None
+            fd = state.open_file(IDENTITY_FILE, os.O_RDONLY)
+        except FileNotFoundError:
+            key = Ed25519PrivateKey.generate()
+            state.write_atomic(IDENTITY_FILE, key.private_bytes_raw())  # complete or absent
+            return Identity(key)
+        except OSError as e:
+            raise ConfigError(f"{IDENTITY_FILE} in the state folder: cannot be opened without following a link "
+                              f"({e.strerror})") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077 or st.st_uid != os.getuid():
-            raise ConfigError(f"{path}: the identity key must be a file of this user's alone (mode 0600)")
+            raise ConfigError(f"{IDENTITY_FILE} in the state folder: must be a file of this user's alone (mode 0600)")
         raw = os.read(fd, 64)
     finally:
         os.close(fd)
     if len(raw) != KEY_BYTES:
-        raise ConfigError(f"{path}: not a 32-byte Ed25519 private key")
+        raise ConfigError(f"{IDENTITY_FILE} in the state folder: not a 32-byte Ed25519 private key")
     return Identity(Ed25519PrivateKey.from_private_bytes(raw))
 
 

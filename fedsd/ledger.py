@@ -8,7 +8,6 @@ written under a file lock, so two runs on one machine cannot both take what is l
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
@@ -17,40 +16,54 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .privacy import PrivacyFilter
-from .atomic import write_json
+from .atomic import _jsonable
+from .state_folder import StateFolder, state_folder
 from .errors import DataError, DataNotFoundError
 
 PREFIX = "ledger-"
 
 
 def ledger_path(root: Path, fingerprint: str) -> Path:
-    return Path(root) / f"{PREFIX}{fingerprint}.json"
+    return Path(root) / ledger_name(fingerprint)
 
 
-def adopt(root: Path, old: str, new: str) -> None:
+def ledger_name(fingerprint: str) -> str:
+    return f"{PREFIX}{fingerprint}.json"
+
+
+def _folder(root: "Path | StateFolder") -> StateFolder:
+    """The state folder held open (fedsd.state_folder): a path is opened once per process, as a
+    simulated client's folder (links on its way followed); an owner's comes already opened."""
+    return root if isinstance(root, StateFolder) else state_folder(root, private=False)
+
+
+def adopt(root: "Path | StateFolder", old: str, new: str) -> None:
     """Move the ledger kept under fingerprint `old` to `new` (the same data under a newer
     fingerprint), unless `new` has one: an upgrade never starts a data set's budget again."""
-    source, target = ledger_path(root, old), ledger_path(root, new)
-    if old and old != new and source.is_file() and not target.exists():
-        with open(source.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if source.is_file() and not target.exists():
-                os.replace(source, target)
+    if not old or old == new:
+        return
+    folder = _folder(root)
+    source, target = ledger_name(old), ledger_name(new)
+    if folder.exists(source) and not folder.exists(target):
+        with folder.lock(source[:-len(".json")] + ".lock"):
+            if folder.exists(source) and not folder.exists(target):
+                os.replace(source, target, src_dir_fd=folder.fd, dst_dir_fd=folder.fd)
 
 
 @contextmanager
-def opened(root: Path, fingerprint: str, max_epsilon: float, max_delta: float):
+def opened(root: "Path | StateFolder", fingerprint: str, max_epsilon: float, max_delta: float):
     """The filter for this data under the owner's current limits (a lowered limit applies at
     once; what was spent stays spent), locked against other runs on this machine; written back
-    when the block ends without an exception."""
-    path = ledger_path(root, fingerprint)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        ledger = (PrivacyFilter.from_state_dict(json.loads(path.read_text()), max_epsilon, max_delta)
-                  if path.is_file() else PrivacyFilter(max_epsilon, max_delta))
+    when the block ends without an exception. Every file is opened through the state folder's
+    descriptor, never following a link (fedsd.state_folder)."""
+    folder = _folder(root)
+    name = ledger_name(fingerprint)
+    with folder.lock(f"{PREFIX}{fingerprint}.lock"):
+        state = folder.read_json(name)
+        ledger = (PrivacyFilter.from_state_dict(state, max_epsilon, max_delta) if state is not None
+                  else PrivacyFilter(max_epsilon, max_delta))
         yield ledger
-        write_json(path, ledger.state_dict())
+        folder.write_atomic(name, (json.dumps(ledger.state_dict(), indent=2, default=_jsonable) + "\n").encode())
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,13 @@ Mersenne Twister is not a cryptographic generator in any case: its state follows
 output.
 
 What this is: AES-256 in counter mode, from `cryptography` (OpenSSL), used as a stream of
-random bits. The key is 256 bits from the operating system's CSPRNG (`secrets`); the state is
-the key and the number of 16-byte blocks used so far, so a client restarted from its state
-folder goes on where it stopped and never reuses a block. AES-CTR under a uniformly random key
+random bits. The key is 256 bits from the operating system's CSPRNG (`secrets`), and a stream
+lives in memory only, for one training call: a client draws a fresh key at the start of every
+call (clients/local.py) and never writes one to its disk. So no copy of its state (a second
+service on the same folder, a restored backup, the folder copied to another machine) can replay
+a keystream: two calls share a key with probability 2^-256 whatever the disk holds. A reply
+already released is kept and sent again as it was (no draw, no charge), which is all that
+replaying a round needs. AES-CTR under a uniformly random key
 is the generator of NIST SP 800-90A's CTR_DRBG (without its reseeding): its output cannot be
 told from uniform bits by anyone without the key. (ChaCha20 would do as well; AES is chosen
 for its 128-bit counter, which makes "block n" a plain nonce.)
@@ -58,17 +62,6 @@ class SecretStream:
 
     def __deepcopy__(self, memo) -> "SecretStream":
         return SecretStream(self._key, self.position)
-
-    # -- state, for the owner's 0600 state file only -------------------------------------------
-    def state(self) -> dict:
-        return {"secret/key": torch.tensor(list(self._key), dtype=torch.uint8), "secret/position": self.position}
-
-    @classmethod
-    def from_state(cls, flat: dict) -> "SecretStream | None":
-        if "secret/key" not in flat:
-            return None
-        key = bytes(torch.as_tensor(flat["secret/key"], dtype=torch.uint8).tolist())
-        return cls(key, int(flat["secret/position"]))
 
     # -- draws ---------------------------------------------------------------------------------
     def random_bytes(self, n: int) -> bytes:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -69,6 +70,8 @@ class TrainState:
     rng_state: torch.Tensor | None = None  # sampling and noise generator (seeded from the run's seed)
     # An own-data client's secret sampling and noise (fedsd.secret_random), in place of rng_state:
     # a state that holds one trains as against a server that may be hostile (DPTrainer.local_update).
+    # Never stored: a state read back holds a fresh stream (a new key from the OS), so no stored
+    # or copied state can replay a keystream.
     secret: SecretStream | None = None
     steps: int = 0
     local_model: Weights | None = None  # the end-of-round student, for teacher=local-previous
@@ -82,8 +85,8 @@ class TrainState:
                 "mechanism/sample_rate": plan.sample_rate, "history": json.dumps(self.history), "steps": self.steps}
         if self.rng_state is not None:
             flat["rng_state"] = self.rng_state
-        if self.secret is not None:
-            flat.update(self.secret.state())
+        if self.secret is not None:  # secret draws, never the key: each call draws a fresh one
+            flat["secret"] = 1
         flat.update({f"local_model/{k}": v.detach().cpu() for k, v in (self.local_model or {}).items()})
         flat.update({f"momentum/{i}": v.detach().cpu() for i, v in enumerate(self.momentum or [])})
         flat.update({f"teacher_average/{k}": v.detach().cpu() for k, v in (self.teacher_average or {}).items()})
@@ -103,7 +106,8 @@ class TrainState:
         momentum = [flat[f"momentum/{i}"] for i in range(sum(k.startswith("momentum/") for k in flat))]
         average = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith("teacher_average/")}
         return cls(history=json.loads(flat["history"]), rng_state=flat.get("rng_state"),
-                   secret=SecretStream.from_state(flat), steps=int(flat["steps"]),
+                   secret=SecretStream.fresh() if "secret" in flat or "secret/key" in flat else None,
+                   steps=int(flat["steps"]),
                    local_model=local_model or None, momentum=momentum or None, teacher_average=average or None)
 
 
@@ -116,7 +120,9 @@ def save_train_state(path, state: TrainState, plan: PrivacyPlan) -> None:
 
 
 def load_train_state(path, plan: PrivacyPlan) -> TrainState:
-    return TrainState.from_state_dict(torch.load(path, weights_only=True), plan)
+    """A state saved by save_train_state; a link at `path` itself is not followed (OSError)."""
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+        return TrainState.from_state_dict(torch.load(f, weights_only=True), plan)
 
 
 def torch_memory_format(cfg: TrainConfig, device: torch.device | None = None) -> torch.memory_format:

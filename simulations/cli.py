@@ -3,6 +3,15 @@ privacy, choose settings and measure; and, apart, this repository's experiments 
 The methods, their settings and the privacy accounting: docs/algorithms.md."""
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and not sys.flags.safe_path and "data-service" in sys.argv[1:]:
+    # Before any other import: `python -m` put the working directory first on sys.path, and the
+    # owner's service would import (and run, as the owner) a package planted there.
+    sys.exit(f"python -m simulations.cli data-service: refused, as the working directory ({sys.path[0]}) is first "
+             f"on the import path and a package planted there would run as the data's owner; start the service "
+             f"with `fedsd data-service` (deploy/README.md)")
+
 # An entry point: fedsd's process-wide speed settings, before torch loads (fedsd/runtime.py).
 from fedsd.runtime import tune_process
 
@@ -10,7 +19,6 @@ tune_process()
 
 import argparse
 import os
-import sys
 
 import warnings
 

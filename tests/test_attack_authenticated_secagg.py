@@ -31,9 +31,7 @@ def members(owners):
     contexts, flat, arrays, tmp_path = owners
     identities = {}
     for node, context in contexts.items():
-        folder = tmp_path / f"state-{IDS.index(node)}"
-        folder.mkdir(mode=0o700, exist_ok=True)
-        identities[node] = load_identity(folder)
+        identities[node] = load_identity(node_configs.parse(context.node_config).state())
     sybils = {k: Identity() for k in range(4)}
     roster = Roster.of({**{f"owner-{IDS.index(n)}": i.public for n, i in identities.items()},
                         **{f"member-{k}": i.public for k, i in sybils.items()}})
@@ -86,7 +84,7 @@ def test_one_owner_addressed_under_several_node_ids_takes_part_once(members):
     cohort = sorted(m.ids.values())
     base = {"experiment-id": EXPERIMENT, "server-round": 1}
     first = service.advertise_reply(stage(base, cohort=cohort, neighbours=cohort, threshold=3), owner)
-    assert first["secagg"]["v"] == load_identity(m.tmp_path / "state-0").public
+    assert first["secagg"]["v"] == load_identity(node_configs.parse(owner.node_config).state()).public
     for node_id in (201, 202, 203):
         alias = Context(run_id=7, node_id=node_id, state=RecordDict(), run_config={},
                         node_config=dict(owner.node_config))
@@ -307,14 +305,15 @@ def test_a_roster_that_cannot_be_relied_on_is_refused_with_its_reason(tmp_path):
 
 
 def test_an_identity_is_the_owners_alone_and_a_stranger_or_unsigned_key_is_refused(tmp_path):
+    from fedsd.state_folder import state_folder
+
     folder = tmp_path / "state"
-    folder.mkdir(mode=0o700)
-    first = load_identity(folder)
-    assert load_identity(folder).public == first.public  # made once, read after
+    first = load_identity(state_folder(folder))
+    assert load_identity(state_folder(folder)).public == first.public  # made once, read after
     assert os.stat(folder / "identity.key").st_mode & 0o777 == 0o600
     os.chmod(folder / "identity.key", 0o644)
     with pytest.raises(Exception, match="this user's alone"):
-        load_identity(folder)
+        load_identity(state_folder(folder))
     # A neighbour that is not on the roster, and one whose keys are unsigned or signed for another round.
     ours = {k: Identity() for k in range(3)}
     roster = Roster.of({f"c{k}": i.public for k, i in ours.items()})

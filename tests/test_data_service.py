@@ -106,7 +106,7 @@ def test_a_worker_exits_when_idle_and_when_its_supernode_does(tmp_path):
     supernode = subprocess.Popen(["sleep", "600"])
     folder = tmp_path / "watched" / "worker"
     folder.mkdir(parents=True)
-    proc = subprocess.Popen([sys.executable, "-m", "clients.data_service", "--socket", str(folder / "w.sock"),
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "clients.data_service", "--socket", str(folder / "w.sock"),
                              "--watch-pid", str(supernode.pid), "--idle-seconds", "600"])
     try:
         assert wait_for(lambda: (folder / "w.sock").exists(), 120)
@@ -157,7 +157,7 @@ def test_the_owners_service_answers_with_its_own_config_and_says_what_code_answe
     address = passable / "service.sock"
     node_config = " ".join(f"{k}={json.dumps(v) if not isinstance(v, float) or v != float('inf') else 'inf'}"
                            for k, v in owner.items())
-    proc = subprocess.Popen([sys.executable, "-m", "simulations.cli", "data-service", "--socket", str(address),
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "simulations.cli", "data-service", "--socket", str(address),
                              "--node-config", node_config, "--allow-uid", "65533"])
     try:
         assert wait_for(address.exists, 120)

@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import stat
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -449,9 +450,10 @@ def test_an_owners_own_state_folder_others_can_write_is_refused_not_repaired(own
     assert stat.S_IMODE(state.stat().st_mode) == 0o777 and not list(state.iterdir())  # refused, not chmodded
 
 
-def test_a_link_on_the_way_to_the_state_folder_is_judged_by_where_it_leads(own_npz, tmp_path):
-    """good/link/state, with link pointing into a folder anyone can write (open/inner, itself
-    closed): refused, as anyone could swap open/inner for a folder of their own."""
+def test_a_link_on_the_way_to_the_state_folder_is_refused_and_its_target_judged(own_npz, tmp_path):
+    """good/link/state: refused, whoever owns the link, with the resolved path to pass instead (a
+    link is looked up again at every use, and could be re-pointed between uses); that path,
+    open/inner/state with open/ writable by anyone, is refused as anyone could swap open/inner."""
     open_to_all = tmp_path / "open"
     open_to_all.mkdir()
     open_to_all.chmod(0o777)
@@ -459,8 +461,11 @@ def test_a_link_on_the_way_to_the_state_folder_is_judged_by_where_it_leads(own_n
     good = tmp_path / "good"
     good.mkdir(mode=0o700)
     (good / "link").symlink_to(open_to_all / "inner")
-    with pytest.raises(NodeConfigError, match="can be written by other users"):
+    with pytest.raises(NodeConfigError, match=f"link is a symbolic link; pass the folder's resolved path "
+                                              f"\\({open_to_all / 'inner' / 'state'}\\)"):
         private_folder(good / "link" / "state")
+    with pytest.raises(NodeConfigError, match="can be written by other users"):
+        private_folder(open_to_all / "inner" / "state")
     cfg, fed, flat = one_step_run()
     reply = ask(flat, node(own_npz, good / "link" / "state"), initial_model(client_config(cfg, fed), 10))
     assert reply["metrics"]["refused"] == 1 and not list((open_to_all / "inner").iterdir())
@@ -549,10 +554,11 @@ def make(num_classes, channels, image_size):  # 101,770 weights: a reply of 400 
 """
 
 
-@pytest.fixture
-def service(own_npz, tmp_path):
-    """The owner's `fedsd data-service` as a real process: its socket, its state folder, its
-    node config (secret noise, the default) and its log (the owner's)."""
+@contextmanager
+def owner_service(npz, tmp_path, state, name="owner", more="", wait=True):
+    """The owner's `fedsd data-service` as a real process (secret noise, the default; one network
+    of its own, allowed by name): yields (address, log, process) once it listens, or at once
+    with wait=False; stopped after."""
     import shutil
     import subprocess
     import sys
@@ -561,26 +567,35 @@ def service(own_npz, tmp_path):
     from pathlib import Path
 
     folder = Path(tempfile.mkdtemp(prefix="fedsd-threat-", dir="/tmp"))  # a short socket path
-    address, state, log = folder / "service.sock", tmp_path / "owner-state", tmp_path / "owner.log"
+    address, log = folder / "service.sock", tmp_path / f"{name}.log"
     site = tmp_path / "owners-site"  # the owner's installation: one network of its own, allowed by name
-    site.mkdir()
+    site.mkdir(exist_ok=True)
     (site / "owners_wide_net.py").write_text(WIDE_NET)
-    config = f"partition-id=0 data='{own_npz}' max-epsilon=inf state-dir='{state}' federated-evaluation=true " \
-             f"min-evaluation-samples=10 allow-model='owners_wide_net:make'"
+    config = f"partition-id=0 data='{npz}' max-epsilon=inf state-dir='{state}' federated-evaluation=true " \
+             f"min-evaluation-samples=10 allow-model='owners_wide_net:make' {more}"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "simulations.cli", "data-service", "--socket", str(address),
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "simulations.cli", "data-service", "--socket", str(address),
                                  "--node-config", config], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
                                 env={**os.environ, "PYTHONPATH": f"{Path(__file__).resolve().parents[1]}:{site}"})
     deadline = time.monotonic() + 120
-    while not address.exists():
+    while wait and not address.exists():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.1)
     try:
-        yield address, state, log, proc
+        yield address, log, proc
     finally:
         proc.kill()
         proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def service(own_npz, tmp_path):
+    """The owner's `fedsd data-service` as a real process: its socket, its state folder, its
+    node config (secret noise, the default) and its log (the owner's)."""
+    state = tmp_path / "owner-state"
+    with owner_service(own_npz, tmp_path, state) as (address, log, proc):
+        yield address, state, log, proc
 
 
 def via_service(address, flat, model, server_round=1, kind="train"):
@@ -787,8 +802,9 @@ def test_a_state_an_earlier_version_kept_goes_on_with_a_new_key(own_npz, tmp_pat
     replies = [ask(flat2, node(own_npz, tmp_path / m), record_to_model(first["arrays"]), server_round=2) for m in "ab"]
     a, b = (record_to_model(r["arrays"])["student"] for r in replies)
     assert any(not torch.equal(a[k], b[k]) for k in a)
-    for m in "ab":
-        assert "secret/key" in torch.load(tmp_path / m / "old" / "client-0.pt", weights_only=True)
+    for m in "ab":  # secret draws from now on, and no key on the disk (each call draws its own)
+        kept = torch.load(tmp_path / m / "old" / "client-0.pt", weights_only=True)
+        assert kept["secret"] == 1 and not any(k.startswith("secret/") for k in kept) and "rng_state" not in kept
 
 
 GROUPNORM_NET = """

@@ -390,7 +390,7 @@ class LocalDeployment:
         if self.node_config[k]:
             owner_config += " " + self.node_config[k]
         if key_index is None:  # a stand-in with a stray key (tests) needs no service of its own
-            service = [sys.executable, "-m", "simulations.cli", "data-service", "--socket", str(own["socket"]),
+            service = [sys.executable, "-P", "-m", "simulations.cli", "data-service", "--socket", str(own["socket"]),
                        "--node-config", owner_config, "--allow-uid", str(iso.node_uid(k))]
             env = {"PATH": self.env["PATH"], "HOME": str(own["owner_home"]), "PYTHONPATH": str(ROOT), **keep}
             self.services[k] = self._start(f"data-service-{k}", iso.wrap(k, iso.uid(k), service, env,
