@@ -653,7 +653,8 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", default=None, help="the Unix socket to listen on (required, but with --identity)")
     p.add_argument("--identity", action="store_true",
                    help="print this owner's public identity key, one line for the federation's roster (made in the "
-                        "node config's state-dir on first use, mode 0600), and exit")
+                        "node config's state-dir on first use, mode 0600; its secagg-roster is not read, so the "
+                        "identity can be made before the roster lists it), and exit")
     p.add_argument("--node-config", default=None, metavar="'K=V ...'",
                    help="the owner's service: this node's config, as a SuperNode's --node-config (data, max-epsilon, "
                         "state-dir, …; clients/node_config.py); without it, a warm worker started by its ClientApp")
@@ -661,6 +662,21 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
                    help="a user who may send messages besides the service's own (the SuperNode's user)")
     p.add_argument("--watch-pid", type=int, default=None, help="a warm worker: exit when this process does")
     p.add_argument("--idle-seconds", type=float, default=None, help="a warm worker: exit after this long idle")
+
+
+def owner_pairs(text: str) -> dict:
+    """The owner's --node-config as Flower reads a SuperNode's (TOML values, or a .toml file);
+    one that does not parse is a NodeConfigError saying how it is written, not a traceback."""
+    import click
+    from flwr.common.config import parse_config_args
+
+    try:
+        return parse_config_args([text])
+    except (click.ClickException, ValueError):
+        raise NodeConfigError(f"--node-config {text!r}: not 'k=v ...' pairs with TOML values (a string in quotes: "
+                              f"max-epsilon=3 state-dir='/srv/owner/state')") from None
+    except OSError as e:
+        raise NodeConfigError(f"--node-config {text!r}: {e.strerror}") from None
 
 
 def run_service(args: argparse.Namespace) -> int:
@@ -672,9 +688,10 @@ def run_service(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s fedsd data-service %(levelname)s: %(message)s")
     node = None
     if args.node_config is not None:
-        from flwr.common.config import parse_config_args
-
-        node = parse(parse_config_args([args.node_config]))
+        pairs = owner_pairs(args.node_config)
+        if args.identity:  # the identity comes first: the roster that will list it may not exist yet
+            pairs.pop("secagg-roster", None)
+        node = parse(pairs)
         node.require_budget()
         if node.service:
             raise NodeConfigError("--node-config service=...: that key is the SuperNode's; the service's names data")

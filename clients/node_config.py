@@ -98,7 +98,7 @@ class NodeConfig:
                                           "to take part unless the owner says honest-but-curious (a server that "
                                           "follows the protocol)", choices=("roster", "honest-but-curious"))
     secagg_keep_inputs: bool = setting(False, "secure aggregation: keep each round's unmasked vector, as this node "
-                                              "released it into the sum, in state-dir/secagg/<run>-<experiment>-<round>-<node>.npy "
+                                              "released it into the sum, in state-dir/secagg/<run>-<experiment>-<round>-<id>.npy "
                                               "(the owner's own audit of what it released)")
 
     @property

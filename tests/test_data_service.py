@@ -205,3 +205,43 @@ def test_a_state_folder_too_deep_for_a_socket_path_still_gets_its_warm_worker(tm
     [pid] = worker_pids(str(tmp_path / deep))
     os.kill(pid, signal.SIGTERM)
     assert wait_for(lambda: not worker_pids(str(tmp_path / deep)), 10)
+
+
+
+def test_the_owners_identity_is_made_once_in_its_state_folder_and_a_bad_node_config_is_said_plainly(tmp_path,
+                                                                                                    capsys):
+    """`fedsd data-service --identity`: the owner's public line, from a key made on first use in
+    its state folder (0600, 32 bytes) and the same line after; the node config's secagg-roster is
+    not read (the roster that will list this identity need not exist yet). A missing, malformed
+    or wrong node config, or a key others can read, is one clear line and exit code 2."""
+    from fedsd.identity import parse_public
+    from simulations.cli import main
+
+    def identity(*args) -> tuple[int, str, str]:
+        umask = os.umask(0o022)
+        try:  # the service sets its own umask (0077): this process's is put back
+            code = main(["data-service", "--identity", *args])
+        finally:
+            os.umask(umask)
+        said = capsys.readouterr()
+        return code, said.out, said.err
+
+    state = tmp_path / "state"
+    owner = f"partition-id=0 state-dir='{state}' max-epsilon=3 secagg-roster='{tmp_path / 'not-yet'}'"
+    code, line, err = identity("--node-config", owner)
+    assert code == 0, err
+    key = state / "identity.key"
+    assert key.stat().st_mode & 0o777 == 0o600 and key.stat().st_size == 32 and key.stat().st_uid == os.getuid()
+    assert len(parse_public(line.strip())) == 32
+    assert identity("--node-config", owner)[1] == line  # made once
+    for args, said in (([], "--identity: needs --node-config with this owner's state-dir"),
+                       (["--node-config", f"partition-id=0 state-dir='{state}' max-epsilon=three"],
+                        "not 'k=v ...' pairs with TOML values"),
+                       (["--node-config", str(tmp_path / "owner.toml")], "owner.toml': No such file"),
+                       (["--node-config", f"partition-id=0 state-dir='{state}' max-epsilom=3"],
+                        "node-config max-epsilom: not a key fedsd reads")):
+        code, out, err = identity(*args)
+        assert code == 2 and out == "" and err.startswith("fedsd data-service: error: ") and said in err, err
+    key.chmod(0o644)
+    code, _, err = identity("--node-config", owner)
+    assert code == 2 and "identity key must be a file of this user's alone (mode 0600)" in err

@@ -383,20 +383,15 @@ class LocalDeployment:
         owner's uid, the data and state) and a SuperNode (the node's uid) whose node config names
         only that service."""
         iso = self.isolation
-        own = iso.prepare_node(k, self.owner_dir(k), self.node_dir(k), self.socket_dir(k), key, self.ca, data)
-        keep = {k_: v for k_, v in self.env.items() if k_.startswith(("FLWR_", "FEDSD_", "OMP_", "LANG"))
-                and k_ != "FLWR_HOME"}
-        owner_config = f"{owner} state-dir='{own['state']}'" + (f" data='{own['data']}'" if own["data"] else "")
-        if self.node_config[k]:
-            owner_config += " " + self.node_config[k]
+        own, owner_config, env = self._owner(k, key, data, owner)
         if key_index is None:  # a stand-in with a stray key (tests) needs no service of its own
             service = [sys.executable, "-P", "-m", "simulations.cli", "data-service", "--socket", str(own["socket"]),
                        "--node-config", owner_config, "--allow-uid", str(iso.node_uid(k))]
-            env = {"PATH": self.env["PATH"], "HOME": str(own["owner_home"]), "PYTHONPATH": str(ROOT), **keep}
             self.services[k] = self._start(f"data-service-{k}", iso.wrap(k, iso.uid(k), service, env,
                                                                           self.owner_dir(k), self.owner_needs(k)))
             self._wait_for_socket(own["socket"], self.services[k], f"data-service-{k}")
-        env = {"PATH": self.env["PATH"], "HOME": str(own["home"]), "FLWR_HOME": str(own["home"] / "flwr"), **keep}
+        env = {"PATH": self.env["PATH"], "HOME": str(own["home"]), "FLWR_HOME": str(own["home"] / "flwr"),
+               **self._kept_env()}
         node_config = f"{owner} service='{own['socket']}'"
         cmd = iso.wrap(k, iso.node_uid(k), self._supernode_cmd(own["key"], own["ca"], node_config, max_retries), env,
                        self.node_dir(k), self.node_needs(k))
@@ -404,6 +399,69 @@ class LocalDeployment:
         if key_index is None:
             self.supernodes[k] = proc
         return proc
+
+    def _kept_env(self) -> dict:
+        return {k: v for k, v in self.env.items() if k.startswith(("FLWR_", "FEDSD_", "OMP_", "LANG"))
+                and k != "FLWR_HOME"}
+
+    def _owner(self, k: int, key: Path, data: Path | None, owner: str) -> tuple[dict, str, dict]:
+        """Client k's folders (Isolation.prepare_node), and its owner's node config and
+        environment, as its data service gets them."""
+        own = self.isolation.prepare_node(k, self.owner_dir(k), self.node_dir(k), self.socket_dir(k), key, self.ca,
+                                          data)
+        owner_config = f"{owner} state-dir='{own['state']}'" + (f" data='{own['data']}'" if own["data"] else "")
+        if self.node_config[k]:
+            owner_config += " " + self.node_config[k]
+        env = {"PATH": self.env["PATH"], "HOME": str(own["owner_home"]), "PYTHONPATH": str(ROOT), **self._kept_env()}
+        return own, owner_config, env
+
+    def identities(self) -> dict[int, str]:
+        """--isolate: each owner's identity for secure aggregation's roster (fedsd.identity), made
+        by that owner: `fedsd data-service --identity` with the node config its service gets (a
+        `secagg-roster` there is not read yet), as its uid, on its machine, so that the key is in
+        its state folder, its alone (0600). Returns client k → its public line, `ed25519:<base64>`.
+        Call it before `start`, so that the roster the services read can list them (`write_shared`);
+        the network comes up here then."""
+        iso = self.isolation
+        if iso is None:
+            raise DeploymentError("identities: an owner's identity is made by its own uid (--isolate)")
+        self.make_credentials()
+        self._network()
+        lines = {}
+        for k in range(self.num_clients):
+            data = self.client_data / f"client-{k}" if self.client_data is not None else None
+            _, owner_config, env = self._owner(k, self.credentials / "keys" / f"node-{k}", data,
+                                               f"partition-id={k} num-partitions={self.num_clients}")
+            cmd = [sys.executable, "-m", "simulations.cli", "data-service", "--identity", "--node-config", owner_config]
+            proc = subprocess.run(iso.wrap(k, iso.uid(k), cmd, env, self.owner_dir(k), self.owner_needs(k)),
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0 or not proc.stdout.strip():
+                raise DeploymentError(f"owner {k}'s identity (fedsd data-service --identity): {proc.stderr.strip()}")
+            lines[k] = proc.stdout.strip().splitlines()[-1]
+        return lines
+
+    def shared_dir(self) -> Path:
+        """work/shared: files every client may read and none may write (a federation's roster),
+        this (root's) process's, in every client's view under --isolate."""
+        return self.work / "shared"
+
+    def write_shared(self, name: str, text: str) -> Path:
+        """shared_dir()/name, mode 0644 in a 0755 folder: readable by every client's owner and
+        SuperNode, writable by none (what `read_roster` asks of a roster)."""
+        folder = self.shared_dir()
+        folder.mkdir(mode=0o755, exist_ok=True)
+        folder.chmod(0o755)  # (a closed folder above it is covered in a client's view: wrap)
+        path = folder / name
+        tmp = folder / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.chmod(0o644)
+        tmp.replace(path)
+        return path
+
+    def _network(self) -> None:
+        if self.isolation is not None and not self._network_up:
+            self._network_up = True  # from here on stop_all takes the network down, whatever fails
+            self.isolation.up()
 
     def _wait_for_socket(self, socket_path: Path, proc: subprocess.Popen, name: str, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -427,9 +485,10 @@ class LocalDeployment:
 
     def _public_needs(self) -> list[Path]:
         """What every client process must reach: the interpreter and its environment, the project
-        (the code both the service and the app bundle's copy run), and the public data sets."""
+        (the code both the service and the app bundle's copy run), the public data sets, and the
+        federation's shared files (`write_shared`: a roster)."""
         needs = [Path(sys.base_prefix), Path(sys.prefix), ROOT]
-        return needs + [Path(p) for p in (self.env.get("FEDSD_DATA_DIR"),) if p and Path(p).is_dir()]
+        return needs + [Path(p) for p in (self.env.get("FEDSD_DATA_DIR"), self.shared_dir()) if p and Path(p).is_dir()]
 
     def owner_needs(self, k: int) -> list[Path]:
         return self._public_needs() + [self.owner_dir(k), self.socket_dir(k)]
@@ -473,9 +532,7 @@ class LocalDeployment:
         for old in self.work.glob("superlink.db*"):
             old.unlink()
         self.make_credentials()
-        if self.isolation is not None:
-            self._network_up = True  # from here on stop_all takes the network down, whatever fails
-            self.isolation.up()
+        self._network()
         self.start_superlink()
         for k in range(self.num_clients):
             self.node_ids[k] = self.register(k)
