@@ -515,9 +515,12 @@ class SecAggServer:
         dealer's commitment (a holder that sent another share is named, and its share set
         aside); with more than t good shares, two sets of t must rebuild the same secret, or the
         dealer is named. Fewer than t good shares abandon the round."""
-        good = {}
+        good, dealt_to = {}, set(self.holders.get(dealer, ()))
         for holder, answer in answers.items():
             if dealer not in answer[part]:
+                continue
+            if holder not in dealt_to:  # a commitment the dealer made outside the holders it listed
+                self.culprits[holder] = f"sent a share of client {dealer}'s {part} it was not dealt"
                 continue
             commit = self.commits.get(dealer, {}).get(holder, b"")
             expected = commit[:32] if part == "b" else commit[32:64]
