@@ -8,7 +8,9 @@ commitments and view must carry that neighbour's roster signature; without one i
 node id and a key made for each round signs, which protects only against a server that follows
 the protocol (said in the owner's log and in the identify reply, which the server's summary
 shows). The service takes part in a round once: its sessions are keyed by (state folder, run,
-experiment, round), so a second advertise for a round it joined, under any node id, is refused.
+experiment, round), and the last round it joined for each run and experiment is kept in its
+state folder, so a second advertise for a round it joined, under any node id, after any number
+of other rounds or a restart, is refused.
 
 The service keeps one `SecAggClient` per round in memory, the last MAX_SESSIONS of them; its
 private keys and its self-mask seed never leave it. Every stage message is hostile until
@@ -45,9 +47,8 @@ from clients import node_config as node_configs
 
 log = logging.getLogger("fedsd.secure_aggregation")
 MAX_SESSIONS = 8  # rounds a service keeps state for; an older one is dropped (its round cannot go on)
-MAX_JOINED = 4096  # rounds remembered as joined, so that a dropped one is not joined twice
+JOINED = "secagg-joined.json"  # in the state folder: each run and experiment's last round this owner joined
 _SESSIONS: "OrderedDict[tuple, secagg.SecAggClient]" = OrderedDict()
-_JOINED: "OrderedDict[tuple, None]" = OrderedDict()
 UNAUTHENTICATED = ("secure aggregation without a roster (secagg-roster): this node protects its update only against "
                    "a server that follows the protocol")
 
@@ -84,6 +85,22 @@ class Owner:
         else:
             self.identity, self.id = None, secure_sum.secagg_id(context.node_id)
 
+    def join(self, key: tuple) -> None:
+        """Record that this owner joined the round `key`, on disk and before it answers: a round at
+        or below the last one it joined for that run and experiment is refused, whatever node id
+        it comes under, however many other rounds came since, and after a restart."""
+        state = self.node.state()
+        name = f"{key[1]}|{key[2]}"
+        with state.lock(JOINED + ".lock"):
+            joined = state.read_json(JOINED) or {}
+            if not isinstance(joined, dict):
+                raise secagg.ProtocolError(f"{JOINED} in the state folder does not parse; its owner's log has why")
+            if int(joined.get(name, 0)) >= key[3]:
+                raise secagg.ProtocolError(f"round {key[3]} was advertised to this owner already, or a later round of "
+                                           f"this run (under any node id, it takes part in a round once)")
+            joined[name] = key[3]
+            state.write_json(JOINED, joined)
+
     def client(self, round_id: bytes) -> secagg.SecAggClient:
         node = self.node
         return secagg.SecAggClient(self.id, round_id, min_cohort=node.secagg_min_clients,
@@ -116,36 +133,37 @@ def _session(key: tuple) -> secagg.SecAggClient:
 
 def identify_reply(content: RecordDict, context: Context) -> RecordDict:
     """Before stage 0: this service's id in the protocol and its identity's public key (empty
-    without a roster), which the server needs to name the cohort. Nothing secret, nothing kept."""
+    without a roster), which the server needs to name the cohort, signed for this round and the
+    node it answers for (so that no member can tell another owner's). Nothing secret, nothing kept."""
     try:
-        _, _, owner = _stage_fields(content, context)
+        key, _, owner = _stage_fields(content, context)
     except (BadMessage, secagg.ProtocolError, ConfigError) as e:
         raise _refused(e) from None
     if owner.roster is None:
         log.warning(UNAUTHENTICATED)
-    return RecordDict({secure_sum.RECORD: ConfigRecord({
-        "id": owner.id, "v": owner.identity.public if owner.identity is not None else b"",
-        "authenticated": owner.roster is not None})})
+        return RecordDict({secure_sum.RECORD: ConfigRecord({"id": owner.id, "v": b"", "sig": b"",
+                                                            "authenticated": False})})
+    signature = owner.identity.sign(secagg.identify_message(_round_id(key), context.node_id))
+    return RecordDict({secure_sum.RECORD: ConfigRecord({"id": owner.id, "v": owner.identity.public, "sig": signature,
+                                                        "authenticated": True})})
 
 
 def advertise_reply(content: RecordDict, context: Context) -> RecordDict:
     """Stage 0: the cohort, this client's neighbours and the threshold; its public keys, signed."""
     try:
         key, record, owner = _stage_fields(content, context)
-        if key in _SESSIONS or key in _JOINED:
+        if key in _SESSIONS:
             raise secagg.ProtocolError(f"round {key[3]} was advertised to this owner already (under any node id, "
                                        f"it takes part in a round once)")
         client = owner.client(_round_id(key))
         keys = client.advertise(list(record.get("cohort", [])), list(record.get("neighbours", [])),
                                 record.get("threshold"))
+        owner.join(key)  # a refused round leaves nothing behind; a joined one is remembered, on disk
     except (BadMessage, secagg.ProtocolError, ConfigError, TypeError) as e:
         raise _refused(e) from None
-    _SESSIONS[key] = client  # a refused round leaves nothing behind; a joined one is remembered
-    _JOINED[key] = None
+    _SESSIONS[key] = client
     while len(_SESSIONS) > MAX_SESSIONS:
         _SESSIONS.popitem(last=False)
-    while len(_JOINED) > MAX_JOINED:
-        _JOINED.popitem(last=False)
     return RecordDict({secure_sum.RECORD: ConfigRecord(keys)})
 
 

@@ -132,16 +132,21 @@ def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min
                  max_colluders: int = 0, identities: dict | None = None) -> tuple[np.ndarray, dict]:
     """One round of SecAgg+ in process: every client's stages and the server's, each client
     with its identity on the run's roster (`identities`: client → fedsd.identity.Identity, made
-    here where absent). `vectors`: client → a function that computes its vector (called at the
+    here where absent; on a sparse graph, `degree` > 0, the keys are the round's own, since a
+    roster needs the complete graph). `vectors`: client → a function that computes its vector (called at the
     masked-input stage, as a service would). Returns the unmasked sum and the round's cost
     (bytes each way, seconds outside the vectors' computation). RoundAbandoned when too few
     clients go on."""
     started, computing = time.perf_counter(), 0.0
+    complete = degree <= 0 or degree >= len(vectors) - 1
     identities, roster = run_roster(vectors, identities)
+    if not complete:  # SecAgg+'s sparse graph: keys made for the round (a roster needs the complete graph)
+        roster = None
     ids = {k: identities[k].id for k in vectors}
-    n = len(vectors) if degree <= 0 or degree >= len(vectors) - 1 else degree + (degree % 2) + 1
+    n = len(vectors) if complete else degree + (degree % 2) + 1
     threshold = max(minimum_threshold(n), (n + max_colluders) // 2 + 1)  # one view only can reach it
-    server = SecAggServer(round_id, list(ids.values()), length, degree=degree, threshold=min(threshold, n))
+    server = SecAggServer(round_id, list(ids.values()), length, degree=degree,
+                          threshold=min(threshold, n - max_colluders))
     clients = {ids[k]: SecAggClient(ids[k], round_id, min_cohort=min_cohort, max_colluders=max_colluders,
                                     identity=identities[k], roster=roster) for k in vectors}
     server.collect_keys({i: c.advertise(**server.setup(i)) for i, c in clients.items()})

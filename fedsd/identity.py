@@ -25,6 +25,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from Crypto.Signature import eddsa
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
@@ -55,14 +56,22 @@ def public_line(public: bytes) -> str:
 
 
 def parse_public(text: str, where: str = "key") -> bytes:
-    """The 32 raw bytes of an `ed25519:<base64>` public key, checked to be a point's encoding."""
+    """The 32 raw bytes of an `ed25519:<base64>` public key, checked to be the canonical encoding
+    of a point of large order (pycryptodome decodes it): `cryptography` takes any 32 bytes, and
+    under a small-order key such as 01 00..00 one forged signature verifies for every message;
+    a point under a second encoding would be a second member."""
     if not isinstance(text, str) or not text.startswith(PREFIX):
         raise RosterError(f"{where}: a public key is written ed25519:<base64>")
     try:
         raw = base64.b64decode(text[len(PREFIX):], validate=True)
         Ed25519PublicKey.from_public_bytes(raw)
+        point = eddsa.import_public_key(raw)
     except ValueError:
         raise RosterError(f"{where}: not a 32-byte Ed25519 public key in base64") from None
+    if point.public_key().export_key(format="raw") != raw:
+        raise RosterError(f"{where}: not the canonical encoding of its Ed25519 point")
+    if (point.pointQ * 8).is_point_at_infinity():
+        raise RosterError(f"{where}: an Ed25519 key of small order (anyone can sign for it)")
     return raw
 
 

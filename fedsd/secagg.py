@@ -163,6 +163,12 @@ def combine_secret(shares: dict[int, bytes], holders: list[int], threshold: int)
                     for i in range(0, len(shares[chosen[0]]), CHUNK))
 
 
+def identify_message(round_id: bytes, node_id: int) -> bytes:
+    """What an owner signs at the identify stage: that it answers for this node in this round
+    (an identity key and an id alone are public: a member could tell another owner's)."""
+    return _info(round_id, "identify", int(node_id))
+
+
 def pairwise_sign(me: int, other: int) -> int:
     return 1 if me < other else -1
 
@@ -272,6 +278,13 @@ class SecAggClient:
             if strangers:
                 raise ProtocolError(f"cohort: {', '.join(self.name(j) for j in strangers[:4])} not on this owner's "
                                     f"roster (culprit: {strangers[0]})")
+        if self.roster is not None and neighbours != cohort:
+            # A neighbourhood is the server's to choose, and no signature covers it: with uneven
+            # ones, shares of one client's b and of its partners' s come from different groups,
+            # each story reaching its own threshold (a review playing the attacker unmasked one
+            # owner so). With a roster, the complete graph: every neighbourhood is the cohort.
+            raise ProtocolError("neighbours: with a roster, every member of the cohort (the complete graph); "
+                                "a neighbourhood the server chooses could split the round into two stories")
         if len(neighbours) < self.min_cohort + self.max_colluders:  # it could never unmask: refused before any cost
             raise ProtocolError(f"neighbours: {len(neighbours)} clients, below the {self.min_cohort} honest ones "
                                 f"and {self.max_colluders} of the server's this owner requires")
@@ -285,6 +298,11 @@ class SecAggClient:
             raise ProtocolError(f"threshold: {threshold} is at or below ({len(neighbours)} neighbours + "
                                 f"{self.max_colluders} of the server's) / 2; two views of the round could both "
                                 f"reach it")
+        if threshold > len(neighbours) - self.max_colluders:
+            # f silent members at the unmask would abandon a round this client has paid for.
+            raise ProtocolError(f"threshold: {threshold} is above {len(neighbours)} neighbours − {self.max_colluders} "
+                                f"of the server's, who could abandon the round after this owner is charged "
+                                f"(an owner that allows f needs more than 3f neighbours)")
         self.cohort, self.neighbours, self.threshold = cohort, neighbours, threshold
         self._c, self._s = X25519PrivateKey.generate(), X25519PrivateKey.generate()
         c, s, v = _raw(self._c.public_key()), _raw(self._s.public_key()), self.identity.public
@@ -530,12 +548,16 @@ class SecAggServer:
     def _secret(self, dealer: int, part: str, answers: dict[int, dict]) -> bytes:
         """One client's b or s from the shares its holders sent, each checked against the
         dealer's commitment (a holder that sent another share is named, and its share set
-        aside). Fewer than t good shares abandon the round. (A dealer whose shares lie on no one
-        polynomial leaves its mask in the sum, which the server's bound on an honest sum refuses;
-        checking two sets of t here would double the rebuilding, the protocol's largest cost.)"""
-        good = {}
+        aside, as is a share from a holder the dealer did not deal to). Fewer than t good shares
+        abandon the round. (A dealer whose shares lie on no one polynomial leaves its mask in the
+        sum, which the server's bound on an honest sum refuses; checking two sets of t here would
+        double the rebuilding, the protocol's largest cost.)"""
+        good, dealt_to = {}, set(self.holders.get(dealer, ()))
         for holder, answer in answers.items():
             if dealer not in answer[part]:
+                continue
+            if holder not in dealt_to:  # a commitment the dealer made outside the holders it listed
+                self.culprits[holder] = f"sent a share of client {dealer}'s {part} it was not dealt"
                 continue
             commit = self.commits.get(dealer, {}).get(holder, b"")
             expected = commit[:32] if part == "b" else commit[32:64]

@@ -33,8 +33,9 @@ from flwr.serverapp import Grid
 
 from fedsd import sum_bound
 from fedsd.errors import ConfigError
-from fedsd.identity import Roster, protocol_id, public_line, read_roster
-from fedsd.secagg import SEED_BYTES, SELF_SEED_BYTES, RoundAbandoned, SecAggServer, minimum_threshold
+from fedsd.identity import Roster, protocol_id, public_line, read_roster, verify
+from fedsd.secagg import (SEED_BYTES, SELF_SEED_BYTES, RoundAbandoned, SecAggServer, identify_message,
+                          minimum_threshold)
 from task import secure_sum
 from task.secure_sum import KEY_FIELDS, BadMessage, read_map, write_map
 
@@ -124,11 +125,11 @@ def _parsed(replies: dict[int, RecordDict], parse) -> dict:
 
 
 def _identity(record) -> dict:
-    client, public = record["id"], record["v"]
+    client, public, signature = record["id"], record["v"], record.get("sig", b"")
     if not (isinstance(client, int) and 0 <= client <= secure_sum.MAX_ID and isinstance(public, bytes)
-            and len(public) in (0, 32)):
-        raise BadMessage("an id in [0, 2^63) and a 32-byte identity key (or none) were expected")
-    return {"id": client, "v": public, "authenticated": bool(record.get("authenticated", False))}
+            and len(public) in (0, 32) and isinstance(signature, bytes)):
+        raise BadMessage("an id in [0, 2^63), a 32-byte identity key (or none) and its signature were expected")
+    return {"id": client, "v": public, "sig": signature, "authenticated": bool(record.get("authenticated", False))}
 
 
 def _keys(record) -> dict:
@@ -165,13 +166,20 @@ def _unmask_answer(record) -> dict:
     return answer
 
 
-def identify(exchange: Exchange, base: dict, roster: Roster | None) -> dict[int, dict]:
-    """Before stage 0: each node's protocol id and identity. With the server's copy of the roster
-    a node whose key is not on it, or whose id is not its key's, is left out and named."""
+def identify(exchange: Exchange, base: dict, roster: Roster | None, round_id: bytes) -> dict[int, dict]:
+    """Before stage 0: each node's protocol id and identity. A node that tells an identity key
+    without its signature for this round and node (a member telling another owner's) is left out
+    and named by its node; with the server's copy of the roster a node whose key is not on it,
+    or whose id is not its key's, is left out and named."""
     told = _parsed(exchange.ask("identify", {c: _stage_record(base) for c in exchange.nodes}), _identity)
     ids, out = {}, {}
     for client, who in told.items():
         node = exchange.nodes[client]
+        if who["v"] and not verify(who["v"], who["sig"], identify_message(round_id, node)):
+            exchange.named[f"node {node}"] = "an identity key it did not sign for this round and node"
+            log(WARNING, "secure aggregation round %d: left out node %d: %s", exchange.server_round, node,
+                exchange.named[f"node {node}"])
+            continue
         if roster is not None and (roster.key(who["id"]) != who["v"] or protocol_id(who["v"]) != who["id"]):
             exchange.named[str(who["id"])] = f"node {node}: a key not on the server's roster ({public_line(who['v'])})" \
                 if who["v"] else f"node {node}: no roster identity"
@@ -252,12 +260,12 @@ class SecureRounds:
         base = {"experiment-id": experiment, "server-round": server_round}
         record = dict(round=server_round)
         try:
-            identities = identify(exchange, base, self.roster)
+            rid = secure_sum.round_id(self.grid.run.run_id, experiment, server_round)
+            identities = identify(exchange, base, self.roster, rid)
             cohort = sorted(exchange.nodes)
             plain = sorted(exchange.nodes[c] for c, who in identities.items() if not who["authenticated"])
             n = len(cohort)
             threshold = min(n, max(minimum_threshold(n), fed.secagg_threshold)) if n else 1
-            rid = secure_sum.round_id(self.grid.run.run_id, experiment, server_round)
             server = SecAggServer(rid, cohort, secure_sum.vector_length(arrays), threshold=threshold)
             record.update(cohort=cohort, threshold=server.threshold, nodes_without_roster=plain)
             if plain:

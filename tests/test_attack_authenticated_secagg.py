@@ -32,7 +32,7 @@ def members(owners):
     identities = {}
     for node, context in contexts.items():
         identities[node] = load_identity(node_configs.parse(context.node_config).state())
-    sybils = {k: Identity() for k in range(4)}
+    sybils = {k: Identity() for k in range(7)}
     roster = Roster.of({**{f"owner-{IDS.index(n)}": i.public for n, i in identities.items()},
                         **{f"member-{k}": i.public for k, i in sybils.items()}})
     path = tmp_path / "roster"
@@ -68,9 +68,14 @@ def test_two_stories_with_more_colluders_than_honest_clients_are_refused_at_stag
     base = {"experiment-id": EXPERIMENT, "server-round": 1}
     with pytest.raises(service.StageRefused, match=r"threshold: 5 is at or below \(7 neighbours \+ 3"):
         service.advertise_reply(stage(base, cohort=cohort, neighbours=cohort, threshold=5), m.contexts[node])
+    for threshold in (6, 7):  # above 7 − 3: the 3 members, silent at the unmask, would abandon a paid round
+        with pytest.raises(service.StageRefused, match="more than 3f neighbours"):
+            service.advertise_reply(stage(base, cohort=cohort, neighbours=cohort, threshold=threshold),
+                                    m.contexts[node])
     assert not service._SESSIONS
-    reply = service.advertise_reply(stage(base, cohort=cohort, neighbours=cohort, threshold=6), m.contexts[node])
-    assert len(reply["secagg"]["sig"]) == 64  # 2 · 6 > 7 + 3: taken
+    cohort = sorted(list(m.ids.values()) + [m.sybils[k].id for k in range(7)])  # 10 > 3 · 3
+    reply = service.advertise_reply(stage(base, cohort=cohort, neighbours=cohort, threshold=7), m.contexts[node])
+    assert len(reply["secagg"]["sig"]) == 64  # 2 · 7 > 10 + 3 and 7 ≤ 10 − 3: taken
 
 
 # -- 2. one owner under several names -----------------------------------------------------------

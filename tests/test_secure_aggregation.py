@@ -39,10 +39,10 @@ def owners(tmp_path, monkeypatch):
         "partition-id": k, "num-partitions": 3, "data": str(tmp_path / "data" / f"client-{k}"), "max-epsilon": 3.0,
         "state-dir": str(tmp_path / f"state-{k}"), "secagg-min-clients": 3, "secagg-keep-inputs": True})
         for k, node in enumerate(IDS)}
-    service._SESSIONS.clear(), service._JOINED.clear()
+    service._SESSIONS.clear()
     arrays = model_to_record(initial_model(client_config(cfg, fed), 10))
     yield contexts, flat, arrays, tmp_path
-    service._SESSIONS.clear(), service._JOINED.clear()
+    service._SESSIONS.clear()
 
 
 def stage(base: dict, **fields) -> RecordDict:
@@ -121,6 +121,7 @@ def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without
 
     # Round 2: every hostile message refused.
     base2, server2 = up_to_shares(contexts, 2)
+    before = state_files(tmp_path)  # round 2 joined (each owner's joined-rounds record moved, legitimately)
     refused(service.advertise_reply, stage(base2, **server2.setup(101)), 101, "advertised to this owner already")
     refused(service.share_reply, keys_message(base2, server2, 101), 101, "was answered already")
     refused(service.masked_reply, masked_message(base2, flat, arrays, old_shares[101]), 101,
@@ -158,11 +159,20 @@ def test_a_round_asked_again_after_its_update_went_into_a_sum_is_refused(owners)
     attacker; without the refusal the second masked input is answered)."""
     contexts, flat, arrays, tmp_path = owners
     base, server = up_to_shares(contexts, 1)
+    old_session = {}
     for n in IDS:
+        key = next(k for k in service._SESSIONS if k[0].endswith(f"state-{IDS.index(n)}"))
+        old_session[n] = (key, service._SESSIONS[key])
         service.masked_reply(masked_message(base, flat, arrays, server.shares_for(n)), contexts[n])
-    service._SESSIONS.clear(), service._JOINED.clear()  # the service restarted
-    base, server = up_to_shares(contexts, 1)
+    service._SESSIONS.clear()  # the service restarted
     before = state_files(tmp_path)
+    with pytest.raises(service.StageRefused, match="advertised to this owner already"):  # its joined rounds on disk
+        up_to_shares(contexts, 1)
+    base = {"experiment-id": EXPERIMENT, "server-round": 1}
+    # and were the round's session there again (a service that lost its record), the update is refused
+    key, session = old_session[101]
+    service._SESSIONS[key] = session
+    session.stage = 2
     with pytest.raises(service.StageRefused, match="went into a sum already|kept an input for this round already"):
         service.masked_reply(masked_message(base, flat, arrays, server.shares_for(101)), contexts[101])
     assert state_files(tmp_path) == before
@@ -197,7 +207,7 @@ def test_the_servers_stages_sum_the_survivors_and_drop_a_node_that_does_not_answ
     base = {"experiment-id": EXPERIMENT, "server-round": 1}
     server = SecAggServer(secure_sum.round_id(7, EXPERIMENT, 1), list(IDS) + [104], secure_sum.vector_length(arrays))
     exchange = Exchange(ServicesGrid(contexts, gone={104}), 1, timeout=60, nodes=list(IDS) + [104])
-    identify(exchange, base, None)
+    identify(exchange, base, None, secure_sum.round_id(7, EXPERIMENT, 1))
     exchange.identified({**{n: n for n in IDS}, 104: 104})  # the server asks the gone node anyway
     train = RecordDict({"arrays": arrays, "config": ConfigRecord({**flat, **base})})
     total, replies = protocol(exchange, server, base, train)
@@ -231,20 +241,20 @@ def test_an_owner_that_takes_part_only_through_secure_aggregation_refuses_a_plai
 def test_a_service_keeps_a_few_rounds_and_a_clientapp_without_one_refuses_the_stages(tmp_path):
     from clients import app
 
-    service._SESSIONS.clear(), service._JOINED.clear()
+    service._SESSIONS.clear()
     context = Context(run_id=7, node_id=101, state=RecordDict(), run_config={},
                       node_config={"partition-id": 0, "state-dir": str(tmp_path / "state"),
                                    "secagg-max-colluders": 1})
     for server_round in range(1, 11):
         base = {"experiment-id": EXPERIMENT, "server-round": server_round}
-        reply = service.advertise_reply(stage(base, cohort=[101, 102, 103], neighbours=[101, 102, 103],
-                                              threshold=3), context)  # min 2 + f 1
+        reply = service.advertise_reply(stage(base, cohort=[101, 102, 103, 104], neighbours=[101, 102, 103, 104],
+                                              threshold=3), context)  # min 2 + f 1; 2·3 > 4 + 1 and 3 ≤ 4 − 1
         assert len(reply["secagg"]["c"]) == len(reply["secagg"]["s"]) == 32
     assert len(service._SESSIONS) == service.MAX_SESSIONS == 8
     assert all(c.max_colluders == 1 and c.min_cohort == 2 for c in service._SESSIONS.values())  # the owner's
     with pytest.raises(service.StageRefused, match="round 2 of this run was not advertised"):
         service.share_reply(with_map({"experiment-id": EXPERIMENT, "server-round": 2}), context)
-    service._SESSIONS.clear(), service._JOINED.clear()
+    service._SESSIONS.clear()
     with pytest.raises(ValueError, match="no owner's data service"):
         app.reply_content("secagg-advertise", stage({}), context)
     assert not service._SESSIONS

@@ -138,9 +138,9 @@ class SecureFederation:
         vectors = {k: client(k) for k in range(len(self.shards))}
         if self.plain:  # the benchmark's baseline (simulations/benchmarks/secagg_cost.py)
             total, cost = plain_round(vectors, self.noise.dim)
-        else:  # each client's assumption: t honest, the other n − t possibly the server's
-            total, cost = secure_round(f"{self.cfg.seed}:{r}".encode(), vectors, self.noise.dim, min_cohort=honest,
-                                       max_colluders=len(self.shards) - honest)
+        else:  # every client must survive (a simulation has no dropouts), so every share is in the sum
+            total, cost = secure_round(f"{self.cfg.seed}:{r}".encode(), vectors, self.noise.dim,
+                                       min_cohort=len(self.shards))
         self.model = dict(self.model, student=self.server.step(student, distributed_noise.decode(total, self.noise),
                                                                self.noise))
         record = dict(round=r, train_loss=float(np.mean(list(losses.values()))),
