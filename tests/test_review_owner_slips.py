@@ -1,0 +1,105 @@
+"""A review of issue 68's promises playing the attacker (the server through its ClientApp, another
+local account, an owner's slip): each test here is an attack that worked against the code as
+merged, and checks the fix.
+
+- the service's bound on the memory of messages being read (MAX_BYTES) counted a message's bytes
+  only while they arrived: read ones then waited for the answer lock, parsed and uncounted, so a
+  peer held any number of 128 MiB messages (up to the 128 connections) in the owner's memory;
+- the owner's service made its socket 0666 with a chmod by path after binding it: a link put in
+  its place in between (a socket folder another user can write) made that user's chosen file of
+  the owner's world-writable;
+- a link the owner left at state-dir/calibrations was refused with its resolved target in the
+  reason sent to the server;
+- a FIFO in place of the roster (read again for every message) held the service for ever;
+- a node config that stopped parsing (a roster others can write, a data folder gone) was refused
+  with the owner's paths in the reason sent to the server.
+"""
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, RecordDict
+
+from clients import data_service
+from tests.test_server_threat import own_npz
+
+pytestmark = pytest.mark.usefixtures("flower_task")
+assert own_npz  # the module's fixture, used by name below
+
+
+def frame(payload: bytes) -> bytes:
+    return struct.pack("!Q", len(payload)) + payload
+
+
+def records_of(nbytes: int) -> bytes:
+    from flwr.common.serde import recorddict_to_proto
+
+    content = RecordDict({"arrays": ArrayRecord({"w": Array(np.zeros(nbytes // 4, dtype=np.float32))})})
+    return recorddict_to_proto(content).SerializeToString()
+
+
+class Blocking(data_service.DataService):
+    """A warm worker whose first taken message holds the answer lock until `release` is set, as a
+    long training round the server asked for does."""
+
+    def __init__(self, address: Path):
+        super().__init__(address)
+        self.release = threading.Event()
+
+    def _reply(self, header, content):
+        self.release.wait(30)
+        return [json.dumps({"status": "error", "error": "held"}).encode()]
+
+
+def test_messages_waiting_for_the_answer_lock_count_against_the_services_memory_bound(tmp_path, monkeypatch):
+    """One message is being answered (a long round); the same peer sends 5 more of 1 MB each to a
+    service that reads at most 3 MB of records at once. Each is read whole, parsed and held while
+    it waits for the lock, so what waits is in the service's memory: past 3 MB, the rest must be
+    refused at once, not held (else 128 connections × 128 MiB wait in memory)."""
+    monkeypatch.setenv("FEDSD_TUNE_PROCESS", "0")
+    monkeypatch.setattr(data_service, "MAX_BYTES", 3 << 20)
+    monkeypatch.setattr(data_service, "PEER_BYTES", 1 << 30)
+    address = tmp_path / "s.sock"
+    service = Blocking(address)
+    threading.Thread(target=service.serve, daemon=True).start()
+    deadline = time.monotonic() + 60
+    while not address.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    header = frame(json.dumps({"kind": "evaluate", "run_id": 1, "node_id": 1, "node_config": {}}).encode())
+    body = frame(records_of(1 << 20))
+    sockets = []
+    try:
+        for _ in range(6):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(address))
+            try:
+                s.sendall(header + body)
+            except OSError:
+                pass  # refused and closed before the records: its refusal is there to read
+            sockets.append(s)
+            time.sleep(0.3)  # read whole before the next: the reservation of each has come and gone
+        time.sleep(0.5)
+        said = []
+        for s in sockets:
+            s.setblocking(False)
+            try:
+                said.append(s.recv(4096))
+            except BlockingIOError:
+                said.append(b"")
+        refused = sum(b"refused" in m for m in said)
+        waiting = sum(not m for m in said)
+        print(f"6 messages of 1 MB under a 3 MB bound: 1 taken, {waiting} waiting in memory, {refused} refused")
+        assert b"taken" in said[0]
+        assert waiting <= 3 and refused >= 2, said
+    finally:
+        service.release.set()
+        for s in sockets:
+            s.close()
