@@ -573,10 +573,17 @@ class DataService:
                 raise ServiceUnavailable(f"another data service listens at {self.address}")
             self.address.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with _reachable(self.address) as where:
-            listener.bind(where)
-        if self.node is not None:  # who may talk to it is decided by its peer's uid (above)
-            os.chmod(self.address, 0o666)
+        # The owner's service: who may talk to it is decided by its peer's uid (above), so its
+        # socket is made 0666 by the bind itself. A chmod by path after it would follow a link
+        # put at the address in between (a socket folder another user can write), and make the
+        # file it leads to, that user's choice of the owner's files, writable by everyone.
+        mask = os.umask(0o111) if self.node is not None else None
+        try:
+            with _reachable(self.address) as where:
+                listener.bind(where)
+        finally:
+            if mask is not None:
+                os.umask(mask)
         listener.listen(64)
         return listener
 

@@ -103,3 +103,30 @@ def test_messages_waiting_for_the_answer_lock_count_against_the_services_memory_
         service.release.set()
         for s in sockets:
             s.close()
+
+
+@contextmanager
+def bound_then_swapped(address: Path, victim: Path):
+    """Bind at `address`; right after the bind (before the service's next step) another user who
+    can write the socket's folder moves the socket away and leaves a link to `victim`."""
+    yield str(address)
+    os.rename(address, address.with_name("moved.sock"))
+    os.symlink(victim, address)
+
+
+def test_the_owners_socket_is_never_made_world_writable_through_a_link(tmp_path, monkeypatch):
+    """The owner's service gives its socket mode 0666 (who may talk is decided by the peer's uid).
+    Done by path after the bind, a link put at the socket's address in between made the file it
+    leads to 0666: the other user picks any file of the owner's (its ~/.bashrc, say)."""
+    victim = tmp_path / "owners-file"
+    victim.write_text("the owner's")
+    victim.chmod(0o600)
+    address = tmp_path / "service.sock"
+    monkeypatch.setattr(data_service, "_reachable", lambda a: bound_then_swapped(a, victim))
+    service = data_service.DataService(address, node=object())  # the owner's service (a node config)
+    try:
+        listener = service._listen()
+        listener.close()
+    except OSError:
+        pass  # refusing is fine: what matters is the victim's mode
+    assert oct(victim.stat().st_mode & 0o777) == oct(0o600)
