@@ -201,7 +201,7 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
             len(task.classes)).to(resolve_device(cfg.device))
         # Cached on this client's disk: a deployed ClientApp is a fresh process for every message.
         plan = privacy.plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant,
-                            cache_dir=str(node.state_folder("calibrations")))
+                            cache_dir=str(private_state_folder(node, "calibrations")))
         _TRAINERS.clear()  # one data set a process: a fresh ClientApp process, or one Ray worker's client
         _TRAINERS[key] = planned_trainer(cfg, tensors, plan, client=partition_id, guarded=node.secret_noise)
     if node.secret_noise and not _TRAINERS[key].clipper.guards_nonfinite:  # before anything is charged

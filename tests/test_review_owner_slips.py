@@ -130,3 +130,26 @@ def test_the_owners_socket_is_never_made_world_writable_through_a_link(tmp_path,
     except OSError:
         pass  # refusing is fine: what matters is the victim's mode
     assert oct(victim.stat().st_mode & 0o777) == oct(0o600)
+
+
+@pytest.mark.slow
+def test_a_link_in_the_state_folder_is_refused_without_telling_the_server_where_it_leads(own_npz, tmp_path):
+    """The owner left state-dir/calibrations as a link to a folder elsewhere. The round is refused
+    (the link is not followed), and the server is told the state folder is not the owner's alone,
+    never the link's target (a path of the owner's machine)."""
+    from fedsd.fed_settings import client_config
+    from fedsd.training import initial_model
+    from tests.test_server_threat import ask, node, one_step_run
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    target = tmp_path / "owners-private-place-7f3a"
+    target.mkdir(mode=0o700)
+    (state / "calibrations").symlink_to(target)
+    cfg, fed, flat = one_step_run(experiment="leak")
+    reply = ask(flat, node(own_npz, state), initial_model(client_config(cfg, fed), 10))
+    assert reply["metrics"]["refused"] == 1
+    reason = reply["refusal"]["reason"]
+    print("told the server:", reason)
+    assert "owners-private-place" not in reason and str(tmp_path) not in reason, reason
+    assert not list(target.iterdir())
