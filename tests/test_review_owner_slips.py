@@ -153,3 +153,70 @@ def test_a_link_in_the_state_folder_is_refused_without_telling_the_server_where_
     print("told the server:", reason)
     assert "owners-private-place" not in reason and str(tmp_path) not in reason, reason
     assert not list(target.iterdir())
+
+
+def roster_of(path: Path) -> Path:
+    import base64
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    public = Ed25519PrivateKey.generate().public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    path.write_text(f"alice ed25519:{base64.b64encode(public).decode()}\n")
+    return path
+
+
+def test_a_fifo_in_place_of_the_roster_is_refused_not_waited_on(tmp_path):
+    """The roster is read again for every message. A FIFO put in its place (by anyone who can
+    write its folder) held the open, and the service's answer lock with it, for ever."""
+    from fedsd.identity import RosterError, read_roster
+
+    fifo = tmp_path / "roster"
+    os.mkfifo(fifo, 0o600)
+    outcome = []
+
+    def read():
+        try:
+            read_roster(fifo)
+            outcome.append("read")
+        except RosterError as e:
+            outcome.append(str(e))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=5)
+    if reader.is_alive():  # unblock it: a writer opens the FIFO
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert outcome and "not a regular file" in outcome[0], outcome
+
+
+@pytest.mark.parametrize("slip", ["roster-others-can-write", "data-gone"])
+def test_a_node_config_that_no_longer_parses_is_refused_without_the_owners_paths(tmp_path, slip):
+    """The owner's roster became group-writable, or its data folder was moved, while the node
+    runs: every round is refused, and the reason the server reads named the roster's or the data's
+    path (and the owner's uid). Its owner's log has it in full; the server gets `<secagg-roster>`
+    and `<data>`. The same through secure aggregation's stages."""
+    from flwr.app import ConfigRecord, Context
+
+    from clients import local, secure_aggregation
+    from task import secure_sum
+
+    private = tmp_path / "owners-private-place-7f3a"
+    private.mkdir()
+    roster, data = roster_of(private / "roster"), private / "data.npz"
+    data.write_bytes(b"")
+    node_config = {"partition-id": 0, "data": str(data), "max-epsilon": 1.0, "state-dir": str(private / "state"),
+                   "secagg-roster": str(roster)}
+    if slip == "roster-others-can-write":
+        roster.chmod(0o664)
+    else:
+        data.unlink()
+    context = Context(run_id=1, node_id=11, node_config=node_config, state=RecordDict(), run_config={})
+    content = RecordDict({"config": ConfigRecord({"server-round": 1, "client-data": "own", "experiment-id": "x"})})
+    reason = local.train_reply(content, context)["refusal"]["reason"]
+    print("told the server:", reason)
+    assert "owners-private-place" not in reason, reason
+    stage = RecordDict({secure_sum.RECORD: ConfigRecord({"experiment-id": "x", "server-round": 1})})
+    with pytest.raises(secure_aggregation.StageRefused) as refused:
+        secure_aggregation.identify_reply(stage, context)
+    assert "owners-private-place" not in str(refused.value), str(refused.value)
