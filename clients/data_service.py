@@ -59,7 +59,7 @@ import subprocess
 import threading
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 from flwr.app import Context, RecordDict
@@ -80,12 +80,13 @@ MAX_RECORDS = 1 << 27  # bytes of a message's records: resnet18's weights are 45
 FRAME_SECONDS = 30.0  # a frame must arrive whole within this long, and a reply be taken within it
 # Connections are never waited for: accepting goes on whatever the open ones do, and one over a
 # limit is refused at once with the reason. A peer (a process, by SO_PEERCRED) holds at most
-# PEER_CONNECTIONS open and PEER_BYTES of records being read, so a peer holding half frames holds
+# PEER_CONNECTIONS open and PEER_BYTES of records being read or waiting to be answered (a message
+# read whole waits for the answer lock, parsed, in memory), so a peer holding half frames holds
 # only its own slots; MAX_CONNECTIONS and MAX_BYTES bound the service as a whole (its memory).
 PEER_CONNECTIONS = 8
 PEER_BYTES = 1 << 28  # 256 MiB: two messages of the largest size
 MAX_CONNECTIONS = 128
-MAX_BYTES = 1 << 31  # 2 GiB of records being read at once
+MAX_BYTES = 1 << 31  # 2 GiB of records being read or waiting to be answered at once
 MAX_CONTEXTS = 16  # (run, node) states kept in memory; the privacy state is on disk in any case
 SERVICE_LOCK = "service.lock"  # in the state folder: held by the owner's service for its life
 TAKEN = {"status": "taken"}  # the service's word that it has the message and will answer it
@@ -298,10 +299,11 @@ class Slots:
         not fit its share or the service's)."""
         with self.lock:
             if self.bytes.get(peer, 0) + size > PEER_BYTES:
-                raise Refused(f"records of {size} bytes, over the {PEER_BYTES} this process may have being read")
+                raise Refused(f"records of {size} bytes, over the {PEER_BYTES} this process may have being read or "
+                              f"waiting to be answered")
             if self.total_bytes + size > MAX_BYTES:
-                raise Refused(f"records of {size} bytes while the service reads {self.total_bytes} of others, over "
-                              f"the {MAX_BYTES} it reads at once; try again")
+                raise Refused(f"records of {size} bytes while the service holds {self.total_bytes} of others, over "
+                              f"the {MAX_BYTES} it holds at once; try again")
             self.bytes[peer] = self.bytes.get(peer, 0) + size
             self.total_bytes += size
         try:
@@ -517,11 +519,15 @@ class DataService:
 
     def _connection(self, conn: socket.socket, peer: int) -> None:
         """One connection: read and check its message, then take and answer it, or refuse it."""
+        def reserve(size: int):  # held until the connection ends: a message read waits in memory
+            held.enter_context(self.slots.reserve(peer, size))
+            return nullcontext()
+
         try:
-            with conn:
+            with conn, ExitStack() as held:
                 try:
                     header = recv_json(conn, FRAME_SECONDS)
-                    content = recv_records(conn, FRAME_SECONDS, lambda size: self.slots.reserve(peer, size))
+                    content = recv_records(conn, FRAME_SECONDS, reserve)
                     if header.get("kind") not in KINDS + (SECAGG_KINDS if self.node is not None else ()):
                         raise Refused(f"a message of kind {str(header.get('kind'))[:40]!r}; the kinds are train "
                                       f"and evaluate" + (", and secure aggregation's stages in an owner's data "
@@ -567,10 +573,17 @@ class DataService:
                 raise ServiceUnavailable(f"another data service listens at {self.address}")
             self.address.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with _reachable(self.address) as where:
-            listener.bind(where)
-        if self.node is not None:  # who may talk to it is decided by its peer's uid (above)
-            os.chmod(self.address, 0o666)
+        # The owner's service: who may talk to it is decided by its peer's uid (above), so its
+        # socket is made 0666 by the bind itself. A chmod by path after it would follow a link
+        # put at the address in between (a socket folder another user can write), and make the
+        # file it leads to, that user's choice of the owner's files, writable by everyone.
+        mask = os.umask(0o111) if self.node is not None else None
+        try:
+            with _reachable(self.address) as where:
+                listener.bind(where)
+        finally:
+            if mask is not None:
+                os.umask(mask)
         listener.listen(64)
         return listener
 

@@ -201,7 +201,7 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
             len(task.classes)).to(resolve_device(cfg.device))
         # Cached on this client's disk: a deployed ClientApp is a fresh process for every message.
         plan = privacy.plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant,
-                            cache_dir=str(node.state_folder("calibrations")))
+                            cache_dir=str(private_state_folder(node, "calibrations")))
         _TRAINERS.clear()  # one data set a process: a fresh ClientApp process, or one Ray worker's client
         _TRAINERS[key] = planned_trainer(cfg, tensors, plan, client=partition_id, guarded=node.secret_noise)
     if node.secret_noise and not _TRAINERS[key].clipper.guards_nonfinite:  # before anything is charged
@@ -353,15 +353,20 @@ def refusal(metrics: dict, reason: str) -> RecordDict:
 
 def told_the_server(reason: str, node_config) -> str:
     """A reason as it may leave this machine: files named relative to the node's data folder,
-    its state folder as `state-dir`, never the owner's absolute paths."""
+    its state folder as `state-dir` and its roster as `secagg-roster`, never the owner's absolute
+    paths (also where the node config no longer parses: its paths as the owner wrote them)."""
     try:
         node = node_configs.parse(node_config)
-    except ConfigError:
-        return reason
-    if node.owns_data:
-        root = str(Path(node.data).expanduser())
+        data, state, roster = node.data, str(node.state_root), node.secagg_roster
+    except ConfigError:  # one that does not parse (a data folder gone, a roster others can write): as given
+        data, roster = str(node_config.get("data", "")), str(node_config.get("secagg-roster", ""))
+        state = str(node_configs.state_root_of(str(node_config.get("state-dir", ""))))
+    if roster:
+        reason = reason.replace(roster, "<secagg-roster>")
+    if data:
+        root = str(Path(data).expanduser())
         reason = reason.replace(root + "/", "").replace(root, "<data>")
-    return reason.replace(str(node.state_root), "<state-dir>")
+    return reason.replace(state, "<state-dir>")
 
 
 def spent_so_far(state, plan: privacy.PrivacyPlan) -> float:

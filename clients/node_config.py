@@ -210,14 +210,14 @@ def parse(node_config: Mapping) -> NodeConfig:
                               "predict this client's noise and subtract it from its update, which leaves the sum of "
                               "clipped gradients of the owner's data unnoised; add trust-server-with-noise=true to "
                               "say the owner accepts that, or leave noise unset (secret noise)")
-    return dataclasses.replace(node, state_dir=str(_state_root(node.state_dir)))
+    return dataclasses.replace(node, state_dir=str(state_root_of(node.state_dir)))
 
 
 # With service=...: what the SuperNode's own node config holds (the rest is the service's).
 SUPERNODE_WITH_SERVICE = ("partition-id", "num-partitions", "service")
 
 
-def _state_root(state_dir: str) -> Path:
+def state_root_of(state_dir: str) -> Path:
     """The state folder as an absolute path, resolved once: a relative one would name another
     folder in a process with another working directory (the worker's), and split the ledger."""
     root = Path(state_dir or os.environ.get("FEDSD_CLIENT_STATE_DIR")

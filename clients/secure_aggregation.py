@@ -117,7 +117,14 @@ def _stage_fields(content: RecordDict, context: Context) -> tuple[tuple, ConfigR
         raise BadMessage("experiment-id: letters, digits, '.', '_' and '-', at most 64")
     if not isinstance(server_round, int) or isinstance(server_round, bool) or not 1 <= server_round <= 1 << 31:
         raise BadMessage("server-round: a positive integer")
-    owner = Owner(node_configs.parse(context.node_config), context)
+    try:
+        node = node_configs.parse(context.node_config)
+    except ConfigError as e:  # in full in the owner's log; to the server without the owner's paths
+        from clients.local import told_the_server
+
+        log.warning("refused a round: %s", e)
+        raise ConfigError(told_the_server(str(e), context.node_config)) from None
+    owner = Owner(node, context)
     return (owner.node.state_dir, int(context.run_id), experiment, server_round), record, owner
 
 

@@ -184,7 +184,8 @@ def read_roster(path: str | Path) -> Roster:
     key twice. Anything else is a RosterError naming the file and the line."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        # O_NONBLOCK: a FIFO put in its place would hold the open, and the service with it, forever
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:
         raise RosterError(f"secagg-roster={path}: cannot be read without following a link ({e.strerror})") from None
     try:

@@ -317,7 +317,7 @@ def test_own_data_without_a_budget_is_refused_before_its_data_is_read(split, tmp
     ({"max-epsilon": -1.0}, "node-config max-epsilon=-1: must be > 0 (or inf for no limit)"),
     ({"max-epsilon": 3, "max-delta": 1.5}, "node-config max-delta=1.5: must be in (0, 1)"),
     ({"max-epsilon": 3, "max-epsilom": 3}, "node-config max-epsilom: not a key fedsd reads; the keys are partition-id"),
-    ({"max-epsilon": 3, "data": "/no/such/folder"}, "node-config data='/no/such/folder': no such file or folder"),
+    ({"max-epsilon": 3, "data": "/no/such/folder"}, "node-config data='<data>': no such file or folder"),  # no path
     ({"max-epsilon": 3, "partition-id": 5}, "node-config partition-id=5 is outside [0, 2)"),
 ])
 def test_a_bad_node_config_is_refused_with_the_key_named(split, tmp_path, extra, needle):
