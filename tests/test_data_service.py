@@ -244,4 +244,4 @@ def test_the_owners_identity_is_made_once_in_its_state_folder_and_a_bad_node_con
         assert code == 2 and out == "" and err.startswith("fedsd data-service: error: ") and said in err, err
     key.chmod(0o644)
     code, _, err = identity("--node-config", owner)
-    assert code == 2 and "identity key must be a file of this user's alone (mode 0600)" in err
+    assert code == 2 and "identity.key in the state folder: must be a file of this user's alone (mode 0600)" in err
