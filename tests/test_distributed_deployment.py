@@ -274,3 +274,55 @@ def test_the_server_refuses_a_run_that_cannot_be_distributed_before_any_round():
     assert dn.from_settings(dict(dn.to_settings(plan, ROUNDS))) == (plan, ROUNDS)
     with pytest.raises(ConfigError, match="noise-plan-dim"):
         dn.from_settings({**dn.to_settings(plan, ROUNDS), dn.PLAN_PREFIX + "dim": 1.5})
+
+
+@pytest.mark.slow  # three owners' masked inputs (real data, real ledgers)
+def test_a_service_killed_after_its_masked_input_leaves_the_round_abandoned_and_nothing_applied(federation):
+    """Three owners, threshold 3: one killed after its masked input cannot be unmasked around
+    (its self mask needs its shares of the others), so the round is abandoned before anything is
+    unmasked and the model stays. With a fourth owner the round would complete without it, its
+    survivors' shares still at least each owner's t (which each owner checks at the unmask)."""
+    from tests.test_secure_aggregation import ServicesGrid
+
+    f = federation
+
+    class Killed(ServicesGrid):
+        """IDS[2] gone after its masked input; a service's refusal an error reply, as Flower sends it."""
+
+        def send_and_receive(self, messages, *, timeout=None):
+            from flwr.app import Error, Message
+
+            if messages and messages[0].metadata.message_type in ("query.secagg_confirm", "query.secagg_unmask"):
+                self.gone.add(IDS[2])
+            replies = []
+            for m in messages:
+                try:
+                    replies += super().send_and_receive([m], timeout=timeout)
+                except service.StageRefused as e:
+                    replies.append(Message(Error(code=0, reason=str(e)), reply_to=m))
+            return replies
+
+    f.rounds.grid.inner = Killed(f.contexts)
+    after = f.rounds.one_round(1, f.arrays)
+    record = f.rounds.records[0]
+    assert record["abandoned"] and "below the threshold" in record["abandoned"], record
+    assert all("2 neighbours signed" in why for why in record["stages"]["unmask"]["failed"].values())
+    assert all(np.array_equal(after[k].numpy(), f.arrays[k].numpy()) for k in f.arrays)
+    assert not (f.tmp_path / "secagg-sum-1.npy").exists()
+
+
+@pytest.mark.slow  # three owners' rounds (real data, real ledgers)
+def test_a_sum_with_fewer_shares_than_the_plans_t_is_refused_and_nothing_applied(federation):
+    """The server's plan counts on t = 4 honest shares; three came (each owner's own t is 3, so
+    each sent): the sum holds less noise than the plan's, and the server applies nothing."""
+    from server.secure_aggregation import SecureRounds
+
+    f = federation
+    fed = FedOptions(**{**f.fed.__dict__, "honest_clients": 4})
+    side = f.rounds.side
+    rounds = SecureRounds(f.rounds.grid, side, SimpleNamespace(fed=fed, experiment_id=EXPERIMENT, round=0,
+                                                                out=f.tmp_path))
+    assert rounds.noise.honest == 4 and rounds.noise.noise_multiplier == f.plan.noise_multiplier  # z: not t's
+    after = rounds.one_round(1, f.arrays)
+    assert "below the plan's t = 4" in rounds.records[0]["abandoned"]
+    assert all(np.array_equal(after[k].numpy(), f.arrays[k].numpy()) for k in f.arrays)
