@@ -23,9 +23,11 @@ neighbour's key is checked and every agreement computed at the share stage, and 
 decrypted and checked against its dealer's signed commitment before the masked-input stage
 trains and charges (`SecAggClient.check_masked_input`).
 
-The vector a client contributes (`contribution`) is for now its ordinary training update (the
-model delta after local training, which charges the ledger as a train round does), in fixed
-point; with `secagg-keep-inputs=true` the owner keeps each round's vector, as released into the
+The vector a client contributes is, with local noise (`contribution`), its ordinary training
+update (the model delta after local training, which charges the ledger as a train round does),
+in fixed point; under noise=distributed (`distributed_contribution`), its part of one DP-SGD step
+of the federation: its clipped sum of a Poisson batch, quantised, with its Skellam share, after
+the server's plan is checked against its own calibration and its ledger charged; with `secagg-keep-inputs=true` the owner keeps each round's vector, as released into the
 sum, in state-dir/secagg/<run>-<experiment>-<round>-<id>.npy.
 """
 from __future__ import annotations

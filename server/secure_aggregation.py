@@ -9,7 +9,9 @@ left out and named); the identified nodes are the cohort; stage messages
 owner's data service, which answers. A node that does not answer a stage, or answers with
 anything but what the stage carries, is dropped; a refusal that names a culprit is kept. Below
 the threshold at any stage the round is abandoned and logged, nothing is unmasked, and the global
-model stays as it was. A decoded sum above what honest clients send (fedsd.sum_bound) is refused
+model stays as it was. Under noise=distributed the masked-input stage carries the round's noise
+plan (`distributed_plan`), and the decoded sum is the gradient of the server's optimizer step
+(`SecureRounds._step`) rather than a mean update. A decoded sum above what honest clients send (fedsd.sum_bound) is refused
 the same way. Otherwise the sum (uint64) becomes the mean update of the survivors
 (task.secure_sum.apply_sum). Every round's protocol record (who was in at each stage, bytes each
 way, seconds, culprits, the mean update's norm and its bound) goes to
