@@ -191,17 +191,24 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
     key = (tuple(sorted(flat.items())), "own", held.fingerprint, partition_id)
     if key not in _TRAINERS:
         n = len(held.y_train)
-        if n < cfg.batch_size:
+        distributed = fed.noise == "distributed"
+        if distributed and not 0 < fed.sample_rate <= 1:
+            raise ConfigError(f"sample-rate={fed.sample_rate}: noise=distributed draws each record at the run's q "
+                              f"(batch-size / the federation's records), a setting in (0, 1]")
+        if n < cfg.batch_size and not distributed:  # distributed: batch-size is the federation's expected batch
             raise ConfigError(f"batch-size={cfg.batch_size}: more than this client's training samples")
-        validate(cfg, n)
+        validate(dataclasses.replace(cfg, batch_size=min(cfg.batch_size, n)) if distributed else cfg, n)
         # the run's features of this client's own images, made on this machine (fedsd.features)
         tensors = data_lib.TensorData(
             inputs(normalised(held.x_train, task), cfg.features, "training images"), held.y_train,
             inputs(normalised(held.x_test, task), cfg.features, "test images"), held.y_test,
             len(task.classes)).to(resolve_device(cfg.device))
         # Cached on this client's disk: a deployed ClientApp is a fresh process for every message.
-        plan = privacy.plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant,
-                            cache_dir=str(private_state_folder(node, "calibrations")))
+        if distributed:  # one step a round at the run's q; the noise is the round's plan's (fedsd.distributed)
+            plan = privacy.PrivacyPlan(0.0, fed.sample_rate, fed.rounds, cfg.epsilon, cfg.delta, "rdp")
+        else:
+            plan = privacy.plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant,
+                                cache_dir=str(private_state_folder(node, "calibrations")))
         _TRAINERS.clear()  # one data set a process: a fresh ClientApp process, or one Ray worker's client
         _TRAINERS[key] = planned_trainer(cfg, tensors, plan, client=partition_id, guarded=node.secret_noise)
     if node.secret_noise and not _TRAINERS[key].clipper.guards_nonfinite:  # before anything is charged
@@ -325,6 +332,9 @@ def client_side(content: RecordDict, context: Context, *, plain_release: bool) -
     node = node_settings(flat, context.node_config)
     if plain_release and node.secagg_only:
         raise ConfigError("this owner takes part only through secure aggregation (node-config secagg-only=true)")
+    if plain_release and flat.get("noise") == "distributed":
+        raise ConfigError("noise=distributed: this client adds a share of the noise only inside a secure sum; a "
+                          "plain round would release its share alone, far below the noise its guarantee counts")
     node.require_budget()
     if flat.get("client-data") == "own":
         if not node.owns_data:

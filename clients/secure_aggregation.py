@@ -23,24 +23,29 @@ neighbour's key is checked and every agreement computed at the share stage, and 
 decrypted and checked against its dealer's signed commitment before the masked-input stage
 trains and charges (`SecAggClient.check_masked_input`).
 
-The vector a client contributes (`contribution`) is for now its ordinary training update (the
-model delta after local training, which charges the ledger as a train round does), in fixed
-point; with `secagg-keep-inputs=true` the owner keeps each round's vector, as released into the
+The vector a client contributes is, with local noise (`contribution`), its ordinary training
+update (the model delta after local training, which charges the ledger as a train round does),
+in fixed point; under noise=distributed (`distributed_contribution`), its part of one DP-SGD step
+of the federation: its clipped sum of a Poisson batch, quantised, with its Skellam share, after
+the server's plan is checked against its own calibration and its ledger charged; with `secagg-keep-inputs=true` the owner keeps each round's vector, as released into the
 sum, in state-dir/secagg/<run>-<experiment>-<round>-<id>.npy.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections import OrderedDict
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 
-from fedsd import secagg
+from fedsd import privacy, secagg
 from fedsd.errors import ConfigError
 from fedsd.fed_settings import EXPERIMENT_ID
 from fedsd.identity import load_identity, read_roster
 from task import secure_sum
+from task.records import record_to_model
 from task.secure_sum import KEY_FIELDS, BadMessage, read_map, write_map
 
 from clients import node_config as node_configs
@@ -205,7 +210,8 @@ def masked_reply(content: RecordDict, context: Context) -> RecordDict:
             raise secagg.ProtocolError("this client kept an input for this round already; it sends no other")
     except (BadMessage, secagg.ProtocolError, ConfigError) as e:
         raise _refused(e) from None
-    vector, metrics = contribution(content, context)
+    distributed = isinstance(content.get("config"), ConfigRecord) and content["config"].get("noise") == "distributed"
+    vector, metrics = (distributed_contribution if distributed else contribution)(content, context, owner)
     masked = client.masked_input(ciphertexts, commits, vector)
     if owner.node.secagg_keep_inputs:
         keep_input(owner, key, vector)
@@ -213,7 +219,7 @@ def masked_reply(content: RecordDict, context: Context) -> RecordDict:
     return RecordDict({secure_sum.RECORD: ArrayRecord({"masked": Array(masked)}), "metrics": metrics})
 
 
-def contribution(content: RecordDict, context: Context) -> tuple[np.ndarray, MetricRecord]:
+def contribution(content: RecordDict, context: Context, owner: Owner | None = None) -> tuple[np.ndarray, MetricRecord]:
     """This client's uint64 vector for the round and its metrics: its training update (the model
     delta after one round of local DP training, which charges the owner's ledger as a train
     round does), in fixed point. A refused round raises StageRefused with its reason."""
@@ -231,6 +237,92 @@ def contribution(content: RecordDict, context: Context) -> tuple[np.ndarray, Met
         # the same vector would come out of the difference of the two: one update, one sum.
         raise _refused("this round's update went into a sum already; it goes into no other")
     return secure_sum.update_vector(content["arrays"], reply["arrays"]), reply["metrics"]
+
+
+def distributed_contribution(content: RecordDict, context: Context, owner: Owner) -> tuple[np.ndarray, MetricRecord]:
+    """Under noise=distributed, record level (docs/algorithms.md, "Distributed noise"): one DP-SGD
+    step's part, this owner's clipped sum of one Poisson batch at the run's q, quantised, with its
+    Skellam share (fedsd.distributed.contribution). The round's plan (the server's, in the
+    round's settings: fedsd.distributed_noise.to_settings) is hostile until checked against this
+    owner's own calibration from the run's (ε, δ), q, C and length and its own t
+    (secagg-min-clients), which also sizes its share; the owner's ledger then admits the run's
+    whole plan on its first round and charges each round as Skellam steps, at integer orders,
+    before anything is drawn. Its batch and noise come from a fresh secret stream; the
+    per-sample work is padded to the plan's bound on any client's batch, so its time does not
+    tell the batch. The metrics it releases are a function of the plan and of the rounds it took
+    part in alone (`public_metrics`). A refusal raises StageRefused with its reason."""
+    from clients import local
+    from fedsd import distributed_noise, sum_bound
+    from fedsd.distributed import DISTRIBUTED_METHODS, contribution as step_part, dimension
+    from fedsd.errors import BudgetRefused, DataError
+
+    flat = dict(content["config"])
+    try:
+        plan, rounds = distributed_noise.from_settings(flat)
+        side = local.client_side(RecordDict({"arrays": content["arrays"], "config": ConfigRecord(flat)}), context,
+                                 plain_release=False)
+        fed, trainer, cfg = side.fed, side.trainer, side.trainer.cfg
+        if not side.own_data:
+            raise ConfigError("noise=distributed in a deployment: a client with its own data (client-data=own), "
+                              "whose draws come from its secret stream")
+        if fed.privacy_unit != "record":
+            raise ConfigError("privacy-unit=client: not yet in a deployment (fedsd simulate runs it)")
+        if fed.local_epochs != 1:
+            raise ConfigError(f"local-epochs={fed.local_epochs}: noise=distributed takes one step a round (the "
+                              f"server applies each step); 1 is the only value")
+        if cfg.method not in DISTRIBUTED_METHODS:
+            raise ConfigError(f"method={cfg.method}: noise=distributed runs {', '.join(DISTRIBUTED_METHODS)}")
+        if rounds != fed.rounds:
+            raise ValueError(f"distributed noise: the plan's length is {rounds} rounds, the run's {fed.rounds}")
+        if not 1 <= side.server_round <= fed.rounds:
+            raise ValueError(f"server-round {side.server_round}: outside the run's {fed.rounds} rounds")
+        t = owner.node.secagg_min_clients
+        own = distributed_noise.calibrated(cfg.epsilon, cfg.delta, cfg.clip, fed.sample_rate, plan.expected_batch,
+                                           fed.rounds, t, dimension(trainer.model))
+        from fedsd.distributed import check_plan
+
+        check_plan(trainer, plan, own.noise_multiplier)  # C, q and length this owner's; z at least its own
+    except (BudgetRefused, ConfigError, DataError, ValueError) as e:
+        raise _refused(local.told_the_server(str(e), context.node_config)) from None
+    with local.state_lock(side):
+        request = local.request_digest(side.server_round, content["arrays"])
+        if local.replayed_reply(side.state_file, request) is not None:
+            raise _refused("this round's update went into a sum already; it goes into no other")
+        state = local.carried_state(side, context)
+        done = state.steps if state is not None else 0
+        z_e, delta = plan.gaussian_equivalent(), cfg.delta
+        try:
+            recorded = side.server_recorded_epsilon
+            if recorded > plan.epsilon(done, delta) * (1 + 1e-6) + 1e-9:
+                raise BudgetRefused(f"the server recorded ε = {recorded:.4f} spent by this client in this experiment, "
+                                    f"but its privacy state holds {done} rounds: the state was lost or replaced")
+            if done + 1 > fed.rounds or plan.epsilon(done + 1, delta) > cfg.epsilon * (1 + 1e-9):
+                raise BudgetRefused(f"the run's budget ε={cfg.epsilon:g} is spent ({done} rounds taken part in)")
+            with local.lifetime_ledger(side.node, side.fingerprint) as ledger:
+                if ledger is not None:
+                    if state is None:  # this owner's first round of the run: the whole plan must fit
+                        ledger.check(cfg.epsilon, delta, z_e, plan.sample_rate, fed.rounds, mechanism=privacy.SKELLAM)
+                    ledger.spend(z_e, plan.sample_rate, 1, run=fed.experiment_id, mechanism=privacy.SKELLAM,
+                                 flower_run=int(context.run_id), round=side.server_round)
+        except BudgetRefused as e:
+            raise _refused(e) from None
+        state = local.secret_start() if state is None else dataclasses.replace(
+            state, secret=local.SecretStream.fresh(), rng_state=None)
+        student = record_to_model(content["arrays"])["student"]
+        epoch = max(1, math.ceil(side.server_round * plan.sample_rate))
+        pad = math.ceil(sum_bound.poisson_tail(plan.expected_batch, sum_bound.TAIL))
+        vector, state, _ = step_part(trainer, state, student, epoch, plan, key=None, honest=t,
+                                     least_noise=own.noise_multiplier, pad_to=pad)
+        local.save_train_state(side.state_file, state, trainer.plan)  # the spent round on disk before the release
+        local.keep_reply(side.state_file, request, ArrayRecord({}), {}, summed=True)
+    return vector, MetricRecord(public_metrics(plan, state.steps, delta))
+
+
+def public_metrics(plan, rounds_taken: int, delta: float) -> dict:
+    """All a service's masked reply says beside its vector under distributed noise: ε of the
+    rounds it took part in, a function of the plan (public) and of its participation, which the
+    server sees anyway. No batch size, no step count, no loss, no time (deploy/README.md)."""
+    return {"epsilon": float(plan.epsilon(rounds_taken, delta))}
 
 
 def keep_input(owner: Owner, key: tuple, vector: np.ndarray) -> None:

@@ -31,6 +31,10 @@ from .secagg import RoundAbandoned, SecAggClient, SecAggServer, minimum_threshol
 from .training import DPTrainer, TrainState
 
 
+# The methods one DP-SGD step a round can run: their objective needs only the round-start teacher.
+DISTRIBUTED_METHODS = ("dpsgd", "dp3sd", "dpdsd")
+
+
 def seeded_key(seed: int, client: int, round_number: int) -> bytes:
     """A simulation's noise key for one client's round: 128 bits derived from the run's seed,
     so a seeded simulation is reproducible (an owner's service draws its key from its secret
@@ -59,14 +63,17 @@ def check_plan(trainer: DPTrainer, plan: noise.NoisePlan, least_noise: float = 0
 
 def contribution(trainer: DPTrainer, state: TrainState | None, student: Weights, epoch: int,
                  plan: noise.NoisePlan, key: bytes | None = None, teacher: Weights | None = None,
-                 honest: int | None = None, least_noise: float = 0.0) -> tuple[np.ndarray, TrainState, dict]:
+                 honest: int | None = None, least_noise: float = 0.0,
+                 pad_to: int = 0) -> tuple[np.ndarray, TrainState, dict]:
     """One client's part of a round: its clipped sum of one Poisson batch at the trainer's
     q, quantised, plus its Skellam share, as uint64; the new state (its draws, its steps, its
     accountant history charged with the round as the mechanism's Gaussian equivalent) and the
     round's metrics. `key`: the noise generator's 16-byte key; None: 16 bytes of the state's
     secret stream (an own-data client must have one). `honest`: the owner's own t, which sizes
     the share (μ / t) whatever the plan assumes. `least_noise`: the client's own calibration's z;
-    a plan (from the server) with less is refused before anything is drawn (`check_plan`)."""
+    a plan (from the server) with less is refused before anything is drawn (`check_plan`).
+    `pad_to`: the per-sample work covers this many rows whatever the batch drawn
+    (DPTrainer.clipped_sum), so the time taken does not tell the batch."""
     check_plan(trainer, plan, least_noise)
     if honest is not None:
         plan = dataclasses.replace(plan, honest=honest)
@@ -81,7 +88,7 @@ def contribution(trainer: DPTrainer, state: TrainState | None, student: Weights,
         if teacher is not None or trainer.method.self_distilling:
             trainer.load_teacher(teacher if teacher is not None else student)
         started = time.perf_counter()
-        loss, clipped = trainer.clipped_sum(trainer.method.epoch_loss(trainer.cfg, epoch))
+        loss, clipped = trainer.clipped_sum(trainer.method.epoch_loss(trainer.cfg, epoch), pad_to=pad_to)
         vector = noise.encode(clipped.detach().double().cpu().numpy(), plan, noise.generator(key))
     finally:
         trainer._end_draws(state)
@@ -183,4 +190,4 @@ def plain_round(vectors: dict[int, callable], length: int) -> tuple[np.ndarray, 
                        protocol_seconds=time.perf_counter() - started - computing, survivors=len(vectors))
 
 
-__all__ = ["plain_round", "contribution", "ServerOptimizer", "secure_round", "run_roster", "seeded_key", "RoundAbandoned"]
+__all__ = ["DISTRIBUTED_METHODS", "plain_round", "contribution", "ServerOptimizer", "secure_round", "run_roster", "seeded_key", "RoundAbandoned"]

@@ -31,6 +31,7 @@ central DP-SGD would add, and no single update carries it alone (docs/algorithms
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import asdict, dataclass
@@ -194,3 +195,43 @@ def encode(clipped_sum: np.ndarray, plan: NoisePlan, rng: np.random.Generator) -
 def decode(total: np.ndarray, plan: NoisePlan) -> np.ndarray:
     """The noisy sum of the clipped sums, in gradient units (float64), from the unmasked total."""
     return np.asarray(total, dtype=np.uint64).view(np.int64).astype(np.float64) / plan.scale
+
+
+# -- the plan as run settings: what a server sends a deployment's services each round --------
+PLAN_PREFIX = "noise-plan-"
+PLAN_FIELDS = {"noise-multiplier": float, "clip": float, "sample-rate": float, "expected-batch": float,
+               "honest": int, "dim": int, "rounds": int}
+
+
+def to_settings(plan: NoisePlan, rounds: int) -> dict:
+    """The plan and the run's length as flat settings (a round's ConfigRecord)."""
+    values = {**{k.replace("_", "-"): v for k, v in plan.to_dict().items()}, "rounds": int(rounds)}
+    return {PLAN_PREFIX + k: PLAN_FIELDS[k](values[k]) for k in PLAN_FIELDS}
+
+
+def from_settings(flat: dict) -> tuple[NoisePlan, int]:
+    """The plan and its length, taken out of `flat` (a server's, hostile until the service checks
+    it against its own calibration): ConfigError naming a missing or mistyped field."""
+    values = {}
+    for name, kind in PLAN_FIELDS.items():
+        key = PLAN_PREFIX + name
+        value = flat.pop(key, None)
+        if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(f"{key}: an integer was expected, got {value!r}")
+        if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                              or not math.isfinite(value)):
+            raise ConfigError(f"{key}: a finite number was expected, got {value!r}")
+        values[name.replace("-", "_")] = kind(value)
+    rounds = values.pop("rounds")
+    plan = NoisePlan(**values)
+    plan.check()
+    if rounds < 1:
+        raise ConfigError(f"{PLAN_PREFIX}rounds = {rounds}: at least 1")
+    return plan, rounds
+
+
+@functools.lru_cache(maxsize=256)
+def calibrated(epsilon: float, delta: float, clip: float, sample_rate: float, expected_batch: float, steps: int,
+               honest: int, dim: int) -> NoisePlan:
+    """`calibrate`, kept in memory: a service calibrates its own plan once a run, not once a round."""
+    return calibrate(epsilon, delta, clip, sample_rate, expected_batch, steps, honest, dim)

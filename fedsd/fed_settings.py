@@ -63,6 +63,10 @@ class FedOptions:
     honest_clients: int = setting(0, "--noise distributed: t, the fewest clients assumed honest; each client's "
                                   "share is sized so that any t shares give the target σ, and a round with fewer "
                                   "clients is refused. 0 = every client")
+    sample_rate: float = setting(0.0, "--noise distributed in a deployment: q, the rate at which every client draws "
+                                 "each of its records into a round's Poisson batch (public: batch-size / the "
+                                 "federation's records); 0 = a simulation's, batch-size / its training samples",
+                                 cli=False)
     privacy_unit: str = setting("record", "--noise distributed: what one guarantee protects: record = each "
                                 "training record (one DP-SGD step a round); client = a whole client (each client "
                                 "trains --local-epochs without noise, clips its update to --update-clip and adds "
@@ -120,6 +124,8 @@ class FedOptions:
         check(self.privacy_unit == "record" or (self.noise == "distributed" and self.secure_aggregation),
               "--privacy-unit client", "needs --noise distributed and --secure-aggregation (each client adds its "
               "share; the server sees only the sum)", f"noise={self.noise}, secure-aggregation={self.secure_aggregation}")
+        check(math.isfinite(self.sample_rate) and 0 <= self.sample_rate <= 1, "sample-rate", "must be in [0, 1]",
+              self.sample_rate)
         check(math.isfinite(self.update_clip) and self.update_clip > 0, "--update-clip", "must be > 0",
               self.update_clip)
         check(self.server_dp_noise >= 0, "--server-dp-noise", "must be >= 0", self.server_dp_noise)

@@ -233,6 +233,37 @@ class AccountantHistory:
         return scratch.epsilon(delta)
 
 
+GAUSSIAN, SKELLAM = "subsampled-gaussian", "skellam"  # a ledger entry's mechanism (PrivacyFilter)
+MIXED = "subsampled-gaussian+skellam"  # a ledger file's, once it holds a Skellam entry
+
+
+@functools.lru_cache(maxsize=4096)
+def _skellam_rdp_of_one_step(sample_rate: float, gaussian_equivalent: float) -> np.ndarray:
+    """One Poisson-subsampled Skellam step's RDP at RDP_ORDERS (fedsd.distributed_noise): the
+    subsampled Gaussian's at its Gaussian equivalent z_e at the integer orders where that bound
+    is proven (fedsd.distributed_noise.INTEGER_ORDERS, 2 to 256), and no bound (inf) at every
+    other order, fractional or beyond 256."""
+    from .distributed_noise import INTEGER_ORDERS
+
+    proven = set(INTEGER_ORDERS)
+    at = [i for i, a in enumerate(RDP_ORDERS) if float(a).is_integer() and int(a) in proven]
+    rdp = np.full(len(RDP_ORDERS), np.inf)
+    rdp[at] = compute_rdp(q=sample_rate, noise_multiplier=gaussian_equivalent, steps=1,
+                          orders=[RDP_ORDERS[i] for i in at])
+    rdp.flags.writeable = False
+    return rdp
+
+
+def entry_rdp(noise_multiplier: float, sample_rate: float, steps: int, mechanism: str = GAUSSIAN) -> np.ndarray:
+    """A ledger entry's RDP at RDP_ORDERS: `steps` steps of its mechanism (for Skellam,
+    `noise_multiplier` is the plan's Gaussian equivalent z_e)."""
+    if mechanism == SKELLAM:
+        return _skellam_rdp_of_one_step(sample_rate, noise_multiplier) * steps
+    if mechanism != GAUSSIAN:
+        raise BudgetError(f"privacy ledger: an entry of an unknown mechanism {mechanism!r}")
+    return _rdp_of_one_step(sample_rate, noise_multiplier) * steps
+
+
 class PrivacyFilter:
     """A data owner's lifetime budget (max ε, max δ) for one data set, across every run and
     every experiment, whatever the server asks: a Rényi privacy filter.
@@ -258,24 +289,34 @@ class PrivacyFilter:
         # known flower_run (Flower's run id) and round}; ledgers written before time was kept have none.
         self.entries = [dict(e) for e in (entries or [])]
 
-    def epsilon(self, extra: list[tuple[float, float, int]] = ()) -> float:
-        """ε at max δ of everything admitted so far, plus `extra` (σ, q, steps) entries: the
-        composition of an RDP AccountantHistory over them (the orders RDP_ORDERS, fixed in advance)."""
-        history = [[e["noise_multiplier"], e["sample_rate"], e["steps"]] for e in self.entries]
-        return AccountantHistory("rdp", history + [list(x) for x in extra]).epsilon(self.max_delta)
+    def epsilon(self, extra: list[tuple] = ()) -> float:
+        """ε at max δ of everything admitted so far, plus `extra` (σ, q, steps[, mechanism])
+        entries: their RDP curves added at the orders RDP_ORDERS, fixed in advance (a Skellam
+        entry counts at the integer orders only, fedsd.distributed_noise), converted as Opacus does."""
+        parts = [(e["noise_multiplier"], e["sample_rate"], e["steps"], e.get("mechanism", GAUSSIAN))
+                 for e in self.entries] + [tuple(x) for x in extra]
+        if not parts:
+            return 0.0
+        rdp = sum(entry_rdp(*p) for p in parts)
+        with _largest_order_said_once():
+            eps, _ = get_privacy_spent(orders=RDP_ORDERS, rdp=rdp, delta=self.max_delta)
+        return float(eps)
 
-    def check(self, epsilon: float, delta: float, noise_multiplier: float, sample_rate: float, steps: int) -> None:
+    def check(self, epsilon: float, delta: float, noise_multiplier: float, sample_rate: float, steps: int,
+              mechanism: str = GAUSSIAN) -> None:
         """Raise BudgetRefused, with the reason, unless a run of this (ε, δ) and plan fits."""
         if epsilon > self.max_epsilon * (1 + 1e-9):
             raise BudgetRefused(f"run asks ε={epsilon:g}, this client allows at most {self.max_epsilon:g}")
         if delta > self.max_delta * (1 + 1e-9):
             raise BudgetRefused(f"run asks δ={delta:g}, this client allows at most {self.max_delta:g}")
+        what = "Skellam steps at z_e" if mechanism == SKELLAM else "steps at σ"
         self._admit(noise_multiplier, sample_rate, steps,
-                    f"this run's {steps} steps at σ={noise_multiplier:.3f}, q={sample_rate:.3g}")
+                    f"this run's {steps} {what}={noise_multiplier:.3f}, q={sample_rate:.3g}", mechanism)
 
-    def _admit(self, noise_multiplier: float, sample_rate: float, steps: int, request: str) -> None:
+    def _admit(self, noise_multiplier: float, sample_rate: float, steps: int, request: str,
+               mechanism: str = GAUSSIAN) -> None:
         """Raise BudgetRefused unless everything so far plus these steps stays within max ε."""
-        after = self.epsilon([(noise_multiplier, sample_rate, steps)])
+        after = self.epsilon([(noise_multiplier, sample_rate, steps, mechanism)])
         if after > self.max_epsilon * (1 + 1e-9):
             raise BudgetRefused(f"lifetime budget left: {self.left():.3g} of ε={self.max_epsilon:g}; {request} "
                                 f"would bring it to ε={after:.3f}")
@@ -287,14 +328,18 @@ class PrivacyFilter:
     def unlimited(self) -> bool:
         return math.isinf(self.max_epsilon)
 
-    def spend(self, noise_multiplier: float, sample_rate: float, steps: int, run: str = "", **facts) -> None:
+    def spend(self, noise_multiplier: float, sample_rate: float, steps: int, run: str = "",
+              mechanism: str = GAUSSIAN, **facts) -> None:
         """Admit `steps` steps (raises BudgetRefused when they do not fit) and record them, with
-        the experiment id `run`, the time, and `facts` (flower_run, round)."""
+        the experiment id `run`, the time, and `facts` (flower_run, round). A Skellam entry
+        (mechanism=SKELLAM, noise_multiplier its Gaussian equivalent z_e) says so; a Gaussian
+        one is written as ever."""
         from datetime import datetime, timezone
 
-        self._admit(noise_multiplier, sample_rate, steps, f"{steps} more steps")
+        self._admit(noise_multiplier, sample_rate, steps, f"{steps} more steps", mechanism)
+        kind = {"mechanism": SKELLAM} if mechanism == SKELLAM else {}
         self.entries.append(dict(noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps, run=run,
-                                 time=datetime.now(timezone.utc).isoformat(timespec="seconds"), **facts))
+                                 time=datetime.now(timezone.utc).isoformat(timespec="seconds"), **kind, **facts))
 
     def by_experiment(self) -> list[dict]:
         """What each experiment spent, in the order they started: its id, steps, rounds charged,
@@ -311,7 +356,10 @@ class PrivacyFilter:
 
     def state_dict(self) -> dict:
         # JSON has no infinity: an unlimited budget is written "inf" (float("inf") reads it back).
-        return dict(mechanism="subsampled-gaussian", accountant="rdp",
+        # A ledger with a Skellam entry names both mechanisms: an earlier fedsd, which would count
+        # that entry as a Gaussian at every order, refuses to read it rather than under-charge.
+        mechanism = MIXED if any(e.get("mechanism") == SKELLAM for e in self.entries) else GAUSSIAN
+        return dict(mechanism=mechanism, accountant="rdp",
                     max_epsilon="inf" if self.unlimited else self.max_epsilon,
                     max_delta=self.max_delta, entries=self.entries)
 
@@ -319,6 +367,6 @@ class PrivacyFilter:
     def from_state_dict(cls, state: dict, max_epsilon: float, max_delta: float) -> "PrivacyFilter":
         """The saved ledger under the owner's current limits (a lowered limit applies at once;
         what was spent stays spent)."""
-        if state.get("mechanism") != "subsampled-gaussian" or state.get("accountant") != "rdp":
+        if state.get("mechanism") not in (GAUSSIAN, MIXED) or state.get("accountant") != "rdp":
             raise BudgetError(f"privacy ledger of an unknown kind: {state.get('mechanism')}/{state.get('accountant')}")
         return cls(max_epsilon, max_delta, state["entries"])

@@ -385,45 +385,62 @@ class DPTrainer:
         return self.train_on_batch(self.data.x_train[mask], self.data.y_train[mask], objective, callbacks)
 
     def train_on_batch(self, x: torch.Tensor, y: torch.Tensor, objective: EpochLoss, callbacks=(),
-                       update: bool = True) -> float:
+                       update: bool = True, weight: torch.Tensor | None = None) -> float:
         """One DP-SGD step on a given batch: per-sample clipping, noise, the update (with
-        update=False, the private gradient is left in each p.grad and the weights unchanged)."""
+        update=False, the private gradient is left in each p.grad and the weights unchanged).
+        `weight`: 0 or 1 a row (a padded batch's rows of 0 add nothing to the clipped sum)."""
         self.optimizer.zero_grad(set_to_none=True)
         if not len(y):
             self.clipper.empty_batch()
             self._optimizer_step(callbacks, update)
             return 0.0
         if len(y) <= self.physical_batch_size:
-            loss = float(self._backward(x, y, objective).detach())
+            loss = float(self._backward(x, y, objective, weight).detach())
         else:  # in physical batches, each one's clipped sum kept until the last (fedsd.physical)
             loss = 0.0
             for start in range(0, len(y), self.physical_batch_size):
                 part = slice(start, start + self.physical_batch_size)
                 if start:
                     self.clipper.hold()
-                loss += float(self._backward(x[part], y[part], objective).detach()) * len(y[part])
+                loss += float(self._backward(x[part], y[part], objective,
+                                             None if weight is None else weight[part]).detach()) * len(y[part])
             self.clipper.release_held()
             loss /= len(y)
         self._optimizer_step(callbacks, update)
         return loss
 
-    def clipped_sum(self, objective: EpochLoss) -> tuple[float, torch.Tensor]:
+    def clipped_sum(self, objective: EpochLoss, pad_to: int = 0) -> tuple[float, torch.Tensor]:
         """One Poisson batch's clipped per-sample gradient sum, flattened, with no noise and no
         update: a client's part of a step whose noise the clients add together
-        (fedsd.distributed). Draws as `_step` does (the call's secret stream or generator)."""
+        (fedsd.distributed). Draws as `_step` does (the call's secret stream or generator).
+
+        `pad_to` > 0: the batch is padded with rows of zeros, weighted 0, to `pad_to` rows (a
+        larger batch is not cut), so the per-sample work, and the time it takes, is that of
+        `pad_to` rows whatever the batch drawn (a deployment's service: its Poisson batch
+        is private). The loss is then the padded batch's, a diagnostic only."""
         if self.secret is not None:
             mask = self.secret.bernoulli(self.num_train, self.plan.sample_rate, self.device)
         else:
             mask = torch.rand(self.num_train, generator=self.generator, device=self.device) < self.plan.sample_rate
+        x, y, weight = self.data.x_train[mask], self.data.y_train[mask], None
+        if pad_to > len(y):
+            padding = pad_to - len(y)
+            weight = torch.cat([torch.ones(len(y), device=self.device), torch.zeros(padding, device=self.device)])
+            x = torch.cat([x, torch.zeros((padding, *x.shape[1:]), dtype=x.dtype, device=self.device)])
+            if x.dim() == 4:  # the run's layout (the data's, the student's)
+                x = x.contiguous(memory_format=self.memory_format)
+            y = torch.cat([y, torch.zeros(padding, dtype=y.dtype, device=self.device)])
+        self.rows_computed = len(y)  # what the per-sample work covered (a test reads it)
         noise, self.optimizer.noise_multiplier = self.optimizer.noise_multiplier, 0.0
         try:
-            loss = self.train_on_batch(self.data.x_train[mask], self.data.y_train[mask], objective, update=False)
+            loss = self.train_on_batch(x, y, objective, update=False, weight=weight)
         finally:
             self.optimizer.noise_multiplier = noise
         grads = [p.grad.reshape(-1) for p in self.model.parameters() if p.requires_grad]
         return loss, torch.cat(grads) * self.optimizer.expected_batch_size
 
-    def _backward(self, x: torch.Tensor, y: torch.Tensor, objective: EpochLoss) -> torch.Tensor:
+    def _backward(self, x: torch.Tensor, y: torch.Tensor, objective: EpochLoss,
+                  weight: torch.Tensor | None = None) -> torch.Tensor:
         """The clipped per-sample gradients of (x, y) where the optimizer reads them; the mean loss.
 
         With secret draws, a sample whose gradient is not finite (its loss overflowed, or a
@@ -431,13 +448,15 @@ class DPTrainer:
         clipper zeroes it in the same pass, with the same work for any data (Clipper.
         zero_nonfinite). Whether a sample's gradient is finite depends on that sample and the
         model alone, so this is a per-sample clipping rule (norm 0 ≤ C): the sensitivity and the
-        accounting are unchanged, and the released update stays finite."""
+        accounting are unchanged, and the released update stays finite. `weight` (0 or 1 a
+        row) multiplies each sample's loss: a row of weight 0 has a zero gradient."""
         logits = self.clipper.module(x)
         teacher_logits = None
         if objective.reads_teacher:
             with torch.no_grad():
                 teacher_logits = self.teacher(x)
-        return self.clipper.backward(objective.per_sample(logits, teacher_logits, y))
+        per_sample = objective.per_sample(logits, teacher_logits, y)
+        return self.clipper.backward(per_sample if weight is None else per_sample * weight.to(per_sample.dtype))
 
     def _optimizer_step(self, callbacks, update: bool = True) -> None:
         """Opacus' DPOptimizer.step, with the callbacks' hooks on either side of the noise."""

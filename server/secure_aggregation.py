@@ -9,7 +9,9 @@ left out and named); the identified nodes are the cohort; stage messages
 owner's data service, which answers. A node that does not answer a stage, or answers with
 anything but what the stage carries, is dropped; a refusal that names a culprit is kept. Below
 the threshold at any stage the round is abandoned and logged, nothing is unmasked, and the global
-model stays as it was. A decoded sum above what honest clients send (fedsd.sum_bound) is refused
+model stays as it was. Under noise=distributed the masked-input stage carries the round's noise
+plan (`distributed_plan`), and the decoded sum is the gradient of the server's optimizer step
+(`SecureRounds._step`) rather than a mean update. A decoded sum above what honest clients send (fedsd.sum_bound) is refused
 the same way. Otherwise the sum (uint64) becomes the mean update of the survivors
 (task.secure_sum.apply_sum). Every round's protocol record (who was in at each stage, bytes each
 way, seconds, culprits, the mean update's norm and its bound) goes to
@@ -31,12 +33,13 @@ from flwr.common import log
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
 
-from fedsd import sum_bound
+from fedsd import distributed_noise, sum_bound
 from fedsd.errors import ConfigError
 from fedsd.identity import Roster, protocol_id, public_line, read_roster, verify
 from fedsd.secagg import (SEED_BYTES, SELF_SEED_BYTES, RoundAbandoned, SecAggServer, identify_message,
                           minimum_threshold)
 from task import secure_sum
+from task.records import model_to_record, record_to_model
 from task.secure_sum import KEY_FIELDS, BadMessage, read_map, write_map
 
 from .strategy import client_report
@@ -233,15 +236,43 @@ def local_noise_bound(cfg, replies: list[RecordDict], dim: int) -> float:
         math.sqrt(dim) / secure_sum.SCALE  # each update's fixed-point rounding, half a unit a coordinate
 
 
+def distributed_plan(cfg, fed, num_classes: int):
+    """noise=distributed in a deployment: the run's noise plan (one Skellam-noised DP-SGD step a
+    round at the run's q = sample-rate; batch-size is the federation's expected batch, t
+    honest-clients) and the server's optimizer. Refused (ConfigError) before any round when the
+    run cannot be one."""
+    from fedsd.distributed import DISTRIBUTED_METHODS, ServerOptimizer, dimension
+    from fedsd.models import model_for
+
+    if fed.privacy_unit != "record":
+        raise ConfigError("privacy-unit=client: not yet in a deployment (fedsd simulate runs it in process)")
+    if fed.local_epochs != 1:
+        raise ConfigError(f"local-epochs={fed.local_epochs}: noise=distributed takes one step a round (the server "
+                          f"applies each step); leave it at 1")
+    if not 0 < fed.sample_rate <= 1:
+        raise ConfigError("sample-rate: noise=distributed in a deployment needs the run's q, batch-size / the "
+                          "federation's records (each client draws at it)")
+    if cfg.method not in DISTRIBUTED_METHODS:
+        raise ConfigError(f"method={cfg.method}: noise=distributed runs {', '.join(DISTRIBUTED_METHODS)}")
+    honest = fed.honest_clients or fed.num_clients
+    if honest < 1:
+        raise ConfigError("honest-clients: noise=distributed in a deployment needs t, the fewest clients whose "
+                          "shares the noise counts on")
+    net = model_for(cfg, num_classes)
+    plan = distributed_noise.calibrated(cfg.epsilon, cfg.delta, cfg.clip, fed.sample_rate, float(cfg.batch_size),
+                                        fed.rounds, honest, dimension(net))
+    return plan, ServerOptimizer(net, cfg.lr, cfg.momentum)
+
+
 class SecureRounds:
     """The run's rounds under secure aggregation, with the ServerApp's round book and strategy's
     records (who trained, each client's ε) kept as a plain run keeps them."""
 
     def __init__(self, grid: Grid, side, launch):
-        if launch.fed.noise != "local":
-            raise ConfigError("noise=distributed: not yet in a deployment (its clients' shares of the noise come "
-                              "with fedsd.distributed in the owners' services); fedsd simulate runs it in process")
         self.grid, self.side, self.launch = grid, side, launch
+        self.distributed = launch.fed.noise == "distributed"
+        if self.distributed:  # the round's plan, and the server's half of each step (fedsd.distributed)
+            self.noise, self.optimizer = distributed_plan(side.cfg, launch.fed, side.num_classes)
         self.roster = read_roster(launch.fed.secagg_roster) if launch.fed.secagg_roster else None
         self.out = Path(launch.out) if launch.out is not None else None
         self.records: list[dict] = []
@@ -266,20 +297,27 @@ class SecureRounds:
             plain = sorted(exchange.nodes[c] for c, who in identities.items() if not who["authenticated"])
             n = len(cohort)
             threshold = min(n, max(minimum_threshold(n), fed.secagg_threshold)) if n else 1
-            server = SecAggServer(rid, cohort, secure_sum.vector_length(arrays), threshold=threshold)
+            length = self.noise.dim if self.distributed else secure_sum.vector_length(arrays)
+            server = SecAggServer(rid, cohort, length, threshold=threshold)
             record.update(cohort=cohort, threshold=server.threshold, nodes_without_roster=plain)
             if plain:
                 log(WARNING, "secure aggregation round %d: %d nodes take part without a roster: they are protected "
                     "only against a server that follows the protocol", server_round, len(plain))
-            train = RecordDict({"arrays": arrays, "config": ConfigRecord({**self.side.strategy.settings, **base})})
+            plan = distributed_noise.to_settings(self.noise, fed.rounds) if self.distributed else {}
+            train = RecordDict({"arrays": arrays, "config": ConfigRecord({**self.side.strategy.settings, **base,
+                                                                          **plan})})
             try:
                 total, replies = protocol(exchange, server, base, train)
             finally:
                 exchange.named.update({str(k): v for k, v in server.culprits.items()})
-            record.update(zip(("mean_update_norm", "honest_bound"), self._check_sum(total, len(server.masked), replies,
-                                                                                     server)))
-            arrays = secure_sum.apply_sum(arrays, total, len(server.masked))
-            self._reports(server_round, replies)
+            if self.distributed:
+                arrays, applied = self._step(arrays, total, len(server.masked), server, server_round)
+                record.update(applied)
+            else:
+                record.update(zip(("mean_update_norm", "honest_bound"), self._check_sum(total, len(server.masked),
+                                                                                         replies, server)))
+                arrays = secure_sum.apply_sum(arrays, total, len(server.masked))
+                self._reports(server_round, replies)
             record.update(survivors=sorted(server.masked), abandoned=None)
             if self.out is not None:
                 np.save(self.out / f"secagg-sum-{server_round}.npy", total)
@@ -298,6 +336,31 @@ class SecureRounds:
         if self.out is not None:
             (self.out / "secure-aggregation.json").write_text(json.dumps(self.records, indent=1))
         return arrays
+
+    def _step(self, arrays: ArrayRecord, total: np.ndarray, count: int, server: SecAggServer,
+              server_round: int) -> tuple[ArrayRecord, dict]:
+        """Distributed noise: the decoded sum over the plan's expected batch, as the gradient of
+        the server's SGD (momentum included) on the global student, as a simulation applies it
+        (fedsd.distributed.ServerOptimizer). Refused, nothing applied, when fewer survivors than
+        the plan's t sent their shares (the sum would hold less noise than planned), or when the
+        sum is above what honest clients send but once in 1e9 rounds (fedsd.sum_bound)."""
+        plan = self.noise
+        if count < plan.honest:
+            raise RoundAbandoned(f"distributed noise: {count} clients' shares in the sum, below the plan's t = "
+                                 f"{plan.honest}: less noise than planned; nothing was applied", server.culprits)
+        # each share is at most μ / 2 (an owner's t, secagg-min-clients, is at least 2)
+        bound = sum_bound.distributed_sum_bound(clip_units=distributed_noise.QUANTISED_CLIP,
+                                                expected_batch=plan.expected_batch, variance=count * plan.variance / 2,
+                                                dim=plan.dim, clients=count)
+        norm = float(np.linalg.norm(total.view(np.int64).astype(np.float64)))
+        if not norm <= bound:
+            raise RoundAbandoned(f"secure aggregation: the decoded sum has norm {norm:.4g} (quantisation units), above "
+                                 f"the {bound:.4g} honest clients stay below (but once in 1e9 rounds); nothing was "
+                                 f"applied", server.culprits)
+        model = record_to_model(arrays)
+        model["student"] = self.optimizer.step(model["student"], distributed_noise.decode(total, plan), plan)
+        return model_to_record(model), dict(sum_norm=norm, honest_bound=bound,
+                                            epsilon=plan.epsilon(server_round, self.side.cfg.delta))
 
     def _check_sum(self, total: np.ndarray, count: int, replies: list[RecordDict], server: SecAggServer) -> tuple:
         """A decoded sum outside what the round's clients could have sent honestly is refused:

@@ -30,7 +30,7 @@ from fedsd import data as data_lib
 from fedsd import distributed_noise
 from fedsd.client_data import input_stats, with_custom_task, task_for
 from fedsd.config import TrainConfig
-from fedsd.distributed import ServerOptimizer, contribution, dimension, plain_round, secure_round, seeded_key
+from fedsd.distributed import DISTRIBUTED_METHODS, ServerOptimizer, contribution, dimension, plain_round, secure_round, seeded_key
 from fedsd.errors import ConfigError, ResumeError
 from fedsd.fed_settings import FedOptions
 from fedsd.methods import released
@@ -44,7 +44,6 @@ from task.simulated_shards import cut_shards
 CHECKPOINT, RESULT = "checkpoint.pt", "result.json"
 CHECKPOINT_EVERY = 25
 EVALUATIONS = 20  # test evaluations over a run (and the last round)
-DISTRIBUTED_METHODS = ("dpsgd", "dp3sd", "dpdsd")
 # The features table's Fashion-MNIST recipe (results/table-features.md), which the distributed
 # table and the cost benchmark run as a federation: 400 rounds are its 50 epochs of
 # ⌈60000 / 8192⌉ = 8 steps.
