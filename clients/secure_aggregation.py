@@ -239,21 +239,13 @@ def contribution(content: RecordDict, context: Context, owner: Owner | None = No
     return secure_sum.update_vector(content["arrays"], reply["arrays"]), reply["metrics"]
 
 
-def distributed_contribution(content: RecordDict, context: Context, owner: Owner) -> tuple[np.ndarray, MetricRecord]:
-    """Under noise=distributed, record level (docs/algorithms.md, "Distributed noise"): one DP-SGD
-    step's part, this owner's clipped sum of one Poisson batch at the run's q, quantised, with its
-    Skellam share (fedsd.distributed.contribution). The round's plan (the server's, in the
-    round's settings: fedsd.distributed_noise.to_settings) is hostile until checked against this
-    owner's own calibration from the run's (ε, δ), q, C and length and its own t
-    (secagg-min-clients), which also sizes its share; the owner's ledger then admits the run's
-    whole plan on its first round and charges each round as Skellam steps, at integer orders,
-    before anything is drawn. Its batch and noise come from a fresh secret stream; the
-    per-sample work is padded to the plan's bound on any client's batch, so its time does not
-    tell the batch. The metrics it releases are a function of the plan and of the rounds it took
-    part in alone (`public_metrics`). A refusal raises StageRefused with its reason."""
+def _checked_plan(content: RecordDict, context: Context, owner: Owner):
+    """The round's plan, checked against this owner's own calibration before anything is drawn
+    (distributed_contribution); the client side, the owner's own plan and its t. A refusal
+    raises StageRefused with a reason that tells the server none of the owner's paths."""
     from clients import local
-    from fedsd import distributed_noise, sum_bound
-    from fedsd.distributed import DISTRIBUTED_METHODS, contribution as step_part, dimension
+    from fedsd import distributed_noise
+    from fedsd.distributed import DISTRIBUTED_METHODS, check_plan, dimension
     from fedsd.errors import BudgetRefused, DataError
 
     flat = dict(content["config"])
@@ -279,11 +271,31 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
         t = owner.node.secagg_min_clients
         own = distributed_noise.calibrated(cfg.epsilon, cfg.delta, cfg.clip, fed.sample_rate, plan.expected_batch,
                                            fed.rounds, t, dimension(trainer.model))
-        from fedsd.distributed import check_plan
-
         check_plan(trainer, plan, own.noise_multiplier)  # C, q and length this owner's; z at least its own
     except (BudgetRefused, ConfigError, DataError, ValueError) as e:
         raise _refused(local.told_the_server(str(e), context.node_config)) from None
+    return plan, side, own, t
+
+
+def distributed_contribution(content: RecordDict, context: Context, owner: Owner) -> tuple[np.ndarray, MetricRecord]:
+    """Under noise=distributed, record level (docs/algorithms.md, "Distributed noise"): one DP-SGD
+    step's part, this owner's clipped sum of one Poisson batch at the run's q, quantised, with its
+    Skellam share (fedsd.distributed.contribution). The round's plan (the server's, in the
+    round's settings: fedsd.distributed_noise.to_settings) is hostile until checked against this
+    owner's own calibration from the run's (ε, δ), q, C and length and its own t
+    (secagg-min-clients), which also sizes its share; the owner's ledger then admits the run's
+    whole plan on its first round and charges each round as Skellam steps, at integer orders,
+    before anything is drawn. Its batch and noise come from a fresh secret stream; the
+    per-sample work is padded to the plan's bound on any client's batch, so its time does not
+    tell the batch. The metrics it releases are a function of the plan and of the rounds it took
+    part in alone (`public_metrics`). A refusal raises StageRefused with its reason."""
+    from clients import local
+    from fedsd import sum_bound
+    from fedsd.distributed import contribution as step_part
+    from fedsd.errors import BudgetRefused
+
+    plan, side, own, t = _checked_plan(content, context, owner)
+    fed, cfg, trainer = side.fed, side.trainer.cfg, side.trainer
     with local.state_lock(side):
         request = local.request_digest(side.server_round, content["arrays"])
         if local.replayed_reply(side.state_file, request) is not None:
