@@ -489,17 +489,17 @@ def check_fits_task(model: nn.Module, name: str, num_classes: int, input_shape: 
 
 
 def with_pinned_weights(cfg):
-    """A run's settings with its --init-weights file pinned: its path made absolute (a
-    simulation's workers and a resumed run read the same file) and its sha256 filled in (or
-    checked, where given: another file is refused). The file is read with weights_only=True."""
+    """A run's settings with its --init-weights file pinned: its sha256 filled in (or checked,
+    where given: another file is refused), so that every party that reads the file later (a
+    simulation's workers, a resumed run, load_model) refuses any other. The path is kept as
+    given (relative to the working directory, which a simulation's workers share). The file is
+    read with weights_only=True."""
     import dataclasses
-    import os
 
     if not cfg.init_weights:
         return cfg
-    path = os.path.abspath(os.path.expanduser(cfg.init_weights))
-    sha = pretrained.read_weights(path, cfg.init_weights_sha256)[1]
-    return dataclasses.replace(cfg, init_weights=path, init_weights_sha256=sha)
+    sha = pretrained.read_weights(cfg.init_weights, cfg.init_weights_sha256)[1]
+    return dataclasses.replace(cfg, init_weights_sha256=sha)
 
 
 def start_report(cfg, num_classes: int) -> dict | None:

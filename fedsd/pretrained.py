@@ -121,6 +121,10 @@ class _Frozen:
     def train(self, mode: bool = True):
         return super().train(False)
 
+    def _check_input_dim(self, input):
+        """None: the network is fixed, and torch.fx can then trace through it (a resnet's
+        in-place additions made out of place for Opacus' hooks: fedsd.models.followable_by_hooks)."""
+
 
 FrozenBatchNorm1d = type("FrozenBatchNorm1d", (_Frozen, nn.BatchNorm1d), {"__module__": __name__})
 FrozenBatchNorm2d = type("FrozenBatchNorm2d", (_Frozen, nn.BatchNorm2d), {"__module__": __name__})
