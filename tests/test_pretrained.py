@@ -206,3 +206,18 @@ def test_a_federation_started_from_the_weights_trains(weights_file):
         assert torch.allclose(weights[key], state[key], rtol=0, atol=1e-7), key
     assert not torch.equal(weights["9.weight"], state["9.weight"])
     assert all(r["trained"] for r in result["rounds"])
+
+
+def test_public_first_leaves_the_public_images_out_of_the_private_set():
+    """--public-first N: the first N training images pretrained the network (fedsd pretrain
+    --first N); the private run never trains on them, with or without a validation split."""
+    require("mnist")
+    from fedsd import data as data_lib
+
+    images = data_lib.load("mnist")
+    private = data_lib.training_indices(images, None, 0, 0, public_first=5000)
+    assert private.min() == 5000 and len(private) == 55000
+    held = data_lib.training_indices(images, None, 0, 10000, public_first=5000)
+    assert held.min() >= 5000 and not set(held.tolist()) & set(data_lib.validation_indices(images, 10000).tolist())
+    with pytest.raises(ConfigError, match="--public-first"):
+        data_lib.training_indices(images, None, 0, 0, public_first=60000)

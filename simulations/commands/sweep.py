@@ -28,7 +28,7 @@ from fedsd.results import RunResult, write_json
 SWEEPABLE = {s.name: s for s in settings_of(TrainConfig)
              if s.name in ("ema_decay", "tau", "tau_s", "tau_t", "alpha", "beta", "kd_teacher_epochs", "epochs",
                            "lr", "clip", "momentum", "batch_size", "distill_warmup_epochs", "activation",
-                           "mean", "std")}
+                           "mean", "std", "train_layers", "init_weights", "features", "public_first", "threads")}
 
 
 def parse_grid(items: list[str], option: str = "--grid") -> dict[str, list]:
