@@ -13,11 +13,11 @@ mkdir -p "$PRE" "$RUNS"
 [ -f $PRE/mnist-mnist-cnn.pt ] || $FEDSD pretrain --dataset mnist --model mnist-cnn --epochs 3 --threads 1 --out $PRE/mnist-mnist-cnn.pt
 
 # 2. chosen on validation (10,000 training samples held out): the head alone and the last block
-#    on the frozen blocks' cached output, the papers' lr and 5 times it
-$FEDSD sweep --dataset mnist --method dpsgd --epsilon 3 --grid train-layers=head,last:2 --grid lr=0.8,4 \
+#    on the frozen blocks' cached output, the papers' lr and 5 and 25 times it and a fifth of it
+$FEDSD sweep --dataset mnist --method dpsgd --epsilon 3 --grid train-layers=head,last:2 --grid lr=0.16,0.8,4,20 \
     --set init-weights=$PRE/fmnist-mnist-cnn.pt --set features=backbone --set threads=1 --validation 10000 \
     --out results/sweeps/mnist-dpsgd-pretrained-fmnist --quiet
-$FEDSD sweep --dataset fmnist --method dpsgd --epsilon 3 --grid train-layers=head,last:2 --grid lr=3,15 \
+$FEDSD sweep --dataset fmnist --method dpsgd --epsilon 3 --grid train-layers=head,last:2 --grid lr=0.6,3,15,75 \
     --set init-weights=$PRE/mnist-mnist-cnn.pt --set features=backbone --set threads=1 --validation 10000 \
     --out results/sweeps/fmnist-dpsgd-pretrained-mnist --quiet
 
