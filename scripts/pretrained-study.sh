@@ -46,3 +46,12 @@ for d in mnist fmnist; do
         --train-layers all --epochs 10 --seed $seed --threads 1 --out $out --overwrite --quiet --log-dir off
   done
 done
+
+# 5. the control of step 4: the same network from its random start, the same 10 epochs
+for d in mnist fmnist; do
+  for seed in 0 1 2; do
+    out=$RUNS/$d-scratch-all-e10-seed$seed
+    if [ -f $out/result.json ]; then continue; elif [ -f $out/checkpoint.pt ]; then $FEDSD train --resume $out --quiet; continue; fi
+    $FEDSD train --dataset $d --method dpsgd --epsilon 3 --epochs 10 --seed $seed --threads 1 --out $out --overwrite --quiet --log-dir off
+  done
+done

@@ -28,7 +28,7 @@ def rows(runs: Path = RUNS) -> list[dict]:
     for path in sorted(runs.glob("*/result.json")):
         r = json.loads(path.read_text())
         c = r["config"]
-        key = (c["dataset"], Path(c["init_weights"]).name, c["train_layers"], c["features"], c["lr"], c["epochs"],
+        key = (c["dataset"], Path(c["init_weights"]).name or "none (random start)", c["train_layers"], c["features"], c["lr"], c["epochs"],
                c["batch_size"])
         cells.setdefault(key, []).append(r)
     out = []
@@ -42,7 +42,15 @@ def rows(runs: Path = RUNS) -> list[dict]:
                         against_scratch_cnn=mean - SCRATCH_CNN[dataset],
                         epsilon_spent=max(r["epsilon_spent"] for r in results),
                         wall_seconds=statistics.mean(r["wall_seconds"] for r in results),
-                        trained_parameters=results[0]["pretrained"]["trained_parameters"]))
+                        trained_parameters=(results[0].get("pretrained") or {}).get("trained_parameters"),
+                        by_seed={r["seed"]: 100 * r["test_accuracy"] for r in results}))
+    for row in out:  # every layer from the public weights, paired by seed with the random start at the same length
+        control = [c for c in out if c["dataset"] == row["dataset"] and c["init_weights"].startswith("none")
+                   and c["epochs"] == row["epochs"] and c["lr"] == row["lr"]]
+        if row["train_layers"] == "all" and not row["init_weights"].startswith("none") and control:
+            diffs = [row["by_seed"][s] - control[0]["by_seed"][s] for s in row["by_seed"] if s in control[0]["by_seed"]]
+            row["against_random_start"] = statistics.mean(diffs)
+            row["against_random_start_se"] = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
     return out
 
 
@@ -56,15 +64,20 @@ def markdown(table: list[dict]) -> str:
              f"(dpsgd, Table 1: {SCRATCH_CNN['mnist']}, {SCRATCH_CNN['fmnist']}). Commands: results/README.md, "
              "\"Does a public pretrained network help?\".", "",
              "| private data | pretrained on | trains | weights trained | lr | epochs | B | test accuracy by seed | "
-             "mean ± SE | − best | − CNN from scratch | ε | seconds a run |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "mean ± SE | − best | − CNN from scratch (Table 1, dpsgd) | − random start, same length, paired | ε | "
+             "seconds a run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         se = f" ± {r['standard_error']:.2f}" if r["standard_error"] is not None else ""
+        paired = (f"{r['against_random_start']:+.2f}" + (f" ± {r['against_random_start_se']:.2f}"
+                                                         if r.get("against_random_start_se") is not None else "")
+                  if "against_random_start" in r else "")
+        weights = f"{r['trained_parameters']:,}" if r["trained_parameters"] is not None else "26,010"
         lines.append(f"| {r['dataset']} | {r['init_weights']} | {TRAINED.get(r['train_layers'], r['train_layers'])} | "
-                     f"{r['trained_parameters']:,} | {r['lr']:g} | {r['epochs']} | {r['batch_size']} | "
+                     f"{weights} | {r['lr']:g} | {r['epochs']} | {r['batch_size']} | "
                      f"{', '.join(f'{a:.2f}' for a in r['test_accuracy'])} | **{r['mean']:.2f}**{se} | "
-                     f"{r['against_best']:+.2f} | {r['against_scratch_cnn']:+.2f} | {r['epsilon_spent']:.3f} | "
-                     f"{r['wall_seconds']:.0f} |")
+                     f"{r['against_best']:+.2f} | {r['against_scratch_cnn']:+.2f} | {paired} | "
+                     f"{r['epsilon_spent']:.3f} | {r['wall_seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
