@@ -9,8 +9,8 @@ RUNS=results/runs/pretrained
 mkdir -p "$PRE" "$RUNS"
 
 # 1. the public networks: Fashion-MNIST's for MNIST, MNIST's for Fashion-MNIST
-[ -f $PRE/fmnist-mnist-cnn.pt ] || $FEDSD pretrain --dataset fmnist --model mnist-cnn --epochs 3 --threads 1 --out $PRE/fmnist-mnist-cnn.pt
-[ -f $PRE/mnist-mnist-cnn.pt ] || $FEDSD pretrain --dataset mnist --model mnist-cnn --epochs 3 --threads 1 --out $PRE/mnist-mnist-cnn.pt
+$FEDSD pretrain --dataset fmnist --model mnist-cnn --epochs 3 --threads 1 --out $PRE/fmnist-mnist-cnn.pt
+$FEDSD pretrain --dataset mnist --model mnist-cnn --epochs 3 --threads 1 --out $PRE/mnist-mnist-cnn.pt
 
 # 2. chosen on validation (10,000 training samples held out): the head alone and the last block
 #    on the frozen blocks' cached output, the papers' lr and 5 and 25 times it and a fifth of it

@@ -221,3 +221,19 @@ def test_public_first_leaves_the_public_images_out_of_the_private_set():
     assert held.min() >= 5000 and not set(held.tolist()) & set(data_lib.validation_indices(images, 10000).tolist())
     with pytest.raises(ConfigError, match="--public-first"):
         data_lib.training_indices(images, None, 0, 0, public_first=60000)
+
+
+@pytest.mark.slow
+def test_fedsd_pretrain_writes_a_file_init_weights_reads_and_keeps_it(tmp_path, capsys):
+    require("mnist")
+    from simulations.cli import main
+
+    out = tmp_path / "public.pt"
+    args = ["pretrain", "--dataset", "mnist", "--first", "600", "--epochs", "1", "--threads", "1", "--out", str(out)]
+    assert main(args) == 0
+    made = json.loads((tmp_path / "public.pt.json").read_text())
+    assert made["num_train"] == 600 and made["first"] == 600 and made["sha256"] == pretrained.sha256_of(out)
+    assert main(args) == 0 and pretrained.sha256_of(out) == made["sha256"]  # the same settings: kept as it is
+    assert main(args[:-4] + ["--epochs", "2", "--out", str(out)]) == 2  # other settings: refused
+    assert "made with other settings" in capsys.readouterr().err
+    model_for(_mnist(out), 10, weights=True)  # it fits the network it was made for

@@ -9,6 +9,9 @@ first N training images of a data set, which the private run then leaves out (`f
 accuracy per epoch and the file's sha256, which a private run started from it records.
 
     fedsd pretrain --dataset fmnist --model mnist-cnn --epochs 10 --out pretrained/fmnist-mnist-cnn.pt
+
+A FILE that FILE.json says was made with the same settings is kept (nothing to do), as a
+finished run is; one made otherwise is refused unless --overwrite.
 """
 from __future__ import annotations
 
@@ -55,6 +58,18 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
+def made_with(out: Path) -> dict | None:
+    """What FILE.json says a finished `fedsd pretrain` made FILE with, where FILE is that file
+    still (its sha256); else None."""
+    import json
+
+    try:
+        made = json.loads(out.with_name(out.name + ".json").read_text())
+    except (OSError, ValueError):
+        return None
+    return made if isinstance(made, dict) and made.get("sha256") == sha256_of(out) else None
+
+
 def pretrain(cfg: TrainConfig, epochs: int, batch_size: int, lr: float, first: int, out: Path,
              overwrite: bool = False) -> dict:
     for flag, value in (("--epochs", epochs), ("--batch-size", batch_size)):
@@ -62,8 +77,16 @@ def pretrain(cfg: TrainConfig, epochs: int, batch_size: int, lr: float, first: i
             raise ConfigError(f"{flag}: must be >= 1, got {value}")
     if not lr > 0:
         raise ConfigError(f"--lr: must be > 0, got {lr}")
+    settings = dict(dataset=cfg.dataset, model=cfg.model, activation=cfg.activation, seed=cfg.seed,
+                    epochs_planned=epochs, batch_size=batch_size, lr=lr, optimizer="adam", first=first or None,
+                    validation=cfg.validation)
     if out.exists() and not overwrite:
-        raise OutputExistsError(f"--out: {out} exists; choose a new file or pass --overwrite")
+        made = made_with(out)
+        if made is None or {k: made.get(k) for k in settings} != settings:
+            raise OutputExistsError(f"--out: {out} exists, made with other settings or not by fedsd pretrain; choose a "
+                                    f"new file or pass --overwrite")
+        dry_run.stop_here(f"pretrain nothing: {out} is made with these settings (sha256 {made['sha256'][:16]}…)")
+        return made
     images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)
     if not 0 <= first < len(images.y_train):
         raise ConfigError(f"--first: must be in [0, {len(images.y_train)}), got {first}")
@@ -97,9 +120,7 @@ def pretrain(cfg: TrainConfig, epochs: int, batch_size: int, lr: float, first: i
         record.append(row)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_atomic(out, {k: v.detach().cpu() for k, v in model.state_dict().items()})
-    result = dict(kind="fedsd pretrain (no privacy: public data only)", dataset=cfg.dataset, model=cfg.model,
-                  activation=cfg.activation, seed=cfg.seed, epochs_planned=epochs, batch_size=batch_size, lr=lr,
-                  optimizer="adam", first=first or None, validation=cfg.validation, num_train=len(indices),
+    result = dict(kind="fedsd pretrain (no privacy: public data only)", **settings, num_train=len(indices),
                   wall_seconds=time.perf_counter() - started, sha256=sha256_of(out), epochs=record)
     write_json(out.with_name(out.name + ".json"), result)
     return result
