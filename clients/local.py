@@ -60,7 +60,7 @@ from fedsd.state_folder import read_nofollow
 from fedsd.fed_settings import FedOptions, client_config, from_flat, round_epochs, round_teacher
 from fedsd.training import DPTrainer, Model, TrainState, load_train_state, planned_trainer, save_train_state
 from fedsd.methods import released
-from fedsd.models import SCATTER_MODELS, TORCHVISION, is_builtin
+from fedsd.models import SCATTER_MODELS, TORCHVISION, feature_source, is_builtin
 
 from task.simulated_shards import Federation, build_federation
 from task.records import SPENT_EPSILON, load_state, model_to_record, record_to_model, save_state
@@ -200,8 +200,8 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
         validate(dataclasses.replace(cfg, batch_size=min(cfg.batch_size, n)) if distributed else cfg, n)
         # the run's features of this client's own images, made on this machine (fedsd.features)
         tensors = data_lib.TensorData(
-            inputs(normalised(held.x_train, task), cfg.features, "training images"), held.y_train,
-            inputs(normalised(held.x_test, task), cfg.features, "test images"), held.y_test,
+            inputs(normalised(held.x_train, task), feature_source(cfg), "training images"), held.y_train,
+            inputs(normalised(held.x_test, task), feature_source(cfg), "test images"), held.y_test,
             len(task.classes)).to(resolve_device(cfg.device))
         # Cached on this client's disk: a deployed ClientApp is a fresh process for every message.
         if distributed:  # one step a round at the run's q; the noise is the round's plan's (fedsd.distributed)
@@ -249,6 +249,19 @@ def check_model_allowed(model: str, node: NodeConfig) -> None:
                       f"network of a user's own only where its owner's node config names it (allow-model=...)")
 
 
+def check_init_weights(flat: dict, node: NodeConfig) -> None:
+    """A node whose owner named the pretrained weights it trains from (node-config
+    init-weights-sha256) refuses a run that starts from other weights, or from none
+    (ConfigError, before anything is trained or charged)."""
+    expected = node.init_weights_sha256.strip().lower()
+    if not expected:
+        return
+    told = str(flat.get("init-weights-sha256", "")).lower()
+    if told != expected:
+        raise NodeConfigError(f"init-weights-sha256={told[:64] or 'none'}: this node trains only from the weights its "
+                              f"owner named (node-config init-weights-sha256={expected[:64]}); other weights are refused")
+
+
 def check_finite_model(arrays: ArrayRecord) -> None:
     """The model a server sends to a node with its own data holds finite weights (ConfigError
     before any record is read): a non-finite weight would make the round's outcome a property of
@@ -289,6 +302,7 @@ def node_settings(flat: dict, node_config) -> NodeConfig:
         raise NodeConfigError(f"client-data={flat.get('client-data', FedOptions().client_data)}: this node holds its "
                               f"own data and trains only on it, never on a data set at a path the server names; "
                               f"run with client-data='own'")
+    check_init_weights(flat, node)
     if node.data_dir:
         flat["data-dir"] = node.data_dir
     if node.download or node.owns_data:  # the node's choice, never the server's

@@ -76,6 +76,10 @@ class NodeConfig:
                                    "from this node's installation) the server may name in `model`; without it, only "
                                    "the built-in networks and torchvision:NAME are taken, and no code the server "
                                    "names is ever imported")
+    init_weights_sha256: str = setting("", "the sha256 of the only pretrained weights file (init-weights) this node "
+                                           "trains from: a run that names another file, or none, is refused before "
+                                           "anything is trained or charged (where this node reads the file, for "
+                                           "features=backbone, its bytes are checked too)", default_text="none: any")
     skip_bad_files: bool = setting(False, "train on the readable images of `data` and leave out unreadable ones "
                                           "(reported to the server); default: one unreadable image refuses the "
                                           "whole data set")

@@ -117,12 +117,14 @@ class BookKeepingClipper:
         chooses (uses_ghost_norm)."""
         self.layers = []
         for module in model.modules():
+            if not any(p.requires_grad for p in module.parameters(recurse=False)):
+                continue  # no weights, or a frozen block's (--train-layers): no gradient, no clipping, no route
             if isinstance(module, (nn.Conv2d, nn.Linear)):
                 if isinstance(module, nn.Conv2d) and (module.groups != 1 or module.padding_mode != "zeros"
                                                       or isinstance(module.padding, str)):
                     raise ConfigError("--grad-sample-mode bk: Conv2d needs groups=1 and numeric zero padding")
                 self.layers.append(module)
-            elif any(p.requires_grad for p in module.parameters(recurse=False)):  # GroupNorm, a class token, ...: no rule, wrong sums
+            else:  # GroupNorm, a class token, ...: no rule, wrong sums
                 raise ConfigError(f"--grad-sample-mode bk: no book-keeping rule for {type(module).__name__}; "
                                  "use hooks or ghost")
         self.max_grad_norm = max_grad_norm

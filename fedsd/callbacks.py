@@ -46,6 +46,8 @@ class ProximalTerm(StepCallback):
 
     def after_noise(self, trainer) -> None:
         for p, anchor in zip(trainer.model.parameters(), self.anchor):
+            if p.grad is None:  # a frozen block (--train-layers): it does not move
+                continue
             p.grad.add_(p.detach() - anchor, alpha=self.mu)
 
 
@@ -62,6 +64,8 @@ class ExponentialAverage(StepCallback):
         d = min(self.decay, (1 + self.t) / (10 + self.t)) if self.warmup else self.decay
         with torch.no_grad():
             for name, p in trainer.model.named_parameters():
+                if not p.requires_grad:  # a frozen block: its average is its weights, bit for bit
+                    continue
                 self.average[name].mul_(d).add_(p.detach(), alpha=1 - d)
         self.t += 1
 

@@ -14,7 +14,8 @@ from .client_data import input_stats, run_images, task_for, with_custom_task
 from . import features, privacy, routes, tensorboard
 from .config import TrainConfig, validate
 from .bookkeeping import BookKeepingClipper
-from .models import check_fits_task, image_shape_of, input_shape_of, model_for
+from .models import (check_fits_task, feature_source, image_shape_of, input_shape_of, model_for, start_report,
+                     with_pinned_weights)
 from .seeds import SEED_FEATURE_NORM, derive_seed
 from .results import RunResult, check_out_dir, finished_run_refusal, fresh_out_dir, save_atomic, write_json, write_run
 from .training import DPTrainer, TrainState, evaluate, initial_model, planned_trainer
@@ -43,11 +44,14 @@ class CentralInputs:
 def prepare_run(cfg: TrainConfig) -> CentralInputs:
     """Everything that can fail on bad input, before any work: settings, data, model, device."""
     cfg = with_custom_task(cfg).resolved()  # a custom data set's classes, channels and size, read from its files
+    cfg = with_pinned_weights(cfg)  # --init-weights: its path absolute, its sha256 checked or filled in
     task_for(cfg)  # the model takes the task's images (--model cifar-cnn on MNIST is refused here)
     images = run_images(cfg)
-    indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation)
+    indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation, cfg.public_first)
     validate(cfg, len(indices))
-    net = model_for(cfg, images.num_classes)  # a network Opacus cannot train is refused here, naming the layer
+    # a network Opacus cannot train is refused here, naming the layer; a weights file that does
+    # not fit it, naming the keys
+    net = model_for(cfg, images.num_classes, weights=True)
     check_fits_task(net, cfg.model, images.num_classes, input_shape_of(cfg))
     if cfg.grad_sample_mode == "bk":
         BookKeepingClipper(net, cfg.clip)  # a layer book-keeping has no rule for is refused, named
@@ -148,7 +152,7 @@ class CentralRun:
     def _trainer(self, saved: dict | None) -> DPTrainer:
         inputs, cfg = self.prepared, self.cfg
         route = routes.Route.from_dict(saved["route"]) if saved is not None and saved["route"] else None
-        tensors = data_lib.prepare(inputs.data, inputs.train_indices, "cpu", input_stats(cfg), cfg.features)
+        tensors = data_lib.prepare(inputs.data, inputs.train_indices, "cpu", input_stats(cfg), feature_source(cfg))
         if cfg.feature_norm == "private":
             # The same noise on every start of the run (its seed's), so a resumed run normalises
             # as it began; the accountant's history holds its cost from the first step on.
@@ -163,7 +167,7 @@ class CentralRun:
     def _validation_split(self) -> tuple[torch.Tensor, torch.Tensor]:
         """--validation's held-out samples, normalised and laid out as the training data."""
         x, y = data_lib.validation_split(self.prepared.data, self.cfg.validation, input_stats(self.cfg),
-                                         self.cfg.features)
+                                         feature_source(self.cfg))
         if self.feature_stats is not None:
             x = features.normalise(x, *self.feature_stats)  # the training set's released statistics
         return x.to(self.prepared.device).contiguous(memory_format=self.trainer.memory_format), y.to(self.prepared.device)
@@ -220,6 +224,7 @@ class CentralRun:
             num_train=len(inputs.train_indices), validation_accuracy=last.get("validation_accuracy"),
             privacy=plan.to_dict(), route=self._route(), physical_batch_size=self.trainer.physical_batch_size,
             epochs=self.epochs, resumed=True if self.resumed else None,
+            pretrained=start_report(self.cfg, self.trainer.data.num_classes),
             feature_statistics=dict(mean=self.feature_stats[0].tolist(), variance=self.feature_stats[1].tolist())
             if self.feature_stats is not None else None)
         weights = {k: v.cpu() for k, v in released(self.model).items()}

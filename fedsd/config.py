@@ -16,6 +16,7 @@ from .data import CUSTOM, DATASET_TITLES, DATASETS
 from .features import FEATURE_NORMS, FEATURES, check_features
 from .models import (ACTIVATIONS, DEFAULT_MODEL, MODEL_FORMS, SCATTER_MODELS, check_model_name, image_shape_of,
                      is_builtin)
+from .pretrained import check_train_layers
 from .settings import Setting, check_choices, check_setting, declared_only, setting, settings_of
 from .errors import ConfigError
 
@@ -121,7 +122,9 @@ class RunSettings:
                                 "image_size; README: bring your own network)", default_text="the data set's")
     features: str = setting("none", "fixed features each party computes from its own images before training: none, "
                             "or scatter (Tramèr & Boneh's ScatterNet: a wavelet scattering transform, J = 2, L = 8; "
-                            "no privacy cost; trains scatter-linear or scatter-cnn)", choices=FEATURES)
+                            "no privacy cost; trains scatter-linear or scatter-cnn), or backbone (with --init-weights: "
+                            "the output of the network's frozen blocks, computed once per data set and cached, so "
+                            "only the trained blocks run in each step)", choices=FEATURES)
     feature_norm: str = setting("group", "how scatter features are normalised: group (GroupNorm in the network, each "
                                 "sample on its own: no privacy cost) or private (Tramèr & Boneh's: the training "
                                 "set's mean and variance per channel, released with Gaussian noise; that ε is "
@@ -129,6 +132,20 @@ class RunSettings:
                                 choices=FEATURE_NORMS)
     feature_norm_noise: float = setting(8.0, "--feature-norm private: the noise multiplier of its two Gaussian "
                                         "releases (Tramèr & Boneh's 8)")
+    init_weights: str = setting("", "start from these weights (a public input: a network pretrained on public "
+                                "data): a state dict file, or a torchvision or timm weights file, read with "
+                                "weights_only=True; its keys and shapes are checked against the network before any "
+                                "work, and a head of another shape is made new for the task's classes",
+                                default_text="\"\": the network's own random start")
+    init_weights_sha256: str = setting("", "the sha256 the --init-weights file must have (another file is "
+                                       "refused); filled in from the file where not given, and recorded in "
+                                       "result.json's config", default_text="\"\": the file's own")
+    train_layers: str = setting("all", "what DP-SGD trains: all, head (the last block), or last:N (the last N of "
+                                "the network's top-level blocks that hold weights); the rest is frozen (no "
+                                "per-sample gradient, no clipping, BatchNorm in eval mode with its pretrained "
+                                "statistics) and spends no ε")
+    public_first: int = setting(0, "the first N training images are public (the set --init-weights was pretrained "
+                                "on: fedsd pretrain --first N) and are left out of the private training set")
     activation: str = setting("relu", "the network's activation: relu (the papers') or tanh (Tramèr & Boneh's "
                                       "variant)", choices=tuple(ACTIVATIONS))
     threads: int = setting(0, "torch CPU threads; 0 leaves torch's default")
@@ -339,6 +356,14 @@ def validate(c: TrainConfig, num_train: int) -> None:
                   "applies to --features scatter", c.feature_norm)
     check_setting(math.isfinite(c.feature_norm_noise) and c.feature_norm_noise > 0, "--feature-norm-noise",
                   "must be > 0", c.feature_norm_noise)
+    check_train_layers(c.train_layers)
+    check_setting(c.features != "backbone" or bool(c.init_weights), "--features",
+                  "backbone computes the output of pretrained frozen blocks: give --init-weights", c.features)
+    check_setting(c.features != "backbone" or c.train_layers != "all", "--features",
+                  "backbone needs frozen blocks: give --train-layers head or last:N", c.features)
+    check_setting(not c.init_weights_sha256 or bool(c.init_weights), "--init-weights-sha256",
+                  "applies to --init-weights", c.init_weights_sha256)
+    check_setting(c.public_first >= 0, "--public-first", "must be >= 0", c.public_first)
     check_layout(c)
     if c.route:
         from .routes import Route

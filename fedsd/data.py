@@ -264,7 +264,7 @@ def validation_indices(data: ImageData, size: int) -> torch.Tensor:
 
 
 def validation_split(data: ImageData, size: int, stats: tuple | None = None,
-                     features: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+                     features="none") -> tuple[torch.Tensor, torch.Tensor]:
     """The --validation split's images (normalised with `stats`, as ImageData.normalised; their
     `features`, as prepare) and labels (empty for size 0)."""
 
@@ -273,14 +273,20 @@ def validation_split(data: ImageData, size: int, stats: tuple | None = None,
             data.y_train[held_out].clone())
 
 
-def training_indices(data: ImageData, subset: int | None, seed: int, validation: int = 0) -> torch.Tensor:
-    """The training samples a run uses: the training set less the --validation split, then a
-    seeded stratified --subset of that, or all of it."""
+def training_indices(data: ImageData, subset: int | None, seed: int, validation: int = 0,
+                     public_first: int = 0) -> torch.Tensor:
+    """The training samples a run uses: the training set less the --validation split and the
+    first `public_first` images (--public-first: a public set, never trained on privately), then
+    a seeded stratified --subset of that, or all of it."""
     pool = torch.arange(len(data.y_train))
     if validation:
         keep = torch.ones(len(pool), dtype=torch.bool)
         keep[validation_indices(data, validation)] = False
         pool = pool[keep]
+    if public_first:
+        if public_first >= len(data.y_train):
+            raise ConfigError(f"--public-first: must be below the {len(data.y_train)} training samples, got {public_first}")
+        pool = pool[pool >= public_first]
     if subset is None:
         return pool
     if subset > len(pool):
@@ -308,7 +314,7 @@ class TensorData:
 
 
 def prepare(data: ImageData, train_indices: torch.Tensor | None = None, device="cpu",
-            stats: tuple | None = None, features: str = "none") -> TensorData:
+            stats: tuple | None = None, features="none") -> TensorData:
     """Normalise with `stats` (a run's --mean / --std: client_data.input_stats; by default the
     data set's fixed constants), keep the chosen training indices, and make the run's
     `features` of both (fedsd.features: computed on this machine, from these images only)."""

@@ -21,6 +21,7 @@ import hashlib
 import math
 import os
 import tempfile
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ import torch
 from .cache import cache_root
 from .errors import ConfigError
 
-FEATURES = ("none", "scatter")
+FEATURES = ("none", "scatter", "backbone")  # backbone: a pretrained network's frozen blocks (backbone_features)
 # group: GroupNorm in the network (fedsd.models), each sample on its own, free of privacy cost;
 # private: Tramèr & Boneh's "frozen BatchNorm" (their dp_utils.scatter_normalization), below.
 FEATURE_NORMS = ("group", "private")
@@ -85,13 +86,9 @@ def scattered(x: torch.Tensor, what: str = "images") -> torch.Tensor:
     shape = (n, c * SCATTER_CHANNELS, -(-h // 2 ** SCATTER_J), -(-w // 2 ** SCATTER_J))
     folder = cache_root() / "features"
     path = folder / f"scatter-{_key(x)}.npy"
-    if path.is_file():
-        try:
-            cached = np.load(path, mmap_mode="r", allow_pickle=False)
-            if cached.shape == shape and cached.dtype == np.float16:
-                return torch.from_numpy(np.array(cached))
-        except (OSError, ValueError):
-            pass  # unreadable (a machine that crashed while writing): made again
+    cached = _cached(path, shape, np.float16)
+    if cached is not None:
+        return cached
     from tqdm.auto import tqdm
 
     transform = scattering_class()(J=SCATTER_J, shape=(h, w), L=SCATTER_L)
@@ -101,21 +98,82 @@ def scattered(x: torch.Tensor, what: str = "images") -> torch.Tensor:
                           disable=None):
             part = transform(x[start:start + CHUNK])  # (n, C, 81, H/4, W/4)
             out[start:start + len(part)] = part.reshape(len(part), *shape[1:]).numpy().astype(np.float16)
+    _save(folder, path, out)
+    return torch.from_numpy(out)
+
+
+def inputs(x: torch.Tensor, features, what: str = "images") -> torch.Tensor:
+    """What the model takes: the normalised images themselves, or their features (`features`:
+    "none", "scatter", or a Backbone: fedsd.models.feature_source)."""
+    if isinstance(features, Backbone):
+        return backbone_features(x, features, what)
+    if features == "backbone":
+        raise ValueError("--features backbone: the inputs are made with the run's Backbone (fedsd.models.feature_source)")
+    return x if features == "none" else scattered(x, what)
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """A pretrained network's frozen blocks (--features backbone with --init-weights; built by
+    fedsd.models.backbone_for): `module` in eval mode, `key` naming the weights (their file's
+    sha256) and the cut, `shape` of one sample's output as kept: flat features as (D, 1, 1)."""
+    module: torch.nn.Module
+    key: str
+    shape: tuple[int, int, int]
+
+
+BACKBONE_FORMAT = 1
+
+
+def backbone_features(x: torch.Tensor, backbone: Backbone, what: str = "images") -> torch.Tensor:
+    """The frozen blocks' output for images `x` (float32, (N, *backbone.shape)), computed once
+    on this machine, in eval mode and in chunks, and cached as ScatterNet features are (keyed by
+    the images' bytes, the weights' sha256 and the cut: other images or weights make a new file)."""
+    x = x.detach().to("cpu", torch.float32)
+    shape = (len(x), *backbone.shape)
+    digest = hashlib.sha256(repr((BACKBONE_FORMAT, backbone.key, tuple(x.shape))).encode())
+    digest.update(x.contiguous().numpy().tobytes())
+    folder = cache_root() / "features"
+    path = folder / f"backbone-{digest.hexdigest()[:32]}.npy"
+    cached = _cached(path, shape, np.float32)
+    if cached is not None:
+        return cached
+    from tqdm.auto import tqdm
+
+    out = np.empty(shape, dtype=np.float32)
+    module = backbone.module.eval()
+    with torch.no_grad():
+        for start in tqdm(range(0, len(x), CHUNK), desc=f"backbone features of {len(x)} {what}", unit="chunk",
+                          leave=False, disable=None):
+            part = module(x[start:start + CHUNK])
+            out[start:start + len(part)] = part.reshape(len(part), *backbone.shape).numpy()
+    _save(folder, path, out)
+    return torch.from_numpy(out)
+
+
+def _cached(path, shape: tuple, dtype) -> torch.Tensor | None:
+    """Features kept in `path` of this shape and type, or None (none there, or unreadable: a
+    machine that crashed while writing; made again)."""
+    if path.is_file():
+        try:
+            cached = np.load(path, mmap_mode="r", allow_pickle=False)
+            if cached.shape == shape and cached.dtype == dtype:
+                return torch.from_numpy(np.array(cached))
+        except (OSError, ValueError):
+            pass
+    return None
+
+
+def _save(folder, path, array) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.save(f, out)
+            np.save(f, array)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return torch.from_numpy(out)
-
-
-def inputs(x: torch.Tensor, features: str, what: str = "images") -> torch.Tensor:
-    """What the model takes: the normalised images themselves, or their features."""
-    return x if features == "none" else scattered(x, what)
 
 
 # The order of each of the 81 scattering channels of one image channel, in kymatio's layout: the

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .data import BUILTIN_SHAPES, CUSTOM
+from . import features, pretrained
 from .errors import ConfigError, FedsdNote, ModelNotPrivateError
 from .features import feature_shape
 
@@ -233,10 +234,15 @@ def _built(name: str, num_classes: int, activation: str, channels: int, image_si
 
 
 def build_model(name: str, num_classes: int = 10, seed: int | None = None, activation: str = "relu",
-                channels: int | None = None, image_size: int | None = None, feature_norm: str = "group") -> nn.Module:
+                channels: int | None = None, image_size: int | None = None, feature_norm: str = "group",
+                train_layers: str = "all", init_weights: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """A fresh model for a task of `num_classes` classes of (channels, image_size, image_size)
     images (the papers' networks know theirs), made private-trainable (check_private_trainable);
-    with `seed`, its initial weights depend on that seed only."""
+    with `seed`, its initial weights depend on that seed only. `train_layers` freezes the blocks
+    it does not train (fedsd.pretrained.freeze: before any BatchNorm is replaced, so a frozen
+    one stays BatchNorm, in eval mode). `init_weights` (a state dict) is checked against the
+    network as built, keys and shapes, and refused naming them; its values are then the
+    network's, but for a head of another shape (made new, as the network's own start)."""
     check_model_name(name)
     if activation not in ACTIVATIONS:
         raise ConfigError(f"--activation: unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
@@ -249,13 +255,31 @@ def build_model(name: str, num_classes: int = 10, seed: int | None = None, activ
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = _built(name, num_classes, activation, channels, image_size, feature_norm)
-    if is_builtin(name):
-        return model
-    for module in model.modules():  # the same function out of place: Opacus' backward hooks
-        if getattr(module, "inplace", False) is True:  # cannot follow an in-place op (resnet's ReLU)
-            module.inplace = False
-    model = check_private_trainable(model, fix=True, name=name)
-    return followable_by_hooks(model, name, (channels, image_size, image_size))
+    replaced = check_init_weights(model, init_weights, name)
+    if train_layers != "all":
+        pretrained.freeze(model, train_layers)
+    if not is_builtin(name):
+        for module in model.modules():  # the same function out of place: Opacus' backward hooks
+            if getattr(module, "inplace", False) is True:  # cannot follow an in-place op (resnet's ReLU)
+                module.inplace = False
+        model = check_private_trainable(model, fix=True, name=name)
+        model = followable_by_hooks(model, name, (channels, image_size, image_size))
+    if init_weights is not None:
+        pretrained.load(model, pretrained.values_to_load(model, init_weights, replaced))
+    return model
+
+
+def check_init_weights(model: nn.Module, init_weights: dict[str, torch.Tensor] | None, name: str) -> list[str]:
+    """A weights file's state dict against the network as built (before any layer is replaced):
+    ConfigError naming the missing, unexpected and mismatched keys; returns the head's keys that
+    are made new (the file's head has another shape: another task's classes)."""
+    if init_weights is None:
+        return []
+    found = pretrained.compare(model.state_dict(), init_weights, pretrained.blocks(model)[-1][0])
+    refusal = found.refusal()
+    if refusal:
+        raise ConfigError(f"--init-weights: does not fit --model {name}: {refusal}")
+    return found.head_replaced
 
 
 # Whether a network (its name, input shape and class) is traced (followable_by_hooks), decided
@@ -339,14 +363,109 @@ def image_shape_of(cfg) -> tuple[int, int]:
 def input_shape_of(cfg) -> tuple[int, int, int]:
     """(channels, height, width) of what a (resolved) run's network takes: its images, or their features."""
     channels, size = image_shape_of(cfg)
+    if cfg.features == "backbone":
+        return backbone_shape(cfg)
     return feature_shape(channels, size) if cfg.features == "scatter" else (channels, size, size)
 
 
-def model_for(cfg, num_classes: int, seed: int | None = None) -> nn.Module:
-    """The network of a (resolved) run, for its task."""
-    channels, size, _ = input_shape_of(cfg)
+def model_for(cfg, num_classes: int, seed: int | None = None, weights: bool = False) -> nn.Module:
+    """The network of a (resolved) run, for its task: its trained blocks only under --features
+    backbone (the frozen ones compute the features, `backbone_for`). weights=True: with
+    --init-weights' values (the run's initial model; the file is read and its sha256 checked
+    where the run names one); else the network's own start (its structure is the same)."""
+    full = _full_network(cfg, num_classes, seed, weights)
+    return _tail(full, cfg.train_layers) if cfg.features == "backbone" else full
+
+
+def _full_network(cfg, num_classes: int, seed: int | None, weights: bool) -> nn.Module:
+    channels, size = image_shape_of(cfg)
+    if cfg.features == "scatter":
+        channels, size, _ = input_shape_of(cfg)
+    init = None
+    if weights and cfg.init_weights:
+        init = pretrained.read_weights(cfg.init_weights, cfg.init_weights_sha256)[0]
     return build_model(cfg.model, num_classes, seed=seed, activation=cfg.activation, channels=channels,
-                       image_size=size, feature_norm=cfg.feature_norm)
+                       image_size=size, feature_norm=cfg.feature_norm, train_layers=cfg.train_layers,
+                       init_weights=init)
+
+
+# The name of the flattening a backbone's flat features pass through first (no weights)
+FLAT_FEATURES = "features_flat"
+
+
+def _split(full: nn.Module, train_layers: str) -> int:
+    """Where a network's frozen blocks end: the position, among its top-level children, of its
+    first trained block (--features backbone needs an nn.Sequential: the order of its
+    children is the order of its computation)."""
+    if not isinstance(full, nn.Sequential):
+        raise ConfigError(f"--features backbone: needs a network that is an nn.Sequential (the papers' networks, or "
+                          f"your own), where the frozen blocks' output is what the trained ones take; this one is "
+                          f"{type(full).__name__}: train it with --train-layers on pixels instead")
+    names = list(full._modules)
+    return names.index(pretrained.blocks(full)[-pretrained.trained_count(
+        train_layers, len(pretrained.blocks(full)))][0])
+
+
+def _backbone_output(full: nn.Module, cut: int, input_shape: tuple[int, ...]) -> tuple[int, ...]:
+    front = nn.Sequential(*list(full.children())[:cut]).eval()
+    with torch.no_grad():
+        return tuple(front(torch.zeros(1, *input_shape)).shape[1:])
+
+
+def _tail(full: nn.Module, train_layers: str) -> nn.Module:
+    """The trained blocks of a network, under their own names (so their keys are the full
+    network's), after a flattening where the frozen blocks give flat features (kept as
+    (N, D, 1, 1))."""
+    from collections import OrderedDict
+
+    cut = _split(full, train_layers)
+    items = list(full._modules.items())[cut:]
+    first_input = _first_input_rank(full, cut)
+    return nn.Sequential(OrderedDict(([(FLAT_FEATURES, nn.Flatten())] if first_input == 2 else []) + items)).train()
+
+
+def _first_input_rank(full: nn.Module, cut: int) -> int:
+    """The rank of what the first trained block takes: 2 after a Flatten, else 4 (images)."""
+    return 2 if any(isinstance(m, nn.Flatten) for m in list(full.children())[:cut]) else 4
+
+
+_BACKBONE_SHAPES: dict[tuple, tuple[int, int, int]] = {}
+
+
+def backbone_shape(cfg) -> tuple[int, int, int]:
+    """(channels, height, width) of the frozen blocks' output, as the features keep it: flat
+    features as (D, 1, 1)."""
+    key = (cfg.model, cfg.activation, cfg.train_layers, image_shape_of(cfg))
+    if key not in _BACKBONE_SHAPES:
+        channels, size = image_shape_of(cfg)
+        full = build_model(cfg.model, 10, seed=0, activation=cfg.activation, channels=channels, image_size=size,
+                           train_layers=cfg.train_layers)
+        shape = _backbone_output(full, _split(full, cfg.train_layers), (channels, size, size))
+        _BACKBONE_SHAPES[key] = shape if len(shape) == 3 else (shape[0], 1, 1)
+    return _BACKBONE_SHAPES[key]
+
+
+def backbone_for(cfg, num_classes: int = 10) -> "features.Backbone":
+    """The frozen blocks of a --features backbone run with --init-weights' values, in eval
+    mode, as fedsd.features computes and caches their output (keyed by the file's sha256)."""
+    channels, size = image_shape_of(cfg)
+    state, sha = pretrained.read_weights(cfg.init_weights, cfg.init_weights_sha256)
+    full = build_model(cfg.model, num_classes, seed=0, activation=cfg.activation, channels=channels, image_size=size,
+                       train_layers=cfg.train_layers)
+    cut = _split(full, cfg.train_layers)
+    front = nn.Sequential(*list(full.children())[:cut])
+    own = front.state_dict()
+    names = list(full._modules)[:cut]
+    values = {k: state[f"{names[int(k.split('.')[0])]}.{k.split('.', 1)[1]}"] for k in own}
+    pretrained.load(front, values)
+    key = f"{sha}-{cfg.model}-{cfg.activation}-{cfg.train_layers}-{channels}x{size}"
+    return features.Backbone(front.eval().requires_grad_(False), key, backbone_shape(cfg))
+
+
+def feature_source(cfg, num_classes: int = 10):
+    """What fedsd.features.inputs makes a run's inputs with: "none", "scatter", or the
+    pretrained frozen blocks (--features backbone)."""
+    return backbone_for(cfg, num_classes) if cfg.features == "backbone" else cfg.features
 
 
 def check_fits_task(model: nn.Module, name: str, num_classes: int, input_shape: tuple[int, ...]) -> None:
@@ -367,3 +486,45 @@ def check_fits_task(model: nn.Module, name: str, num_classes: int, input_shape: 
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ConfigError(f"--model {name}: on the task's input {tuple(x.shape)} it returns {shape}; expected "
                           f"logits of shape {expected} (one per class)")
+
+
+def with_pinned_weights(cfg):
+    """A run's settings with its --init-weights file pinned: its sha256 filled in (or checked,
+    where given: another file is refused), so that every party that reads the file later (a
+    simulation's workers, a resumed run, load_model) refuses any other. The path is kept as
+    given (relative to the working directory, which a simulation's workers share). The file is
+    read with weights_only=True."""
+    import dataclasses
+
+    if not cfg.init_weights:
+        return cfg
+    sha = pretrained.read_weights(cfg.init_weights, cfg.init_weights_sha256)[1]
+    return dataclasses.replace(cfg, init_weights_sha256=sha)
+
+
+def start_report(cfg, num_classes: int) -> dict | None:
+    """What a run starts from and trains, for result.json (`pretrained`), the summary and the
+    dry run: the weights file and its sha256, the blocks trained and frozen, the head made new
+    (its keys), the BatchNorms that run in eval mode with their pretrained statistics, and the
+    weights trained and frozen. None for a run of the whole network from its own start."""
+    if not cfg.init_weights and cfg.train_layers == "all":
+        return None
+    channels, size = image_shape_of(cfg)
+    if cfg.features == "scatter":
+        channels, size, _ = input_shape_of(cfg)
+    with torch.random.fork_rng(devices=[]):
+        raw = _built(cfg.model, num_classes, cfg.activation, channels, size, cfg.feature_norm)
+    replaced = []
+    if cfg.init_weights:
+        replaced = check_init_weights(raw, pretrained.read_weights(cfg.init_weights, cfg.init_weights_sha256)[0],
+                                      cfg.model)
+    full = _full_network(cfg, num_classes, 0, False)
+    names = [name for name, _ in pretrained.blocks(raw)]
+    frozen = pretrained.frozen_blocks(raw, cfg.train_layers)
+    return dict(init_weights=cfg.init_weights or None, sha256=cfg.init_weights_sha256 or None,
+                train_layers=cfg.train_layers, features=cfg.features,
+                trained_blocks=[n for n in names if n not in frozen], frozen_blocks=frozen, head_replaced=replaced,
+                frozen_batchnorm=[n for n, m in full.named_modules() if pretrained.is_frozen_batchnorm(m)],
+                trained_parameters=sum(p.numel() for p in full.parameters() if p.requires_grad),
+                frozen_parameters=sum(p.numel() for p in full.parameters() if not p.requires_grad))
+

@@ -10,7 +10,7 @@ from .client_data import input_stats
 from .config import TrainConfig
 from .errors import DataError
 from .features import FeatureMap
-from .models import image_shape_of, model_for
+from .models import backbone_for, image_shape_of, model_for
 from .results import RunResult
 
 
@@ -35,7 +35,8 @@ class ReleasedModel(torch.nn.Module):
 def load_model(run_dir: str | os.PathLike) -> ReleasedModel:
     """The model a finished run (`fedsd train`, `fedsd simulate`, a deployment) released in
     `run_dir`: its network (the run's model and activation, as many classes as it was trained
-    on) with model.pt's weights and the run's input normalisation, in eval mode. DataError
+    on) with model.pt's weights and the run's input normalisation, in eval mode (a run on
+    --features backbone: its frozen blocks from its --init-weights file). DataError
     naming the file when the folder holds no finished run."""
     run_dir = Path(run_dir)
     result = RunResult.read(run_dir / "result.json")
@@ -48,6 +49,8 @@ def load_model(run_dir: str | os.PathLike) -> ReleasedModel:
     net.load_state_dict(weights)
     mean, std = input_stats(cfg)
     feature_map = None
-    if cfg.features != "none":
+    if cfg.features == "backbone":  # the frozen blocks, from the file (its sha256 checked): model.pt holds the rest
+        feature_map = backbone_for(cfg, classes).module
+    elif cfg.features != "none":
         feature_map = FeatureMap(image_shape_of(cfg)[1], result.feature_statistics)
     return ReleasedModel(net, mean, std, feature_map).eval()

@@ -62,6 +62,9 @@ class RunResult:
     feature_statistics: dict | None = None
     epochs: list | None = None
     resumed: bool | None = None
+    # --init-weights / --train-layers: the file and its sha256 (a public input), the blocks
+    # trained and frozen, a new head, frozen BatchNorms (fedsd.models.start_report)
+    pretrained: dict | None = None
     # a federation
     evaluated_by: str | None = None
     num_clients: int | None = None

@@ -498,7 +498,8 @@ def _step(mode: str, cfg, x: torch.Tensor, y: torch.Tensor, num_classes: int, co
     model = model_for(cfg, num_classes).to(x.device, memory_format=layout)
     clipper = CLIPPERS[mode](model, run, mode)
     clipper.take(Route(mode, run.memory_format, dict(conv_ways)))
-    optimizer = clipper.make_optimizer(torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum),
+    trained = [p for p in model.parameters() if p.requires_grad]  # frozen blocks (--train-layers): no step
+    optimizer = clipper.make_optimizer(torch.optim.SGD(trained, lr=cfg.lr, momentum=cfg.momentum),
                                        noise_multiplier=1.0, max_grad_norm=cfg.clip,
                                        expected_batch_size=cfg.batch_size, loss_reduction="mean",
                                        generator=torch.Generator(device=x.device).manual_seed(0))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .pretrained import start_line
 from .privacy import AccountantHistory
 
 
@@ -31,6 +32,8 @@ def run_summary(result: dict, out) -> str:
              f"  test accuracy  {accuracy * 100:.2f} %{by}" if accuracy is not None else "  test accuracy  -",
              f"  ε spent        {eps} (target {result['epsilon_target']:g}, δ {result['delta']:g})",
              f"  settings       {settings_line(result)}"]
+    if result.get("pretrained"):
+        lines.append(f"  start          {start_line(result['pretrained'])}")
     prior = (result.get("privacy") or {}).get("prior")
     if prior:  # what the normalisation's releases took of ε, before DP-SGD's first step
         alone = AccountantHistory("rdp", prior).epsilon(result["delta"])

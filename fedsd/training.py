@@ -56,8 +56,9 @@ DIVERGENCE_WINDOW, DIVERGENCE_FACTOR = 10, 10.0
 
 
 def initial_model(cfg: TrainConfig, num_classes: int) -> Model:
-    """The global model before any training: the same for every client and the central run."""
-    student = model_for(cfg, num_classes, seed=derive_seed(cfg.seed, SEED_MODEL_INIT)).state_dict()
+    """The global model before any training: the same for every client and the central run
+    (with --init-weights, the file's weights: a public input, which the server sends)."""
+    student = model_for(cfg, num_classes, seed=derive_seed(cfg.seed, SEED_MODEL_INIT), weights=True).state_dict()
     return with_release(cfg, method_of(cfg).initial_model(student))
 
 
@@ -243,7 +244,8 @@ class DPTrainer:
         self.clipper = CLIPPERS[mode](self.model, cfg, mode)
         if self.route is not None:
             self.clipper.take(self.route)
-        sgd = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        # Frozen blocks (--train-layers) are no part of the optimizer: no gradient, no noise, no step
+        sgd = torch.optim.SGD(self.trainable(), lr=cfg.lr, momentum=cfg.momentum)
         self.optimizer = self.clipper.make_optimizer(
             sgd, noise_multiplier=plan.noise_multiplier, max_grad_norm=cfg.clip, expected_batch_size=cfg.batch_size,
             loss_reduction="mean", generator=self.generator)
@@ -366,6 +368,10 @@ class DPTrainer:
                                   f"{self.plan.epsilon} (spent so far {accountant.epsilon(self.plan.delta):.3f})")
 
     # -- the weights a method changes in a call --------------------------------------------
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """The weights DP-SGD trains: all but those of frozen blocks (--train-layers)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
     def student_weights(self) -> Weights:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
@@ -474,7 +480,7 @@ class DPTrainer:
         if not self.cfg.momentum:
             return None
         state = self.optimizer.original_optimizer.state
-        return [state[p]["momentum_buffer"].clone() for p in self.model.parameters()]
+        return [state[p]["momentum_buffer"].clone() for p in self.trainable()]
 
     def _restore_momentum(self, buffers: list[torch.Tensor] | None) -> None:
         """The trainer is shared between rounds (and, in a worker, between clients): momentum
@@ -482,6 +488,6 @@ class DPTrainer:
         state = self.optimizer.original_optimizer.state
         state.clear()
         if buffers is not None:
-            for p, buf in zip(self.model.parameters(), buffers):
+            for p, buf in zip(self.trainable(), buffers):
                 state[p]["momentum_buffer"] = buf.clone().to(p.device)
 

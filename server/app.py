@@ -30,7 +30,7 @@ from fedsd.errors import ConfigError
 from fedsd.features import inputs
 from fedsd.summary import run_summary
 from fedsd.fed_settings import FedOptions, client_config, from_flat, to_flat
-from fedsd.models import model_for
+from fedsd.models import feature_source, model_for, with_pinned_weights
 from fedsd.results import RunResult, fresh_out_dir, write_run
 from fedsd.settings import flags_to_keys
 from fedsd.training import initial_model, torch_memory_format
@@ -159,7 +159,10 @@ def public_side(cfg: TrainConfig, fed: FedOptions):
     split (normalised; None for a custom task), where it came from, and in a simulation with
     --validation the held-out split (normalised; else None), on which it also evaluates every
     round to choose settings without the test split. With client-data=own it loads no training
-    data at all: each client's data stays on its machine."""
+    data at all: each client's data stays on its machine. --init-weights is pinned first (its
+    path absolute, its sha256 filled in): the run config the clients get names the file's sha256,
+    and the initial model carries its weights."""
+    cfg = with_pinned_weights(cfg)
     if fed.client_data == "own":
         fed.validate()
         cfg = client_config(cfg, fed)
@@ -168,15 +171,15 @@ def public_side(cfg: TrainConfig, fed: FedOptions):
             return cfg, len(task.classes), None, "each client's own data", None
         images = data_lib.load(cfg.dataset, cfg.data_dir, cfg.download)  # the public test split only
         # Normalised with the task's constants, as the clients normalise theirs (mean/std settings included).
-        test = inputs(normalised(images.x_test, task), cfg.features, "test images")
+        test = inputs(normalised(images.x_test, task), feature_source(cfg), "test images")
         return cfg, len(task.classes), (test, images.y_test.clone()), images.source, None
     federation = build_federation(cfg, fed)
     log(INFO, "fedsd: %d clients, %s partition, shard sizes %s", fed.num_clients, fed.partition,
         federation.shard_sizes())
     images, cfg = federation.images, federation.cfg
     stats = input_stats(cfg)  # --mean / --std, as the clients normalise their shards
-    validation = data_lib.validation_split(images, cfg.validation, stats, cfg.features) if cfg.validation else None
-    test = inputs(images.normalised_test(stats), cfg.features, "test images")
+    validation = data_lib.validation_split(images, cfg.validation, stats, feature_source(cfg)) if cfg.validation else None
+    test = inputs(images.normalised_test(stats), feature_source(cfg), "test images")
     return cfg, images.num_classes, (test, images.y_test.clone()), images.source, validation
 
 

@@ -26,6 +26,8 @@ from fedsd import __version__
 from fedsd.central import load_checkpoint, plan_run, train
 from fedsd.config import TrainConfig
 from fedsd.errors import ConfigError, FedsdNote, UserError
+from fedsd.models import start_report
+from fedsd.pretrained import start_line
 from fedsd.fed_settings import FedOptions
 from fedsd.settings import add_options, from_args, settings_of
 from fedsd.summary import run_summary
@@ -34,6 +36,7 @@ from simulations.commands import dry_run
 from simulations.commands.audit_command import add_audit_parser
 from simulations.commands.ledger_command import add_ledger_parser
 from simulations.commands.parsing import Parser
+from simulations.commands.pretrain import add_pretrain_parser
 from simulations.commands.privacy_check import add_check_parser
 from simulations.commands.simulate import add_sim_options, sim_options_from_args, simulate
 from simulations.commands.split_data import add_split_data_parser
@@ -98,7 +101,9 @@ def cmd_train(args) -> int:
         cfg = inputs.cfg
         dry_run.stop_here(f"train {cfg.method} on {len(inputs.train_indices)} {cfg.dataset} samples for {cfg.epochs} "
                           f"epochs at B = {cfg.batch_size}, lr {cfg.lr:g}, momentum {cfg.momentum:g}, "
-                          f"σ={plan.noise_multiplier:.3f}, q={plan.sample_rate:.4g} (ε={cfg.epsilon:g}) into {args.out}")
+                          f"σ={plan.noise_multiplier:.3f}, q={plan.sample_rate:.4g} (ε={cfg.epsilon:g}) into {args.out}"
+                          + (f"; {start_line(start_report(cfg, inputs.data.num_classes))}"
+                             if start_report(cfg, inputs.data.num_classes) else ""))
     result, _ = train(config_from_args(args), args.out, overwrite=args.overwrite, progress=not args.quiet,
                       log_dir=args.log_dir)
     print(run_summary(result, args.out))
@@ -128,7 +133,7 @@ def cmd_simulate(args) -> int:
 
 # The product's commands, grouped as `fedsd --help` lists them.
 COMMAND_GROUPS = (
-    ("training", ("train", "simulate")),
+    ("training", ("train", "simulate", "pretrain")),
     ("a client's data and privacy", ("split-data", "data-service", "ledger", "check-privacy", "audit")),
     ("choose settings and measure", ("sweep", "bench")),
 )
@@ -162,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_sim = sub.add_parser("simulate", help="federated simulation on Flower's Ray engine")
     add_train_options(p_sim, epsilon_required=False, out_required=False)
     add_sim_options(p_sim)
+    add_pretrain_parser(sub)
     p_sim.set_defaults(func=cmd_simulate)
     for add in (add_split_data_parser, add_data_service_parser, add_ledger_parser, add_check_parser,
                 add_audit_parser, add_sweep_parser, add_bench_parser):

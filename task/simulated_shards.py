@@ -14,6 +14,7 @@ from fedsd import privacy
 from fedsd.config import TrainConfig, validate
 from fedsd.errors import ConfigError
 from fedsd.fed_settings import FedOptions, client_config
+from fedsd.models import feature_source
 
 from .partition import shards
 
@@ -33,7 +34,7 @@ class Federation:
 
     def client_data(self, partition_id: int, device) -> data_lib.TensorData:
         return data_lib.prepare(self.images, self.train_indices[self.shards[partition_id]], device,
-                                input_stats(self.cfg), self.cfg.features)
+                                input_stats(self.cfg), feature_source(self.cfg))
 
     def client_test_share(self, partition_id: int) -> torch.Tensor:
         """A simulated client's own test split, for federated evaluation: an IID share of the
@@ -58,7 +59,7 @@ def cut_shards(cfg: TrainConfig, fed: FedOptions) -> tuple[data_lib.ImageData, t
     """The data set, the training samples a run takes (--subset, less --validation) and
     each client's shard of them (positions into those samples), as every party cuts them."""
     images = run_images(cfg)
-    indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation)
+    indices = data_lib.training_indices(images, cfg.subset, cfg.seed, cfg.validation, cfg.public_first)
     if fed.num_clients > len(indices):
         raise ConfigError(f"--clients: {fed.num_clients} clients but only {len(indices)} training samples")
     return images, indices, shards(images.y_train[indices], fed, cfg.seed)

@@ -77,6 +77,8 @@ class Clipper:
         """An empty Poisson batch still takes a step (noise only), as the accountant assumes:
         zero per-sample gradients and a zero sum."""
         for p in self.model.parameters():
+            if not p.requires_grad:  # a frozen block (--train-layers)
+                continue
             p.grad_sample = torch.zeros((0, *p.shape), device=p.device)
             p.grad = torch.zeros_like(p)
 

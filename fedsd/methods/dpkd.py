@@ -42,9 +42,10 @@ class DPKD(Method):
         if epoch <= cfg.kd_teacher_epochs:
             return
         if "kd_teacher" not in model:
-            # Stage 2 begins: the stage-1 model becomes the fixed teacher, the student starts afresh.
+            # Stage 2 begins: the stage-1 model becomes the fixed teacher, the student starts afresh
+            # (from --init-weights' public weights where the run has them, as stage 1 did).
             model["kd_teacher"] = trainer.student_weights()
-            fresh = model_for(cfg, trainer.data.num_classes, seed=derive_seed(cfg.seed, SEED_KD_STUDENT))
+            fresh = model_for(cfg, trainer.data.num_classes, seed=derive_seed(cfg.seed, SEED_KD_STUDENT), weights=True)
             trainer.load_student(fresh.state_dict())
         trainer.load_teacher(model["kd_teacher"])
 

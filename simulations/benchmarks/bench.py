@@ -32,7 +32,8 @@ from fedsd.data import TensorData
 from fedsd.errors import ConfigError
 from fedsd.fed_settings import FedOptions, to_flat
 from fedsd.methods import METHODS, method_of, released
-from fedsd.models import build_model
+from fedsd.models import build_model, input_shape_of
+from fedsd.pretrained import check_train_layers
 from fedsd.privacy import plan
 from fedsd.results import RunResult, check_out_dir
 from fedsd.settings import add_options, from_args
@@ -77,6 +78,12 @@ def _add_step(what) -> None:
     step.add_argument("--grad-sample-mode", nargs="+", default=list(GRAD_SAMPLE_MODES))
     step.add_argument("--no-compile", action="store_true",
                       help="leave torch.compile out of the non-private candidates (it takes ~20 s to compile)")
+    step.add_argument("--train-layers", nargs="+", default=["all"], metavar="SPEC",
+                      help="what each DP step trains (all, head, last:N: the rest frozen, as fedsd train "
+                           "--train-layers); several are timed side by side, each against all (default: all)")
+    step.add_argument("--backbone-features", action="store_true",
+                      help="also time each frozen --train-layers on the frozen blocks' cached output (--features "
+                           "backbone): the trained blocks' step alone")
     step.add_argument("--device", default="cpu")
     step.add_argument("--threads", type=int, default=0, help="torch threads; 0 leaves torch's default")
     step.add_argument("--repeats", type=int, default=15)
@@ -242,7 +249,7 @@ def bench_step(args: argparse.Namespace) -> int:
     x = torch.randn(base.batch_size, *shape, generator=g).to(device)
     y = torch.randint(0, 10, (base.batch_size,), generator=g).to(device)
     objective = method_of(base).epoch_loss(base, 1)  # every step, private or not, times the same loss
-    steps, trainers = private_steps(base, args.grad_sample_mode, x, y, objective)
+    steps, trainers = private_steps(base, args.grad_sample_mode, x, y, objective, step_variants(args))
     for layout, compiled, name in ((torch.contiguous_format, False, "eager-nchw"),
                                    (torch.channels_last, False, "eager-channels-last"),
                                    (torch.channels_last, True, "compiled-channels-last")):
@@ -255,15 +262,37 @@ def bench_step(args: argparse.Namespace) -> int:
     return _emit(args, rows, "\n".join(step_lines(args, base.batch_size, device, rows)))
 
 
-def private_steps(base: TrainConfig, modes: list[str], x, y, objective) -> tuple[dict, dict]:
-    """A DP step in each clipping mode ("dp:MODE"), and each mode's trainer."""
+def step_variants(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(train_layers, features) of each DP step timed: every --train-layers on pixels, and with
+    --backbone-features every frozen one on the frozen blocks' output too."""
+    for spec in args.train_layers:
+        check_train_layers(spec)
+    return [(spec, "none") for spec in args.train_layers] + \
+        [(spec, "backbone") for spec in args.train_layers if args.backbone_features and spec != "all"]
+
+
+def variant_name(mode: str, spec: str = "all", features: str = "none") -> str:
+    """A DP step's key: its mode, and what it trains where that is not the whole network on pixels."""
+    return mode if (spec, features) == ("all", "none") else f"{mode} {spec}" + (" on backbone features"
+                                                                                 if features == "backbone" else "")
+
+
+def private_steps(base: TrainConfig, modes: list[str], x, y, objective,
+                  variants=(("all", "none"),)) -> tuple[dict, dict]:
+    """A DP step in each clipping mode and variant ("dp:NAME", variant_name), and each one's
+    trainer. A variant on backbone features steps on random features of the frozen blocks'
+    output shape (timing only: no weights file is read)."""
     steps, trainers = {}, {}
     batch = base.batch_size
-    for mode in modes:
-        cfg = TrainConfig(**{**base.__dict__, "grad_sample_mode": mode})
-        trainer = trainers[mode] = planned_trainer(cfg, TensorData(x, y, x[:1], y[:1], 10),
-                                                   plan(3.0, 1e-5, 10 * batch, batch, 1))
-        steps["dp:" + mode] = lambda t=trainer: t.train_on_batch(t.data.x_train, y, objective)
+    for spec, features in variants:
+        for mode in modes:
+            cfg = TrainConfig(**{**base.__dict__, "grad_sample_mode": mode, "train_layers": spec, "features": features})
+            inputs = x if features == "none" else torch.randn(
+                batch, *input_shape_of(cfg), generator=torch.Generator().manual_seed(0)).to(x.device)
+            name = variant_name(mode, spec, features)
+            trainer = trainers[name] = planned_trainer(cfg, TensorData(inputs, y, inputs[:1], y[:1], 10),
+                                                       plan(3.0, 1e-5, 10 * batch, batch, 1))
+            steps["dp:" + name] = lambda t=trainer: t.train_on_batch(t.data.x_train, y, objective)
     return steps, trainers
 
 
@@ -305,16 +334,21 @@ def step_rows(args: argparse.Namespace, batch: int, device, median: dict, traine
     eager = median["nonprivate:eager-nchw"]
     fastest_name = min((n for n in median if n.startswith("nonprivate:")), key=median.get)
     fastest = median[fastest_name]
+    variants = step_variants(args)
     return [dict(model=args.model, batch_size=batch, method=args.method, grad_sample_mode=mode,
                  default=mode == TrainConfig.grad_sample_mode, device=str(device), threads=torch.get_num_threads(),
                  cpu_isa=torch.backends.cpu.get_cpu_capability().lower(), kernel_isa=conv_kernel.isa(),
-                 **route_taken(trainers[mode]),
-                 dp_step_seconds=median["dp:" + mode], eager_nonprivate_step_seconds=eager,
+                 train_layers=spec, features=features, **route_taken(trainers[variant_name(mode, spec, features)]),
+                 dp_step_seconds=median["dp:" + variant_name(mode, spec, features)],
+                 eager_nonprivate_step_seconds=eager,
                  fastest_nonprivate_step_seconds=fastest, fastest_nonprivate=fastest_name.split(":", 1)[1],
                  nonprivate_step_seconds={n.split(":", 1)[1]: v for n, v in median.items()
                                           if n.startswith("nonprivate:")},
-                 ratio_to_eager=median["dp:" + mode] / eager, ratio_to_fastest=median["dp:" + mode] / fastest)
-            for mode in args.grad_sample_mode]
+                 ratio_to_eager=median["dp:" + variant_name(mode, spec, features)] / eager,
+                 ratio_to_fastest=median["dp:" + variant_name(mode, spec, features)] / fastest,
+                 **({"ratio_to_all": median["dp:" + variant_name(mode, spec, features)] / median["dp:" + mode]}
+                    if "dp:" + mode in median and (spec, features) != ("all", "none") else {}))
+            for spec, features in variants for mode in args.grad_sample_mode]
 
 
 def step_lines(args: argparse.Namespace, batch: int, device, rows: list[dict]) -> list[str]:
@@ -323,9 +357,12 @@ def step_lines(args: argparse.Namespace, batch: int, device, rows: list[dict]) -
     lines[0] += f"; CPU {rows[0]['cpu_isa']}, conv kernel {rows[0]['kernel_isa'] or 'not built'}"
     for r in rows:
         mark = " (default)" if r["default"] else ""
-        lines.append(f"  dp {r['grad_sample_mode']:>9}{mark:10} {r['dp_step_seconds'] * 1000:7.1f} ms   "
+        trains = "" if (r["train_layers"], r["features"]) == ("all", "none") else \
+            f" trains {variant_name('', r['train_layers'], r['features']).strip()}:"
+        lines.append(f"  dp {r['grad_sample_mode']:>9}{mark:10}{trains} {r['dp_step_seconds'] * 1000:7.1f} ms   "
                      f"ratio to eager NCHW {r['ratio_to_eager']:.2f}   to fastest {r['ratio_to_fastest']:.2f}   "
-                     f"layers: {' '.join(r['layer_routes'].values())}")
+                     + (f"to all layers {r['ratio_to_all']:.3f}   " if "ratio_to_all" in r else "")
+                     + f"layers: {' '.join(r['layer_routes'].values())}")
         if r["chosen"]:
             lines.append(f"      auto chose {r['chosen']}")
     return lines
@@ -368,7 +405,8 @@ def route_taken(trainer) -> dict:
         layers = {f"conv{i}": r for i, r in trainer.clipper.taken.items()}
     else:  # Opacus' modes treat every layer alike
         layers = {f"conv{i}": mode for i, m in enumerate(m for m in trainer.model.modules()
-                                                         if isinstance(m, (nn.Conv2d, nn.Linear)))
+                                                         if isinstance(m, (nn.Conv2d, nn.Linear))
+                                                         and m.weight.requires_grad)  # frozen: no route
                   if isinstance(m, nn.Conv2d)}
     return dict(route=mode, layer_routes=layers,
                 chosen=trainer.route.describe() if trainer.route is not None else None,

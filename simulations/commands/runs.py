@@ -108,7 +108,9 @@ def same_settings(done: dict, config: dict) -> bool:
     """Whether a run made with settings `done` (a resolved config) computes what `config` asks."""
     from fedsd.config import TrainConfig
 
-    wanted = TrainConfig(**config).resolved().to_dict()
+    from fedsd.models import with_pinned_weights
+
+    wanted = with_pinned_weights(TrainConfig(**config).resolved()).to_dict()  # --init-weights: its sha256 too
     # A setting added since that run was made is absent from its config: it ran as the default.
     defaults = TrainConfig().to_dict()
     return all(done.get(k, defaults.get(k)) == v for k, v in wanted.items() if k not in NOT_SETTINGS)

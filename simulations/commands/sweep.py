@@ -28,7 +28,7 @@ from fedsd.results import RunResult, write_json
 SWEEPABLE = {s.name: s for s in settings_of(TrainConfig)
              if s.name in ("ema_decay", "tau", "tau_s", "tau_t", "alpha", "beta", "kd_teacher_epochs", "epochs",
                            "lr", "clip", "momentum", "batch_size", "distill_warmup_epochs", "activation",
-                           "mean", "std")}
+                           "mean", "std", "train_layers", "init_weights", "features", "public_first", "threads")}
 
 
 def parse_grid(items: list[str], option: str = "--grid") -> dict[str, list]:
@@ -107,9 +107,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.seeds < 1 or args.jobs < 1:
         raise ConfigError("--seeds and --jobs must be >= 1")
     combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
-    base = dict(dataset=args.dataset, method=args.method, epsilon=args.epsilon, validation=args.validation,
-                epochs=args.epochs, subset=args.subset, device=args.device, data_dir=args.data_dir,
-                threads=threads_per_job(args.device, args.jobs), **fixed)
+    base = {**dict(dataset=args.dataset, method=args.method, epsilon=args.epsilon, validation=args.validation,
+                   epochs=args.epochs, subset=args.subset, device=args.device, data_dir=args.data_dir,
+                   threads=threads_per_job(args.device, args.jobs)), **fixed}  # --set threads=N too
     out = Path(args.out)
     todo = []
     for combo in combos:
