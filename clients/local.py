@@ -37,6 +37,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -197,7 +198,9 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOpt
                               f"(batch-size / the federation's records), a setting in (0, 1]")
         if n < cfg.batch_size and not distributed:  # distributed: batch-size is the federation's expected batch
             raise ConfigError(f"batch-size={cfg.batch_size}: more than this client's training samples")
-        validate(dataclasses.replace(cfg, batch_size=min(cfg.batch_size, n)) if distributed else cfg, n)
+        # distributed: against the federation's records B / q (public), never this owner's n, which
+        # a refusal would tell (δ < 1/n: its text, and whether it comes at all, over the server's δ)
+        validate(cfg, max(cfg.batch_size, math.floor(cfg.batch_size / fed.sample_rate)) if distributed else n)
         # the run's features of this client's own images, made on this machine (fedsd.features)
         tensors = data_lib.TensorData(
             inputs(normalised(held.x_train, task), feature_source(cfg), "training images"), held.y_train,

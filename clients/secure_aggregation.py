@@ -269,6 +269,10 @@ def _checked_plan(content: RecordDict, context: Context, owner: Owner):
         if not 1 <= side.server_round <= fed.rounds:
             raise ValueError(f"server-round {side.server_round}: outside the run's {fed.rounds} rounds")
         t = owner.node.secagg_min_clients
+        if plan.honest > t:  # the others size their shares μ / plan's t: fewer than t of them would be < μ
+            raise ValueError(f"distributed noise: the plan's t is {plan.honest}, above this owner's own {t} "
+                             f"(secagg-min-clients): the other owners' shares, sized by the plan's t, would "
+                             f"hold less noise than its t counts on")
         own = distributed_noise.calibrated(cfg.epsilon, cfg.delta, cfg.clip, fed.sample_rate, plan.expected_batch,
                                            fed.rounds, t, dimension(trainer.model))
         check_plan(trainer, plan, own.noise_multiplier)  # C, q and length this owner's; z at least its own
@@ -283,7 +287,8 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
     Skellam share (fedsd.distributed.contribution). The round's plan (the server's, in the
     round's settings: fedsd.distributed_noise.to_settings) is hostile until checked against this
     owner's own calibration from the run's (ε, δ), q, C and length and its own t
-    (secagg-min-clients), which also sizes its share; the owner's ledger then admits the run's
+    (secagg-min-clients), at least the plan's t, which sizes every honest share alike (μ / the
+    plan's t: an owner's share sized by a larger own t would under-noise the others' sums); the owner's ledger then admits the run's
     whole plan on its first round and charges each round as Skellam steps, at integer orders,
     before anything is drawn. Its batch and noise come from a fresh secret stream; the
     per-sample work is padded to the plan's bound on any client's batch, so its time does not
@@ -323,7 +328,7 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
         student = record_to_model(content["arrays"])["student"]
         epoch = max(1, math.ceil(side.server_round * plan.sample_rate))
         pad = math.ceil(sum_bound.poisson_tail(plan.expected_batch, sum_bound.TAIL))
-        vector, state, _ = step_part(trainer, state, student, epoch, plan, key=None, honest=t,
+        vector, state, _ = step_part(trainer, state, student, epoch, plan, key=None, honest=plan.honest,
                                      least_noise=own.noise_multiplier, pad_to=pad)
         local.save_train_state(side.state_file, state, trainer.plan)  # the spent round on disk before the release
         local.keep_reply(side.state_file, request, ArrayRecord({}), {}, summed=True)

@@ -313,8 +313,10 @@ def test_a_service_killed_after_its_masked_input_leaves_the_round_abandoned_and_
 
 @pytest.mark.slow  # three owners' rounds (real data, real ledgers)
 def test_a_sum_with_fewer_shares_than_the_plans_t_is_refused_and_nothing_applied(federation):
-    """The server's plan counts on t = 4 honest shares; three came (each owner's own t is 3, so
-    each sent): the sum holds less noise than the plan's, and the server applies nothing."""
+    """The server's plan counts on t = 4 honest shares, above each owner's own t of 3: each owner
+    refuses it (the others' shares, sized by the plan's t, would be below what its t counts on),
+    and the round is abandoned, nothing applied. The server's own check: a sum of three shares
+    under the plan's t = 4 is refused, nothing applied."""
     from server.secure_aggregation import SecureRounds
 
     f = federation
@@ -323,6 +325,12 @@ def test_a_sum_with_fewer_shares_than_the_plans_t_is_refused_and_nothing_applied
     rounds = SecureRounds(f.rounds.grid, side, SimpleNamespace(fed=fed, experiment_id=EXPERIMENT, round=0,
                                                                 out=f.tmp_path))
     assert rounds.noise.honest == 4 and rounds.noise.noise_multiplier == f.plan.noise_multiplier  # z: not t's
-    after = rounds.one_round(1, f.arrays)
-    assert "below the plan's t = 4" in rounds.records[0]["abandoned"]
-    assert all(np.array_equal(after[k].numpy(), f.arrays[k].numpy()) for k in f.arrays)
+    with pytest.raises(service.StageRefused, match="above this owner's own 3"):  # this grid passes it on as raised
+        rounds.one_round(1, f.arrays)
+    assert not (f.tmp_path / "secagg-sum-1.npy").exists()
+    assert not list(f.tmp_path.glob("state-*/ledger-*.json"))  # refused before anything is charged
+    from fedsd.secagg import RoundAbandoned
+
+    server = SimpleNamespace(culprits={})
+    with pytest.raises(RoundAbandoned, match="below the plan's t = 4"):
+        rounds._step(f.arrays, np.zeros(rounds.noise.dim, dtype=np.uint64), 3, server, 1)

@@ -1,0 +1,73 @@
+"""Review of the deployed distributed-noise path (issue 69), as the attacker: a server that
+chooses every setting and plan. Each test fails while its attack works."""
+import pytest
+from flwr.app import ConfigRecord, RecordDict
+
+from clients import node_config as node_configs
+from clients import secure_aggregation as service
+from fedsd import distributed_noise as dn
+from tests.test_distributed_deployment import ROUNDS, federation, fewer_records  # noqa: F401
+from tests.test_secure_aggregation import EXPERIMENT, IDS, owners  # noqa: F401
+
+
+def _content(f, **changes):
+    flat = {**f.flat, **dn.to_settings(f.plan, ROUNDS), "experiment-id": EXPERIMENT, "server-round": 1}
+    flat.update(changes)
+    return RecordDict({"arrays": f.arrays, "config": ConfigRecord(flat)})
+
+
+def _owner(f, k):
+    context = f.contexts[IDS[k]]
+    return context, service.Owner(node_configs.parse(context.node_config), context)
+
+
+def _outcome(f, k, **changes):
+    context, owner = _owner(f, k)
+    try:
+        service._checked_plan(_content(f, **changes), context, owner)
+    except service.StageRefused as e:
+        return str(e)
+    return "accepted"
+
+
+def test_whether_a_plan_is_refused_does_not_tell_the_owners_record_count(federation):
+    """δ is the server's. Checked against 1/n, the owner's own record count, the refusal says n
+    in its text, and whether it comes at all tells n ≥ 1/δ: a server that binary-searches δ over
+    rounds (a refusal costs nothing) reads each owner's n, which no reply under distributed noise
+    is meant to carry (deploy/README.md: no num-examples)."""
+    f = federation
+    fewer_records(f.tmp_path, 2, 40)  # owner 2 holds 40 records, owner 0 100
+    for delta in (0.015, 0.5):  # 1/100 < 0.015 < 1/40
+        said = {k: _outcome(f, k, delta=delta) for k in (0, 2)}
+        assert said[0] == said[2], said
+        assert not any(f"n = {n}" in why for n in (40, 100) for why in said.values()), said
+
+
+def test_every_honest_share_is_sized_by_the_plans_common_t(federation, monkeypatch):
+    """Each owner sized its share by its own t (μ / t_own). An owner A that counts on t_A honest
+    shares in a sum is then under-noised by honest owners whose own t is larger (their shares
+    μ / t_J < μ / t_A): the guarantee 'any t honest shares give μ' holds only for a common t.
+    With the plan's t the federation's common one, an owner refuses a plan whose t is above its
+    own (others would size their shares below what its t counts on) and sizes its share by the
+    plan's t (at least its own share, never less)."""
+    import fedsd.distributed as distributed
+
+    f = federation
+    seen = []
+
+    class Drawn(Exception):
+        pass
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["honest"])
+        raise Drawn
+
+    monkeypatch.setattr(distributed, "contribution", spy)
+    context, owner = _owner(f, 0)  # its own t: 3 (secagg-min-clients)
+    below = dn.to_settings(dn.NoisePlan(**{**f.plan.to_dict(), "honest": 2}), ROUNDS)
+    with pytest.raises(Drawn):
+        service.distributed_contribution(_content(f, **below), context, owner)
+    assert seen == [2], f"the share was sized by t = {seen}, below the μ / 2 the plan's t = 2 owners count on"
+    above = dn.to_settings(dn.NoisePlan(**{**f.plan.to_dict(), "honest": 4}), ROUNDS)
+    with pytest.raises(service.StageRefused, match="t"):
+        service._checked_plan(_content(f, **above), context, owner)
