@@ -33,6 +33,7 @@ sum, in state-dir/secagg/<run>-<experiment>-<round>-<id>.npy.
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import math
 from collections import OrderedDict
@@ -343,21 +344,26 @@ def public_metrics(plan, rounds_taken: int, delta: float) -> dict:
 
 
 def keep_input(owner: Owner, key: tuple, vector: np.ndarray) -> None:
-    """The owner's copy of what it released into the round's sum (secagg-keep-inputs=true)."""
-    path = kept_input_path(owner, key)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, vector)
-    if path.exists():  # never over an earlier release's copy (masked_reply refused such a round before)
+    """The owner's copy of what it released into the round's sum (secagg-keep-inputs=true),
+    written whole through the state folder's descriptor, never through a link."""
+    name = kept_input_name(owner, key)
+    state = owner.node.state()
+    if state.exists(name):  # never over an earlier release's copy (masked_reply refused such a round before)
         raise StageRefused("secure aggregation refused: this client kept an input for this round already")
-    tmp.rename(path)
+    buffer = io.BytesIO()
+    np.save(buffer, vector)
+    state.write_atomic(name, buffer.getvalue())
+
+
+def kept_input_name(owner: Owner, key: tuple) -> str:
+    return f"secagg/{key[1]}-{key[2]}-{key[3]}-{owner.id}.npy"
 
 
 def kept_input_path(owner: Owner, key: tuple):
     """state-dir/secagg/<run>-<experiment>-<round>-<id>.npy: one file per round and owner id."""
     from clients.local import private_state_folder
 
-    return private_state_folder(owner.node, "secagg") / f"{key[1]}-{key[2]}-{key[3]}-{owner.id}.npy"
+    return private_state_folder(owner.node, "secagg") / kept_input_name(owner, key).split("/", 1)[1]
 
 
 def confirm_reply(content: RecordDict, context: Context) -> RecordDict:
