@@ -20,10 +20,10 @@ $(VENV)/.installed: pyproject.toml
 # Fashion-MNIST, the default data: found (FEDSD_DATA_DIR, Debian's package), else Debian's
 # package (as root), else a torchvision download into data/.
 data: venv
-	@$(PY) -c "import sys; from fedsd.data import locate; p = locate('fmnist'); print('fmnist:', p); sys.exit(p is None)" \
+	@$(PY) -c "import sys; from fedsd.data.datasets import locate; p = locate('fmnist'); print('fmnist:', p); sys.exit(p is None)" \
 	|| ( [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 	     && (apt-get install -y -q dataset-fashion-mnist || (apt-get update -q && apt-get install -y -q dataset-fashion-mnist)) ) \
-	|| $(PY) -c "from fedsd.data import load; load('fmnist', 'data', download=True)"
+	|| $(PY) -c "from fedsd.data.datasets import load; load('fmnist', 'data', download=True)"
 
 # The default federated simulation: Fashion-MNIST, 10 clients, IID, dp3sd, epsilon = 3.
 # B = 256 a client with lr 3, the best lr at B = 256 on validation (results/README.md; an unset

@@ -21,7 +21,7 @@ OPT_OUT_ENV = "FEDSD_TUNE_PROCESS"
 # allocation.
 HUGE_PAGES = ("THP_MEM_ALLOC_ENABLE", "1")
 # After each parallel region, PyTorch's OpenMP threads (GNU libgomp) spin for about 300,000
-# iterations before they sleep, on the cores book-keeping's conv kernel (fedsd.conv_kernel)
+# iterations before they sleep, on the cores book-keeping's conv kernel (fedsd.clipping.conv_kernel)
 # needs right after the backward pass (results/perf.md). libgomp reads it when torch loads, so
 # it only takes effect when set before `import torch` (or in a child process's environment).
 OMP_SPIN = ("GOMP_SPINCOUNT", "10000")

@@ -1,2 +1,38 @@
-"""The `fedsd` command (cli.py) and what it runs, by kind: commands/, deployment/, benchmarks/,
-experiments/ (docs/architecture.md)."""
+"""`simulations` moved into the one package `fedsd` (fedsd 0.2, docs/architecture.md).
+
+Not installed: this folder only answers an old import from a checkout with the new place."""
+_MOVED = """
+    simulations                                   -> fedsd.cli
+    simulations.benchmarks                        -> fedsd.benchmarks
+    simulations.benchmarks.bench                  -> fedsd.benchmarks.bench
+    simulations.benchmarks.distill_share          -> fedsd.benchmarks.distill_share
+    simulations.benchmarks.secagg_cost            -> fedsd.benchmarks.secagg_cost
+    simulations.benchmarks.secagg_protocol        -> fedsd.benchmarks.secagg_protocol
+    simulations.benchmarks.soak                   -> fedsd.benchmarks.soak
+    simulations.cli                               -> fedsd.cli.main
+    simulations.commands                          -> fedsd.cli
+    simulations.commands.audit_command            -> fedsd.cli.audit
+    simulations.commands.dry_run                  -> fedsd.cli.dry_run
+    simulations.commands.ledger_command           -> fedsd.cli.ledger
+    simulations.commands.parsing                  -> fedsd.cli.parsing
+    simulations.commands.pretrain                 -> fedsd.cli.pretrain
+    simulations.commands.privacy_check            -> fedsd.cli.check_privacy
+    simulations.commands.runs                     -> fedsd.cli.sweep_runs
+    simulations.commands.secure_simulation        -> fedsd.cli.secure_simulation
+    simulations.commands.simulate                 -> fedsd.cli.simulate
+    simulations.commands.split_data               -> fedsd.cli.split_data
+    simulations.commands.sweep                    -> fedsd.cli.sweep
+    simulations.deployment                        -> fedsd.deployment
+    simulations.deployment.deploy                 -> fedsd.deployment.deploy_local
+    simulations.deployment.local_deployment       -> fedsd.deployment.local_deployment
+    simulations.experiments                       -> fedsd.experiments
+    simulations.experiments.distributed_table     -> fedsd.experiments.distributed_table
+    simulations.experiments.features_table        -> fedsd.experiments.features_table
+    simulations.experiments.federated_table       -> fedsd.experiments.federated_table
+    simulations.experiments.paper_tables          -> fedsd.experiments.paper_tables
+    simulations.experiments.pretrained_table      -> fedsd.experiments.pretrained_table
+    simulations.experiments.readings              -> fedsd.experiments.readings
+    simulations.experiments.reproduce             -> fedsd.experiments.reproduce
+"""
+raise ImportError("`simulations` is now `fedsd.cli`: every module of it moved into the package fedsd. Old name -> new name:"
+                  + _MOVED + "(docs/architecture.md)")

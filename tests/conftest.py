@@ -14,7 +14,7 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing")
 def require(dataset: str):
     """Skip a test whose data set is not on this machine; with FEDSD_REQUIRE_DATA=1 (CI) fail
     instead, so a machine without the data cannot pass on little coverage."""
-    from fedsd.data import locate
+    from fedsd.data.datasets import locate
 
     if locate(dataset) is None:
         if os.environ.get("FEDSD_REQUIRE_DATA") == "1":
@@ -29,7 +29,7 @@ def write_idx_dataset(folder, n_train: int = 120, n_test: int = 40, seed: int = 
 
     import numpy as np
 
-    from fedsd.data import IDX_FILES
+    from fedsd.data.datasets import IDX_FILES
 
     rng = np.random.default_rng(seed)
     arrays = {"train_images": rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
@@ -52,7 +52,7 @@ def write_cifar_shaped(root, n_train: int = 600, n_test: int = 200):
     32×32 and repeated over three channels, so training on it learns. Returns `root`."""
     import numpy as np
 
-    from fedsd import data as data_lib
+    from fedsd.data import datasets as data_lib
 
     require("fmnist")
     images = data_lib.load("fmnist")
@@ -69,7 +69,7 @@ def write_image_folder(folder, classes: dict[str, int], per_class: int):
     train/<name>/<n>.png (no test split), as a user's own data would be. Returns `folder`."""
     from torchvision.io import write_png
 
-    from fedsd import data as data_lib
+    from fedsd.data import datasets as data_lib
 
     require("fmnist")
     images = data_lib.load("fmnist")
@@ -97,11 +97,11 @@ def read_tensorboard(folder: Path) -> tuple[dict, dict]:
 def bookkeeping_clipped_sum(model: str, kernel: bool, conv_ways: dict[int, str] | None = None) -> list:
     """Each parameter's clipped sum from book-keeping on a fixed batch of 37 samples, clipping
     active (C = 0.05, below most samples' norms); kernel=False: PyTorch's patches and products;
-    conv_ways: each conv layer's way forced (fedsd.bookkeeping.CONV_WAYS)."""
+    conv_ways: each conv layer's way forced (fedsd.clipping.bookkeeping.CONV_WAYS)."""
     import torch
 
-    from fedsd.bookkeeping import BookKeepingClipper
-    from fedsd.models import build_model
+    from fedsd.clipping.bookkeeping import BookKeepingClipper
+    from fedsd.models.networks import build_model
 
     net = build_model(model, seed=0).to(memory_format=torch.channels_last)
     clipper = BookKeepingClipper(net, max_grad_norm=0.05, kernel=kernel, conv_ways=conv_ways)
@@ -150,7 +150,7 @@ def flower_env(tmp_path):
     `flwr run` starts is this test's own, not a user's), and no per-run `uv sync` of the app's
     dependencies (the venv already has them and CI has no route to every index). Whatever
     Flower left running under that home is stopped afterwards."""
-    from simulations.deployment.local_deployment import flower_tool_env, free_port
+    from fedsd.deployment.local_deployment import flower_tool_env, free_port
 
     home = tmp_path / "flwr-home"
     home.mkdir()
@@ -168,7 +168,7 @@ def data_root(tmp_path_factory):
     are; CIFAR-10: its images padded to 32×32 over three channels). A dry run checks the data's
     presence, sizes and the σ they give, not its pixels, so the README's commands for the
     papers' other data sets pass their checks on a machine that has only what `make` installs."""
-    from fedsd import data as data_lib
+    from fedsd.data import datasets as data_lib
 
     require("fmnist")
     root = tmp_path_factory.mktemp("data")

@@ -24,10 +24,10 @@ def case_name(method: str, route: str, mu: float) -> str:
 
 def train(method: str, route: str, mu: float) -> dict[str, dict[str, torch.Tensor]]:
     """Two epochs (DPKD: one each stage) on 300 Fashion-MNIST samples at B = 50, one thread."""
-    from fedsd import data as data_lib
-    from fedsd.config import TrainConfig
-    from fedsd.privacy import plan
-    from fedsd.training import DPTrainer, initial_model
+    from fedsd.data import datasets as data_lib
+    from fedsd.settings.run import TrainConfig
+    from fedsd.privacy.accounting import plan
+    from fedsd.training.loop import DPTrainer, initial_model
 
     cfg = TrainConfig(dataset="fmnist", method=method, epsilon=3, epochs=2, batch_size=50, subset=300, seed=3,
                       grad_sample_mode=route, threads=1, kd_teacher_epochs=1 if method == "dpkd" else None).resolved()

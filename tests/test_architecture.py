@@ -1,13 +1,13 @@
-"""The layout docs/architecture.md describes, checked from the code's own imports: no import
-circle among the project's modules, the rule of which folder may import which, no function over
-60 lines, and `fedsd --help` without this repository's experiments loaded."""
+"""The layout docs/architecture.md describes, checked from the code's own imports: one package,
+no module name twice, no import circle among its modules, the rule of which room may import
+which, no function over 60 lines, and `fedsd --help` without this repository's experiments loaded."""
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fedsd", "clients", "server", "task", "simulations")
+PACKAGES = ("fedsd",)
 MAX_FUNCTION_LINES = 60
 
 
@@ -113,45 +113,86 @@ def test_no_import_circle():
 
 
 def test_an_added_circle_is_found(tmp_path):
-    """The check can fail: a copy of the project where fedsd.cache imports fedsd.config (inside a
-    function, as the old circles hid) has a circle through fedsd.cache."""
+    """The check can fail: a copy of the project where fedsd.files.cache imports fedsd.settings.run (inside a
+    function, as the old circles hid) has a circle through fedsd.files.cache."""
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             copy = tmp_path / path.relative_to(ROOT)
             copy.parent.mkdir(parents=True, exist_ok=True)
             copy.write_text(path.read_text())
-    cache = tmp_path / "fedsd" / "cache.py"
-    cache.write_text(cache.read_text() + "\n\ndef planted():\n    from .config import TrainConfig\n")
+    cache = tmp_path / "fedsd" / "files" / "cache.py"
+    cache.write_text(cache.read_text() + "\n\ndef planted():\n    from fedsd.settings.run import TrainConfig\n")
     found = circles(import_graph(tmp_path))
-    assert len(found) == 1 and {"fedsd.cache", "fedsd.config"} <= set(found[0])
+    assert len(found) == 1 and {"fedsd.files.cache", "fedsd.settings.run"} <= set(found[0])
 
 
-# Which folder may import which (docs/architecture.md): the project's top-level packages and
-# Flower's, each forbidden to a folder; and inside simulations/, no command of the product
-# imports the experiments (only simulations.cli does, when `fedsd reproduce` is asked for).
+# Which room may import which (docs/architecture.md). The library is fedsd/ outside its five
+# outer rooms; each room is forbidden what it must not import; and inside fedsd/cli/, no command
+# of the product imports the experiments (only fedsd.cli.main does, for `fedsd reproduce`).
+OUTER = ("fedsd.app", "fedsd.cli", "fedsd.deployment", "fedsd.benchmarks", "fedsd.experiments")
+FLOWER = {"flwr", "flwr_datasets", "ray"}
 FORBIDDEN = {
-    "fedsd": {"flwr", "flwr_datasets", "ray", "task", "clients", "server", "simulations"},
-    "task": {"clients", "server", "simulations"},
-    "clients": {"server", "simulations"},
-    "server": {"clients", "simulations"},
-    "simulations.commands": {"simulations.cli", "simulations.deployment", "simulations.benchmarks",
-                             "simulations.experiments"},
-    "simulations.deployment": {"simulations.cli", "simulations.benchmarks", "simulations.experiments"},
-    "simulations.benchmarks": {"simulations.cli", "simulations.experiments"},
-    "simulations.experiments": {"simulations.cli", "simulations.deployment", "simulations.benchmarks"},
+    "library": FLOWER | set(OUTER),
+    "fedsd.app": {"fedsd.app.client", "fedsd.app.server", *OUTER[1:]},
+    "fedsd.app.client": {"fedsd.app.server", *OUTER[1:]},
+    "fedsd.app.server": {"fedsd.app.client", *OUTER[1:]},
+    "fedsd.cli": {"fedsd.cli.main", "fedsd.deployment", "fedsd.benchmarks", "fedsd.experiments"},
+    "fedsd.cli.main": set(),  # the entry point: every command, the experiments only when asked for
+    "fedsd.deployment": {"fedsd.cli.main", "fedsd.benchmarks", "fedsd.experiments"},
+    "fedsd.benchmarks": {"fedsd.cli.main", "fedsd.experiments"},
+    "fedsd.experiments": {"fedsd.cli.main", "fedsd.deployment", "fedsd.benchmarks"},
 }
+
+
+def room(name: str) -> str:
+    """The room a module is in: the longest FORBIDDEN key it lies in, else the library."""
+    inside = [r for r in FORBIDDEN if name == r or name.startswith(r + ".")]
+    return max(inside, key=len) if inside else "library"
 
 
 def layer_breaches(root: Path = ROOT) -> list[str]:
     breaches = []
     for name, path in project_modules(root).items():
-        for folder, forbidden in FORBIDDEN.items():
-            if name != folder and not name.startswith(folder + "."):
-                continue
-            for target, line in imported_names(name, path, ast.parse(path.read_text())):
-                hit = [f for f in forbidden if target == f or target.startswith(f + ".")]
-                breaches += [f"{name} imports {target} (line {line}): {folder}/ must not import {hit[0]}"] if hit else []
+        folder = room(name)
+        forbidden = FORBIDDEN[folder]
+        for target, line in imported_names(name, path, ast.parse(path.read_text())):
+            hit = [f for f in forbidden if target == f or target.startswith(f + ".")]
+            breaches += [f"{name} imports {target} (line {line}): {folder} must not import {hit[0]}"] if hit else []
     return breaches
+
+
+def test_a_breach_is_found(tmp_path):
+    """The rule can fail: the library importing Flower, and the ClientApp importing the ServerApp."""
+    for rel, text in {"fedsd/data/leak.py": "import flwr\n", "fedsd/app/client/leak.py": "from fedsd.app.server import grid\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    found = layer_breaches(tmp_path)
+    assert len(found) == 2 and "fedsd.data.leak imports flwr" in found[0] + found[1]
+    assert "fedsd.app.client.leak imports fedsd.app.server.grid" in found[0] + found[1]
+
+
+def module_names_twice(root: Path = ROOT) -> list[str]:
+    names = {}
+    for path in (root / "fedsd").rglob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py"):
+            names.setdefault(path.name, []).append(str(path.relative_to(root)))
+    return sorted(f"{n}: {', '.join(sorted(p))}" for n, p in names.items() if len(p) > 1)
+
+
+def test_no_module_name_twice():
+    assert module_names_twice() == []
+
+
+def test_one_installed_package():
+    """Everything installs under `fedsd`; the old top-level names answer only from a checkout,
+    with their new place."""
+    import tomllib
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert found["include"] == ["fedsd*"]
+    for old, new in {"clients.app": "fedsd.app.client.client_app", "server.app": "fedsd.app.server.server_app",
+                     "task.records": "fedsd.app.records", "simulations.cli": "fedsd.cli.main"}.items():
+        run = subprocess.run([sys.executable, "-c", f"import {old}"], cwd=ROOT, capture_output=True, text=True)
+        assert run.returncode != 0 and new in run.stderr, run.stderr[-500:]
 
 
 def test_each_folder_imports_only_what_it_may():
@@ -159,8 +200,8 @@ def test_each_folder_imports_only_what_it_may():
 
 
 def test_fedsd_help_loads_none_of_the_experiments():
-    code = ("import sys, simulations.cli as cli; cli.build_parser().format_help(); "
-            "print(sorted(m for m in sys.modules if m.startswith('simulations.experiments')))")
+    code = ("import sys, fedsd.cli.main as cli; cli.build_parser().format_help(); "
+            "print(sorted(m for m in sys.modules if m.startswith('fedsd.experiments')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

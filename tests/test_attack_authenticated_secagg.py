@@ -1,5 +1,5 @@
 """Attacks on secure aggregation by a server that breaks the protocol and by fellow members of
-the federation (issue 67), against the owners' data services' handlers (clients/
+the federation (issue 67), against the owners' data services' handlers (fedsd/app/client/
 secure_aggregation.py, real state folders and ledgers) and the server's code. Each test failed
 on 77c4e03, where the attack worked (the docstring says what it did), and passes once the
 service or the server refuses it."""
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, RecordDict
 
-from clients import node_config as node_configs
-from clients import secure_aggregation as service
-from fedsd import secagg
-from fedsd.identity import Identity, Roster, RosterError, load_identity, read_roster
-from fedsd.secagg import ProtocolError, RoundAbandoned, SecAggClient, SecAggServer, _advert, minimum_threshold
-from task import secure_sum
+from fedsd.app.client import node_config as node_configs
+from fedsd.app.client import secure_stages as service
+from fedsd.secure import secagg
+from fedsd.secure.identity import Identity, Roster, RosterError, load_identity, read_roster
+from fedsd.secure.secagg import ProtocolError, RoundAbandoned, SecAggClient, SecAggServer, _advert, minimum_threshold
+from fedsd.app import secure_sum
 from tests.test_secure_aggregation import (EXPERIMENT, IDS, dealt, keys_message, masked_message,  # noqa: F401
                                            owners, stage, state_files, with_map)
 
@@ -201,7 +201,7 @@ def test_a_wrong_share_at_unmask_is_detected_and_its_sender_named(n):
 def test_a_dealer_whose_shares_rebuild_no_one_secret_leaves_a_sum_no_bound_takes():
     """A dealer that commits to shares of no single polynomial passes the commitment checks; the
     self mask the server then removes is not its own, and the sum is uniform noise mod 2^64,
-    far above any honest bound (fedsd.sum_bound), which the server refuses."""
+    far above any honest bound (fedsd.secure.sum_bound), which the server refuses."""
     server, answers, xs = _round_to_unmask(4)
     dealer, holder = sorted(answers)[2], sorted(answers)[0]
     bad = bytes(16)  # what the dealer "dealt" to one holder, committed to as a dealer would
@@ -235,11 +235,11 @@ class _Grid:
 def test_a_sum_outside_the_honest_bound_is_refused_and_nothing_applied(members, tmp_path):
     """77c4e03: a member's input of 2^62 in every coordinate moved the largest weight from 0.18 to
     1.1e12 in one round, every stage answered. The server now refuses a decoded mean update above
-    what honest clients send but once in 1e9 rounds (fedsd.sum_bound): the round is abandoned and
+    what honest clients send but once in 1e9 rounds (fedsd.secure.sum_bound): the round is abandoned and
     the model stays. An honest round under the same check is applied."""
-    from fedsd.config import TrainConfig
-    from fedsd.fed_settings import FedOptions, client_config
-    from server.secure_aggregation import SecureRounds
+    from fedsd.settings.run import TrainConfig
+    from fedsd.settings.federation import FedOptions, client_config
+    from fedsd.app.server.secure_rounds import SecureRounds
 
     m = members
     attack = {"on": False}
@@ -310,7 +310,7 @@ def test_a_roster_that_cannot_be_relied_on_is_refused_with_its_reason(tmp_path):
 
 
 def test_an_identity_is_the_owners_alone_and_a_stranger_or_unsigned_key_is_refused(tmp_path):
-    from fedsd.state_folder import state_folder
+    from fedsd.files.state_folder import state_folder
 
     folder = tmp_path / "state"
     first = load_identity(state_folder(folder))

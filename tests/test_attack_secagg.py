@@ -1,4 +1,4 @@
-"""Attacks on fedsd.secagg / fedsd.distributed_noise by a malicious server (the threat model of
+"""Attacks on fedsd.secure.secagg / fedsd.secure.distributed_noise by a malicious server (the threat model of
 the module: everything a client's service receives is chosen by the server), found by a review
 that played the attacker. Each test failed on the code before its defence and passes with it;
 the docstrings say what the attack did."""
@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from fedsd.secagg import (ProtocolError, SecAggClient, _derive, _info, _public, combine_secret,
-                          expand_mask, minimum_threshold, pairwise_sign)
+from fedsd.secure.secagg import ProtocolError, SecAggClient, _derive, _info, _public, combine_secret, expand_mask, minimum_threshold, pairwise_sign
 
 D = 1_000
 
@@ -101,12 +100,12 @@ def test_a_neighbourhood_too_large_for_the_shamir_split_is_refused():
 def _tiny_trainer():
     import torch
 
-    from fedsd import data as data_lib
-    from fedsd.config import TrainConfig
-    from fedsd.fed_settings import FedOptions, client_config
-    from fedsd.privacy import PrivacyPlan
-    from fedsd.secret_random import SecretStream
-    from fedsd.training import DPTrainer, TrainState, initial_model
+    from fedsd.data import datasets as data_lib
+    from fedsd.settings.run import TrainConfig
+    from fedsd.settings.federation import FedOptions, client_config
+    from fedsd.privacy.accounting import PrivacyPlan
+    from fedsd.privacy.secret_random import SecretStream
+    from fedsd.training.loop import DPTrainer, TrainState, initial_model
 
     cfg = TrainConfig(dataset="fmnist", method="dpsgd", grad_sample_mode="hooks", epsilon=3.0, batch_size=8,
                       lr=1.0, momentum=0.0, seed=1, threads=1, clip=0.1)
@@ -129,8 +128,8 @@ def test_contribution_refuses_a_plan_whose_clip_is_not_the_trainers():
     the accountant assume 2^20 (an effective z/1000, charged as z)."""
     import dataclasses
 
-    from fedsd import distributed_noise as dn
-    from fedsd.distributed import contribution
+    from fedsd.secure import distributed_noise as dn
+    from fedsd.secure.distributed_step import contribution
 
     trainer, state, start, dim = _tiny_trainer()
     plan = dn.NoisePlan(noise_multiplier=1.0, clip=trainer.cfg.clip, sample_rate=0.5, expected_batch=8.0,
@@ -146,8 +145,8 @@ def test_contribution_refuses_a_plan_with_less_noise_than_the_clients_own():
     release. Refused before anything is drawn, the state untouched."""
     import dataclasses
 
-    from fedsd import distributed_noise as dn
-    from fedsd.distributed import contribution
+    from fedsd.secure import distributed_noise as dn
+    from fedsd.secure.distributed_step import contribution
 
     trainer, state, start, dim = _tiny_trainer()
     plan = dn.NoisePlan(noise_multiplier=1.0, clip=trainer.cfg.clip, sample_rate=trainer.plan.sample_rate,
@@ -163,8 +162,8 @@ def test_contribution_charges_the_sample_rate_it_draws_at():
     plan's: a plan with q = 0.001 against a trainer at q = 0.5 under-charges ~500-fold in q."""
     import dataclasses
 
-    from fedsd import distributed_noise as dn
-    from fedsd.distributed import contribution
+    from fedsd.secure import distributed_noise as dn
+    from fedsd.secure.distributed_step import contribution
 
     trainer, state, start, dim = _tiny_trainer()
     plan = dn.NoisePlan(noise_multiplier=1.0, clip=trainer.cfg.clip, sample_rate=0.001, expected_batch=8.0,
@@ -185,9 +184,9 @@ def test_dropouts_never_leave_fewer_than_t_honest_noise_shares_in_the_sum():
     (With the complete graph a client cannot tell honest survivors from colluding ones; it needs
     |survivors| ≥ t + f where f = cohort − t, i.e. no dropout at all when t < n, or a noise share
     of μ/(t − dropouts tolerated).)"""
-    from fedsd import distributed_noise as dn
-    from fedsd.distributed import secure_round
-    from fedsd.secagg import RoundAbandoned
+    from fedsd.secure import distributed_noise as dn
+    from fedsd.secure.distributed_step import secure_round
+    from fedsd.secure.secagg import RoundAbandoned
 
     d, t = 4_000, 5
     plan = dn.NoisePlan(noise_multiplier=1.0, clip=0.1, sample_rate=0.1, expected_batch=10.0, honest=t, dim=d)

@@ -1,16 +1,16 @@
 """Attacks on secure aggregation as the owner's data service answers it
-(clients/secure_aggregation.py), by a server that chooses every message the service receives
+(fedsd/app/client/secure_stages.py), by a server that chooses every message the service receives
 and runs clients of its own. Each test FAILS while its attack works on the code it was written
 against; it passes once the service refuses the attack (the fix is named in each docstring)."""
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, RecordDict
 
-from clients import local
-from clients import secure_aggregation as service
-from fedsd import secagg
-from fedsd.secagg import SecAggServer
-from task import secure_sum
+from fedsd.app.client import handler as local
+from fedsd.app.client import secure_stages as service
+from fedsd.secure import secagg
+from fedsd.secure.secagg import SecAggServer
+from fedsd.app import secure_sum
 from tests.test_secure_aggregation import (EXPERIMENT, IDS, dealt, keys_message, masked_message,  # noqa: F401
                                            owners, stage, state_files, up_to_shares, with_map)
 
@@ -86,7 +86,7 @@ def test_phantom_survivors_do_not_satisfy_the_owners_max_colluders(owners, cohor
     that is not its neighbour and never sent it a key or a share) makes the count 3 with the
     server's single client 102, and the sum is the honest client's update, exactly. (The module
     doc says t + f of its neighbours must confirm the view; unmask checks max(t, min) only.)
-    Fix (fedsd/secagg.py): survivors and dropped ⊆ cohort; in confirm, `len(local) ≥ min_cohort +
+    Fix (fedsd/secure/secagg.py): survivors and dropped ⊆ cohort; in confirm, `len(local) ≥ min_cohort +
     max_colluders` (local = survivors it masked with); in unmask, `agreed ≥ max(threshold,
     min_cohort + max_colluders)` (MAC-verified neighbours); and, so no budget is charged for a
     round that cannot pass, advertise's neighbours and check_masked's senders ≥ min + f too."""

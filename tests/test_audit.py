@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from fedsd import audit
-from fedsd.config import GRAD_SAMPLE_MODES, TrainConfig
-from simulations.commands.audit_command import AuditSettings, run_audit
+from fedsd.privacy import canary_audit as audit
+from fedsd.settings.run import GRAD_SAMPLE_MODES, TrainConfig
+from fedsd.cli.audit import AuditSettings, run_audit
 from tests.conftest import require
 
 
@@ -76,10 +76,10 @@ def test_canaries_go_through_every_clipping_mode_alike():
     require("fmnist")
     import torch
 
-    from fedsd import data as data_lib
-    from fedsd import privacy
-    from fedsd.central import prepare_run
-    from fedsd.training import planned_trainer, initial_model
+    from fedsd.data import datasets as data_lib
+    from fedsd.privacy import accounting as privacy
+    from fedsd.training.central import prepare_run
+    from fedsd.training.loop import planned_trainer, initial_model
 
     scores, students = {}, {}
     for mode in GRAD_SAMPLE_MODES:
@@ -115,7 +115,7 @@ def test_the_audit_catches_noise_below_what_is_accounted(tmp_path):
     """--noise-scale 0.1: a tenth of the noise the accountant counts. The white-box lower bound
     rises above the accountant's ε, so the audit shows the mechanism broken; audit.json says so."""
     require("fmnist")
-    from simulations.cli import main
+    from fedsd.cli.main import main
 
     out = tmp_path / "broken"
     assert main(["audit", "--dataset", "fmnist", "--method", "dpsgd", "--epsilon", "2", "--subset", "3000",
@@ -153,7 +153,7 @@ def test_the_audit_runs_on_scatternet_features(tmp_path):
     scattered like the data), and a tenth of the accounted noise shows as a broken mechanism there
     too; the white-box bound stays below the accountant's ε at the full noise."""
     require("fmnist")
-    from simulations.cli import main
+    from fedsd.cli.main import main
 
     base = ["audit", "--dataset", "fmnist", "--features", "scatter", "--method", "dpsgd", "--epsilon", "2",
             "--subset", "3000", "--epochs", "4", "--batch-size", "150", "--lr", "0.5", "--threads", "2", "--quiet"]
@@ -168,7 +168,7 @@ def test_the_audit_runs_on_scatternet_features(tmp_path):
 
 
 def test_bad_audit_options_are_refused_before_any_work(tmp_path):
-    from simulations.cli import main
+    from fedsd.cli.main import main
 
     base = ["audit", "--dataset", "fmnist", "--method", "dpsgd", "--epsilon", "2", "--out", str(tmp_path / "x")]
     assert main(base + ["--canaries", "3"]) == 2

@@ -2,11 +2,11 @@
 import pytest
 from torch import nn
 
-from fedsd.central import train
-from fedsd.config import TrainConfig
-from fedsd.models import check_private_trainable
+from fedsd.training.central import train
+from fedsd.settings.run import TrainConfig
+from fedsd.models.networks import check_private_trainable
 from fedsd.errors import FedsdNote, ModelNotPrivateError
-from simulations.cli import main
+from fedsd.cli.main import main
 from tests.conftest import require
 
 BASE = ["train", "--dataset", "fmnist", "--method", "dp3sd", "--epochs", "1", "--subset", "1000", "--batch-size", "100"]
@@ -97,7 +97,7 @@ def test_batchnorm_model_is_refused_or_fixed():
 def test_a_bug_keeps_its_traceback_and_bad_input_is_one_line(monkeypatch, capsys):
     """The CLI prints a UserError (what the user can fix) as one line and exit code 2; any other
     exception is a bug and reaches the user whole, with its traceback, even a ValueError."""
-    import simulations.cli as cli
+    import fedsd.cli.main as cli
     from fedsd.errors import ConfigError
 
     def raising(error):

@@ -4,12 +4,12 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-from clients.app import app
-from task.simulated_shards import build_federation
-from task.records import model_to_record, record_to_model
-from fedsd.config import TrainConfig
-from fedsd.fed_settings import FedOptions, to_flat
-from fedsd.training import initial_model
+from fedsd.app.client.client_app import app
+from fedsd.app.simulated_shards import build_federation
+from fedsd.app.records import model_to_record, record_to_model
+from fedsd.settings.run import TrainConfig
+from fedsd.settings.federation import FedOptions, to_flat
+from fedsd.training.loop import initial_model
 from tests.conftest import require
 
 
@@ -75,7 +75,7 @@ def test_global_ema_teacher_averages_the_global_models_the_client_received():
     then on the client's state holds θ̄ = d·θ̄ + (1 − d)·θ_global over what it received, and its
     round trains against that average."""
     require("fmnist")
-    from task.records import STATE_ARRAYS
+    from fedsd.app.records import STATE_ARRAYS
 
     start, other, (round1, round2), ctx_ema = against_round_start("global-ema")
     assert same(*round1)
@@ -87,7 +87,7 @@ def test_global_ema_teacher_averages_the_global_models_the_client_received():
 
 
 def test_global_ema_teacher_is_the_average_of_the_global_models():
-    from fedsd.fed_settings import round_teacher
+    from fedsd.settings.federation import round_teacher
 
     fed = FedOptions(teacher="global-ema", teacher_ema_decay=0.75)
     models = [{"w": torch.full((2,), float(v))} for v in (4.0, 8.0, 0.0)]
@@ -191,13 +191,13 @@ def test_a_round_asked_again_after_a_restart_gets_the_reply_already_released_at_
 
 
 def test_a_client_whose_privacy_state_was_lost_refuses_before_spending(tmp_path):
-    """The server sends each client the ε it reported before (task.records.SPENT_EPSILON). A
+    """The server sends each client the ε it reported before (fedsd.app.records.SPENT_EPSILON). A
     client whose state-dir was deleted between rounds finds less than that in its own state: it
     refuses, with the reason, and charges nothing. With its state restored, or with the server's
     record equal to its own, it trains on."""
     import shutil
 
-    from task.records import SPENT_EPSILON
+    from fedsd.app.records import SPENT_EPSILON
 
     require("fmnist")
     federation, flat, _ = make("round-start")
@@ -229,10 +229,10 @@ def test_train_state_has_one_form_for_both_stores_and_is_checked_on_load(tmp_pat
 
     from flwr.app import RecordDict
 
-    from fedsd.privacy import PrivacyPlan
-    from fedsd.training import TrainState, load_train_state, save_train_state
+    from fedsd.privacy.accounting import PrivacyPlan
+    from fedsd.training.loop import TrainState, load_train_state, save_train_state
     from fedsd.errors import StateMismatch
-    from task.records import load_state, save_state
+    from fedsd.app.records import load_state, save_state
 
     plan = PrivacyPlan(1.1, 0.01, 100, 3.0, 1e-5, "rdp")
     state = TrainState(history=[[1.1, 0.01, 7]], rng_state=torch.Generator().get_state(), steps=7,

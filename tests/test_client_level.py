@@ -1,4 +1,4 @@
-"""Client-level DP by the clients (fedsd.client_level): each clips its own update and adds its
+"""Client-level DP by the clients (fedsd.secure.client_level): each clips its own update and adds its
 share, so the sum the server unmasks carries the whole client-level noise and no update
 reaches it unclipped or unnoised; the accountant against dp_accounting; the options refused."""
 import math
@@ -6,13 +6,13 @@ import math
 import numpy as np
 import pytest
 
-from fedsd import client_level as cl
-from fedsd import distributed_noise as dn
-from fedsd.config import TrainConfig
-from fedsd.distributed import secure_round
+from fedsd.secure import client_level as cl
+from fedsd.secure import distributed_noise as dn
+from fedsd.settings.run import TrainConfig
+from fedsd.secure.distributed_step import secure_round
 from fedsd.errors import ConfigError
-from fedsd.fed_settings import FedOptions
-from simulations.commands.secure_simulation import check_options
+from fedsd.settings.federation import FedOptions
+from fedsd.cli.secure_simulation import check_options
 
 
 def test_an_update_is_clipped_to_the_norm_a_small_one_is_left_alone_and_a_diverged_one_is_zero():

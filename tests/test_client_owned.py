@@ -8,18 +8,18 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-from clients import local
-from clients.app import app
-from task.records import model_to_record, record_to_model
-from fedsd import client_data
-from fedsd.client_data import builtin_task, load_holder_data
+from fedsd.app.client import handler as local
+from fedsd.app.client.client_app import app
+from fedsd.app.records import model_to_record, record_to_model
+from fedsd.data import client_data
+from fedsd.data.client_data import builtin_task, load_holder_data
 from fedsd.errors import DataError
-from fedsd.config import TrainConfig
-from fedsd.fed_settings import FedOptions, to_flat
-from fedsd.privacy import PrivacyFilter, plan
-from fedsd.models import build_model
-from fedsd.training import evaluate, initial_model
-from simulations.cli import main
+from fedsd.settings.run import TrainConfig
+from fedsd.settings.federation import FedOptions, to_flat
+from fedsd.privacy.accounting import PrivacyFilter, plan
+from fedsd.models.networks import build_model
+from fedsd.training.loop import evaluate, initial_model
+from fedsd.cli.main import main
 from tests.conftest import require
 
 pytestmark = pytest.mark.usefixtures("flower_task")
@@ -255,8 +255,8 @@ def test_the_server_normalises_its_public_test_split_as_the_clients_normalise_th
     """With client-data=own and mean/std set in the run config, the server evaluates on the
     public test split normalised with those same constants, not the data set's standard ones."""
     require("fmnist")
-    from fedsd import data as data_lib
-    from server.app import public_side
+    from fedsd.data import datasets as data_lib
+    from fedsd.app.server.server_app import public_side
 
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, mean="0.5", std="0.25")
     _, classes, (x_test, y_test), _, _ = public_side(cfg, FedOptions(num_clients=2, rounds=1, client_data="own"))
@@ -271,11 +271,11 @@ def test_mean_and_std_reach_every_party_on_a_built_in_data_set():
     normalised with them (here raw [0, 1] inputs, Tramèr & Boneh's variant); without them, the
     data set's fixed constants."""
     require("fmnist")
-    from fedsd import data as data_lib
-    from fedsd.central import prepare_run
-    from fedsd.client_data import input_stats
-    from server.app import public_side
-    from task.simulated_shards import build_federation
+    from fedsd.data import datasets as data_lib
+    from fedsd.training.central import prepare_run
+    from fedsd.data.client_data import input_stats
+    from fedsd.app.server.server_app import public_side
+    from fedsd.app.simulated_shards import build_federation
 
     images = data_lib.load("fmnist", None, False)
     raw = lambda x: x.float() / 255  # noqa: E731

@@ -1,4 +1,4 @@
-"""fedsd.conv_kernel: each sample's conv weight gradient and its squared norm, as autograd
+"""fedsd.clipping.conv_kernel: each sample's conv weight gradient and its squared norm, as autograd
 gives them one sample at a time, for the papers' six conv layers and shapes they do not have;
 the same bits at any number of threads; the PyTorch route where it does not apply or is not
 built, and book-keeping's clipped sums equal on both routes."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedsd import conv_kernel
+from fedsd.clipping import conv_kernel
 from tests.conftest import bookkeeping_clipped_sum
 
 needs_kernel = pytest.mark.skipif(not conv_kernel.available(), reason="no C compiler to build the conv kernel")

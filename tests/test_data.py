@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedsd import data as data_lib
+from fedsd.data import datasets as data_lib
 from tests.conftest import require, write_cifar_shaped, write_idx_dataset
 
 

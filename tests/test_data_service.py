@@ -1,4 +1,4 @@
-"""A client machine's data service (clients/data_service.py), as a real process: as the warm
+"""A client machine's data service (fedsd/app/client/owner_service.py), as a real process: as the warm
 worker it answers as the ClientApp would in its own process (the same weights), serves round
 after round from one process, and exits when idle or when its SuperNode does; as the owner's
 service it answers with its own node config and says what code answered, and it answers only
@@ -19,19 +19,19 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, RecordDict
 
-from clients import data_service, local
-from clients.node_config import NodeConfigError, parse
-from fedsd.config import TrainConfig
-from fedsd.fed_settings import FedOptions, client_config, to_flat
-from fedsd.training import initial_model
-from task.records import model_to_record, record_to_model
+from fedsd.app.client import owner_service as data_service, handler as local
+from fedsd.app.client.node_config import NodeConfigError, parse
+from fedsd.settings.run import TrainConfig
+from fedsd.settings.federation import FedOptions, client_config, to_flat
+from fedsd.training.loop import initial_model
+from fedsd.app.records import model_to_record, record_to_model
 from tests.conftest import require
 
 pytestmark = pytest.mark.slow
 
 
 def own_data(tmp_path):
-    from simulations.commands.split_data import write_client_folders
+    from fedsd.cli.split_data import write_client_folders
 
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", batch_size=64, subset=600, threads=1)
@@ -54,7 +54,7 @@ def message(model, flat, server_round: int) -> RecordDict:
 
 
 def worker_pids(marker: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"clients.data_service --socket {marker}"], capture_output=True,
+    out = subprocess.run(["pgrep", "-f", f"fedsd.app.client.owner_service --socket {marker}"], capture_output=True,
                          text=True).stdout
     return [int(p) for p in out.split()]
 
@@ -106,7 +106,7 @@ def test_a_worker_exits_when_idle_and_when_its_supernode_does(tmp_path):
     supernode = subprocess.Popen(["sleep", "600"])
     folder = tmp_path / "watched" / "worker"
     folder.mkdir(parents=True)
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "clients.data_service", "--socket", str(folder / "w.sock"),
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "fedsd.app.client.owner_service", "--socket", str(folder / "w.sock"),
                              "--watch-pid", str(supernode.pid), "--idle-seconds", "600"])
     try:
         assert wait_for(lambda: (folder / "w.sock").exists(), 120)
@@ -157,7 +157,7 @@ def test_the_owners_service_answers_with_its_own_config_and_says_what_code_answe
     address = passable / "service.sock"
     node_config = " ".join(f"{k}={json.dumps(v) if not isinstance(v, float) or v != float('inf') else 'inf'}"
                            for k, v in owner.items())
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "simulations.cli", "data-service", "--socket", str(address),
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "fedsd.cli.main", "data-service", "--socket", str(address),
                              "--node-config", node_config, "--allow-uid", "65533"])
     try:
         assert wait_for(address.exists, 120)
@@ -214,8 +214,8 @@ def test_the_owners_identity_is_made_once_in_its_state_folder_and_a_bad_node_con
     its state folder (0600, 32 bytes) and the same line after; the node config's secagg-roster is
     not read (the roster that will list this identity need not exist yet). A missing, malformed
     or wrong node config, or a key others can read, is one clear line and exit code 2."""
-    from fedsd.identity import parse_public
-    from simulations.cli import main
+    from fedsd.secure.identity import parse_public
+    from fedsd.cli.main import main
 
     def identity(*args) -> tuple[int, str, str]:
         umask = os.umask(0o022)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from simulations.deployment.local_deployment import ISOLATION_TOOLS, LocalDeployment
+from fedsd.deployment.local_deployment import ISOLATION_TOOLS, LocalDeployment
 from tests.conftest import require
 
 pytestmark = pytest.mark.slow
@@ -188,7 +188,7 @@ def test_clients_own_their_data_and_lifetime_budget(tmp_path):
     more than the owners allow is refused at round 1 with their reason, and once a run has
     spent the lifetime budget, a new experiment on the same machines trains nothing."""
     require("fmnist")
-    from simulations.cli import main
+    from fedsd.cli.main import main
 
     data, work = tmp_path / "data", tmp_path / "work"
     assert main(["split-data", "--dataset", "fmnist", "--clients", "2", "--subset", "1200", "--format", "imagefolder",
@@ -209,7 +209,7 @@ def test_clients_own_their_data_and_lifetime_budget(tmp_path):
     assert len(ledgers) == 2 and all(len(json.loads(p.read_text())["entries"]) == 2 for p in ledgers)
     # The independent checker (Opacus' RDP accountant on the ledgers' JSON) finds every
     # aggregated update charged, and every client within its owner's limit.
-    check = subprocess.run([sys.executable, "-m", "simulations.cli", "check-privacy", "--run", str(tmp_path / "fits"),
+    check = subprocess.run([sys.executable, "-m", "fedsd.cli.main", "check-privacy", "--run", str(tmp_path / "fits"),
                             "--work", str(work)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     report = json.loads(check.stdout)
     assert check.returncode == 0 and report["passed"] and report["finished"], check.stdout[-2000:] + check.stderr
@@ -230,8 +230,8 @@ def test_own_data_trains_only_under_an_owners_budget(tmp_path):
     result shows the unlimited budget. `fedsd ledger` on the second's state-dir then shows what
     the two runs spent, each as its run reported it."""
     require("fmnist")
-    from clients.node_config import NO_BUDGET
-    from simulations.cli import main
+    from fedsd.app.client.node_config import NO_BUDGET
+    from fedsd.cli.main import main
 
     data, work = tmp_path / "data", tmp_path / "work"
     assert main(["split-data", "--dataset", "fmnist", "--clients", "3", "--subset", "1800", "--format", "npz",
@@ -253,7 +253,7 @@ def test_own_data_trains_only_under_an_owners_budget(tmp_path):
         reported.append(first["client_epsilon"]["1"])
     for refusing in (0, 2):  # no step, no decoding, no ledger: its state folder holds nothing
         assert not any((work / "client-state" / str(refusing)).rglob("*"))
-    ledger = subprocess.run([sys.executable, "-m", "simulations.cli", "ledger", "--state-dir",
+    ledger = subprocess.run([sys.executable, "-m", "fedsd.cli.main", "ledger", "--state-dir",
                              str(work / "client-state" / "1"), "--json"], capture_output=True, text=True, timeout=120)
     assert ledger.returncode == 0, ledger.stderr
     [book] = json.loads(ledger.stdout)
@@ -273,7 +273,7 @@ def test_operators_see_each_round_who_did_not_train_and_why(tmp_path):
     with each reason. With skip-bad-files=true the third run trains on all three, and the
     summary names the file left out."""
     require("fmnist")
-    from simulations.cli import main
+    from fedsd.cli.main import main
 
     data, work = tmp_path / "data", tmp_path / "work"
     assert main(["split-data", "--dataset", "fmnist", "--clients", "3", "--subset", "1800", "--format", "imagefolder",
@@ -330,7 +330,7 @@ def isolated_client_data(tmp_path, clients: int, subset: int) -> Path:
     if reason:
         pytest.skip(f"--isolate cannot run here: {reason}")
     require("fmnist")
-    from simulations.cli import main
+    from fedsd.cli.main import main
 
     data = tmp_path / "data"
     assert main(["split-data", "--dataset", "fmnist", "--clients", str(clients), "--subset", str(subset),
@@ -345,7 +345,7 @@ def test_isolated_clients_train_on_their_own_data_and_cannot_read_each_others(tm
     that service. The run completes on their split-data folders; no client can read another's
     data, and no ClientApp, the code the server ships, can open its own client's data or state
     (a malicious app bundle tries)."""
-    from clients.data_service import code_hash
+    from fedsd.app.client.owner_service import code_hash
 
     data, work, out = isolated_client_data(tmp_path, 3, 900), tmp_path / "work", tmp_path / "out"
     with LocalDeployment(work, 3, client_data=data, node_config="max-epsilon=3", isolate=True) as deployment:
@@ -393,7 +393,7 @@ def test_bench_deploy_times_the_three_rounds_of_one_computation(tmp_path, capsys
     SuperNodes, TLS, node auth, own data, warm workers) and Flower's floor, in one JSON; the
     deployed clients train the simulated model exactly."""
     require("fmnist")
-    from simulations.cli import main
+    from fedsd.cli.main import main
 
     work = tmp_path / "work"
     assert main(["bench", "deploy", "--clients", "2", "--rounds", "2", "--subset", "1200", "--batch-size", "100",
@@ -413,7 +413,7 @@ def test_bench_deploy_times_the_three_rounds_of_one_computation(tmp_path, capsys
 
 
 def test_a_users_network_travels_in_the_app_to_every_supernode(tmp_path):
-    """A factory in the app's task/ folder (README: bring your own network) is bundled by `flwr run`
+    """A factory in the app's fedsd/app/ folder (README: bring your own network) is bundled by `flwr run`
     and imported by the ServerApp and every ClientApp: the SuperNodes have only fedsd installed."""
     require("fmnist")
     from tests.test_models import USER_NET
@@ -449,7 +449,7 @@ def test_a_small_soak_with_churn_finishes_under_the_independent_privacy_check(tm
     a client away for rounds of 8 costs more (6.53 points with this seed); this test bounds the
     gap at 15, where a run that stopped learning after a fault (chance: 10 %) would fail it."""
     require("fmnist")
-    proc = subprocess.run([sys.executable, "-m", "simulations.cli", "bench", "soak", "--clients", "3", "--rounds", "8",
+    proc = subprocess.run([sys.executable, "-m", "fedsd.cli.main", "bench", "soak", "--clients", "3", "--rounds", "8",
                            "--faults", "5", "--churn", "2", "--seed", "0", "--work", str(tmp_path / "soak")], cwd=ROOT,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -468,7 +468,7 @@ def test_a_small_soak_with_churn_finishes_under_the_independent_privacy_check(tm
 
 
 def test_more_faults_than_a_run_can_absorb_are_refused_before_any_process_starts(tmp_path, capsys):
-    from simulations.cli import main
+    from fedsd.cli.main import main
 
     assert main(["bench", "soak", "--clients", "3", "--rounds", "8", "--faults", "7", "--work", str(tmp_path)]) == 2
     assert "--faults: at most 6 for --rounds 8 (one a round, none in the first or the last), got 7" in \
@@ -477,7 +477,7 @@ def test_more_faults_than_a_run_can_absorb_are_refused_before_any_process_starts
 
 
 def test_more_churn_than_a_run_can_absorb_is_refused_before_any_process_starts(tmp_path, capsys):
-    from simulations.cli import main
+    from fedsd.cli.main import main
 
     assert main(["bench", "soak", "--clients", "3", "--rounds", "8", "--faults", "2", "--churn", "4",
                  "--work", str(tmp_path)]) == 2
@@ -488,7 +488,7 @@ def test_more_churn_than_a_run_can_absorb_is_refused_before_any_process_starts(t
 
 @pytest.mark.parametrize("rounds", [3, 8, 30])
 def test_churn_plans_one_absence_at_a_time_each_followed_by_a_round_back(rounds):
-    from simulations.benchmarks.soak import MAX_AWAY, max_absences, plan_churn, plan_faults
+    from fedsd.benchmarks.soak import MAX_AWAY, max_absences, plan_churn, plan_faults
 
     for seed in range(20):
         for k in range(max_absences(rounds) + 1):

@@ -1,16 +1,16 @@
 """What `fedsd deploy-local` reports when a run stops, read from `flwr run --stream`'s output."""
-from simulations.deployment.local_deployment import server_error
+from fedsd.deployment.local_deployment import server_error
 
 REFUSED = """\x1b[91mERROR \x1b[0m:     ServerApp raised an exception
 Traceback (most recent call last):
-  File "server/app.py", line 1, in main
-server.app.NoClientCanTrain: round 1: no client can train, so the run stops: client 0 refused: run asks ε=3
+  File "fedsd/app/server/server_app.py", line 1, in main
+fedsd.app.server.server_app.NoClientCanTrain: round 1: no client can train, so the run stops: client 0 refused: run asks ε=3
 """
 
 BUG = """\x1b[92mINFO \x1b[0m:      [ROUND 2/3]
 \x1b[91mERROR \x1b[0m:     ServerApp raised an exception
 Traceback (most recent call last):
-  File "server/app.py", line 9, in main
+  File "fedsd/app/server/server_app.py", line 9, in main
     book.rounds[k]
 IndexError: list index out of range
 """

@@ -4,15 +4,15 @@ loss split into its cross-entropy part and its distillation part, on real Fashio
 import pytest
 import torch
 
-from fedsd import losses
-from fedsd.models import build_model
-from simulations.benchmarks.distill_share import clipped_shares
+from fedsd.methods import losses
+from fedsd.models.networks import build_model
+from fedsd.benchmarks.distill_share import clipped_shares
 from tests.conftest import require
 
 
 @pytest.fixture(scope="module")
 def batch():
-    from fedsd import data as data_lib
+    from fedsd.data import datasets as data_lib
 
     require("fmnist")
     images = data_lib.load("fmnist")

@@ -13,13 +13,13 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from clients import secure_aggregation as service
-from fedsd import distributed_noise as dn
-from fedsd.config import TrainConfig
-from fedsd.fed_settings import FedOptions, client_config
-from fedsd.privacy import RDP_ORDERS, SKELLAM, PrivacyFilter
-from task import secure_sum
-from task.records import model_to_record, record_to_model
+from fedsd.app.client import secure_stages as service
+from fedsd.secure import distributed_noise as dn
+from fedsd.settings.run import TrainConfig
+from fedsd.settings.federation import FedOptions, client_config
+from fedsd.privacy.accounting import RDP_ORDERS, SKELLAM, PrivacyFilter
+from fedsd.app import secure_sum
+from fedsd.app.records import model_to_record, record_to_model
 from tests.test_secure_aggregation import (EXPERIMENT, IDS, masked_message, owners, stage,  # noqa: F401
                                            state_files, up_to_shares)
 
@@ -38,7 +38,7 @@ def _settings():
 def federation(owners):
     """The three owners under a distributed-noise run: the run's settings, the server's side
     (its resolved config, the plan and its optimizer) and a SecureRounds over their handlers."""
-    from server.secure_aggregation import SecureRounds, distributed_plan
+    from fedsd.app.server.secure_rounds import SecureRounds, distributed_plan
     from tests.test_attack_authenticated_secagg import _Grid
 
     contexts, flat, arrays, tmp_path = owners
@@ -77,9 +77,9 @@ def fewer_records(tmp_path, k: int, n: int) -> None:
 
 @pytest.mark.slow  # three owners' rounds (real data, real ledgers)
 def test_a_round_sums_the_kept_contributions_and_the_server_steps_on_the_decoded_sum(federation, monkeypatch):
-    from fedsd.distributed import ServerOptimizer
-    from fedsd.models import model_for
-    from fedsd.training import DPTrainer
+    from fedsd.secure.distributed_step import ServerOptimizer
+    from fedsd.models.networks import model_for
+    from fedsd.training.loop import DPTrainer
 
     f = federation
     fewer_records(f.tmp_path, 2, 40)  # owner 2 holds 40 records, the others 100
@@ -113,7 +113,7 @@ def test_a_round_sums_the_kept_contributions_and_the_server_steps_on_the_decoded
     noise_std = f.plan.noise_multiplier * f.plan.l2 / f.plan.scale
     assert 0.8 < decoded.std() / noise_std < 1.3, (decoded.std(), noise_std)
     # Each owner's per-sample work covered the plan's padded bound, whatever its batch.
-    from fedsd import sum_bound
+    from fedsd.secure import sum_bound
 
     pad = math.ceil(sum_bound.poisson_tail(f.plan.expected_batch, sum_bound.TAIL))
     assert [r[0] for r in rows] == [pad] * 3, rows
@@ -158,7 +158,7 @@ def test_the_ledgers_skellam_charge_matches_dp_accountings_rdp_accountant():
     assert abs(ours - theirs) <= 1e-6 * theirs, (ours, theirs)
     assert ours >= plan.epsilon(steps, delta) - 1e-9  # a subset of the plan's orders: never less
     print("ledger ε", ours, "dp_accounting ε", theirs, "plan ε (orders 2..256)", plan.epsilon(steps, delta))
-    from fedsd.privacy import entry_rdp
+    from fedsd.privacy.accounting import entry_rdp
 
     charge = entry_rdp(z_e, Q, 1, SKELLAM)
     for i, a in enumerate(RDP_ORDERS):
@@ -195,7 +195,7 @@ def _refused_at_masked(f, change_flat=None, change_node=None, drop_share=False):
         for c in contexts.values():
             c.node_config.update(change_node)
     base, server = up_to_shares(contexts, 1)
-    from fedsd import distributed_noise as noise
+    from fedsd.secure import distributed_noise as noise
 
     flat = {**f.flat, **noise.to_settings(f.plan, ROUNDS)}
     flat = change_flat(flat) if change_flat else flat
@@ -230,8 +230,8 @@ BAD = {
 
 @pytest.mark.parametrize("case", sorted(BAD) + ["a cohort below the owner's t", "without secure aggregation"])
 def test_a_bad_input_is_refused_before_anything_is_drawn(federation, monkeypatch, case):
-    from clients import local
-    from fedsd.training import DPTrainer
+    from fedsd.app.client import handler as local
+    from fedsd.training.loop import DPTrainer
 
     f = federation
     monkeypatch.setattr(DPTrainer, "clipped_sum", lambda *a, **k: pytest.fail("drew a batch"))
@@ -259,7 +259,7 @@ def test_a_bad_input_is_refused_before_anything_is_drawn(federation, monkeypatch
 
 
 def test_the_server_refuses_a_run_that_cannot_be_distributed_before_any_round():
-    from server.secure_aggregation import distributed_plan
+    from fedsd.app.server.secure_rounds import distributed_plan
     from fedsd.errors import ConfigError
 
     cfg, fed = _settings()
@@ -317,7 +317,7 @@ def test_a_sum_with_fewer_shares_than_the_plans_t_is_refused_and_nothing_applied
     refuses it (the others' shares, sized by the plan's t, would be below what its t counts on),
     and the round is abandoned, nothing applied. The server's own check: a sum of three shares
     under the plan's t = 4 is refused, nothing applied."""
-    from server.secure_aggregation import SecureRounds
+    from fedsd.app.server.secure_rounds import SecureRounds
 
     f = federation
     fed = FedOptions(**{**f.fed.__dict__, "honest_clients": 4})
@@ -329,7 +329,7 @@ def test_a_sum_with_fewer_shares_than_the_plans_t_is_refused_and_nothing_applied
         rounds.one_round(1, f.arrays)
     assert not (f.tmp_path / "secagg-sum-1.npy").exists()
     assert not list(f.tmp_path.glob("state-*/ledger-*.json"))  # refused before anything is charged
-    from fedsd.secagg import RoundAbandoned
+    from fedsd.secure.secagg import RoundAbandoned
 
     server = SimpleNamespace(culprits={})
     with pytest.raises(RoundAbandoned, match="below the plan's t = 4"):

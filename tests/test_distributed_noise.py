@@ -1,4 +1,4 @@
-"""Distributed noise (fedsd.distributed_noise): the Skellam accountant against independent
+"""Distributed noise (fedsd.secure.distributed_noise): the Skellam accountant against independent
 numerical computations, and the quantisation's round trip."""
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import special, stats
 
-from fedsd import distributed_noise as dn
+from fedsd.secure import distributed_noise as dn
 
 
 def skellam_log_pmf(variance: float, shift: int, support: np.ndarray) -> np.ndarray:
@@ -63,7 +63,7 @@ def test_calibration_spends_the_target_and_matches_the_central_sigma():
     quantisation and Skellam cost almost nothing at 2^20 units per clip norm."""
     from opacus.accountants.utils import get_noise_multiplier
 
-    from fedsd.privacy import RDP_ORDERS
+    from fedsd.privacy.accounting import RDP_ORDERS
 
     q, steps = 8192 / 60000, 400
     plan = dn.calibrate(3.0, 1e-5, 0.1, q, 8192, steps, honest=10, dim=39_700)

@@ -1,4 +1,4 @@
-"""ScatterNet features (`--features scatter`, fedsd.features): the transform's shape on real
+"""ScatterNet features (`--features scatter`, fedsd.data.features): the transform's shape on real
 images, its cache (reused only for the same images and settings), the networks it trains, what
 is refused, and that DP-SGD on the features learns, central and federated."""
 import json
@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import fedsd
-from fedsd import data as data_lib, features, privacy
-from fedsd.config import TrainConfig, validate
+from fedsd.data import datasets as data_lib, features
+from fedsd.privacy import accounting as privacy
+from fedsd.settings.run import TrainConfig, validate
 from fedsd.errors import ConfigError
-from fedsd.models import model_for
-from simulations.cli import main
+from fedsd.models.networks import model_for
+from fedsd.cli.main import main
 from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +83,7 @@ def test_a_private_normalisation_that_does_not_fit_is_refused(settings, says):
 
 
 def test_a_federation_refuses_the_private_normalisation_before_any_work():
-    from fedsd.fed_settings import FedOptions, client_config
+    from fedsd.settings.federation import FedOptions, client_config
 
     cfg = TrainConfig(dataset="fmnist", features="scatter", feature_norm="private", epsilon=3)
     with pytest.raises(ConfigError, match="--feature-norm private: central runs only"):
@@ -171,7 +172,7 @@ def test_dp_sgd_on_scatternet_features_learns_mnist_from_few_samples(tmp_path, c
 @pytest.mark.slow
 def test_each_federated_client_trains_on_the_features_of_its_own_shard(tmp_path):
     require("fmnist")
-    proc = subprocess.run([sys.executable, "-m", "simulations.cli", "simulate", "--dataset", "fmnist", "--features",
+    proc = subprocess.run([sys.executable, "-m", "fedsd.cli.main", "simulate", "--dataset", "fmnist", "--features",
                            "scatter", "--method", "dpsgd", "--subset", "4000", "--clients", "2", "--rounds", "3",
                            "--batch-size", "400", "--lr", "4", "--epsilon", "3", "--quiet", "--out",
                            str(tmp_path / "fed")], cwd=ROOT, capture_output=True, text=True, timeout=900,
@@ -184,7 +185,7 @@ def test_each_federated_client_trains_on_the_features_of_its_own_shard(tmp_path)
 
 
 def test_the_summary_says_what_the_private_normalisation_spent():
-    from fedsd.summary import run_summary
+    from fedsd.training.summary import run_summary
 
     result = dict(dataset="cifar10", method="dpsgd", test_accuracy=0.68, wall_seconds=60.0, epsilon_spent=2.995,
                   epsilon_target=3.0, delta=1e-5, noise_multiplier=6.29, privacy=dict(prior=[[8.0, 1.0, 2]]),

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from fedsd.config import TrainConfig
-from fedsd.results import RunResult
+from fedsd.settings.run import TrainConfig
+from fedsd.files.results import RunResult
 
 
 def _write(folder, cfg, test, validation=None, device="cpu", device_name=None, **facts):
@@ -24,7 +24,7 @@ def _central(runs_dir, run, test, validation=None, device="cpu", device_name=Non
 
 def _groupnorm_kept(runs_dir, dataset):
     """The normalisation stage done, GroupNorm kept: the private statistics' run does worse."""
-    from simulations.experiments.features_table import norm_runs
+    from fedsd.experiments.features_table import norm_runs
 
     for run in norm_runs(runs_dir, [dataset]):
         if not (runs_dir / run.name).exists():
@@ -34,7 +34,7 @@ def _groupnorm_kept(runs_dir, dataset):
 def _screen_done(runs_dir, dataset, best=0.6):
     """A data set's lr screen done, Tramèr & Boneh's lr the best (inside the grid), at `best` on
     validation."""
-    from simulations.experiments.features_table import TB_SETTINGS, screen_runs
+    from fedsd.experiments.features_table import TB_SETTINGS, screen_runs
 
     tb_lrs = {tb["lr"] for tb in TB_SETTINGS[dataset]}
     for run in screen_runs(runs_dir, [dataset]):
@@ -48,8 +48,7 @@ def _federation(runs_dir, run, test, validation=None, missed=None):
 
 
 def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(tmp_path):
-    from simulations.experiments.features_table import (FED_LR_SCALES, chosen, chosen_network, confirm_runs, fed_confirm_runs,
-                                            fed_screen_runs, recipe, recipe_runs, screen_runs, write_features_table)
+    from fedsd.experiments.features_table import FED_LR_SCALES, chosen, chosen_network, confirm_runs, fed_confirm_runs, fed_screen_runs, recipe, recipe_runs, screen_runs, write_features_table
 
     runs_dir = tmp_path / "runs" / "features"
     screen = screen_runs(runs_dir, ["fmnist"])
@@ -122,8 +121,7 @@ def test_cifar10s_recipe_is_chosen_on_validation_too_and_a_gpus_minutes_are_mark
     """CIFAR-10's settings are chosen as the others' are: its lr screened on validation, then
     its normalisation, then its recipe (dpema against dpsgd). A run that went to a GPU says so
     beside its minutes, by its card where result.json names it: they are not this CPU's."""
-    from simulations.experiments.features_table import (chosen_network, confirm_runs, norm_runs, recipe, recipe_runs, screen_runs,
-                                            write_features_table)
+    from fedsd.experiments.features_table import chosen_network, confirm_runs, norm_runs, recipe, recipe_runs, screen_runs, write_features_table
 
     runs_dir = tmp_path / "runs" / "features"
     screen = screen_runs(runs_dir, ["cifar10"])
@@ -159,8 +157,7 @@ def test_cifar10s_recipe_is_chosen_on_validation_too_and_a_gpus_minutes_are_mark
 
 
 def test_the_screen_goes_past_the_edge_of_its_lr_grid_while_the_best_is_there(tmp_path):
-    from simulations.experiments.features_table import (LR_SCALES, MAX_LR_STEPS, TB_SETTINGS, chosen_network, fed_screen_runs,
-                                            screen_runs)
+    from fedsd.experiments.features_table import LR_SCALES, MAX_LR_STEPS, TB_SETTINGS, chosen_network, fed_screen_runs, screen_runs
 
     runs_dir = tmp_path / "runs" / "features"
     linear, cnn = TB_SETTINGS["mnist"]
@@ -199,9 +196,8 @@ def test_a_method_runs_on_features_in_the_reading_the_readings_screen_chose_besi
     """Each self-distilling method in its best reading from the readings' screen once that screen
     has chosen one (the papers' until then), its lr scale applied to the features setting's lr,
     centrally and in the federation; dpsgd stays at its features setting."""
-    from simulations.experiments.features_table import (TB_SETTINGS, FeatureRun, FedFeatureRun, confirm_runs, fed_confirm_runs,
-                                            method_readings, screen_runs, write_features_table)
-    from simulations.experiments.readings import screen_runs as readings_screen
+    from fedsd.experiments.features_table import TB_SETTINGS, FeatureRun, FedFeatureRun, confirm_runs, fed_confirm_runs, method_readings, screen_runs, write_features_table
+    from fedsd.experiments.readings import screen_runs as readings_screen
 
     runs_dir = tmp_path / "runs" / "features"
     assert method_readings(runs_dir, "dp3sd") == ("papers",)  # no readings screen on disk
@@ -241,7 +237,7 @@ def test_a_method_runs_on_features_in_the_reading_the_readings_screen_chose_besi
 def test_a_tie_on_validation_keeps_the_lr_nearer_tramer_and_bonehs(tmp_path):
     """Accuracy on 10,000 samples comes in steps of 0.01 %: a tie between the grid's edge and its
     inside neither extends the grid nor moves the choice away from the published lr."""
-    from simulations.experiments.features_table import TB_SETTINGS, chosen_network, screen_runs
+    from fedsd.experiments.features_table import TB_SETTINGS, chosen_network, screen_runs
 
     runs_dir = tmp_path / "runs" / "features"
     linear = TB_SETTINGS["mnist"][0]["lr"]
@@ -259,7 +255,7 @@ def test_the_normalisation_is_chosen_on_validation_and_a_tie_keeps_groupnorm(tmp
     GroupNorm and under private statistics; the better is the setting every method confirms, a
     tie keeps GroupNorm (it spends no ε). Rows confirmed under the other stay in the table,
     marked as not chosen."""
-    from simulations.experiments.features_table import TB_SETTINGS, FeatureRun, chosen, confirm_runs, norm_runs, write_features_table
+    from fedsd.experiments.features_table import TB_SETTINGS, FeatureRun, chosen, confirm_runs, norm_runs, write_features_table
 
     runs_dir = tmp_path / "runs" / "features"
     tb = TB_SETTINGS["cifar10"][0]

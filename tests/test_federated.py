@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedsd.central import train
-from fedsd.config import TrainConfig
-from fedsd.fed_settings import FedOptions
-from simulations.cli import main
-from simulations.commands.simulate import simulate
+from fedsd.training.central import train
+from fedsd.settings.run import TrainConfig
+from fedsd.settings.federation import FedOptions
+from fedsd.cli.main import main
+from fedsd.cli.simulate import simulate
 from tests.conftest import require
 
 pytestmark = pytest.mark.slow
@@ -63,9 +63,9 @@ def test_a_simulation_with_validation_scores_every_round_on_the_held_out_split()
     model on them too (to choose settings without the test split): the number is the held-out
     split's accuracy of the released weights."""
     require("fmnist")
-    from fedsd import data as data_lib
-    from fedsd.training import evaluate
-    from fedsd.models import build_model
+    from fedsd.data import datasets as data_lib
+    from fedsd.training.loop import evaluate
+    from fedsd.models.networks import build_model
 
     cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=256, lr=3.0, subset=4000,
                       validation=2000, seed=0, threads=1)
@@ -141,7 +141,7 @@ def test_server_side_dp_adds_the_noise_it_promises():
     N(0, (z·c/n)²) per coordinate. With z = 0.5, c = 1, n = 2 that noise (std 0.25) dwarfs the
     clipped updates, so the global model's change from its start shows it."""
     require("fmnist")
-    from fedsd.training import initial_model
+    from fedsd.training.loop import initial_model
 
     cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=100, subset=1000, seed=0)
     result, weights = simulate(cfg, FedOptions(num_clients=2, rounds=1, server_dp_noise=0.5, server_dp_clip=1.0),
@@ -262,7 +262,7 @@ def test_simulate_prints_a_bar_and_a_summary_and_no_library_noise(tmp_path):
     """The terminal of a default run: no Flower line twice, no notice that is not news to the
     user (deprecations of the API fedsd calls, Opacus' order warning), and a short summary."""
     require("fmnist")
-    proc = subprocess.run([sys.executable, "-m", "simulations.cli", "simulate", "--dataset", "fmnist", "--subset", "600",
+    proc = subprocess.run([sys.executable, "-m", "fedsd.cli.main", "simulate", "--dataset", "fmnist", "--subset", "600",
                            "--clients", "2", "--rounds", "1", "--batch-size", "100", "--epsilon", "3",
                            "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

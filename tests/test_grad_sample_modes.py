@@ -4,12 +4,13 @@ hooks on NCHW tensors) to float tolerance, and the same ε."""
 import pytest
 import torch
 
-from fedsd import data as data_lib, routes
-from fedsd.config import CHANNELS_LAST_EXACT, TrainConfig
+from fedsd.data import datasets as data_lib
+from fedsd.clipping import routes
+from fedsd.settings.run import CHANNELS_LAST_EXACT, TrainConfig
 from fedsd.errors import ConfigError
-from fedsd.privacy import plan
+from fedsd.privacy.accounting import plan
 from fedsd.methods import EpochLoss
-from fedsd.training import DPTrainer, initial_model
+from fedsd.training.loop import DPTrainer, initial_model
 from tests.conftest import bookkeeping_clipped_sum, require, write_cifar_shaped
 
 
@@ -47,7 +48,7 @@ def test_mode_matches_hooks(mode, memory_format, method):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["hooks", "functorch", "ew", "ghost", "bk"])
 def test_physical_batches_give_the_logical_batchs_weights(mode):
-    """A Poisson batch of about 50 trained in passes of at most 16 (fedsd.physical): each part's
+    """A Poisson batch of about 50 trained in passes of at most 16 (fedsd.training.physical_batches): each part's
     clipped sum kept until the last, one noisy step; the weights and ε of the whole batch."""
     require("fmnist")
     layout = routes.layout_for(mode, "auto")  # as --grad-sample-mode auto runs it
@@ -79,7 +80,7 @@ def test_default_is_the_measured_route():
 def test_expanded_weights_take_nchw_on_cuda_by_default():
     """torch's expanded-weights GroupNorm refuses channels-last input on CUDA (seen on an H100):
     under --memory-format auto, ew runs NCHW there and channels-last on a CPU, where it is exact."""
-    from fedsd.training import torch_memory_format
+    from fedsd.training.loop import torch_memory_format
 
     ew = TrainConfig(grad_sample_mode="ew")
     assert torch_memory_format(ew, torch.device("cpu")) == torch.channels_last
@@ -102,7 +103,7 @@ def test_channels_last_refused_where_opacus_gets_it_wrong(mode):
 def test_bookkeeping_refuses_layers_it_has_no_rule_for():
     from torch import nn
 
-    from fedsd.bookkeeping import BookKeepingClipper
+    from fedsd.clipping.bookkeeping import BookKeepingClipper
 
     with pytest.raises(ValueError, match="GroupNorm"):
         BookKeepingClipper(nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4)), 1.0)
@@ -130,7 +131,7 @@ def test_empty_batch_takes_a_noise_only_step(mode):
 def test_bookkeeping_in_cache_sized_chunks_matches_the_whole_batch(monkeypatch, model):
     """Patches made a few samples at a time (CPU, without the conv kernel) give each sample's
     gradient norm and the clipped sum of the whole batch at once."""
-    import fedsd.bookkeeping as bk
+    import fedsd.clipping.bookkeeping as bk
 
     def clipped(chunk_bytes):
         monkeypatch.setattr(bk, "PATCH_CHUNK_BYTES", chunk_bytes)

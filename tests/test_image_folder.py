@@ -7,12 +7,12 @@ import shutil
 import pytest
 import torch
 
-from fedsd import client_data
-from fedsd.client_data import builtin_task, load_holder_data
-from fedsd.config import TrainConfig
+from fedsd.data import client_data
+from fedsd.data.client_data import builtin_task, load_holder_data
+from fedsd.settings.run import TrainConfig
 from fedsd.errors import DataError
-from fedsd.training import initial_model
-from simulations.cli import main
+from fedsd.training.loop import initial_model
+from fedsd.cli.main import main
 from tests.conftest import write_image_folder
 
 
@@ -49,7 +49,7 @@ def test_a_folder_that_is_neither_layout_is_refused(tmp_path):
 
 def test_a_plain_image_folder_is_a_nodes_data(tmp_path, flower_task):
     """A SuperNode whose data= is a plain ImageFolder trains on every image of it."""
-    from task.records import record_to_model
+    from fedsd.app.records import record_to_model
     from tests.test_client_owned import run_config, send
 
     plain = write_image_folder(tmp_path / "nested", {str(k): k for k in range(10)}, per_class=12) / "train"

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fedsd.losses import dkd_loss, dp3sd_loss, dpdsd_loss, kd_loss
+from fedsd.methods.losses import dkd_loss, dp3sd_loss, dpdsd_loss, kd_loss
 
 
 def softmax(z, tau):
@@ -132,7 +132,7 @@ def test_bad_reduction(batch):
 def test_distill_schedule_scales_the_distillation_terms_by_epoch(batch, schedule, weights):
     """--distill-schedule: after 2 warm-up epochs of 6, epochs 3..6 weigh the teacher's terms by
     the schedule; the classification term keeps its weight."""
-    from fedsd.config import TrainConfig
+    from fedsd.settings.run import TrainConfig
     from fedsd.methods import METHODS
 
     zs, zt, y = batch

@@ -1,6 +1,6 @@
-"""Bring your own network (fedsd.models): a torchvision model by name or a user's factory,
+"""Bring your own network (fedsd.models.networks): a torchvision model by name or a user's factory,
 made private-trainable by Opacus' ModuleValidator (the fix said once), refused with the path,
-the layer or both shapes named; and memory bounded by physical batches (fedsd.physical)."""
+the layer or both shapes named; and memory bounded by physical batches (fedsd.training.physical_batches)."""
 import json
 import os
 import resource
@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from fedsd.models import build_model, check_fits_task
-from fedsd.physical import sample_bytes
-from simulations.cli import main
+from fedsd.models.networks import build_model, check_fits_task
+from fedsd.training.physical_batches import sample_bytes
+from fedsd.cli.main import main
 from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +76,7 @@ def test_a_users_factory_with_batchnorm_trains_centrally_fixed_and_said_once(use
 def test_a_users_factory_trains_in_a_simulated_federation(user_module, tmp_path):
     """Ray's workers import the user's module from the directory the run was started in."""
     require("fmnist")
-    proc = subprocess.run([sys.executable, "-m", "simulations.cli", "simulate", "--dataset", "fmnist",
+    proc = subprocess.run([sys.executable, "-m", "fedsd.cli.main", "simulate", "--dataset", "fmnist",
                            "--model", f"{user_module}:make", "--subset", "2000", "--clients", "2", "--rounds", "2",
                            "--batch-size", "200", "--lr", "2", "--epsilon", "8", "--quiet", "--out", str(tmp_path / "fed")],
                           cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
@@ -148,13 +148,13 @@ def test_resnet18_trains_privately_on_cifar10_in_bounded_memory(tmp_path):
     once; in physical batches it stays under 8 GB, with the BatchNorm → GroupNorm fix reported.
     Where CIFAR-10 is not on this machine, on a CIFAR-10-shaped set the test makes: the memory is
     the point, not the pixels."""
-    from fedsd import data as data_lib
+    from fedsd.data import datasets as data_lib
     from tests.conftest import write_cifar_shaped
 
     stand_in = {} if data_lib.locate("cifar10") else \
         {"FEDSD_DATA_DIR": str(write_cifar_shaped(tmp_path / "data", n_train=2500, n_test=500))}
     env = {**os.environ, **stand_in}
-    proc = subprocess.run([sys.executable, "-m", "simulations.cli", "train", "--model", "torchvision:resnet18",
+    proc = subprocess.run([sys.executable, "-m", "fedsd.cli.main", "train", "--model", "torchvision:resnet18",
                            "--dataset", "cifar10", "--epochs", "1", "--subset", "2000", "--epsilon", "3",
                            "--threads", "1", "--quiet", "--out", str(tmp_path / "r18")],
                           cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
@@ -214,7 +214,7 @@ class _BranchesOnTraining(nn.Module):
 
 
 def test_a_network_whose_trace_would_differ_in_evaluation_is_left_as_it_is():
-    from fedsd.models import followable_by_hooks
+    from fedsd.models.networks import followable_by_hooks
 
     net = _BranchesOnTraining()
     assert followable_by_hooks(net, "branches", (1, 28, 28)) is net

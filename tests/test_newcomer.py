@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from simulations.cli import main
+from fedsd.cli.main import main
 from tests.conftest import read_tensorboard, require, write_image_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def fedsd(*args, env=None, cwd=None):
-    return subprocess.run([sys.executable, "-m", "simulations.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fedsd.cli.main", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, cwd=cwd or ROOT, timeout=600)
 
 
@@ -86,7 +86,7 @@ def test_load_model_gives_what_the_run_released_ready_to_use(tmp_path, capsys):
     """fedsd.load_model: the network with the run's weights and normalisation, on raw images."""
     require("fmnist")
     import fedsd
-    from fedsd import data as data_lib
+    from fedsd.data import datasets as data_lib
 
     out = tmp_path / "run"
     assert main(["train", "--dataset", "fmnist", "--method", "dpsgd", "--subset", "2000", "--epochs", "2",
@@ -144,7 +144,7 @@ def test_own_npz_data_simulates_as_a_federation(tmp_path):
     """`fedsd simulate --dataset custom --data-dir FILE.npz`: partitioned like a built-in set; its test split is its own."""
     import numpy as np
 
-    from fedsd import data as data_lib
+    from fedsd.data import datasets as data_lib
 
     require("fmnist")
     images = data_lib.load("fmnist")
@@ -210,7 +210,7 @@ def test_train_help_says_epsilon_is_required_as_the_command_does(capsys, tmp_pat
 def test_colocated_nodes_share_the_machines_cores_unless_the_operator_says(tmp_path, monkeypatch):
     """deploy-local and `fedsd bench deploy`: each SuperNode (and its worker or data service, which
     inherit its environment) takes cores ÷ nodes threads, as Ray gives a simulated client its CPUs."""
-    from simulations.deployment.local_deployment import LocalDeployment, node_threads
+    from fedsd.deployment.local_deployment import LocalDeployment, node_threads
 
     assert [node_threads(n, cores=16) for n in (1, 2, 3, 16, 40)] == [16, 8, 5, 1, 1]
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -221,8 +221,8 @@ def test_colocated_nodes_share_the_machines_cores_unless_the_operator_says(tmp_p
 
 
 def test_the_device_is_cuda_where_present_else_the_cpu_by_default():
-    from fedsd.central import resolve_device
-    from fedsd.config import TrainConfig
+    from fedsd.training.central import resolve_device
+    from fedsd.settings.run import TrainConfig
 
     assert TrainConfig().device == "auto"
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -239,7 +239,7 @@ def test_central_training_needs_no_flower(tmp_path):
              "        if name.split('.')[0] in ('flwr', 'flwr_datasets', 'ray'):\n"
              "            raise ImportError(f'No module named {name!r}')\n"
              "sys.meta_path.insert(0, NoFlower())\n"
-             "from simulations.cli import main\n"
+             "from fedsd.cli.main import main\n"
              "sys.exit(main(sys.argv[1:]))\n")
     proc = subprocess.run([sys.executable, "-c", block, "train", "--dataset", "fmnist", "--epsilon", "3", "--epochs", "1",
                            "--out", str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT, timeout=300,

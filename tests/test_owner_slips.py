@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedsd.fed_settings import client_config, to_flat
-from fedsd.models import build_model
-from fedsd.training import initial_model
-from task.records import record_to_model
+from fedsd.settings.federation import client_config, to_flat
+from fedsd.models.networks import build_model
+from fedsd.training.loop import initial_model
+from fedsd.app.records import record_to_model
 from tests.test_server_threat import B, ask, flat_parameters, node, one_step_run, own_npz, owner_service, via_service
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("flower_task")]
@@ -210,7 +210,7 @@ open(os.environ["PLANTED_MARK"], "a").write("ran as uid %d\\n" % os.getuid())
 """
 
 
-@pytest.mark.parametrize("command", [["-m", "clients.data_service"], ["-m", "simulations.cli", "data-service"],
+@pytest.mark.parametrize("command", [["-m", "fedsd.app.client.owner_service"], ["-m", "fedsd.cli.main", "data-service"],
                                      ["fedsd", "data-service"]], ids=["module", "cli-module", "fedsd"])
 def test_a_package_planted_in_the_working_directory_is_not_run(own_npz, tmp_path, command):
     """A folder the SuperNode's user can write (0777) holds a planted `fedsd` package; the owner

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from task.partition import shards
-from fedsd.fed_settings import FedOptions
+from fedsd.app.partition import shards
+from fedsd.settings.federation import FedOptions
 from tests.conftest import require
 
 
@@ -70,7 +70,7 @@ def test_dirichlet_redraws_are_said_once_in_fedsds_words():
     clients under Dirichlet(0.3)); fedsd says it once, with the accepted draw's shard sizes."""
     import warnings
 
-    from fedsd import data as data_lib
+    from fedsd.data import datasets as data_lib
     from fedsd.errors import FedsdNote
 
     require("fmnist")

@@ -31,7 +31,7 @@ def site(tmp_path_factory):
 
 def fedsd(site, *args, cwd):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
-    return subprocess.run([sys.executable, "-m", "simulations.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "fedsd.cli.main", *args], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=600)
 
 
@@ -55,6 +55,6 @@ def test_a_plugin_method_is_an_option_of_fedsd_and_trains(site, tmp_path):
     other = fedsd(site, "train", "--method", "dpsgd", "--dataset", "fmnist", "--label-smoothing", "0.2",
                   "--epsilon", "3", "--out", str(tmp_path / "bad"), cwd=tmp_path)
     assert other.returncode == 2 and "--label-smoothing: a setting of dpsmooth, not of --method dpsgd" in other.stderr
-    without = subprocess.run([sys.executable, "-m", "simulations.cli", "train", "--help"], capture_output=True,
+    without = subprocess.run([sys.executable, "-m", "fedsd.cli.main", "train", "--help"], capture_output=True,
                              text=True, cwd=ROOT)
     assert "dpsmooth" not in without.stdout  # fedsd itself is unchanged

@@ -1,4 +1,4 @@
-"""Starting from a pretrained network (fedsd.pretrained; `--init-weights`, `--train-layers`,
+"""Starting from a pretrained network (fedsd.models.pretrained; `--init-weights`, `--train-layers`,
 `--features backbone`): a file that does not fit is refused with the keys named, a head of
 another shape is made new, frozen blocks get no gradient and are released as the file holds
 them, frozen BatchNorm runs in eval mode, the route skips frozen layers, the frozen blocks'
@@ -11,11 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from fedsd import features, pretrained, routes
-from fedsd.central import CentralRun, train
-from fedsd.config import TrainConfig, validate
+from fedsd.data import features
+from fedsd.models import pretrained
+from fedsd.clipping import routes
+from fedsd.training.central import CentralRun, train
+from fedsd.settings.run import TrainConfig, validate
 from fedsd.errors import ConfigError
-from fedsd.models import build_model, model_for, with_pinned_weights
+from fedsd.models.networks import build_model, model_for, with_pinned_weights
 from tests.conftest import require
 
 MNIST_CNN_BLOCKS = ["0", "3", "7", "9"]
@@ -70,7 +72,7 @@ def test_a_head_of_another_shape_is_made_new_and_the_rest_is_the_files(weights_f
     file = torch.load(weights_file)
     for key in net:
         assert torch.equal(net[key], own[key] if key.startswith("9.") else file[key]), key
-    from fedsd.models import start_report
+    from fedsd.models.networks import start_report
     assert start_report(with_pinned_weights(cfg), 5)["head_replaced"] == ["9.weight", "9.bias"]
 
 
@@ -126,7 +128,7 @@ def test_the_route_skips_frozen_layers():
 
 
 def test_the_frozen_blocks_output_is_computed_once_and_cached(weights_file, tmp_path, monkeypatch):
-    from fedsd.models import backbone_for
+    from fedsd.models.networks import backbone_for
 
     monkeypatch.setenv("FEDSD_CACHE_DIR", str(tmp_path / "cache"))
     cfg = with_pinned_weights(_mnist(weights_file, features="backbone", train_layers="last:2"))
@@ -144,8 +146,8 @@ def test_the_frozen_blocks_output_is_computed_once_and_cached(weights_file, tmp_
 
 
 def test_a_node_refuses_a_run_from_other_weights():
-    from clients.local import check_init_weights
-    from clients.node_config import NodeConfigError, parse
+    from fedsd.app.client.handler import check_init_weights
+    from fedsd.app.client.node_config import NodeConfigError, parse
 
     node = parse({"partition-id": 0, "init-weights-sha256": "AB" * 32})
     check_init_weights({"init-weights-sha256": "ab" * 32}, node)
@@ -194,8 +196,8 @@ def test_a_run_on_backbone_features_trains_the_head_and_writes_its_sha256(weight
 @pytest.mark.slow
 def test_a_federation_started_from_the_weights_trains(weights_file):
     require("mnist")
-    from fedsd.fed_settings import FedOptions
-    from simulations.commands.simulate import simulate
+    from fedsd.settings.federation import FedOptions
+    from fedsd.cli.simulate import simulate
 
     state = torch.load(weights_file)
     cfg = TrainConfig(dataset="mnist", method="dpsgd", epsilon=3, batch_size=200, lr=0.5, subset=4000, seed=0,
@@ -212,7 +214,7 @@ def test_public_first_leaves_the_public_images_out_of_the_private_set():
     """--public-first N: the first N training images pretrained the network (fedsd pretrain
     --first N); the private run never trains on them, with or without a validation split."""
     require("mnist")
-    from fedsd import data as data_lib
+    from fedsd.data import datasets as data_lib
 
     images = data_lib.load("mnist")
     private = data_lib.training_indices(images, None, 0, 0, public_first=5000)
@@ -226,7 +228,7 @@ def test_public_first_leaves_the_public_images_out_of_the_private_set():
 @pytest.mark.slow
 def test_fedsd_pretrain_writes_a_file_init_weights_reads_and_keeps_it(tmp_path, capsys):
     require("mnist")
-    from simulations.cli import main
+    from fedsd.cli.main import main
 
     out = tmp_path / "public.pt"
     args = ["pretrain", "--dataset", "mnist", "--first", "600", "--epochs", "1", "--threads", "1", "--out", str(out)]

@@ -2,8 +2,8 @@
 import pytest
 from opacus.accountants import PRVAccountant, RDPAccountant
 
-from fedsd import privacy
-from fedsd.privacy import AccountantHistory, plan, steps_per_epoch
+from fedsd.privacy import accounting as privacy
+from fedsd.privacy.accounting import AccountantHistory, plan, steps_per_epoch
 from fedsd.errors import BudgetError
 
 
@@ -64,21 +64,21 @@ def test_rdp_orders_reach_the_optimum_and_opacus_root_logging_is_left_alone():
     import sys
     import warnings
 
-    from fedsd.privacy import AccountantHistory, plan
+    from fedsd.privacy.accounting import AccountantHistory, plan
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         p = plan(3.0, 1e-5, 1000, 128, 2, "rdp")
         ledger = AccountantHistory("rdp", [[p.noise_multiplier, p.sample_rate, p.planned_steps]])
         assert ledger.epsilon(1e-5) <= 3.0
-    code = "import logging, fedsd.training, fedsd.privacy; assert not logging.getLogger().handlers"
+    code = "import logging, fedsd.training.loop, fedsd.privacy.accounting; assert not logging.getLogger().handlers"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_ledger_epsilon_is_opacus_rdp_accountant_to_the_bit():
     """AccountantHistory composes per-step RDP once per (q, σ) (a small shard's q makes Opacus' RDP slow);
     the ε it reports is the one Opacus' RDPAccountant gives for the same history."""
-    from fedsd.privacy import RDP_ORDERS
+    from fedsd.privacy.accounting import RDP_ORDERS
 
     history = [[1.3, 16 / 60, 4], [0.9, 0.02, 100], [1.3, 16 / 60, 8]]
     opacus = RDPAccountant()
@@ -90,7 +90,7 @@ def test_ledger_epsilon_is_opacus_rdp_accountant_to_the_bit():
 def test_calibration_is_kept_on_disk_for_other_processes(tmp_path, monkeypatch):
     """A σ searched once is found again by a fresh process (a Ray worker, a ClientApp) without
     a search; an unreadable cache file is searched again and rewritten."""
-    import fedsd.privacy as privacy
+    import fedsd.privacy.accounting as privacy
 
     args = (3.0, 1e-5, 6000, 16, 2)
     searched = privacy.plan(*args, cache_dir=str(tmp_path))

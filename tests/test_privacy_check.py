@@ -6,8 +6,8 @@ import json
 import pytest
 
 from fedsd.errors import DataError
-from simulations.cli import main
-from simulations.commands.privacy_check import check_run, rdp_epsilon
+from fedsd.cli.main import main
+from fedsd.cli.check_privacy import check_run, rdp_epsilon
 
 CHARGE = dict(noise_multiplier=1.2, sample_rate=0.1, steps=10)
 
@@ -66,7 +66,7 @@ def test_a_round_charged_twice_is_listed_and_a_soak_fails_it_unless_a_fault_stop
     """A second charge for a round is the safe side for privacy (the check passes), but it is
     listed; fedsd bench soak fails it unless that client's node or worker was stopped in that
     round (it then trained the round again), as a replayed round once was charged twice."""
-    from simulations.benchmarks.soak import Absence, Fault, charged_again_unexplained
+    from fedsd.benchmarks.soak import Absence, Fault, charged_again_unexplained
 
     code, report = run_check(*deployment(tmp_path, {0: [1, 2], 1: [1, 2, 2]}, max_epsilon=5.0), capsys)
     assert code == 0 and report["passed"]

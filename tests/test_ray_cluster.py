@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.cli import main
+from fedsd.cli.main import main
 from tests.conftest import require
 
 RAY = Path(sys.executable).parent / "ray"

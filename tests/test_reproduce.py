@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from simulations.cli import main
-from simulations.experiments.paper_tables import PAPER_TABLE1, table1_cells, table2_cells
+from fedsd.cli.main import main
+from fedsd.experiments.paper_tables import PAPER_TABLE1, table1_cells, table2_cells
 from tests.conftest import require
 
 
@@ -60,8 +60,8 @@ def test_sweep_chooses_on_validation_only(tmp_path, capsys):
 
 def test_a_setting_added_later_does_not_make_a_finished_run_stale(tmp_path):
     """A run made before a setting existed ran as that setting's default: it is not run again."""
-    from fedsd.config import TrainConfig
-    from simulations.commands.runs import finished_with
+    from fedsd.settings.run import TrainConfig
+    from fedsd.cli.sweep_runs import finished_with
 
     config = dict(dataset="fmnist", method="dpsgd", epsilon=3.0, seed=0)
     saved = TrainConfig(**config).resolved().to_dict()
@@ -72,7 +72,7 @@ def test_a_setting_added_later_does_not_make_a_finished_run_stale(tmp_path):
 
 
 def _result_fields(accuracy):
-    """What every result.json has (fedsd.results.RunResult), here with made-up values."""
+    """What every result.json has (fedsd.files.results.RunResult), here with made-up values."""
     return dict(dataset="fmnist", method="dpsgd", epsilon_target=3.0, epsilon_spent=3.0, delta=1e-5,
                 test_accuracy=accuracy, seed=0, wall_seconds=1.0, device="cpu", data_source="made up", config={},
                 noise_multiplier=1.0, epochs=[dict(test_accuracy=accuracy)])
@@ -86,7 +86,7 @@ def _fake_run(runs_dir, name, seed, accuracy):
 
 
 def test_a_partial_reproduce_keeps_the_other_cells_and_gains_use_the_same_seeds(tmp_path):
-    from simulations.experiments.paper_tables import table_cells, write_tables
+    from fedsd.experiments.paper_tables import table_cells, write_tables
 
     runs = tmp_path / "runs" / "table1"
     _fake_run(runs, "mnist-dpsgd-eps3", 0, 0.90)
@@ -106,7 +106,7 @@ def test_a_variants_rows_stand_beside_the_papers_and_gain_against_dpsgd_of_the_s
     """`--variant tanh`: its cells run with the variant's setting, under their own names, and
     are kept in the table with the papers' rows (made by any later reproduce); their gain is
     against dpsgd with the same variant, never against the papers' set-up."""
-    from simulations.experiments.paper_tables import table_cells, write_tables
+    from fedsd.experiments.paper_tables import table_cells, write_tables
 
     cells = table1_cells(["fmnist"], ["dpsgd", "dpdsd"], [3.0], "tanh")
     assert [(c.name, c.overrides) for c in cells] == [("fmnist-dpsgd-tanh-eps3", {"activation": "tanh"}),
@@ -147,7 +147,7 @@ def test_federated_table_runs_resumes_and_writes_its_files(tmp_path):
     assert main(args) == 0
     table = json.loads((tmp_path / "table-fed.json").read_text())
     rows = {(c["method"], c["teacher"]): c for c in table["cells"]}
-    # dp3sd is also run with its global-ema teacher (simulations.experiments.federated_table.TEACHER_VARIANTS)
+    # dp3sd is also run with its global-ema teacher (fedsd.experiments.federated_table.TEACHER_VARIANTS)
     assert set(rows) == {("dpsgd", "round-start"), ("dp3sd", "round-start"), ("dp3sd", "global-ema")}
     assert table["settings"]["num_clients"] == 10
     for row in rows.values():
@@ -169,7 +169,7 @@ def test_federated_table_runs_resumes_and_writes_its_files(tmp_path):
     again = json.loads(stopped.read_text())
     assert 100 * again["test_accuracy"] == pytest.approx(dp3sd["final"][0])
     # a run in which a client went missing (here: as if its worker had been killed) is run again
-    from simulations.experiments.federated_table import FedCell, cell_settings, run_state
+    from fedsd.experiments.federated_table import FedCell, cell_settings, run_state
 
     settings = cell_settings(FedCell("iid", "dpsgd"), 0, rounds=2, subset=3000)
     assert run_state(done.parent, *settings) == "done"
@@ -192,7 +192,7 @@ def test_federated_table_runs_resumes_and_writes_its_files(tmp_path):
     done.write_text(json.dumps(written))
     assert run_state(done.parent, *settings) == "done"
     done.write_text(json.dumps({**written, "rounds": [*written["rounds"][:-1], last]}))
-    from simulations.experiments.federated_table import fed_cells, write_fed_table
+    from fedsd.experiments.federated_table import fed_cells, write_fed_table
 
     write_fed_table(fed_cells(["iid"], ["dpsgd", "dp3sd"]), runs, tmp_path)  # and the table leaves it out
     rows = {(c["method"], c["teacher"]): c for c in json.loads((tmp_path / "table-fed.json").read_text())["cells"]}
@@ -203,8 +203,8 @@ def test_the_federated_table_runs_dpdsd_with_dpemas_release_and_keeps_the_runs_m
     """The row of dpdsd with the decay schedule and the EMA released (--release ema) is in every
     partition with its own folder; a run finished before --release existed (its saved settings
     lack the key) is still a finished run of its row."""
-    from fedsd.config import TrainConfig
-    from simulations.experiments.federated_table import FedCell, _settings, cell_settings, fed_cells
+    from fedsd.settings.run import TrainConfig
+    from fedsd.experiments.federated_table import FedCell, _settings, cell_settings, fed_cells
 
     cells = {c.name: c for c in fed_cells()}
     for partition in ("iid", "dirichlet0.5", "dirichlet0.1"):
@@ -225,7 +225,7 @@ def test_a_diverged_federation_is_a_row_of_the_table_and_not_run_again(tmp_path)
     again."""
     import dataclasses
 
-    from simulations.experiments.federated_table import FedCell, cell_settings, run_state, write_fed_table
+    from fedsd.experiments.federated_table import FedCell, cell_settings, run_state, write_fed_table
 
     runs = tmp_path / "runs" / "table-fed"
     cell = FedCell("dirichlet0.1", "dpdsd", "local-previous")
@@ -248,7 +248,7 @@ def test_a_grid_sweeps_a_named_choice_and_refuses_one_not_offered():
     """The activation (relu, tanh) and the input normalisation are swept like numbers, and a
     run's folder names them; a value outside a setting's choices is refused before any run."""
     from fedsd.errors import ConfigError
-    from simulations.commands.sweep import parse_grid, slug
+    from fedsd.cli.sweep import parse_grid, slug
 
     grid = parse_grid(["activation=relu,tanh", "lr=1.5,3"])
     assert grid == {"activation": ["relu", "tanh"], "lr": [1.5, 3.0]}
@@ -260,7 +260,7 @@ def test_a_grid_sweeps_a_named_choice_and_refuses_one_not_offered():
 def test_the_federated_table_pairs_seeds_and_marks_differences_beyond_two_standard_errors():
     """vs dpsgd / dpema: seed-by-seed differences over the seeds both rows ran, their mean and
     standard error; 'beyond two standard errors' only with more than one seed."""
-    from simulations.commands.runs import paired_difference
+    from fedsd.cli.sweep_runs import paired_difference
 
     base = dict(seeds=[0, 1, 2], final=[80.0, 81.0, 79.0])
     steady = dict(seeds=[0, 1, 2], final=[81.0, 82.2, 79.8])  # +1.0, +1.2, +0.8
@@ -277,7 +277,7 @@ def test_the_federated_table_pairs_seeds_and_marks_differences_beyond_two_standa
 def test_the_gain_over_dpsgd_pairs_only_runs_of_the_same_length():
     """A cell made before its data set's default length changed at that ε is not compared with
     dpsgd rerun at the new length: their difference would measure the length, not the method."""
-    from simulations.experiments.paper_tables import gain_over_dpsgd
+    from fedsd.experiments.paper_tables import gain_over_dpsgd
 
     dpsgd = dict(method="dpsgd", dataset="fmnist", epsilon=1.0, seeds=[0, 1], accuracies=[81.0, 82.0], epochs=[15])
     fresh = dict(method="dpema", dataset="fmnist", epsilon=1.0, seeds=[0, 1], accuracies=[82.0, 82.5], epochs=[15])

@@ -1,4 +1,4 @@
-"""result.json has one type, fedsd.results.RunResult, that writes it and reads it back: every
+"""result.json has one type, fedsd.files.results.RunResult, that writes it and reads it back: every
 run kept under results/, written by any version of fedsd, still reads, with settings this
 version can use."""
 import json
@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedsd.config import TrainConfig
+from fedsd.settings.run import TrainConfig
 from fedsd.errors import DataError
-from fedsd.fed_settings import FedOptions
-from fedsd.results import RESULT_FORMAT, RunResult
+from fedsd.settings.federation import FedOptions
+from fedsd.files.results import RESULT_FORMAT, RunResult
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 RUNS = sorted(RESULTS.glob("**/result.json"))
@@ -36,7 +36,7 @@ def test_every_kept_run_reads(path):
 
 
 def test_every_kept_central_run_is_finished_or_says_it_is_not():
-    """The run folder's contract (fedsd.central): a finished central run has result.json and
+    """The run folder's contract (fedsd.training.central): a finished central run has result.json and
     model.pt and no resume state; an unfinished one has its checkpoint and a progress.json that
     says so. (A federated run keeps its checkpoint.pt when finished: `fedsd simulate --resume`.)"""
     central = [p.parent for p in RESULTS.glob("**/progress.json")] + [p.parent for p in RUNS]
@@ -68,7 +68,7 @@ def test_a_result_round_trips_and_a_newer_or_foreign_file_is_refused(tmp_path):
 def test_a_result_names_its_gpu_and_a_cpu_run_names_none(tmp_path):
     """device_name: the card a run went to (torch.cuda.get_device_name), absent for the CPU and from
     results written before it was recorded."""
-    from fedsd.results import gpu_name
+    from fedsd.files.results import gpu_name
 
     cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3).resolved()
     cpu = RunResult.of_run(cfg, epsilon_spent=3.0, test_accuracy=0.8, wall_seconds=1.0, device="cpu", data_source="x")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.cli import main
+from fedsd.cli.main import main
 from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def test_results_command_passes_its_checks_and_resolves_as_stated(command, state
                                                                   data_root):
     """Where MNIST or CIFAR-10 is not on this machine, against stand-ins of their shapes and sizes
     (conftest's data_root): a dry run checks the data's sizes and the σ they give, not its pixels."""
-    from fedsd import data as data_lib
+    from fedsd.data import datasets as data_lib
 
     require("fmnist")
     args = shlex.split(command)[1:]

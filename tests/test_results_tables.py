@@ -6,7 +6,7 @@ import json
 import pytest
 from pathlib import Path
 
-from simulations.experiments.paper_tables import DATASETS, TABLE1_METHODS, table1_cells, table_cells, write_tables
+from fedsd.experiments.paper_tables import DATASETS, TABLE1_METHODS, table1_cells, table_cells, write_tables
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -56,9 +56,9 @@ def test_table1_has_every_cell_of_the_papers_with_the_seeds_asked_for():
 def test_readings_table_gives_each_method_its_own_length_and_its_gain_over_dpsgd(tmp_path):
     """The screen's table: a method's best over the lengths run, against dpsgd's best in the same
     setting; a gain is final only once both have every length."""
-    from fedsd.config import TrainConfig
-    from fedsd.results import RunResult
-    from simulations.experiments.readings import READINGS, ScreenRun, write_readings
+    from fedsd.settings.run import TrainConfig
+    from fedsd.files.results import RunResult
+    from fedsd.experiments.readings import READINGS, ScreenRun, write_readings
 
     papers = READINGS[0]
     runs = [ScreenRun("mnist", "relu", 1.0, m, papers, n) for m in ("dpsgd", "dpdsd") for n in (15, 30, 60)]
@@ -78,7 +78,7 @@ def test_readings_table_gives_each_method_its_own_length_and_its_gain_over_dpsgd
 
 
 def test_a_reading_more_than_a_point_below_its_methods_papers_reading_in_two_settings_is_dropped():
-    from simulations.experiments.readings import dropped
+    from fedsd.experiments.readings import dropped
 
     def row(best, complete=True):
         return dict(best=best, chosen_epochs=30 if complete else None)
@@ -99,9 +99,9 @@ def test_each_method_is_confirmed_at_its_best_reading_once_its_screen_is_done(tm
     length anywhere waits; a screened cell takes the screen's length, another the cell's own;
     a run Table 1 already made with the same settings is read from there, not run again; the
     gain over dpsgd is paired by seed."""
-    from fedsd.config import TrainConfig, default_epochs
-    from fedsd.results import RunResult
-    from simulations.experiments.readings import CONFIRM_CELLS, SCREEN_SETTINGS, chosen_readings, confirm_rows, confirm_runs
+    from fedsd.settings.run import TrainConfig, default_epochs
+    from fedsd.files.results import RunResult
+    from fedsd.experiments.readings import CONFIRM_CELLS, SCREEN_SETTINGS, chosen_readings, confirm_rows, confirm_runs
 
     def row(best, epochs=30):
         return dict(best=best, chosen_epochs=epochs)
@@ -146,10 +146,10 @@ def test_each_method_is_confirmed_at_its_best_reading_once_its_screen_is_done(tm
 def test_table1_second_protocol_is_the_readings_confirmation_of_each_method_at_its_chosen_reading(tmp_path):
     """Table 1's second protocol: once a method's screen is done on disk, its chosen
     reading's test runs, paired with dpsgd's chosen reading by seed, beside the papers' gain."""
-    from fedsd.config import TrainConfig
-    from fedsd.results import RunResult
-    from simulations.experiments.readings import confirm_runs, screen_rows, screen_runs
-    from simulations.experiments.paper_tables import second_protocol, second_protocol_md
+    from fedsd.settings.run import TrainConfig
+    from fedsd.files.results import RunResult
+    from fedsd.experiments.readings import confirm_runs, screen_rows, screen_runs
+    from fedsd.experiments.paper_tables import second_protocol, second_protocol_md
 
     runs_dir = tmp_path / "runs" / "readings"
 

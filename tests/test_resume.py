@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedsd import central
-from fedsd.config import TrainConfig
-from fedsd.training import DPTrainer
-from simulations.cli import main
+from fedsd.training import central
+from fedsd.settings.run import TrainConfig
+from fedsd.training.loop import DPTrainer
+from fedsd.cli.main import main
 from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_a_run_killed_mid_epoch_resumes_to_the_same_weights(tmp_path):
     """SIGKILL at a random moment of epoch 2 or later, through the command line."""
     require("fmnist")
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    command = [sys.executable, "-m", "simulations.cli", "train", "--method", "dp3sd", "--epochs", "6", *ARGS]
+    command = [sys.executable, "-m", "fedsd.cli.main", "train", "--method", "dp3sd", "--epochs", "6", *ARGS]
     subprocess.run([*command, "--out", str(whole)], check=True, timeout=600, cwd=ROOT)
     proc = subprocess.Popen([*command, "--out", str(killed)], cwd=ROOT, start_new_session=True)
     progress = killed / central.PROGRESS
@@ -86,7 +86,7 @@ def test_a_run_killed_mid_epoch_resumes_to_the_same_weights(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert central.unfinished(killed)
-    done = subprocess.run([sys.executable, "-m", "simulations.cli", "train", "--resume", str(killed), "--quiet"],
+    done = subprocess.run([sys.executable, "-m", "fedsd.cli.main", "train", "--resume", str(killed), "--quiet"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert same_weights(whole, killed)

@@ -10,11 +10,9 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from clients import secure_aggregation as service
-from fedsd.identity import Identity, Roster, RosterError, parse_public, public_line, read_roster, verify
-from fedsd.secagg import (NONCE, ProtocolError, RoundAbandoned, SecAggClient, SecAggServer, _advert,
-                          _commit_message, _commitment, _derive, _info, _public, _raw, _view_message, combine_secret,
-                          expand_mask, pairwise_sign)
+from fedsd.app.client import secure_stages as service
+from fedsd.secure.identity import Identity, Roster, RosterError, parse_public, public_line, read_roster, verify
+from fedsd.secure.secagg import NONCE, ProtocolError, RoundAbandoned, SecAggClient, SecAggServer, _advert, _commit_message, _commitment, _derive, _info, _public, _raw, _view_message, combine_secret, expand_mask, pairwise_sign
 from tests.test_attack_authenticated_secagg import _round_to_unmask, members  # noqa: F401
 from tests.test_secure_aggregation import EXPERIMENT, IDS, owners, stage  # noqa: F401
 
@@ -260,13 +258,13 @@ def test_a_member_that_tells_an_honest_owners_identity_does_not_take_its_place(m
     from flwr.app import ConfigRecord, Message, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
-    from server.secure_aggregation import Exchange, identify
+    from fedsd.app.server.secure_rounds import Exchange, identify
 
     for name, value in (("_run_id", 7), ("_node_id", 1), ("_task_id", 1)):  # as a ServerApp's process has them
         monkeypatch.setattr(TaskIdentity, name, value)
 
-    from fedsd.secagg import identify_message
-    from task import secure_sum as sums
+    from fedsd.secure.secagg import identify_message
+    from fedsd.app import secure_sum as sums
 
     honest, other = Identity(), Identity()
     roster = Roster.of({"honest": honest.public, "other": other.public})

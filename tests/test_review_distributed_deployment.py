@@ -3,9 +3,9 @@ chooses every setting and plan. Each test fails while its attack works."""
 import pytest
 from flwr.app import ConfigRecord, RecordDict
 
-from clients import node_config as node_configs
-from clients import secure_aggregation as service
-from fedsd import distributed_noise as dn
+from fedsd.app.client import node_config as node_configs
+from fedsd.app.client import secure_stages as service
+from fedsd.secure import distributed_noise as dn
 from tests.test_distributed_deployment import ROUNDS, federation, fewer_records  # noqa: F401
 from tests.test_secure_aggregation import EXPERIMENT, IDS, owners  # noqa: F401
 
@@ -50,7 +50,7 @@ def test_every_honest_share_is_sized_by_the_plans_common_t(federation, monkeypat
     With the plan's t the federation's common one, an owner refuses a plan whose t is above its
     own (others would size their shares below what its t counts on) and sizes its share by the
     plan's t (at least its own share, never less)."""
-    import fedsd.distributed as distributed
+    import fedsd.secure.distributed_step as distributed
 
     f = federation
     seen = []

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, RecordDict
 
-from clients import data_service
+from fedsd.app.client import owner_service as data_service
 from tests.test_server_threat import own_npz
 
 pytestmark = pytest.mark.usefixtures("flower_task")
@@ -137,8 +137,8 @@ def test_a_link_in_the_state_folder_is_refused_without_telling_the_server_where_
     """The owner left state-dir/calibrations as a link to a folder elsewhere. The round is refused
     (the link is not followed), and the server is told the state folder is not the owner's alone,
     never the link's target (a path of the owner's machine)."""
-    from fedsd.fed_settings import client_config
-    from fedsd.training import initial_model
+    from fedsd.settings.federation import client_config
+    from fedsd.training.loop import initial_model
     from tests.test_server_threat import ask, node, one_step_run
 
     state = tmp_path / "state"
@@ -169,7 +169,7 @@ def roster_of(path: Path) -> Path:
 def test_a_fifo_in_place_of_the_roster_is_refused_not_waited_on(tmp_path):
     """The roster is read again for every message. A FIFO put in its place (by anyone who can
     write its folder) held the open, and the service's answer lock with it, for ever."""
-    from fedsd.identity import RosterError, read_roster
+    from fedsd.secure.identity import RosterError, read_roster
 
     fifo = tmp_path / "roster"
     os.mkfifo(fifo, 0o600)
@@ -198,8 +198,8 @@ def test_a_node_config_that_no_longer_parses_is_refused_without_the_owners_paths
     and `<data>`. The same through secure aggregation's stages."""
     from flwr.app import ConfigRecord, Context
 
-    from clients import local, secure_aggregation
-    from task import secure_sum
+    from fedsd.app.client import handler as local, secure_stages as secure_aggregation
+    from fedsd.app import secure_sum
 
     private = tmp_path / "owners-private-place-7f3a"
     private.mkdir()

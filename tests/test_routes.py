@@ -1,4 +1,4 @@
-"""The run's route (fedsd.routes): with --grad-sample-mode auto, chosen while a run is planned by a
+"""The run's route (fedsd.clipping.routes): with --grad-sample-mode auto, chosen while a run is planned by a
 rule that reads the shapes, the conv kernel's instruction set and the thread count, never a
 clock, and recorded with the run; --route (or --route-from a run) gives a recorded route back,
 checked against the network first. `measure` still times every candidate, interleaved, for
@@ -9,13 +9,13 @@ import random
 import pytest
 import torch
 
-from fedsd import routes
-from fedsd.bookkeeping import CONV_WAYS
-from fedsd.config import TrainConfig
-from fedsd.data import TensorData
+from fedsd.clipping import routes
+from fedsd.clipping.bookkeeping import CONV_WAYS
+from fedsd.settings.run import TrainConfig
+from fedsd.data.datasets import TensorData
 from fedsd.errors import ConfigError
-from fedsd.privacy import plan
-from fedsd.training import DPTrainer, planned_trainer
+from fedsd.privacy.accounting import plan
+from fedsd.training.loop import DPTrainer, planned_trainer
 from tests.conftest import bookkeeping_clipped_sum
 
 CPU = torch.device("cpu")
@@ -122,14 +122,14 @@ def test_a_route_through_the_kernel_is_refused_where_the_kernel_does_not_take_th
 
 
 def test_a_route_with_a_forced_mode_is_refused_naming_the_option():
-    from fedsd.config import validate
+    from fedsd.settings.run import validate
 
     with pytest.raises(ConfigError, match="^--route: takes the place of --grad-sample-mode"):
         validate(small(route="bk:channels-last:0=ghost,1=ghost", grad_sample_mode="bk"), 1000)
 
 
 def _record(folder, route: dict | None, **config):
-    from fedsd.results import write_json
+    from fedsd.files.results import write_json
 
     folder.mkdir(parents=True)
     write_json(folder / "result.json", {"config": small(**config).to_dict(), "route": route})
@@ -157,7 +157,7 @@ def test_route_from_gives_back_a_recorded_route_and_refuses_one_that_does_not_fi
 
 
 def test_route_from_on_the_command_line_is_refused_before_any_work(tmp_path, capsys):
-    from simulations.cli import main
+    from fedsd.cli.main import main
 
     out = tmp_path / "out"
     assert main(["train", "--epsilon", "3", "--threads", "1", "--route-from", str(tmp_path / "nothing"),
@@ -170,7 +170,7 @@ def test_route_from_on_the_command_line_is_refused_before_any_work(tmp_path, cap
 
 
 def test_a_rerun_of_a_runs_settings_in_its_folder_takes_its_recorded_route(tmp_path):
-    from simulations.commands.runs import with_recorded_route
+    from fedsd.cli.sweep_runs import with_recorded_route
 
     recorded = routes.Route("bk", "channels-last", {0: "patches", 1: "ghost"}, chosen_by="rule",
                             made_for=dict(model="mnist-cnn", threads=1, input=[1, 28, 28]))
@@ -205,9 +205,9 @@ def test_a_route_kept_for_a_traced_network_is_kept_apart_and_the_others_are_not(
 
 
 def test_fedsd_bench_routes_lists_and_clears(cache, capsys):
-    from simulations.cli import main
+    from fedsd.cli.main import main
 
-    from fedsd.results import write_json
+    from fedsd.files.results import write_json
 
     (cache / "routes").mkdir()
     write_json(cache / "routes" / "x.json", {"key": {"model": "mnist-cnn", "batch_size": 48, "device": "cpu",
@@ -283,7 +283,7 @@ def test_the_same_command_twice_with_the_kept_routes_forgotten_between_gives_the
                                                                                               monkeypatch):
     """As a user would: `fedsd train …`, `fedsd bench routes --clear`, the same command again, each
     time with other timings on the machine (here random ones): the same route, the same weights."""
-    from simulations.cli import main
+    from fedsd.cli.main import main
     from tests.conftest import require
 
     require("fmnist")
@@ -302,7 +302,7 @@ def test_a_run_given_another_runs_route_releases_that_runs_weights(cache, tmp_pa
     """Run a takes a route other than the rule's (PyTorch's patches for conv0, the other way for
     conv1 than the rule's): its weights differ from the rule's run; a run --route-from a gives
     a's weights bit for bit, and records a's route as its --route."""
-    from simulations.cli import main
+    from fedsd.cli.main import main
     from tests.conftest import require
 
     require("fmnist")

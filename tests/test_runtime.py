@@ -40,8 +40,8 @@ def probe(code: str, env_drop=TUNED) -> dict:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_importing_the_library_changes_no_environment_and_no_allocator():
-    imported = probe("import fedsd, fedsd.training, fedsd.privacy, fedsd.bookkeeping, fedsd.conv_kernel, "
-                     "fedsd.routes, fedsd.central, fedsd.audit")
+    imported = probe("import fedsd, fedsd.training.loop, fedsd.privacy.accounting, fedsd.clipping.bookkeeping, fedsd.clipping.conv_kernel, "
+                     "fedsd.clipping.routes, fedsd.training.central, fedsd.privacy.canary_audit")
     assert imported == {"changed": [], "mmapped": 1}  # glibc's own way: a large block is mmap'd
 
 
@@ -67,5 +67,5 @@ def test_a_users_own_values_are_kept(monkeypatch):
 
 def test_the_entry_points_tune_their_process():
     """The fedsd command and the Flower apps (ClientApp, ServerApp) call tune_process on import."""
-    for module in ("simulations.cli", "clients.app", "server.app"):
+    for module in ("fedsd.cli.main", "fedsd.app.client.client_app", "fedsd.app.server.server_app"):
         assert probe(f"import {module}")["mmapped"] == 0, module

@@ -1,10 +1,10 @@
-"""SecAgg+ in process (fedsd.secagg): the server learns the sum only, survives dropouts up to
+"""SecAgg+ in process (fedsd.secure.secagg): the server learns the sum only, survives dropouts up to
 the threshold, and every client refuses what would reveal an input."""
 import numpy as np
 import pytest
 
-from fedsd.distributed import secure_round
-from fedsd.secagg import ProtocolError, RoundAbandoned, SecAggClient, SecAggServer, expand_mask
+from fedsd.secure.distributed_step import secure_round
+from fedsd.secure.secagg import ProtocolError, RoundAbandoned, SecAggClient, SecAggServer, expand_mask
 
 D = 2_000
 
@@ -112,7 +112,7 @@ def test_a_threshold_a_server_could_unmask_alone_is_refused(threshold):
 def resigned(client, entry, **changes):
     """A client's stage-0 keys changed and signed again by that client (a fellow client that
     sends what it likes under its own signature)."""
-    from fedsd.secagg import _advert
+    from fedsd.secure.secagg import _advert
 
     out = {**entry, **changes}
     out["sig"] = client.identity.sign(_advert(client.round_id, client.me, client.cohort, client.threshold,
@@ -147,10 +147,10 @@ def test_masks_are_a_keystream_not_a_32_bit_seed():
 
 
 def test_distributed_noise_options_are_checked_before_any_work():
-    from fedsd.config import TrainConfig
+    from fedsd.settings.run import TrainConfig
     from fedsd.errors import ConfigError
-    from fedsd.fed_settings import FedOptions
-    from simulations.commands.secure_simulation import check_options
+    from fedsd.settings.federation import FedOptions
+    from fedsd.cli.secure_simulation import check_options
 
     cfg = TrainConfig(dataset="fmnist")
     with pytest.raises(ConfigError, match="needs --secure-aggregation"):

@@ -1,5 +1,5 @@
 """Secure aggregation's four stages as the owner's data service answers them
-(clients/secure_aggregation.py), in this process against fedsd.secagg's server: an honest round
+(fedsd/app/client/secure_stages.py), in this process against fedsd.secure.secagg's server: an honest round
 sums exactly what each service kept as its input; then hostile messages (a replayed stage, a
 share from another round, a round never advertised, a client named both survivor and dropped, a
 cohort below the owner's minimum, malformed fields) are each refused with their reason, and
@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, RecordDict
 
-from clients import secure_aggregation as service
-from fedsd.config import TrainConfig
-from fedsd.fed_settings import FedOptions, client_config, to_flat
-from fedsd.secagg import SecAggServer
-from fedsd.training import initial_model
-from task import secure_sum
-from task.records import model_to_record
+from fedsd.app.client import secure_stages as service
+from fedsd.settings.run import TrainConfig
+from fedsd.settings.federation import FedOptions, client_config, to_flat
+from fedsd.secure.secagg import SecAggServer
+from fedsd.training.loop import initial_model
+from fedsd.app import secure_sum
+from fedsd.app.records import model_to_record
 from tests.conftest import require
 
 IDS = (101, 102, 103)
@@ -25,7 +25,7 @@ EXPERIMENT = "secagg-test"
 def owners(tmp_path, monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
 
-    from simulations.commands.split_data import write_client_folders
+    from fedsd.cli.split_data import write_client_folders
 
     for name, value in (("_run_id", 7), ("_node_id", 1), ("_task_id", 1)):  # as a ServerApp's process has them
         monkeypatch.setattr(TaskIdentity, name, value)
@@ -201,7 +201,7 @@ class ServicesGrid:
 
 @pytest.mark.slow  # trains each owner's round (real data, real ledgers)
 def test_the_servers_stages_sum_the_survivors_and_drop_a_node_that_does_not_answer(owners):
-    from server.secure_aggregation import Exchange, identify, protocol
+    from fedsd.app.server.secure_rounds import Exchange, identify, protocol
 
     contexts, flat, arrays, tmp_path = owners
     base = {"experiment-id": EXPERIMENT, "server-round": 1}
@@ -226,7 +226,7 @@ def test_the_servers_stages_sum_the_survivors_and_drop_a_node_that_does_not_answ
 def test_an_owner_that_takes_part_only_through_secure_aggregation_refuses_a_plain_round(owners):
     """secagg-only: a plain train message (the update would reach the server alone) is refused
     with the reason, nothing trained, nothing in the owner's folder (its ledger) changed."""
-    from clients import local
+    from fedsd.app.client import handler as local
 
     contexts, flat, arrays, tmp_path = owners
     context = contexts[101]
@@ -239,7 +239,7 @@ def test_an_owner_that_takes_part_only_through_secure_aggregation_refuses_a_plai
 
 
 def test_a_service_keeps_a_few_rounds_and_a_clientapp_without_one_refuses_the_stages(tmp_path):
-    from clients import app
+    from fedsd.app.client import client_app as app
 
     service._SESSIONS.clear()
     context = Context(run_id=7, node_id=101, state=RecordDict(), run_config={},
@@ -262,8 +262,8 @@ def test_a_service_keeps_a_few_rounds_and_a_clientapp_without_one_refuses_the_st
 
 @pytest.mark.slow  # trains each owner's round (real data, real ledgers)
 def test_a_client_that_answers_the_unmask_stage_with_garbage_is_dropped_and_the_round_abandoned(owners):
-    from fedsd.secagg import RoundAbandoned
-    from server.secure_aggregation import Exchange, protocol
+    from fedsd.secure.secagg import RoundAbandoned
+    from fedsd.app.server.secure_rounds import Exchange, protocol
 
     contexts, flat, arrays, tmp_path = owners
 
@@ -284,8 +284,8 @@ def test_a_client_that_answers_the_unmask_stage_with_garbage_is_dropped_and_the_
 def test_secagg_only_fails_closed_when_the_node_config_does_not_parse(tmp_path, monkeypatch):
     """A node config that fails to parse when secagg-only is read is a refusal, never a plain
     round that a later parse lets through (found by a review playing the attacker)."""
-    from clients import local
-    from clients import node_config as node_configs
+    from fedsd.app.client import handler as local
+    from fedsd.app.client import node_config as node_configs
     from fedsd.errors import ConfigError
 
     real, calls = node_configs.parse, []

@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedsd.identity import parse_public, protocol_id
-from simulations.deployment.local_deployment import LocalDeployment
-from task.secure_sum import secagg_id
+from fedsd.secure.identity import parse_public, protocol_id
+from fedsd.deployment.local_deployment import LocalDeployment
+from fedsd.app.secure_sum import secagg_id
 from tests.test_deploy import RUN, isolated_client_data, processes_mentioning, wait_for
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ MEMBERS = range(4)
 
 
 def kept_input(deployment: LocalDeployment, k: int, server_round: int) -> Path | None:
-    # <run>-<experiment>-<round>-<protocol id>.npy (clients/secure_aggregation.kept_input_path)
+    # <run>-<experiment>-<round>-<protocol id>.npy (fedsd/app/client/secure_aggregation.kept_input_path)
     found = sorted(p for p in (deployment.owner_dir(k) / "state" / "secagg").glob("*.npy")
                    if p.stem.rsplit("-", 2)[1] == str(server_round))
     assert len(found) <= 1, found
@@ -58,7 +58,7 @@ def masked_inputs_sent(deployment: LocalDeployment, k: int) -> int:
 
 
 def ledger(state: Path) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-m", "simulations.cli", "ledger", "--state-dir", str(state), "--json"],
+    proc = subprocess.run([sys.executable, "-m", "fedsd.cli.main", "ledger", "--state-dir", str(state), "--json"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)

@@ -1,12 +1,12 @@
 """The in-process federation with secure aggregation and distributed noise
-(simulations/commands/secure_simulation.py), on a small real subset: it spends exactly its ε,
+(fedsd/cli/secure_simulation.py), on a small real subset: it spends exactly its ε,
 resumes to the weights of a run never stopped, and self-distils from the model one step old."""
 import pytest
 import torch
 
-from fedsd.config import TrainConfig
-from fedsd.fed_settings import FedOptions
-from simulations.commands.secure_simulation import SecureFederation, simulate_secure
+from fedsd.settings.run import TrainConfig
+from fedsd.settings.federation import FedOptions
+from fedsd.cli.secure_simulation import SecureFederation, simulate_secure
 from tests.conftest import require
 
 pytestmark = pytest.mark.slow

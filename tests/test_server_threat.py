@@ -14,18 +14,18 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-from clients import local
-from clients.app import app
-from clients.node_config import NodeConfigError, parse, private_folder
-from fedsd import data as data_lib
-from fedsd.client_data import builtin_task, normalised
-from fedsd.config import TrainConfig
+from fedsd.app.client import handler as local
+from fedsd.app.client.client_app import app
+from fedsd.app.client.node_config import NodeConfigError, parse, private_folder
+from fedsd.data import datasets as data_lib
+from fedsd.data.client_data import builtin_task, normalised
+from fedsd.settings.run import TrainConfig
 from fedsd.errors import DataError
-from fedsd.fed_settings import FedOptions, client_config, to_flat
-from fedsd.models import build_model
-from fedsd.seeds import SEED_CLIENT_RNG, derive_seed
-from fedsd.training import initial_model
-from task.records import model_to_record, record_to_model
+from fedsd.settings.federation import FedOptions, client_config, to_flat
+from fedsd.models.networks import build_model
+from fedsd.training.seeds import SEED_CLIENT_RNG, derive_seed
+from fedsd.training.loop import initial_model
+from fedsd.app.records import model_to_record, record_to_model
 from tests.conftest import require
 from tests.test_data_service import wait_for
 
@@ -207,9 +207,9 @@ def test_a_sample_whose_gradient_is_not_finite_joins_the_sum_as_zero(own_npz, mo
     second pass only where a sample overflowed would tell the server so in the reply's time)."""
     import dataclasses
 
-    from fedsd.privacy import PrivacyPlan
-    from fedsd.secret_random import SecretStream
-    from fedsd.training import DPTrainer
+    from fedsd.privacy.accounting import PrivacyPlan
+    from fedsd.privacy.secret_random import SecretStream
+    from fedsd.training.loop import DPTrainer
 
     cfg, fed, _ = one_step_run()
     c = dataclasses.replace(client_config(cfg, fed), grad_sample_mode=mode)
@@ -301,7 +301,7 @@ def test_sizes_a_server_asks_for_are_bounded(tmp_path):
 def test_refusals_name_no_file_class_label_or_path(tmp_path, caplog):
     """What a refusal tells the server is the owner's fixed reason: never a file's name, a class
     folder's name, a label or a path; the owner's log has the details."""
-    from simulations.cli import main
+    from fedsd.cli.main import main
 
     require("fmnist")
     assert main(["split-data", "--dataset", "fmnist", "--clients", "1", "--subset", "100", "--format", "imagefolder",
@@ -516,8 +516,8 @@ def test_renaming_files_keeps_the_data_sets_ledger(own_npz, tmp_path):
     ledger an older version kept under a name-dependent key is taken over, not started again."""
     import shutil
 
-    from fedsd.client_data import _named_fingerprint, load_holder_data
-    from fedsd import ledger as ledgers
+    from fedsd.data.client_data import _named_fingerprint, load_holder_data
+    from fedsd.privacy import lifetime_ledger as ledgers
 
     task = builtin_task("fmnist")
     moved = tmp_path / "renamed.npz"
@@ -574,7 +574,7 @@ def owner_service(npz, tmp_path, state, name="owner", more="", wait=True):
     config = f"partition-id=0 data='{npz}' max-epsilon=inf state-dir='{state}' federated-evaluation=true " \
              f"min-evaluation-samples=10 allow-model='owners_wide_net:make' {more}"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-P", "-m", "simulations.cli", "data-service", "--socket", str(address),
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "fedsd.cli.main", "data-service", "--socket", str(address),
                                  "--node-config", config], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
                                 env={**os.environ, "PYTHONPATH": f"{Path(__file__).resolve().parents[1]}:{site}"})
     deadline = time.monotonic() + 120
@@ -599,7 +599,7 @@ def service(own_npz, tmp_path):
 
 
 def via_service(address, flat, model, server_round=1, kind="train"):
-    from clients import data_service
+    from fedsd.app.client import owner_service as data_service
 
     supernode = {"partition-id": 0, "service": str(address)}
     context = Context(run_id=1, node_id=11, node_config=supernode, state=RecordDict(), run_config={})
@@ -688,7 +688,7 @@ def test_no_message_stops_or_blocks_a_real_service(own_npz, service):
     import struct
     import time
 
-    from clients import data_service
+    from fedsd.app.client import owner_service as data_service
 
     address, state, log, proc = service
     cfg, fed, flat = one_step_run(experiment="robust")
@@ -756,7 +756,7 @@ def test_cached_native_code_another_user_could_write_is_not_loaded(tmp_path, mon
     that another user could have replaced is refused (and the step takes PyTorch's route)."""
     import shutil
 
-    from fedsd import conv_kernel
+    from fedsd.clipping import conv_kernel
 
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler here: nothing is built or loaded")
@@ -818,7 +818,7 @@ def make(num_classes, channels, image_size):  # GroupNorm with weights: no book-
 def test_an_own_data_clients_route_can_keep_a_sample_out_of_the_sum(own_npz, tmp_path, monkeypatch):
     """Where book-keeping cannot take a network, the rule's first other route is ghost clipping,
     which cannot train with secret draws: an own-data client takes the next one instead."""
-    from fedsd import routes
+    from fedsd.clipping import routes
 
     site = tmp_path / "site"
     site.mkdir()

@@ -1,4 +1,4 @@
-"""Each setting is declared once (fedsd.settings); the command line, the flat form and the Flower
+"""Each setting is declared once (fedsd.settings.declared); the command line, the flat form and the Flower
 app's defaults are derived from, or checked against, that declaration."""
 import argparse
 import tomllib
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from fedsd.config import TrainConfig
+from fedsd.settings.run import TrainConfig
 from fedsd.errors import ConfigError
-from fedsd.fed_settings import FLOWER_APP_DEFAULTS, FedOptions, from_flat, to_flat
-from fedsd.settings import add_options, flags_to_keys, from_args, settings_of
+from fedsd.settings.federation import FLOWER_APP_DEFAULTS, FedOptions, from_flat, to_flat
+from fedsd.settings.declared import add_options, flags_to_keys, from_args, settings_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,7 @@ def test_command_line_options_are_derived_and_unset_ones_keep_the_declared_defau
 
 
 def test_help_says_what_and_the_default(capsys):
-    from simulations.cli import build_parser
+    from fedsd.cli.main import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
@@ -93,7 +93,7 @@ def test_the_default_length_is_the_one_chosen_for_the_data_set_at_that_epsilon()
     """--epochs unset: the length chosen on validation for the data set at the largest swept ε at
     or below the run's (below them all, the smallest's); a smaller budget is spent in fewer
     epochs; --epochs given is kept."""
-    from fedsd.config import EPOCHS_BY_EPSILON
+    from fedsd.settings.run import EPOCHS_BY_EPSILON
 
     for dataset, chosen in EPOCHS_BY_EPSILON.items():
         swept = sorted(chosen)

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
-from fedsd.fed_settings import FedOptions
-from fedsd.models import build_model
-from server.strategy import RecordingStrategy, base_strategy, evaluation_metrics, reply_problem, train_metrics
+from fedsd.settings.federation import FedOptions
+from fedsd.models.networks import build_model
+from fedsd.app.server.strategy import RecordingStrategy, base_strategy, evaluation_metrics, reply_problem, train_metrics
 
 pytestmark = pytest.mark.usefixtures("flower_task")
 SHAPES = {k: tuple(v.shape) for k, v in build_model("mnist-cnn").state_dict().items()}
@@ -75,7 +75,7 @@ def test_a_train_request_carries_what_its_client_has_reported_spending():
     client not heard from hears nothing, and a refusal's reply does not lower it."""
     from flwr.app import ConfigRecord
 
-    from task.records import SPENT_EPSILON
+    from fedsd.app.records import SPENT_EPSILON
 
     fed = FedOptions(num_clients=3)
     strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
@@ -113,8 +113,8 @@ def test_checkpoint_restores_strategy_state_recorder_and_settings(tmp_path):
 
     import torch
 
-    from fedsd.config import TrainConfig
-    from server import checkpoint
+    from fedsd.settings.run import TrainConfig
+    from fedsd.app.server import checkpoint
 
     fed = FedOptions(num_clients=2, strategy="fedadam", server_dp_noise=0.5, rounds=4)
     cfg = TrainConfig(dataset="fmnist", method="dpdsd", epsilon=2.0, subset=500).resolved()
@@ -150,7 +150,7 @@ def test_an_old_or_foreign_checkpoint_is_refused_with_the_reason(tmp_path):
     import torch
 
     from fedsd.errors import ResumeError
-    from server import checkpoint
+    from fedsd.app.server import checkpoint
 
     with pytest.raises(ResumeError, match="--resume: no checkpoint.pt"):
         checkpoint.load(tmp_path / "nothing-here")
@@ -223,7 +223,7 @@ def test_a_failed_push_and_a_dropped_reply_are_missing_at_once_and_the_round_goe
 
     from flwr.app import ConfigRecord
 
-    from server.grid import PollingGrid
+    from fedsd.app.server.grid import PollingGrid
 
     fed = FedOptions(num_clients=4)
     strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
@@ -262,10 +262,10 @@ def test_a_node_gone_offline_is_missing_without_waiting_for_the_rounds_timeout(m
 
     from flwr.app import ConfigRecord
 
-    import server.grid
-    from server.grid import PollingGrid
+    import fedsd.app.server.grid
+    from fedsd.app.server.grid import PollingGrid
 
-    monkeypatch.setattr(server.grid, "OFFLINE_CHECK_SECONDS", 0.2)
+    monkeypatch.setattr(fedsd.app.server.grid, "OFFLINE_CHECK_SECONDS", 0.2)
     fed = FedOptions(num_clients=3)
     strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
     grid, arrays = Nodes(11, 13, 14), ArrayRecord({k: Array(v) for k, v in good().items()})
@@ -287,9 +287,9 @@ def test_a_launch_whose_node_is_down_goes_on_without_it_after_a_bounded_wait(mon
 
     from flwr.app import ConfigRecord
 
-    import server.strategy
+    import fedsd.app.server.strategy
 
-    monkeypatch.setattr(server.strategy, "LAUNCH_WAIT_SECONDS", 0.5)
+    monkeypatch.setattr(fedsd.app.server.strategy, "LAUNCH_WAIT_SECONDS", 0.5)
     fed = FedOptions(num_clients=3)
     strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES, round_offset=4)
     arrays, sent = ArrayRecord({k: Array(v) for k, v in good().items()}), []

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from fedsd.central import train
-from fedsd.config import TrainConfig
-from fedsd.models import build_model
-from simulations.cli import main
+from fedsd.training.central import train
+from fedsd.settings.run import TrainConfig
+from fedsd.models.networks import build_model
+from fedsd.cli.main import main
 from tests.conftest import require
 
 
@@ -55,9 +55,9 @@ def test_every_method_trains_and_spends_its_budget(method):
 @pytest.mark.slow
 def test_dpema_releases_the_average_not_the_last_iterate():
     require("fmnist")
-    from fedsd import data as data_lib
-    from fedsd.privacy import plan
-    from fedsd.training import planned_trainer, initial_model
+    from fedsd.data import datasets as data_lib
+    from fedsd.privacy.accounting import plan
+    from fedsd.training.loop import planned_trainer, initial_model
 
     cfg = TrainConfig(dataset="fmnist", method="dpema", epsilon=3, epochs=1, batch_size=100, subset=500,
                       ema_decay=0.5).resolved()
@@ -89,9 +89,9 @@ def test_release_ema_releases_an_average_without_changing_what_trains():
     assert all(torch.equal(dpema[k], dpsgd_ema[k]) for k in dpema)
     plain, averaged = run("dpdsd", None), run("dpdsd", "ema")
     assert any(not torch.equal(plain[k], averaged[k]) for k in plain)
-    from fedsd import data as data_lib
-    from fedsd.privacy import plan
-    from fedsd.training import planned_trainer, initial_model
+    from fedsd.data import datasets as data_lib
+    from fedsd.privacy.accounting import plan
+    from fedsd.training.loop import planned_trainer, initial_model
 
     students = []
     for release in (None, "ema"):
@@ -145,7 +145,7 @@ SPIKE_ROUND = [1.7, 1.1, 3.5, 11.2, 28.7, 33.8, 58.6, 80.0, 42.9, 52.7, 38.2, 44
 
 
 def _divergence_check():
-    from fedsd.training import DivergenceCheck
+    from fedsd.training.loop import DivergenceCheck
 
     return DivergenceCheck(TrainConfig(dataset="fmnist", method="dpdsd", epsilon=3, batch_size=256, lr=3.0), 10)
 
@@ -166,7 +166,7 @@ def test_a_loss_spike_that_comes_back_is_not_a_divergence():
     ([2.0] * 5 + [300.0] * 8, "ends above"),         # a short call that ends exploded
     ([2.0, 2.0, float("nan")], "not finite")])
 def test_a_loss_that_stays_high_or_ends_high_or_is_not_finite_stops_the_run(losses, why):
-    from fedsd.training import DIVERGENCE_WINDOW
+    from fedsd.training.loop import DIVERGENCE_WINDOW
     from fedsd.errors import TrainingDiverged
 
     check = _divergence_check()
@@ -182,9 +182,9 @@ def test_a_loss_that_stays_high_or_ends_high_or_is_not_finite_stops_the_run(loss
 def test_one_trainer_bound_in_turn_to_clients_gives_each_client_its_own_weights():
     """A Ray worker re-binds one DPTrainer to each client it serves (bounded memory): the
     weights are those of a trainer built for that client alone, bit for bit."""
-    from fedsd import data as data_lib
-    from fedsd.privacy import plan as calibrate
-    from fedsd.training import planned_trainer, initial_model
+    from fedsd.data import datasets as data_lib
+    from fedsd.privacy.accounting import plan as calibrate
+    from fedsd.training.loop import planned_trainer, initial_model
 
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, epochs=2, batch_size=50, lr=0.5, seed=3,
@@ -211,11 +211,11 @@ def test_the_divergence_limit_scales_with_the_objectives_chance_level(method, se
     of 23), which is not a divergence."""
     import math
 
-    from fedsd.privacy import plan as calibrate
-    from fedsd.training import DIVERGENCE_FACTOR, planned_trainer
+    from fedsd.privacy.accounting import plan as calibrate
+    from fedsd.training.loop import DIVERGENCE_FACTOR, planned_trainer
 
     require("fmnist")
-    from fedsd import data as data_lib
+    from fedsd.data import datasets as data_lib
 
     cfg = TrainConfig(dataset="fmnist", method=method, epsilon=3, epochs=4, batch_size=50, seed=0, threads=1,
                       **settings).resolved()
@@ -253,10 +253,10 @@ def test_teacher_every_step_distils_from_the_students_previous_iterate():
     """--teacher-every step: at every step the teacher is the student as it was one step
     before (the call's incoming model at its first step), and the run trains otherwise as the
     epoch teacher's does (same data order and noise: only the teacher differs)."""
-    from fedsd import data as data_lib
-    from fedsd.callbacks import StepCallback
-    from fedsd.privacy import plan as calibrate
-    from fedsd.training import planned_trainer, initial_model
+    from fedsd.data import datasets as data_lib
+    from fedsd.training.callbacks import StepCallback
+    from fedsd.privacy.accounting import plan as calibrate
+    from fedsd.training.loop import planned_trainer, initial_model
 
     require("fmnist")
 
@@ -287,7 +287,7 @@ def test_teacher_every_step_distils_from_the_students_previous_iterate():
 
 
 def test_the_released_average_without_its_warm_up_uses_the_decay_from_the_first_step():
-    from fedsd.callbacks import ExponentialAverage
+    from fedsd.training.callbacks import ExponentialAverage
 
     class Trainer:
         model = torch.nn.Linear(1, 1, bias=False)

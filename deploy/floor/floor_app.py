@@ -4,7 +4,7 @@ Each round the ServerApp sends every SuperNode a model of the given shapes (floa
 and waits for all of them to send it back; the ClientApp returns what it received. Nothing
 else is imported or done, so its round is Flower's own cost: a SuperNode's pull, a fresh
 `flwr-clientapp` process per message, the transfers, and the ServerApp's wait for replies.
-The ServerApp pulls replies as often as fedsd's does (server/grid.py), so the two differ
+The ServerApp pulls replies as often as fedsd's does (fedsd/app/server/grid.py), so the two differ
 only in what fedsd does. It writes out-dir/floor.json: the seconds of every round.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from server.grid import PollingGrid
+from fedsd.app.server.grid import PollingGrid
 
 client_app = ClientApp()
 server_app = ServerApp()

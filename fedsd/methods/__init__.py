@@ -1,11 +1,11 @@
 """The training methods, one file each, registered by name (`register`).
 
-A method says what a run of it carries and computes; the trainer (fedsd.training) runs the
+A method says what a run of it carries and computes; the trainer (fedsd.training.loop) runs the
 same DP-SGD steps for all of them:
-  - its settings (`Settings`: a dataclass of fedsd.settings.setting() fields, each with its
+  - its settings (`Settings`: a dataclass of fedsd.settings.declared.setting() fields, each with its
     help, its default for every data set and where that comes from, and its check), from which
     TrainConfig, the command line, the Flower run config and result.json are assembled
-    (fedsd.config); and checks across them (`check`);
+    (fedsd.settings.run); and checks across them (`check`);
   - the groups of weights it carries from call to call (`groups`: the student, and where it has
     them the EMA or DPKD's teacher), which one it releases by default (`releases`; --release
     ema gives any method but DPKD dpema's release, `release_of`), and their start
@@ -21,17 +21,15 @@ it is loaded when fedsd.methods is imported, and its settings become options of 
 """
 from __future__ import annotations
 
-from .base import (EMA_DECAY, METHODS, POSITIVE, RELEASES, UNIT_INTERVAL, EpochLoss, Method, MethodSettings, Model,
-                   SelfDistillationSettings, SelfDistilling, Weights, cross_entropy, distill_weight, register,
-                   release_callbacks, release_of, warming_up, with_release)
-from ..registry import load_entry_points
+from fedsd.methods.base import EMA_DECAY, METHODS, POSITIVE, RELEASES, UNIT_INTERVAL, EpochLoss, Method, MethodSettings, Model, SelfDistillationSettings, SelfDistilling, Weights, cross_entropy, distill_weight, register, release_callbacks, release_of, warming_up, with_release
+from fedsd.registry import load_entry_points
 
 __all__ = ["EMA_DECAY", "METHODS", "MODEL_GROUPS", "POSITIVE", "RELEASES", "UNIT_INTERVAL", "EpochLoss", "Method",
            "MethodSettings", "Model", "SelfDistillationSettings", "SelfDistilling", "Weights", "cross_entropy",
            "distill_weight", "method_of", "register", "release_callbacks", "release_of", "released", "warming_up",
            "with_release"]
 
-from . import dpsgd, dpema, dpkd, dp3sd, dpdsd  # noqa: E402,F401  (each registers itself)
+from fedsd.methods import dpsgd, dpema, dpkd, dp3sd, dpdsd  # noqa: E402,F401  (each registers itself)
 
 load_entry_points("fedsd.methods", register)
 # every group of weights some method carries: what a model on the wire may hold

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .. import losses
-from ..callbacks import ExponentialAverage, TeacherEveryStep
-from ..settings import setting
+from fedsd.methods import losses
+from fedsd.training.callbacks import ExponentialAverage, TeacherEveryStep
+from fedsd.settings.declared import setting
 
 if TYPE_CHECKING:
-    from ..config import TrainConfig
+    from fedsd.settings.run import TrainConfig
 
 Weights = dict[str, torch.Tensor]
 Model = dict[str, Weights]
@@ -68,7 +68,7 @@ class Method:
     groups: tuple[str, ...] = ("student",)
     releases: str = "student"
     # whether the teacher is the model itself as it came into the call (self-distillation; a
-    # federation may choose another teacher of the same model, fedsd.fed_settings's --teacher)
+    # federation may choose another teacher of the same model, fedsd.settings.federation's --teacher)
     self_distilling = False
 
     def check(self, cfg: "TrainConfig") -> None:
@@ -85,7 +85,7 @@ class Method:
         return cross_entropy()
 
     def step_callbacks(self, cfg: "TrainConfig", model: Model, steps_so_far: int, device) -> list:
-        """This call's step callbacks (fedsd.callbacks); they may add groups to `model`."""
+        """This call's step callbacks (fedsd.training.callbacks); they may add groups to `model`."""
         return []
 
 

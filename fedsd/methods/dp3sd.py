@@ -2,10 +2,9 @@
 smoothed teacher (τt), after --distill-warmup-epochs of sharpened cross-entropy."""
 from dataclasses import dataclass
 
-from .. import losses
-from ..settings import setting
-from .base import (POSITIVE, UNIT_INTERVAL, EpochLoss, SelfDistillationSettings, SelfDistilling, cross_entropy,
-               distill_weight, register, warming_up)
+from fedsd.methods import losses
+from fedsd.settings.declared import setting
+from fedsd.methods.base import POSITIVE, UNIT_INTERVAL, EpochLoss, SelfDistillationSettings, SelfDistilling, cross_entropy, distill_weight, register, warming_up
 
 PAPERS = "the paper's"
 # DP3SD's (τs, τt, α) per data set, its paper's §4.1 (docs/algorithms.md)

@@ -9,10 +9,9 @@ eq. (5)-(6) and Algorithm 1's f(θ_S, x_i, τ) can be read (--dpdsd-ce)."""
 import math
 from dataclasses import dataclass
 
-from .. import losses
-from ..settings import setting
-from .base import (POSITIVE, EpochLoss, SelfDistillationSettings, SelfDistilling, cross_entropy, distill_weight, register,
-               warming_up)
+from fedsd.methods import losses
+from fedsd.settings.declared import setting
+from fedsd.methods.base import POSITIVE, EpochLoss, SelfDistillationSettings, SelfDistilling, cross_entropy, distill_weight, register, warming_up
 
 PAPERS = "the paper's"
 # DPDSD's (τ, α, β) per data set, its paper's §4.1 (docs/algorithms.md)

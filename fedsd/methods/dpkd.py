@@ -3,11 +3,11 @@ student on cross-entropy plus the KL to that fixed teacher, with DP-SGD again. T
 the run's, over both stages."""
 from dataclasses import dataclass
 
-from .. import losses
-from ..models import model_for
-from ..seeds import SEED_KD_STUDENT, derive_seed
-from ..settings import check_setting, setting
-from .base import POSITIVE, UNIT_INTERVAL, EpochLoss, Method, MethodSettings, register, release_of
+from fedsd.methods import losses
+from fedsd.models.networks import model_for
+from fedsd.training.seeds import SEED_KD_STUDENT, derive_seed
+from fedsd.settings.declared import check_setting, setting
+from fedsd.methods.base import POSITIVE, UNIT_INTERVAL, EpochLoss, Method, MethodSettings, register, release_of
 
 # Open in the papers; chosen on FMNIST's validation split: τ and α
 # (results/sweeps/fmnist-dpkd-tau-alpha), the stage split (results/sweeps/fmnist-dpkd-stage-split:

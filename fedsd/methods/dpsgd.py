@@ -1,5 +1,5 @@
 """DP-SGD (Abadi et al. 2016): cross-entropy, the baseline every other method is measured against."""
-from .base import Method, register
+from fedsd.methods.base import Method, register
 
 
 @register

@@ -6,7 +6,7 @@
 # 1,000 test images of CIFAR-10: the whole file is over what one call carries); $OUT gets the runs.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD FEDSD_DATA_DIR=$PWD/.devdata PYTHONUNBUFFERED=1 FEDSD_CACHE_DIR=/tmp/fcache
-F="python3 -m simulations.cli"
+F="python3 -m fedsd.cli.main"
 R=/tmp/runs; mkdir -p $R
 step() { local name=$1; shift; local t0=$(date +%s); echo "=== $name: $*"; timeout ${T:-120} "$@" > $R/$name.log 2>&1; local rc=$?; echo "rc=$rc seconds=$(( $(date +%s) - t0 ))"; tail -n ${TAILN:-6} $R/$name.log; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

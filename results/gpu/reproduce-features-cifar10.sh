@@ -14,7 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD FEDSD_DATA_DIR=/tmp/data PYTHONUNBUFFERED=1 FEDSD_CACHE_DIR=/tmp/fcache
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 mkdir -p /tmp/out/runs && tar xzf .carry-runs/results.tgz -C /tmp/out/runs && touch /tmp/carried
-timeout $(( t_end - $(date +%s) )) python3 -m simulations.cli reproduce --table features --datasets cifar10 \
+timeout $(( t_end - $(date +%s) )) python3 -m fedsd.cli.main reproduce --table features --datasets cifar10 \
     --device cuda --out /tmp/out 2>&1 | tr '\r' '\n' | grep -v '^\s*$' | awk '!seen[$0]++' | tail -n 40
 cd /tmp/out/runs && find features -newer /tmp/carried -name result.json | sed 's|/result.json||' | sort > /tmp/made
 tar czf $OUT/runs.tgz --exclude=checkpoint.pt -T /tmp/made && for d in $(cat /tmp/made); do

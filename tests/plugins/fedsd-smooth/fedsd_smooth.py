@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 
 from fedsd.methods import EpochLoss, Method, MethodSettings, register
-from fedsd.settings import setting
+from fedsd.settings.declared import setting
 
 
 @dataclass

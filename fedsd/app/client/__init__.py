@@ -1,0 +1,1 @@
+"""Flower ClientApp adapter: runs fedsd's training loop on one client's shard."""

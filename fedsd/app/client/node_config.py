@@ -1,0 +1,278 @@
+"""The keys a SuperNode's owner sets in its `--node-config`, declared once like every other
+setting (fedsd.settings.declared), and checked as a whole before a round is admitted.
+
+They are the owner's, never the server's: where this client's data is, its lifetime privacy
+budget for that data, and where it keeps its state. A node that names its own `data` trains
+only under an owner's `max-epsilon` (`inf` is an explicit "no limit"): one forgotten key must
+not turn the guarantee off.
+
+What the owner's config decides against a server it does not trust: a node with its own data
+draws its noise and batches from a secret stream (fedsd.privacy.secret_random: a key from the operating
+system's CSPRNG, kept in its state folder), never from the run's seed, which the server sets; it
+trains only the networks its owner allows (allow-model); it answers federated evaluation only
+when its owner says so; and with `service` its ClientApp, the code the server ships, only
+forwards messages to the owner's data service (fedsd/app/client/owner_service.py), which alone can read
+the data and the state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from fedsd.errors import BudgetRefused, ConfigError
+from fedsd.settings.declared import setting, settings_of
+from fedsd.files.state_folder import StateFolder, StateFolderError, state_folder
+
+NO_BUDGET = ("this client has no lifetime budget: start its SuperNode with "
+             "--node-config \"max-epsilon=…\"")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    partition_id: int | None = setting(None, "this client's number in the run (0 … num-clients − 1); without data, "
+                                             "also which shard of the built-in data set it trains on",
+                                       default_text="required")
+    num_partitions: int | None = setting(None, "checked against the run's num-clients", default_text="not checked")
+    data: str = setting("", "this client's own data: an image folder (train/<class>/<image>) or an .npz; it needs "
+                            "max-epsilon")
+    max_epsilon: float | None = setting(None, "the owner's lifetime ε for this data, across every run and "
+                                              "experiment; inf for no limit",
+                                        default_text="none: a node with its own data refuses every run")
+    max_delta: float = setting(1e-5, "the owner's lifetime δ for this data")
+    state_dir: str = setting("", "where this client keeps its ledgers, privacy state and prepared data",
+                             default_text="FEDSD_CLIENT_STATE_DIR, else ~/.cache/fedsd/client-state")
+    data_dir: str = setting("", "where the built-in data sets are (a simulated client's shard)",
+                            default_text="FEDSD_DATA_DIR or the usual places")
+    download: bool = setting(False, "a shard of a built-in data set: download it with torchvision when this machine "
+                                    "lacks it (the node's choice; a server's download=true is not taken)")
+    noise: str = setting("auto", "where the noise and the batch sampling come from. secret: AES-256-CTR under a key "
+                                 "from the operating system's CSPRNG, kept only in state-dir (0600); seeded: the run's seed, "
+                                 "which the server sets, so the server can predict the noise and subtract it "
+                                 "(needs trust-server-with-noise=true with own data); auto: secret with own data, "
+                                 "seeded for a shard of a built-in data set (a simulation, reproducible bit for bit)",
+                         choices=("auto", "secret", "seeded"))
+    trust_server_with_noise: bool = setting(False, "with own data and noise=seeded: the owner accepts that the server "
+                                                   "can remove this client's noise and so learn its sums of clipped "
+                                                   "gradients, with no privacy against the server")
+    federated_evaluation: bool = setting(False, "own data: answer the server's federated evaluation, of the model "
+                                                "this client last received for training only, once a round, on its "
+                                                "own test split; a release no accountant covers (default: refused)")
+    min_evaluation_samples: int = setting(100, "own data with federated-evaluation=true: evaluate only on a test "
+                                               "split of at least this many samples")
+    service: str = setting("", "the owner's data service (a Unix socket, `fedsd data-service`): the ClientApp only "
+                               "forwards each message to it; the service, started from the owner's installation as "
+                               "the user who alone can read the data and the state, answers with its own node config")
+    worker: str = setting("auto", "where this node's rounds run. auto: in a warm worker that keeps torch, the data "
+                                  "and the trainer loaded from round to round, when the ClientApp runs as Flower's "
+                                  "fresh per-message process (a deployed SuperNode; fedsd/app/client/owner_service.py); off: in that "
+                                  "process, paying the start-up every round", choices=("auto", "off"))
+    worker_idle_seconds: float = setting(600.0, "a warm worker exits after this many seconds without a message "
+                                                "(and at once when its SuperNode stops)")
+    allow_model: str = setting("", "own data: the one network of a user's own (package.module:callable, importable "
+                                   "from this node's installation) the server may name in `model`; without it, only "
+                                   "the built-in networks and torchvision:NAME are taken, and no code the server "
+                                   "names is ever imported")
+    init_weights_sha256: str = setting("", "the sha256 of the only pretrained weights file (init-weights) this node "
+                                           "trains from: a run that names another file, or none, is refused before "
+                                           "anything is trained or charged (where this node reads the file, for "
+                                           "features=backbone, its bytes are checked too)", default_text="none: any")
+    skip_bad_files: bool = setting(False, "train on the readable images of `data` and leave out unreadable ones "
+                                          "(reported to the server); default: one unreadable image refuses the "
+                                          "whole data set")
+    secagg_min_clients: int = setting(2, "secure aggregation: the fewest clients a round's cohort, and its survivors, "
+                                         "may have for this node to take part (its assumption of how many honest "
+                                         "clients hide its input in the sum); a smaller cohort is refused")
+    secagg_max_colluders: int = setting(0, "secure aggregation: f, the most of a round's clients this owner allows "
+                                           "to be the server's own; this node reveals its shares only when at least "
+                                           "secagg-min-clients + f clients survive, so that secagg-min-clients "
+                                           "honest inputs are in the sum")
+    secagg_only: bool = setting(False, "take part only through secure aggregation: a plain train message, whose update "
+                                       "would reach the server alone, is refused before anything is trained or "
+                                       "charged")
+    secagg_roster: str = setting("", "secure aggregation: the federation's roster, a file the owners agreed on (one "
+                                     "'name ed25519:<base64>' a line; deploy/README.md). Every neighbour's keys, "
+                                     "commitments and view must then be signed by its roster key, and this node's id "
+                                     "is its own entry's; without it, secure aggregation protects only against a server "
+                                     "that follows the protocol", default_text="none")
+    secagg_trust: str = setting("roster", "secure aggregation without a roster: with secagg-only=true this node refuses "
+                                          "to take part unless the owner says honest-but-curious (a server that "
+                                          "follows the protocol)", choices=("roster", "honest-but-curious"))
+    secagg_keep_inputs: bool = setting(False, "secure aggregation: keep each round's unmasked vector, as this node "
+                                              "released it into the sum, in state-dir/secagg/<run>-<experiment>-<round>-<id>.npy "
+                                              "(the owner's own audit of what it released)")
+
+    @property
+    def owns_data(self) -> bool:
+        return bool(self.data)
+
+    @property
+    def state_root(self) -> Path:
+        """This client's own folder: privacy state, its lifetime ledgers, its prepared data
+        (absolute, resolved once by `parse`)."""
+        return Path(self.state_dir)
+
+    def state(self, pin: bool = False) -> StateFolder:
+        """This client's state folder held open (fedsd.files.state_folder): walked once from `/`
+        without following a link, as the owner's (private) for a node with its own data; every
+        file under it is then opened through its descriptor. `pin`: the owner's service, at its
+        start: the folder opened then is the one it uses for its life. NodeConfigError where the
+        folder is refused, naming it and why."""
+        try:
+            return state_folder(self.state_root, private=self.owns_data, pin=pin)
+        except StateFolderError as e:
+            raise NodeConfigError(f"node-config {e}") from None
+
+    def state_folder(self, *parts: str) -> Path:
+        """A folder of this client's state (made 0700), as a path through the state folder's
+        descriptor (StateFolder.via). A node with its own data also refuses a state folder that
+        another user owns or can write to, or has such a folder above it, or a link on its way
+        (fedsd.files.state_folder); a simulated client's state lives in its run's folder."""
+        folder = self.state()
+        try:
+            return folder.folder(*parts)
+        except StateFolderError as e:
+            raise NodeConfigError(f"node-config {e}") from None
+
+    @property
+    def secret_noise(self) -> bool:
+        """Whether this client's noise and batches come from a secret stream (NodeConfig.noise)."""
+        return self.noise == "secret" or (self.noise == "auto" and self.owns_data)
+
+    def as_node_config(self) -> dict:
+        """The inverse of `parse`: this config as the key-value pairs a --node-config holds."""
+        return {s.key: getattr(self, s.name) for s in settings_of(NodeConfig) if getattr(self, s.name) is not None}
+
+    def require_budget(self) -> None:
+        """Raise BudgetRefused when this node holds its own data and its owner set no budget."""
+        if self.owns_data and self.max_epsilon is None:
+            raise BudgetRefused(NO_BUDGET)
+
+    def budget(self) -> dict:
+        """The owner's lifetime limits, as a reply's metrics carry them (none when unset)."""
+        if self.max_epsilon is None:
+            return {}
+        return {"max-epsilon": self.max_epsilon, "max-delta": self.max_delta}
+
+
+KEYS = {s.key: s for s in settings_of(NodeConfig)}
+
+
+class NodeConfigError(ConfigError):
+    """A --node-config value that is not allowed; the message names the key and what is allowed."""
+
+
+def parse(node_config: Mapping) -> NodeConfig:
+    """The node config checked as a whole: unknown keys, numbers that are not numbers or out of
+    range, a `data` that does not exist, each refused with ConfigError naming the key and what
+    is allowed."""
+    unknown = sorted(set(node_config) - set(KEYS))
+    if unknown:
+        raise NodeConfigError(f"node-config {unknown[0]}: not a key fedsd reads; the keys are {', '.join(KEYS)}")
+    values = {KEYS[k].name: _value(k, v) for k, v in node_config.items()}
+    node = NodeConfig(**values)
+    if node.max_epsilon is not None and not node.max_epsilon > 0:
+        raise NodeConfigError(f"node-config max-epsilon={node.max_epsilon:g}: must be > 0 (or inf for no limit)")
+    if not 0 < node.max_delta < 1 or math.isinf(node.max_delta):
+        raise NodeConfigError(f"node-config max-delta={node.max_delta:g}: must be in (0, 1)")
+    if node.partition_id is None:
+        raise NodeConfigError("node-config partition-id: required (this client's number in the run, 0 … num-clients − 1)")
+    if node.partition_id < 0:
+        raise NodeConfigError(f"node-config partition-id={node.partition_id}: must be ≥ 0")
+    if not node.worker_idle_seconds > 0:
+        raise NodeConfigError(f"node-config worker-idle-seconds={node.worker_idle_seconds:g}: must be > 0")
+    if node.secagg_min_clients < 2:
+        raise NodeConfigError(f"node-config secagg-min-clients={node.secagg_min_clients}: must be ≥ 2 (a sum of one "
+                              f"client's input is that input)")
+    if node.secagg_max_colluders < 0:
+        raise NodeConfigError(f"node-config secagg-max-colluders={node.secagg_max_colluders}: must be ≥ 0")
+    if node.secagg_roster:
+        from fedsd.secure.identity import read_roster
+
+        read_roster(node.secagg_roster)  # a roster that does not parse, others can write, or lists a key twice
+    elif node.secagg_only and node.secagg_trust != "honest-but-curious":
+        raise NodeConfigError("node-config secagg-only=true without secagg-roster: secure aggregation without a roster "
+                              "protects only against a server that follows the protocol (it can substitute keys and "
+                              "read this node's update); name the federation's roster (secagg-roster=PATH) or say "
+                              "secagg-trust=honest-but-curious")
+    if node.min_evaluation_samples < 1:
+        raise NodeConfigError(f"node-config min-evaluation-samples={node.min_evaluation_samples}: must be ≥ 1")
+    if node.service:
+        owners = sorted(k for k in node_config if k not in SUPERNODE_WITH_SERVICE)
+        if owners:
+            raise NodeConfigError(f"node-config {owners[0]}: with service=... it belongs in the data service's own "
+                                  f"--node-config (`fedsd data-service`), not the SuperNode's; the SuperNode's takes "
+                                  f"only {', '.join(SUPERNODE_WITH_SERVICE)}")
+        return node
+    if node.data and not Path(node.data).exists():
+        raise NodeConfigError(f"node-config data='{node.data}': no such file or folder")
+    if node.owns_data and node.noise == "seeded" and not node.trust_server_with_noise:
+        raise NodeConfigError("node-config noise=seeded: the server sets the run's seed, so with seeded noise it can "
+                              "predict this client's noise and subtract it from its update, which leaves the sum of "
+                              "clipped gradients of the owner's data unnoised; add trust-server-with-noise=true to "
+                              "say the owner accepts that, or leave noise unset (secret noise)")
+    return dataclasses.replace(node, state_dir=str(state_root_of(node.state_dir)))
+
+
+# With service=...: what the SuperNode's own node config holds (the rest is the service's).
+SUPERNODE_WITH_SERVICE = ("partition-id", "num-partitions", "service")
+
+
+def state_root_of(state_dir: str) -> Path:
+    """The state folder as an absolute path, resolved once: a relative one would name another
+    folder in a process with another working directory (the worker's), and split the ledger."""
+    root = Path(state_dir or os.environ.get("FEDSD_CLIENT_STATE_DIR")
+                or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fedsd" / "client-state")
+    return Path(os.path.abspath(root.expanduser()))
+
+
+def private_folder(folder: Path) -> Path:
+    """`folder` made (mode 0700) or checked as this user's own, and returned: refused
+    (NodeConfigError), never repaired, when it or a folder above it is owned by another user or
+    can be written by one (a folder with the sticky bit, such as /tmp, owned by root or this user
+    is allowed above it: others cannot rename or remove what is ours in it), or when a link is
+    on its way (fedsd.files.state_folder: pass the resolved path). Another user who could write there
+    could swap the ledger, plant a prepared data set or stand in for the worker's socket."""
+    try:
+        StateFolder.open(folder, private=True).close()
+    except StateFolderError as e:
+        raise NodeConfigError(f"node-config {e}") from None
+    return Path(os.path.abspath(folder))
+
+
+def _value(key: str, value):
+    """A node-config value as its declared type. Flower hands over TOML values: 3 (int), 3.0 or
+    inf (float), '3' (a quoted string); a number may come as any of them, a bool never."""
+    s = KEYS[key]
+    if s.type is str:
+        if s.choices and str(value) not in s.choices:
+            raise NodeConfigError(f"node-config {key}={value!r}: choose one of {', '.join(s.choices)}")
+        return str(value)
+    if s.type is bool:
+        if isinstance(value, bool) or str(value).lower() in ("true", "false"):
+            return value if isinstance(value, bool) else str(value).lower() == "true"
+        raise NodeConfigError(f"node-config {key}={value!r} is not true or false")
+    if isinstance(value, bool) or value is None:
+        raise NodeConfigError(f"node-config {key}={value!r} is not a number")
+    try:
+        number = float(value) if s.type is float else int(value)
+    except (TypeError, ValueError):
+        raise NodeConfigError(f"node-config {key}={value!r} is not a"
+                          f"{' number' if s.type is float else 'n integer'}") from None
+    if s.type is float and math.isnan(number):
+        raise NodeConfigError(f"node-config {key}={value!r} is not a number")
+    if s.type is int and isinstance(value, float) and value != number:
+        raise NodeConfigError(f"node-config {key}={value!r} is not an integer")
+    return number
+
+
+def parse_partition_id(node_config: Mapping) -> int | None:
+    """The node's partition id where it is a valid one, else None (to name a refusing client)."""
+    try:
+        value = _value("partition-id", node_config["partition-id"])
+    except (KeyError, ConfigError):
+        return None
+    return value if value >= 0 else None

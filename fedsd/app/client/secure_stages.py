@@ -1,0 +1,401 @@
+"""Secure aggregation in the owner's data service: the stages of SecAgg+ (fedsd.secure.secagg),
+answered by the process that holds the data, the ledger, the secret randomness and the owner's
+identity key.
+
+Who this service is in the protocol is the owner's, never the server's: with a roster
+(`secagg-roster`, fedsd.secure.identity) its id is its identity key's and every neighbour's keys,
+commitments and view must carry that neighbour's roster signature; without one its id is its
+node id and a key made for each round signs, which protects only against a server that follows
+the protocol (said in the owner's log and in the identify reply, which the server's summary
+shows). The service takes part in a round once: its sessions are keyed by (state folder, run,
+experiment, round), and the last round it joined for each run and experiment is kept in its
+state folder, so a second advertise for a round it joined, under any node id, after any number
+of other rounds or a restart, is refused.
+
+The service keeps one `SecAggClient` per round in memory, the last MAX_SESSIONS of them; its
+private keys and its self-mask seed never leave it. Every stage message is hostile until
+checked: its fields (fedsd.app.secure_sum.read_map), its round (the round id is derived here from the
+run, the experiment and the round number, never taken from the message), the order of the
+stages (a replayed or early one is refused), the owner's `secagg-min-clients` and
+`secagg-max-colluders`, and the protocol's own checks. A refusal is a `StageRefused` with its
+reason (naming a culprit by roster name), and comes before the ledger is charged: every
+neighbour's key is checked and every agreement computed at the share stage, and every share is
+decrypted and checked against its dealer's signed commitment before the masked-input stage
+trains and charges (`SecAggClient.check_masked_input`).
+
+The vector a client contributes is, with local noise (`contribution`), its ordinary training
+update (the model delta after local training, which charges the ledger as a train round does),
+in fixed point; under noise=distributed (`distributed_contribution`), its part of one DP-SGD step
+of the federation: its clipped sum of a Poisson batch, quantised, with its Skellam share, after
+the server's plan is checked against its own calibration and its ledger charged; with `secagg-keep-inputs=true` the owner keeps each round's vector, as released into the
+sum, in state-dir/secagg/<run>-<experiment>-<round>-<id>.npy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import math
+from collections import OrderedDict
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
+
+from fedsd.privacy import accounting as privacy
+from fedsd.secure import secagg
+from fedsd.errors import ConfigError
+from fedsd.settings.federation import EXPERIMENT_ID
+from fedsd.secure.identity import load_identity, read_roster
+from fedsd.app import secure_sum
+from fedsd.app.records import record_to_model
+from fedsd.app.secure_sum import KEY_FIELDS, BadMessage, read_map, write_map
+
+from fedsd.app.client import node_config as node_configs
+
+log = logging.getLogger("fedsd.secure_aggregation")
+MAX_SESSIONS = 8  # rounds a service keeps state for; an older one is dropped (its round cannot go on)
+JOINED = "secagg-joined.json"  # in the state folder: each run and experiment's last round this owner joined
+_SESSIONS: "OrderedDict[tuple, secagg.SecAggClient]" = OrderedDict()
+UNAUTHENTICATED = ("secure aggregation without a roster (secagg-roster): this node protects its update only against "
+                   "a server that follows the protocol")
+
+
+class StageRefused(ValueError):
+    """A stage message this service does not answer; the text says why, nothing of the data
+    (the data service passes it on to the server as it is)."""
+
+
+def _refused(e: object) -> StageRefused:
+    return StageRefused(f"secure aggregation refused: {e}")
+
+
+class Owner:
+    """What the owner's node config and state folder say of this service in the protocol: its
+    identity, its roster (None without one) and its id."""
+
+    def __init__(self, node: node_configs.NodeConfig, context: Context):
+        from fedsd.app.client.handler import STATE_REFUSED
+
+        self.node = node
+        self.roster = read_roster(node.secagg_roster) if node.secagg_roster else None
+        if self.roster is not None:
+            try:
+                state = node.state()
+            except node_configs.NodeConfigError as e:  # in full in the owner's log, never the paths to the server
+                log.warning("refused a round: %s", e)
+                raise node_configs.NodeConfigError(STATE_REFUSED) from None
+            self.identity = load_identity(state)
+            self.id = self.identity.id
+            if self.id not in self.roster:
+                raise secagg.ProtocolError("this owner's identity is not on its own roster (fedsd data-service "
+                                           "--identity prints the line to add)")
+        else:
+            self.identity, self.id = None, secure_sum.secagg_id(context.node_id)
+
+    def join(self, key: tuple) -> None:
+        """Record that this owner joined the round `key`, on disk and before it answers: a round at
+        or below the last one it joined for that run and experiment is refused, whatever node id
+        it comes under, however many other rounds came since, and after a restart."""
+        state = self.node.state()
+        name = f"{key[1]}|{key[2]}"
+        with state.lock(JOINED + ".lock"):
+            joined = state.read_json(JOINED) or {}
+            if not isinstance(joined, dict):
+                raise secagg.ProtocolError(f"{JOINED} in the state folder does not parse; its owner's log has why")
+            if int(joined.get(name, 0)) >= key[3]:
+                raise secagg.ProtocolError(f"round {key[3]} was advertised to this owner already, or a later round of "
+                                           f"this run (under any node id, it takes part in a round once)")
+            joined[name] = key[3]
+            state.write_json(JOINED, joined)
+
+    def client(self, round_id: bytes) -> secagg.SecAggClient:
+        node = self.node
+        return secagg.SecAggClient(self.id, round_id, min_cohort=node.secagg_min_clients,
+                                   max_colluders=node.secagg_max_colluders, identity=self.identity, roster=self.roster)
+
+
+def _stage_fields(content: RecordDict, context: Context) -> tuple[tuple, ConfigRecord, Owner]:
+    """The session key, the stage's own record and the owner, checked."""
+    record = content.get(secure_sum.RECORD) if secure_sum.RECORD in content else None
+    if not isinstance(record, ConfigRecord):
+        raise BadMessage(f"a '{secure_sum.RECORD}' config record was expected")
+    experiment, server_round = record.get("experiment-id"), record.get("server-round")
+    if not isinstance(experiment, str) or EXPERIMENT_ID.fullmatch(experiment) is None:
+        raise BadMessage("experiment-id: letters, digits, '.', '_' and '-', at most 64")
+    if not isinstance(server_round, int) or isinstance(server_round, bool) or not 1 <= server_round <= 1 << 31:
+        raise BadMessage("server-round: a positive integer")
+    try:
+        node = node_configs.parse(context.node_config)
+    except ConfigError as e:  # in full in the owner's log; to the server without the owner's paths
+        from fedsd.app.client.handler import told_the_server
+
+        log.warning("refused a round: %s", e)
+        raise ConfigError(told_the_server(str(e), context.node_config)) from None
+    owner = Owner(node, context)
+    return (owner.node.state_dir, int(context.run_id), experiment, server_round), record, owner
+
+
+def _round_id(key: tuple) -> bytes:
+    return secure_sum.round_id(*key[1:4])
+
+
+def _session(key: tuple) -> secagg.SecAggClient:
+    if key not in _SESSIONS:
+        raise BadMessage(f"round {key[3]} of this run was not advertised to this client (or was dropped)")
+    return _SESSIONS[key]
+
+
+def identify_reply(content: RecordDict, context: Context) -> RecordDict:
+    """Before stage 0: this service's id in the protocol and its identity's public key (empty
+    without a roster), which the server needs to name the cohort, signed for this round and the
+    node it answers for (so that no member can tell another owner's). Nothing secret, nothing kept."""
+    try:
+        key, _, owner = _stage_fields(content, context)
+    except (BadMessage, secagg.ProtocolError, ConfigError) as e:
+        raise _refused(e) from None
+    if owner.roster is None:
+        log.warning(UNAUTHENTICATED)
+        return RecordDict({secure_sum.RECORD: ConfigRecord({"id": owner.id, "v": b"", "sig": b"",
+                                                            "authenticated": False})})
+    signature = owner.identity.sign(secagg.identify_message(_round_id(key), context.node_id))
+    return RecordDict({secure_sum.RECORD: ConfigRecord({"id": owner.id, "v": owner.identity.public, "sig": signature,
+                                                        "authenticated": True})})
+
+
+def advertise_reply(content: RecordDict, context: Context) -> RecordDict:
+    """Stage 0: the cohort, this client's neighbours and the threshold; its public keys, signed."""
+    try:
+        key, record, owner = _stage_fields(content, context)
+        if key in _SESSIONS:
+            raise secagg.ProtocolError(f"round {key[3]} was advertised to this owner already (under any node id, "
+                                       f"it takes part in a round once)")
+        client = owner.client(_round_id(key))
+        keys = client.advertise(list(record.get("cohort", [])), list(record.get("neighbours", [])),
+                                record.get("threshold"))
+        owner.join(key)  # a refused round leaves nothing behind; a joined one is remembered, on disk
+    except (BadMessage, secagg.ProtocolError, ConfigError, TypeError) as e:
+        raise _refused(e) from None
+    _SESSIONS[key] = client
+    while len(_SESSIONS) > MAX_SESSIONS:
+        _SESSIONS.popitem(last=False)
+    return RecordDict({secure_sum.RECORD: ConfigRecord(keys)})
+
+
+def share_reply(content: RecordDict, context: Context) -> RecordDict:
+    """Stage 1: the neighbours' signed public keys; once every one is checked, this client's
+    encrypted shares for each and its signed commitments to them."""
+    try:
+        key, record, _ = _stage_fields(content, context)
+        client = _session(key)
+        fields = {f: read_map(record, f"keys-{f}") for f in KEY_FIELDS}
+        if any(set(m) != set(fields["c"]) for m in fields.values()):
+            raise BadMessage("keys-c, keys-s, keys-v and keys-sig name different clients")
+        dealt = client.share_keys({j: {f: fields[f][j] for f in KEY_FIELDS} for j in fields["c"]})
+    except (BadMessage, secagg.ProtocolError, ConfigError) as e:
+        raise _refused(e) from None
+    out = ConfigRecord({})
+    write_map(out, "shares", dealt["shares"])
+    write_map(out, "commits", dealt["commits"])
+    return RecordDict({secure_sum.RECORD: out})
+
+
+def masked_reply(content: RecordDict, context: Context) -> RecordDict:
+    """Stage 2: the shares sent to this client with their dealers' commitments, and the round's
+    model and settings; its vector, masked (the ledger charged by `contribution`, after every
+    check)."""
+    try:
+        key, record, owner = _stage_fields(content, context)
+        client = _session(key)
+        ciphertexts, commits = read_map(record, "shares"), read_map(record, "commits")
+        client.check_masked_input(ciphertexts, commits)  # before the vector is computed and charged
+        if owner.node.secagg_keep_inputs and kept_input_path(owner, key).exists():
+            raise secagg.ProtocolError("this client kept an input for this round already; it sends no other")
+    except (BadMessage, secagg.ProtocolError, ConfigError) as e:
+        raise _refused(e) from None
+    distributed = isinstance(content.get("config"), ConfigRecord) and content["config"].get("noise") == "distributed"
+    vector, metrics = (distributed_contribution if distributed else contribution)(content, context, owner)
+    masked = client.masked_input(ciphertexts, commits, vector)
+    if owner.node.secagg_keep_inputs:
+        keep_input(owner, key, vector)
+    log.info("secure aggregation: round %d's masked input (%d values) sent", key[3], len(vector))
+    return RecordDict({secure_sum.RECORD: ArrayRecord({"masked": Array(masked)}), "metrics": metrics})
+
+
+def contribution(content: RecordDict, context: Context, owner: Owner | None = None) -> tuple[np.ndarray, MetricRecord]:
+    """This client's uint64 vector for the round and its metrics: its training update (the model
+    delta after one round of local DP training, which charges the owner's ledger as a train
+    round does), in fixed point. A refused round raises StageRefused with its reason."""
+    from fedsd.app.client import handler as local
+
+    round_content = RecordDict({"arrays": content["arrays"], "config": content["config"]})
+    reply = local.train_reply(round_content, context, into_sum=True)
+    for record in ("refusal", "divergence"):
+        if record in reply:
+            raise _refused(reply[record]["reason"])
+    if "arrays" not in reply:
+        raise _refused("this client did not train this round (its run's budget is spent)")
+    if int(reply["metrics"].get("replayed", 0)):
+        # The round's update went into a sum already. Sent into a second sum, over another cohort,
+        # the same vector would come out of the difference of the two: one update, one sum.
+        raise _refused("this round's update went into a sum already; it goes into no other")
+    return secure_sum.update_vector(content["arrays"], reply["arrays"]), reply["metrics"]
+
+
+def _checked_plan(content: RecordDict, context: Context, owner: Owner):
+    """The round's plan, checked against this owner's own calibration before anything is drawn
+    (distributed_contribution); the client side, the owner's own plan and its t. A refusal
+    raises StageRefused with a reason that tells the server none of the owner's paths."""
+    from fedsd.app.client import handler as local
+    from fedsd.secure import distributed_noise
+    from fedsd.secure.distributed_step import DISTRIBUTED_METHODS, check_plan, dimension
+    from fedsd.errors import BudgetRefused, DataError
+
+    flat = dict(content["config"])
+    try:
+        plan, rounds = distributed_noise.from_settings(flat)
+        side = local.client_side(RecordDict({"arrays": content["arrays"], "config": ConfigRecord(flat)}), context,
+                                 plain_release=False)
+        fed, trainer, cfg = side.fed, side.trainer, side.trainer.cfg
+        if not side.own_data:
+            raise ConfigError("noise=distributed in a deployment: a client with its own data (client-data=own), "
+                              "whose draws come from its secret stream")
+        if fed.privacy_unit != "record":
+            raise ConfigError("privacy-unit=client: not yet in a deployment (fedsd simulate runs it)")
+        if fed.local_epochs != 1:
+            raise ConfigError(f"local-epochs={fed.local_epochs}: noise=distributed takes one step a round (the "
+                              f"server applies each step); 1 is the only value")
+        if cfg.method not in DISTRIBUTED_METHODS:
+            raise ConfigError(f"method={cfg.method}: noise=distributed runs {', '.join(DISTRIBUTED_METHODS)}")
+        if rounds != fed.rounds:
+            raise ValueError(f"distributed noise: the plan's length is {rounds} rounds, the run's {fed.rounds}")
+        if not 1 <= side.server_round <= fed.rounds:
+            raise ValueError(f"server-round {side.server_round}: outside the run's {fed.rounds} rounds")
+        t = owner.node.secagg_min_clients
+        if plan.honest > t:  # the others size their shares μ / plan's t: fewer than t of them would be < μ
+            raise ValueError(f"distributed noise: the plan's t is {plan.honest}, above this owner's own {t} "
+                             f"(secagg-min-clients): the other owners' shares, sized by the plan's t, would "
+                             f"hold less noise than its t counts on")
+        own = distributed_noise.calibrated(cfg.epsilon, cfg.delta, cfg.clip, fed.sample_rate, plan.expected_batch,
+                                           fed.rounds, t, dimension(trainer.model))
+        check_plan(trainer, plan, own.noise_multiplier)  # C, q and length this owner's; z at least its own
+    except (BudgetRefused, ConfigError, DataError, ValueError) as e:
+        raise _refused(local.told_the_server(str(e), context.node_config)) from None
+    return plan, side, own, t
+
+
+def distributed_contribution(content: RecordDict, context: Context, owner: Owner) -> tuple[np.ndarray, MetricRecord]:
+    """Under noise=distributed, record level (docs/algorithms.md, "Distributed noise"): one DP-SGD
+    step's part, this owner's clipped sum of one Poisson batch at the run's q, quantised, with its
+    Skellam share (fedsd.secure.distributed_step.contribution). The round's plan (the server's, in the
+    round's settings: fedsd.secure.distributed_noise.to_settings) is hostile until checked against this
+    owner's own calibration from the run's (ε, δ), q, C and length and its own t
+    (secagg-min-clients), at least the plan's t, which sizes every honest share alike (μ / the
+    plan's t: an owner's share sized by a larger own t would under-noise the others' sums); the owner's ledger then admits the run's
+    whole plan on its first round and charges each round as Skellam steps, at integer orders,
+    before anything is drawn. Its batch and noise come from a fresh secret stream; the
+    per-sample work is padded to the plan's bound on any client's batch, so its time does not
+    tell the batch. The metrics it releases are a function of the plan and of the rounds it took
+    part in alone (`public_metrics`). A refusal raises StageRefused with its reason."""
+    from fedsd.app.client import handler as local
+    from fedsd.secure import sum_bound
+    from fedsd.secure.distributed_step import contribution as step_part
+    from fedsd.errors import BudgetRefused
+
+    plan, side, own, t = _checked_plan(content, context, owner)
+    fed, cfg, trainer = side.fed, side.trainer.cfg, side.trainer
+    with local.state_lock(side):
+        request = local.request_digest(side.server_round, content["arrays"])
+        if local.replayed_reply(side.state_file, request) is not None:
+            raise _refused("this round's update went into a sum already; it goes into no other")
+        state = local.carried_state(side, context)
+        done = state.steps if state is not None else 0
+        z_e, delta = plan.gaussian_equivalent(), cfg.delta
+        try:
+            recorded = side.server_recorded_epsilon
+            if recorded > plan.epsilon(done, delta) * (1 + 1e-6) + 1e-9:
+                raise BudgetRefused(f"the server recorded ε = {recorded:.4f} spent by this client in this experiment, "
+                                    f"but its privacy state holds {done} rounds: the state was lost or replaced")
+            if done + 1 > fed.rounds or plan.epsilon(done + 1, delta) > cfg.epsilon * (1 + 1e-9):
+                raise BudgetRefused(f"the run's budget ε={cfg.epsilon:g} is spent ({done} rounds taken part in)")
+            with local.lifetime_ledger(side.node, side.fingerprint) as ledger:
+                if ledger is not None:
+                    if state is None:  # this owner's first round of the run: the whole plan must fit
+                        ledger.check(cfg.epsilon, delta, z_e, plan.sample_rate, fed.rounds, mechanism=privacy.SKELLAM)
+                    ledger.spend(z_e, plan.sample_rate, 1, run=fed.experiment_id, mechanism=privacy.SKELLAM,
+                                 flower_run=int(context.run_id), round=side.server_round)
+        except BudgetRefused as e:
+            raise _refused(e) from None
+        state = local.secret_start() if state is None else dataclasses.replace(
+            state, secret=local.SecretStream.fresh(), rng_state=None)
+        student = record_to_model(content["arrays"])["student"]
+        epoch = max(1, math.ceil(side.server_round * plan.sample_rate))
+        pad = math.ceil(sum_bound.poisson_tail(plan.expected_batch, sum_bound.TAIL))
+        vector, state, _ = step_part(trainer, state, student, epoch, plan, key=None, honest=plan.honest,
+                                     least_noise=own.noise_multiplier, pad_to=pad)
+        local.save_train_state(side.state_file, state, trainer.plan)  # the spent round on disk before the release
+        local.keep_reply(side.state_file, request, ArrayRecord({}), {}, summed=True)
+    return vector, MetricRecord(public_metrics(plan, state.steps, delta))
+
+
+def public_metrics(plan, rounds_taken: int, delta: float) -> dict:
+    """All a service's masked reply says beside its vector under distributed noise: ε of the
+    rounds it took part in, a function of the plan (public) and of its participation, which the
+    server sees anyway. No batch size, no step count, no loss, no time (deploy/README.md)."""
+    return {"epsilon": float(plan.epsilon(rounds_taken, delta))}
+
+
+def keep_input(owner: Owner, key: tuple, vector: np.ndarray) -> None:
+    """The owner's copy of what it released into the round's sum (secagg-keep-inputs=true),
+    written whole through the state folder's descriptor, never through a link."""
+    name = kept_input_name(owner, key)
+    state = owner.node.state()
+    if state.exists(name):  # never over an earlier release's copy (masked_reply refused such a round before)
+        raise StageRefused("secure aggregation refused: this client kept an input for this round already")
+    buffer = io.BytesIO()
+    np.save(buffer, vector)
+    state.write_atomic(name, buffer.getvalue())
+
+
+def kept_input_name(owner: Owner, key: tuple) -> str:
+    return f"secagg/{key[1]}-{key[2]}-{key[3]}-{owner.id}.npy"
+
+
+def kept_input_path(owner: Owner, key: tuple):
+    """state-dir/secagg/<run>-<experiment>-<round>-<id>.npy: one file per round and owner id."""
+    from fedsd.app.client.handler import private_state_folder
+
+    return private_state_folder(owner.node, "secagg") / kept_input_name(owner, key).split("/", 1)[1]
+
+
+def confirm_reply(content: RecordDict, context: Context) -> RecordDict:
+    """Stage 3 (consistency): the round's survivors and dropped clients, the same list for every
+    client; this client's signature of that view. Nothing revealed."""
+    try:
+        key, record, _ = _stage_fields(content, context)
+        client = _session(key)
+        signature = client.confirm(list(record.get("survivors", [])), list(record.get("dropped", [])))
+    except (BadMessage, secagg.ProtocolError, ConfigError, TypeError) as e:
+        raise _refused(e) from None
+    return RecordDict({secure_sum.RECORD: ConfigRecord({"sig": signature})})
+
+
+def unmask_reply(content: RecordDict, context: Context) -> RecordDict:
+    """Stage 4: the neighbours' signatures of the view; once enough of them signed this client's
+    view, its shares of the survivors' self masks and of the dropped clients' keys, never both
+    for one client."""
+    try:
+        key, record, _ = _stage_fields(content, context)
+        client = _session(key)
+        answer = client.unmask(read_map(record, "confirmations"))
+    except (BadMessage, secagg.ProtocolError, ConfigError) as e:
+        raise _refused(e) from None
+    out = ConfigRecord({})
+    write_map(out, "b", answer["b"])
+    write_map(out, "s", answer["s"])
+    _SESSIONS.pop(key, None)  # the round is over for this client
+    return RecordDict({secure_sum.RECORD: out})
+
+
+HANDLERS = {secure_sum.KINDS["identify"]: identify_reply, secure_sum.KINDS["advertise"]: advertise_reply,
+            secure_sum.KINDS["share"]: share_reply, secure_sum.KINDS["masked"]: masked_reply,
+            secure_sum.KINDS["confirm"]: confirm_reply, secure_sum.KINDS["unmask"]: unmask_reply}

@@ -1,0 +1,1 @@
+"""Flower ServerApp adapter: strategies, central evaluation, result files."""

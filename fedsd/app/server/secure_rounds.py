@@ -1,0 +1,383 @@
+"""Rounds under secure aggregation (run config `secure-aggregation = true`): the server
+coordinates SecAgg+'s stages (fedsd.secure.secagg) over Flower's Message API and learns only the
+sum of the clients' updates.
+
+Each round: every connected node is asked who it is (the identify stage: its protocol id, its
+identity's key; with the server's copy of the roster, run config `secagg-roster`, a stranger is
+left out and named); the identified nodes are the cohort; stage messages
+(fedsd.app.secure_sum.MESSAGE_TYPES) go to the nodes still in, each through its ClientApp to its
+owner's data service, which answers. A node that does not answer a stage, or answers with
+anything but what the stage carries, is dropped; a refusal that names a culprit is kept. Below
+the threshold at any stage the round is abandoned and logged, nothing is unmasked, and the global
+model stays as it was. Under noise=distributed the masked-input stage carries the round's noise
+plan (`distributed_plan`), and the decoded sum is the gradient of the server's optimizer step
+(`SecureRounds._step`) rather than a mean update. A decoded sum above what honest clients send (fedsd.secure.sum_bound) is refused
+the same way. Otherwise the sum (uint64) becomes the mean update of the survivors
+(fedsd.app.secure_sum.apply_sum). Every round's protocol record (who was in at each stage, bytes each
+way, seconds, culprits, the mean update's norm and its bound) goes to
+<out>/secure-aggregation.json, and its sum to <out>/secagg-sum-<round>.npy.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from types import SimpleNamespace
+from logging import INFO, WARNING
+from pathlib import Path
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common import log
+from flwr.common.serde import recorddict_to_proto
+from flwr.serverapp import Grid
+
+from fedsd.secure import distributed_noise, sum_bound
+from fedsd.errors import ConfigError
+from fedsd.secure.identity import Roster, protocol_id, public_line, read_roster, verify
+from fedsd.secure.secagg import SEED_BYTES, SELF_SEED_BYTES, RoundAbandoned, SecAggServer, identify_message, minimum_threshold
+from fedsd.app import secure_sum
+from fedsd.app.records import model_to_record, record_to_model
+from fedsd.app.secure_sum import KEY_FIELDS, BadMessage, read_map, write_map
+
+from fedsd.app.server.strategy import client_report
+
+
+def _size(content: RecordDict) -> int:
+    return recorddict_to_proto(content).ByteSize()
+
+
+CULPRIT = re.compile(r"\(culprit: (\d+)\)")
+
+
+class Exchange:
+    """One round's messages: sends a stage to some nodes, keeps the good replies, counts bytes
+    and seconds per stage. Clients are named by their protocol id, which each node's service
+    tells at the identify stage (its roster identity's, or its node id without a roster)."""
+
+    def __init__(self, grid: Grid, server_round: int, timeout: float, nodes: list[int]):
+        self.grid, self.server_round, self.timeout = grid, server_round, timeout
+        self.stages: dict[str, dict] = {}
+        self.nodes: dict[int, int] = {secure_sum.secagg_id(node): node for node in sorted(nodes)}
+        self.ids = {node: client for client, node in self.nodes.items()}
+        self.named: dict[str, str] = {}  # a culprit (protocol id) → what its neighbours said of it
+
+    def identified(self, ids: dict[int, int]) -> None:
+        """The protocol ids the nodes told (protocol id → node); a node that told an id another
+        node told already is left out (an owner takes part once a round)."""
+        self.nodes = {}
+        for client, node in sorted(ids.items(), key=lambda kv: kv[1]):
+            self.nodes.setdefault(client, node)
+        self.ids = {node: client for client, node in self.nodes.items()}
+
+    def ask(self, stage: str, contents: dict[int, RecordDict]) -> dict[int, RecordDict]:
+        started = time.perf_counter()
+        kind = secure_sum.MESSAGE_TYPES[stage]
+        messages = [Message(content=content, dst_node_id=self.nodes[client], message_type=kind,
+                            group_id=str(self.server_round)) for client, content in contents.items()]
+        replies = self.grid.send_and_receive(messages, timeout=self.timeout)
+        good, failed = {}, {}
+        for reply in replies:
+            client = self.ids.get(reply.metadata.src_node_id, -1)
+            if reply.has_error():
+                failed[client] = reply.error.reason[:300]
+                for culprit in CULPRIT.findall(failed[client]):
+                    self.named.setdefault(culprit, failed[client])
+            elif client in contents and secure_sum.RECORD in reply.content:
+                good[client] = reply.content
+            else:
+                failed[client] = "a reply without the stage's record"
+        for client in set(contents) - set(good) - set(failed):
+            failed[client] = "no reply"
+        self.stages[stage] = dict(asked=sorted(contents), answered=sorted(good), failed={str(k): v for k, v in
+                                                                                        failed.items()},
+                                  bytes_sent=sum(_size(c) for c in contents.values()),
+                                  bytes_received=sum(_size(c) for c in good.values()),
+                                  seconds=time.perf_counter() - started)
+        for client, why in failed.items():
+            log(WARNING, "secure aggregation round %d, %s: client %d dropped: %s", self.server_round, stage, client,
+                why)
+        return good
+
+
+def _stage_record(base: dict, **fields) -> RecordDict:
+    return RecordDict({secure_sum.RECORD: ConfigRecord({**base, **fields})})
+
+
+def _map_record(base: dict, extra: RecordDict | None = None, **maps) -> RecordDict:
+    record = ConfigRecord(dict(base))
+    for name, values in maps.items():
+        write_map(record, name, values)
+    content = RecordDict({secure_sum.RECORD: record})
+    for key, value in (extra or {}).items():
+        content[key] = value
+    return content
+
+
+def _parsed(replies: dict[int, RecordDict], parse) -> dict:
+    """Each reply parsed; one that does not parse is dropped like a node that did not answer."""
+    out = {}
+    for node, content in replies.items():
+        try:
+            out[node] = parse(content[secure_sum.RECORD])
+        except (BadMessage, AttributeError, KeyError, TypeError, ValueError) as e:
+            log(WARNING, "secure aggregation: node %d's reply dropped: %s", node, e)
+    return out
+
+
+def _identity(record) -> dict:
+    client, public, signature = record["id"], record["v"], record.get("sig", b"")
+    if not (isinstance(client, int) and 0 <= client <= secure_sum.MAX_ID and isinstance(public, bytes)
+            and len(public) in (0, 32) and isinstance(signature, bytes)):
+        raise BadMessage("an id in [0, 2^63), a 32-byte identity key (or none) and its signature were expected")
+    return {"id": client, "v": public, "sig": signature, "authenticated": bool(record.get("authenticated", False))}
+
+
+def _keys(record) -> dict:
+    out = {f: record[f] for f in KEY_FIELDS}
+    if not all(isinstance(v, bytes) for v in out.values()) or any(len(out[f]) != 32 for f in ("c", "s", "v")):
+        raise BadMessage("public keys are 32 bytes each, with a signature")
+    return out
+
+
+def _dealt(record) -> dict:
+    return {"shares": read_map(record, "shares"), "commits": read_map(record, "commits")}
+
+
+def _masked(length: int):
+    def parse(record) -> np.ndarray:
+        vector = record["masked"].numpy()
+        if vector.dtype != np.uint64 or vector.shape != (length,):
+            raise BadMessage(f"a masked input of {vector.dtype} {vector.shape}, not uint64 ({length},)")
+        return vector
+    return parse
+
+
+def _signature(record) -> bytes:
+    if not isinstance(record["sig"], bytes):
+        raise BadMessage("a signature was expected")
+    return record["sig"]
+
+
+def _unmask_answer(record) -> dict:
+    answer = {"b": read_map(record, "b"), "s": read_map(record, "s")}
+    if any(len(share) != SELF_SEED_BYTES for share in answer["b"].values()) or any(
+            len(share) != SEED_BYTES for share in answer["s"].values()):
+        raise BadMessage(f"shares of {SELF_SEED_BYTES} (b) and {SEED_BYTES} bytes (s) were expected")
+    return answer
+
+
+def identify(exchange: Exchange, base: dict, roster: Roster | None, round_id: bytes) -> dict[int, dict]:
+    """Before stage 0: each node's protocol id and identity. A node that tells an identity key
+    without its signature for this round and node (a member telling another owner's) is left out
+    and named by its node; with the server's copy of the roster a node whose key is not on it,
+    or whose id is not its key's, is left out and named."""
+    told = _parsed(exchange.ask("identify", {c: _stage_record(base) for c in exchange.nodes}), _identity)
+    ids, out = {}, {}
+    for client, who in told.items():
+        node = exchange.nodes[client]
+        if who["v"] and not verify(who["v"], who["sig"], identify_message(round_id, node)):
+            exchange.named[f"node {node}"] = "an identity key it did not sign for this round and node"
+            log(WARNING, "secure aggregation round %d: left out node %d: %s", exchange.server_round, node,
+                exchange.named[f"node {node}"])
+            continue
+        if roster is not None and (roster.key(who["id"]) != who["v"] or protocol_id(who["v"]) != who["id"]):
+            exchange.named[str(who["id"])] = f"node {node}: a key not on the server's roster ({public_line(who['v'])})" \
+                if who["v"] else f"node {node}: no roster identity"
+            log(WARNING, "secure aggregation round %d: left out %s", exchange.server_round,
+                exchange.named[str(who["id"])])
+            continue
+        if who["id"] in ids:
+            exchange.named[str(who["id"])] = f"nodes {ids[who['id']]} and {node} told one id"
+            continue
+        ids[who["id"]], out[who["id"]] = node, who
+    exchange.identified(ids)
+    return out
+
+
+def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: RecordDict) -> tuple[np.ndarray, list]:
+    """The five stages after identify; the sum and the survivors' replies (RoundAbandoned below
+    the threshold, or when the shares do not rebuild one secret)."""
+    ask = exchange.ask
+    keys = _parsed(ask("advertise", {n: _stage_record(base, **server.setup(n)) for n in server.cohort}), _keys)
+    server.collect_keys(keys)
+    requests = {}
+    for n in keys:
+        theirs = server.keys_for(n)
+        requests[n] = _map_record(base, **{f"keys-{f}": {j: k[f] for j, k in theirs.items()} for f in KEY_FIELDS})
+    server.collect_shares(_parsed(ask("share", requests), _dealt))
+    requests = {}
+    for n in server.holders:
+        shares = server.shares_for(n)
+        requests[n] = _map_record(base, {"arrays": train["arrays"], "config": train["config"]},
+                                  shares=shares["ciphertexts"], commits=shares["commits"])
+    replies = ask("masked", requests)
+    server.collect_masked(_parsed(replies, _masked(server.length)))
+    signatures = _parsed(ask("confirm", {n: _stage_record(base, **server.unmask_request(n)) for n in server.masked}),
+                         _signature)
+    routed = server.route_confirmations(signatures)
+    answers = _parsed(ask("unmask", {n: _map_record(base, confirmations=routed.get(n, {})) for n in signatures}),
+                      _unmask_answer)
+    total = server.finish(answers)
+    return total, [replies[n] for n in sorted(server.masked)]
+
+
+def local_noise_bound(cfg, replies: list[RecordDict], dim: int) -> float:
+    """The L2 norm the mean of the survivors' honest updates stays below (fedsd.secure.sum_bound), from
+    the run's settings and the median of the noise multipliers and step counts the survivors
+    reported (a minority cannot move it outside the honest ones' range)."""
+    reports = [client_report(SimpleNamespace(content=c)) for c in replies]
+    sigma = float(np.median([float(r.get("noise-multiplier", 0.0)) for r in reports]))
+    steps = int(np.median([int(r.get("steps", 1)) for r in reports]))
+    return sum_bound.local_update_bound(lr=cfg.lr, clip=cfg.clip, batch_size=cfg.batch_size, noise_multiplier=sigma,
+                                        steps=steps, momentum=cfg.momentum, dim=dim) + \
+        math.sqrt(dim) / secure_sum.SCALE  # each update's fixed-point rounding, half a unit a coordinate
+
+
+def distributed_plan(cfg, fed, num_classes: int):
+    """noise=distributed in a deployment: the run's noise plan (one Skellam-noised DP-SGD step a
+    round at the run's q = sample-rate; batch-size is the federation's expected batch, t
+    honest-clients) and the server's optimizer. Refused (ConfigError) before any round when the
+    run cannot be one."""
+    from fedsd.secure.distributed_step import DISTRIBUTED_METHODS, ServerOptimizer, dimension
+    from fedsd.models.networks import model_for
+
+    if fed.privacy_unit != "record":
+        raise ConfigError("privacy-unit=client: not yet in a deployment (fedsd simulate runs it in process)")
+    if fed.local_epochs != 1:
+        raise ConfigError(f"local-epochs={fed.local_epochs}: noise=distributed takes one step a round (the server "
+                          f"applies each step); leave it at 1")
+    if not 0 < fed.sample_rate <= 1:
+        raise ConfigError("sample-rate: noise=distributed in a deployment needs the run's q, batch-size / the "
+                          "federation's records (each client draws at it)")
+    if cfg.method not in DISTRIBUTED_METHODS:
+        raise ConfigError(f"method={cfg.method}: noise=distributed runs {', '.join(DISTRIBUTED_METHODS)}")
+    honest = fed.honest_clients or fed.num_clients
+    if honest < 1:
+        raise ConfigError("honest-clients: noise=distributed in a deployment needs t, the fewest clients whose "
+                          "shares the noise counts on")
+    net = model_for(cfg, num_classes)
+    plan = distributed_noise.calibrated(cfg.epsilon, cfg.delta, cfg.clip, fed.sample_rate, float(cfg.batch_size),
+                                        fed.rounds, honest, dimension(net))
+    return plan, ServerOptimizer(net, cfg.lr, cfg.momentum)
+
+
+class SecureRounds:
+    """The run's rounds under secure aggregation, with the ServerApp's round book and strategy's
+    records (who trained, each client's ε) kept as a plain run keeps them."""
+
+    def __init__(self, grid: Grid, side, launch):
+        self.grid, self.side, self.launch = grid, side, launch
+        self.distributed = launch.fed.noise == "distributed"
+        if self.distributed:  # the round's plan, and the server's half of each step (fedsd.secure.distributed_step)
+            self.noise, self.optimizer = distributed_plan(side.cfg, launch.fed, side.num_classes)
+        self.roster = read_roster(launch.fed.secagg_roster) if launch.fed.secagg_roster else None
+        self.out = Path(launch.out) if launch.out is not None else None
+        self.records: list[dict] = []
+
+    def run(self, arrays: ArrayRecord) -> ArrayRecord:
+        fed = self.launch.fed
+        for launch_round in range(1, fed.rounds - self.launch.round + 1):
+            arrays = self.one_round(self.launch.round + launch_round, arrays)
+            self.side.book.evaluate_global(launch_round, arrays)
+        return arrays
+
+    def one_round(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        fed, experiment = self.launch.fed, self.launch.experiment_id
+        started = time.perf_counter()
+        exchange = Exchange(self.grid, server_round, fed.round_timeout, list(self.grid.get_node_ids()))
+        base = {"experiment-id": experiment, "server-round": server_round}
+        record = dict(round=server_round)
+        try:
+            rid = secure_sum.round_id(self.grid.run.run_id, experiment, server_round)
+            identities = identify(exchange, base, self.roster, rid)
+            cohort = sorted(exchange.nodes)
+            plain = sorted(exchange.nodes[c] for c, who in identities.items() if not who["authenticated"])
+            n = len(cohort)
+            threshold = min(n, max(minimum_threshold(n), fed.secagg_threshold)) if n else 1
+            length = self.noise.dim if self.distributed else secure_sum.vector_length(arrays)
+            server = SecAggServer(rid, cohort, length, threshold=threshold)
+            record.update(cohort=cohort, threshold=server.threshold, nodes_without_roster=plain)
+            if plain:
+                log(WARNING, "secure aggregation round %d: %d nodes take part without a roster: they are protected "
+                    "only against a server that follows the protocol", server_round, len(plain))
+            plan = distributed_noise.to_settings(self.noise, fed.rounds) if self.distributed else {}
+            train = RecordDict({"arrays": arrays, "config": ConfigRecord({**self.side.strategy.settings, **base,
+                                                                          **plan})})
+            try:
+                total, replies = protocol(exchange, server, base, train)
+            finally:
+                exchange.named.update({str(k): v for k, v in server.culprits.items()})
+            if self.distributed:
+                arrays, applied = self._step(arrays, total, len(server.masked), server, server_round)
+                record.update(applied)
+            else:
+                record.update(zip(("mean_update_norm", "honest_bound"), self._check_sum(total, len(server.masked),
+                                                                                         replies, server)))
+                arrays = secure_sum.apply_sum(arrays, total, len(server.masked))
+                self._reports(server_round, replies)
+            record.update(survivors=sorted(server.masked), abandoned=None)
+            if self.out is not None:
+                np.save(self.out / f"secagg-sum-{server_round}.npy", total)
+        except RoundAbandoned as e:
+            log(WARNING, "secure aggregation round %d abandoned: %s", server_round, e)
+            record.update(survivors=[], abandoned=str(e))
+        record.update(culprits=exchange.named, stages=exchange.stages, seconds=time.perf_counter() - started,
+                      bytes_sent=sum(s["bytes_sent"] for s in exchange.stages.values()),
+                      bytes_received=sum(s["bytes_received"] for s in exchange.stages.values()))
+        for culprit, why in exchange.named.items():
+            log(WARNING, "secure aggregation round %d: client %s named: %s", server_round, culprit, why)
+        log(INFO, "secure aggregation round %d: %d of %d clients summed, %.1f s, %d bytes sent, %d received",
+            server_round, len(record["survivors"]), len(record.get("cohort", [])), record["seconds"],
+            record["bytes_sent"], record["bytes_received"])
+        self.records.append(record)
+        if self.out is not None:
+            (self.out / "secure-aggregation.json").write_text(json.dumps(self.records, indent=1))
+        return arrays
+
+    def _step(self, arrays: ArrayRecord, total: np.ndarray, count: int, server: SecAggServer,
+              server_round: int) -> tuple[ArrayRecord, dict]:
+        """Distributed noise: the decoded sum over the plan's expected batch, as the gradient of
+        the server's SGD (momentum included) on the global student, as a simulation applies it
+        (fedsd.secure.distributed_step.ServerOptimizer). Refused, nothing applied, when fewer survivors than
+        the plan's t sent their shares (the sum would hold less noise than planned), or when the
+        sum is above what honest clients send but once in 1e9 rounds (fedsd.secure.sum_bound)."""
+        plan = self.noise
+        if count < plan.honest:
+            raise RoundAbandoned(f"distributed noise: {count} clients' shares in the sum, below the plan's t = "
+                                 f"{plan.honest}: less noise than planned; nothing was applied", server.culprits)
+        # each share is at most μ / 2 (an owner's t, secagg-min-clients, is at least 2)
+        bound = sum_bound.distributed_sum_bound(clip_units=distributed_noise.QUANTISED_CLIP,
+                                                expected_batch=plan.expected_batch, variance=count * plan.variance / 2,
+                                                dim=plan.dim, clients=count)
+        norm = float(np.linalg.norm(total.view(np.int64).astype(np.float64)))
+        if not norm <= bound:
+            raise RoundAbandoned(f"secure aggregation: the decoded sum has norm {norm:.4g} (quantisation units), above "
+                                 f"the {bound:.4g} honest clients stay below (but once in 1e9 rounds); nothing was "
+                                 f"applied", server.culprits)
+        model = record_to_model(arrays)
+        model["student"] = self.optimizer.step(model["student"], distributed_noise.decode(total, plan), plan)
+        return model_to_record(model), dict(sum_norm=norm, honest_bound=bound,
+                                            epsilon=plan.epsilon(server_round, self.side.cfg.delta))
+
+    def _check_sum(self, total: np.ndarray, count: int, replies: list[RecordDict], server: SecAggServer) -> tuple:
+        """A decoded sum outside what the round's clients could have sent honestly is refused:
+        nothing applied (fedsd.secure.sum_bound)."""
+        mean = total.view(np.int64).astype(np.float64) / secure_sum.SCALE / max(count, 1)
+        bound = local_noise_bound(self.side.cfg, replies, len(total))
+        norm = float(np.linalg.norm(mean))
+        if not norm <= bound:
+            raise RoundAbandoned(f"secure aggregation: the survivors' mean update has norm {norm:.4g}, above the "
+                                 f"{bound:.4g} honest clients stay below (but once in 1e9 rounds); nothing was "
+                                 f"applied", server.culprits)
+        return norm, bound
+
+    def _reports(self, server_round: int, replies: list[RecordDict]) -> None:
+        strategy = self.side.strategy
+        for content in replies:
+            report = client_report(SimpleNamespace(content=content))
+            pid = int(report.get("partition-id", -1))
+            strategy.round_clients.setdefault(server_round, {})[pid] = report
+            if "epsilon" in report:
+                strategy.client_epsilon[pid] = float(report["epsilon"])

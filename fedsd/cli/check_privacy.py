@@ -1,0 +1,149 @@
+"""`fedsd check-privacy`: an independent check of a deployed run's privacy promise:
+no update leaves a client without its cost on that client's disk, and no client spends more
+than its owner allows.
+
+It trusts none of fedsd's bookkeeping: it reads the server's result.json (which rounds
+aggregated which client's update) and each client's ledger as plain JSON (every charge: σ, q,
+steps, the experiment and the round), and recomputes ε with Opacus' RDPAccountant itself, at
+orders of its own. For each client it checks that
+- every update the server aggregated from it has a charge for that round in its ledger;
+- ε of the charges of the updates it released, recomputed, is at most ε of everything its
+  ledger holds, which is at most its owner's max-epsilon;
+- the ε the client reported to the server is at most what its ledger holds;
+and that the run finished every round. It also lists the rounds a client was charged for more
+than once (`charged_again`): the safe side, since a client stopped between its charge and its
+reply trains the round again and pays again, but a client that had already answered the round
+should have sent its kept reply instead (fedsd bench soak fails a run where no fault explains it). A ledger it cannot read fails the check, naming the file;
+it never passes by default.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+from fedsd.errors import DataError
+
+# Its own orders (not fedsd.privacy.accounting's): Opacus' default set, extended where a long run's or a
+# small ε's best order lies.
+ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)) + [80, 96, 128, 256, 512, 1024]
+TOLERANCE = 1e-6  # relative: the same arithmetic in another order
+
+
+def rdp_epsilon(entries: list[dict], delta: float) -> float:
+    """ε at `delta` of these charges composed, by Opacus' RDPAccountant."""
+    from opacus.accountants import RDPAccountant
+
+    if not entries:
+        return 0.0
+    accountant = RDPAccountant()
+    accountant.history = [(float(e["noise_multiplier"]), float(e["sample_rate"]), int(e["steps"])) for e in entries]
+    return float(accountant.get_epsilon(delta=delta, alphas=ORDERS))
+
+
+def read_ledger(path: Path) -> dict:
+    """A ledger as plain JSON: its limits and its charges; DataError naming the file otherwise."""
+    try:
+        state = json.loads(path.read_text())
+        limits = float(state["max_epsilon"]), float(state["max_delta"])
+        entries = [dict(e, noise_multiplier=float(e["noise_multiplier"]), sample_rate=float(e["sample_rate"]),
+                        steps=int(e["steps"])) for e in state["entries"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path}: not a readable ledger ({type(e).__name__}: {e}); the check fails") from None
+    return dict(max_epsilon=limits[0], max_delta=limits[1], entries=entries)
+
+
+def client_ledger(state_dir: Path) -> Path:
+    """The one ledger in a client's state folder; DataError when there is none or several."""
+    found = sorted(Path(state_dir).glob("ledger-*.json"))
+    if len(found) != 1:
+        raise DataError(f"{state_dir}: {'no ledger' if not found else f'{len(found)} ledgers'} (ledger-*.json) "
+                        f"where the client's one data set's ledger should be; the check fails")
+    return found[0]
+
+
+def check_client(client: int, ledger_path: Path, rounds: list[dict], experiment: str, run_delta: float) -> dict:
+    """One client's facts and the problems found, from its ledger and the server's rounds (the
+    ε it reported, at the run's δ, against its ledger's at that δ)."""
+    ledger = read_ledger(ledger_path)
+    delta = ledger["max_delta"]
+    run_charges = [e for e in ledger["entries"] if e.get("run") == experiment and "round" in e]
+    charged = {int(e["round"]): e for e in run_charges}
+    times = Counter(int(e["round"]) for e in run_charges)
+    released = [r["round"] for r in rounds if client in r.get("trained", [])]
+    problems = [f"client {client}, round {r}: the server aggregated an update that is not charged in {ledger_path}"
+                for r in released if r not in charged]
+    eps_released = rdp_epsilon([charged[r] for r in released if r in charged], delta)
+    eps_ledger = rdp_epsilon(ledger["entries"], delta)
+    reported = max((float(r["client_epsilon"][str(client)]) for r in rounds if str(client) in r.get("client_epsilon", {})),
+                   default=0.0)
+    if eps_released > eps_ledger * (1 + TOLERANCE):
+        problems.append(f"client {client}: ε of its released updates {eps_released:.4f} exceeds its ledger's "
+                        f"{eps_ledger:.4f}")
+    if eps_ledger > ledger["max_epsilon"] * (1 + TOLERANCE):
+        problems.append(f"client {client}: its ledger holds ε = {eps_ledger:.4f}, above its owner's max-epsilon "
+                        f"{ledger['max_epsilon']:g}")
+    at_run_delta = rdp_epsilon(ledger["entries"], run_delta)
+    if reported > at_run_delta * (1 + 1e-3) + 1e-9:
+        problems.append(f"client {client}: reported ε = {reported:.4f} to the server, more than its ledger holds "
+                        f"at the run's δ ({at_run_delta:.4f}): a charge is missing from its disk")
+    return dict(ledger=str(ledger_path), released_rounds=released, charged_rounds=sorted(charged),
+                charged_again={str(r): n for r, n in sorted(times.items()) if n > 1},
+                epsilon_released=eps_released, epsilon_ledger=eps_ledger, epsilon_reported=reported,
+                max_epsilon="inf" if math.isinf(ledger["max_epsilon"]) else ledger["max_epsilon"],
+                problems=problems)
+
+
+def check_run(run_dir: Path, state_dirs: dict[int, Path]) -> dict:
+    """The whole check: {passed, finished, clients: {k: facts}, problems}. Raises DataError
+    (the check fails loudly) when a ledger or the result cannot be read."""
+    path = Path(run_dir) / "result.json"
+    try:
+        result = json.loads(path.read_text())
+        rounds, experiment = result["rounds"], result["experiment_id"]
+        planned = int(result["federation"]["rounds"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path}: not a finished run's result ({type(e).__name__}: {e}); the check fails") from None
+    problems = []
+    finished = [r["round"] for r in rounds] == list(range(1, planned + 1))
+    if not finished:
+        problems.append(f"the run did not finish its {planned} rounds: {[r['round'] for r in rounds]}")
+    clients = {}
+    for k in range(int(result["num_clients"])):
+        if k not in state_dirs:
+            raise DataError(f"client {k}: no state folder given; the check fails")
+        clients[k] = check_client(k, client_ledger(state_dirs[k]), rounds, experiment, float(result["delta"]))
+        problems += clients[k]["problems"]
+    return dict(passed=not problems, finished=finished, experiment_id=experiment, clients=clients, problems=problems)
+
+
+def deployment_state_dirs(work: Path, num_clients: int) -> dict[int, Path]:
+    """Each client's state folder in a deploy-local --work folder (with --isolate: its owner's)."""
+    work = Path(work)
+    found = {}
+    for k in range(num_clients):
+        for candidate in (work / "client-state" / str(k), work / "nodes" / str(k) / "state"):
+            if candidate.is_dir():
+                found[k] = candidate
+                break
+    return found
+
+
+def add_check_parser(sub) -> None:
+    p = sub.add_parser("check-privacy", help="check a deployed run against its clients' ledgers, independently "
+                                             "of fedsd's own bookkeeping (Opacus' RDP accountant)")
+    p.add_argument("--run", required=True, help="the run's result folder (result.json)")
+    p.add_argument("--work", required=True, help="the deployment's --work folder (each client's state folder)")
+    p.set_defaults(func=cmd_check_privacy)
+
+
+def cmd_check_privacy(args: argparse.Namespace) -> int:
+    result_path = Path(args.run) / "result.json"
+    if not result_path.is_file():
+        raise DataError(f"--run {args.run}: no result.json; the check fails")
+    num_clients = int(json.loads(result_path.read_text()).get("num_clients") or 0)
+    report = check_run(Path(args.run), deployment_state_dirs(Path(args.work), num_clients))
+    print(json.dumps(report, indent=2))
+    return 0 if report["passed"] else 1

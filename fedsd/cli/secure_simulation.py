@@ -1,0 +1,265 @@
+"""`fedsd simulate --secure-aggregation --noise distributed`: a federation whose clients add
+their shares of the noise under secure aggregation, simulated in this process.
+
+Every round runs the whole protocol (fedsd.secure.secagg: every client's four stages and the
+server's), so every simulated round tests it; the clients' steps are those an owner's service
+takes (fedsd.secure.distributed_step.contribution). One round is one DP-SGD step of the federation, so the
+run is planned as central DP-SGD on the union of the shards: --batch-size is the federation's
+expected batch B (q = B / N over all N training samples) and --rounds its steps; σ is
+calibrated for --epsilon over those steps (fedsd.secure.distributed_noise). With --privacy-unit
+client a round is instead each client's --local-epochs without noise, its update clipped and
+its share added (fedsd.secure.client_level), and ε protects whole clients. No Ray: the clients take
+their turns in one process, which is what makes a several-hundred-round run take minutes.
+
+The run's folder holds checkpoint.pt (every CHECKPOINT_EVERY rounds and at the end: resumable
+with --resume) until result.json is written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from fedsd.secure import client_level
+from fedsd.data import datasets as data_lib
+from fedsd.secure import distributed_noise
+from fedsd.data.client_data import input_stats, with_custom_task, task_for
+from fedsd.settings.run import TrainConfig
+from fedsd.secure.distributed_step import DISTRIBUTED_METHODS, ServerOptimizer, contribution, dimension, plain_round, secure_round, seeded_key
+from fedsd.errors import ConfigError, ResumeError
+from fedsd.settings.federation import FedOptions
+from fedsd.methods import released
+from fedsd.models.networks import model_for
+from fedsd.privacy.accounting import PrivacyPlan, steps_per_epoch
+from fedsd.files.results import RunResult, check_out_dir, fresh_out_dir, save_atomic
+from fedsd.training.loop import TrainState, evaluate, initial_model, planned_trainer
+from fedsd.cli import dry_run
+from fedsd.app.simulated_shards import cut_shards
+
+CHECKPOINT, RESULT = "checkpoint.pt", "result.json"
+CHECKPOINT_EVERY = 25
+EVALUATIONS = 20  # test evaluations over a run (and the last round)
+# The features table's Fashion-MNIST recipe (results/table-features.md), which the distributed
+# table and the cost benchmark run as a federation: 400 rounds are its 50 epochs of
+# ⌈60000 / 8192⌉ = 8 steps.
+FEATURES_RECIPE = dict(dataset="fmnist", features="scatter", model="scatter-linear", method="dpsgd", epsilon=3.0,
+                       batch_size=8192, lr=8.0, momentum=0.9, clip=0.1, threads=1)
+FEATURES_ROUNDS = 400
+
+
+def check_options(cfg: TrainConfig, fed: FedOptions) -> None:
+    """What distributed noise needs, refused before any work with the option to change."""
+    if fed.noise == "distributed" and not fed.secure_aggregation:
+        raise ConfigError("--noise distributed: needs --secure-aggregation (without it the server would see each "
+                          "client's share, which alone is far below the noise the guarantee counts)")
+    if not fed.secure_aggregation:
+        return
+    if fed.noise != "distributed":
+        raise ConfigError("--secure-aggregation: a simulation runs it with --noise distributed (one step a round); "
+                          "secure aggregation of local-noise updates runs in a deployment's data services")
+    if fed.local_epochs != 1 and fed.privacy_unit == "record":
+        raise ConfigError(f"--local-epochs {fed.local_epochs}: --noise distributed takes one local step a round "
+                          f"(the server applies each step); leave --local-epochs at 1, or protect whole clients "
+                          f"(--privacy-unit client)")
+    if fed.fraction_train != 1.0 or fed.strategy != "fedavg" or fed.server_dp_noise > 0:
+        raise ConfigError("--noise distributed: every client in every round, --strategy fedavg and no "
+                          "--server-dp-noise (the server's step is the optimizer's, on the secure sum)")
+    if cfg.method not in DISTRIBUTED_METHODS:
+        raise ConfigError(f"--method {cfg.method}: --noise distributed runs {', '.join(DISTRIBUTED_METHODS)}")
+    if fed.privacy_unit == "client" and cfg.method != "dpsgd":
+        raise ConfigError(f"--method {cfg.method}: --privacy-unit client trains each client without noise and "
+                          f"without a teacher (--method dpsgd); self-distillation is record-level")
+    if not 0 <= fed.honest_clients <= fed.num_clients:
+        raise ConfigError(f"--honest-clients {fed.honest_clients}: must be in [0, --clients {fed.num_clients}] "
+                          f"(0: all of them)")
+
+
+def honest_count(fed: FedOptions) -> int:
+    """t: the clients whose noise shares alone give the target σ (0 in the settings: all)."""
+    return fed.honest_clients or fed.num_clients
+
+
+class SecureFederation:
+    """A run as it goes: its clients' shards and states, the global model and the server's
+    optimizer; `take_round` runs one, `save` checkpoints, `finish` writes the result."""
+
+    def __init__(self, cfg: TrainConfig, fed: FedOptions, out: Path | None, plain: bool = False):
+        self.cfg, self.fed, self.out, self.plain = cfg, fed, out, plain
+        images, indices, shards = cut_shards(cfg, fed)
+        n = len(indices)
+        self.sample_rate = min(1.0, cfg.batch_size / n)
+        whole = data_lib.prepare(images, indices, "cpu", input_stats(cfg), cfg.features)
+        self.test, self.data_source = (whole.x_test, whole.y_test), images.source
+        self.shards = [data_lib.TensorData(whole.x_train[s], whole.y_train[s], whole.x_test[:0], whole.y_test[:0],
+                                           whole.num_classes) for s in shards]
+        self.net = model_for(cfg, whole.num_classes)
+        dim = dimension(self.net)
+        self.model = initial_model(cfg, whole.num_classes)
+        self.states: list[TrainState | None] = [None] * len(shards)
+        self.rounds: list[dict] = []
+        self.num_train, self.seconds_before = n, 0.0
+        if fed.privacy_unit == "client":  # every client every round, its clipped update; the server's mean
+            self.noise = client_level.calibrate(cfg.epsilon, cfg.delta, fed.update_clip, len(shards), fed.rounds,
+                                                honest_count(fed), dim)
+            self.server, self.plan = ServerOptimizer(self.net, 1.0, 0.0), None
+        else:
+            self.noise = distributed_noise.calibrate(cfg.epsilon, cfg.delta, cfg.clip, self.sample_rate,
+                                                     self.sample_rate * n, fed.rounds, honest_count(fed), dim)
+            # every client's trainer draws at the run's q; its noise is the distributed plan's, not Opacus'
+            self.plan = PrivacyPlan(0.0, self.sample_rate, fed.rounds, cfg.epsilon, cfg.delta, "rdp")
+            self.trainer = planned_trainer(cfg, self.shards[0], self.plan)
+            self.server = ServerOptimizer(self.net, cfg.lr, cfg.momentum)
+        self.own = self.noise  # each client's own calibration, from its own settings (here the run's)
+
+    # -- one round ------------------------------------------------------------------------
+    def take_round(self, r: int) -> dict:
+        started, student, honest = time.perf_counter(), self.model["student"], honest_count(self.fed)
+        epoch = math.ceil(r * self.cfg.batch_size / self.num_train)
+        losses = {}
+
+        def client(k: int):
+            def vector() -> np.ndarray:
+                if self.fed.privacy_unit == "client":
+                    return self.client_update(k, r, student, losses)
+                self.trainer.bind(self.shards[k], self.plan, client=k)
+                v, self.states[k], m = contribution(self.trainer, self.states[k], student, epoch, self.noise,
+                                                    key=seeded_key(self.cfg.seed, k, r), honest=honest,
+                                                    least_noise=self.own.noise_multiplier)
+                losses[k] = m["train_loss"]
+                return v
+            return vector
+
+        vectors = {k: client(k) for k in range(len(self.shards))}
+        if self.plain:  # the benchmark's baseline (fedsd/benchmarks/secagg_cost.py)
+            total, cost = plain_round(vectors, self.noise.dim)
+        else:  # every client must survive (a simulation has no dropouts), so every share is in the sum
+            total, cost = secure_round(f"{self.cfg.seed}:{r}".encode(), vectors, self.noise.dim,
+                                       min_cohort=len(self.shards))
+        self.model = dict(self.model, student=self.server.step(student, distributed_noise.decode(total, self.noise),
+                                                               self.noise))
+        record = dict(round=r, train_loss=float(np.mean(list(losses.values()))),
+                      epsilon=self.noise.epsilon(r, self.cfg.delta), seconds=time.perf_counter() - started, **cost)
+        if r == self.fed.rounds or r % max(1, self.fed.rounds // EVALUATIONS) == 0:
+            self.net.load_state_dict(released(self.model))
+            record["test_accuracy"], record["test_loss"] = evaluate(self.net, *self.test)
+            self.net.train()
+        self.rounds.append(record)
+        return record
+
+    def client_update(self, k: int, r: int, student, losses: dict) -> np.ndarray:
+        """Client k's vector at client level: its local epochs without noise from the round's
+        global model, the update clipped, quantised and its share added."""
+        key = seeded_key(self.cfg.seed, k, r)
+        generator = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
+        update, losses[k] = client_level.local_update(self.net, self.shards[k], student, self.fed.local_epochs,
+                                                      self.cfg.batch_size, self.cfg.lr, self.cfg.momentum, generator)
+        return client_level.update_contribution(update, self.noise, self.own, key)
+
+    # -- the folder -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        plan = self.plan
+        return dict(settings=dict(config=self.cfg.to_dict(), fed=dataclasses.asdict(self.fed)),
+                    noise=self.noise.to_dict(), model=self.model, server=self.server.state_dict(),
+                    states=[s.state_dict(plan) if s is not None else None for s in self.states], rounds=self.rounds,
+                    seconds=self.seconds_before)
+
+    def load(self, saved: dict) -> None:
+        if saved["noise"] != self.noise.to_dict():
+            raise ResumeError(f"--resume: the run was planned with {saved['noise']}; this code plans "
+                              f"{self.noise.to_dict()}")
+        self.model, self.rounds, self.seconds_before = saved["model"], saved["rounds"], saved["seconds"]
+        self.server.load_state_dict(saved["server"])
+        self.states = [TrainState.from_state_dict(s, self.plan) if s is not None else None
+                       for s in saved["states"]]
+
+    def save(self, seconds: float) -> None:
+        self.seconds_before = seconds
+        save_atomic(self.out / CHECKPOINT, self.state_dict())
+
+    def record_level(self) -> dict:
+        """At client level, what each single record of a client gets (sensitivity 2S)."""
+        if self.fed.privacy_unit != "client":
+            return {}
+        return dict(record_epsilon=client_level.record_epsilon(self.noise, len(self.rounds), self.cfg.delta))
+
+    def result(self, seconds: float) -> RunResult:
+        """The run's result.json, a federation's RunResult (its rounds), with the noise plan and
+        the protocol's cost beside it."""
+        last = self.rounds[-1]
+        per_round = [r["protocol_seconds"] for r in self.rounds]
+        return RunResult.of_run(
+            self.cfg, epsilon_spent=last["epsilon"], test_accuracy=last["test_accuracy"], wall_seconds=seconds,
+            device="cpu", data_source=self.data_source, noise_multiplier=self.noise.noise_multiplier,
+            sample_rate=self.noise.sample_rate, steps=len(self.rounds), num_train=self.num_train,
+            num_clients=self.fed.num_clients, shard_sizes=[len(s.y_train) for s in self.shards],
+            federation=dataclasses.asdict(self.fed), rounds=self.rounds,
+            extra=dict(privacy_unit=self.fed.privacy_unit, **self.record_level(), noise=self.noise.to_dict(), gaussian_equivalent=self.noise.gaussian_equivalent(),
+                       secure_aggregation=dict(bytes_to_server_per_round=last["bytes_to_server"],
+                                               bytes_from_server_per_round=last["bytes_from_server"],
+                                               protocol_seconds_per_round=float(np.mean(per_round)),
+                                               round_seconds=float(np.mean([r["seconds"] for r in self.rounds])))))
+
+
+def plan_line(cfg: TrainConfig, fed: FedOptions, run: SecureFederation) -> str:
+    """What the run will do, as a dry run says it."""
+    head = f"simulate {fed.num_clients} clients ({fed.partition}) with secure aggregation and distributed noise"
+    if fed.privacy_unit == "client":
+        return (f"{head}, each client protected whole (t = {honest_count(fed)}): {fed.rounds} rounds of "
+                f"{fed.local_epochs} local epoch(s) without noise at B = {cfg.batch_size}, lr {cfg.lr:g}, momentum "
+                f"{cfg.momentum:g}, each update clipped to {fed.update_clip:g}, σ={run.noise.noise_multiplier:.3f} "
+                f"(the honest sum's noise over the clip), client-level ε={cfg.epsilon:g}")
+    epochs = fed.rounds / steps_per_epoch(run.num_train, cfg.batch_size)
+    return (f"{head} (t = {honest_count(fed)}): {fed.rounds} rounds of one step, {epochs:g} epochs at B = "
+            f"{cfg.batch_size}, lr {cfg.lr:g}, momentum {cfg.momentum:g}, σ={run.noise.noise_multiplier:.3f} "
+            f"(the honest sum's noise; B the federation's), ε={cfg.epsilon:g} each")
+
+
+def simulate_secure(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, overwrite: bool = False,
+                    progress: bool = True, resume: bool = False) -> tuple[dict, dict]:
+    """Run (or, with resume, go on with the one in `out`, by its own settings) a
+    distributed-noise federation; (result, weights)."""
+    saved = None
+    if resume:
+        if out is None or not (Path(out) / CHECKPOINT).is_file():
+            raise ResumeError(f"--resume: {out} holds no unfinished secure-aggregation run ({CHECKPOINT})")
+        saved = torch.load(Path(out) / CHECKPOINT, weights_only=False)
+        cfg = TrainConfig(**saved["settings"]["config"])
+        fed = FedOptions.from_dict(saved["settings"]["fed"])
+    cfg = with_custom_task(cfg).resolved()
+    task_for(cfg)
+    fed.validate()
+    check_options(cfg, fed)
+    out = Path(out) if out is not None else None
+    if saved is None and out is not None:
+        check_out_dir(out, overwrite)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    run = SecureFederation(cfg, fed, out)
+    dry_run.stop_here(plan_line(cfg, fed, run) + (f" into {out}" if out else ""))
+    if saved is not None:
+        run.load(saved)
+    elif out is not None:
+        fresh_out_dir(out, overwrite)
+    clock = time.perf_counter() - run.seconds_before
+    bar = tqdm(total=fed.rounds, initial=len(run.rounds), unit="round", disable=not progress,
+               desc=f"{cfg.dataset} {cfg.method} distributed ε={cfg.epsilon}", dynamic_ncols=True)
+    for r in range(len(run.rounds) + 1, fed.rounds + 1):
+        record = run.take_round(r)
+        bar.update(1)
+        if "test_accuracy" in record:
+            bar.set_postfix(acc=f"{record['test_accuracy']:.4f}", eps=f"{record['epsilon']:.3f}")
+        if out is not None and (r % CHECKPOINT_EVERY == 0):
+            run.save(time.perf_counter() - clock)
+    bar.close()
+    result = run.result(time.perf_counter() - clock)
+    weights = {k: v.cpu() for k, v in released(run.model).items()}
+    if out is not None:
+        save_atomic(out / "model.pt", weights)
+        result.write(out / RESULT)
+        (out / CHECKPOINT).unlink(missing_ok=True)
+    return result.to_dict(), weights

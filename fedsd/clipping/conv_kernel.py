@@ -1,0 +1,301 @@
+"""A CPU kernel for the per-sample weight gradients of a Conv2d on channels-last tensors, the
+work book-keeping clipping (fedsd.clipping.bookkeeping) adds to a step.
+
+Sample i's gradient is ∇_i = G_iᵀA_i: its output gradient G_i (T positions × p channels) times
+its im2col patches A_i (T × d). In PyTorch that is a patch copy and a batched product of small
+matrices; this kernel reads each patch where it lies in the (padded) input and keeps a block of
+∇_i in vector registers while it sums over the positions, so the patches are never written.
+Measured on this project's CPU at the papers' batch sizes, 1 thread (results/perf.md):
+mnist-cnn conv1 24 → 10 ms, cifar-cnn conv1 84 → 21 ms, conv2 134 → 106 ms, each with the
+clipped sum.
+
+It is C compiled once per machine with the system's C compiler (`cc`, GCC vector extensions,
+so it builds on any CPU the compiler targets) and loaded with ctypes; the build is cached
+under FEDSD_CACHE_DIR (default ~/.cache/fedsd), keyed by the source, the compiler and the CPU.
+Where no compiler is found, or FEDSD_CONV_KERNEL=0, bk uses the PyTorch route, which gives the
+same gradients to float rounding (tests/test_conv_kernel.py).
+
+Each sample's gradient is computed by one thread alone, so the result does not depend on the
+number of threads.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import stat
+import subprocess
+import tempfile
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fedsd.files.cache import cache_root
+
+# One block of ∇_i (DB rows of d × NV vectors of output channels) lives in vector registers for
+# a whole sum over the positions, so the block is sized for the target's registers. AVX-512 has
+# 32 registers of 16 floats: blocks of 8 × 2 or 16 × 1 vectors (16 accumulators), as measured
+# on an AVX-512 CPU. AVX2 and SSE have 16 registers: 14 × 1 (14 accumulators, one register for
+# the output gradients and one for the input's broadcast), the fastest of the blocks measured
+# on an AVX2 CPU (results/perf.md; the AVX-512 block built for AVX2 needs 32 of its 16
+# registers and spills, 1.4-1.8× slower). The compiler's target picks the block (-march);
+# -D WIDE_NV=… WIDE_DB=… NARROW_DB=… overrides it for measurement. The output channels go in
+# vectors, so p must be a multiple of 16 (every conv of the papers' CNNs); other layers take
+# the PyTorch route. On the AVX2 CPU measured, even the best block loses to PyTorch's patches
+# and batched products on every layer of the papers' CNNs: fedsd.clipping.routes' rule (RULES, by the
+# kernel's instruction set) leaves the kernel out there.
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#  define VW 16
+#  define REGS_WIDE_NV 2
+#  define REGS_WIDE_DB 8
+#  define REGS_NARROW_DB 16
+#elif defined(__AVX__)
+#  define VW 8
+#  define REGS_WIDE_NV 1
+#  define REGS_WIDE_DB 14
+#  define REGS_NARROW_DB 14
+#else
+#  define VW 4
+#  define REGS_WIDE_NV 1
+#  define REGS_WIDE_DB 14
+#  define REGS_NARROW_DB 14
+#endif
+#ifndef WIDE_NV
+#  define WIDE_NV REGS_WIDE_NV
+#endif
+#ifndef WIDE_DB
+#  define WIDE_DB REGS_WIDE_DB
+#endif
+#ifndef NARROW_DB
+#  define NARROW_DB REGS_NARROW_DB
+#endif
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+static inline vf ld(const float* p) { vf v; memcpy(&v, p, VW * 4); return v; }
+static inline void st(float* p, vf v) { memcpy(p, &v, VW * 4); }
+
+/* The target's vector width in floats (the Python side reports it). */
+int vector_floats(void) { return VW; }
+
+/* ∇_i[d][pc .. pc + VW·NV) for d in blocks of DB; off[d] is where patch entry d lies from the
+   patch's corner (the rows past D read the corner and are not stored). */
+#define BLOCK(NV, DB) \
+  for (int64_t db = 0; db < D; db += DB) { \
+    vf acc[DB][NV]; \
+    for (int dd = 0; dd < DB; dd++) for (int v = 0; v < NV; v++) acc[dd][v] = (vf){0}; \
+    const int64_t* od = off + db; \
+    for (int ty = 0; ty < TH; ty++) for (int tx = 0; tx < TW; tx++) { \
+      const float* corner = xp + ((int64_t)ty * sh * Wp + (int64_t)tx * sw) * C; \
+      const float* gt = gi + ((int64_t)ty * TW + tx) * P + pc; \
+      vf gv[NV]; \
+      for (int v = 0; v < NV; v++) gv[v] = ld(gt + VW * v); \
+      for (int dd = 0; dd < DB; dd++) { \
+        float a = corner[od[dd]]; \
+        for (int v = 0; v < NV; v++) acc[dd][v] += a * gv[v]; \
+      } \
+    } \
+    vf sq = (vf){0}; \
+    for (int dd = 0; dd < DB && db + dd < D; dd++) \
+      for (int v = 0; v < NV; v++) { st(oi + (db + dd) * P + pc + VW * v, acc[dd][v]); sq += acc[dd][v] * acc[dd][v]; } \
+    for (int k = 0; k < VW; k++) norm2 += sq[k]; \
+  }
+
+/* Samples [i0, i1): x (n, H, W, C), g (n, TH, TW, P), out (n, D, P) with d = (ky, kx, c), and
+   norms2 (n) their squared norms. pad: Hp·Wp·C floats, off: D + 64 int64s, both this call's
+   own. */
+void per_sample_conv_grads(const float* x, const float* g, float* out, float* norms2, int64_t i0, int64_t i1,
+                           int H, int W, int C, int KH, int KW, int sh, int sw, int ph, int pw,
+                           int dh, int dw, int TH, int TW, int P, float* pad, int64_t* off) {
+  const int Hp = H + 2 * ph, Wp = W + 2 * pw;
+  const int64_t D = (int64_t)KH * KW * C;
+  for (int64_t d = 0; d < D + 64; d++) {
+    int64_t ky = d / ((int64_t)KW * C), kx = d / C % KW, c = d % C;
+    off[d] = d < D ? (ky * dh * Wp + kx * dw) * C + c : 0;
+  }
+  if (ph || pw) memset(pad, 0, sizeof(float) * Hp * Wp * C);
+  for (int64_t i = i0; i < i1; i++) {
+    const float* xp = x + i * H * W * C;
+    if (ph || pw) {
+      for (int r = 0; r < H; r++)
+        memcpy(pad + ((int64_t)(r + ph) * Wp + pw) * C, xp + (int64_t)r * W * C, sizeof(float) * W * C);
+      xp = pad;
+    }
+    const float* gi = g + i * TH * TW * P;
+    float* oi = out + i * D * P;
+    float norm2 = 0;
+    int pc = 0;
+    for (; pc + WIDE_NV * VW <= P; pc += WIDE_NV * VW) { BLOCK(WIDE_NV, WIDE_DB) }
+    for (; pc + VW <= P; pc += VW) { BLOCK(1, NARROW_DB) }
+    norms2[i] = norm2;
+  }
+}
+"""
+# Rows of `off` past D that a block may read: more than any block's DB.
+OFF_PADDING = 64
+ENABLED_ENV = "FEDSD_CONV_KERNEL"  # 0: always the PyTorch route
+# The instruction set the kernel is built for: native (this CPU, the default), or a named target
+# such as x86-64-v3 (AVX2, what most laptops and cloud VMs have) to measure another machine's
+# code on this one (results/perf.md).
+MARCH_ENV = "FEDSD_CONV_KERNEL_MARCH"
+ISA_BY_VECTOR = {16: "avx512", 8: "avx2", 4: "sse"}
+
+
+def _cpu_id() -> str:
+    """What the build's -march=native depends on: the CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        return "\n".join(sorted({line for line in info.splitlines() if line.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _compile(cc: list[str], flags: list[str], target: Path, fallback: bool) -> None:
+    """Build into a private temporary file and rename it into place, so that processes that
+    build at once (Ray workers) never load a half-written library. `fallback`: without the
+    -march flag where the compiler has none (not x86)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, lib = Path(tmp) / "kernel.c", Path(tmp) / target.name
+        src.write_text(SOURCE)
+        for arch in ([flags, flags[1:]] if fallback else [flags]):
+            done = subprocess.run([*cc, "-O3", *arch, "-shared", "-fPIC", str(src), "-o", str(lib)],
+                                  capture_output=True)
+            if done.returncode == 0:
+                os.replace(lib, target)
+                return
+    raise OSError(f"{shlex.join(cc)} could not build the conv kernel: {done.stderr.decode(errors='replace')[-500:]}")
+
+
+def check_loadable(path: Path) -> None:
+    """Refuse (OSError) to load a cached library another user could have written: the file a
+    regular one (not a link) owned by this user or root, and neither it nor any folder above it
+    writable by another user (a sticky folder owned by root or this user excepted). Loading it
+    runs its code as this user, the data owner's included."""
+    me = os.geteuid()
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, me) or st.st_mode & 0o022:
+        raise OSError(f"{path}: not loaded, as another user could have written it (owner uid {st.st_uid}, mode "
+                      f"{stat.S_IMODE(st.st_mode):o}); delete it to rebuild")
+    for folder in Path(os.path.realpath(path)).parents:
+        st = os.stat(folder)
+        if st.st_uid not in (0, me) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+            raise OSError(f"{path}: not loaded, as {folder} can be written by another user (owner uid "
+                          f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    fn: object  # per_sample_conv_grads, through ctypes
+    march: str
+    isa: str  # avx512, avx2, sse: the vector width it was built for
+
+
+def compiled(march: str = "native", defines: tuple[str, ...] = (), load: bool = True) -> Kernel | Path:
+    """The kernel built for `march` (-D `defines` for measurement), cached under
+    FEDSD_CACHE_DIR/kernels by source, compiler, target and CPU; loaded, or with load=False
+    only its path (a target this CPU cannot run can still be built). Raises OSError when it
+    cannot be built."""
+    found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not found:
+        raise OSError("no C compiler found (cc, gcc, clang or $CC)")
+    cc = shlex.split(found)  # $CC may carry flags ("gcc -m64")
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
+    flags = [f"-march={march}", *(f"-D{d}" for d in defines)]
+    key = hashlib.sha256("\0".join([SOURCE, found, version, _cpu_id(), *flags]).encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"per_sample_conv-{key}.so"
+    if not path.exists():
+        _compile(cc, flags, path, fallback=march == "native")
+    if not load:
+        return path
+    check_loadable(path)
+    lib = ctypes.CDLL(str(path))
+    fn = lib.per_sample_conv_grads
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 14 + [ctypes.c_void_p] * 2
+    lib.vector_floats.restype = ctypes.c_int
+    return Kernel(fn, march, ISA_BY_VECTOR.get(lib.vector_floats(), f"{lib.vector_floats()}-float vectors"))
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> Kernel | None:
+    """The loaded kernel for FEDSD_CONV_KERNEL_MARCH (default native), or None (no compiler, a
+    failed build, or FEDSD_CONV_KERNEL=0)."""
+    if os.environ.get(ENABLED_ENV, "1") == "0":
+        return None
+    try:
+        return compiled(os.environ.get(MARCH_ENV, "native"))
+    except (OSError, subprocess.SubprocessError) as e:
+        warnings.warn(f"the per-sample conv kernel was not built ({e}): --grad-sample-mode bk takes PyTorch's "
+                      "slower route (same results)", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def isa() -> str | None:
+    """The instruction set the loaded kernel was built for (avx512, avx2, …), None without one."""
+    kernel = _library()
+    return kernel.isa if kernel else None
+
+
+def applies(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether the kernel takes this layer: float32 CPU tensors in channels-last, p a multiple
+    of 16, and the kernel built."""
+    return (a.device.type == "cpu" and a.dtype == g.dtype == torch.float32 and g.shape[1] % 16 == 0
+            and layer.groups == 1 and a.is_contiguous(memory_format=torch.channels_last)
+            and g.is_contiguous(memory_format=torch.channels_last) and available())
+
+
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (process id, workers, pool)
+_pool_lock = threading.Lock()
+
+
+def _run_split(calls: list) -> None:
+    """Run the calls at once on as many threads (ctypes lets go of the GIL during each). A
+    forked child gets a pool of its own: the parent's threads do not survive a fork."""
+    global _pool
+    if len(calls) == 1:
+        calls[0]()
+        return
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid() or _pool[1] < len(calls):
+            _pool = (os.getpid(), len(calls), ThreadPoolExecutor(len(calls), thread_name_prefix="fedsd-conv-kernel"))
+        pool = _pool[2]
+    for future in [pool.submit(call) for call in calls]:
+        future.result()
+
+
+def per_sample_grads(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor,
+                     kernel: Kernel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, kh·kw·c, p): each sample's weight gradient GᵢᵀAᵢ, transposed (d before p), and (n)
+    their squared norms, summed as they are made rather than read back (for mnist-cnn conv2 at
+    B = 1600 that is 52 MB), for a layer `applies` accepts; a is the layer's input, g its output
+    gradient, both (n, c, h, w). `kernel`: another build than this process's (tests, measurement)."""
+    fn = (kernel or _library()).fn
+    n, c, h, w = a.shape
+    p, th, tw = g.shape[1:]
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = layer.kernel_size, layer.stride, layer.padding, layer.dilation
+    d = kh * kw * c
+    out, norms2 = a.new_empty((n, d, p)), a.new_empty(n)
+    parts = max(1, min(torch.get_num_threads(), n))
+    bounds = [n * k // parts for k in range(parts + 1)]
+    scratch = [(a.new_empty((h + 2 * ph) * (w + 2 * pw) * c), torch.empty(d + OFF_PADDING, dtype=torch.long))
+               for _ in range(parts)]
+    calls = [functools.partial(fn, a.data_ptr(), g.data_ptr(), out.data_ptr(), norms2.data_ptr(), lo, hi, h, w, c, kh, kw, sh, sw,
+                               ph, pw, dh, dw, th, tw, p, pad.data_ptr(), off.data_ptr())
+             for (lo, hi), (pad, off) in zip(zip(bounds, bounds[1:]), scratch) if hi > lo]
+    _run_split(calls)
+    return out, norms2

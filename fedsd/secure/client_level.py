@@ -1,0 +1,96 @@
+"""Client-level (user-level) DP run by the clients: each clips its own model update and adds its
+share of the noise, so the server, which sees only the sum under secure aggregation, never holds
+an update that is not already protected (docs/algorithms.md).
+
+This is DP-FedAvg (McMahan et al., ICLR 2018) with the noise moved from the server to the
+clients, as Kairouz, Liu & Steinke and Agarwal et al. do: a round is
+- each client trains on its own records without noise (`local_update`: plain SGD, E epochs),
+  and clips its update θ_global − θ_local to L2 norm S (`clipped_update`);
+- quantises it and adds its Skellam share (fedsd.secure.distributed_noise, with S as the clip), masked
+  by secure aggregation;
+- the server unmasks the sum only, divides it by the number of clients n and applies it with
+  learning rate 1 (FedAvg on the clipped, noised updates; `ServerOptimizer` with lr 1).
+The unit protected is a whole client, as zero-out adjacency (Kairouz, McMahan, Song, Thakkar,
+Thakurta & Xu, ICML 2021): a
+client's data replaced by none changes its clipped update, and so the sum, by at most S, with
+its noise share still in the sum (the cohort itself is visible to the server; a client that
+leaves takes its share with it). Every client takes part in every round (q = 1), so the run is R
+Gaussian steps at z_e (the same Skellam-to-Gaussian bound and the same integer-order accountant
+as record-level distributed noise). One record of a client that stays can move its clipped
+update from S·u to −S·u: each record gets the guarantee at sensitivity 2S (`record_epsilon`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from fedsd.secure import distributed_noise as noise
+from fedsd.data.datasets import TensorData
+from fedsd.secure.distributed_step import trainable
+from fedsd.methods import Weights
+
+
+def local_update(net: torch.nn.Module, shard: TensorData, start: Weights, epochs: int, batch_size: int, lr: float,
+                 momentum: float, generator: torch.Generator) -> tuple[np.ndarray, float]:
+    """(θ_start − θ_local over the trainable parameters as one float64 vector, the mean training
+    loss): `epochs` passes of plain SGD (no clipping, no noise: the unit protected is the whole
+    update) over shuffled batches of the client's own records."""
+    net.load_state_dict(start)
+    net.train()
+    before = torch.cat([p.detach().reshape(-1).double() for p in trainable(net)])
+    optimizer = torch.optim.SGD(trainable(net), lr=lr, momentum=momentum)
+    losses = []
+    for _ in range(epochs):
+        order = torch.randperm(len(shard.y_train), generator=generator)
+        for i in range(0, len(order), batch_size):
+            batch = order[i:i + batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(net(shard.x_train[batch]), shard.y_train[batch])
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    after = torch.cat([p.detach().reshape(-1).double() for p in trainable(net)])
+    return (before - after).numpy(), float(np.mean(losses)) if losses else math.nan
+
+
+def clipped_update(update: np.ndarray, clip: float) -> np.ndarray:
+    """The update scaled to L2 norm at most `clip`. A local training that diverged (a non-finite
+    update) sends zeros: any vector within the clip keeps the sensitivity, and the round goes on
+    with the others' updates (the global model it started from may be what diverged)."""
+    norm = float(np.linalg.norm(update))
+    if not math.isfinite(norm):
+        return np.zeros_like(update)
+    return update * min(1.0, clip / norm) if norm > 0 else update
+
+
+def check_plan(plan: noise.NoisePlan, own: noise.NoisePlan) -> None:
+    """A plan (from the server) that is not the client's own is refused: another clip would bound
+    the update by a sensitivity the noise does not cover, a q below 1 would claim an
+    amplification that does not happen (every client is in every round), another n or length
+    is not this run, and less noise than the client's own calibration (from its own ε, δ, S,
+    rounds and t) would spend more than its ε: this path keeps no accountant to charge it to."""
+    noise.check_own(plan, "client-level noise", own.noise_multiplier, clip=own.clip, sample_rate=1.0,
+                    expected_batch=own.expected_batch, dim=own.dim)
+
+
+def update_contribution(update: np.ndarray, plan: noise.NoisePlan, own: noise.NoisePlan, key: bytes) -> np.ndarray:
+    """One client's vector: its update clipped to its own S, quantised, plus its Skellam share
+    sized by its own t (μ / t), as uint64, under a plan (the server's) that `check_plan` found
+    to be its own or noisier."""
+    check_plan(plan, own)
+    return noise.encode(clipped_update(update, own.clip), replace(plan, honest=own.honest), noise.generator(key))
+
+
+def record_epsilon(plan: noise.NoisePlan, rounds: int, delta: float) -> float:
+    """What the run gives each single record of a client that stays in it: one record can move
+    the clipped update from S·u to −S·u, a sensitivity of 2S, so it is the ε at z_e / 2."""
+    return noise.integer_order_epsilon(plan.gaussian_equivalent() / 2, 1.0, rounds, delta)
+
+
+def calibrate(epsilon: float, delta: float, clip: float, clients: int, rounds: int, honest: int,
+              dim: int) -> noise.NoisePlan:
+    """The client-level plan: every client in every round (q = 1), the sum divided by n."""
+    return noise.calibrate(epsilon, delta, clip, 1.0, float(clients), rounds, honest, dim)
