@@ -238,7 +238,7 @@ def test_a_sum_outside_the_honest_bound_is_refused_and_nothing_applied(members, 
     what honest clients send but once in 1e9 rounds (fedsd.secure.sum_bound): the round is abandoned and
     the model stays. An honest round under the same check is applied."""
     from fedsd.settings.run import TrainConfig
-    from fedsd.settings.federation import FedOptions, client_config
+    from fedsd.settings.federation import FedConfig, client_config
     from fedsd.app.server.secure_rounds import SecureRounds
 
     m = members
@@ -253,8 +253,8 @@ def test_a_sum_outside_the_honest_bound_is_refused_and_nothing_applied(members, 
 
     cfg = client_config(TrainConfig(**{k.replace("-", "_"): v for k, v in
                                        (("dataset", "fmnist"), ("method", "dp3sd"), ("batch-size", 50),
-                                        ("subset", 300), ("threads", 1))}), FedOptions(num_clients=3, rounds=2))
-    fed = FedOptions(num_clients=3, rounds=2, client_data="own", secure_aggregation=True,
+                                        ("subset", 300), ("threads", 1))}), FedConfig(num_clients=3, rounds=2))
+    fed = FedConfig(num_clients=3, rounds=2, client_data="own", secure_aggregation=True,
                      secagg_roster=str(m.path))
     side = SimpleNamespace(strategy=SimpleNamespace(settings=dict(m.flat), round_clients={}, client_epsilon={}),
                            cfg=cfg.resolved() if hasattr(cfg, "resolved") else cfg)

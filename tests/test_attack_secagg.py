@@ -102,14 +102,14 @@ def _tiny_trainer():
 
     from fedsd.data import datasets as data_lib
     from fedsd.settings.run import TrainConfig
-    from fedsd.settings.federation import FedOptions, client_config
+    from fedsd.settings.federation import FedConfig, client_config
     from fedsd.privacy.accounting import PrivacyPlan
     from fedsd.privacy.secret_random import SecretStream
     from fedsd.training.loop import DPTrainer, TrainState, initial_model
 
     cfg = TrainConfig(dataset="fmnist", method="dpsgd", grad_sample_mode="hooks", epsilon=3.0, batch_size=8,
                       lr=1.0, momentum=0.0, seed=1, threads=1, clip=0.1)
-    c = client_config(cfg, FedOptions(num_clients=1, rounds=1, local_epochs=1))
+    c = client_config(cfg, FedConfig(num_clients=1, rounds=1, local_epochs=1))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g)
     plan = PrivacyPlan(noise_multiplier=0.0, sample_rate=0.5, planned_steps=1, epsilon=3.0, delta=1e-5,

@@ -9,7 +9,7 @@ import pytest
 
 from fedsd.privacy import canary_audit as audit
 from fedsd.settings.run import GRAD_SAMPLE_MODES, TrainConfig
-from fedsd.cli.audit import AuditSettings, run_audit
+from fedsd.cli.audit import AuditConfig, run_audit
 from tests.conftest import require
 
 
@@ -66,7 +66,7 @@ SMALL = dict(dataset="fmnist", subset=3000, epochs=4, batch_size=150, lr=0.5, th
 def small_audit(method="dpsgd", epsilon=2.0, **kw):
     settings = {k: kw.pop(k) for k in ("canaries", "threat", "noise_scale", "clients") if k in kw}
     cfg = TrainConfig(method=method, epsilon=epsilon, **{**SMALL, **kw})
-    return run_audit(cfg, AuditSettings(**settings), progress=False)
+    return run_audit(cfg, AuditConfig(**settings), progress=False)
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from fedsd.app.client.client_app import app
 from fedsd.app.simulated_shards import build_federation
 from fedsd.app.records import model_to_record, record_to_model
 from fedsd.settings.run import TrainConfig
-from fedsd.settings.federation import FedOptions, to_flat
+from fedsd.settings.federation import FedConfig, to_flat
 from fedsd.training.loop import initial_model
 from tests.conftest import require
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("flower_task")
 def make(teacher: str, budget_rounds: int = 0):
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, batch_size=100, subset=1000, seed=4,
                       distill_warmup_epochs=0, threads=1)
-    fed = FedOptions(num_clients=2, rounds=3, teacher=teacher, budget_rounds=budget_rounds)
+    fed = FedConfig(num_clients=2, rounds=3, teacher=teacher, budget_rounds=budget_rounds)
     federation = build_federation(cfg, fed)
     flat = to_flat(federation.cfg, fed)
     context = Context(run_id=1, node_id=11, node_config={"partition-id": 1, "num-partitions": 2},
@@ -89,7 +89,7 @@ def test_global_ema_teacher_averages_the_global_models_the_client_received():
 def test_global_ema_teacher_is_the_average_of_the_global_models():
     from fedsd.settings.federation import round_teacher
 
-    fed = FedOptions(teacher="global-ema", teacher_ema_decay=0.75)
+    fed = FedConfig(teacher="global-ema", teacher_ema_decay=0.75)
     models = [{"w": torch.full((2,), float(v))} for v in (4.0, 8.0, 0.0)]
     teacher, state = round_teacher(fed, None, models[0])
     assert torch.equal(teacher["w"], models[0]["w"]) and teacher["w"] is not models[0]["w"]
@@ -97,7 +97,7 @@ def test_global_ema_teacher_is_the_average_of_the_global_models():
     assert torch.equal(teacher["w"], torch.full((2,), 5.0))  # 0.75·4 + 0.25·8
     teacher, state = round_teacher(fed, state, models[2])
     assert torch.equal(teacher["w"], torch.full((2,), 3.75)) and torch.equal(state.teacher_average["w"], teacher["w"])
-    assert round_teacher(FedOptions(teacher="round-start"), state, models[0])[0] is None
+    assert round_teacher(FedConfig(teacher="round-start"), state, models[0])[0] is None
 
 
 def test_reply_carries_model_arrays_and_metrics_only():

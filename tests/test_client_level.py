@@ -11,7 +11,7 @@ from fedsd.secure import distributed_noise as dn
 from fedsd.settings.run import TrainConfig
 from fedsd.secure.distributed_step import secure_round
 from fedsd.errors import ConfigError
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 from fedsd.cli.secure_simulation import check_options
 
 
@@ -84,18 +84,18 @@ def test_one_record_gets_the_guarantee_at_twice_the_clip():
 
 def test_client_level_options_are_checked_before_any_work():
     with pytest.raises(ConfigError, match="--privacy-unit client: needs --noise distributed"):
-        FedOptions(privacy_unit="client").validate()
+        FedConfig(privacy_unit="client").validate()
     with pytest.raises(ConfigError, match="needs --secure-aggregation"):
-        FedOptions(privacy_unit="client", noise="distributed", secure_aggregation=False).validate()  # a deployment's
+        FedConfig(privacy_unit="client", noise="distributed", secure_aggregation=False).validate()  # a deployment's
     with pytest.raises(ConfigError, match="--noise distributed: needs --secure-aggregation"):
-        FedOptions(noise="distributed").validate()
+        FedConfig(noise="distributed").validate()
     with pytest.raises(ConfigError, match="--update-clip"):
-        FedOptions(privacy_unit="client", noise="distributed", secure_aggregation=True, update_clip=0).validate()
-    fed = FedOptions(privacy_unit="client", noise="distributed", secure_aggregation=True, local_epochs=3)
+        FedConfig(privacy_unit="client", noise="distributed", secure_aggregation=True, update_clip=0).validate()
+    fed = FedConfig(privacy_unit="client", noise="distributed", secure_aggregation=True, local_epochs=3)
     fed.validate()
     check_options(TrainConfig(method="dpsgd"), fed)  # several local epochs: the unit is the whole update
     with pytest.raises(ConfigError, match="--method dp3sd: --privacy-unit client"):
         check_options(TrainConfig(method="dp3sd"), fed)
     with pytest.raises(ConfigError, match="--local-epochs 3"):  # record level keeps one step a round
-        check_options(TrainConfig(method="dpsgd"), FedOptions(noise="distributed", secure_aggregation=True,
+        check_options(TrainConfig(method="dpsgd"), FedConfig(noise="distributed", secure_aggregation=True,
                                                                local_epochs=3))

@@ -15,7 +15,7 @@ from fedsd.data import client_data
 from fedsd.data.client_data import builtin_task, load_holder_data
 from fedsd.errors import DataError
 from fedsd.settings.run import TrainConfig
-from fedsd.settings.federation import FedOptions, to_flat
+from fedsd.settings.federation import FedConfig, to_flat
 from fedsd.privacy.accounting import PrivacyFilter, plan
 from fedsd.models.networks import build_model
 from fedsd.training.loop import evaluate, initial_model
@@ -39,7 +39,7 @@ def split(tmp_path_factory):
 def run_config(epsilon=3.0, rounds=2, experiment="exp-a", batch_size=60):
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=epsilon, batch_size=batch_size, lr=0.8, seed=1, threads=1,
                       distill_warmup_epochs=0)
-    fed = FedOptions(num_clients=2, rounds=rounds, client_data="own", experiment_id=experiment)
+    fed = FedConfig(num_clients=2, rounds=rounds, client_data="own", experiment_id=experiment)
     return cfg, to_flat(cfg, fed)
 
 
@@ -223,7 +223,7 @@ def test_federated_evaluation_uses_the_clients_own_test_split_and_spends_nothing
     data = split / "npz" / "client-1"
     node = {"partition-id": 1, "data": str(data), "state-dir": str(tmp_path), "max-epsilon": 3,
             "federated-evaluation": True}
-    seeded = {"noise": "seeded", "trust-server-with-noise": True}  # a model that has learned, every time
+    seeded = {"randomness": "seeded", "trust-server-with-noise": True}  # a model that has learned, every time
     trained, _ = send(flat, {**node, **seeded, "state-dir": str(tmp_path / "trained")},
                       initial_model(cfg.resolved(), 10), 1)
     model = record_to_model(trained.content["arrays"])
@@ -259,7 +259,7 @@ def test_the_server_normalises_its_public_test_split_as_the_clients_normalise_th
     from fedsd.app.server.server_app import public_side
 
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, mean="0.5", std="0.25")
-    _, classes, (x_test, y_test), _, _ = public_side(cfg, FedOptions(num_clients=2, rounds=1, client_data="own"))
+    _, classes, (x_test, y_test), _, _ = public_side(cfg, FedConfig(num_clients=2, rounds=1, client_data="own"))
     images = data_lib.load("fmnist", None, False)
     assert classes == 10 and torch.equal(y_test, images.y_test)
     assert torch.allclose(x_test, (images.x_test.float() / 255 - 0.5) / 0.25)
@@ -287,7 +287,7 @@ def test_mean_and_std_reach_every_party_on_a_built_in_data_set():
     assert torch.equal(central.x_test, raw(images.x_test))
     held_out = data_lib.validation_indices(images, 500)
     assert torch.equal(data_lib.validation_split(images, 500, input_stats(cfg))[0], raw(images.x_train[held_out]))
-    fed = FedOptions(num_clients=2, rounds=1)
+    fed = FedConfig(num_clients=2, rounds=1)
     federation = build_federation(cfg, fed)
     shard = federation.client_data(0, "cpu")
     assert torch.equal(shard.x_train, raw(images.x_train[federation.train_indices[federation.shards[0]]]))

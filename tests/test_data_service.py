@@ -22,7 +22,7 @@ from flwr.app import ConfigRecord, Context, RecordDict
 from fedsd.app.client import owner_service as data_service, handler as local
 from fedsd.app.client.node_config import NodeConfigError, parse
 from fedsd.settings.run import TrainConfig
-from fedsd.settings.federation import FedOptions, client_config, to_flat
+from fedsd.settings.federation import FedConfig, client_config, to_flat
 from fedsd.training.loop import initial_model
 from fedsd.app.records import model_to_record, record_to_model
 from tests.conftest import require
@@ -35,7 +35,7 @@ def own_data(tmp_path):
 
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", batch_size=64, subset=600, threads=1)
-    fed = FedOptions(num_clients=2, rounds=2, client_data="own")
+    fed = FedConfig(num_clients=2, rounds=2, client_data="own")
     write_client_folders(cfg, fed, tmp_path / "data", "npz", echo=lambda line: None)
     flat = {**to_flat(cfg, fed), "experiment-id": "worker-test"}
     return cfg, fed, flat
@@ -44,7 +44,7 @@ def own_data(tmp_path):
 def context(tmp_path, name: str, **more) -> Context:
     # seeded noise (the owner's word given): the worker and this process must train the same weights
     node_config = {"partition-id": 0, "num-partitions": 2, "data": str(tmp_path / "data" / "client-0"),
-                   "max-epsilon": float("inf"), "state-dir": str(tmp_path / name), "noise": "seeded",
+                   "max-epsilon": float("inf"), "state-dir": str(tmp_path / name), "randomness": "seeded",
                    "trust-server-with-noise": True, "federated-evaluation": True, **more}
     return Context(run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config={})
 

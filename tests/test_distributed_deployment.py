@@ -16,7 +16,7 @@ from flwr.app import ConfigRecord, RecordDict
 from fedsd.app.client import secure_stages as service
 from fedsd.secure import distributed_noise as dn
 from fedsd.settings.run import TrainConfig
-from fedsd.settings.federation import FedOptions, client_config
+from fedsd.settings.federation import FedConfig, client_config
 from fedsd.privacy.accounting import RDP_ORDERS, SKELLAM, PrivacyFilter
 from fedsd.app import secure_sum
 from fedsd.app.records import model_to_record, record_to_model
@@ -29,7 +29,7 @@ Q = BATCH / RECORDS
 
 def _settings():
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", batch_size=BATCH, subset=RECORDS, threads=1, epsilon=EPSILON)
-    fed = FedOptions(num_clients=3, rounds=ROUNDS, client_data="own", secure_aggregation=True, noise="distributed",
+    fed = FedConfig(num_clients=3, rounds=ROUNDS, client_data="own", secure_aggregation=True, noise="distributed",
                      sample_rate=Q, honest_clients=3)
     return cfg, fed
 
@@ -45,7 +45,7 @@ def federation(owners):
     cfg, fed = _settings()
     flat = {**flat, "noise": "distributed", "secure-aggregation": True, "sample-rate": Q, "epsilon": EPSILON,
             "honest-clients": 3}
-    server_cfg = client_config(cfg, FedOptions(num_clients=3, rounds=ROUNDS))
+    server_cfg = client_config(cfg, FedConfig(num_clients=3, rounds=ROUNDS))
     replies = {}
 
     def tamper(kind, node, reply):
@@ -263,11 +263,11 @@ def test_the_server_refuses_a_run_that_cannot_be_distributed_before_any_round():
     from fedsd.errors import ConfigError
 
     cfg, fed = _settings()
-    cfg = client_config(cfg, FedOptions(num_clients=3, rounds=ROUNDS))
+    cfg = client_config(cfg, FedConfig(num_clients=3, rounds=ROUNDS))
     for change, why in ((dict(local_epochs=2), "local-epochs"), (dict(sample_rate=0.0), "sample-rate"),
                         (dict(privacy_unit="client"), "not yet in a deployment")):
         with pytest.raises(ConfigError, match=why):
-            distributed_plan(cfg, FedOptions(**{**fed.__dict__, **change}), 10)
+            distributed_plan(cfg, FedConfig(**{**fed.__dict__, **change}), 10)
     plan, _ = distributed_plan(cfg, fed, 10)
     assert plan.sample_rate == Q and plan.expected_batch == BATCH and plan.honest == 3
     assert plan.epsilon(ROUNDS, cfg.delta) <= EPSILON
@@ -320,7 +320,7 @@ def test_a_sum_with_fewer_shares_than_the_plans_t_is_refused_and_nothing_applied
     from fedsd.app.server.secure_rounds import SecureRounds
 
     f = federation
-    fed = FedOptions(**{**f.fed.__dict__, "honest_clients": 4})
+    fed = FedConfig(**{**f.fed.__dict__, "honest_clients": 4})
     side = f.rounds.side
     rounds = SecureRounds(f.rounds.grid, side, SimpleNamespace(fed=fed, experiment_id=EXPERIMENT, round=0,
                                                                 out=f.tmp_path))

@@ -83,11 +83,11 @@ def test_a_private_normalisation_that_does_not_fit_is_refused(settings, says):
 
 
 def test_a_federation_refuses_the_private_normalisation_before_any_work():
-    from fedsd.settings.federation import FedOptions, client_config
+    from fedsd.settings.federation import FedConfig, client_config
 
     cfg = TrainConfig(dataset="fmnist", features="scatter", feature_norm="private", epsilon=3)
     with pytest.raises(ConfigError, match="--feature-norm private: central runs only"):
-        client_config(cfg, FedOptions())
+        client_config(cfg, FedConfig())
 
 
 def test_private_statistics_of_real_features_are_the_data_sets_own_plus_noise_of_the_stated_scale(cache):

@@ -15,7 +15,7 @@ import torch
 
 from fedsd.training.central import train
 from fedsd.settings.run import TrainConfig
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 from fedsd.cli.main import main
 from fedsd.cli.simulate import simulate
 from tests.conftest import require
@@ -30,7 +30,7 @@ def test_single_client_reproduces_central_training(method, release):
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method=method, release=release, epsilon=3, batch_size=200, subset=2000,
                       seed=5, threads=1, ema_decay=0.9 if "ema" in (method[2:], release) else None)
-    fed, fed_weights = simulate(cfg, FedOptions(num_clients=1, rounds=3, local_epochs=1), progress=False)
+    fed, fed_weights = simulate(cfg, FedConfig(num_clients=1, rounds=3, local_epochs=1), progress=False)
     central, weights = train(dataclasses.replace(cfg, epochs=3), progress=False)
     diff = max((fed_weights[k] - weights[k]).abs().max().item() for k in weights)
     assert diff <= 1e-6
@@ -41,7 +41,7 @@ def test_single_client_reproduces_central_training(method, release):
 def test_three_clients_learn_and_account_per_client(tmp_path):
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, batch_size=256, lr=3.0, subset=12000, seed=0)
-    result, _ = simulate(cfg, FedOptions(num_clients=3, rounds=3, local_epochs=1, federated_evaluation=True),
+    result, _ = simulate(cfg, FedConfig(num_clients=3, rounds=3, local_epochs=1, federated_evaluation=True),
                       out=tmp_path / "run", progress=False)
     assert result["test_accuracy"] >= 0.6
     for r in result["rounds"]:  # the clients' shares of the test split, weighted, are the whole split
@@ -69,7 +69,7 @@ def test_a_simulation_with_validation_scores_every_round_on_the_held_out_split()
 
     cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=256, lr=3.0, subset=4000,
                       validation=2000, seed=0, threads=1)
-    result, weights = simulate(cfg, FedOptions(num_clients=2, rounds=2), progress=False)
+    result, weights = simulate(cfg, FedConfig(num_clients=2, rounds=2), progress=False)
     assert sum(result["shard_sizes"]) == 4000
     images = data_lib.load("fmnist", None)
     held_out = data_lib.validation_indices(images, 2000)
@@ -87,7 +87,7 @@ def test_client_over_budget_is_skipped_not_crashed():
     the server logs it and finishes, and the model stays that of round 2."""
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=2, batch_size=100, subset=1000, seed=0)
-    result, _ = simulate(cfg, FedOptions(num_clients=2, rounds=3, budget_rounds=2), progress=False)
+    result, _ = simulate(cfg, FedConfig(num_clients=2, rounds=3, budget_rounds=2), progress=False)
     r1, r2, r3 = result["rounds"]
     assert r1["trained"] == [0, 1] and r2["trained"] == [0, 1]
     assert r3["trained"] == [] and r3["skipped"] == [0, 1]
@@ -144,7 +144,7 @@ def test_server_side_dp_adds_the_noise_it_promises():
     from fedsd.training.loop import initial_model
 
     cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=100, subset=1000, seed=0)
-    result, weights = simulate(cfg, FedOptions(num_clients=2, rounds=1, server_dp_noise=0.5, server_dp_clip=1.0),
+    result, weights = simulate(cfg, FedConfig(num_clients=2, rounds=1, server_dp_noise=0.5, server_dp_clip=1.0),
                            progress=False)
     start = initial_model(TrainConfig(**{**cfg.__dict__, "epochs": 1}).resolved(), 10)["student"]
     change = torch.cat([(weights[k] - start[k]).flatten() for k in start])
@@ -155,7 +155,7 @@ def test_server_side_dp_adds_the_noise_it_promises():
 def test_other_strategies_learn(strategy):
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=3, batch_size=100, lr=0.8, subset=2000, seed=0)
-    result, _ = simulate(cfg, FedOptions(num_clients=2, rounds=3, strategy=strategy, server_lr=0.05, proximal_mu=0.1),
+    result, _ = simulate(cfg, FedConfig(num_clients=2, rounds=3, strategy=strategy, server_lr=0.05, proximal_mu=0.1),
                       progress=False)
     accuracies = [r["test_accuracy"] for r in result["rounds"]]
     # 3 short rounds of 10 noisy steps: learning shows as a rise every round, well above chance (0.1).

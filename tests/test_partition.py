@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fedsd.app.partition import shards
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 from tests.conftest import require
 
 
@@ -14,7 +14,7 @@ def labels():
 
 
 def test_iid_shards_cover_the_data_once_and_are_balanced(labels):
-    parts = shards(labels, FedOptions(num_clients=6, partition="iid"), seed=0)
+    parts = shards(labels, FedConfig(num_clients=6, partition="iid"), seed=0)
     assert [len(p) for p in parts] == [1000] * 6
     joined = torch.cat(parts)
     assert sorted(joined.tolist()) == list(range(6000))
@@ -25,12 +25,12 @@ def test_iid_shards_cover_the_data_once_and_are_balanced(labels):
 
 
 def test_one_client_gets_everything_in_order(labels):
-    (only,) = shards(labels, FedOptions(num_clients=1, partition="iid"), seed=3)
+    (only,) = shards(labels, FedConfig(num_clients=1, partition="iid"), seed=3)
     assert torch.equal(only, torch.arange(6000))
 
 
 def test_dirichlet_is_skewed_and_seeded(labels):
-    fed = FedOptions(num_clients=5, partition="dirichlet", dirichlet_alpha=0.1)
+    fed = FedConfig(num_clients=5, partition="dirichlet", dirichlet_alpha=0.1)
     a, b = shards(labels, fed, seed=1), shards(labels, fed, seed=1)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert sorted(torch.cat(a).tolist()) == list(range(6000))
@@ -41,7 +41,7 @@ def test_dirichlet_is_skewed_and_seeded(labels):
 
 
 def test_pathological_gives_each_client_its_classes(labels):
-    parts = shards(labels, FedOptions(num_clients=5, partition="pathological", classes_per_client=2), seed=0)
+    parts = shards(labels, FedConfig(num_clients=5, partition="pathological", classes_per_client=2), seed=0)
     for p in parts:
         assert len(torch.unique(labels[p])) == 2
     joined = torch.cat(parts)
@@ -56,13 +56,13 @@ def test_inner_dirichlet_gives_equal_shards_with_skewed_labels_at_a_thousand_cli
     from fedsd.errors import ConfigError
 
     labels = torch.from_numpy(np.repeat(np.arange(10), 6000))  # 60,000 samples
-    parts = shards(labels, FedOptions(num_clients=1000, partition="inner-dirichlet", dirichlet_alpha=0.3), seed=0)
+    parts = shards(labels, FedConfig(num_clients=1000, partition="inner-dirichlet", dirichlet_alpha=0.3), seed=0)
     assert [len(p) for p in parts] == [60] * 1000
     assert sorted(torch.cat(parts).tolist()) == list(range(60000))
     top_class_share = np.mean([torch.bincount(labels[p], minlength=10).max().item() / 60 for p in parts])
     assert top_class_share > 0.4  # IID would give ~0.17: most of a client's samples are of one or two classes
     with pytest.raises(ConfigError, match="use --partition inner-dirichlet"):
-        shards(labels, FedOptions(num_clients=1000, partition="dirichlet", dirichlet_alpha=0.3), seed=0)
+        shards(labels, FedConfig(num_clients=1000, partition="dirichlet", dirichlet_alpha=0.3), seed=0)
 
 
 def test_dirichlet_redraws_are_said_once_in_fedsds_words():
@@ -77,7 +77,7 @@ def test_dirichlet_redraws_are_said_once_in_fedsds_words():
     labels = data_lib.load("fmnist").y_train
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        parts = shards(labels, FedOptions(num_clients=600, partition="dirichlet", dirichlet_alpha=0.3), 0)
+        parts = shards(labels, FedConfig(num_clients=600, partition="dirichlet", dirichlet_alpha=0.3), 0)
     sizes = [len(p) for p in parts]
     assert [w.category for w in caught] == [FedsdNote], [str(w.message)[:120] for w in caught]
     assert str(caught[0].message).startswith("--partition dirichlet: 10 Dirichlet(α=0.3) draw(s) left a client with "

@@ -196,13 +196,13 @@ def test_a_run_on_backbone_features_trains_the_head_and_writes_its_sha256(weight
 @pytest.mark.slow
 def test_a_federation_started_from_the_weights_trains(weights_file):
     require("mnist")
-    from fedsd.settings.federation import FedOptions
+    from fedsd.settings.federation import FedConfig
     from fedsd.cli.simulate import simulate
 
     state = torch.load(weights_file)
     cfg = TrainConfig(dataset="mnist", method="dpsgd", epsilon=3, batch_size=200, lr=0.5, subset=4000, seed=0,
                       threads=1, init_weights=str(weights_file), train_layers="last:2")
-    result, weights = simulate(cfg, FedOptions(num_clients=2, rounds=2), progress=False)
+    result, weights = simulate(cfg, FedConfig(num_clients=2, rounds=2), progress=False)
     assert result["config"]["init_weights_sha256"] == pretrained.sha256_of(weights_file)
     for key in ("0.weight", "0.bias", "3.weight", "3.bias"):  # the frozen blocks: the file's
         assert torch.allclose(weights[key], state[key], rtol=0, atol=1e-7), key

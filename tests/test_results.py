@@ -9,7 +9,7 @@ import torch
 
 from fedsd.settings.run import TrainConfig
 from fedsd.errors import DataError
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 from fedsd.files.results import RESULT_FORMAT, RunResult
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -29,7 +29,7 @@ def test_every_kept_run_reads(path):
     cfg = TrainConfig.from_dict(result.config).resolved()  # an old run's settings, in this version's type
     assert (cfg.method, cfg.epsilon) == (result.method, result.epsilon_target)
     if result.federated:
-        assert FedOptions.from_dict(result.federation).num_clients == result.num_clients
+        assert FedConfig.from_dict(result.federation).num_clients == result.num_clients
     # written back the same (a null and an absent key mean the same: the writer leaves nulls out)
     same = lambda d: {k: v for k, v in d.items() if k != "format" and v is not None}  # noqa: E731
     assert same(result.to_dict()) == same(written)
@@ -85,4 +85,4 @@ def test_a_result_names_its_gpu_and_a_cpu_run_names_none(tmp_path):
 def test_settings_saved_before_a_setting_was_removed_still_load():
     old = {**TrainConfig().to_dict(), "a_setting_since_removed": 1}
     assert TrainConfig.from_dict(old) == TrainConfig()
-    assert FedOptions.from_dict({**FedOptions().__dict__, "gone": True}) == FedOptions()
+    assert FedConfig.from_dict({**FedConfig().__dict__, "gone": True}) == FedConfig()

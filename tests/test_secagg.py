@@ -149,16 +149,16 @@ def test_masks_are_a_keystream_not_a_32_bit_seed():
 def test_distributed_noise_options_are_checked_before_any_work():
     from fedsd.settings.run import TrainConfig
     from fedsd.errors import ConfigError
-    from fedsd.settings.federation import FedOptions
+    from fedsd.settings.federation import FedConfig
     from fedsd.cli.secure_simulation import check_options
 
     cfg = TrainConfig(dataset="fmnist")
     with pytest.raises(ConfigError, match="needs --secure-aggregation"):
-        check_options(cfg, FedOptions(noise="distributed"))
+        check_options(cfg, FedConfig(noise="distributed"))
     with pytest.raises(ConfigError, match="--local-epochs 2"):
-        check_options(cfg, FedOptions(noise="distributed", secure_aggregation=True, local_epochs=2))
+        check_options(cfg, FedConfig(noise="distributed", secure_aggregation=True, local_epochs=2))
     with pytest.raises(ConfigError, match="--honest-clients 11"):
-        check_options(cfg, FedOptions(noise="distributed", secure_aggregation=True, honest_clients=11))
+        check_options(cfg, FedConfig(noise="distributed", secure_aggregation=True, honest_clients=11))
     with pytest.raises(ConfigError, match="--method dpkd"):
         check_options(TrainConfig(dataset="fmnist", method="dpkd"),
-                      FedOptions(noise="distributed", secure_aggregation=True))
+                      FedConfig(noise="distributed", secure_aggregation=True))

@@ -10,7 +10,7 @@ from flwr.app import ConfigRecord, Context, RecordDict
 
 from fedsd.app.client import secure_stages as service
 from fedsd.settings.run import TrainConfig
-from fedsd.settings.federation import FedOptions, client_config, to_flat
+from fedsd.settings.federation import FedConfig, client_config, to_flat
 from fedsd.secure.secagg import SecAggServer
 from fedsd.training.loop import initial_model
 from fedsd.app import secure_sum
@@ -32,7 +32,7 @@ def owners(tmp_path, monkeypatch):
 
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", batch_size=50, subset=300, threads=1)
-    fed = FedOptions(num_clients=3, rounds=2, client_data="own")
+    fed = FedConfig(num_clients=3, rounds=2, client_data="own")
     write_client_folders(cfg, fed, tmp_path / "data", "npz", echo=lambda line: None)
     flat = {**to_flat(cfg, fed), "experiment-id": EXPERIMENT}
     contexts = {node: Context(run_id=7, node_id=node, state=RecordDict(), run_config={}, node_config={

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fedsd.settings.run import TrainConfig
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 from fedsd.cli.secure_simulation import SecureFederation, simulate_secure
 from tests.conftest import require
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def settings(method="dpsgd", rounds=4):
     cfg = TrainConfig(dataset="fmnist", method=method, subset=2000, batch_size=300, lr=1.0, epsilon=3.0,
                       threads=1, seed=3, grad_sample_mode="hooks").resolved()
-    fed = FedOptions(num_clients=3, rounds=rounds, partition="dirichlet", dirichlet_alpha=0.5,
+    fed = FedConfig(num_clients=3, rounds=rounds, partition="dirichlet", dirichlet_alpha=0.5,
                      secure_aggregation=True, noise="distributed")
     return cfg, fed
 
@@ -59,7 +59,7 @@ def test_client_level_rounds_are_fedavg_of_clipped_updates_and_spend_the_clients
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dpsgd", subset=3000, batch_size=50, lr=0.05, momentum=0.9,
                       epsilon=3.0, threads=1, seed=3).resolved()
-    fed = FedOptions(num_clients=3, rounds=2, secure_aggregation=True, noise="distributed", privacy_unit="client",
+    fed = FedConfig(num_clients=3, rounds=2, secure_aggregation=True, noise="distributed", privacy_unit="client",
                      update_clip=2.0, local_epochs=1)
     quiet = SecureFederation(cfg, fed, None)
     quiet.noise = quiet.own = dataclasses.replace(quiet.noise, noise_multiplier=0.0)

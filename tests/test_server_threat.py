@@ -21,7 +21,7 @@ from fedsd.data import datasets as data_lib
 from fedsd.data.client_data import builtin_task, normalised
 from fedsd.settings.run import TrainConfig
 from fedsd.errors import DataError
-from fedsd.settings.federation import FedOptions, client_config, to_flat
+from fedsd.settings.federation import FedConfig, client_config, to_flat
 from fedsd.models.networks import build_model
 from fedsd.training.seeds import SEED_CLIENT_RNG, derive_seed
 from fedsd.training.loop import initial_model
@@ -47,7 +47,7 @@ def own_npz(tmp_path_factory):
 def one_step_run(experiment="attack", local_epochs=1, **train):
     cfg = TrainConfig(**{**dict(dataset="fmnist", method="dpsgd", epsilon=3.0, batch_size=B, lr=1.0, momentum=0.0,
                                 seed=1, threads=1), **train})
-    fed = FedOptions(num_clients=1, rounds=1, local_epochs=local_epochs, client_data="own", experiment_id=experiment)
+    fed = FedConfig(num_clients=1, rounds=1, local_epochs=local_epochs, client_data="own", experiment_id=experiment)
     return cfg, fed, to_flat(cfg, fed)
 
 
@@ -109,7 +109,7 @@ def test_a_malicious_server_cannot_remove_an_own_data_clients_noise(own_npz, tmp
     sum to float error, so this test can fail."""
     cfg, fed, flat = one_step_run()
     start = initial_model(client_config(cfg, fed), 10)["student"]
-    extra = {} if noise == "secret" else {"noise": "seeded", "trust-server-with-noise": True}
+    extra = {} if noise == "secret" else {"randomness": "seeded", "trust-server-with-noise": True}
     reply = ask(flat, node(own_npz, tmp_path, **extra), {"student": start})
     assert reply["metrics"]["skipped"] == 0 and reply["metrics"]["steps"] == 1
     estimate, sigma_c, d = servers_estimate(cfg, fed, reply, start)
@@ -131,7 +131,7 @@ def test_two_deployments_differ_and_two_simulations_are_identical(own_npz, tmp_p
     assert any(not torch.equal(a[k], b[k]) for k in a)  # same data, settings and seed: other noise
     # A simulation: a shard of a built-in data set, seeded from the run's seed, bit for bit.
     sim_cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3.0, batch_size=64, subset=256, seed=1, threads=1)
-    sim_fed = FedOptions(num_clients=2, rounds=1, experiment_id="sim")
+    sim_fed = FedConfig(num_clients=2, rounds=1, experiment_id="sim")
     sim_flat = to_flat(sim_cfg, sim_fed)
     sim_start = initial_model(client_config(sim_cfg, sim_fed), 10)
     replies = [ask(sim_flat, {"partition-id": 0, "state-dir": str(tmp_path / f"sim{k}")}, sim_start) for k in (0, 1)]
@@ -291,7 +291,7 @@ def test_sizes_a_server_asks_for_are_bounded(tmp_path):
     np.savez(tmp_path / "d.npz", x_train=x, y_train=np.arange(20) % 2)
     cfg = TrainConfig(dataset="custom", classes="a,b", channels=3, image_size=100_000, method="dpsgd", epsilon=3.0,
                       batch_size=10)
-    fed = FedOptions(num_clients=1, rounds=1, client_data="own", experiment_id="big")
+    fed = FedConfig(num_clients=1, rounds=1, client_data="own", experiment_id="big")
     reply = ask(to_flat(cfg, fed), node(tmp_path / "d.npz", tmp_path / "state"),
                 {"student": build_model("cifar-cnn", 2).state_dict()})
     assert reply["metrics"]["refused"] == 1 and "image-size" in reply["refusal"]["reason"]

@@ -8,7 +8,7 @@ import pytest
 
 from fedsd.settings.run import TrainConfig
 from fedsd.errors import ConfigError
-from fedsd.settings.federation import FLOWER_APP_DEFAULTS, FedOptions, from_flat, to_flat
+from fedsd.settings.federation import FLOWER_APP_DEFAULTS, FedConfig, from_flat, to_flat
 from fedsd.settings.declared import add_options, flags_to_keys, from_args, settings_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_pyproject_app_config_is_the_declared_defaults():
     app_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    declared = {**to_flat(TrainConfig(), FedOptions()), **FLOWER_APP_DEFAULTS}
+    declared = {**to_flat(TrainConfig(), FedConfig()), **FLOWER_APP_DEFAULTS}
     assert set(app_config) == set(declared), set(app_config) ^ set(declared)
     differing = {k: (app_config[k], declared[k]) for k in declared if app_config[k] != declared[k]}
     assert not differing, f"pyproject.toml (left) disagrees with the declared default (right): {differing}"
@@ -35,15 +35,15 @@ def _other_value(s):
     return "some/folder"
 
 
-@pytest.mark.parametrize("cls", [TrainConfig, FedOptions])
+@pytest.mark.parametrize("cls", [TrainConfig, FedConfig])
 def test_flat_form_round_trips_every_setting(cls):
     changed = cls(**{s.name: _other_value(s) for s in settings_of(cls)})
-    other = FedOptions() if cls is TrainConfig else TrainConfig()
+    other = FedConfig() if cls is TrainConfig else TrainConfig()
     pair = (changed, other) if cls is TrainConfig else (other, changed)
     flat = to_flat(*pair)
     assert all(v is not None for v in flat.values())  # TOML and Flower's records have no None
     assert from_flat(flat) == pair
-    assert from_flat(to_flat(TrainConfig(), FedOptions())) == (TrainConfig(), FedOptions())
+    assert from_flat(to_flat(TrainConfig(), FedConfig())) == (TrainConfig(), FedConfig())
 
 
 def test_flat_form_types_come_from_the_annotations():
@@ -57,13 +57,13 @@ def test_flat_form_types_come_from_the_annotations():
 def test_command_line_options_are_derived_and_unset_ones_keep_the_declared_default():
     parser = argparse.ArgumentParser()
     add_options(parser, TrainConfig)
-    add_options(parser, FedOptions)
+    add_options(parser, FedConfig)
     args = parser.parse_args(["--tau-s", "0.2", "--clients", "3", "--rounds", "4", "--download",
                               "--resume", "runs/x"])
     assert from_args(TrainConfig, args) == TrainConfig(tau_s=0.2, download=True)
-    assert from_args(FedOptions, args) == FedOptions(num_clients=3, rounds=4, resume_dir="runs/x")
+    assert from_args(FedConfig, args) == FedConfig(num_clients=3, rounds=4, resume_dir="runs/x")
     flags = {a.option_strings[0] for a in parser._actions if a.option_strings}
-    for cls in (TrainConfig, FedOptions):
+    for cls in (TrainConfig, FedConfig):
         assert {s.flag for s in settings_of(cls) if s.cli} <= flags
     with pytest.raises(SystemExit):  # choices come from the declaration
         parser.parse_args(["--partition", "sorted"])
@@ -85,7 +85,7 @@ def test_help_says_what_and_the_default(capsys):
 
 def test_errors_name_the_setting_as_the_user_typed_it():
     message = "--batch-size: must be >= 1, got 0; --rounds: must be >= 1; --tau-s: a temperature must be > 0"
-    assert flags_to_keys(message, TrainConfig, FedOptions) == (
+    assert flags_to_keys(message, TrainConfig, FedConfig) == (
         "batch-size: must be >= 1, got 0; num-server-rounds: must be >= 1; tau-s: a temperature must be > 0")
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 from fedsd.models.networks import build_model
 from fedsd.app.server.strategy import RecordingStrategy, base_strategy, evaluation_metrics, reply_problem, train_metrics
 
@@ -34,7 +34,7 @@ def test_bad_reply_is_rejected_and_the_round_goes_on(break_it, needle):
     bad = good(5.0)
     break_it(bad)
     assert needle in reply_problem(ArrayRecord({k: Array(v) for k, v in bad.items()}), SHAPES)
-    fed = FedOptions(num_clients=3)
+    fed = FedConfig(num_clients=3)
     strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
     arrays, _ = strategy.aggregate_train(1, [reply(0, good(1.0)), reply(1, bad), reply(2, good(3.0), n=300)])
     assert needle in strategy.round_clients[1][1]["rejected"]
@@ -46,7 +46,7 @@ def test_a_client_whose_epsilon_falls_is_named_and_a_refusal_keeps_what_was_spen
     """A client reporting less ε than before has lost its privacy state: the round records it,
     the log says so, and the server keeps the larger ε (what the client has spent at least, and
     what it is told next). A refusal (its node's limits; nothing spent) keeps the client's ε."""
-    fed = FedOptions(num_clients=2)
+    fed = FedConfig(num_clients=2)
     strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
     strategy.aggregate_train(1, [reply(0, good(), epsilon=1.0), reply(1, good(), epsilon=1.0)])
     strategy.aggregate_train(2, [reply(0, good(), epsilon=0.6), reply(1, good(), epsilon=1.4)])
@@ -77,7 +77,7 @@ def test_a_train_request_carries_what_its_client_has_reported_spending():
 
     from fedsd.app.records import SPENT_EPSILON
 
-    fed = FedOptions(num_clients=3)
+    fed = FedConfig(num_clients=3)
     strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
     grid, arrays = Nodes(11, 12, 13), ArrayRecord({k: Array(v) for k, v in good().items()})
     first = list(strategy.configure_train(1, arrays, ConfigRecord({"lr": 0.1}), grid))
@@ -95,7 +95,7 @@ def test_replies_whose_metrics_differ_in_their_keys_are_aggregated():
     """A replayed round (replayed = 1) beside a freshly trained one, and a client whose owner set
     limits (max-epsilon) beside one without: Flower's FedAvg refuses replies whose metrics differ
     in their keys, and the round must still aggregate; each client's own metrics stay recorded."""
-    fed = FedOptions(num_clients=2)
+    fed = FedConfig(num_clients=2)
     strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
     fresh = reply(0, good(1.0), steps=10, **{"train-loss": 0.5})
     replayed = reply(1, good(3.0), steps=10, replayed=1, **{"train-loss": 0.7, "max-epsilon": 3.0})
@@ -116,7 +116,7 @@ def test_checkpoint_restores_strategy_state_recorder_and_settings(tmp_path):
     from fedsd.settings.run import TrainConfig
     from fedsd.app.server import checkpoint
 
-    fed = FedOptions(num_clients=2, strategy="fedadam", server_dp_noise=0.5, rounds=4)
+    fed = FedConfig(num_clients=2, strategy="fedadam", server_dp_noise=0.5, rounds=4)
     cfg = TrainConfig(dataset="fmnist", method="dpdsd", epsilon=2.0, subset=500).resolved()
     first = RecordingStrategy(base_strategy(fed), fed, SHAPES)
     first.inner.strategy.m_t = {"student/0.weight": np.full((2, 2), 0.5)}
@@ -225,7 +225,7 @@ def test_a_failed_push_and_a_dropped_reply_are_missing_at_once_and_the_round_goe
 
     from fedsd.app.server.grid import PollingGrid
 
-    fed = FedOptions(num_clients=4)
+    fed = FedConfig(num_clients=4)
     strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
     grid, arrays = Nodes(11, 12, 13, 14), ArrayRecord({k: Array(v) for k, v in good().items()})
     messages = list(strategy.configure_train(1, arrays, ConfigRecord({}), grid))
@@ -266,7 +266,7 @@ def test_a_node_gone_offline_is_missing_without_waiting_for_the_rounds_timeout(m
     from fedsd.app.server.grid import PollingGrid
 
     monkeypatch.setattr(fedsd.app.server.grid, "OFFLINE_CHECK_SECONDS", 0.2)
-    fed = FedOptions(num_clients=3)
+    fed = FedConfig(num_clients=3)
     strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
     grid, arrays = Nodes(11, 13, 14), ArrayRecord({k: Array(v) for k, v in good().items()})
     messages = list(strategy.configure_train(1, arrays, ConfigRecord({}), grid))
@@ -290,7 +290,7 @@ def test_a_launch_whose_node_is_down_goes_on_without_it_after_a_bounded_wait(mon
     import fedsd.app.server.strategy
 
     monkeypatch.setattr(fedsd.app.server.strategy, "LAUNCH_WAIT_SECONDS", 0.5)
-    fed = FedOptions(num_clients=3)
+    fed = FedConfig(num_clients=3)
     strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES, round_offset=4)
     arrays, sent = ArrayRecord({k: Array(v) for k, v in good().items()}), []
     started = time.monotonic()
@@ -308,7 +308,7 @@ def test_a_launch_with_its_whole_federation_does_not_wait():
 
     from flwr.app import ConfigRecord
 
-    fed = FedOptions(num_clients=3)
+    fed = FedConfig(num_clients=3)
     strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
     started = time.monotonic()
     sent = list(strategy.configure_train(1, ArrayRecord({k: Array(v) for k, v in good().items()}), ConfigRecord({}),

@@ -13,10 +13,10 @@ import numpy as np
 import torch
 
 from fedsd.errors import ConfigError, FedsdNote
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 
 
-def _partitioner(fed: FedOptions, seed: int, num_samples: int):
+def _partitioner(fed: FedConfig, seed: int, num_samples: int):
     # Imported here: Hugging Face datasets takes over a second to import, and a deployed client
     # with its own data, a fresh process for every message, never partitions anything.
     from flwr_datasets.partitioner import (DirichletPartitioner, IidPartitioner, InnerDirichletPartitioner,
@@ -43,7 +43,7 @@ def _all_shards(labels_key: bytes, num_clients: int, partition: str, alpha: floa
     from datasets import Dataset
 
     labels = np.frombuffer(labels_key, dtype=np.int64)
-    fed = FedOptions(num_clients=num_clients, partition=partition, dirichlet_alpha=alpha,
+    fed = FedConfig(num_clients=num_clients, partition=partition, dirichlet_alpha=alpha,
                      classes_per_client=classes)
     table = Dataset.from_dict({"index": np.arange(len(labels)), "label": labels})
     if partition == "iid":  # IidPartitioner cuts contiguous shards: shuffle first, as FederatedDataset does
@@ -80,7 +80,7 @@ def _say_redraws(caught: list, parts: tuple, alpha: float) -> None:
                       f"inner-dirichlet gives every client the same size)", FedsdNote, stacklevel=3)
 
 
-def shards(labels: torch.Tensor, fed: FedOptions, seed: int) -> list[torch.Tensor]:
+def shards(labels: torch.Tensor, fed: FedConfig, seed: int) -> list[torch.Tensor]:
     """Every client's shard: positions into `labels`, sorted ascending (cached per process)."""
     key = labels.numpy().astype(np.int64).tobytes()
     parts = _all_shards(key, fed.num_clients, fed.partition, float(fed.dirichlet_alpha),

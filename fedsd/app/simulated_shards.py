@@ -13,7 +13,7 @@ from fedsd.data.client_data import input_stats, run_images, task_for, with_custo
 from fedsd.privacy import accounting as privacy
 from fedsd.settings.run import TrainConfig, validate
 from fedsd.errors import ConfigError
-from fedsd.settings.federation import FedOptions, client_config
+from fedsd.settings.federation import FedConfig, client_config
 from fedsd.models.networks import feature_source
 
 from fedsd.app.partition import shards
@@ -24,7 +24,7 @@ class Federation:
     """The data side of a federation, as every party computes it (seeded, so all agree)."""
 
     cfg: TrainConfig
-    fed: FedOptions
+    fed: FedConfig
     images: data_lib.ImageData
     train_indices: torch.Tensor  # into the full training set (a --subset, or all of it)
     shards: list[torch.Tensor]  # per client: positions into train_indices
@@ -55,7 +55,7 @@ class Federation:
             self.client_plan(k)
 
 
-def cut_shards(cfg: TrainConfig, fed: FedOptions) -> tuple[data_lib.ImageData, torch.Tensor, list[torch.Tensor]]:
+def cut_shards(cfg: TrainConfig, fed: FedConfig) -> tuple[data_lib.ImageData, torch.Tensor, list[torch.Tensor]]:
     """The data set, the training samples a run takes (--subset, less --validation) and
     each client's shard of them (positions into those samples), as every party cuts them."""
     images = run_images(cfg)
@@ -65,7 +65,7 @@ def cut_shards(cfg: TrainConfig, fed: FedOptions) -> tuple[data_lib.ImageData, t
     return images, indices, shards(images.y_train[indices], fed, cfg.seed)
 
 
-def build_federation(cfg: TrainConfig, fed: FedOptions) -> Federation:
+def build_federation(cfg: TrainConfig, fed: FedConfig) -> Federation:
     """Load, subset and partition the data; check every client's shard against the settings.
 
     Raises ConfigError (naming the option, or the client and its size) before any training."""

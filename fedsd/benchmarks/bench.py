@@ -30,7 +30,7 @@ from fedsd.data.client_data import input_stats
 from fedsd.settings.run import GRAD_SAMPLE_MODES, TrainConfig
 from fedsd.data.datasets import TensorData
 from fedsd.errors import ConfigError
-from fedsd.settings.federation import FedOptions, to_flat
+from fedsd.settings.federation import FedConfig, to_flat
 from fedsd.methods import METHODS, method_of, released
 from fedsd.models.networks import build_model, input_shape_of
 from fedsd.models.pretrained import check_train_layers
@@ -59,7 +59,7 @@ def _add_federated(what) -> None:
     fed.add_argument("--dataset", default="fmnist")
     fed.add_argument("--method", default="dp3sd")
     # The federation's settings as `fedsd simulate` declares them (one default each).
-    add_options(fed, FedOptions, only=("num_clients", "fraction_train", "partition", "dirichlet_alpha", "client_cpus"))
+    add_options(fed, FedConfig, only=("num_clients", "fraction_train", "partition", "dirichlet_alpha", "client_cpus"))
     fed.add_argument("--rounds", type=int, default=4, help="the first round (warm-up) is not counted")
     fed.add_argument("--batch-size", type=int, default=256, help="per client")
     fed.add_argument("--subset", type=int, default=None)
@@ -105,7 +105,7 @@ def _add_epoch(what) -> None:
 def _add_deploy(what) -> None:
     dep = what.add_parser("deploy", help="simulated round vs deployed round vs Flower's floor, same data and settings")
     add_options(dep, TrainConfig)  # every training setting, as fedsd simulate has them
-    add_options(dep, FedOptions, required=("num_clients", "rounds"),
+    add_options(dep, FedConfig, required=("num_clients", "rounds"),
                 only=("num_clients", "rounds", "local_epochs", "partition", "dirichlet_alpha", "classes_per_client"))
     dep.add_argument("--work", default=None, help="folder for the clients' data, Flower's state and the runs "
                                                   "(default: a temporary folder, removed afterwards)")
@@ -161,7 +161,7 @@ def bench_federated(args: argparse.Namespace) -> int:
     peak resident memory of each Ray worker, sampled from /proc while the federation runs."""
     cfg = TrainConfig(dataset=args.dataset, method=args.method, epsilon=args.epsilon, batch_size=args.batch_size,
                       subset=args.subset, **every_epoch_distils(args.method))
-    fed = from_args(FedOptions, args, rounds=args.rounds)
+    fed = from_args(FedConfig, args, rounds=args.rounds)
     with WorkerMemory() as memory:
         fed_result, _ = simulate(cfg, fed, progress=False, ray_cpus=args.ray_workers, ray_address=args.ray_address)
     shards = fed_result["shard_sizes"]
@@ -463,7 +463,7 @@ def bench_deploy(args: argparse.Namespace) -> int:
     its own folder of the same shard under max-epsilon=inf), and Flower's floor on the same
     deployment (deploy/floor: a round that sends a model of the same shapes and gets it back).
     Each is the median of rounds 2…R (round 1 starts processes and fills caches)."""
-    cfg, fed = from_args(TrainConfig, args), from_args(FedOptions, args)
+    cfg, fed = from_args(TrainConfig, args), from_args(FedConfig, args)
     fed.validate()
     cfg.resolved()  # every setting checked before anything starts
     if fed.rounds < 2:
@@ -491,7 +491,7 @@ def _phase(text: str) -> None:
     print(f"bench deploy: {text}", file=sys.stderr, flush=True)
 
 
-def three_ways(cfg: TrainConfig, fed: FedOptions, work: Path, timeout: float) -> dict:
+def three_ways(cfg: TrainConfig, fed: FedConfig, work: Path, timeout: float) -> dict:
     """The federation simulated, deployed on the clients' own folders, and Flower's floor on the
     same deployment: what each run left (results, weights, the deployment's poll and threads)."""
     _phase(f"{fed.num_clients} client folders")
@@ -523,7 +523,7 @@ def three_ways(cfg: TrainConfig, fed: FedOptions, work: Path, timeout: float) ->
                 superexec_poll=superexec_poll, node_threads=node_threads)
 
 
-def deploy_report(cfg: TrainConfig, fed: FedOptions, runs: dict) -> dict:
+def deploy_report(cfg: TrainConfig, fed: FedConfig, runs: dict) -> dict:
     """Rounds 2…R's medians of the three, and what fedsd adds to Flower's floor per second of a
     simulated round."""
     from fedsd.app.server.grid import default_poll_seconds  # Flower's

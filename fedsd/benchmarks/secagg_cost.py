@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from fedsd.settings.run import TrainConfig
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 from fedsd.cli.secure_simulation import FEATURES_RECIPE as RECIPE
 from fedsd.cli.secure_simulation import FEATURES_ROUNDS as ROUNDS
 from fedsd.cli.secure_simulation import SecureFederation
@@ -29,7 +29,7 @@ from fedsd.cli.secure_simulation import SecureFederation
 
 def measure(clients: int, blocks: int, rounds: int) -> dict:
     cfg = TrainConfig(**RECIPE, seed=0).resolved()
-    fed = FedOptions(num_clients=clients, rounds=ROUNDS, secure_aggregation=True, noise="distributed")
+    fed = FedConfig(num_clients=clients, rounds=ROUNDS, secure_aggregation=True, noise="distributed")
     torch.set_num_threads(1)
     runs = {"secure": SecureFederation(cfg, fed, None), "plain": SecureFederation(cfg, fed, None, plain=True)}
     seconds = {k: [] for k in runs}

@@ -34,7 +34,7 @@ from pathlib import Path
 from fedsd.files.atomic import write_json
 from fedsd.settings.run import TrainConfig
 from fedsd.errors import ConfigError
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 from fedsd.cli.check_privacy import check_run, deployment_state_dirs
 from fedsd.cli.split_data import write_client_folders
 from fedsd.deployment.local_deployment import LocalDeployment
@@ -270,7 +270,7 @@ def _client_data(work: Path, clients: int, echo) -> Path:
     """Each client's own images (as `fedsd split-data` writes them), one folder a SuperNode."""
     data = work / "client-data"
     if not data.is_dir():
-        write_client_folders(TrainConfig(dataset=RUN["dataset"], subset=600 * clients), FedOptions(num_clients=clients),
+        write_client_folders(TrainConfig(dataset=RUN["dataset"], subset=600 * clients), FedConfig(num_clients=clients),
                              data, "imagefolder", echo=echo)
     return data
 

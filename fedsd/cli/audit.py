@@ -33,7 +33,7 @@ from fedsd.data.client_data import input_stats
 from fedsd.training.central import prepare_run, resolve_device
 from fedsd.settings.run import TrainConfig, check_setting
 from fedsd.errors import ConfigError
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 from fedsd.files.results import atomic_path, check_out_dir, staged_out_dir, write_json
 from fedsd.settings.declared import add_options, from_args, setting
 from fedsd.training.loop import DPTrainer, evaluate, initial_model, planned_trainer
@@ -47,7 +47,7 @@ THREATS = ("white", "black")
 
 
 @dataclasses.dataclass
-class AuditSettings:
+class AuditConfig:
     """What `fedsd audit` adds to a TrainConfig (fedsd.settings.declared: each setting declared once)."""
 
     canaries: int = setting(1000, "m, each included with probability ½")
@@ -71,7 +71,7 @@ def add_audit_parser(sub) -> None:
     p = sub.add_parser("audit", help="a one-run privacy audit: a measured lower bound on ε (Steinke et al. 2023)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(p, TrainConfig, required=("epsilon",))
-    add_options(p, AuditSettings)
+    add_options(p, AuditConfig)
     p.add_argument("--out", required=True, help="result folder (must be new or empty)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -79,7 +79,7 @@ def add_audit_parser(sub) -> None:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    settings = from_args(AuditSettings, args)
+    settings = from_args(AuditConfig, args)
     report = run_audit(from_args(TrainConfig, args), settings, args.out, args.overwrite, progress=not args.quiet)
     print(f"fedsd audit: {report['method']} ({report['threat']}-box, {report['canaries']} canaries): "
           f"ε lower bound {report['epsilon_lower_bound']:.3f} at {report['confidence']:.0%} confidence, "
@@ -118,7 +118,7 @@ def _with_canaries(data: data_lib.TensorData, x: torch.Tensor, y: torch.Tensor, 
                                data.num_classes)
 
 
-def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bool = False,
+def run_audit(cfg: TrainConfig, settings: AuditConfig, out=None, overwrite: bool = False,
               progress: bool = True) -> dict:
     """Train once with canaries and measure; returns audit.json's content (and writes `out`)."""
     cfg = _checked(cfg, settings, out, overwrite)
@@ -162,7 +162,7 @@ def run_audit(cfg: TrainConfig, settings: AuditSettings, out=None, overwrite: bo
     return report
 
 
-def _checked(cfg: TrainConfig, settings: AuditSettings, out, overwrite: bool) -> TrainConfig:
+def _checked(cfg: TrainConfig, settings: AuditConfig, out, overwrite: bool) -> TrainConfig:
     """The run's settings resolved, every check made before any work."""
     settings.validate()
     if out is not None:
@@ -176,14 +176,14 @@ def _checked(cfg: TrainConfig, settings: AuditSettings, out, overwrite: bool) ->
     return cfg
 
 
-def _holders(cfg: TrainConfig, settings: AuditSettings) -> tuple[TrainConfig, data_lib.ImageData, list]:
+def _holders(cfg: TrainConfig, settings: AuditConfig) -> tuple[TrainConfig, data_lib.ImageData, list]:
     """The data each holder trains on: the run's training split, or each client's shard."""
     if settings.clients == 1:
         inputs = prepare_run(cfg)
         cfg, images, device = inputs.cfg, inputs.data, inputs.device
         return cfg, images, [data_lib.prepare(images, inputs.train_indices, device, input_stats(cfg), cfg.features)]
     device = resolve_device(cfg.device)
-    federation = build_federation(cfg, FedOptions(num_clients=settings.clients, rounds=cfg.epochs, local_epochs=1))
+    federation = build_federation(cfg, FedConfig(num_clients=settings.clients, rounds=cfg.epochs, local_epochs=1))
     return federation.cfg, federation.images, [federation.client_data(k, device) for k in range(settings.clients)]
 
 

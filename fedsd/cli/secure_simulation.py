@@ -32,7 +32,7 @@ from fedsd.data.client_data import input_stats, with_custom_task, task_for
 from fedsd.settings.run import TrainConfig
 from fedsd.secure.distributed_step import DISTRIBUTED_METHODS, ServerOptimizer, contribution, dimension, plain_round, secure_round, seeded_key
 from fedsd.errors import ConfigError, ResumeError
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 from fedsd.methods import released
 from fedsd.models.networks import model_for
 from fedsd.privacy.accounting import PrivacyPlan, steps_per_epoch
@@ -52,7 +52,7 @@ FEATURES_RECIPE = dict(dataset="fmnist", features="scatter", model="scatter-line
 FEATURES_ROUNDS = 400
 
 
-def check_options(cfg: TrainConfig, fed: FedOptions) -> None:
+def check_options(cfg: TrainConfig, fed: FedConfig) -> None:
     """What distributed noise needs, refused before any work with the option to change."""
     if fed.noise == "distributed" and not fed.secure_aggregation:
         raise ConfigError("--noise distributed: needs --secure-aggregation (without it the server would see each "
@@ -79,7 +79,7 @@ def check_options(cfg: TrainConfig, fed: FedOptions) -> None:
                           f"(0: all of them)")
 
 
-def honest_count(fed: FedOptions) -> int:
+def honest_count(fed: FedConfig) -> int:
     """t: the clients whose noise shares alone give the target σ (0 in the settings: all)."""
     return fed.honest_clients or fed.num_clients
 
@@ -88,7 +88,7 @@ class SecureFederation:
     """A run as it goes: its clients' shards and states, the global model and the server's
     optimizer; `take_round` runs one, `save` checkpoints, `finish` writes the result."""
 
-    def __init__(self, cfg: TrainConfig, fed: FedOptions, out: Path | None, plain: bool = False):
+    def __init__(self, cfg: TrainConfig, fed: FedConfig, out: Path | None, plain: bool = False):
         self.cfg, self.fed, self.out, self.plain = cfg, fed, out, plain
         images, indices, shards = cut_shards(cfg, fed)
         n = len(indices)
@@ -205,7 +205,7 @@ class SecureFederation:
                                                round_seconds=float(np.mean([r["seconds"] for r in self.rounds])))))
 
 
-def plan_line(cfg: TrainConfig, fed: FedOptions, run: SecureFederation) -> str:
+def plan_line(cfg: TrainConfig, fed: FedConfig, run: SecureFederation) -> str:
     """What the run will do, as a dry run says it."""
     head = f"simulate {fed.num_clients} clients ({fed.partition}) with secure aggregation and distributed noise"
     if fed.privacy_unit == "client":
@@ -219,7 +219,7 @@ def plan_line(cfg: TrainConfig, fed: FedOptions, run: SecureFederation) -> str:
             f"(the honest sum's noise; B the federation's), ε={cfg.epsilon:g} each")
 
 
-def simulate_secure(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, overwrite: bool = False,
+def simulate_secure(cfg: TrainConfig, fed: FedConfig, out: str | Path | None = None, overwrite: bool = False,
                     progress: bool = True, resume: bool = False) -> tuple[dict, dict]:
     """Run (or, with resume, go on with the one in `out`, by its own settings) a
     distributed-noise federation; (result, weights)."""
@@ -229,7 +229,7 @@ def simulate_secure(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = 
             raise ResumeError(f"--resume: {out} holds no unfinished secure-aggregation run ({CHECKPOINT})")
         saved = torch.load(Path(out) / CHECKPOINT, weights_only=False)
         cfg = TrainConfig(**saved["settings"]["config"])
-        fed = FedOptions.from_dict(saved["settings"]["fed"])
+        fed = FedConfig.from_dict(saved["settings"]["fed"])
     cfg = with_custom_task(cfg).resolved()
     task_for(cfg)
     fed.validate()

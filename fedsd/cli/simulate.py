@@ -13,7 +13,7 @@ from pathlib import Path
 from fedsd.training import tensorboard
 from fedsd.settings.run import TrainConfig
 from fedsd.errors import ConfigError, UserError
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 from fedsd.files.results import check_out_dir
 from fedsd.runtime import quiet_ray
 from fedsd.settings.declared import add_options, from_args, settings_of
@@ -23,8 +23,8 @@ from fedsd.cli.train import add_train_options, config_from_args
 from fedsd.app.simulated_shards import build_federation
 
 def add_sim_options(p: argparse.ArgumentParser) -> None:
-    """Every FedOptions setting as an option (declared once, in fedsd.settings.federation)."""
-    add_options(p, FedOptions)
+    """Every FedConfig setting as an option (declared once, in fedsd.settings.federation)."""
+    add_options(p, FedConfig)
     p.add_argument("--ray-address", default=None, metavar="auto|HOST:PORT",
                    help="run on this running Ray cluster (`ray start --head` on one node, `ray start "
                         "--address=HOST:PORT` on the others) instead of a private Ray instance on this machine; "
@@ -106,11 +106,11 @@ def flower_log(verbose: bool):
         console_handler.timestamps = timestamps
 
 
-def sim_options_from_args(args: argparse.Namespace) -> FedOptions:
-    return from_args(FedOptions, args)
+def sim_options_from_args(args: argparse.Namespace) -> FedConfig:
+    return from_args(FedConfig, args)
 
 
-def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, overwrite: bool = False,
+def simulate(cfg: TrainConfig, fed: FedConfig, out: str | Path | None = None, overwrite: bool = False,
              progress: bool = True, ray_cpus: int | None = None, verbose: bool = False,
              ray_address: str | None = None, log_dir: str | None = None) -> tuple[dict, dict]:
     """Run a federation of `fed.num_clients` simulated clients; returns (the result, the
@@ -152,7 +152,7 @@ def simulate(cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None, o
     return run_on_ray(cfg, fed, out, overwrite, progress, ray_cpus, verbose, ray_address, log_dir)
 
 
-def run_on_ray(cfg: TrainConfig, fed: FedOptions, out, overwrite: bool, progress: bool, ray_cpus: int | None,
+def run_on_ray(cfg: TrainConfig, fed: FedConfig, out, overwrite: bool, progress: bool, ray_cpus: int | None,
                verbose: bool, ray_address: str | None, log_dir: str | None) -> tuple[dict, dict]:
     """The checked federation on Flower's simulation engine: fedsd's ServerApp and ClientApp."""
     from flwr.serverapp import ServerApp
@@ -239,7 +239,7 @@ def cmd_simulate(args) -> int:
         raise ConfigError("--epochs: a federation's length is --rounds × --local-epochs (each client plans its "
                           "privacy for them); leave --epochs out")
     if fed.resume_dir:
-        given = [s.flag for cls in (TrainConfig, FedOptions) for s in settings_of(cls)
+        given = [s.flag for cls in (TrainConfig, FedConfig) for s in settings_of(cls)
                  if hasattr(args, s.name) and s.name != "resume_dir"]
         given += [flag for flag, on in (("--out", args.out), ("--overwrite", args.overwrite),
                                         ("--route-from", args.route_from)) if on]

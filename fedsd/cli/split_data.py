@@ -19,7 +19,7 @@ import torch
 
 from fedsd.settings.run import TrainConfig
 from fedsd.errors import ConfigError
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 from fedsd.settings.declared import add_options, from_args
 from fedsd.data import datasets as data_lib
 from fedsd.files.results import check_out_dir, staged_out_dir
@@ -32,7 +32,7 @@ FORMATS = ("imagefolder", "npz")
 def add_split_data_parser(sub) -> None:
     p = sub.add_parser("split-data", help="write one data folder per client from a built-in data set")
     add_options(p, TrainConfig, only=("dataset", "subset", "seed", "validation", "data_dir", "download"))
-    add_options(p, FedOptions, only=("num_clients", "partition", "dirichlet_alpha", "classes_per_client"))
+    add_options(p, FedConfig, only=("num_clients", "partition", "dirichlet_alpha", "classes_per_client"))
     p.add_argument("--format", choices=FORMATS, required=True, help="imagefolder (PNG files) or npz (arrays)")
     p.add_argument("--out", required=True, help="folder to write client-0/, client-1/, … into (new or empty)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -40,14 +40,14 @@ def add_split_data_parser(sub) -> None:
 
 
 def cmd_split_data(args: argparse.Namespace) -> int:
-    cfg, fed = from_args(TrainConfig, args), from_args(FedOptions, args)
+    cfg, fed = from_args(TrainConfig, args), from_args(FedConfig, args)
     write_client_folders(cfg, fed, Path(args.out), args.format, args.overwrite)
     print(f"wrote {fed.num_clients} client folders to {args.out} ({args.format}); start SuperNode k with "
           f"--node-config \"data='{Path(args.out).absolute()}/client-k' max-epsilon=… ...\"")
     return 0
 
 
-def write_client_folders(cfg: TrainConfig, fed: FedOptions, out: Path, fmt: str, overwrite: bool = False,
+def write_client_folders(cfg: TrainConfig, fed: FedConfig, out: Path, fmt: str, overwrite: bool = False,
                          echo=print) -> None:
     """out/client-K for every client of `fed`: its shard of cfg.dataset's training split (as
     `fedsd simulate` cuts it) and an even share of the test split, in `fmt`. Checks first;

@@ -13,7 +13,7 @@ from pathlib import Path
 from fedsd.app.client.node_config import parse as parse_node_config
 from fedsd.settings.run import TrainConfig
 from fedsd.errors import ConfigError, DataNotFoundError, UserError
-from fedsd.settings.federation import FedOptions, from_flat
+from fedsd.settings.federation import FedConfig, from_flat
 from fedsd.files.results import RunResult, check_out_dir
 from fedsd.settings.declared import add_options, given_flat
 from fedsd.cli import dry_run
@@ -57,7 +57,7 @@ def add_deploy_arguments(p: argparse.ArgumentParser) -> None:
     # Every training and federation setting, as `fedsd simulate` has them (declared once).
     add_options(p, TrainConfig)
     # --client-data DIR (below) names the clients' folders and so means client-data=own.
-    add_options(p, FedOptions, required=("num_clients", "rounds"), skip=("resume_dir", "client_data"))
+    add_options(p, FedConfig, required=("num_clients", "rounds"), skip=("resume_dir", "client_data"))
     p.add_argument("--run-config", default="", help="more run-config settings, as k=v pairs")
     p.add_argument("--client-data", dest="client_folders", default=None, metavar="DIR",
                    help="each client trains on its own data: client k on DIR/client-k (fedsd split-data writes "
@@ -75,7 +75,7 @@ def add_deploy_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_config_from_args(args: argparse.Namespace) -> dict:
     """The run config the options ask for; ConfigError (naming the option) when one is bad."""
-    values = given_flat(args, TrainConfig, FedOptions)
+    values = given_flat(args, TrainConfig, FedConfig)
     if args.client_folders:
         values["client-data"] = "own"
     owner = _pairs(args.node_config, "--node-config")

@@ -23,7 +23,7 @@ import statistics
 from pathlib import Path
 
 from fedsd.settings.run import TrainConfig
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 from fedsd.files.results import write_json
 from fedsd.cli import dry_run
 from fedsd.cli.secure_simulation import FEATURES_RECIPE, FEATURES_ROUNDS
@@ -72,7 +72,7 @@ def run_name(recipe: Recipe, part: str, honest: int, seed: int) -> str:
     return f"fmnist{'' if recipe.name == 'features' else '-' + recipe.name}-{part}-t{honest}-seed{seed}"
 
 
-def runs() -> list[tuple[str, TrainConfig, FedOptions]]:
+def runs() -> list[tuple[str, TrainConfig, FedConfig]]:
     """Every run, recipe by recipe: t = n first (seed by seed across the partitions), then t = n/2."""
     out = []
     for recipe in RECIPES:
@@ -80,7 +80,7 @@ def runs() -> list[tuple[str, TrainConfig, FedOptions]]:
             for seed in seeds:
                 for partition, alpha in PARTITIONS:
                     cfg = TrainConfig(**recipe.settings, seed=seed)
-                    fed = FedOptions(num_clients=CLIENTS, rounds=recipe.rounds, partition=partition,
+                    fed = FedConfig(num_clients=CLIENTS, rounds=recipe.rounds, partition=partition,
                                      dirichlet_alpha=alpha, secure_aggregation=True, noise="distributed",
                                      honest_clients=honest)
                     out.append((run_name(recipe, partition_name(partition, alpha), honest, seed), cfg, fed))

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedsd.settings.run import TrainConfig
-from fedsd.settings.federation import FedOptions, client_config
+from fedsd.settings.federation import FedConfig, client_config
 from fedsd.files.results import RunResult, write_json
 from fedsd.cli.sweep_runs import DIVERGED, finished_with, paired_difference, run_jobs
 from fedsd.experiments.federated_table import FED_PARTITIONS, FED_SHAPE, FED_TABLE, flawed, run_federation, run_state
@@ -279,12 +279,12 @@ class FedFeatureRun:
                 f"{'-val' if self.validation else ''}-seed{self.seed}")
 
     def settings(self, device: str, data_dir):
-        """(TrainConfig, FedOptions) as `fedsd simulate` takes them."""
+        """(TrainConfig, FedConfig) as `fedsd simulate` takes them."""
         partition, alpha = FED_PARTITIONS[self.partition]
         settings = reading_settings(self.reading, {"momentum": 0.9, "lr": self.lr})
         cfg = TrainConfig(**{**FED_TABLE, **settings}, method=self.method, seed=self.seed, features="scatter",
                           model=self.network, clip=0.1, validation=self.validation, device=device, data_dir=data_dir)
-        fed = FedOptions(**FED_SHAPE, partition=partition, dirichlet_alpha=alpha)
+        fed = FedConfig(**FED_SHAPE, partition=partition, dirichlet_alpha=alpha)
         return client_config(cfg, fed), fed
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from fedsd.settings.run import TrainConfig
 from fedsd.errors import ConfigError, TrainingDiverged
-from fedsd.settings.federation import FedOptions, client_config
+from fedsd.settings.federation import FedConfig, client_config
 from fedsd.files.results import RunResult, write_json
 
 from fedsd.cli.sweep_runs import DIVERGED, NOT_SETTINGS, paired_difference, plot_curves, seed_files, seeds_run
@@ -99,16 +99,16 @@ def fed_cells(partitions=tuple(FED_PARTITIONS), methods=FED_METHODS) -> list[Fed
 
 
 def cell_settings(cell: FedCell, seed: int, rounds: int | None = None, subset: int | None = None,
-                  device: str = "cpu", data_dir: str | None = None) -> tuple[TrainConfig, FedOptions]:
+                  device: str = "cpu", data_dir: str | None = None) -> tuple[TrainConfig, FedConfig]:
     partition, alpha = FED_PARTITIONS[cell.partition]
     cfg = TrainConfig(**FED_TABLE, method=cell.method, distill_schedule=cell.schedule, release=cell.release, seed=seed,
                       subset=subset, device=device, data_dir=data_dir)
-    fed = FedOptions(**{**FED_SHAPE, **({"rounds": rounds} if rounds else {})}, partition=partition,
+    fed = FedConfig(**{**FED_SHAPE, **({"rounds": rounds} if rounds else {})}, partition=partition,
                      dirichlet_alpha=alpha, teacher=cell.teacher)
     return client_config(cfg, fed), fed  # its epochs: rounds × local epochs, as the run records them
 
 
-def _settings(cfg: TrainConfig, fed: FedOptions) -> dict:
+def _settings(cfg: TrainConfig, fed: FedConfig) -> dict:
     """What a run computes: its flat settings without where it ran or how it was computed."""
     from fedsd.app.server.checkpoint import settings
 
@@ -137,7 +137,7 @@ def epsilon_drops(result: RunResult) -> list[tuple[int, str]]:
     return drops
 
 
-def run_state(run_out: Path, cfg: TrainConfig, fed: FedOptions) -> str:
+def run_state(run_out: Path, cfg: TrainConfig, fed: FedConfig) -> str:
     """"done" (result.json, or diverged.json, with these settings), "resume" (a checkpoint with
     these settings) or "fresh" (nothing, a run made with other settings, or one in which a client
     went missing, a worker killed for memory or a round timed out, sat a round out, or started
@@ -157,7 +157,7 @@ def run_state(run_out: Path, cfg: TrainConfig, fed: FedOptions) -> str:
                 config, federation = done.config, done.federation
             else:
                 config, federation = (json.loads((run_out / name).read_text())[k] for k in ("config", "federation"))
-            if _settings(TrainConfig.from_dict(config), FedOptions.from_dict(federation)) == wanted:
+            if _settings(TrainConfig.from_dict(config), FedConfig.from_dict(federation)) == wanted:
                 return "done"
             return "fresh"
     if checkpoint.path_in(run_out).exists():
@@ -193,7 +193,7 @@ def reproduce_fed(partitions, methods, seeds: int, jobs: int, rounds: int | None
     write_fed_table(fed_cells(), runs_dir, out)
 
 
-def run_federation(cfg: TrainConfig, fed: FedOptions, run_out: Path, state: str, jobs: int, quiet: bool) -> None:
+def run_federation(cfg: TrainConfig, fed: FedConfig, run_out: Path, state: str, jobs: int, quiet: bool) -> None:
     """One table run, by its run_state: resumed from its checkpoint, or started afresh (what a
     run with other settings left there removed); a run that diverges leaves diverged.json."""
     try:

@@ -21,11 +21,11 @@ it is loaded when fedsd.methods is imported, and its settings become options of 
 """
 from __future__ import annotations
 
-from fedsd.methods.base import EMA_DECAY, METHODS, POSITIVE, RELEASES, UNIT_INTERVAL, EpochLoss, Method, MethodSettings, Model, SelfDistillationSettings, SelfDistilling, Weights, cross_entropy, distill_weight, register, release_callbacks, release_of, warming_up, with_release
+from fedsd.methods.base import EMA_DECAY, METHODS, POSITIVE, RELEASES, UNIT_INTERVAL, EpochLoss, Method, MethodConfig, Model, SelfDistillationConfig, SelfDistilling, Weights, cross_entropy, distill_weight, register, release_callbacks, release_of, warming_up, with_release
 from fedsd.registry import load_entry_points
 
 __all__ = ["EMA_DECAY", "METHODS", "MODEL_GROUPS", "POSITIVE", "RELEASES", "UNIT_INTERVAL", "EpochLoss", "Method",
-           "MethodSettings", "Model", "SelfDistillationSettings", "SelfDistilling", "Weights", "cross_entropy",
+           "MethodConfig", "Model", "SelfDistillationConfig", "SelfDistilling", "Weights", "cross_entropy",
            "distill_weight", "method_of", "register", "release_callbacks", "release_of", "released", "warming_up",
            "with_release"]
 

@@ -47,7 +47,7 @@ POSITIVE = (lambda v: v > 0, "a temperature must be > 0")
 
 
 @dataclass
-class MethodSettings:
+class MethodConfig:
     """Every method's settings: what a run releases (any method but DPKD may release an EMA)."""
     release: str | None = setting(None, "the weights a run releases and evaluates: student (the last iterate) "
                                   "or ema (an exponential moving average of the iterates, post-processing: no "
@@ -64,7 +64,7 @@ class MethodSettings:
 
 class Method:
     name: str = ""
-    Settings: type = MethodSettings  # this method's settings (a dataclass of setting() fields)
+    Settings: type = MethodConfig  # this method's settings (a dataclass of setting() fields)
     groups: tuple[str, ...] = ("student",)
     releases: str = "student"
     # whether the teacher is the model itself as it came into the call (self-distillation; a
@@ -134,7 +134,7 @@ TEACHER_EVERY = ("epoch", "step")
 
 
 @dataclass
-class SelfDistillationSettings(MethodSettings):
+class SelfDistillationConfig(MethodConfig):
     """The settings of a method whose teacher is the model itself (DP3SD, DPDSD)."""
     distill_warmup_epochs: int = setting(1, "epochs of plain cross-entropy before the teacher is used (federated: "
                                          "global epochs, rounds × local epochs)", check=(lambda v: v >= 0, "must be >= 0"))
@@ -152,7 +152,7 @@ class SelfDistillationSettings(MethodSettings):
 class SelfDistilling(Method):
     """A method whose teacher is the model itself (DP3SD, DPDSD): its teacher is refreshed every
     epoch (the trainer loads it as a call starts) or, with --teacher-every step, after every step."""
-    Settings = SelfDistillationSettings
+    Settings = SelfDistillationConfig
     self_distilling = True
 
     def step_callbacks(self, cfg, model, steps_so_far, device):

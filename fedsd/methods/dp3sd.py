@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from fedsd.methods import losses
 from fedsd.settings.declared import setting
-from fedsd.methods.base import POSITIVE, UNIT_INTERVAL, EpochLoss, SelfDistillationSettings, SelfDistilling, cross_entropy, distill_weight, register, warming_up
+from fedsd.methods.base import POSITIVE, UNIT_INTERVAL, EpochLoss, SelfDistillationConfig, SelfDistilling, cross_entropy, distill_weight, register, warming_up
 
 PAPERS = "the paper's"
 # DP3SD's (τs, τt, α) per data set, its paper's §4.1 (docs/algorithms.md)
@@ -18,7 +18,7 @@ def paper(key: str) -> dict:
 
 
 @dataclass
-class DP3SDSettings(SelfDistillationSettings):
+class DP3SDConfig(SelfDistillationConfig):
     tau_s: float | None = setting(None, "DP3SD: the student's sparsifying temperature τs", resolve=paper("tau_s"),
                                   source=PAPERS, check=POSITIVE)
     tau_t: float | None = setting(None, "DP3SD: the teacher's smoothing temperature τt", resolve=paper("tau_t"),
@@ -34,7 +34,7 @@ class DP3SDSettings(SelfDistillationSettings):
 @register
 class DP3SD(SelfDistilling):
     name = "dp3sd"
-    Settings = DP3SDSettings
+    Settings = DP3SDConfig
 
     def epoch_loss(self, cfg, epoch):
         if warming_up(cfg, epoch):

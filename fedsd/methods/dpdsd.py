@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from fedsd.methods import losses
 from fedsd.settings.declared import setting
-from fedsd.methods.base import POSITIVE, EpochLoss, SelfDistillationSettings, SelfDistilling, cross_entropy, distill_weight, register, warming_up
+from fedsd.methods.base import POSITIVE, EpochLoss, SelfDistillationConfig, SelfDistilling, cross_entropy, distill_weight, register, warming_up
 
 PAPERS = "the paper's"
 # DPDSD's (τ, α, β) per data set, its paper's §4.1 (docs/algorithms.md)
@@ -27,7 +27,7 @@ def paper(key: str) -> dict:
 
 
 @dataclass
-class DPDSDSettings(SelfDistillationSettings):
+class DPDSDConfig(SelfDistillationConfig):
     tau: float | None = setting(None, "the distillation temperature τ", resolve=paper("tau"), source=PAPERS,
                                 check=POSITIVE)
     alpha: float | None = setting(None, "DPDSD: weight α of the target class's term (TCSD)", resolve=paper("alpha"),
@@ -44,7 +44,7 @@ class DPDSDSettings(SelfDistillationSettings):
 @register
 class DPDSD(SelfDistilling):
     name = "dpdsd"
-    Settings = DPDSDSettings
+    Settings = DPDSDConfig
 
     def epoch_loss(self, cfg, epoch):
         ce_tau = cfg.tau if cfg.dpdsd_ce == "tau" else 1.0

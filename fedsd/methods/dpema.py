@@ -1,6 +1,6 @@
 """DP-SGD releasing an exponential moving average of its iterates (De et al. 2022): the EMA is
 post-processing of the private iterates, so it costs no privacy. Its settings (--ema-decay,
---ema-warmup) are every method's that releases an EMA (fedsd.methods.MethodSettings)."""
+--ema-warmup) are every method's that releases an EMA (fedsd.methods.MethodConfig)."""
 from fedsd.settings.declared import check_setting
 from fedsd.methods.base import Method, register, release_of
 

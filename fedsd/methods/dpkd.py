@@ -7,7 +7,7 @@ from fedsd.methods import losses
 from fedsd.models.networks import model_for
 from fedsd.training.seeds import SEED_KD_STUDENT, derive_seed
 from fedsd.settings.declared import check_setting, setting
-from fedsd.methods.base import POSITIVE, UNIT_INTERVAL, EpochLoss, Method, MethodSettings, register, release_of
+from fedsd.methods.base import POSITIVE, UNIT_INTERVAL, EpochLoss, Method, MethodConfig, register, release_of
 
 # Open in the papers; chosen on FMNIST's validation split: τ and α
 # (results/sweeps/fmnist-dpkd-tau-alpha), the stage split (results/sweeps/fmnist-dpkd-stage-split:
@@ -17,7 +17,7 @@ TEACHER_FRACTION = 0.5
 
 
 @dataclass
-class DPKDSettings(MethodSettings):
+class DPKDConfig(MethodConfig):
     tau: float | None = setting(None, "the distillation temperature τ", resolve=5.0, source=CHOSEN, check=POSITIVE)
     alpha: float | None = setting(None, "weight α of the cross-entropy term (1 − α: the distillation's)",
                                   resolve=0.7, source=CHOSEN, check=UNIT_INTERVAL)
@@ -29,7 +29,7 @@ class DPKDSettings(MethodSettings):
 @register
 class DPKD(Method):
     name = "dpkd"
-    Settings = DPKDSettings
+    Settings = DPKDConfig
     groups = ("student", "kd_teacher")
 
     def check(self, cfg):

@@ -23,7 +23,7 @@ TEACHER_MODES = ("round-start", "local-previous", "global-ema")
 
 
 @dataclass
-class FedOptions:
+class FedConfig:
     """What a federation adds to a TrainConfig (fedsd.settings.declared: each setting declared once)."""
 
     num_clients: int = setting(10, "clients in the federation (a shard of the training set each); under "
@@ -100,7 +100,7 @@ class FedOptions:
         return self.budget_rounds or self.rounds
 
     @classmethod
-    def from_dict(cls, saved: dict) -> "FedOptions":
+    def from_dict(cls, saved: dict) -> "FedConfig":
         """Options as a run saved them, by any version of fedsd (settings.declared_only)."""
         return cls(**declared_only(cls, saved))
 
@@ -148,7 +148,7 @@ FLOWER_APP_DEFAULTS = {"num-clients": 0}
 EXPERIMENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-def client_config(cfg: TrainConfig, fed: FedOptions) -> TrainConfig:
+def client_config(cfg: TrainConfig, fed: FedConfig) -> TrainConfig:
     """The client's TrainConfig: it plans for every local epoch of every budgeted round."""
     if cfg.feature_norm != "group":
         # Each client would release noisy statistics of its own shard, and under a non-IID
@@ -166,17 +166,17 @@ def round_epochs(server_round: int, local_epochs: int) -> list[int]:
 
 
 # -- the flat form: what Flower's run config, each round's ConfigRecord and a checkpoint hold -
-def to_flat(cfg: TrainConfig, fed: FedOptions) -> dict:
+def to_flat(cfg: TrainConfig, fed: FedConfig) -> dict:
     return settings.to_flat(cfg, fed)
 
 
-def from_flat(flat: dict) -> tuple[TrainConfig, FedOptions]:
+def from_flat(flat: dict) -> tuple[TrainConfig, FedConfig]:
     """Inverse of to_flat; a missing key keeps its default, and -1 / "" in an optional
     TrainConfig setting means "the paper's default for this data set"."""
-    return settings.from_flat(flat, TrainConfig, FedOptions)
+    return settings.from_flat(flat, TrainConfig, FedConfig)
 
 
-def round_teacher(fed: FedOptions, state, incoming_student: dict) -> tuple[dict | None, object]:
+def round_teacher(fed: FedConfig, state, incoming_student: dict) -> tuple[dict | None, object]:
     """A client's self-distillation teacher for this round (None: the incoming global student,
     teacher=round-start) and the TrainState to train with. Every teacher is post-processing of
     models already released (global models, the client's own DP-trained model): no privacy cost.

@@ -1,7 +1,7 @@
 """Training settings: the papers' defaults per data set (docs/algorithms.md), and the checks every setting
 passes before any work starts.
 
-`TrainConfig` is assembled when fedsd loads: the run's own settings (`RunSettings`, below) and
+`TrainConfig` is assembled when fedsd loads: the run's own settings (`RunConfig`, below) and
 every registered method's (fedsd.methods: each method declares its settings in its own file,
 with their defaults per data set and their checks; a setting several methods declare, such as
 α, is one field). This module names no method."""
@@ -91,7 +91,7 @@ def _paper_text(key: str) -> str:
 
 
 @dataclass
-class RunSettings:
+class RunConfig:
     """A training run's own settings, those of every method (TrainConfig adds the methods')."""
 
     dataset: str = setting("fmnist", "data set; custom: your own images (--data-dir; each deployed client's "
@@ -281,9 +281,9 @@ def _method_fields() -> list[tuple]:
 
 
 def _assemble() -> type:
-    cls = dataclasses.make_dataclass("TrainConfig", _method_fields(), bases=(RunSettings,))
+    cls = dataclasses.make_dataclass("TrainConfig", _method_fields(), bases=(RunConfig,))
     cls.__module__, cls.__qualname__ = __name__, "TrainConfig"
-    cls.__doc__ = ("A training run's settings, central or one client's: the run's own (RunSettings) and every "
+    cls.__doc__ = ("A training run's settings, central or one client's: the run's own (RunConfig) and every "
                    "registered method's (fedsd.methods), each declared once (fedsd.settings.declared).")
     return cls
 

@@ -58,7 +58,7 @@ from fedsd.settings.run import validate
 from fedsd.files.results import save_atomic, write_json
 from fedsd.privacy.secret_random import SecretStream
 from fedsd.files.state_folder import read_nofollow
-from fedsd.settings.federation import FedOptions, client_config, from_flat, round_epochs, round_teacher
+from fedsd.settings.federation import FedConfig, client_config, from_flat, round_epochs, round_teacher
 from fedsd.training.loop import DPTrainer, Model, TrainState, load_train_state, planned_trainer, save_train_state
 from fedsd.methods import released
 from fedsd.models.networks import SCATTER_MODELS, TORCHVISION, feature_source, is_builtin
@@ -169,7 +169,7 @@ def keep_reply(state_file: Path, request: str, arrays: ArrayRecord, metrics: dic
         arrays={k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in arrays.items()}))
 
 
-def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedOptions, DPTrainer, HolderData]:
+def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedConfig, DPTrainer, HolderData]:
     """The trainer for the data this SuperNode names (`data` in its --node-config), prepared
     once for the run's task and cached on its disk. Returns (fed, trainer, the data as held:
     its fingerprint and the files left out). Raises DataError / ConfigError naming the file or
@@ -295,14 +295,14 @@ def node_settings(flat: dict, node_config) -> NodeConfig:
     """This node's config, checked as a whole and against the run (ConfigError naming the key);
     its own data folder for the built-in data sets, if it names one."""
     node = node_configs.parse(node_config)
-    num_clients = int(flat.get("num-clients", FedOptions().num_clients))
+    num_clients = int(flat.get("num-clients", FedConfig().num_clients))
     if node.num_partitions is not None and node.num_partitions != num_clients:
         raise NodeConfigError(f"node-config num-partitions={node.num_partitions} but the run has "
                           f"num-clients={num_clients}")
     if not node.partition_id < num_clients:
         raise NodeConfigError(f"node-config partition-id={node.partition_id} is outside [0, {num_clients})")
     if node.owns_data and flat.get("client-data") != "own":
-        raise NodeConfigError(f"client-data={flat.get('client-data', FedOptions().client_data)}: this node holds its "
+        raise NodeConfigError(f"client-data={flat.get('client-data', FedConfig().client_data)}: this node holds its "
                               f"own data and trains only on it, never on a data set at a path the server names; "
                               f"run with client-data='own'")
     check_init_weights(flat, node)
@@ -321,7 +321,7 @@ class ClientSide:
     leave out (skip-bad-files), and the ε the server has recorded for this client (0 if none)."""
     server_round: int
     node: NodeConfig
-    fed: FedOptions
+    fed: FedConfig
     trainer: DPTrainer
     fingerprint: str
     federation: Federation | None

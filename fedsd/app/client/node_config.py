@@ -19,11 +19,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from fedsd.errors import BudgetRefused, ConfigError
+from fedsd.errors import BudgetRefused, ConfigError, FedsdNote
 from fedsd.settings.declared import setting, settings_of
 from fedsd.files.state_folder import StateFolder, StateFolderError, state_folder
 
@@ -49,13 +50,13 @@ class NodeConfig:
                             default_text="FEDSD_DATA_DIR or the usual places")
     download: bool = setting(False, "a shard of a built-in data set: download it with torchvision when this machine "
                                     "lacks it (the node's choice; a server's download=true is not taken)")
-    noise: str = setting("auto", "where the noise and the batch sampling come from. secret: AES-256-CTR under a key "
+    randomness: str = setting("auto", "where the noise and the batch sampling come from (before fedsd 0.2: noise). secret: AES-256-CTR under a key "
                                  "from the operating system's CSPRNG, kept only in state-dir (0600); seeded: the run's seed, "
                                  "which the server sets, so the server can predict the noise and subtract it "
                                  "(needs trust-server-with-noise=true with own data); auto: secret with own data, "
                                  "seeded for a shard of a built-in data set (a simulation, reproducible bit for bit)",
                          choices=("auto", "secret", "seeded"))
-    trust_server_with_noise: bool = setting(False, "with own data and noise=seeded: the owner accepts that the server "
+    trust_server_with_noise: bool = setting(False, "with own data and randomness=seeded: the owner accepts that the server "
                                                    "can remove this client's noise and so learn its sums of clipped "
                                                    "gradients, with no privacy against the server")
     federated_evaluation: bool = setting(False, "own data: answer the server's federated evaluation, of the model "
@@ -139,8 +140,8 @@ class NodeConfig:
 
     @property
     def secret_noise(self) -> bool:
-        """Whether this client's noise and batches come from a secret stream (NodeConfig.noise)."""
-        return self.noise == "secret" or (self.noise == "auto" and self.owns_data)
+        """Whether this client's noise and batches come from a secret stream (NodeConfig.randomness)."""
+        return self.randomness == "secret" or (self.randomness == "auto" and self.owns_data)
 
     def as_node_config(self) -> dict:
         """The inverse of `parse`: this config as the key-value pairs a --node-config holds."""
@@ -165,10 +166,29 @@ class NodeConfigError(ConfigError):
     """A --node-config value that is not allowed; the message names the key and what is allowed."""
 
 
+# Keys renamed in fedsd 0.2 (old: new). `noise` said where the noise is added in the run config
+# (noise=local|distributed) and where its randomness comes from here; each word now means one thing.
+RENAMED_KEYS = {"noise": "randomness"}
+
+
+def renamed_keys(node_config: Mapping) -> dict:
+    """The node config with each old key under its new name, said once in a note; both given is refused."""
+    out = dict(node_config)
+    for old, new in RENAMED_KEYS.items():
+        if old in out:
+            if new in out:
+                raise NodeConfigError(f"node-config {old} and {new}: {old} is {new}'s old name (fedsd 0.2); give {new} only")
+            warnings.warn(FedsdNote(f"node-config {old}: renamed {new} in fedsd 0.2 (write {new}={out[old]}); "
+                                    f"{old}= still works in this release"), stacklevel=3)
+            out[new] = out.pop(old)
+    return out
+
+
 def parse(node_config: Mapping) -> NodeConfig:
     """The node config checked as a whole: unknown keys, numbers that are not numbers or out of
     range, a `data` that does not exist, each refused with ConfigError naming the key and what
-    is allowed."""
+    is allowed. A key renamed in fedsd 0.2 still works for this release, with a note naming its new name."""
+    node_config = renamed_keys(node_config)
     unknown = sorted(set(node_config) - set(KEYS))
     if unknown:
         raise NodeConfigError(f"node-config {unknown[0]}: not a key fedsd reads; the keys are {', '.join(KEYS)}")
@@ -209,8 +229,8 @@ def parse(node_config: Mapping) -> NodeConfig:
         return node
     if node.data and not Path(node.data).exists():
         raise NodeConfigError(f"node-config data='{node.data}': no such file or folder")
-    if node.owns_data and node.noise == "seeded" and not node.trust_server_with_noise:
-        raise NodeConfigError("node-config noise=seeded: the server sets the run's seed, so with seeded noise it can "
+    if node.owns_data and node.randomness == "seeded" and not node.trust_server_with_noise:
+        raise NodeConfigError("node-config randomness=seeded: the server sets the run's seed, so with seeded noise it can "
                               "predict this client's noise and subtract it from its update, which leaves the sum of "
                               "clipped gradients of the owner's data unnoised; add trust-server-with-noise=true to "
                               "say the owner accepts that, or leave noise unset (secret noise)")

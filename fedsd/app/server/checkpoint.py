@@ -21,7 +21,7 @@ import torch
 
 from fedsd.settings.run import TrainConfig
 from fedsd.errors import ResumeError
-from fedsd.settings.federation import FedOptions, from_flat, to_flat
+from fedsd.settings.federation import FedConfig, from_flat, to_flat
 from fedsd.files.results import check_out_dir, finished_run_refusal, save_atomic
 
 CHECKPOINT = "checkpoint.pt"
@@ -30,7 +30,7 @@ FORMAT = 2  # 1: the unversioned pickle of fedsd before 2026-11-23 (not continue
 NOT_SETTINGS = ("out-dir", "resume-dir", "experiment-id")
 
 
-def settings(cfg: TrainConfig, fed: FedOptions) -> dict:
+def settings(cfg: TrainConfig, fed: FedConfig) -> dict:
     return {k: v for k, v in to_flat(cfg, fed).items() if k not in NOT_SETTINGS}
 
 
@@ -58,7 +58,7 @@ def load(run_dir: str | Path) -> dict:
     return saved
 
 
-def resumed_settings(run_dir: str | Path, saved: dict | None = None) -> tuple[TrainConfig, FedOptions]:
+def resumed_settings(run_dir: str | Path, saved: dict | None = None) -> tuple[TrainConfig, FedConfig]:
     """The settings of the run in `run_dir` (its checkpoint `saved`, if already loaded), set to
     resume it there."""
     cfg, fed = from_flat((saved or load(run_dir))["settings"])
@@ -74,7 +74,7 @@ class Launch:
     state_dicts)."""
 
     cfg: TrainConfig
-    fed: FedOptions
+    fed: FedConfig
     out: Path | None
     round: int = 0
     experiment_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -92,7 +92,7 @@ class Launch:
         return settings(self.cfg, self.fed)
 
 
-def start(cfg: TrainConfig, fed: FedOptions, out: str | Path | None, overwrite: bool = False) -> Launch:
+def start(cfg: TrainConfig, fed: FedConfig, out: str | Path | None, overwrite: bool = False) -> Launch:
     """A fresh run into `out` (refused before anything starts when `out` holds something and
     not `overwrite`), or, with fed.resume_dir, the run checkpointed there with its own settings."""
     if fed.resume_dir:

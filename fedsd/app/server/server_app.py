@@ -30,7 +30,7 @@ from fedsd.settings.run import CUSTOM, TrainConfig
 from fedsd.errors import ConfigError
 from fedsd.data.features import inputs
 from fedsd.training.summary import run_summary
-from fedsd.settings.federation import FedOptions, client_config, from_flat, to_flat
+from fedsd.settings.federation import FedConfig, client_config, from_flat, to_flat
 from fedsd.models.networks import feature_source, model_for, with_pinned_weights
 from fedsd.files.results import RunResult, fresh_out_dir, write_run
 from fedsd.settings.declared import flags_to_keys
@@ -46,7 +46,7 @@ from fedsd.app.server.secure_rounds import SecureRounds
 from fedsd.app.server.strategy import ClientsFailed, RecordingStrategy, base_strategy
 
 
-def run_server(grid: Grid, cfg: TrainConfig, fed: FedOptions, out: str | Path | None = None,
+def run_server(grid: Grid, cfg: TrainConfig, fed: FedConfig, out: str | Path | None = None,
                overwrite: bool = False, progress: bool = False, log_dir: str | None = None) -> tuple[dict, dict]:
     """Run the federation (or, with fed.resume_dir, go on with the one checkpointed there).
     Returns (result, the released global weights), as `fedsd.training.central.train`. `log_dir`: the
@@ -155,7 +155,7 @@ def federation_result(launch, side: ServerSide, wall_seconds: float) -> RunResul
         missed={str(r["round"]): r["missed"] for r in rounds if r["missed"]}, rounds=rounds)
 
 
-def public_side(cfg: TrainConfig, fed: FedOptions):
+def public_side(cfg: TrainConfig, fed: FedConfig):
     """What the server holds: the resolved settings, the number of classes, the public test
     split (normalised; None for a custom task), where it came from, and in a simulation with
     --validation the held-out split (normalised; else None), on which it also evaluates every
@@ -216,7 +216,7 @@ def check_federation_size(grid: Grid, num_clients: int, settle: float = FEDERATI
                else f"stop {count - num_clients} SuperNode(s))"))
 
 
-def one_client_per_node(grid: Grid, fed: FedOptions) -> FedOptions:
+def one_client_per_node(grid: Grid, fed: FedConfig) -> FedConfig:
     """num-clients=0 (the Flower app's default): as many clients as the federation has SuperNodes,
     counted once their number settles, so that a plain `flwr run .` fits whatever federation it
     is sent to (Flower's local simulation has 2 SuperNodes unless told otherwise)."""
@@ -258,6 +258,6 @@ def main(grid: Grid, context: Context) -> None:
             out = Path(fed.out_dir or f"fedsd-runs/{cfg.dataset}-{cfg.method}-{datetime.now():%Y%m%d-%H%M%S}").absolute()
             result, _ = run_server(grid, cfg, fed, out=out)
     except ConfigError as e:
-        raise ConfigError(flags_to_keys(str(e), TrainConfig, FedOptions)) from None
+        raise ConfigError(flags_to_keys(str(e), TrainConfig, FedConfig)) from None
     for line in run_summary(result, out).splitlines():
         log(INFO, "%s", line)

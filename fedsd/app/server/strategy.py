@@ -17,14 +17,14 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (DifferentialPrivacyServerSideFixedClipping, FedAdam, FedAvg, FedProx,
                                      Strategy)
 
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 from fedsd.methods import MODEL_GROUPS
 from fedsd.errors import TrainingDiverged
 from fedsd.training.summary import last_line
 from fedsd.app.records import SPENT_EPSILON
 
 
-def base_strategy(fed: FedOptions, federated_evaluation: bool = False) -> Strategy:
+def base_strategy(fed: FedConfig, federated_evaluation: bool = False) -> Strategy:
     """The aggregation rule, weighted by num-examples. Every client that trained evaluates too
     with federated_evaluation; otherwise only the server evaluates, on its public test split."""
     sampled = sampled_clients(fed)
@@ -82,7 +82,7 @@ def evaluation_metrics(records: list[RecordDict], weight_key: str) -> MetricReco
            for key in ("test-accuracy", "test-loss")}})
 
 
-def sampled_clients(fed: FedOptions) -> int:
+def sampled_clients(fed: FedConfig) -> int:
     return max(1, int(fed.num_clients * fed.fraction_train))
 
 
@@ -103,7 +103,7 @@ def nodes_connected(grid: Grid, count: int, timeout: float) -> bool:
     return True
 
 
-def min_nodes(fed: FedOptions) -> int:
+def min_nodes(fed: FedConfig) -> int:
     """Connected nodes a round after the first needs: --min-nodes, or by default half the
     sampled clients (at least 1), so that losing a node does not stop the federation."""
     return fed.min_nodes or max(1, sampled_clients(fed) // 2)
@@ -144,7 +144,7 @@ class RecordingStrategy(Strategy):
 
     RECORDED = ("client_epsilon", "round_clients", "train_seconds", "missed", "node_partition", "evaluations")
 
-    def __init__(self, inner: Strategy, fed: FedOptions, shapes: dict[str, tuple] | None = None,
+    def __init__(self, inner: Strategy, fed: FedConfig, shapes: dict[str, tuple] | None = None,
                  round_offset: int = 0, settings: dict | None = None):
         self.inner = inner
         self.settings = dict(settings or {})

@@ -3,12 +3,12 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
-from fedsd.methods import EpochLoss, Method, MethodSettings, register
+from fedsd.methods import EpochLoss, Method, MethodConfig, register
 from fedsd.settings.declared import setting
 
 
 @dataclass
-class SmoothSettings(MethodSettings):
+class SmoothSettings(MethodConfig):
     label_smoothing: float | None = setting(None, "dpsmooth: the cross-entropy's label smoothing", resolve=0.1,
                                             source="the plugin's", check=(lambda v: 0 <= v < 1, "must be in [0, 1)"))
 

@@ -1,0 +1,41 @@
+"""Names changed in fedsd 0.2 (issue 70: each word means one thing): an old node-config key still
+works for one release, with a note naming its new name; an old import path fails naming its new place."""
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from fedsd.app.client.node_config import NodeConfigError, parse
+from fedsd.errors import FedsdNote
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_old_node_config_key_noise_still_works_with_a_note(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        node = parse({"partition-id": 0, "state-dir": str(tmp_path), "noise": "seeded"})
+    assert node.randomness == "seeded"
+    notes = [str(w.message) for w in caught if issubclass(w.category, FedsdNote)]
+    assert notes == ["node-config noise: renamed randomness in fedsd 0.2 (write randomness=seeded); noise= still "
+                     "works in this release"]
+
+
+def test_the_new_key_gives_no_note_and_both_are_refused(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert parse({"partition-id": 0, "state-dir": str(tmp_path), "randomness": "secret"}).randomness == "secret"
+    with pytest.raises(NodeConfigError, match="node-config noise and randomness: noise is randomness's old name"):
+        parse({"partition-id": 0, "state-dir": str(tmp_path), "noise": "seeded", "randomness": "secret"})
+
+
+@pytest.mark.parametrize("old,new", [("clients.data_service", "fedsd.app.client.owner_service"),
+                                     ("server.secure_aggregation", "fedsd.app.server.secure_rounds"),
+                                     ("task.secure_sum", "fedsd.app.secure_sum"),
+                                     ("simulations.commands.simulate", "fedsd.cli.simulate")])
+def test_an_old_import_path_names_its_new_place(old, new):
+    run = subprocess.run([sys.executable, "-c", f"import {old}"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 1 and "ImportError" in run.stderr
+    assert any(line.split() == [old, "->", new] for line in run.stderr.splitlines()), run.stderr[-800:]
