@@ -21,4 +21,4 @@ if [ ! -x "$PYTHON" ]; then
     exit 2
 fi
 # exec: Ctrl-C and SIGTERM reach the Python process, which stops what it started.
-exec "$PYTHON" -m simulations.deployment.deploy "$@"
+exec "$PYTHON" -m fedsd.deployment.deploy_local "$@"

@@ -51,7 +51,7 @@ COMMAND_GROUPS = (
 # them only when it is asked for (fedsd/experiments/reproduce.py has its own parser).
 EXPERIMENTS = "reproduce"
 EXPERIMENTS_TITLE = "this repository's result tables (experiments, run from a checkout)"
-EXPERIMENTS_HELP = "the papers' Table 1 / Table 2 and the federated, readings and features tables, resumable"
+EXPERIMENTS_HELP = "the papers' Table 1 / Table 2, the federated, readings, features and distributed tables, resumable"
 
 
 class CommandsHelp(argparse.RawDescriptionHelpFormatter):

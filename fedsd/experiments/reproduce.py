@@ -4,7 +4,9 @@ at once, one progress bar for the whole table), the table files made from the ru
 - `--table 1`, `--table 2`: the papers' Table 1 and Table 2 (central runs; paper_tables.py);
 - `--table fed`: the federated table (simulations; federated_table.py);
 - `--table readings`: every reading of the papers, on validation (readings.py);
-- `--table features`: DP-SGD on ScatterNet features, ε = 3 (features_table.py).
+- `--table features`: DP-SGD on ScatterNet features, ε = 3 (features_table.py);
+- `--table distributed`: the features and CNN recipes as a 10-client federation with distributed
+  noise under secure aggregation (distributed_table.py).
 
 An experiment, not a command of the product: `fedsd` loads this module only when asked for
 `reproduce` (fedsd/cli/main.py), and it has its own parser.
@@ -24,7 +26,7 @@ from fedsd.experiments.federated_table import FED_METHODS, FED_PARTITIONS, FED_T
 from fedsd.experiments.paper_tables import TABLE1_METHODS, TABLE1_VARIANTS, table1_cells, table2_cells, table_cells, write_tables
 from fedsd.experiments.readings import confirm_runs, dropped, screen_rows, screen_runs, write_readings
 
-HELP = "the papers' Table 1 / Table 2 and the federated, readings and features tables, resumable"
+HELP = "the papers' Table 1 / Table 2, the federated, readings, features and distributed tables, resumable"
 
 
 def reproduce_parser() -> argparse.ArgumentParser:
@@ -33,8 +35,8 @@ def reproduce_parser() -> argparse.ArgumentParser:
                    help="1, 2: the papers' tables (central runs); fed: the federated table (simulations); "
                         "readings: every reading of the papers on validation (fedsd/experiments/readings.py); "
                         "features: DP-SGD on ScatterNet features, ε = 3 (fedsd/experiments/features_table.py); "
-                        "distributed: the features recipe as a federation with distributed noise under secure "
-                        "aggregation (fedsd/experiments/distributed_table.py)")
+                        "distributed: the features and CNN recipes as a federation with distributed noise under "
+                        "secure aggregation (fedsd/experiments/distributed_table.py)")
     p.add_argument("--datasets", nargs="+", choices=DATASETS, default=None,
                    help="Table 1 (default: all); Table 2 and the federated table are FMNIST's")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=None, help="default: the table's")
