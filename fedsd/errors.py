@@ -65,3 +65,18 @@ class StateMismatch(FedsdError, ValueError):
 
 class BudgetExhausted(FedsdError, RuntimeError):
     """The next update would spend more than the planned (ε, δ); nothing was trained."""
+
+
+def moved_from(package: str, module: str, name: str):
+    """For a package's module-level __getattr__: fedsd 0.1's module `package` became a package in
+    0.2 and its names moved to `module`; an old `from package import name` fails naming where
+    `name` is now (ImportError, which `from … import` passes on as it is). A submodule or a name
+    the old module never had is an ordinary AttributeError."""
+    import importlib
+    import importlib.util
+
+    if not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is None:
+        if hasattr(importlib.import_module(module), name):
+            raise ImportError(f"{package}.{name}: {package} is a package since fedsd 0.2, and {name} is in {module} "
+                              f"(from {module} import {name}; docs/architecture.md)", name=name)
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")

@@ -39,3 +39,15 @@ def test_an_old_import_path_names_its_new_place(old, new):
     run = subprocess.run([sys.executable, "-c", f"import {old}"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 1 and "ImportError" in run.stderr
     assert any(line.split() == [old, "->", new] for line in run.stderr.splitlines()), run.stderr[-800:]
+
+
+@pytest.mark.parametrize("old,name,new", [("fedsd.data", "locate", "fedsd.data.datasets"),
+                                          ("fedsd.privacy", "plan", "fedsd.privacy.accounting"),
+                                          ("fedsd.settings", "setting", "fedsd.settings.declared")])
+def test_a_name_of_an_old_module_that_became_a_package_says_where_it_is(old, name, new):
+    import importlib
+
+    assert hasattr(importlib.import_module(new), name)
+    with pytest.raises(ImportError, match=f"{old} is a package since fedsd 0.2, and {name} is in {new}"):
+        exec(f"from {old} import {name}", {})
+    assert not hasattr(importlib.import_module(old), "no_such_name")  # anything else: an AttributeError
