@@ -210,27 +210,48 @@ open(os.environ["PLANTED_MARK"], "a").write("ran as uid %d\\n" % os.getuid())
 """
 
 
-@pytest.mark.parametrize("command", [["-m", "fedsd.app.client.owner_service"], ["-m", "fedsd.cli.main", "data-service"],
-                                     ["fedsd", "data-service"]], ids=["module", "cli-module", "fedsd"])
+def _start_service(tmp_path, own_npz, cwd, argv):
+    mark = tmp_path / "planted-ran"
+    config = f"partition-id=0 data='{own_npz}' state-dir='{tmp_path / 'state'}'"  # no budget: refused at start
+    out = subprocess.run(argv + ["--socket", str(tmp_path / "s.sock"), "--node-config", config], cwd=cwd,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "PLANTED_MARK": str(mark)}, capture_output=True,
+                         text=True, timeout=120)
+    return out, mark
+
+
+@pytest.mark.parametrize("command", [["fedsd", "data-service"], ["-P", "-m", "fedsd.app.client.owner_service"],
+                                     ["-P", "-m", "fedsd.cli.main", "data-service"]],
+                         ids=["fedsd", "safe-path-module", "safe-path-cli-module"])
 def test_a_package_planted_in_the_working_directory_is_not_run(own_npz, tmp_path, command):
     """A folder the SuperNode's user can write (0777) holds a planted `fedsd` package; the owner
-    starts the service from it. `fedsd data-service` imports nothing from it; each `python -m`
-    entry point refuses to run before any import, naming `fedsd data-service`."""
+    starts the service from it, as deploy/README.md says (`fedsd data-service`, or `python -P -m`):
+    nothing of the plant runs, and the service starts (here refused for want of a budget)."""
     cwd = tmp_path / "writable"
     cwd.mkdir()
     cwd.chmod(0o777)
     (cwd / "fedsd").mkdir()
     (cwd / "fedsd" / "__init__.py").write_text(PLANTED)
-    mark = tmp_path / "planted-ran"
-    config = f"partition-id=0 data='{own_npz}' state-dir='{tmp_path / 'state'}'"  # no budget: refused at start
     argv = ([str(Path(sys.executable).parent / "fedsd")] + command[1:] if command[0] == "fedsd"
             else [sys.executable] + command)
-    out = subprocess.run(argv + ["--socket", str(tmp_path / "s.sock"), "--node-config", config], cwd=cwd,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "PLANTED_MARK": str(mark)}, capture_output=True,
-                         text=True, timeout=120)
+    out, mark = _start_service(tmp_path, own_npz, cwd, argv)
     assert not mark.exists(), mark.read_text()
+    said = out.stdout + out.stderr
     assert out.returncode != 0
-    if command[0] == "-m":
-        assert "refused" in out.stderr and "fedsd data-service" in out.stderr, out.stderr
+    if "owner_service" in command[-1]:  # the warm worker's entry point: not the service's
+        assert "the owner's data service starts with `fedsd data-service` only" in said, said
     else:
-        assert "max-epsilon" in out.stdout + out.stderr, out.stdout + out.stderr
+        assert "max-epsilon" in said, said
+
+
+@pytest.mark.parametrize("command", [["-m", "fedsd.app.client.owner_service"], ["-m", "fedsd.cli.main", "data-service"]],
+                         ids=["module", "cli-module"])
+def test_python_m_with_the_working_directory_on_the_path_is_refused(own_npz, tmp_path, command):
+    """`python -m` puts the working directory first on the import path. Python itself imports a
+    package planted there under the name `fedsd` before any of fedsd's code runs (so no check of
+    fedsd's can stop it: the reason the service starts with `fedsd data-service`); where nothing
+    is planted, each `python -m` entry point refuses before anything else, naming the safe ways."""
+    cwd = tmp_path / "writable"
+    cwd.mkdir()
+    out, mark = _start_service(tmp_path, own_npz, cwd, [sys.executable] + command)
+    assert out.returncode != 0 and not (tmp_path / "state").exists()
+    assert "refused" in out.stderr and "fedsd data-service" in out.stderr and "python -P" in out.stderr, out.stderr

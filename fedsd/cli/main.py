@@ -8,9 +8,11 @@ import sys
 if __name__ == "__main__" and not sys.flags.safe_path and "data-service" in sys.argv[1:]:
     # Before any other import: `python -m` put the working directory first on sys.path, and the
     # owner's service would import (and run, as the owner) a package planted there.
+    # A package planted there under the name `fedsd` has run already (Python imports a module's
+    # package before the module); this refuses the slip, and the docs say why it is not the way.
     sys.exit(f"python -m fedsd.cli.main data-service: refused, as the working directory ({sys.path[0]}) is first "
              f"on the import path and a package planted there would run as the data's owner; start the service "
-             f"with `fedsd data-service` (deploy/README.md)")
+             f"with `fedsd data-service` or `python -P -m fedsd.cli.main data-service` (deploy/README.md)")
 
 # An entry point: fedsd's process-wide speed settings, before torch loads (fedsd/runtime.py).
 from fedsd.runtime import tune_process

@@ -36,9 +36,9 @@ if __name__ == "__main__":  # before any other import: `python -m` put the worki
     from os import getcwd
 
     if not sys.flags.safe_path:
-        sys.exit(f"python -m fedsd.app.client.owner_service: refused, as the working directory ({getcwd()}) is first on the "
-                 f"import path and a package planted there would run as this user; the owner's service starts with "
-                 f"`fedsd data-service` (deploy/README.md), and a warm worker is started by its ClientApp with "
+        sys.exit(f"python -m fedsd.app.client.owner_service: refused, as the working directory ({getcwd()}) is first "
+                 f"on the import path and a package planted there would run as this user; the owner's service starts "
+                 f"with `fedsd data-service` (deploy/README.md), and a warm worker is started by its ClientApp with "
                  f"`python -P` (3.11+)")
     if any(a.startswith(("--node-config", "--allow-uid")) for a in sys.argv[1:]):
         sys.exit("python -m fedsd.app.client.owner_service: the owner's data service starts with `fedsd data-service` only "
