@@ -141,9 +141,9 @@ def test_two_deployments_differ_and_two_simulations_are_identical(own_npz, tmp_p
 
 def test_seeded_noise_on_own_data_needs_the_owners_word(own_npz, tmp_path):
     with pytest.raises(NodeConfigError, match="trust-server-with-noise=true"):
-        parse(node(own_npz, tmp_path, noise="seeded"))
+        parse(node(own_npz, tmp_path, randomness="seeded"))
     cfg, fed, flat = one_step_run()
-    reply = ask(flat, node(own_npz, tmp_path, noise="seeded"), initial_model(client_config(cfg, fed), 10))
+    reply = ask(flat, node(own_npz, tmp_path, randomness="seeded"), initial_model(client_config(cfg, fed), 10))
     assert reply["metrics"]["refused"] == 1 and not reply.array_records
     assert "can predict this client's noise" in reply["refusal"]["reason"]
     assert not list(tmp_path.glob("ledger-*"))  # refused before anything was read or spent
