@@ -30,7 +30,7 @@ def train(method: str, route: str, mu: float) -> dict[str, dict[str, torch.Tenso
     from fedsd.training.loop import DPTrainer, initial_model
 
     cfg = TrainConfig(dataset="fmnist", method=method, epsilon=3, epochs=2, batch_size=50, subset=300, seed=3,
-                      grad_sample_mode=route, threads=1, kd_teacher_epochs=1 if method == "dpkd" else None).resolved()
+                      grad_sample_mode=route, threads=1, dpkd_teacher_epochs=1 if method == "dpkd" else None).resolved()
     images = data_lib.load("fmnist")
     tensors = data_lib.prepare(images, data_lib.stratified_subset(images.y_train, 300, 0))
     trainer = DPTrainer(cfg, tensors, plan(3, 1e-5, 300, 50, 2))

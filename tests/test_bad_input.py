@@ -17,10 +17,10 @@ BASE = ["train", "--dataset", "fmnist", "--method", "dp3sd", "--epochs", "1", "-
     (["--epsilon", "-1"], "--epsilon"),
     (["--epsilon", "3", "--delta", "0"], "--delta"),
     (["--epsilon", "3", "--delta", "0.001"], "--delta"),  # ≥ 1/n for n = 1000
-    (["--epsilon", "3", "--tau-s", "0"], "--tau-s"),
-    (["--epsilon", "3", "--tau-t", "-2"], "--tau-t"),
-    (["--epsilon", "3", "--alpha", "-0.1"], "--alpha"),
-    (["--epsilon", "3", "--alpha", "1.5"], "--alpha"),  # dp3sd: α ∈ [0, 1]
+    (["--epsilon", "3", "--dp3sd-tau-s", "0"], "--dp3sd-tau-s"),
+    (["--epsilon", "3", "--dp3sd-tau-t", "-2"], "--dp3sd-tau-t"),
+    (["--epsilon", "3", "--dp3sd-alpha", "-0.1"], "--dp3sd-alpha"),
+    (["--epsilon", "3", "--dp3sd-alpha", "1.5"], "--dp3sd-alpha"),  # dp3sd: α ∈ [0, 1]
     (["--epsilon", "3", "--batch-size", "5000"], "--batch-size"),
     (["--epsilon", "3", "--lr", "0"], "--lr"),
     (["--epsilon", "3", "--subset", "0"], "--subset"),
@@ -36,8 +36,8 @@ def test_bad_option_is_named_and_nothing_written(tmp_path, capsys, extra, needle
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (["--method", "dpdsd", "--beta", "-1"], "--beta"),
-    (["--method", "dpdsd", "--tau", "0"], "--tau"),
+    (["--method", "dpdsd", "--dpdsd-beta", "-1"], "--dpdsd-beta"),
+    (["--method", "dpdsd", "--dpdsd-tau", "0"], "--dpdsd-tau"),
 ])
 def test_bad_dpdsd_options(tmp_path, capsys, extra, needle):
     require("fmnist")
@@ -121,8 +121,9 @@ def test_a_bug_keeps_its_traceback_and_bad_input_is_one_line(monkeypatch, capsys
     (["--method", "dp3sd", "--dpdsd-loss", "dkd"], "--dpdsd-loss: a setting of dpdsd, not of --method dp3sd"),
     (["--method", "dpsgd", "--teacher-every", "step"], "--teacher-every: a setting of dp3sd and dpdsd, not of "
                                                       "--method dpsgd"),
-    (["--method", "dpdsd", "--kl-reduction", "mean"], "--kl-reduction: a setting of dp3sd, not of --method dpdsd"),
-    (["--method", "dpsgd", "--alpha", "0.3"], "--alpha: a setting of dpkd, dp3sd and dpdsd, not of --method dpsgd"),
+    (["--method", "dpdsd", "--dp3sd-kl-reduction", "mean"], "--dp3sd-kl-reduction: a setting of dp3sd, not of --method dpdsd"),
+    (["--method", "dpsgd", "--dpkd-alpha", "0.3"], "--dpkd-alpha: a setting of dpkd, not of --method dpsgd"),
+    (["--method", "dpsgd", "--alpha", "0.3"], "--alpha: renamed in fedsd 0.2, by method: --dp3sd-alpha (dp3sd), --dpdsd-alpha (dpdsd), --dpkd-alpha (dpkd); --method dpsgd has none"),
     (["--method", "dpsgd", "--ema-warmup", "off"], "--ema-warmup: the released EMA's setting; this run releases its "
                                                   "student (use --method dpema or --release ema)"),
     (["--method", "dp3sd", "--ema-decay", "0.9"], "--ema-decay: the released EMA's setting"),

@@ -143,11 +143,13 @@ def test_distill_schedule_scales_the_distillation_terms_by_epoch(batch, schedule
         for epoch, w in zip(range(3, 7), weights):
             got = METHODS[method].epoch_loss(c, epoch).per_sample(zs, zt, y).tolist()
             if method == "dp3sd":
-                ce = [-math.log(softmax(zs[i].tolist(), c.tau_s)[int(y[i])]) for i in range(6)]
-                full = [hand_dp3sd(zs[i].tolist(), zt[i].tolist(), int(y[i]), c.tau_s, c.tau_t, c.alpha) for i in range(6)]
-                expected = [c.alpha * a + w * (f - c.alpha * a) for a, f in zip(ce, full)]
+                ce = [-math.log(softmax(zs[i].tolist(), c.dp3sd_tau_s)[int(y[i])]) for i in range(6)]
+                full = [hand_dp3sd(zs[i].tolist(), zt[i].tolist(), int(y[i]), c.dp3sd_tau_s, c.dp3sd_tau_t, c.dp3sd_alpha)
+                        for i in range(6)]
+                expected = [c.dp3sd_alpha * a + w * (f - c.dp3sd_alpha * a) for a, f in zip(ce, full)]
             else:
-                expected = [hand_dpdsd(zs[i].tolist(), zt[i].tolist(), int(y[i]), c.tau, w * c.alpha, w * c.beta)
+                expected = [hand_dpdsd(zs[i].tolist(), zt[i].tolist(), int(y[i]), c.dpdsd_tau, w * c.dpdsd_alpha,
+                                      w * c.dpdsd_beta)
                             for i in range(6)]
             assert got == pytest.approx(expected, rel=1e-10), (method, epoch)
 

@@ -176,7 +176,7 @@ def test_every_method_trains_a_users_network(user_module, tmp_path, method):
     out = tmp_path / "run"
     assert main(["train", "--dataset", "fmnist", "--model", f"{user_module}:make", "--method", method, "--subset",
                  "2000", "--epochs", "2", "--batch-size", "200", "--lr", "2", "--epsilon", "8", "--threads", "1",
-                 "--quiet", "--out", str(out), *(["--kd-teacher-epochs", "1"] if method == "dpkd" else [])]) == 0
+                 "--quiet", "--out", str(out), *(["--dpkd-teacher-epochs", "1"] if method == "dpkd" else [])]) == 0
     result = json.loads((out / "result.json").read_text())
     assert result["method"] == method and result["test_accuracy"] > 0.3, result["test_accuracy"]
 

@@ -14,8 +14,8 @@ def test_cells_cover_the_table():
     assert {c.paper for c in cells if c.dataset == "fmnist" and c.epsilon == 3 and c.method == "dp3sd"} == {87.68}
     assert len(PAPER_TABLE1) == 15
     ablation = table2_cells()
-    assert [c.overrides for c in ablation if c.method == "dp3sd"] == [{}, {"tau_s": 1.0}, {"tau_t": 1.0},
-                                                                      {"tau_s": 1.0, "tau_t": 1.0}]
+    assert [c.overrides for c in ablation if c.method == "dp3sd"] == [{}, {"dp3sd_tau_s": 1.0}, {"dp3sd_tau_t": 1.0},
+                                                                      {"dp3sd_tau_s": 1.0, "dp3sd_tau_t": 1.0}]
 
 
 @pytest.mark.slow

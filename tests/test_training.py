@@ -43,7 +43,7 @@ def test_every_method_trains_and_spends_its_budget(method):
     require("fmnist")
     result, weights = train(TrainConfig(dataset="fmnist", method=method, epsilon=3, epochs=3, batch_size=200,
                                         lr=0.8, subset=3000, seed=1, ema_decay=0.9 if method == "dpema" else None,
-                                        kd_teacher_epochs=1 if method == "dpkd" else None),
+                                        dpkd_teacher_epochs=1 if method == "dpkd" else None),
                             progress=False)
     # 3 short epochs from scratch (chance is 0.1); DPKD's student starts afresh after its teacher's epoch.
     assert result["test_accuracy"] > (0.2 if method == "dpkd" else 0.3)
@@ -116,7 +116,7 @@ def test_cli_writes_result_model_and_curve(tmp_path):
     for key in ("dataset", "method", "epsilon_target", "epsilon_spent", "delta", "noise_multiplier", "sample_rate",
                 "steps", "test_accuracy", "seed", "wall_seconds", "config", "epochs"):
         assert key in result
-    assert result["config"]["tau_s"] == 0.3 and result["config"]["batch_size"] == 100  # the paper's FMNIST τs
+    assert result["config"]["dp3sd_tau_s"] == 0.3 and result["config"]["batch_size"] == 100  # the paper's FMNIST τs
     assert set(result["epochs"][0]) >= {"epoch", "test_accuracy", "test_loss", "epsilon", "seconds"}
     assert result["epochs"][0]["epsilon"] < result["epochs"][1]["epsilon"] == result["epsilon_spent"]
     state = torch.load(out / "model.pt")
@@ -202,7 +202,7 @@ def test_one_trainer_bound_in_turn_to_clients_gives_each_client_its_own_weights(
     assert shared.optimizer.noise_multiplier == plans[1].noise_multiplier != plans[0].noise_multiplier
 
 
-@pytest.mark.parametrize("method, settings", [("dp3sd", {}), ("dpdsd", {}), ("dpkd", dict(tau=5.0, alpha=0.3)),
+@pytest.mark.parametrize("method, settings", [("dp3sd", {}), ("dpdsd", {}), ("dpkd", dict(dpkd_tau=5.0, dpkd_alpha=0.3)),
                                               ("dpsgd", {})])
 def test_the_divergence_limit_scales_with_the_objectives_chance_level(method, settings):
     """A student that knows nothing (uniform outputs) under a confident teacher sits at its

@@ -40,12 +40,12 @@ class TeacherAtEnd(StepCallback):
 def ce_part(cfg, method: str):
     """The cross-entropy part of a method's loss, per sample (the rest is the distillation part)."""
     if method == "dp3sd":
-        return lambda s, y: cfg.alpha * losses.cross_entropy(s, y, tau=cfg.tau_s, reduction="none")
+        return lambda s, y: cfg.dp3sd_alpha * losses.cross_entropy(s, y, tau=cfg.dp3sd_tau_s, reduction="none")
     if method == "dpdsd":
-        tau = cfg.tau if cfg.dpdsd_ce == "tau" else 1.0
+        tau = cfg.dpdsd_tau if cfg.dpdsd_ce == "tau" else 1.0
         return lambda s, y: losses.cross_entropy(s, y, tau=tau, reduction="none")
     if method == "dpkd":
-        return lambda s, y: cfg.alpha * losses.cross_entropy(s, y, reduction="none")
+        return lambda s, y: cfg.dpkd_alpha * losses.cross_entropy(s, y, reduction="none")
     raise ValueError(f"{method} has no distillation term")
 
 

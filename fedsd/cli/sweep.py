@@ -17,7 +17,7 @@ import itertools
 import statistics
 from pathlib import Path
 
-from fedsd.settings.run import METHODS, TrainConfig
+from fedsd.settings.run import METHODS, RENAMED, TrainConfig, renamed_settings
 from fedsd.errors import ConfigError
 from fedsd.data.datasets import DATASETS
 from fedsd.settings.declared import settings_of
@@ -26,12 +26,13 @@ from fedsd.cli.sweep_runs import DIVERGED, finished_with, run_jobs, threads_per_
 from fedsd.files.results import RunResult, write_json
 
 SWEEPABLE = {s.name: s for s in settings_of(TrainConfig)
-             if s.name in ("ema_decay", "tau", "tau_s", "tau_t", "alpha", "beta", "kd_teacher_epochs", "epochs",
-                           "lr", "clip", "momentum", "batch_size", "distill_warmup_epochs", "activation",
+             if s.name in ("ema_decay", "dp3sd_tau_s", "dp3sd_tau_t", "dp3sd_alpha", "dpdsd_tau", "dpdsd_alpha",
+                           "dpdsd_beta", "dpkd_tau", "dpkd_alpha", "dpkd_teacher_epochs", "epochs", "lr", "clip",
+                           "momentum", "batch_size", "distill_warmup_epochs", "activation",
                            "mean", "std", "train_layers", "init_weights", "features", "public_first", "threads")}
 
 
-def parse_grid(items: list[str], option: str = "--grid") -> dict[str, list]:
+def parse_grid(items: list[str], option: str = "--grid", method: str | None = None) -> dict[str, list]:
     """["ema-decay=0.99,0.999", ...] → {"ema_decay": [0.99, 0.999], ...}; ConfigError when bad.
     A value of a setting with a list in it (--mean 0.5,0.4,0.4) is swept one value at a time;
     give such a setting one KEY=VALUE --grid entry of one value."""
@@ -41,6 +42,9 @@ def parse_grid(items: list[str], option: str = "--grid") -> dict[str, list]:
         name = key.strip().replace("-", "_")
         if not sep or not values:
             raise ConfigError(f"{option}: KEY=V1,V2,... got {item!r}")
+        if name in RENAMED:  # fedsd 0.1's name: the method's own, with a note
+            name = next(iter(renamed_settings({name: values}, method, say="key")))
+            key = name.replace("_", "-")
         if name not in SWEEPABLE:
             allowed = ", ".join(sorted(k.replace("_", "-") for k in SWEEPABLE))
             raise ConfigError(f"{option}: {key!r} cannot be swept; choose from {allowed}")
@@ -57,11 +61,11 @@ def parse_grid(items: list[str], option: str = "--grid") -> dict[str, list]:
     return grid
 
 
-def parse_fixed(items: list[str]) -> dict:
+def parse_fixed(items: list[str], method: str | None = None) -> dict:
     """--set ["momentum=0", ...] → {"momentum": 0.0, ...}: settings every run of the sweep takes."""
     fixed = {}
     for item in items:
-        name, values = parse_grid([item], "--set").popitem()
+        name, values = parse_grid([item], "--set", method).popitem()
         if len(values) != 1:
             raise ConfigError(f"--set: KEY=VALUE, one value (--grid sweeps several), got {item!r}")
         fixed[name] = values[0]
@@ -97,8 +101,8 @@ def add_sweep_parser(sub) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    grid = parse_grid(args.grid)
-    fixed = parse_fixed(args.set)
+    grid = parse_grid(args.grid, method=args.method)
+    fixed = parse_fixed(args.set, args.method)
     both = sorted(set(fixed) & set(grid))
     if both:
         raise ConfigError(f"--set: {both[0].replace('_', '-')} is swept by --grid too; give it one or the other")
@@ -141,7 +145,7 @@ def write_sweep(out: Path, args: argparse.Namespace, grid: dict, combos: list[di
     if not trained:
         raise ConfigError(f"every run of the sweep diverged ({out / 'runs'}/*/{DIVERGED}); try smaller --grid lr values")
     best = max(trained, key=lambda r: r["validation_mean"])
-    fixed = parse_fixed(args.set)
+    fixed = parse_fixed(args.set, args.method)
     summary = dict(dataset=args.dataset, method=args.method, epsilon=args.epsilon, validation=args.validation,
                    subset=args.subset, seeds=args.seeds, grid=grid, **({"fixed": fixed} if fixed else {}), runs=rows,
                    choice=dict(settings=best["settings"], validation_accuracy=best["validation_mean"]),

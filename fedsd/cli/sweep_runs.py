@@ -106,10 +106,11 @@ def finished_with(run_out: Path, config: dict) -> bool:
 
 def same_settings(done: dict, config: dict) -> bool:
     """Whether a run made with settings `done` (a resolved config) computes what `config` asks."""
-    from fedsd.settings.run import TrainConfig
+    from fedsd.settings.run import TrainConfig, renamed_settings
 
     from fedsd.models.networks import with_pinned_weights
 
+    done = renamed_settings(done, done.get("method"))  # a run fedsd 0.1 made: its settings' new names
     wanted = with_pinned_weights(TrainConfig(**config).resolved()).to_dict()  # --init-weights: its sha256 too
     # A setting added since that run was made is absent from its config: it ran as the default.
     defaults = TrainConfig().to_dict()

@@ -8,14 +8,17 @@ from fedsd.errors import ConfigError
 from fedsd.models.networks import start_report
 from fedsd.models.pretrained import start_line
 from fedsd.settings.declared import add_options, from_args, settings_of
-from fedsd.settings.run import TrainConfig
+from fedsd.settings.run import RENAMED, RENAMED_TYPES, TrainConfig, method_groups, renamed_settings
 from fedsd.training.central import load_checkpoint, plan_run, train
 from fedsd.training.summary import run_summary
 
 
 def add_train_options(p: argparse.ArgumentParser, epsilon_required: bool = True, out_required: bool = True) -> None:
     """Every TrainConfig setting as an option (declared once, in fedsd.settings.run), and the run's folder."""
-    add_options(p, TrainConfig, required=("epsilon",) if epsilon_required else ())
+    add_options(p, TrainConfig, required=("epsilon",) if epsilon_required else (), groups=method_groups(p))
+    for old in RENAMED:  # fedsd 0.1's flags: still taken in this release, with a note (config_from_args)
+        p.add_argument("--" + old.replace("_", "-"), dest="renamed_" + old, type=RENAMED_TYPES.get(old, float),
+                       default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument("--out", required=out_required, help="result folder (must be new or empty)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -30,7 +33,13 @@ def add_train_options(p: argparse.ArgumentParser, epsilon_required: bool = True,
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The settings given, with --route-from's route as --route (checked against the run's network,
     input and thread count)."""
-    cfg = from_args(TrainConfig, args)
+    old = {name: getattr(args, "renamed_" + name) for name in RENAMED if hasattr(args, "renamed_" + name)}
+    given = renamed_settings(old, getattr(args, "method", None), say="flag")
+    taken = sorted(n for n in given if hasattr(args, n))
+    if taken:
+        raise ConfigError(f"--{taken[0].replace('_', '-')}: given twice, once under its old name (fedsd 0.1's); "
+                          f"give --{taken[0].replace('_', '-')} only")
+    cfg = from_args(TrainConfig, args, **given)
     if getattr(args, "route_from", None):
         import dataclasses
 

@@ -30,11 +30,11 @@ PAPER_TABLE1 = {
 # Table 2 (FMNIST ablation, accuracy as a fraction in the papers; % here). The papers do not
 # print its ε; we run it at ε = 3.
 PAPER_TABLE2 = [
-    ("dp3sd", "sparse + smooth", {}, 86.93), ("dp3sd", "without sparsity (τs = 1)", {"tau_s": 1.0}, 86.42),
-    ("dp3sd", "without smoothing (τt = 1)", {"tau_t": 1.0}, 86.26),
-    ("dp3sd", "neither (τs = τt = 1)", {"tau_s": 1.0, "tau_t": 1.0}, 86.13),
-    ("dpdsd", "CE + TCSD + NCSD", {}, 86.93), ("dpdsd", "without TCSD (α = 0)", {"alpha": 0.0}, 86.42),
-    ("dpdsd", "without NCSD (β = 0)", {"beta": 0.0}, 86.11),
+    ("dp3sd", "sparse + smooth", {}, 86.93), ("dp3sd", "without sparsity (τs = 1)", {"dp3sd_tau_s": 1.0}, 86.42),
+    ("dp3sd", "without smoothing (τt = 1)", {"dp3sd_tau_t": 1.0}, 86.26),
+    ("dp3sd", "neither (τs = τt = 1)", {"dp3sd_tau_s": 1.0, "dp3sd_tau_t": 1.0}, 86.13),
+    ("dpdsd", "CE + TCSD + NCSD", {}, 86.93), ("dpdsd", "without TCSD (α = 0)", {"dpdsd_alpha": 0.0}, 86.42),
+    ("dpdsd", "without NCSD (β = 0)", {"dpdsd_beta": 0.0}, 86.11),
 ]
 TABLE2_EPSILON = 3.0
 TABLE1_METHODS = ("dpsgd", "dpkd", "dpema", "dp3sd", "dpdsd")  # the papers' row order

@@ -57,7 +57,7 @@ READINGS = (
     Reading("ramp", ("dp3sd", "dpdsd"), {"distill_schedule": "ramp"}, "PS-KD's ramped distillation weight"),
     Reading("teacher-step", ("dp3sd", "dpdsd"), {"teacher_every": "step"},
             "the teacher is the previous iterate, refreshed every step"),
-    Reading("kl-mean", ("dp3sd",), {"kl_reduction": "mean"}, "the KL averaged over the classes too (÷K)"),
+    Reading("kl-mean", ("dp3sd",), {"dp3sd_kl_reduction": "mean"}, "the KL averaged over the classes too (÷K)"),
     Reading("dkd", ("dpdsd",), {"dpdsd_loss": "dkd"}, "Decoupled KD's loss, which DPDSD's text cites"),
     Reading("ce-tau", ("dpdsd",), {"dpdsd_ce": "tau"}, "the cross-entropy at temperature τ (eq. 5-6)"),
     Reading("ema-no-warmup", ("dpema",), {"ema_warmup": "off"}, "a constant EMA decay, without the warm-up"),

@@ -19,13 +19,13 @@ def paper(key: str) -> dict:
 
 @dataclass
 class DP3SDConfig(SelfDistillationConfig):
-    tau_s: float | None = setting(None, "DP3SD: the student's sparsifying temperature τs", resolve=paper("tau_s"),
+    dp3sd_tau_s: float | None = setting(None, "the student's sparsifying temperature τs", resolve=paper("tau_s"),
                                   source=PAPERS, check=POSITIVE)
-    tau_t: float | None = setting(None, "DP3SD: the teacher's smoothing temperature τt", resolve=paper("tau_t"),
+    dp3sd_tau_t: float | None = setting(None, "the teacher's smoothing temperature τt", resolve=paper("tau_t"),
                                   source=PAPERS, check=POSITIVE)
-    alpha: float | None = setting(None, "weight α of the cross-entropy term (1 − α: the distillation's)",
+    dp3sd_alpha: float | None = setting(None, "weight α of the cross-entropy term (1 − α: the distillation's)",
                                   resolve=paper("alpha"), source=PAPERS, check=UNIT_INTERVAL)
-    kl_reduction: str = setting("batchmean", "DP3SD: the KL term per sample, summed over the classes (batchmean, "
+    dp3sd_kl_reduction: str = setting("batchmean", "the KL term per sample, summed over the classes (batchmean, "
                                              "the KL itself) or averaged over them too (mean, ÷K: PyTorch's "
                                              "KLDivLoss(reduction='mean'), a common implementation)",
                                 choices=KL_REDUCTIONS)
@@ -38,11 +38,11 @@ class DP3SD(SelfDistilling):
 
     def epoch_loss(self, cfg, epoch):
         if warming_up(cfg, epoch):
-            return cross_entropy(cfg.tau_s)
+            return cross_entropy(cfg.dp3sd_tau_s)
         weight = distill_weight(cfg, epoch)
-        class_mean = cfg.kl_reduction == "mean"
+        class_mean = cfg.dp3sd_kl_reduction == "mean"
         # CE is ln K at any temperature, τt²·KL(teacher ‖ uniform) ≤ τt²·ln K
-        return EpochLoss(lambda s, t, y: losses.dp3sd_loss(s, t, y, tau_s=cfg.tau_s, tau_t=cfg.tau_t, alpha=cfg.alpha,
+        return EpochLoss(lambda s, t, y: losses.dp3sd_loss(s, t, y, tau_s=cfg.dp3sd_tau_s, tau_t=cfg.dp3sd_tau_t, alpha=cfg.dp3sd_alpha,
                                                            distill_weight=weight, class_mean=class_mean,
                                                            reduction="none"),
-                         True, cfg.alpha + weight * (1 - cfg.alpha) * cfg.tau_t ** 2)
+                         True, cfg.dp3sd_alpha + weight * (1 - cfg.dp3sd_alpha) * cfg.dp3sd_tau_t ** 2)

@@ -28,16 +28,16 @@ def paper(key: str) -> dict:
 
 @dataclass
 class DPDSDConfig(SelfDistillationConfig):
-    tau: float | None = setting(None, "the distillation temperature τ", resolve=paper("tau"), source=PAPERS,
+    dpdsd_tau: float | None = setting(None, "the distillation temperature τ", resolve=paper("tau"), source=PAPERS,
                                 check=POSITIVE)
-    alpha: float | None = setting(None, "DPDSD: weight α of the target class's term (TCSD)", resolve=paper("alpha"),
+    dpdsd_alpha: float | None = setting(None, "weight α of the target class's term (TCSD)", resolve=paper("alpha"),
                                   source=PAPERS, check=NON_NEGATIVE)
-    beta: float | None = setting(None, "DPDSD: weight β of the non-target classes' term (NCSD)",
+    dpdsd_beta: float | None = setting(None, "weight β of the non-target classes' term (NCSD)",
                                  resolve=paper("beta"), source=PAPERS, check=NON_NEGATIVE)
-    dpdsd_loss: str = setting("equations", "DPDSD: its loss as its equations (10)-(11) write it (equations), or in "
+    dpdsd_loss: str = setting("equations", "its loss as its equations (10)-(11) write it (equations), or in "
                                            "Decoupled KD's form (dkd: α·τ²·KL of the target/rest split + "
                                            "β·τ²·KL over the non-target classes)", choices=LOSSES)
-    dpdsd_ce: str = setting("one", "DPDSD: the temperature of its cross-entropy term: one, or tau (eq. 5-6)",
+    dpdsd_ce: str = setting("one", "the temperature of its cross-entropy term: one, or tau, its --dpdsd-tau (eq. 5-6)",
                             choices=CE_TEMPERATURES)
 
 
@@ -47,16 +47,16 @@ class DPDSD(SelfDistilling):
     Settings = DPDSDConfig
 
     def epoch_loss(self, cfg, epoch):
-        ce_tau = cfg.tau if cfg.dpdsd_ce == "tau" else 1.0
+        ce_tau = cfg.dpdsd_tau if cfg.dpdsd_ce == "tau" else 1.0
         if warming_up(cfg, epoch):
             return cross_entropy(ce_tau)
-        alpha, beta = (distill_weight(cfg, epoch) * w for w in (cfg.alpha, cfg.beta))
+        alpha, beta = (distill_weight(cfg, epoch) * w for w in (cfg.dpdsd_alpha, cfg.dpdsd_beta))
         if cfg.dpdsd_loss == "dkd":
             # α·τ²·KL(b_T ‖ b_S) + β·τ²·KL(T̂ ‖ Ŝ) ≤ (α + β)·τ²·ln K at a uniform student
-            return EpochLoss(lambda s, t, y: losses.dkd_loss(s, t, y, tau=cfg.tau, alpha=alpha, beta=beta,
+            return EpochLoss(lambda s, t, y: losses.dkd_loss(s, t, y, tau=cfg.dpdsd_tau, alpha=alpha, beta=beta,
                                                              ce_tau=ce_tau, reduction="none"),
-                             True, 1 + (alpha + beta) * cfg.tau ** 2)
+                             True, 1 + (alpha + beta) * cfg.dpdsd_tau ** 2)
         # α·TCSD + β·NCSD ≤ e·max(α, β)·ln K: its gate e^γ < e weighs teacher probabilities that sum to 1
-        return EpochLoss(lambda s, t, y: losses.dpdsd_loss(s, t, y, tau=cfg.tau, alpha=alpha, beta=beta,
+        return EpochLoss(lambda s, t, y: losses.dpdsd_loss(s, t, y, tau=cfg.dpdsd_tau, alpha=alpha, beta=beta,
                                                            ce_tau=ce_tau, reduction="none"),
                          True, 1 + math.e * max(alpha, beta))

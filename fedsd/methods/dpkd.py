@@ -18,10 +18,10 @@ TEACHER_FRACTION = 0.5
 
 @dataclass
 class DPKDConfig(MethodConfig):
-    tau: float | None = setting(None, "the distillation temperature τ", resolve=5.0, source=CHOSEN, check=POSITIVE)
-    alpha: float | None = setting(None, "weight α of the cross-entropy term (1 − α: the distillation's)",
+    dpkd_tau: float | None = setting(None, "the distillation temperature τ", resolve=5.0, source=CHOSEN, check=POSITIVE)
+    dpkd_alpha: float | None = setting(None, "weight α of the cross-entropy term (1 − α: the distillation's)",
                                   resolve=0.7, source=CHOSEN, check=UNIT_INTERVAL)
-    kd_teacher_epochs: int | None = setting(None, "DPKD: epochs of stage 1 (the teacher); the rest train the student",
+    dpkd_teacher_epochs: int | None = setting(None, "epochs of stage 1 (the teacher); the rest train the student",
                                             resolve=lambda c: max(1, round(c.epochs * TEACHER_FRACTION)),
                                             default_text="half the epochs")
 
@@ -33,13 +33,13 @@ class DPKD(Method):
     groups = ("student", "kd_teacher")
 
     def check(self, cfg):
-        check_setting(1 <= cfg.kd_teacher_epochs < cfg.epochs, "--kd-teacher-epochs",
-                      f"must be in [1, epochs) = [1, {cfg.epochs}) so both stages train", cfg.kd_teacher_epochs)
+        check_setting(1 <= cfg.dpkd_teacher_epochs < cfg.epochs, "--dpkd-teacher-epochs",
+                      f"must be in [1, epochs) = [1, {cfg.epochs}) so both stages train", cfg.dpkd_teacher_epochs)
         check_setting(release_of(cfg) == "student", "--release", "dpkd releases its student: its second stage "
                       "starts a fresh one, which an average over both stages would mix with its teacher", cfg.release)
 
     def on_epoch_start(self, cfg, epoch, model, trainer):
-        if epoch <= cfg.kd_teacher_epochs:
+        if epoch <= cfg.dpkd_teacher_epochs:
             return
         if "kd_teacher" not in model:
             # Stage 2 begins: the stage-1 model becomes the fixed teacher, the student starts afresh
@@ -50,8 +50,8 @@ class DPKD(Method):
         trainer.load_teacher(model["kd_teacher"])
 
     def epoch_loss(self, cfg, epoch):
-        if epoch <= cfg.kd_teacher_epochs:
+        if epoch <= cfg.dpkd_teacher_epochs:
             return super().epoch_loss(cfg, epoch)
         # τ²·KL(teacher ‖ uniform) ≤ τ²·ln K
-        return EpochLoss(lambda s, t, y: losses.kd_loss(s, t, y, tau=cfg.tau, alpha=cfg.alpha, reduction="none"),
-                         True, cfg.alpha + (1 - cfg.alpha) * cfg.tau ** 2)
+        return EpochLoss(lambda s, t, y: losses.kd_loss(s, t, y, tau=cfg.dpkd_tau, alpha=cfg.dpkd_alpha, reduction="none"),
+                         True, cfg.dpkd_alpha + (1 - cfg.dpkd_alpha) * cfg.dpkd_tau ** 2)

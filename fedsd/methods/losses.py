@@ -56,7 +56,7 @@ def kl_distillation(student_logits, teacher_logits, *, tau: float, class_mean: b
 def dp3sd_loss(student_logits, teacher_logits, target, *, tau_s, tau_t, alpha, distill_weight=1.0,
                class_mean: bool = False, reduction="mean"):
     """DP3SD: α·CE(softmax_τs(z_s), y) + w·(1−α)·τt²·KL(softmax_τt(z_t) ‖ softmax_τt(z_s)); w = 1 is
-    the papers' loss (w: --distill-schedule; `class_mean`: the KL ÷K, --kl-reduction mean)."""
+    the papers' loss (w: --distill-schedule; `class_mean`: the KL ÷K, --dp3sd-kl-reduction mean)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1] for dp3sd, got {alpha}")
     ce = cross_entropy(student_logits, target, tau=tau_s, reduction="none")

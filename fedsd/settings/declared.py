@@ -109,19 +109,21 @@ def _base_type(hint) -> tuple[type, bool]:
 
 # -- the command line -------------------------------------------------------------------------
 def add_options(parser: argparse.ArgumentParser, cls, *, required: tuple[str, ...] = (),
-                skip: tuple[str, ...] = (), only: tuple[str, ...] = ()) -> None:
-    """One option per declared setting of `cls` (or only those named). An option not given
+                skip: tuple[str, ...] = (), only: tuple[str, ...] = (), groups: dict | None = None) -> None:
+    """One option per declared setting of `cls` (or only those named), in `groups[name]` (an
+    argument group of the parser: where --help lists it) where one is given. An option not given
     stays unset (the dataclass's default applies), so the default is declared in one place."""
     for s in settings_of(cls):
         if not s.cli or s.name in skip or (only and s.name not in only):
             continue
+        where = (groups or {}).get(s.name, parser)
         kwargs = dict(dest=s.name, default=argparse.SUPPRESS, help=_help_text(s))
         if s.type is bool:
-            parser.add_argument(s.flag, action="store_true", **kwargs)
+            where.add_argument(s.flag, action="store_true", **kwargs)
             continue
         metavar = None if s.choices else {int: "N", float: "X"}.get(s.type, s.name.split("_")[-1].upper())
-        parser.add_argument(s.flag, type=s.type, choices=s.choices, metavar=metavar,
-                            required=s.name in required, **kwargs)
+        where.add_argument(s.flag, type=s.type, choices=s.choices, metavar=metavar,
+                           required=s.name in required, **kwargs)
 
 
 def _help_text(s: Setting) -> str:

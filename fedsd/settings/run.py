@@ -1,15 +1,18 @@
 """Training settings: the papers' defaults per data set (docs/algorithms.md), and the checks every setting
 passes before any work starts.
 
-`TrainConfig` is assembled when fedsd loads: the run's own settings (`RunConfig`, below) and
-every registered method's (fedsd.methods: each method declares its settings in its own file,
-with their defaults per data set and their checks; a setting several methods declare, such as
-α, is one field). This module names no method."""
+`TrainConfig` is the run's own settings (`RunConfig`, below) and every registered method's
+(fedsd.methods: each method declares its settings in its own file, named for it, such as
+`dp3sd_alpha`, with their defaults per data set and their checks; settings every method or every
+self-distilling method shares, such as `release`, are declared once in fedsd/methods/base.py). It
+is assembled when fedsd loads, so a plugin's method adds its own; an editor sees it declared
+under TYPE_CHECKING. This module names no method at run time."""
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fedsd import clipping as clippers, methods
 from fedsd.data.datasets import CUSTOM, DATASET_TITLES, DATASETS
@@ -229,8 +232,51 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, saved: dict):
-        """Settings as a run saved them, by any version of fedsd (settings.declared_only)."""
-        return cls(**declared_only(cls, saved))
+        """Settings as a run saved them, by any version of fedsd (settings.declared_only; fedsd
+        0.1's method settings under their new names, renamed_settings)."""
+        return cls(**declared_only(cls, renamed_settings(saved, saved.get("method"))))
+
+
+# Method settings renamed in fedsd 0.2 (issue 70: each word means one thing). Each carries its
+# method's name, so α, β and τ each mean one method's: {old name: {method: new name}}. The old
+# names still work for one release, with a note naming the new one.
+RENAMED = {"tau_s": {"dp3sd": "dp3sd_tau_s"}, "tau_t": {"dp3sd": "dp3sd_tau_t"},
+           "alpha": {"dp3sd": "dp3sd_alpha", "dpdsd": "dpdsd_alpha", "dpkd": "dpkd_alpha"},
+           "kl_reduction": {"dp3sd": "dp3sd_kl_reduction"}, "tau": {"dpdsd": "dpdsd_tau", "dpkd": "dpkd_tau"},
+           "beta": {"dpdsd": "dpdsd_beta"}, "kd_teacher_epochs": {"dpkd": "dpkd_teacher_epochs"}}
+RENAMED_TYPES = {"kl_reduction": str, "kd_teacher_epochs": int}  # the others are floats
+UNSET = (None, -1, -1.0, "")  # an optional setting's "unset" (the flat form writes -1 or "")
+
+
+def renamed_settings(values: dict, method: str | None, say: str | None = None) -> dict:
+    """`values` (by setting name) with each of fedsd 0.1's names under the run's method's new
+    name. `say` ("flag" or "key"): what the user typed, said in a note with the new name, and an
+    old name the method has no setting for is refused naming the methods that have one; without
+    it (a run saved by 0.1 read back) an unset or foreign old name is dropped quietly."""
+    import warnings
+
+    from fedsd.errors import FedsdNote
+
+    method = method or RunConfig.method
+    out = dict(values)
+    for old, by_method in RENAMED.items():
+        if old not in out:
+            continue
+        value, new = out.pop(old), by_method.get(method)
+        typed = {"flag": "--" + old.replace("_", "-"), "key": old.replace("_", "-")}.get(say)
+        if value in UNSET and (say != "flag" or value is None):
+            continue
+        if new is None:
+            if typed is None:
+                continue
+            names = ", ".join(f"{'--' if say == 'flag' else ''}{n.replace('_', '-')} ({m})" for m, n in by_method.items())
+            raise ConfigError(f"{typed}: renamed in fedsd 0.2, by method: {names}; --method {method} has none")
+        if typed is not None:
+            shown = ("--" if say == "flag" else "") + new.replace("_", "-")
+            warnings.warn(FedsdNote(f"{typed}: renamed {shown} in fedsd 0.2 (the {method} setting); {typed} still "
+                                    f"works in this release"), stacklevel=3)
+        out.setdefault(new, value)
+    return out
 
 
 def _resolved(resolve, cfg, reference: str):
@@ -245,6 +291,24 @@ def _resolved(resolve, cfg, reference: str):
 def method_settings(method: str) -> list[Setting]:
     """The settings method `method` declares (its Settings dataclass), in declaration order."""
     return settings_of(methods.METHODS[method].Settings)
+
+
+def method_groups(parser) -> dict:
+    """{method setting: the argument group `--help` lists it in}: each method's own settings
+    under its name, and those several methods share under theirs."""
+    users: dict[str, list[str]] = {}
+    for name in METHODS:
+        for s in method_settings(name):
+            users.setdefault(s.name, []).append(name)
+    titles, groups = {}, {}
+    for setting_name, names in users.items():
+        title = ("every method's settings" if len(names) == len(METHODS) else
+                 f"{names[0]}'s settings (--method {names[0]})" if len(names) == 1 else
+                 f"settings {' and '.join(names)} share")
+        if title not in titles:
+            titles[title] = parser.add_argument_group(title)
+        groups[setting_name] = titles[title]
+    return groups
 
 
 def _default_text(s: Setting) -> str | None:
@@ -281,6 +345,8 @@ def _method_fields() -> list[tuple]:
 
 
 def _assemble() -> type:
+    # The built-in methods' settings are fields of their own (DP3SDConfig's dp3sd_alpha, ...), so
+    # TrainConfig is RunConfig with their bases; a plugin's (fedsd.registry) are added here.
     cls = dataclasses.make_dataclass("TrainConfig", _method_fields(), bases=(RunConfig,))
     cls.__module__, cls.__qualname__ = __name__, "TrainConfig"
     cls.__doc__ = ("A training run's settings, central or one client's: the run's own (RunConfig) and every "
@@ -288,7 +354,16 @@ def _assemble() -> type:
     return cls
 
 
-TrainConfig = _assemble()
+if TYPE_CHECKING:  # what an editor and a type checker see; at run time, _assemble() adds plugins' settings too
+    from fedsd.methods.dp3sd import DP3SDConfig
+    from fedsd.methods.dpdsd import DPDSDConfig
+    from fedsd.methods.dpkd import DPKDConfig
+
+    @dataclass
+    class TrainConfig(RunConfig, DPKDConfig, DPDSDConfig, DP3SDConfig):
+        """A training run's settings: the run's own (RunConfig) and each method's (fedsd.methods)."""
+else:
+    TrainConfig = _assemble()
 
 
 def paper_batch_and_lr(cfg: TrainConfig) -> tuple[int, float]:

@@ -15,7 +15,7 @@ from fedsd.data import features
 from fedsd.privacy import accounting as privacy
 from fedsd.clipping import routes
 from fedsd.training import tensorboard
-from fedsd.settings.run import TrainConfig, validate
+from fedsd.settings.run import TrainConfig, renamed_settings, validate
 from fedsd.clipping.bookkeeping import BookKeepingClipper
 from fedsd.models.networks import check_fits_task, feature_source, image_shape_of, input_shape_of, model_for, start_report, with_pinned_weights
 from fedsd.training.seeds import SEED_FEATURE_NORM, derive_seed
@@ -110,7 +110,7 @@ def load_checkpoint(out: str | Path) -> dict:
         raise ResumeError(f"--resume: {out / CHECKPOINT} is of format {found!r}; this version of fedsd continues "
                           f"format {CHECKPOINT_FORMAT} only")
     try:
-        saved["config"] = TrainConfig(**saved["config"])
+        saved["config"] = TrainConfig(**renamed_settings(saved["config"], saved["config"].get("method")))  # 0.1's too
     except TypeError as e:
         raise ResumeError(f"--resume: the saved settings do not fit this version of fedsd ({e})") from None
     return saved
