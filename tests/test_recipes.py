@@ -223,3 +223,13 @@ def test_typed_values_read_a_file_as_the_flags_are_read():
     assert type(got["lr"][1]) is float
     with pytest.raises(ConfigError, match="num-server-rounds: expects an integer, got '4'"):
         typed_values({"num-server-rounds": "4"}, FedOptions)
+
+
+def test_the_recipes_committed_run_is_the_features_run():
+    """results/recipes.md: `fedsd train --recipe features-fmnist --seed 0` run here and committed
+    (results/runs/recipes/features-fmnist-seed0) lands on the committed features run's 89.62."""
+    ours = json.loads((ROOT / "results/runs/recipes/features-fmnist-seed0/result.json").read_text())
+    theirs = json.loads(FEATURES_FMNIST_RUN.read_text())
+    assert abs(ours["test_accuracy"] - theirs["test_accuracy"]) <= 0.001
+    assert differing(TrainConfig.from_dict(ours["config"]), TrainConfig.from_dict(theirs["config"])) == \
+        {"device": ("auto", "cpu"), "threads": (0, 1)}
