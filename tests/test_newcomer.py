@@ -202,7 +202,7 @@ def test_train_help_says_epsilon_is_required_as_the_command_does(capsys, tmp_pat
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--epsilon X privacy budget ε of the whole run (a client's, federated) (required, unless --resume)" in text
+    assert "--epsilon X privacy budget ε of the whole run (a client's, federated) (required, unless --resume or a recipe gives it)" in text
     assert main(["train", "--out", str(tmp_path / "o")]) == 2
     assert "the following arguments are required: --epsilon (or --resume DIR)" in capsys.readouterr().err
 

@@ -34,6 +34,7 @@ from fedsd.cli.data_service import add_data_service_parser
 from fedsd.cli.ledger import add_ledger_parser
 from fedsd.cli.parsing import Parser
 from fedsd.cli.pretrain import add_pretrain_parser
+from fedsd.cli.recipes import add_recipes_parser
 from fedsd.cli.simulate import add_simulate_parser
 from fedsd.cli.split_data import add_split_data_parser
 from fedsd.cli.sweep import add_sweep_parser
@@ -45,7 +46,7 @@ from fedsd.cli.train import add_train_parser
 
 # The product's commands, grouped as `fedsd --help` lists them.
 COMMAND_GROUPS = (
-    ("training", ("train", "simulate", "pretrain")),
+    ("training", ("train", "simulate", "pretrain", "recipes")),
     ("a client's data and privacy", ("split-data", "data-service", "ledger", "check-privacy", "audit")),
     ("choose settings and measure", ("sweep", "bench")),
 )
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_simulate_parser(sub)
     add_pretrain_parser(sub)
+    add_recipes_parser(sub)
     for add in (add_split_data_parser, add_data_service_parser, add_ledger_parser, add_check_parser,
                 add_audit_parser, add_sweep_parser, add_bench_parser):
         add(sub)

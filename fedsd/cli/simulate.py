@@ -19,6 +19,7 @@ from fedsd.runtime import quiet_ray
 from fedsd.settings.declared import add_options, from_args, settings_of
 from fedsd.training.summary import run_summary
 from fedsd.cli import dry_run
+from fedsd.cli.recipes import add_recipe_option, blamed_on, with_recipe
 from fedsd.cli.train import add_train_options, config_from_args
 from fedsd.app.simulated_shards import build_federation
 
@@ -230,10 +231,17 @@ def add_simulate_parser(sub) -> None:
     p_sim = sub.add_parser("simulate", help="federated simulation on Flower's Ray engine")
     add_train_options(p_sim, epsilon_required=False, out_required=False)
     add_sim_options(p_sim)
+    add_recipe_option(p_sim, "simulate")
     p_sim.set_defaults(func=cmd_simulate)
 
 
 def cmd_simulate(args) -> int:
+    recipe = with_recipe(args, "simulate")
+    with blamed_on(recipe, args):
+        return _simulate(args)
+
+
+def _simulate(args) -> int:
     fed = sim_options_from_args(args)
     if hasattr(args, "epochs"):
         raise ConfigError("--epochs: a federation's length is --rounds × --local-epochs (each client plans its "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from fedsd.cli import dry_run
+from fedsd.cli.recipes import add_recipe_option, blamed_on, with_recipe
 from fedsd.errors import ConfigError
 from fedsd.models.networks import start_report
 from fedsd.models.pretrained import start_line
@@ -53,6 +54,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def cmd_train(args) -> int:
+    recipe = with_recipe(args, "train")
+    with blamed_on(recipe, args):
+        return _train(args, recipe)
+
+
+def _train(args, recipe) -> int:
     if args.resume:
         given = [s.flag for s in settings_of(TrainConfig) if hasattr(args, s.name)]
         given += [flag for flag, on in (("--out", args.out), ("--overwrite", args.overwrite),
@@ -69,7 +76,8 @@ def cmd_train(args) -> int:
         return 0
     missing = [flag for flag, value in (("--epsilon", getattr(args, "epsilon", None)), ("--out", args.out)) if value is None]
     if missing:
-        raise ConfigError(f"the following arguments are required: {', '.join(missing)} (or --resume DIR)")
+        raise ConfigError(f"the following arguments are required: {', '.join(missing)} (or --resume DIR)"
+                          + (f"; recipe {recipe.name} leaves {', '.join(missing)} to the command line" if recipe else ""))
     if dry_run.requested():  # train() runs the same checks first
         inputs, plan = plan_run(config_from_args(args), args.out, args.overwrite)
         cfg = inputs.cfg
@@ -87,10 +95,11 @@ def cmd_train(args) -> int:
 def add_train_parser(sub) -> None:
     p_train = sub.add_parser("train", help="central DP training (the papers' setup)")
     add_train_options(p_train, epsilon_required=False, out_required=False)
+    add_recipe_option(p_train, "train")
     # Required unless --resume (argparse cannot say "one of"): its help must not show the
     # declared default, 3.0, which only `fedsd simulate` and a Flower run take.
     epsilon = next(a for a in p_train._actions if a.dest == "epsilon")
-    epsilon.help = epsilon.help.split(" (default:")[0] + " (required, unless --resume)"
+    epsilon.help = epsilon.help.split(" (default:")[0] + " (required, unless --resume or a recipe gives it)"
     p_train.add_argument("--resume", metavar="DIR", default=None,
                          help="continue the unfinished run in DIR (stopped at any moment) with its own saved "
                               "settings; it ends with the weights of a run that was never stopped")

@@ -194,3 +194,50 @@ def flags_to_keys(message: str, *classes) -> str:
         for s in sorted(settings_of(cls), key=lambda s: -len(s.flag)):  # --tau-s before --tau
             message = message.replace(s.flag + ":", s.key + ":").replace(s.flag + " ", s.key + " ")
     return message
+
+
+# -- a file of settings (a recipe) ------------------------------------------------------------
+def typed_values(given: dict, *classes) -> dict[str, tuple[Setting, object]]:
+    """Settings a file gives by key (the flat form's kebab-case key, or the flag's name where it
+    differs, e.g. num-clients or clients), each checked as its flag would be: its type (TOML's:
+    an int where an int is declared, an int or a float for a float, true or false for a switch;
+    no string is read as a number) and its allowed values. Returns {setting name: (the setting,
+    its value)}; ConfigError naming the key for an unknown key, a value of the wrong type or
+    outside the allowed ones, one setting given twice, or a setting the command line does not
+    take (set by the server, or named by another option)."""
+    import difflib
+
+    declared = {}
+    for cls in classes:
+        for s in settings_of(cls):
+            declared[s.key] = declared[s.flag.removeprefix("--")] = s
+    found: dict[str, tuple[Setting, object]] = {}
+    for key, value in given.items():
+        s = declared.get(key)
+        if s is None:
+            close = difflib.get_close_matches(key, declared, n=1)
+            raise ConfigError(f"{key}: not a setting" + (f"; did you mean {close[0]}?" if close else "") +
+                              " (the settings: fedsd train --help, fedsd simulate --help)")
+        if not s.cli:
+            raise ConfigError(f"{key}: not given by a command or a recipe ({s.help})")
+        if s.name in found:
+            raise ConfigError(f"{key}: given twice (as {s.key} and {s.flag.removeprefix('--')})")
+        found[s.name] = (s, _typed(key, s, value))
+    return found
+
+
+def _typed(key: str, s: Setting, value):
+    """`value` as setting `s` takes it from a file (see typed_values)."""
+    ok = {bool: isinstance(value, bool), int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool),
+          str: isinstance(value, str)}[s.type]
+    if not ok:
+        expects = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[s.type]
+        raise ConfigError(f"{key}: expects {expects}, got {value!r}")
+    if s.type is float:
+        value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expects a finite number, got {value!r}")
+    if s.choices and value not in s.choices:
+        raise ConfigError(f"{key}: unknown value {value!r}; choose one of {', '.join(map(str, s.choices))}")
+    return value
