@@ -13,7 +13,7 @@ from fedsd.cli.main import build_parser, main
 from fedsd.cli.train import config_from_args
 from fedsd.errors import ConfigError
 from fedsd.settings.declared import settings_of
-from fedsd.settings.federation import FedOptions
+from fedsd.settings.federation import FedConfig
 from fedsd.settings.run import TrainConfig, check_method_settings, validate
 from tests.conftest import require
 
@@ -64,7 +64,7 @@ def test_every_recipe_reads_validates_and_says_where_it_was_validated(name):
         {} if "epsilon" in values else {"epsilon": 3.0})).resolved()
     validate(cfg, num_train=50_000)
     check_method_settings(cfg)
-    FedOptions(**{k: v for k, v in values.items() if k in {s.name for s in settings_of(FedOptions)}}).validate()
+    FedConfig(**{k: v for k, v in values.items() if k in {s.name for s in settings_of(FedConfig)}}).validate()
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -117,8 +117,8 @@ def test_distributed_recipes_are_the_tables_runs(name):
     committed = TrainConfig.from_dict(saved["config"])
     # a federation's epochs are derived from its rounds (the saved config holds the derived length)
     assert set(differing(ours.resolved(), committed.resolved())) <= MACHINE | {"epochs"}
-    fed = FedOptions(**{s.name: getattr(args, s.name) for s in settings_of(FedOptions) if hasattr(args, s.name)})
-    assert fed == FedOptions.from_dict(saved["federation"])
+    fed = FedConfig(**{s.name: getattr(args, s.name) for s in settings_of(FedConfig) if hasattr(args, s.name)})
+    assert fed == FedConfig.from_dict(saved["federation"])
 
 
 def test_flags_take_the_place_of_the_recipes_values():
@@ -218,11 +218,11 @@ def test_the_recipe_option_is_in_the_help():
 def test_typed_values_read_a_file_as_the_flags_are_read():
     from fedsd.settings.declared import typed_values
 
-    got = typed_values({"lr": 3, "clients": 4, "secure-aggregation": True}, TrainConfig, FedOptions)
+    got = typed_values({"lr": 3, "clients": 4, "secure-aggregation": True}, TrainConfig, FedConfig)
     assert {n: v for n, (s, v) in got.items()} == {"lr": 3.0, "num_clients": 4, "secure_aggregation": True}
     assert type(got["lr"][1]) is float
     with pytest.raises(ConfigError, match="num-server-rounds: expects an integer, got '4'"):
-        typed_values({"num-server-rounds": "4"}, FedOptions)
+        typed_values({"num-server-rounds": "4"}, FedConfig)
 
 
 def test_the_recipes_committed_run_is_the_features_run():

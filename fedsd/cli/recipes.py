@@ -18,8 +18,8 @@ from pathlib import Path
 
 from fedsd.errors import ConfigError
 from fedsd.settings.declared import Setting, settings_of, typed_values
-from fedsd.settings.federation import FedOptions
-from fedsd.settings.run import TrainConfig
+from fedsd.settings.federation import FedConfig
+from fedsd.settings.run import RENAMED, TrainConfig, renamed_settings
 
 # The recipes live in the repository, beside the package (an editable install finds them there).
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -36,8 +36,8 @@ class Recipe:
 
     @property
     def federated(self) -> list[str]:
-        """The keys of a federation's settings (FedOptions) the recipe gives."""
-        fed = {s.name for s in settings_of(FedOptions)}
+        """The keys of a federation's settings (FedConfig) the recipe gives."""
+        fed = {s.name for s in settings_of(FedConfig)}
         return [s.key for name, (s, _) in self.values.items() if name in fed]
 
     @property
@@ -83,7 +83,9 @@ def read_recipe(path: Path) -> Recipe:
         if isinstance(value, dict):
             raise ConfigError(f"{path}: [{key}]: a recipe holds settings only, each as key = value, no tables")
     try:
-        values = typed_values(given, TrainConfig, FedOptions)
+        old = {k.replace("-", "_"): given.pop(k) for k in list(given) if k.replace("-", "_") in RENAMED}
+        given.update({k.replace("_", "-"): v for k, v in renamed_settings(old, given.get("method"), say="key").items()})
+        values = typed_values(given, TrainConfig, FedConfig)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     if "resume_dir" in values:
