@@ -67,6 +67,16 @@ def table(runs: Path = RUNS) -> dict:
                 table1_sharpened_runs=table1)
 
 
+def verdict(d: dict) -> str:
+    """Whether plain is better by more than two standard errors (the paired ones), which would
+    call for re-running Table 1's dp3sd cells with it as the default."""
+    if d["plain_better_beyond_2se"]:
+        return "Plain is better by more than two standard errors."
+    worse = d["paired_standard_error"] is not None and d["mean"] < -2 * d["paired_standard_error"]
+    return ("Plain is not better by more than two standard errors" + (" (it is worse by more than two)" if worse else "")
+            + ": the default stays sharpened.")
+
+
 def markdown(t: dict) -> str:
     f = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
     arms, d = t["arms"], t["plain_minus_sharpened"]
@@ -85,18 +95,19 @@ def markdown(t: dict) -> str:
         lines.append(f"| {warmup} | " + " | ".join(cells) + f" | {f(a['mean'])}"
                      + ("" if a["standard_error"] is None else f" ± {f(a['standard_error'])}") + " |")
     if d["mean"] is not None:
-        lines += ["", f"plain − sharpened, paired by seed: **{d['mean']:+.2f}**"
+        lines += ["", "plain − sharpened, paired by seed: **" + f"{d['mean']:+.2f}".replace("-", "−") + "**"
                   + ("" if d["paired_standard_error"] is None else f" ± {d['paired_standard_error']:.2f}")
                   + " (standard error of the per-seed differences"
                   + ("" if d["unpaired_standard_error"] is None
                      else f"; unpaired, from the two means' standard errors: ± {d['unpaired_standard_error']:.2f}")
                   + f", {len(d['by_seed'])} seeds). "
-                  + ("Plain is better by more than two standard errors." if d["plain_better_beyond_2se"]
-                     else "Plain is not better by more than two standard errors: the default stays sharpened.")]
+                  + verdict(d)]
     if t["table1_sharpened_runs"]:
+        same = {str(s): v for s, v in t["table1_sharpened_runs"].items()} == \
+            {str(s): v for s, v in arms["sharpened"]["test_accuracy"].items()}
         lines += ["", "Table 1's dp3sd runs at these settings (results/runs/table1/fmnist-dp3sd-eps3-seed*, the "
                   "default warm-up): " + ", ".join(f"seed {s} {v:.2f}" for s, v in t["table1_sharpened_runs"].items())
-                  + "."]
+                  + (": the sharpened runs above, made again." if same else ".")]
     lines += ["", "Commands (scripts/warmup-study.sh runs the missing ones; this table: `python -m "
               "simulations.experiments.warmup_table`):", ""]
     lines += [f"    {c}" for w in ("plain", "sharpened") for c in arms[w]["commands"]]
