@@ -125,7 +125,8 @@ def release_callbacks(cfg: "TrainConfig", model: Model, steps_so_far: int, devic
 
 
 def warming_up(cfg: "TrainConfig", epoch: int) -> bool:
-    """Self-distillation's first epochs train on plain cross-entropy (--distill-warmup-epochs)."""
+    """Self-distillation's first epochs train on cross-entropy alone, no teacher
+    (--distill-warmup-epochs; its temperature is the method's: --dp3sd-warmup, --dpdsd-ce)."""
     return epoch <= cfg.distill_warmup_epochs
 
 
@@ -136,17 +137,19 @@ TEACHER_EVERY = ("epoch", "step")
 @dataclass
 class SelfDistillationConfig(MethodConfig):
     """The settings of a method whose teacher is the model itself (DP3SD, DPDSD)."""
-    distill_warmup_epochs: int = setting(1, "epochs of plain cross-entropy before the teacher is used (federated: "
-                                         "global epochs, rounds × local epochs)", check=(lambda v: v >= 0, "must be >= 0"))
+    distill_warmup_epochs: int = setting(1, "epochs of cross-entropy alone before the teacher is used "
+                                         "(dp3sd: at τs, or 1 with --dp3sd-warmup plain; dpdsd: at its --dpdsd-ce; "
+                                         "federated: global epochs, rounds × local epochs)", check=(lambda v: v >= 0, "must be >= 0"))
     distill_schedule: str = setting("constant", "self-distillation: how the distillation terms' weight changes "
                                     "after the warm-up: constant; decay = from 1 in the first distilling epoch "
                                     "linearly to 1/n in the last of n; ramp = from 1/n up to 1 (federated: "
                                     "counted in global epochs, so by round)", choices=DISTILL_SCHEDULES)
     teacher_every: str = setting("epoch", "self-distillation: how often the teacher is refreshed. epoch: a copy of "
-                                          "the student as each epoch (federated: each round) starts, the papers' "
-                                          "Algorithm 1; step: the student's previous iterate, their prose's \"previous "
-                                          "iteration\" (post-processing of private iterates: no privacy cost)",
-                                 choices=TEACHER_EVERY)
+                                          "the student as each epoch (federated: each round) starts, both papers' "
+                                          "Algorithm 1 and DPDSD's text (\"the previous epoch\"); step: the "
+                                          "student's previous iterate, DP3SD's prose (§3.2, \"the previous "
+                                          "iteration\") read per step (post-processing of private iterates: no "
+                                          "privacy cost)", choices=TEACHER_EVERY)
 
 
 class SelfDistilling(Method):

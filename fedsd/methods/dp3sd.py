@@ -1,5 +1,7 @@
 """DP3SD: self-distillation from the model itself, with a sparsified student (τs) and a
-smoothed teacher (τt), after --distill-warmup-epochs of sharpened cross-entropy."""
+smoothed teacher (τt), after --distill-warmup-epochs of cross-entropy: sharpened at τs by
+default (CE_τs, the student's term of its loss), or plain (τ = 1, the papers' DP-SGD warm-up)
+with --dp3sd-warmup plain."""
 from dataclasses import dataclass
 
 from fedsd.methods import losses
@@ -11,6 +13,8 @@ PAPERS = "the paper's"
 PAPER = {"mnist": dict(tau_s=0.1, tau_t=5.0, alpha=0.1), "fmnist": dict(tau_s=0.3, tau_t=5.0, alpha=0.3),
          "cifar10": dict(tau_s=0.1, tau_t=5.0, alpha=0.3)}
 KL_REDUCTIONS = ("batchmean", "mean")
+# the warm-up's cross-entropy: at τs (this code's default, CE_τs) or at 1 (the papers' plain DP-SGD)
+WARMUPS = ("sharpened", "plain")
 
 
 def paper(key: str) -> dict:
@@ -29,6 +33,9 @@ class DP3SDConfig(SelfDistillationConfig):
                                              "the KL itself) or averaged over them too (mean, ÷K: PyTorch's "
                                              "KLDivLoss(reduction='mean'), a common implementation)",
                                 choices=KL_REDUCTIONS)
+    dp3sd_warmup: str = setting("sharpened", "DP3SD: the warm-up's loss (--distill-warmup-epochs): sharpened, "
+                                             "cross-entropy at τs (CE_τs, its loss's student term); plain, at 1 "
+                                             "(the papers' DP-SGD warm-up)", choices=WARMUPS)
 
 
 @register
@@ -38,7 +45,7 @@ class DP3SD(SelfDistilling):
 
     def epoch_loss(self, cfg, epoch):
         if warming_up(cfg, epoch):
-            return cross_entropy(cfg.dp3sd_tau_s)
+            return cross_entropy(cfg.dp3sd_tau_s if cfg.dp3sd_warmup == "sharpened" else 1.0)
         weight = distill_weight(cfg, epoch)
         class_mean = cfg.dp3sd_kl_reduction == "mean"
         # CE is ln K at any temperature, τt²·KL(teacher ‖ uniform) ≤ τt²·ln K

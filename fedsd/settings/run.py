@@ -102,7 +102,8 @@ class RunConfig:
                            choices=DATASETS + (CUSTOM,))
     method: str = setting("dp3sd", "training method", choices=METHODS)
     epsilon: float = setting(3.0, "privacy budget ε of the whole run (a client's, federated)")
-    delta: float = setting(1e-5, "privacy δ; must be below 1/n")
+    delta: float = setting(1e-5, "privacy δ; must be below 1/n (1e-5: DPDSD's, in its Table 1's caption; DP3SD "
+                                 "states none)")
     epochs: int | None = setting(None, "passes over the training data (federated: derived from rounds)",
                                  default_text=_epochs_text())
     batch_size: int | None = setting(None, "expected batch size B (Poisson sampling at q = B/n)",
