@@ -158,19 +158,19 @@ def test_distill_schedule_scales_the_distillation_terms_by_epoch(batch, schedule
 def test_dp3sd_warms_up_on_cross_entropy_at_its_warmup_temperature(batch, warmup):
     """--dp3sd-warmup: the warm-up epochs train on CE_τs (sharpened, the default) or on CE_1
     (plain, the papers' DP-SGD warm-up), without the teacher; the epochs after are unchanged."""
-    from fedsd.config import TrainConfig
+    from fedsd.settings.run import TrainConfig
     from fedsd.methods import METHODS
 
     zs, zt, y = batch
     c = TrainConfig(dataset="fmnist", method="dp3sd", epochs=3, distill_warmup_epochs=1, dp3sd_warmup=warmup).resolved()
     assert TrainConfig(dataset="fmnist", method="dp3sd").resolved().dp3sd_warmup == "sharpened"
     loss = METHODS["dp3sd"].epoch_loss(c, 1)
-    tau = c.tau_s if warmup == "sharpened" else 1.0
+    tau = c.dp3sd_tau_s if warmup == "sharpened" else 1.0
     assert not loss.reads_teacher
     assert loss.per_sample(zs, None, y).tolist() == pytest.approx(
         [-math.log(softmax(zs[i].tolist(), tau)[int(y[i])]) for i in range(6)], rel=1e-10)
     after = METHODS["dp3sd"].epoch_loss(c, 2).per_sample(zs, zt, y).tolist()
-    assert after == pytest.approx([hand_dp3sd(zs[i].tolist(), zt[i].tolist(), int(y[i]), c.tau_s, c.tau_t, c.alpha)
+    assert after == pytest.approx([hand_dp3sd(zs[i].tolist(), zt[i].tolist(), int(y[i]), c.dp3sd_tau_s, c.dp3sd_tau_t, c.dp3sd_alpha)
                                    for i in range(6)], rel=1e-10)
 
 

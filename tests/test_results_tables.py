@@ -185,7 +185,7 @@ def test_table1_second_protocol_is_the_readings_confirmation_of_each_method_at_i
 def test_the_kept_warmup_table_is_the_one_its_runs_give():
     """results/table-warmup.{json,md} (DP3SD's warm-up, plain against sharpened CE) say what
     results/runs/warmup holds."""
-    from simulations.experiments.warmup_table import OUT, markdown, table
+    from fedsd.experiments.warmup_table import OUT, markdown, table
 
     if not OUT.with_suffix(".json").exists():
         pytest.skip("the warm-up study has not been written yet (scripts/warmup-study.sh)")

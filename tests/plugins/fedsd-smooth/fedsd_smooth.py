@@ -8,7 +8,7 @@ from fedsd.settings.declared import setting
 
 
 @dataclass
-class SmoothSettings(MethodConfig):
+class SmoothConfig(MethodConfig):
     label_smoothing: float | None = setting(None, "dpsmooth: the cross-entropy's label smoothing", resolve=0.1,
                                             source="the plugin's", check=(lambda v: 0 <= v < 1, "must be in [0, 1)"))
 
@@ -16,7 +16,7 @@ class SmoothSettings(MethodConfig):
 @register
 class DPSmooth(Method):
     name = "dpsmooth"
-    Settings = SmoothSettings
+    Settings = SmoothConfig
 
     def epoch_loss(self, cfg, epoch):
         return EpochLoss(lambda s, t, y: F.cross_entropy(s, y, label_smoothing=cfg.label_smoothing, reduction="none"),
