@@ -103,3 +103,18 @@ def test_the_server_keeps_the_frozen_blocks_exact_through_aggregation(weights):
     assert first_difference(mean, frozen) is not None  # float32: not the values it averaged
     assert first_difference(with_frozen(mean, frozen), frozen) is None
     assert np.array_equal(with_frozen(mean, frozen)["student/9.weight"].numpy(), mean["student/9.weight"].numpy())
+
+
+def test_backbone_features_come_from_the_owners_file(own_npz, weights, tmp_path, monkeypatch):
+    """features=backbone: the node computes its features from its own copy (the run's path for
+    the file is one the server named, and absent here)."""
+    monkeypatch.setenv("FEDSD_CACHE_DIR", str(tmp_path / "cache"))
+    cfg, fed, _ = one_step_run(init_weights=str(weights[0]), train_layers="head", features="backbone")
+    cfg = with_pinned_weights(cfg)
+    flat = {**to_flat(cfg, fed), "init-weights": "/the/servers/own/path.pt"}
+    start = initial_model(client_config(cfg, fed), 10)
+    assert sorted(start["student"]) == ["9.bias", "9.weight"]  # nothing frozen travels: round 1's check only
+    owner = node(own_npz, tmp_path / "state", **{"init-weights": str(weights[1])})
+    assert ask(flat, owner, start)["metrics"]["skipped"] == 0
+    reply = ask(flat, owner, one_ulp_up(initial_model(client_config(cfg, fed), 10), "9.bias"), server_round=1)
+    assert "student/9.bias" in reply["refusal"]["reason"]
