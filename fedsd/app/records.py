@@ -48,3 +48,43 @@ def load_state(store: RecordDict, plan: PrivacyPlan) -> TrainState | None:
     flat = dict(store[STATE_CONFIG])
     flat.update({k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in store[STATE_ARRAYS].items()})
     return TrainState.from_state_dict(flat, plan)
+
+
+def with_frozen(arrays: ArrayRecord, frozen: dict[str, torch.Tensor]) -> ArrayRecord:
+    """`arrays` with every group's frozen blocks (`frozen`: student keys to the initial model's
+    values, fedsd.training.loop.frozen_part) put back as the initial model holds them. The server
+    does this after each round's aggregation: frozen weights never change, but a weighted mean
+    of equal float32 values, FedAdam's step or server-side DP's noise moves them by ulps or more,
+    and a node that holds the weights file (node-config init-weights) checks them bit for bit."""
+    if not frozen:
+        return arrays
+    out = {}
+    for key, array in arrays.items():
+        name = key.split("/", 1)[1]
+        out[key] = Array(frozen[name].detach().cpu().numpy()) if name in frozen else array
+    return ArrayRecord(out)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, dtype=np.float32)).view(np.uint32)
+
+
+def first_difference(arrays: ArrayRecord, expected: dict[str, torch.Tensor],
+                     groups: tuple[str, ...] | None = None) -> str | None:
+    """The first wire key (group by group, in `expected`'s order) whose array is not, bit for bit
+    as float32 (the wire format), `expected`'s tensor of that name, in every group `arrays`
+    carries (or `groups`); a key the student lacks is a difference too. None when all are equal."""
+    present = sorted({key.split("/", 1)[0] for key in arrays}) if groups is None else groups
+    for group in present:
+        for name, want in expected.items():
+            key = f"{group}/{name}"
+            if key not in arrays:
+                if group == "student":
+                    return f"{key} (missing)"
+                continue
+            got = arrays[key].numpy()
+            if tuple(got.shape) != tuple(want.shape):
+                return f"{key} (shape {tuple(got.shape)}, not {tuple(want.shape)})"
+            if not np.array_equal(_bits(got), _bits(want.detach().cpu().numpy())):
+                return key
+    return None

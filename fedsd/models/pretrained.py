@@ -11,7 +11,7 @@ works on any `nn.Module` (fedsd.models.networks builds the network and calls it)
   unexpected keys, and shapes that differ, refused by name; where only the head (the last
   block) differs in shape, a new head for the task's classes (initialised as the network's
   own), said in the summary.
-- `blocks`, `frozen_blocks`, `freeze`: `--train-layers all | head | last:N` counts the network's
+- `blocks`, `frozen_blocks`, `freeze`, `frozen_keys`: `--train-layers all | head | last:N` counts the network's
   top-level children that hold weights (its blocks: for the papers' CNNs each layer, for a
   resnet conv1, bn1, layer1 … layer4, fc); the head is the last. The other blocks are frozen:
   their weights need no gradient, so no per-sample gradient and no clipping route, and a
@@ -145,6 +145,14 @@ def freeze(model: nn.Module, spec: str) -> list[str]:
                 module.eval()
                 frozen_bn.append(f"{name}.{sub_name}" if sub_name else name)
     return sorted(set(frozen_bn))
+
+
+def frozen_keys(model: nn.Module) -> list[str]:
+    """The state-dict keys (every parameter and buffer) of a network's frozen blocks: its
+    top-level blocks none of whose weights requires a gradient (`freeze`). None with
+    --train-layers all, and none in a --features backbone run's trained tail."""
+    frozen = {name for name, block in blocks(model) if not any(p.requires_grad for p in block.parameters())}
+    return [k for k in model.state_dict() if k.split(".", 1)[0] in frozen]
 
 
 def is_frozen_batchnorm(module: nn.Module) -> bool:

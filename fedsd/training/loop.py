@@ -32,6 +32,7 @@ from fedsd.clipping import CLIPPERS
 from fedsd.settings.run import TrainConfig, check_layout
 from fedsd.data.datasets import TensorData
 from fedsd.methods import EpochLoss, Model, Weights, method_of, release_callbacks, with_release
+from fedsd.models import pretrained
 from fedsd.models.networks import model_for
 from fedsd.training.physical_batches import physical_batch_size
 from fedsd.privacy.accounting import AccountantHistory, PrivacyPlan, steps_per_epoch
@@ -60,6 +61,16 @@ def initial_model(cfg: TrainConfig, num_classes: int) -> Model:
     (with --init-weights, the file's weights: a public input, which the server sends)."""
     student = model_for(cfg, num_classes, seed=derive_seed(cfg.seed, SEED_MODEL_INIT), weights=True).state_dict()
     return with_release(cfg, method_of(cfg).initial_model(student))
+
+
+def frozen_part(cfg: TrainConfig, num_classes: int) -> dict[str, torch.Tensor]:
+    """The initial student's frozen blocks (every parameter and buffer of the blocks
+    --train-layers freezes, with --init-weights' values): what the global model holds there in
+    every round. Empty with --train-layers all, or under --features backbone (the frozen blocks
+    compute the features and are not in the model)."""
+    net = model_for(cfg, num_classes, seed=derive_seed(cfg.seed, SEED_MODEL_INIT), weights=True)
+    state = net.state_dict()
+    return {k: state[k].detach().clone() for k in pretrained.frozen_keys(net)}
 
 
 @dataclass

@@ -59,12 +59,15 @@ from fedsd.files.results import save_atomic, write_json
 from fedsd.privacy.secret_random import SecretStream
 from fedsd.files.state_folder import read_nofollow
 from fedsd.settings.federation import FedConfig, client_config, from_flat, round_epochs, round_teacher
-from fedsd.training.loop import DPTrainer, Model, TrainState, load_train_state, planned_trainer, save_train_state
+from fedsd.training.loop import (DPTrainer, Model, TrainState, frozen_part, initial_model, load_train_state,
+                                 planned_trainer, save_train_state)
 from fedsd.methods import released
+from fedsd.models import pretrained
 from fedsd.models.networks import SCATTER_MODELS, TORCHVISION, feature_source, is_builtin
 
 from fedsd.app.simulated_shards import Federation, build_federation
-from fedsd.app.records import SPENT_EPSILON, load_state, model_to_record, record_to_model, save_state
+from fedsd.app.records import (SPENT_EPSILON, first_difference, load_state, model_to_record, record_to_model,
+                               save_state)
 
 from fedsd.app.client import node_config as node_configs
 from fedsd.app.client.node_config import NodeConfig, NodeConfigError
@@ -77,6 +80,9 @@ log = logging.getLogger("fedsd.client")
 # a count) would be a release no noise covers. Its owner's log has the reason in full.
 DATA_REFUSED = ("data: this client's own data does not fit the run's task (dataset, classes, channels, "
                 "image-size), or cannot be read; its owner's log says why")
+
+WEIGHTS_REFUSED = ("node-config init-weights: this node's own copy of the weights cannot be read as a weights file; "
+                   "its owner's log says why")
 
 STATE_REFUSED = ("node-config state-dir: this client's state folder is not its owner's alone (another user owns "
                  "or can write to it or to a folder above it, or a link is on its way); its owner's log says which")
@@ -253,16 +259,76 @@ def check_model_allowed(model: str, node: NodeConfig) -> None:
 
 
 def check_init_weights(flat: dict, node: NodeConfig) -> None:
-    """A node whose owner named the pretrained weights it trains from (node-config
-    init-weights-sha256) refuses a run that starts from other weights, or from none
-    (ConfigError, before anything is trained or charged)."""
+    """A node whose owner named the pretrained weights it trains from refuses a run that starts
+    from other weights, or from none (NodeConfigError naming the keys, before anything is read,
+    trained or charged). With node-config init-weights-sha256 alone, that is the sha256 the server
+    claims (init-weights-sha256 in the run config): a server that breaks the protocol can claim
+    it and send other weights. With node-config init-weights (the owner's own copy of the public
+    file), the file's sha256 must also be init-weights-sha256's, where set, and the run's; the run
+    then reads the weights from it (features=backbone included), never from a path the server
+    names, and every message's model is checked against it (check_sent_weights)."""
     expected = node.init_weights_sha256.strip().lower()
-    if not expected:
-        return
-    told = str(flat.get("init-weights-sha256", "")).lower()
-    if told != expected:
+    told = str(flat.get("init-weights-sha256", "")).strip().lower()
+    if expected and told != expected:
         raise NodeConfigError(f"init-weights-sha256={told[:64] or 'none'}: this node trains only from the weights its "
                               f"owner named (node-config init-weights-sha256={expected[:64]}); other weights are refused")
+    if not node.init_weights:
+        return
+    try:
+        own = pretrained.read_weights(node.init_weights)[1]
+    except ConfigError as e:  # said in full to the owner alone: it names the owner's path
+        log.warning("refused a round: %s", e)
+        raise NodeConfigError(WEIGHTS_REFUSED) from None
+    if expected and own != expected:
+        raise NodeConfigError(f"node-config init-weights: the owner's file is not the one node-config "
+                              f"init-weights-sha256={expected[:64]} names (its sha256 differs); this node trains from "
+                              f"neither until its owner fixes its node config")
+    if told != own:
+        raise NodeConfigError(f"init-weights-sha256={told[:64] or 'none'}: not the sha256 of this node's own copy of "
+                              f"the weights (node-config init-weights); other weights are refused")
+    flat["init-weights"] = node.init_weights  # the owner's file, never a path the server names
+
+
+# Per process, for the latest run: the model a node builds from its own copy of the weights
+# (its frozen part and its whole initial student), keyed by the run's settings (the file's sha256 among them).
+_REFERENCES: dict[tuple, tuple[dict, dict]] = {}
+
+
+def own_reference(flat: dict, node: NodeConfig) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the frozen blocks, the whole initial student) of the run's network, built from this
+    node's own weights file (flat's init-weights, set by check_init_weights) the way fedsd builds
+    the initial model: the same seed, the same head made new where the file's is of another shape."""
+    key = tuple(sorted(flat.items()))
+    if key not in _REFERENCES:
+        cfg, fed = from_flat(flat)
+        if node.owns_data:  # no code the server names is imported (check_model_allowed)
+            check_model_allowed(cfg.model, node)
+        cfg = client_config(cfg, fed)
+        num_classes = len(task_for(cfg).classes)
+        start = initial_model(cfg, num_classes)["student"]
+        _REFERENCES.clear()
+        _REFERENCES[key] = (frozen_part(cfg, num_classes), start)
+    return _REFERENCES[key]
+
+
+def check_sent_weights(arrays: ArrayRecord, flat: dict, node: NodeConfig, first_round: bool) -> None:
+    """With node-config init-weights: the global model a message carries must hold, bit for bit
+    as float32 (the wire format), what this node builds from its own copy of the weights: the
+    frozen blocks (every parameter and buffer of the blocks --train-layers freezes) in every
+    group, every round, train and evaluate alike; and in the first round's train message the
+    whole student (with --train-layers all and features=backbone nothing is frozen on the wire,
+    so that check is the only one). NodeConfigError naming the first tensor that differs, before
+    anything is read, trained or charged. A node without init-weights checks nothing here."""
+    if not node.init_weights:
+        return
+    frozen, start = own_reference(flat, node)
+    differs = (first_difference(arrays, start, ("student",)) if first_round else None) or \
+        first_difference(arrays, frozen)
+    if differs:
+        part = "initial model" if first_round else "frozen blocks"
+        raise NodeConfigError(f"model: the global model's {differs[:120]} is not what this node builds from its own "
+                              f"copy of the weights (node-config init-weights: the {part}, bit for bit); other "
+                              f"weights are refused")
 
 
 def check_finite_model(arrays: ArrayRecord) -> None:
@@ -337,7 +403,7 @@ class ClientSide:
         return client_state_file(self.node, self.fed.experiment_id, self.node.partition_id)
 
 
-def client_side(content: RecordDict, context: Context, *, plain_release: bool) -> ClientSide:
+def client_side(content: RecordDict, context: Context, *, plain_release: bool, training: bool = True) -> ClientSide:
     """This SuperNode's own files with client-data=own, else (a simulation) this client's shard
     of a built-in data set. The node config is checked first (one that does not parse is a
     refusal), and a node with its own data and no owner's budget refuses (BudgetRefused) before
@@ -347,6 +413,8 @@ def client_side(content: RecordDict, context: Context, *, plain_release: bool) -
     server_round = int(flat.pop("server-round"))
     recorded_epsilon = float(flat.pop(SPENT_EPSILON, 0.0))  # this client's alone: not a setting of the run
     node = node_settings(flat, context.node_config)
+    if "arrays" in content:  # the owner's own copy of the weights against the model sent, before anything else
+        check_sent_weights(content["arrays"], flat, node, first_round=training and server_round == 1)
     if plain_release and node.secagg_only:
         raise ConfigError("this owner takes part only through secure aggregation (node-config secagg-only=true)")
     if plain_release and flat.get("noise") == "distributed":
@@ -457,21 +525,33 @@ def evaluation_refused(side: ClientSide, arrays: ArrayRecord) -> str | None:
     return None
 
 
+def evaluation_refusal(partition_id: int, reason: str) -> RecordDict:
+    """An evaluation this client does not run: the keys of an evaluation (Flower averages only
+    replies with the same keys), at weight 0, with the reason."""
+    log.warning("refused an evaluation: %s", reason)
+    return RecordDict({"metrics": MetricRecord({"num-examples": 0, "partition-id": partition_id,
+                                                "test-accuracy": 0.0, "test-loss": 0.0}),
+                       "refusal": ConfigRecord({"reason": reason})})
+
+
 def evaluate_reply(content: RecordDict, context: Context) -> RecordDict:
     """Federated evaluation: the global model on this client's own test split (no training
     step, nothing spent from the budget; the accuracy it sends is outside the DP guarantee).
     A client with its own data answers only as its owner allows (evaluation_refused)."""
-    side = client_side(content, context, plain_release=False)  # evaluation releases no update
+    try:
+        side = client_side(content, context, plain_release=False, training=False)  # evaluation releases no update
+    except NodeConfigError as e:  # the owner's node config says no (other weights than its own copy among them)
+        partition_id = node_configs.parse_partition_id(context.node_config)
+        if partition_id is None:
+            raise
+        return evaluation_refusal(partition_id, told_the_server(str(e), context.node_config))
     trainer, federation, partition_id = side.trainer, side.federation, side.node.partition_id
     x_test, y_test = trainer.data.x_test, trainer.data.y_test  # its own test split, or in a simulation
     if federation is not None:  # its share of the public one
         share = federation.client_test_share(partition_id).to(trainer.device)
         x_test, y_test = x_test[share], y_test[share]
     elif (why := evaluation_refused(side, content["arrays"])) is not None:
-        # The keys of an evaluation (Flower averages only replies with the same keys), at weight 0.
-        return RecordDict({"metrics": MetricRecord({"num-examples": 0, "partition-id": partition_id,
-                                                    "test-accuracy": 0.0, "test-loss": 0.0}),
-                           "refusal": ConfigRecord({"reason": why})})
+        return evaluation_refusal(partition_id, why)
     accuracy, loss = (trainer.evaluate(released(record_to_model(content["arrays"])), x_test, y_test)
                       if len(y_test) else (0.0, 0.0))  # no test split: weight 0 in the average
     return RecordDict({"metrics": MetricRecord({"num-examples": len(y_test), "partition-id": partition_id,

@@ -77,10 +77,17 @@ class NodeConfig:
                                    "from this node's installation) the server may name in `model`; without it, only "
                                    "the built-in networks and torchvision:NAME are taken, and no code the server "
                                    "names is ever imported")
-    init_weights_sha256: str = setting("", "the sha256 of the only pretrained weights file (init-weights) this node "
-                                           "trains from: a run that names another file, or none, is refused before "
-                                           "anything is trained or charged (where this node reads the file, for "
-                                           "features=backbone, its bytes are checked too)", default_text="none: any")
+    init_weights: str = setting("", "the owner's own copy of the public pretrained weights file the run starts "
+                                    "from: its sha256 must be init-weights-sha256's (where set) and the run's; every "
+                                    "train and evaluate message's frozen blocks (--train-layers head|last:N; in round "
+                                    "1 the whole student) must then equal, bit for bit, the network this node builds "
+                                    "from it, and features=backbone is computed from it; without it the node checks "
+                                    "only the sha256 the server claims", default_text="none")
+    init_weights_sha256: str = setting("", "the sha256 of the only pretrained weights file (the run's "
+                                           "init-weights) this node trains from: a run that names another file, or "
+                                           "none, is refused before anything is trained or charged (where this node "
+                                           "reads the file, for features=backbone, its bytes are checked too)",
+                                       default_text="none: any")
     skip_bad_files: bool = setting(False, "train on the readable images of `data` and leave out unreadable ones "
                                           "(reported to the server); default: one unreadable image refuses the "
                                           "whole data set")
@@ -227,6 +234,10 @@ def parse(node_config: Mapping) -> NodeConfig:
                                   f"--node-config (`fedsd data-service`), not the SuperNode's; the SuperNode's takes "
                                   f"only {', '.join(SUPERNODE_WITH_SERVICE)}")
         return node
+    if node.init_weights:
+        if not Path(node.init_weights).expanduser().is_file():
+            raise NodeConfigError("node-config init-weights: no such file (the owner's copy of the pretrained weights)")
+        node = dataclasses.replace(node, init_weights=os.path.abspath(Path(node.init_weights).expanduser()))
     if node.data and not Path(node.data).exists():
         raise NodeConfigError(f"node-config data='{node.data}': no such file or folder")
     if node.owns_data and node.randomness == "seeded" and not node.trust_server_with_noise:

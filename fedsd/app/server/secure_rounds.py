@@ -38,7 +38,7 @@ from fedsd.errors import ConfigError
 from fedsd.secure.identity import Roster, protocol_id, public_line, read_roster, verify
 from fedsd.secure.secagg import SEED_BYTES, SELF_SEED_BYTES, RoundAbandoned, SecAggServer, identify_message, minimum_threshold
 from fedsd.app import secure_sum
-from fedsd.app.records import model_to_record, record_to_model
+from fedsd.app.records import model_to_record, record_to_model, with_frozen
 from fedsd.app.secure_sum import KEY_FIELDS, BadMessage, read_map, write_map
 
 from fedsd.app.server.strategy import client_report
@@ -279,7 +279,7 @@ class SecureRounds:
     def run(self, arrays: ArrayRecord) -> ArrayRecord:
         fed = self.launch.fed
         for launch_round in range(1, fed.rounds - self.launch.round + 1):
-            arrays = self.one_round(self.launch.round + launch_round, arrays)
+            arrays = with_frozen(self.one_round(self.launch.round + launch_round, arrays), self.side.strategy.frozen)
             self.side.book.evaluate_global(launch_round, arrays)
         return arrays
 

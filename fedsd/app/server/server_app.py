@@ -34,7 +34,7 @@ from fedsd.settings.federation import FedConfig, client_config, from_flat, to_fl
 from fedsd.models.networks import feature_source, model_for, with_pinned_weights
 from fedsd.files.results import RunResult, fresh_out_dir, write_run
 from fedsd.settings.declared import flags_to_keys
-from fedsd.training.loop import initial_model, torch_memory_format
+from fedsd.training.loop import frozen_part, initial_model, torch_memory_format
 from fedsd.methods import released
 from fedsd.app.simulated_shards import build_federation
 from fedsd.app.records import model_to_record, record_to_model
@@ -59,6 +59,9 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedConfig, out: str | Path | N
     side = ServerSide.prepare(launch, grid, overwrite, progress)
     with tensorboard.opened(board) as side.book.log:
         initial = launch.model if launch.resumed else initial_model(side.cfg, side.num_classes)
+        # Frozen blocks never change: kept as the initial model holds them after every aggregation,
+        # so that a node with its own copy of the weights (node-config init-weights) finds them bit for bit.
+        side.strategy.frozen = frozen_part(side.cfg, side.num_classes)
         # Every message carries the run's settings (the strategy adds them); this is what Flower logs at the start.
         train_config = ConfigRecord({"experiment-id": launch.experiment_id})
         try:

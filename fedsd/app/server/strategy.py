@@ -21,7 +21,7 @@ from fedsd.settings.federation import FedConfig
 from fedsd.methods import MODEL_GROUPS
 from fedsd.errors import TrainingDiverged
 from fedsd.training.summary import last_line
-from fedsd.app.records import SPENT_EPSILON
+from fedsd.app.records import SPENT_EPSILON, with_frozen
 
 
 def base_strategy(fed: FedConfig, federated_evaluation: bool = False) -> Strategy:
@@ -161,6 +161,9 @@ class RecordingStrategy(Strategy):
         self.evaluations: dict[int, dict] = {}  # round → the clients' federated evaluation
         self._round_started = 0.0
         self._sent: list[Message] = []  # this round's, as sent
+        # The initial model's frozen blocks (fedsd.training.loop.frozen_part), put back after each
+        # aggregation (fedsd.app.records.with_frozen); set by the ServerApp, empty when none is frozen.
+        self.frozen: dict = {}
 
     # What changes from round to round in the strategies Flower provides (the FedOpt family's
     # moments m_t, v_t: names to numpy arrays).
@@ -238,6 +241,8 @@ class RecordingStrategy(Strategy):
         self.round_clients[server_round], self.missed[server_round] = round_.reports, round_.missed
         trained = same_metric_keys(round_.trained)
         result = self.inner.aggregate_train(server_round, trained) if trained else (None, None)
+        if result[0] is not None:
+            result = (with_frozen(result[0], self.frozen), result[1])
         self.train_seconds[server_round] = time.perf_counter() - self._round_started
         return result
 
