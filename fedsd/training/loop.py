@@ -68,6 +68,8 @@ def frozen_part(cfg: TrainConfig, num_classes: int) -> dict[str, torch.Tensor]:
     --train-layers freezes, with --init-weights' values): what the global model holds there in
     every round. Empty with --train-layers all, or under --features backbone (the frozen blocks
     compute the features and are not in the model)."""
+    if cfg.train_layers == "all" or cfg.features == "backbone":
+        return {}  # nothing frozen travels (and no network is built for nothing)
     net = model_for(cfg, num_classes, seed=derive_seed(cfg.seed, SEED_MODEL_INIT), weights=True)
     state = net.state_dict()
     return {k: state[k].detach().clone() for k in pretrained.frozen_keys(net)}
