@@ -34,5 +34,5 @@ _MOVED = """
     simulations.experiments.readings              -> fedsd.experiments.readings
     simulations.experiments.reproduce             -> fedsd.experiments.reproduce
 """
-raise ImportError("`simulations` is now `fedsd.cli`: every module of it moved into the package fedsd. Old name -> new name:"
+raise ImportError("`simulations` moved into the package fedsd (the commands to fedsd.cli; benchmarks, deployment and experiments beside it). Old name -> new name:"
                   + _MOVED + "(docs/architecture.md)")

@@ -100,11 +100,11 @@ def bookkeeping_clipped_sum(model: str, kernel: bool, conv_ways: dict[int, str] 
     conv_ways: each conv layer's way forced (fedsd.clipping.bookkeeping.CONV_WAYS)."""
     import torch
 
-    from fedsd.clipping.bookkeeping import BookKeepingClipper
+    from fedsd.clipping.bookkeeping import BookKeepingEngine
     from fedsd.models.networks import build_model
 
     net = build_model(model, seed=0).to(memory_format=torch.channels_last)
-    clipper = BookKeepingClipper(net, max_grad_norm=0.05, kernel=kernel, conv_ways=conv_ways)
+    clipper = BookKeepingEngine(net, max_grad_norm=0.05, kernel=kernel, conv_ways=conv_ways)
     shape = (1, 28, 28) if model == "mnist-cnn" else (3, 32, 32)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(37, *shape, generator=g).contiguous(memory_format=torch.channels_last)

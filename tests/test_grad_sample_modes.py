@@ -103,10 +103,10 @@ def test_channels_last_refused_where_opacus_gets_it_wrong(mode):
 def test_bookkeeping_refuses_layers_it_has_no_rule_for():
     from torch import nn
 
-    from fedsd.clipping.bookkeeping import BookKeepingClipper
+    from fedsd.clipping.bookkeeping import BookKeepingEngine
 
     with pytest.raises(ValueError, match="GroupNorm"):
-        BookKeepingClipper(nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4)), 1.0)
+        BookKeepingEngine(nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4)), 1.0)
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ghost", "bk"])

@@ -1,5 +1,6 @@
 """Names changed in fedsd 0.2 (issue 70: each word means one thing): an old node-config key still
 works for one release, with a note naming its new name; an old import path fails naming its new place."""
+import re
 import subprocess
 import sys
 import warnings
@@ -51,3 +52,23 @@ def test_a_name_of_an_old_module_that_became_a_package_says_where_it_is(old, nam
     with pytest.raises(ImportError, match=f"{old} is a package since fedsd 0.2, and {name} is in {new}"):
         exec(f"from {old} import {name}", {})
     assert not hasattr(importlib.import_module(old), "no_such_name")  # anything else: an AttributeError
+
+
+def test_the_deployment_guide_has_a_row_for_every_node_config_key():
+    """deploy/README.md's node-config table names each key the node reads, by its current name."""
+    from fedsd.app.client.node_config import KEYS, RENAMED_KEYS
+
+    rows = {name for line in (ROOT / "deploy" / "README.md").read_text().splitlines() if line.startswith("| `")
+            for name in re.findall(r"`([a-z0-9-]+)`", line.split("|")[1])}
+    assert sorted(set(KEYS) - rows) == []
+    assert not set(RENAMED_KEYS) & rows  # an old name is not documented as a key
+
+
+def test_a_method_plugin_of_fedsd_0_1_still_gets_its_settings_base_class_with_a_note():
+    from fedsd.methods import MethodConfig, SelfDistillationConfig
+
+    with pytest.warns(FedsdNote, match="fedsd.methods.MethodSettings: renamed MethodConfig in fedsd 0.2"):
+        from fedsd.methods import MethodSettings
+    with pytest.warns(FedsdNote, match="SelfDistillationSettings: renamed SelfDistillationConfig"):
+        from fedsd.methods import SelfDistillationSettings
+    assert (MethodSettings, SelfDistillationSettings) == (MethodConfig, SelfDistillationConfig)

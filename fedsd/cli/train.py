@@ -36,7 +36,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     input and thread count)."""
     old = {name: getattr(args, "renamed_" + name) for name in RENAMED if hasattr(args, "renamed_" + name)}
     given = renamed_settings(old, getattr(args, "method", None), say="flag")
-    taken = sorted(n for n in given if hasattr(args, n))
+    taken = sorted(n for n in given if hasattr(args, n) and n not in getattr(args, "from_recipe", {}))  # typed twice
     if taken:
         raise ConfigError(f"--{taken[0].replace('_', '-')}: given twice, once under its old name (fedsd 0.1's); "
                           f"give --{taken[0].replace('_', '-')} only")

@@ -2,7 +2,7 @@
 backward pass; Opacus adds the noise and averages, as for its own ghost clipping."""
 from __future__ import annotations
 
-from fedsd.clipping.bookkeeping import BookKeepingClipper
+from fedsd.clipping.bookkeeping import BookKeepingEngine
 from fedsd.clipping.clipper import Clipper, register
 
 
@@ -15,7 +15,7 @@ class BookKeeping(Clipper):
 
     def __init__(self, model, cfg, mode):
         super().__init__(model, cfg, mode)
-        self.engine = BookKeepingClipper(model, cfg.clip)
+        self.engine = BookKeepingEngine(model, cfg.clip)
 
     def take(self, route) -> None:
         """Each conv layer's way, as the run's route says (fedsd.clipping.routes: its rule's, or given back);

@@ -108,7 +108,10 @@ def clip_factor(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
 CONV_WAYS = ("ghost", "kernel", "patches")
 
 
-class BookKeepingClipper:
+class BookKeepingEngine:
+    """The book-keeping computation (hooks, per-sample norms, the clipped sum) that the `bk`
+    clipper (fedsd.clipping.bk.BookKeeping, a Clipper) runs; not a Clipper itself."""
+
     def __init__(self, model: nn.Module, max_grad_norm: float, kernel: bool = True,
                  conv_ways: dict[int, str] | None = None):
         """kernel=False: per-sample gradients by PyTorch's batched products, never fedsd.clipping.conv_kernel.

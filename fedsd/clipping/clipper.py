@@ -1,4 +1,4 @@
-"""What every clipper is made of (fedsd.clippers' package documentation says how one is
+"""What every clipper is made of (fedsd.clipping's package documentation says how one is
 written): the Clipper base class and the registry of clippers by their mode names."""
 from __future__ import annotations
 

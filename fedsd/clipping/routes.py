@@ -1,6 +1,6 @@
 """The run's route: which clipper, in which layout, and book-keeping's way per conv layer.
 
-The clippers (fedsd.clippers) and book-keeping's ways to a conv layer's norms and clipped sum
+The clippers (fedsd.clipping) and book-keeping's ways to a conv layer's norms and clipped sum
 (fedsd.clipping.bookkeeping: ghost norms, fedsd.clipping.conv_kernel's per-sample gradients, PyTorch's patches)
 compute the same clipped sums, but each sums in its own order: two of them give weights that
 differ in the last bits, and the difference grows over a run. So what decides among them must
@@ -35,7 +35,7 @@ from torch import nn
 
 from fedsd.clipping import conv_kernel
 from fedsd.files.cache import cache_root
-from fedsd.clipping.bookkeeping import CONV_WAYS, BookKeepingClipper
+from fedsd.clipping.bookkeeping import CONV_WAYS, BookKeepingEngine
 from fedsd.clipping import CHANNELS_LAST_EXACT, CLIPPERS
 from fedsd.errors import ConfigError, ModelNotPrivateError
 from fedsd.models.networks import traced_for_hooks
@@ -195,7 +195,7 @@ def _captured(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch
 
     model = model_for(cfg, num_classes, seed=0).to(device, memory_format=LAYOUTS[layout])
     try:
-        clipper = BookKeepingClipper(model, cfg.clip)
+        clipper = BookKeepingEngine(model, cfg.clip)
     except ConfigError:
         return None
     x = torch.zeros(2, *input_shape, device=device).contiguous(memory_format=LAYOUTS[layout])
@@ -443,7 +443,7 @@ def _measure_conv_ways(cfg, x, y, num_classes: int, device) -> tuple[dict[int, s
     layout = LAYOUTS[layout_for("bk", cfg.memory_format)]
     model = model_for(cfg, num_classes).to(device, memory_format=layout)
     try:
-        clipper = BookKeepingClipper(model, cfg.clip)
+        clipper = BookKeepingEngine(model, cfg.clip)
         captured = clipper.captured(nn.functional.cross_entropy(model(x.contiguous(memory_format=layout)), y))
     except ConfigError:  # a layer book-keeping has no rule for: bk is no candidate (measure leaves it out)
         return {}, {}

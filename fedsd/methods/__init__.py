@@ -29,6 +29,24 @@ __all__ = ["EMA_DECAY", "METHODS", "MODEL_GROUPS", "POSITIVE", "RELEASES", "UNIT
            "distill_weight", "method_of", "register", "release_callbacks", "release_of", "released", "warming_up",
            "with_release"]
 
+# fedsd 0.1's names of the settings base classes (a method plugin imports them): still given for
+# this release, with a note naming the new one. Defined before the plugins load, which may ask.
+RENAMED_CLASSES = {"MethodSettings": "MethodConfig", "SelfDistillationSettings": "SelfDistillationConfig"}
+
+
+def __getattr__(name):
+    if name in RENAMED_CLASSES:
+        import warnings
+
+        from fedsd.errors import FedsdNote
+
+        new = RENAMED_CLASSES[name]
+        warnings.warn(FedsdNote(f"fedsd.methods.{name}: renamed {new} in fedsd 0.2; {name} still works in this "
+                                f"release"), stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 from fedsd.methods import dpsgd, dpema, dpkd, dp3sd, dpdsd  # noqa: E402,F401  (each registers itself)
 
 load_entry_points("fedsd.methods", register)

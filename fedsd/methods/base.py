@@ -146,10 +146,10 @@ class SelfDistillationConfig(MethodConfig):
                                     "counted in global epochs, so by round)", choices=DISTILL_SCHEDULES)
     teacher_every: str = setting("epoch", "self-distillation: how often the teacher is refreshed. epoch: a copy of "
                                           "the student as each epoch (federated: each round) starts, both papers' "
-                                          "Algorithm 1 and DPDSD's text (\"the previous epoch\"); step: the "
-                                          "student's previous iterate, DP3SD's prose (§3.2, \"the previous "
-                                          "iteration\") read per step (post-processing of private iterates: no "
-                                          "privacy cost)", choices=TEACHER_EVERY)
+                                          "Algorithm 1 and DPDSD's §3.2 (\"the previous epoch\"); step: the "
+                                          "student's previous iterate, both papers' prose (DP3SD §3.2, DPDSD §2.3: "
+                                          "\"the previous iteration\") read per step (post-processing of private "
+                                          "iterates: no privacy cost)", choices=TEACHER_EVERY)
 
 
 class SelfDistilling(Method):

@@ -158,7 +158,7 @@ class GradientCanaries:
 class AuditedSteps(StepCallback):
     """`fedsd audit`'s step callback on the audited data holder's calls: the white-box
     canaries (or None: black-box) join every step's clipped sum where the trainer's clipping
-    route clips (fedsd.clippers), and are scored from each step's released gradient; the noise
+    route clips (fedsd.clipping), and are scored from each step's released gradient; the noise
     drawn is noise_scale·σ while the accountant still counts σ (noise_scale < 1: a broken
     mechanism, which the audit must catch)."""
 

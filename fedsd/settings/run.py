@@ -25,7 +25,7 @@ from fedsd.errors import ConfigError
 METHODS = tuple(methods.METHODS)
 ACCOUNTANTS = ("rdp", "prv")
 DEVICES = ("cpu", "cuda", "auto")
-# The clipping routes (fedsd.clippers: Opacus' per-sample gradients, ghost clipping, fedsd's
+# The clipping routes (fedsd.clipping: Opacus' per-sample gradients, ghost clipping, fedsd's
 # book-keeping), and auto: chosen by a rule that reads no clock, and recorded (fedsd.clipping.routes)
 GRAD_SAMPLE_MODES = ("auto",) + tuple(clippers.CLIPPERS)
 # How images and activations are laid out in memory: channels-last runs this project's

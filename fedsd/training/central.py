@@ -16,7 +16,7 @@ from fedsd.privacy import accounting as privacy
 from fedsd.clipping import routes
 from fedsd.training import tensorboard
 from fedsd.settings.run import TrainConfig, renamed_settings, validate
-from fedsd.clipping.bookkeeping import BookKeepingClipper
+from fedsd.clipping.bookkeeping import BookKeepingEngine
 from fedsd.models.networks import check_fits_task, feature_source, image_shape_of, input_shape_of, model_for, start_report, with_pinned_weights
 from fedsd.training.seeds import SEED_FEATURE_NORM, derive_seed
 from fedsd.files.results import RunResult, check_out_dir, finished_run_refusal, fresh_out_dir, save_atomic, write_json, write_run
@@ -56,7 +56,7 @@ def prepare_run(cfg: TrainConfig) -> CentralInputs:
     net = model_for(cfg, images.num_classes, weights=True)
     check_fits_task(net, cfg.model, images.num_classes, input_shape_of(cfg))
     if cfg.grad_sample_mode == "bk":
-        BookKeepingClipper(net, cfg.clip)  # a layer book-keeping has no rule for is refused, named
+        BookKeepingEngine(net, cfg.clip)  # a layer book-keeping has no rule for is refused, named
     device = resolve_device(cfg.device)
     if cfg.route:  # a given route fits this network (each conv layer's way, the kernel where it takes one)
         routes.given(cfg, images.num_classes, input_shape_of(cfg), device)

@@ -253,7 +253,7 @@ class DPTrainer:
         self.method = method_of(cfg)
         self._evaluation_model: torch.nn.Module | None = None  # built on first use
         # The clipping route: it computes the clipped per-sample gradient sum and owns the Opacus
-        # optimizer that adds the noise and averages (fedsd.clippers).
+        # optimizer that adds the noise and averages (fedsd.clipping).
         self.clipper = CLIPPERS[mode](self.model, cfg, mode)
         if self.route is not None:
             self.clipper.take(self.route)

@@ -244,7 +244,7 @@ def parse(node_config: Mapping) -> NodeConfig:
         raise NodeConfigError("node-config randomness=seeded: the server sets the run's seed, so with seeded noise it can "
                               "predict this client's noise and subtract it from its update, which leaves the sum of "
                               "clipped gradients of the owner's data unnoised; add trust-server-with-noise=true to "
-                              "say the owner accepts that, or leave noise unset (secret noise)")
+                              "say the owner accepts that, or leave randomness unset (secret noise)")
     return dataclasses.replace(node, state_dir=str(state_root_of(node.state_dir)))
 
 
