@@ -71,3 +71,21 @@ def test_every_honest_share_is_sized_by_the_plans_common_t(federation, monkeypat
     above = dn.to_settings(dn.NoisePlan(**{**f.plan.to_dict(), "honest": 4}), ROUNDS)
     with pytest.raises(service.StageRefused, match="t"):
         service._checked_plan(_content(f, **above), context, owner)
+
+
+def test_the_pad_is_never_below_the_owners_own_bound_whatever_expected_batch_the_plan_says():
+    """The plan's expected batch is the server's number: with a small one, an owner's padded
+    work still covers its own Poisson batch at the plan's q (to the 1e-9 tail), so its time does
+    not tell the batch; with an honest one (the federation's, above the owner's) the plan's bound."""
+    import dataclasses
+    import math
+
+    from fedsd.app.client.secure_stages import padded_rows
+    from fedsd.secure import sum_bound
+    from fedsd.secure.distributed_noise import calibrate
+
+    plan = calibrate(2.0, 1e-5, 1.0, 0.05, 800.0, 4, 1000, 10)
+    own = math.ceil(sum_bound.poisson_tail(0.05 * 4000, sum_bound.TAIL))
+    assert padded_rows(plan, 4000) == math.ceil(sum_bound.poisson_tail(800.0, sum_bound.TAIL)) > own
+    lying = dataclasses.replace(plan, expected_batch=1.0)
+    assert padded_rows(lying, 4000) == own > 200  # the owner's 4,000 records at q = 0.05: a batch near 200

@@ -293,8 +293,8 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
     plan's t: an owner's share sized by a larger own t would under-noise the others' sums); the owner's ledger then admits the run's
     whole plan on its first round and charges each round as Skellam steps, at integer orders,
     before anything is drawn. Its batch and noise come from a fresh secret stream; the
-    per-sample work is padded to the plan's bound on any client's batch, so its time does not
-    tell the batch. The metrics it releases are a function of the plan and of the rounds it took
+    per-sample work is padded to the plan's bound on any client's batch, and never below its own
+    (padded_rows), so its time does not tell the batch. The metrics it releases are a function of the plan and of the rounds it took
     part in alone (`public_metrics`). A refusal raises StageRefused with its reason."""
     from fedsd.app.client import handler as local
     from fedsd.secure import sum_bound
@@ -329,12 +329,23 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
             state, secret=local.SecretStream.fresh(), rng_state=None)
         student = record_to_model(content["arrays"])["student"]
         epoch = max(1, math.ceil(side.server_round * plan.sample_rate))
-        pad = math.ceil(sum_bound.poisson_tail(plan.expected_batch, sum_bound.TAIL))
+        pad = padded_rows(plan, len(trainer.data.x_train))
         vector, state, _ = step_part(trainer, state, student, epoch, plan, key=None, honest=plan.honest,
                                      least_noise=own.noise_multiplier, pad_to=pad)
         local.save_train_state(side.state_file, state, trainer.plan)  # the spent round on disk before the release
         local.keep_reply(side.state_file, request, ArrayRecord({}), {}, summed=True)
     return vector, MetricRecord(public_metrics(plan, state.steps, delta))
+
+
+def padded_rows(plan, own_records: int) -> int:
+    """The rows an owner's per-sample work covers whatever its Poisson batch: the plan's bound on
+    any client's batch (so the time tells neither the batch nor this owner's number of records),
+    and never below this owner's own bound at the plan's q (the plan's expected batch is the
+    server's number: a small one must not leave this owner's batch showing in its time)."""
+    from fedsd.secure import sum_bound
+
+    own = sum_bound.poisson_tail(plan.sample_rate * own_records, sum_bound.TAIL)
+    return math.ceil(max(sum_bound.poisson_tail(plan.expected_batch, sum_bound.TAIL), own))
 
 
 def public_metrics(plan, rounds_taken: int, delta: float) -> dict:
