@@ -419,20 +419,19 @@ def test_a_users_network_travels_in_the_app_to_every_supernode(tmp_path):
     from tests.test_models import USER_NET
 
     app = tmp_path / "app"
-    for part in ("clients", "server", "task", "fedsd"):
-        shutil.copytree(ROOT / part, app / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "fedsd", app / "fedsd", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", app)
-    (app / "task" / "user_net.py").write_text(USER_NET)
+    (app / "fedsd" / "app" / "user_net.py").write_text(USER_NET)
     out = tmp_path / "out"
     with LocalDeployment(tmp_path / "work", num_clients=2) as deployment:
         deployment.start()
-        deployment.run({**RUN, "num-server-rounds": 2, "out-dir": str(out), "model": "task.user_net:make"}, app=app,
-                       timeout=900)
+        deployment.run({**RUN, "num-server-rounds": 2, "out-dir": str(out), "model": "fedsd.app.user_net:make"},
+                       app=app, timeout=900)
     result = json.loads((out / "result.json").read_text())
-    assert result["config"]["model"] == "task.user_net:make"
+    assert result["config"]["model"] == "fedsd.app.user_net:make"
     assert [r["trained"] for r in result["rounds"]] == [[0, 1], [0, 1]]
     assert result["test_accuracy"] > 0.3  # 20 noisy steps a client; chance is 0.1
-    assert not (ROOT / "task" / "user_net.py").exists()  # it came in the app, not from this checkout
+    assert not (ROOT / "fedsd" / "app" / "user_net.py").exists()  # it came in the app, not from this checkout
 
 
 @pytest.mark.timeout(1800)  # about 4 minutes here alone; a baseline and a soak of real processes
