@@ -76,8 +76,14 @@ def shown(value) -> str:
     return value if isinstance(value, str) else format(value, "g")
 
 
+# A run's folder is named by its swept settings under their fedsd 0.1 names where one was renamed
+# (dpkd_tau: tau), so the runs of every committed sweep are found as they were made; the sweep's
+# own folder already names its method.
+NAMED_AS_BEFORE = {new: old for old, by_method in RENAMED.items() for new in by_method.values()}
+
+
 def slug(settings: dict) -> str:
-    return "-".join(f"{k.replace('_', '')}{shown(v)}" for k, v in settings.items())
+    return "-".join(f"{NAMED_AS_BEFORE.get(k, k).replace('_', '')}{shown(v)}" for k, v in settings.items())
 
 
 def add_sweep_parser(sub) -> None:
