@@ -47,6 +47,22 @@ for d in mnist fmnist; do
   done
 done
 
+# 4b. every layer at its lr chosen on validation (a fifth of the papers', theirs, 5 and 25 times), three seeds on test
+$FEDSD sweep --dataset mnist --method dpsgd --epsilon 3 --grid lr=0.16,0.8,4,20 --set init-weights=$PRE/fmnist-mnist-cnn.pt \
+    --set train-layers=all --set epochs=10 --set threads=1 --validation 10000 --out results/sweeps/mnist-dpsgd-pretrained-fmnist-all --quiet
+$FEDSD sweep --dataset fmnist --method dpsgd --epsilon 3 --grid lr=0.6,3,15,75 --set init-weights=$PRE/mnist-mnist-cnn.pt \
+    --set train-layers=all --set epochs=10 --set threads=1 --validation 10000 --out results/sweeps/fmnist-dpsgd-pretrained-mnist-all --quiet
+for d in mnist fmnist; do
+  if [ $d = mnist ]; then pub=fmnist; else pub=mnist; fi
+  lr=$(.venv/bin/python -c "import json,sys; r=json.load(open(sys.argv[1]))['runs']; print(max(r, key=lambda x: x['validation_mean'] or -1)['settings']['lr'])" results/sweeps/$d-dpsgd-pretrained-$pub-all/sweep.json)
+  for seed in 0 1 2; do
+    out=$RUNS/$d-from-$pub-all-lr$lr-e10-seed$seed
+    if [ -f $out/result.json ]; then continue; elif [ -f $out/checkpoint.pt ]; then $FEDSD train --resume $out --quiet; continue; fi
+    $FEDSD train --dataset $d --method dpsgd --epsilon 3 --init-weights $PRE/$pub-mnist-cnn.pt --train-layers all \
+        --epochs 10 --lr $lr --seed $seed --threads 1 --out $out --overwrite --quiet --log-dir off
+  done
+done
+
 # 5. the control of step 4: the same network from its random start, the same 10 epochs
 for d in mnist fmnist; do
   for seed in 0 1 2; do
