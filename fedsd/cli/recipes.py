@@ -19,7 +19,7 @@ from pathlib import Path
 from fedsd.errors import ConfigError
 from fedsd.settings.declared import Setting, settings_of, typed_values
 from fedsd.settings.federation import FedConfig
-from fedsd.settings.run import RENAMED, TrainConfig, renamed_settings
+from fedsd.settings.run import TrainConfig, renamed_keys
 
 # The recipes live in the repository, beside the package (an editable install finds them there).
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -83,9 +83,7 @@ def read_recipe(path: Path) -> Recipe:
         if isinstance(value, dict):
             raise ConfigError(f"{path}: [{key}]: a recipe holds settings only, each as key = value, no tables")
     try:
-        old = {k.replace("-", "_"): given.pop(k) for k in list(given) if k.replace("-", "_") in RENAMED}
-        given.update({k.replace("_", "-"): v for k, v in renamed_settings(old, given.get("method"), say="key").items()})
-        values = typed_values(given, TrainConfig, FedConfig)
+        values = typed_values(renamed_keys(given), TrainConfig, FedConfig)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     if "resume_dir" in values:

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 
 from fedsd.settings import declared as settings
-from fedsd.settings.run import RENAMED, TrainConfig, check_setting, renamed_settings
+from fedsd.settings.run import TrainConfig, check_setting, renamed_keys
 from fedsd.errors import ConfigError
 from fedsd.settings.declared import declared_only, setting
 from fedsd.training.loop import TrainState
@@ -175,9 +175,7 @@ def from_flat(flat: dict) -> tuple[TrainConfig, FedConfig]:
     TrainConfig setting means "the paper's default for this data set". A key of fedsd 0.1's
     (alpha, tau-s, ...) is read under the run's method's new name, with a note."""
     flat = {k.replace("_", "-"): v for k, v in flat.items()}
-    old = {k.replace("-", "_"): flat.pop(k) for k in list(flat) if k.replace("-", "_") in RENAMED}
-    flat.update({k.replace("_", "-"): v for k, v in renamed_settings(old, flat.get("method"), say="key").items()})
-    return settings.from_flat(flat, TrainConfig, FedConfig)
+    return settings.from_flat(renamed_keys(flat), TrainConfig, FedConfig)
 
 
 def round_teacher(fed: FedConfig, state, incoming_student: dict) -> tuple[dict | None, object]:

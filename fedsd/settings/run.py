@@ -249,6 +249,15 @@ RENAMED_TYPES = {"kl_reduction": str, "kd_teacher_epochs": int}  # the others ar
 UNSET = (None, -1, -1.0, "")  # an optional setting's "unset" (the flat form writes -1 or "")
 
 
+def renamed_keys(flat: dict) -> dict:
+    """A flat (kebab-case) dict, such as a run config or a recipe, with fedsd 0.1's method-setting
+    keys under the run's method's new ones, each said in a note (renamed_settings)."""
+    old = {k.replace("-", "_"): v for k, v in flat.items() if k.replace("-", "_") in RENAMED}
+    new = renamed_settings(old, flat.get("method"), say="key")
+    kept = {k: v for k, v in flat.items() if k.replace("-", "_") not in RENAMED}
+    return {**kept, **{k.replace("_", "-"): v for k, v in new.items()}}
+
+
 def renamed_settings(values: dict, method: str | None, say: str | None = None) -> dict:
     """`values` (by setting name) with each of fedsd 0.1's names under the run's method's new
     name. `say` ("flag" or "key"): what the user typed, said in a note with the new name, and an
