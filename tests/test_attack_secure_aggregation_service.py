@@ -31,7 +31,7 @@ def test_a_plain_train_message_does_not_release_the_update_a_secure_round_summed
     it down), and train_reply refuses to replay such a reply (a refusal, nothing released);
     symmetric with contribution's refusal of a replayed reply."""
     contexts, flat, arrays, tmp_path = owners
-    base, server = up_to_shares(contexts, 1)
+    base, server = up_to_shares(contexts, 1, flat)
     service.masked_reply(masked_message(base, flat, arrays, server.shares_for(101)), contexts[101])
     summed = only_kept_input(tmp_path)
     before = state_files(tmp_path)
@@ -135,16 +135,21 @@ def test_a_later_release_does_not_overwrite_the_owners_kept_input(owners):
     exists."""
     contexts, flat, arrays, tmp_path = owners
     contexts[101].node_config["max-epsilon"] = 50.0  # room for two rounds
-    base, server = up_to_shares(contexts, 1)
+    base, server = up_to_shares(contexts, 1, flat)
     service.masked_reply(masked_message(base, flat, arrays, server.shares_for(101)), contexts[101])
     first = {p.name: p.read_bytes() for p in (tmp_path / "state-0" / "secagg").glob("*.npy")}
     other = {"experiment-id": "another", "server-round": 1}
     server2 = SecAggServer(secure_sum.round_id(7, "another", 1), list(IDS), 10)
-    server2.collect_keys({n: dict(service.advertise_reply(stage(other, **server2.setup(n)), contexts[n])["secagg"])
-                          for n in IDS})
+    settings = ConfigRecord({**flat, **other, "server-round": 2})  # a fresh training round of the run (charged)
+
+    def advertised(n):
+        content = stage(other, **server2.setup(n))
+        content["config"] = settings  # the round's settings, as the server sends them with stage 0
+        return content
+    server2.collect_keys({n: dict(service.advertise_reply(advertised(n), contexts[n])["secagg"]) for n in IDS})
     server2.collect_shares({n: dealt(service.share_reply(keys_message(other, server2, n), contexts[n])) for n in IDS})
     content = masked_message(other, flat, arrays, server2.shares_for(101))
-    content["config"]["server-round"] = 2  # a fresh training round of the run (charged, a new update)
+    content["config"] = settings
     try:
         service.masked_reply(content, contexts[101])
     except service.StageRefused:

@@ -135,6 +135,10 @@ def test_a_round_sums_the_kept_contributions_and_the_server_steps_on_the_decoded
     assert {(a.dtype, tuple(a.shape)) for a in masked} == {(masked[0].dtype, tuple(masked[0].shape))}
     metrics = [dict(r["metrics"]) for r in replies]
     assert metrics[0] == metrics[1] == metrics[2] == {"epsilon": f.plan.epsilon(1, 1e-5)}, metrics
+    # The run's record keeps each summed client's ε by its protocol id (a reply names no partition).
+    strategy = f.rounds.side.strategy
+    assert strategy.client_epsilon == {i: f.plan.epsilon(1, 1e-5) for i in IDS}, strategy.client_epsilon
+    assert sorted(strategy.round_clients[1]) == sorted(IDS)
     # A second round: momentum carried by the server's optimizer, the ledgers at two entries.
     f.rounds.one_round(2, moved)
     assert f.rounds.records[1]["abandoned"] is None
@@ -194,11 +198,11 @@ def _refused_at_masked(f, change_flat=None, change_node=None, drop_share=False):
     if change_node:
         for c in contexts.values():
             c.node_config.update(change_node)
-    base, server = up_to_shares(contexts, 1)
     from fedsd.secure import distributed_noise as noise
 
     flat = {**f.flat, **noise.to_settings(f.plan, ROUNDS)}
     flat = change_flat(flat) if change_flat else flat
+    base, server = up_to_shares(contexts, 1, flat)  # every owner given the same (bad) settings
     shares = server.shares_for(node)
     if drop_share:  # the server tells this owner of two survivors of the share stage, below its t of 3
         other = next(j for j in shares["ciphertexts"] if j != node)

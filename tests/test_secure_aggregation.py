@@ -71,11 +71,20 @@ def state_files(tmp_path) -> dict:
     return {p: p.read_bytes() for p in sorted(tmp_path.glob("state-*/**/*")) if p.is_file()}
 
 
-def up_to_shares(contexts, server_round):
+def up_to_shares(contexts, server_round, flat=None, flats=None):
+    """Stages 0 and 1 through the services' handlers. The round's settings go with stage 0 as
+    the server sends them (the masked-input message's, `masked_message`): `flat` for every
+    client, or `flats` (node → its own); a client advertised none refuses every masked input."""
     base = {"experiment-id": EXPERIMENT, "server-round": server_round}
     server = SecAggServer(secure_sum.round_id(7, EXPERIMENT, server_round), list(IDS), 10)
-    server.collect_keys({n: dict(service.advertise_reply(stage(base, **server.setup(n)), contexts[n])["secagg"])
-                         for n in IDS})
+    flats = flats or {n: flat for n in IDS}
+
+    def advertised(n):
+        content = stage(base, **server.setup(n))
+        if flats.get(n) is not None:
+            content["config"] = ConfigRecord({**flats[n], **base})
+        return content
+    server.collect_keys({n: dict(service.advertise_reply(advertised(n), contexts[n])["secagg"]) for n in IDS})
     server.collect_shares({n: dealt(service.share_reply(keys_message(base, server, n), contexts[n])) for n in IDS})
     return base, server
 
@@ -100,7 +109,7 @@ def finish_round(contexts, base, server, nodes=IDS):
 def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without_charging(owners):
     contexts, flat, arrays, tmp_path = owners
     # An honest round: the sum is exactly the inputs each owner kept (mod 2^64).
-    base, server = up_to_shares(contexts, 1)
+    base, server = up_to_shares(contexts, 1, flat)
     server.length = secure_sum.vector_length(arrays)
     old_shares = {n: server.shares_for(n) for n in IDS}
     masked = {n: service.masked_reply(masked_message(base, flat, arrays, old_shares[n]), contexts[n])["secagg"]
@@ -120,7 +129,7 @@ def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without
         assert state_files(tmp_path) == before  # the ledger and every other file untouched
 
     # Round 2: every hostile message refused.
-    base2, server2 = up_to_shares(contexts, 2)
+    base2, server2 = up_to_shares(contexts, 2, flat)
     before = state_files(tmp_path)  # round 2 joined (each owner's joined-rounds record moved, legitimately)
     refused(service.advertise_reply, stage(base2, **server2.setup(101)), 101, "advertised to this owner already")
     refused(service.share_reply, keys_message(base2, server2, 101), 101, "was answered already")
@@ -158,7 +167,7 @@ def test_a_round_asked_again_after_its_update_went_into_a_sum_is_refused(owners)
     that client's update. A service sends one update into one sum (found by a review playing the
     attacker; without the refusal the second masked input is answered)."""
     contexts, flat, arrays, tmp_path = owners
-    base, server = up_to_shares(contexts, 1)
+    base, server = up_to_shares(contexts, 1, flat)
     old_session = {}
     for n in IDS:
         key = next(k for k in service._SESSIONS if k[0].endswith(f"state-{IDS.index(n)}"))
@@ -167,7 +176,7 @@ def test_a_round_asked_again_after_its_update_went_into_a_sum_is_refused(owners)
     service._SESSIONS.clear()  # the service restarted
     before = state_files(tmp_path)
     with pytest.raises(service.StageRefused, match="advertised to this owner already"):  # its joined rounds on disk
-        up_to_shares(contexts, 1)
+        up_to_shares(contexts, 1, flat)
     base = {"experiment-id": EXPERIMENT, "server-round": 1}
     # and were the round's session there again (a service that lost its record), the update is refused
     key, session = old_session[101]

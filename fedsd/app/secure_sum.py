@@ -8,6 +8,8 @@ comes from the other side is hostile, so `read_map` checks both before anything 
 """
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
@@ -36,6 +38,18 @@ def round_id(run_id: int, experiment_id: str, server_round: int) -> bytes:
     """The id both sides bind a round's shares and masks to: the Flower run, the experiment and
     the round (never a string the other side chose)."""
     return f"fedsd|{int(run_id)}|{experiment_id}|{int(server_round)}".encode()
+
+
+def settings_digest(config: ConfigRecord | None) -> bytes:
+    """SHA-256 of a round's settings (the "config" record its advertise and masked-input messages
+    carry: the run's settings, and with distributed noise the plan): what each client signs at
+    advertise, so that clients given different settings cannot go on together, and what the
+    masked-input message's settings must match. Values by their repr (a float's is exact),
+    keys sorted; no config, no bytes."""
+    if not isinstance(config, ConfigRecord):
+        return b""
+    items = sorted((str(k), v) for k, v in dict(config).items())
+    return hashlib.sha256(repr([(k, type(v).__name__, v) for k, v in items]).encode()).digest()
 
 
 def write_map(record: ConfigRecord, name: str, values: dict[int, bytes]) -> None:

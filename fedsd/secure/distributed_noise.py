@@ -125,11 +125,28 @@ class NoisePlan:
                 raise ConfigError(f"distributed noise: {name} = {getattr(self, name)!r} is out of range")
 
 
+def least_clip(dim: int) -> float:
+    """The smallest clip C whose clipped sum float32 computes within the sensitivity the noise
+    covers, Δ2 = γC + √d (γ = 2^20 / C; the √d is quantisation's rounding allowance, in integer
+    units). A per-sample clip factor C / ‖g‖, with ‖g‖ up to float32's largest finite value
+    (< 2^128), can fall among float32's subnormals, whose step is 2^-149: a sample's clipped
+    gradient can then be off by 2^-149 · 2^128 = 2^-21, that is 1 / (2C) integer units. At
+    C ≥ 1 / √d that is at most half the allowance; a server's C = 1e-43 moved one record's part
+    of the sum by 2.1 C (a review playing the attacker). What this does not cover, and the docs
+    say: float32's relative rounding of the sum itself (2^-24 of it)."""
+    return 1.0 / math.sqrt(dim)
+
+
 def check_own(plan: NoisePlan, what: str, least_noise: float = 0.0, **own) -> None:
     """A plan (from the server) refused unless it is in range, each named field is this client's
-    own, and its noise is at least the client's own calibration's (`least_noise`): what a
-    client checks before it draws or sends anything (fedsd.secure.distributed_step, fedsd.secure.client_level)."""
+    own, its clip is one float32 clips within the sensitivity (`least_clip`), and its noise is at
+    least the client's own calibration's (`least_noise`): what a client checks before it draws
+    or sends anything (fedsd.secure.distributed_step, fedsd.secure.client_level)."""
     plan.check()
+    if not plan.clip >= least_clip(plan.dim):
+        raise ValueError(f"{what}: the plan's clip {plan.clip!r} is below 1/√d = {least_clip(plan.dim):.3g} for its "
+                         f"{plan.dim} parameters, where float32's rounding of the clip factor could exceed the "
+                         f"sensitivity the noise covers")
     for name, actual in own.items():
         if getattr(plan, name) != actual:
             raise ValueError(f"{what}: the plan's {name} is {getattr(plan, name)!r}, this client's is {actual!r}")

@@ -8,7 +8,11 @@ graph is the 2017 protocol. The stages, as the papers number their rounds:
      its roster), its neighbourhood and the threshold (more than two thirds of the neighbours,
      and more than (neighbours + F)/2, so two stories cannot both reach it); makes two X25519 key
      pairs, c for encrypting its shares and s for its pairwise masks; sends the public halves
-     with its identity key, signed over the round, its id, the cohort and the threshold.
+     with its identity key, signed over the round, its id, the cohort, the threshold and the
+     digest of the round's settings (with distributed noise, the plan every share is sized by),
+     which every neighbour checks against its own at stage 1: a round whose clients were given
+     different settings stops there, before anything is drawn or charged. (Bonawitz et al. bind
+     the round's identity into each signature; the settings' digest is fedsd's addition.)
   1. Share keys (`share_keys`): given its neighbours' signed keys, it checks every signature
      against the signer's roster key, every key's encoding, and computes every agreement (a
      low-order key is refused here, before anything is drawn or charged); then draws its
@@ -174,10 +178,13 @@ def pairwise_sign(me: int, other: int) -> int:
 
 
 # -- the client's side: one object per round, held by the client's own process ---------------
-def _advert(round_id: bytes, member: int, cohort: list[int], threshold: int, c: bytes, s: bytes, v: bytes) -> bytes:
+def _advert(round_id: bytes, member: int, cohort: list[int], threshold: int, c: bytes, s: bytes, v: bytes,
+            context: bytes = b"") -> bytes:
     """What a client signs at stage 0: its keys for this round, its id, the cohort and the
-    threshold it was told (so that two clients told two cohorts or thresholds refuse)."""
-    return _info(round_id, "advertise", member, threshold, *cohort) + b"|" + bytes(c) + bytes(s) + bytes(v)
+    threshold it was told, and the digest of the round's settings it was given (`context`), so
+    that two clients told two cohorts, thresholds or settings (a noise plan) refuse."""
+    return _info(round_id, "advertise", member, threshold, *cohort) + b"|" + bytes(c) + bytes(s) + bytes(v) + \
+        b"|" + bytes(context)
 
 
 def _commitment(round_id: bytes, dealer: int, holder: int, what: str, share: bytes) -> bytes:
@@ -224,6 +231,7 @@ class SecAggClient:
     _masked_with: list[int] = field(default_factory=list)
     _view: tuple = ((), ())
     _statement: bytes = b""
+    context: bytes = b""  # the digest of the round's settings this client was advertised (advertise)
 
     def __post_init__(self):
         if self.roster is not None:
@@ -262,10 +270,14 @@ class SecAggClient:
             raise ProtocolError(f"{stage}: {len(holders)} clients {went_on}, below the threshold")
         return holders
 
-    def advertise(self, cohort: object, neighbours: object, threshold: object) -> dict:
+    def advertise(self, cohort: object, neighbours: object, threshold: object, context: bytes = b"") -> dict:
         """Stage 0: the round's cohort, my neighbourhood (me included) and the threshold t; my
-        two public keys, my signing key and my signature of them with the round and cohort."""
+        two public keys, my signing key and my signature of them with the round, the cohort and
+        `context`, the digest of the round's settings (fedsd.app.secure_sum.settings_digest): a
+        neighbour given other settings (another noise plan) does not verify at share-keys."""
         self._expect(0, "advertise-keys")
+        if not isinstance(context, (bytes, bytearray)) or len(context) > 64:
+            raise ProtocolError("advertise: the settings' digest is at most 64 bytes")
         cohort, neighbours = _ids(cohort, "cohort"), _ids(neighbours, "neighbours")
         if self.me not in neighbours or not set(neighbours) <= set(cohort):
             raise ProtocolError("neighbours: must hold this client and lie in the cohort")
@@ -303,11 +315,11 @@ class SecAggClient:
             raise ProtocolError(f"threshold: {threshold} is above {len(neighbours)} neighbours − {self.max_colluders} "
                                 f"of the server's, who could abandon the round after this owner is charged "
                                 f"(an owner that allows f needs more than 3f neighbours)")
-        self.cohort, self.neighbours, self.threshold = cohort, neighbours, threshold
+        self.cohort, self.neighbours, self.threshold, self.context = cohort, neighbours, threshold, bytes(context)
         self._c, self._s = X25519PrivateKey.generate(), X25519PrivateKey.generate()
         c, s, v = _raw(self._c.public_key()), _raw(self._s.public_key()), self.identity.public
         return {"c": c, "s": s, "v": v, "sig": self.identity.sign(_advert(self.round_id, self.me, cohort,
-                                                                            threshold, c, s, v))}
+                                                                            threshold, c, s, v, self.context))}
 
     def _checked_keys(self, keys: dict, holders: list[int]) -> dict[int, tuple]:
         """Every neighbour's keys, before anything is drawn or charged: signed by the neighbour
@@ -326,9 +338,10 @@ class SecAggClient:
                 raise ProtocolError(f"share-keys: the signing key given for {self.name(j)} is not its roster key "
                                     f"(culprit: {j})")
             if not verify(bytes(v), entry.get("sig"), _advert(self.round_id, j, self.cohort, self.threshold,
-                                                               _raw(c), _raw(s), bytes(v))):
+                                                               _raw(c), _raw(s), bytes(v), self.context)):
                 raise ProtocolError(f"share-keys: the keys of {self.name(j)} are not signed by it for this round, "
-                                    f"cohort and threshold (culprit: {j})")
+                                    f"cohort, threshold and settings (culprit: {j}; given other settings, or not "
+                                    f"its keys)")
             parsed[j] = (c, s, bytes(v))
         raws = [_raw(k) for c, s, _ in parsed.values() for k in (c, s)] + [v for _, _, v in parsed.values()]
         if len(set(raws)) != len(raws):

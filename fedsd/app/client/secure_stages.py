@@ -163,7 +163,9 @@ def identify_reply(content: RecordDict, context: Context) -> RecordDict:
 
 
 def advertise_reply(content: RecordDict, context: Context) -> RecordDict:
-    """Stage 0: the cohort, this client's neighbours and the threshold; its public keys, signed."""
+    """Stage 0: the cohort, this client's neighbours, the threshold and the round's settings
+    (checked at the masked input); its public keys, signed with the settings' digest, so that a
+    neighbour given other settings fails every other client's check at share-keys."""
     try:
         key, record, owner = _stage_fields(content, context)
         if key in _SESSIONS:
@@ -171,7 +173,7 @@ def advertise_reply(content: RecordDict, context: Context) -> RecordDict:
                                        f"it takes part in a round once)")
         client = owner.client(_round_id(key))
         keys = client.advertise(list(record.get("cohort", [])), list(record.get("neighbours", [])),
-                                record.get("threshold"))
+                                record.get("threshold"), secure_sum.settings_digest(content.get("config")))
         owner.join(key)  # a refused round leaves nothing behind; a joined one is remembered, on disk
     except (BadMessage, secagg.ProtocolError, ConfigError, TypeError) as e:
         raise _refused(e) from None
@@ -208,6 +210,9 @@ def masked_reply(content: RecordDict, context: Context) -> RecordDict:
         client = _session(key)
         ciphertexts, commits = read_map(record, "shares"), read_map(record, "commits")
         client.check_masked_input(ciphertexts, commits)  # before the vector is computed and charged
+        if secure_sum.settings_digest(content.get("config")) != client.context or not client.context:
+            raise secagg.ProtocolError("the round's settings are not those it was advertised with (every client "
+                                       "signed those; other settings now would differ from its neighbours')")
         if owner.node.secagg_keep_inputs and kept_input_path(owner, key).exists():
             raise secagg.ProtocolError("this client kept an input for this round already; it sends no other")
     except (BadMessage, secagg.ProtocolError, ConfigError) as e:

@@ -105,6 +105,11 @@ def _stage_record(base: dict, **fields) -> RecordDict:
     return RecordDict({secure_sum.RECORD: ConfigRecord({**base, **fields})})
 
 
+def _with_config(content: RecordDict, config: ConfigRecord) -> RecordDict:
+    content["config"] = config
+    return content
+
+
 def _map_record(base: dict, extra: RecordDict | None = None, **maps) -> RecordDict:
     record = ConfigRecord(dict(base))
     for name, values in maps.items():
@@ -200,7 +205,10 @@ def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: Record
     """The five stages after identify; the sum and the survivors' replies (RoundAbandoned below
     the threshold, or when the shares do not rebuild one secret)."""
     ask = exchange.ask
-    keys = _parsed(ask("advertise", {n: _stage_record(base, **server.setup(n)) for n in server.cohort}), _keys)
+    # The round's settings go with stage 0 too: each client signs their digest with its keys
+    # (fedsd.secure.secagg, stage 0), and its masked input is refused under any other settings.
+    keys = _parsed(ask("advertise", {n: _with_config(_stage_record(base, **server.setup(n)), train["config"])
+                                     for n in server.cohort}), _keys)
     server.collect_keys(keys)
     requests = {}
     for n in keys:
@@ -312,6 +320,7 @@ class SecureRounds:
             if self.distributed:
                 arrays, applied = self._step(arrays, total, len(server.masked), server, server_round)
                 record.update(applied)
+                self._reports(server_round, replies, sorted(server.masked))
             else:
                 record.update(zip(("mean_update_norm", "honest_bound"), self._check_sum(total, len(server.masked),
                                                                                          replies, server)))
@@ -373,11 +382,13 @@ class SecureRounds:
                                  f"applied", server.culprits)
         return norm, bound
 
-    def _reports(self, server_round: int, replies: list[RecordDict]) -> None:
+    def _reports(self, server_round: int, replies: list[RecordDict], ids: list[int] | None = None) -> None:
+        """Each summed client's report, by its partition id; under distributed noise, where a
+        reply names no partition (only ε), by its protocol id (`ids`, in the replies' order)."""
         strategy = self.side.strategy
-        for content in replies:
+        for k, content in enumerate(replies):
             report = client_report(SimpleNamespace(content=content))
-            pid = int(report.get("partition-id", -1))
+            pid = int(report.get("partition-id", -1)) if ids is None else ids[k]
             strategy.round_clients.setdefault(server_round, {})[pid] = report
             if "epsilon" in report:
                 strategy.client_epsilon[pid] = float(report["epsilon"])

@@ -1,0 +1,101 @@
+"""The distributed-noise table's features recipe, deployed: a SuperLink and 10 SuperNodes under
+--isolate, each client with its owner's data service (its own uid, network namespace, data,
+ledger and Ed25519 identity), one roster listing the ten, secure aggregation with distributed
+noise at record level (each round one DP-SGD step of the whole federation, t = n).
+
+    python -m fedsd.deployment.deployed_distributed --partition iid --work W --out O
+
+It is resumable: the owners' state folders (ledgers, identities, admitted plans) stay in W, the
+run's checkpoint in O; run the same command again after an interruption and the run goes on
+from its last checkpoint (`resume-dir`), each owner charged once a round. Each round's line and
+its wall-clock time go to W/rounds.jsonl (copied to O at the end); at the end O/result.json is
+the run's result (`fedsd simulate`'s schema) and O/deployment.json what the deployment was.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from fedsd.cli.secure_simulation import FEATURES_RECIPE, FEATURES_ROUNDS
+from fedsd.cli.split_data import write_client_folders
+from fedsd.deployment.local_deployment import LocalDeployment
+from fedsd.files.results import write_json
+from fedsd.settings.federation import FedConfig
+from fedsd.settings.run import TrainConfig
+
+CLIENTS = 60000  # Fashion-MNIST's training records, all owners together
+
+
+def run_config(rounds: int, seed: int, clients: int, roster: Path, out: Path) -> dict:
+    """The features recipe of results/table-distributed.md as a deployment's run config."""
+    recipe = {k.replace("_", "-"): v for k, v in FEATURES_RECIPE.items()}
+    return {**recipe, "seed": seed, "num-clients": clients, "num-server-rounds": rounds, "client-data": "own",
+            "secure-aggregation": True, "noise": "distributed", "honest-clients": clients,
+            "sample-rate": FEATURES_RECIPE["batch_size"] / CLIENTS, "secagg-roster": str(roster),
+            "out-dir": str(out)}
+
+
+def split(data: Path, clients: int, partition: str, alpha: float, seed: int) -> None:
+    """Fashion-MNIST's training set in `clients` owners' folders (as `fedsd split-data`), once."""
+    if not (data / f"client-{clients - 1}").exists():
+        fed = FedConfig(num_clients=clients, rounds=1, client_data="own", partition=partition, dirichlet_alpha=alpha)
+        write_client_folders(TrainConfig(dataset="fmnist", seed=seed), fed, data, "npz", echo=print)
+
+
+def roster_of(deployment: LocalDeployment) -> Path:
+    """Each owner's identity (made by its own uid, kept from one start to the next) on one roster."""
+    lines = deployment.identities()
+    text = "# the federation\n" + "".join(f"owner-{k} {lines[k]}\n" for k in sorted(lines))
+    return deployment.write_shared("roster", text)
+
+
+def echo_to(path: Path):
+    last = [time.perf_counter()]
+
+    def echo(line: str) -> None:
+        now = time.perf_counter()
+        print(line, flush=True)
+        with path.open("a") as f:
+            f.write(json.dumps(dict(line=line, seconds=round(now - last[0], 2), at=time.time())) + "\n")
+        last[0] = now
+    return echo
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--partition", choices=["iid", "dirichlet"], default="iid")
+    p.add_argument("--dirichlet-alpha", type=float, default=0.1)
+    p.add_argument("--clients", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=FEATURES_ROUNDS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work", required=True, help="the deployment's folder (owners' state, logs); kept")
+    p.add_argument("--out", required=True, help="the run's result folder (its checkpoint: resumed from)")
+    p.add_argument("--timeout", type=float, default=48 * 3600)
+    args = p.parse_args(argv)
+    work, out = Path(args.work).absolute(), Path(args.out).absolute()
+    data = work / "data"
+    split(data, args.clients, args.partition, args.dirichlet_alpha, args.seed)
+    owners = "max-epsilon=3 max-delta=1e-5 secagg-min-clients={t} secagg-roster='{roster}'"
+    started = time.perf_counter()
+    with LocalDeployment(work / "deployment", args.clients, client_data=data, isolate=True) as deployment:
+        roster = deployment.shared_dir() / "roster"
+        deployment.node_config = [owners.format(t=args.clients, roster=roster)] * args.clients
+        roster_of(deployment)
+        deployment.start()
+        ready = time.perf_counter() - started
+        config = run_config(args.rounds, args.seed, args.clients, roster, out)
+        resumed = (out / "checkpoint.pt").is_file() and not (out / "result.json").is_file()
+        deployment.run({"resume-dir": str(out)} if resumed else config, timeout=args.timeout,
+                       echo=echo_to(work / "rounds.jsonl"))
+    (out / "rounds.jsonl").write_text((work / "rounds.jsonl").read_text())
+    write_json(out / "deployment.json", dict(
+        command="python -m fedsd.deployment.deployed_distributed " + " ".join(argv or sys.argv[1:]),
+        run_config=config, resumed=resumed, startup_seconds=round(ready, 1),
+        total_seconds=round(time.perf_counter() - started, 1), supernodes=args.clients,
+        node_threads=deployment.node_threads))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
