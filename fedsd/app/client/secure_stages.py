@@ -295,8 +295,9 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
     before anything is drawn (`_charge`). The plan admitted is pinned in the owner's state folder
     for the experiment, and a later round with another is refused (`admitted_plan`).
     Its batch and noise come from a fresh secret stream; the per-sample work is padded to the
-    plan's bound on any client's batch, and never below its own (padded_rows), so its time does not tell the batch. The metrics it releases are a function of the plan and of the rounds it took
-    part in alone (`public_metrics`). A refusal raises StageRefused with its reason."""
+    plan's bound on any client's batch, and never below its own (padded_rows), so its time does
+    not tell the batch. The metrics it releases are a function of the plan and of the rounds it
+    took part in alone (`public_metrics`). A refusal raises StageRefused with its reason."""
     from fedsd.app.client import handler as local
     from fedsd.secure.distributed_step import contribution as step_part
 
