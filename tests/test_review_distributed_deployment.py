@@ -1,7 +1,7 @@
 """Review of the deployed distributed-noise path (issue 69), as the attacker: a server that
 chooses every setting and plan. Each test fails while its attack works."""
 import pytest
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fedsd.app.client import node_config as node_configs
 from fedsd.app.client import secure_stages as service
@@ -160,3 +160,41 @@ def test_a_plan_changed_after_the_owner_admitted_it_is_refused_mid_run_and_after
     monkeypatch.setattr(DPTrainer, "clipped_sum", real)
     service.distributed_contribution(_round(f, 2), context, owner)  # the admitted plan goes on
 
+
+def test_a_round_an_owner_was_charged_for_is_never_charged_again(federation):
+    """The SuperLink killed after the owners' masked inputs of round 2 and before the server's
+    checkpoint of it: the run resumes from round 1's checkpoint, in a new Flower run, and asks
+    round 2 again (a hostile server may ask any round again, with any model). Answered again
+    with a fresh batch and fresh noise, one step of the federation would be released twice and
+    charged twice (one of the run's planned rounds spent on it). The owner's ledger keys its
+    charges by experiment and round: a round it was charged for is refused with the reason,
+    before anything is drawn, the ledger's bytes unchanged, whatever model is sent (its kept
+    reply catches only the last request, the same model for the same round), in whatever
+    Flower run and after a restart of the service."""
+    import json
+
+    from tests.test_distributed_deployment import privacy_files
+
+    f = federation
+    long_run = dict(plan=_calibrated(f, rounds=4), rounds=4, **{"num-server-rounds": 4})  # rounds left to charge
+    first = next(k for k, a in f.arrays.items() if a.numpy().dtype.kind == "f")
+    moved = ArrayRecord({k: Array(a.numpy() + 1e-3 if k == first else a.numpy()) for k, a in f.arrays.items()})
+    context, owner = _owner(f, 0)
+    sent = {1: f.arrays, 2: moved}  # the global model of each round
+    for server_round, arrays in sent.items():
+        content = _round(f, server_round, **long_run)
+        content["arrays"] = arrays
+        service.distributed_contribution(content, context, owner)
+    before = privacy_files(f.tmp_path)
+    _restarted()  # the service too
+    context.run_id = 8  # the resumed run: another Flower run, the same experiment
+    context, owner = _owner(f, 0)
+    for server_round, arrays, why in ((2, moved, "went into a sum already"), (2, f.arrays, "round 2 .*charged"),
+                                      (1, f.arrays, "round 1 .*charged")):
+        content = _round(f, server_round, **long_run)
+        content["arrays"] = arrays
+        with pytest.raises(service.StageRefused, match=why):
+            service.distributed_contribution(content, context, owner)
+        assert privacy_files(f.tmp_path) == before
+    ledger = json.loads(next((f.tmp_path / "state-0").glob("ledger-*.json")).read_text())
+    assert [(e["run"], e["round"]) for e in ledger["entries"]] == [(EXPERIMENT, 1), (EXPERIMENT, 2)]

@@ -293,7 +293,8 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
     plan's t: an owner's share sized by a larger own t would under-noise the others' sums); the owner's ledger then admits the run's
     whole plan on its first round and charges each round as Skellam steps, at integer orders,
     before anything is drawn (`_charge`). The plan admitted is pinned in the owner's state folder
-    for the experiment, and a later round with another is refused (`admitted_plan`).
+    for the experiment, and a later round with another is refused (`admitted_plan`), as is a
+    round this owner was charged for already.
     Its batch and noise come from a fresh secret stream; the per-sample work is padded to the
     plan's bound on any client's batch, and never below its own (padded_rows), so its time does
     not tell the batch. The metrics it releases are a function of the plan and of the rounds it
@@ -327,7 +328,10 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
 def _charge(side, context: Context, plan, state) -> None:
     """The round admitted by the run's own budget and charged to the owner's ledger as one
     Skellam step at the plan's z_e (the run's whole plan admitted on the owner's first round),
-    before anything is drawn; StageRefused with the reason, the ledger's bytes unchanged."""
+    before anything is drawn; StageRefused with the reason, the ledger's bytes unchanged. A
+    round this owner was charged for already in this experiment (the ledger keys its charges by
+    experiment and round) is refused: answered again, with a fresh batch and fresh noise, the
+    same step would be released twice and one of the run's planned rounds spent on it."""
     from fedsd.app.client import handler as local
     from fedsd.errors import BudgetRefused
 
@@ -343,6 +347,10 @@ def _charge(side, context: Context, plan, state) -> None:
             raise BudgetRefused(f"the run's budget ε={cfg.epsilon:g} is spent ({done} rounds taken part in)")
         with local.lifetime_ledger(side.node, side.fingerprint) as ledger:
             if ledger is not None:
+                if any(e.get("run") == fed.experiment_id and e.get("round") == side.server_round
+                       for e in ledger.entries):
+                    raise BudgetRefused(f"round {side.server_round} of this experiment: this owner was charged for "
+                                        f"it already (a resumed run asks it again); a round is answered once")
                 if state is None:  # this owner's first round of the run: the whole plan must fit
                     ledger.check(cfg.epsilon, delta, z_e, plan.sample_rate, fed.rounds, mechanism=privacy.SKELLAM)
                 ledger.spend(z_e, plan.sample_rate, 1, run=fed.experiment_id, mechanism=privacy.SKELLAM,
