@@ -338,3 +338,65 @@ def test_a_sum_with_fewer_shares_than_the_plans_t_is_refused_and_nothing_applied
     server = SimpleNamespace(culprits={})
     with pytest.raises(RoundAbandoned, match="below the plan's t = 4"):
         rounds._step(f.arrays, np.zeros(rounds.noise.dim, dtype=np.uint64), 3, server, 1)
+
+
+class _Killed(Exception):
+    """The server process stopped in the middle of a round (the SuperLink or the ServerApp killed)."""
+
+
+def _server(launch, server_cfg, sums: dict, kill_at: int | None = None):
+    """The server of a distributed-noise run as the ServerApp puts it together (its strategy and
+    round book, a resumed launch's restored), each round's decoded sum the fixed `sums[round]` in
+    place of the owners' (SecureRounds.one_round's protocol), stopped at round `kill_at`."""
+    from fedsd.app.server.rounds import RoundBook
+    from fedsd.app.server.secure_rounds import SecureRounds
+    from fedsd.app.server.strategy import RecordingStrategy, base_strategy
+
+    launch.out.mkdir(exist_ok=True)  # as the ServerApp makes it (fresh_out_dir)
+    strategy = RecordingStrategy(base_strategy(launch.fed), launch.fed, round_offset=launch.round)
+    book = RoundBook(strategy, None, None, rounds_total=launch.fed.rounds, start_round=launch.round, out=launch.out,
+                     settings=launch.settings, experiment_id=launch.experiment_id, progress=False, description="")
+    if launch.resumed:
+        strategy.load_state_dict(launch.strategy)
+        book.load_state_dict(launch.book)
+    side = SimpleNamespace(cfg=server_cfg, num_classes=10, strategy=strategy, book=book)
+    rounds = SecureRounds(SimpleNamespace(), side, launch)
+
+    def one_round(server_round, arrays):
+        if server_round == kill_at:
+            raise _Killed
+        return rounds._step(arrays, sums[server_round], 3, SimpleNamespace(culprits={}), server_round)[0]
+
+    rounds.one_round = one_round
+    return rounds
+
+
+def test_a_resumed_run_steps_with_the_server_optimizers_momentum_as_an_uninterrupted_one(tmp_path):
+    """Under noise=distributed the server's SGD carries momentum from round to round. A run
+    killed after round 2's checkpoint and resumed from it gives, with the same decoded sums,
+    the global model of an uninterrupted run bit for bit: the checkpoint holds the optimizer's
+    momentum buffers and the resumed run goes on from them (it restarted momentum before)."""
+    from fedsd.app.server import checkpoint
+    from fedsd.app.server.secure_rounds import distributed_plan
+    from fedsd.training.loop import initial_model
+
+    cfg, fed = _settings()
+    fed = FedConfig(**{**fed.__dict__, "rounds": 4})
+    server_cfg = client_config(cfg, FedConfig(num_clients=3, rounds=4))
+    assert server_cfg.momentum > 0
+    plan, _ = distributed_plan(server_cfg, fed, 10)
+    rng = np.random.default_rng(0)
+    sums = {r: np.rint(rng.normal(0, math.sqrt(plan.variance), plan.dim)).astype(np.int64).view(np.uint64)
+            for r in range(1, 5)}
+    start = model_to_record(initial_model(server_cfg, 10))
+
+    whole = _server(checkpoint.start(cfg, fed, tmp_path / "whole"), server_cfg, sums).run(start)
+    with pytest.raises(_Killed):
+        _server(checkpoint.start(cfg, fed, tmp_path / "killed"), server_cfg, sums, kill_at=3).run(start)
+    resume = FedConfig(**{**fed.__dict__, "resume_dir": str(tmp_path / "killed")})
+    launch = checkpoint.start(cfg, resume, None)
+    assert launch.round == 2 and launch.optimizer is not None
+    resumed = _server(launch, server_cfg, sums).run(model_to_record(launch.model))
+    moved = [k for k in whole if not np.array_equal(whole[k].numpy(), start[k].numpy())]
+    assert moved and all(np.array_equal(resumed[k].numpy(), whole[k].numpy()) for k in whole), \
+        [k for k in whole if not np.array_equal(resumed[k].numpy(), whole[k].numpy())]

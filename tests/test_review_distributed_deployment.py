@@ -1,7 +1,7 @@
 """Review of the deployed distributed-noise path (issue 69), as the attacker: a server that
 chooses every setting and plan. Each test fails while its attack works."""
 import pytest
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fedsd.app.client import node_config as node_configs
 from fedsd.app.client import secure_stages as service
@@ -89,6 +89,115 @@ def test_the_pad_is_never_below_the_owners_own_bound_whatever_expected_batch_the
     assert padded_rows(plan, 4000) == math.ceil(sum_bound.poisson_tail(800.0, sum_bound.TAIL)) > own
     lying = dataclasses.replace(plan, expected_batch=1.0)
     assert padded_rows(lying, 4000) == own > 200  # the owner's 4,000 records at q = 0.05: a batch near 200
+
+
+def _restarted():
+    """The owner's service started again: nothing it held in memory is left (its trainers, its
+    sessions, its calibrations); its state folder is read anew."""
+    from fedsd.app.client import handler
+
+    handler._TRAINERS.clear()
+    service._SESSIONS.clear()
+    dn.calibrated.cache_clear()
+
+
+def _round(f, server_round, plan=None, rounds=ROUNDS, **flat):
+    """A masked-input round's content: the run's settings with `flat` changed and the plan `plan`
+    (the run's own by default) for `rounds` rounds."""
+    settings = {**f.flat, **flat, **dn.to_settings(plan or f.plan, rounds), "experiment-id": EXPERIMENT,
+                "server-round": server_round}
+    return RecordDict({"arrays": f.arrays, "config": ConfigRecord(settings)})
+
+
+def _calibrated(f, epsilon=None, clip=None, q=None, rounds=ROUNDS):
+    """The plan an honest server calibrates for these settings (secure_rounds.distributed_plan)."""
+    p = f.plan
+    return dn.calibrated(epsilon or f.cfg.epsilon, f.cfg.delta, clip or p.clip, q or p.sample_rate, p.expected_batch,
+                         rounds, p.honest, p.dim)
+
+
+# A server that changes one of the run's settings after an owner admitted its plan, with a plan
+# that an honest server would calibrate for the changed settings (it passes every other check).
+CHANGED = {
+    "epsilon": lambda f: dict(plan=_calibrated(f, epsilon=3.0), epsilon=3.0),
+    "num-server-rounds": lambda f: dict(plan=_calibrated(f, rounds=4), rounds=4, **{"num-server-rounds": 4}),
+    "sample-rate": lambda f: dict(plan=_calibrated(f, q=f.plan.sample_rate * 1.2),
+                                  **{"sample-rate": f.plan.sample_rate * 1.2}),
+    "clip": lambda f: dict(plan=_calibrated(f, clip=f.plan.clip * 2), clip=f.plan.clip * 2),
+    "noise-multiplier": lambda f: dict(plan=dn.NoisePlan(**{**f.plan.to_dict(),
+                                                            "noise_multiplier": f.plan.noise_multiplier * 1.5})),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(CHANGED))
+def test_a_plan_changed_after_the_owner_admitted_it_is_refused_mid_run_and_after_a_restart(federation, monkeypatch,
+                                                                                            setting):
+    """An owner's ledger admits a run's whole plan (ε over its rounds at q, C and z) on the
+    owner's first round, and charges each round at the plan's z after. A server that changes ε,
+    the number of rounds, q, C or z for a later round of the same experiment (with a plan
+    calibrated for the new settings, which passes every other check) would run the owner past
+    the plan it admitted. The admitted plan is pinned in the owner's state folder: a different
+    one is refused, naming the setting, before anything is drawn and with the ledger's bytes
+    unchanged, in the same service and after it restarts; the admitted plan goes on."""
+    from fedsd.training.loop import DPTrainer
+    from tests.test_distributed_deployment import privacy_files
+
+    f = federation
+    context, owner = _owner(f, 0)
+    service.distributed_contribution(_round(f, 1), context, owner)  # round 1: the plan admitted, charged
+    assert (f.tmp_path / "state-0" / EXPERIMENT / "client-0-plan.json").is_file()
+    before = privacy_files(f.tmp_path)
+    real = DPTrainer.clipped_sum
+    monkeypatch.setattr(DPTrainer, "clipped_sum", lambda *a, **k: pytest.fail("drew a batch"))
+    changed = CHANGED[setting](f)
+    for restart in (False, True):
+        if restart:
+            _restarted()
+            context, owner = _owner(f, 0)
+        with pytest.raises(service.StageRefused, match=f"{setting}.*admitted"):
+            service.distributed_contribution(_round(f, 2, **changed), context, owner)
+        assert privacy_files(f.tmp_path) == before  # the ledger and every privacy file byte for byte
+    monkeypatch.setattr(DPTrainer, "clipped_sum", real)
+    service.distributed_contribution(_round(f, 2), context, owner)  # the admitted plan goes on
+
+
+def test_a_round_an_owner_was_charged_for_is_never_charged_again(federation):
+    """The SuperLink killed after the owners' masked inputs of round 2 and before the server's
+    checkpoint of it: the run resumes from round 1's checkpoint, in a new Flower run, and asks
+    round 2 again (a hostile server may ask any round again, with any model). Answered again
+    with a fresh batch and fresh noise, one step of the federation would be released twice and
+    charged twice (one of the run's planned rounds spent on it). The owner's ledger keys its
+    charges by experiment and round: a round it was charged for is refused with the reason,
+    before anything is drawn, the ledger's bytes unchanged, whatever model is sent (its kept
+    reply catches only the last request, the same model for the same round), in whatever
+    Flower run and after a restart of the service."""
+    import json
+
+    from tests.test_distributed_deployment import privacy_files
+
+    f = federation
+    long_run = dict(plan=_calibrated(f, rounds=4), rounds=4, **{"num-server-rounds": 4})  # rounds left to charge
+    first = next(k for k, a in f.arrays.items() if a.numpy().dtype.kind == "f")
+    moved = ArrayRecord({k: Array(a.numpy() + 1e-3 if k == first else a.numpy()) for k, a in f.arrays.items()})
+    context, owner = _owner(f, 0)
+    sent = {1: f.arrays, 2: moved}  # the global model of each round
+    for server_round, arrays in sent.items():
+        content = _round(f, server_round, **long_run)
+        content["arrays"] = arrays
+        service.distributed_contribution(content, context, owner)
+    before = privacy_files(f.tmp_path)
+    _restarted()  # the service too
+    context.run_id = 8  # the resumed run: another Flower run, the same experiment
+    context, owner = _owner(f, 0)
+    for server_round, arrays, why in ((2, moved, "went into a sum already"), (2, f.arrays, "round 2 .*charged"),
+                                      (1, f.arrays, "round 1 .*charged")):
+        content = _round(f, server_round, **long_run)
+        content["arrays"] = arrays
+        with pytest.raises(service.StageRefused, match=why):
+            service.distributed_contribution(content, context, owner)
+        assert privacy_files(f.tmp_path) == before
+    ledger = json.loads(next((f.tmp_path / "state-0").glob("ledger-*.json")).read_text())
+    assert [(e["run"], e["round"]) for e in ledger["entries"]] == [(EXPERIMENT, 1), (EXPERIMENT, 2)]
 
 
 # A second review playing the attacker against the deployed distributed-noise path (issue 69).

@@ -297,39 +297,27 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
     (secagg-min-clients), at least the plan's t, which sizes every honest share alike (μ / the
     plan's t: an owner's share sized by a larger own t would under-noise the others' sums); the owner's ledger then admits the run's
     whole plan on its first round and charges each round as Skellam steps, at integer orders,
-    before anything is drawn. Its batch and noise come from a fresh secret stream; the
-    per-sample work is padded to the plan's bound on any client's batch, and never below its own
-    (padded_rows), so its time does not tell the batch. The metrics it releases are a function of the plan and of the rounds it took
-    part in alone (`public_metrics`). A refusal raises StageRefused with its reason."""
+    before anything is drawn (`_charge`). The plan admitted is pinned in the owner's state folder
+    for the experiment, and a later round with another is refused (`admitted_plan`), as is a
+    round this owner was charged for already.
+    Its batch and noise come from a fresh secret stream; the per-sample work is padded to the
+    plan's bound on any client's batch, and never below its own (padded_rows), so its time does
+    not tell the batch. The metrics it releases are a function of the plan and of the rounds it
+    took part in alone (`public_metrics`). A refusal raises StageRefused with its reason."""
     from fedsd.app.client import handler as local
-    from fedsd.secure import sum_bound
     from fedsd.secure.distributed_step import contribution as step_part
-    from fedsd.errors import BudgetRefused
 
     plan, side, own, t = _checked_plan(content, context, owner)
-    fed, cfg, trainer = side.fed, side.trainer.cfg, side.trainer
+    cfg, trainer = side.trainer.cfg, side.trainer
     with local.state_lock(side):
         request = local.request_digest(side.server_round, content["arrays"])
         if local.replayed_reply(side.state_file, request) is not None:
             raise _refused("this round's update went into a sum already; it goes into no other")
+        offered = admitted_plan(side, plan)  # None: the plan this owner admitted; else its first round's
         state = local.carried_state(side, context)
-        done = state.steps if state is not None else 0
-        z_e, delta = plan.gaussian_equivalent(), cfg.delta
-        try:
-            recorded = side.server_recorded_epsilon
-            if recorded > plan.epsilon(done, delta) * (1 + 1e-6) + 1e-9:
-                raise BudgetRefused(f"the server recorded ε = {recorded:.4f} spent by this client in this experiment, "
-                                    f"but its privacy state holds {done} rounds: the state was lost or replaced")
-            if done + 1 > fed.rounds or plan.epsilon(done + 1, delta) > cfg.epsilon * (1 + 1e-9):
-                raise BudgetRefused(f"the run's budget ε={cfg.epsilon:g} is spent ({done} rounds taken part in)")
-            with local.lifetime_ledger(side.node, side.fingerprint) as ledger:
-                if ledger is not None:
-                    if state is None:  # this owner's first round of the run: the whole plan must fit
-                        ledger.check(cfg.epsilon, delta, z_e, plan.sample_rate, fed.rounds, mechanism=privacy.SKELLAM)
-                    ledger.spend(z_e, plan.sample_rate, 1, run=fed.experiment_id, mechanism=privacy.SKELLAM,
-                                 flower_run=int(context.run_id), round=side.server_round)
-        except BudgetRefused as e:
-            raise _refused(e) from None
+        _charge(side, context, plan, state)
+        if offered is not None:  # pinned once the first round is charged: every later round must name it
+            side.node.state().write_json(pinned_plan_name(side), offered)
         state = local.secret_start() if state is None else dataclasses.replace(
             state, secret=local.SecretStream.fresh(), rng_state=None)
         student = record_to_model(content["arrays"])["student"]
@@ -339,7 +327,75 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
                                      least_noise=own.noise_multiplier, pad_to=pad)
         local.save_train_state(side.state_file, state, trainer.plan)  # the spent round on disk before the release
         local.keep_reply(side.state_file, request, ArrayRecord({}), {}, summed=True)
-    return vector, MetricRecord(public_metrics(plan, state.steps, delta))
+    return vector, MetricRecord(public_metrics(plan, state.steps, cfg.delta))
+
+
+def _charge(side, context: Context, plan, state) -> None:
+    """The round admitted by the run's own budget and charged to the owner's ledger as one
+    Skellam step at the plan's z_e (the run's whole plan admitted on the owner's first round),
+    before anything is drawn; StageRefused with the reason, the ledger's bytes unchanged. A
+    round this owner was charged for already in this experiment (the ledger keys its charges by
+    experiment and round) is refused: answered again, with a fresh batch and fresh noise, the
+    same step would be released twice and one of the run's planned rounds spent on it."""
+    from fedsd.app.client import handler as local
+    from fedsd.errors import BudgetRefused
+
+    fed, cfg = side.fed, side.trainer.cfg
+    done = state.steps if state is not None else 0
+    z_e, delta = plan.gaussian_equivalent(), cfg.delta
+    try:
+        recorded = side.server_recorded_epsilon
+        if recorded > plan.epsilon(done, delta) * (1 + 1e-6) + 1e-9:
+            raise BudgetRefused(f"the server recorded ε = {recorded:.4f} spent by this client in this experiment, "
+                                f"but its privacy state holds {done} rounds: the state was lost or replaced")
+        if done + 1 > fed.rounds or plan.epsilon(done + 1, delta) > cfg.epsilon * (1 + 1e-9):
+            raise BudgetRefused(f"the run's budget ε={cfg.epsilon:g} is spent ({done} rounds taken part in)")
+        with local.lifetime_ledger(side.node, side.fingerprint) as ledger:
+            if ledger is not None:
+                if any(e.get("run") == fed.experiment_id and e.get("round") == side.server_round
+                       for e in ledger.entries):
+                    raise BudgetRefused(f"round {side.server_round} of this experiment: this owner was charged for "
+                                        f"it already (a resumed run asks it again); a round is answered once")
+                if state is None:  # this owner's first round of the run: the whole plan must fit
+                    ledger.check(cfg.epsilon, delta, z_e, plan.sample_rate, fed.rounds, mechanism=privacy.SKELLAM)
+                ledger.spend(z_e, plan.sample_rate, 1, run=fed.experiment_id, mechanism=privacy.SKELLAM,
+                             flower_run=int(context.run_id), round=side.server_round)
+    except BudgetRefused as e:
+        raise _refused(e) from None
+
+
+def pinned_plan_name(side) -> str:
+    """In the owner's state folder, beside its privacy state in the experiment: the plan it admitted."""
+    return f"{side.fed.experiment_id}/client-{side.node.partition_id}-plan.json"
+
+
+def admitted_plan(side, plan) -> dict | None:
+    """The run's plan as this owner admits it on its first round of an experiment (ε and δ, the
+    number of rounds, and the noise plan: z, C, q, the expected batch, t, d), to be pinned in its
+    state folder once that round is charged; None when one is pinned already and this round's is
+    the same. A plan other than the pinned one (a server that raises ε, lengthens the run, or
+    changes q, C or z for later rounds, or after the service restarted) is refused, naming
+    each setting that changed: the ledger admitted the pinned plan, not this one."""
+    from fedsd.secure import distributed_noise
+
+    cfg = side.trainer.cfg
+    offered = {"epsilon": cfg.epsilon, "delta": cfg.delta, "num-server-rounds": side.fed.rounds,
+               **distributed_noise.to_settings(plan, side.fed.rounds)}
+    try:
+        pinned = side.node.state().read_json(pinned_plan_name(side))
+    except ValueError:
+        pinned = []
+    if pinned is None:
+        return offered
+    if not isinstance(pinned, dict):  # damaged: every setting differs from it (admitted None)
+        pinned = {}
+    changed = [f"{k} {offered.get(k)!r} (admitted {pinned.get(k)!r})" for k in sorted(set(offered) | set(pinned))
+               if offered.get(k) != pinned.get(k)]
+    if changed:
+        raise _refused(f"this round's plan is not the one this owner admitted on its first round of this experiment: "
+                       f"{', '.join(changed)}; a run's plan holds for its whole length (a new plan is a new "
+                       f"experiment)")
+    return None
 
 
 def padded_rows(plan, own_records: int) -> int:

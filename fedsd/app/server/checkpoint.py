@@ -3,9 +3,10 @@ every completed round, so a server stopped at any moment can go on with `--resum
 
 It holds what the next round needs and what the result must report: the round number, the
 global model (every group), the strategy's state_dict (its records, FedAdam's moments, the
-sampling RNG), the round book's (the per-round log), and the experiment id under which every
-client keeps its privacy state on its own disk (so a resumed run finds it; a fresh run does
-not). The settings travel with it: a resumed run uses the checkpoint's, never new ones.
+sampling RNG), the round book's (the per-round log), under noise=distributed the server
+optimizer's (its momentum buffers: a resumed run steps as an uninterrupted one), and the
+experiment id under which every client keeps its privacy state on its own disk (so a resumed
+run finds it; a fresh run does not). The settings travel with it: a resumed run uses the checkpoint's, never new ones.
 
 The file holds tensors and plain values only, under a format number: it loads with
 `weights_only=True` (no code runs from a file), and an old or foreign file is refused with the
@@ -70,8 +71,8 @@ def resumed_settings(run_dir: str | Path, saved: dict | None = None) -> tuple[Tr
 class Launch:
     """Where a launch of the server starts, decided once before anything reads the settings:
     a fresh run (round 0, a new experiment id) or the run checkpointed in --resume's folder
-    (its settings, folder, round, experiment id, model and the strategy's and round book's
-    state_dicts)."""
+    (its settings, folder, round, experiment id, model and the strategy's, round book's and,
+    under noise=distributed, the server optimizer's state_dicts)."""
 
     cfg: TrainConfig
     fed: FedConfig
@@ -81,6 +82,7 @@ class Launch:
     model: dict | None = None
     strategy: dict | None = None
     book: dict | None = None
+    optimizer: dict | None = None  # noise=distributed: the server's optimizer (its momentum); None: none kept
 
     @property
     def resumed(self) -> bool:
@@ -99,13 +101,15 @@ def start(cfg: TrainConfig, fed: FedConfig, out: str | Path | None, overwrite: b
         saved = load(fed.resume_dir)
         cfg, fed = resumed_settings(fed.resume_dir, saved)
         return Launch(cfg, fed, Path(fed.resume_dir), saved["round"], saved["experiment_id"], saved["model"],
-                        saved["strategy"], saved["book"])
+                        saved["strategy"], saved["book"], saved.get("optimizer"))
     if out is not None:
         out = check_out_dir(out, overwrite)
     return Launch(cfg, fed, out)
 
 
-def save(run_dir: Path, *, round: int, model, settings: dict, experiment_id: str, book: dict, strategy: dict) -> None:
-    """`book` and `strategy`: the RoundBook's and the RecordingStrategy's state_dict."""
+def save(run_dir: Path, *, round: int, model, settings: dict, experiment_id: str, book: dict, strategy: dict,
+         optimizer: dict | None = None) -> None:
+    """`book` and `strategy`: the RoundBook's and the RecordingStrategy's state_dict; `optimizer`:
+    under noise=distributed the server's optimizer's (fedsd.secure.distributed_step.ServerOptimizer)."""
     save_atomic(path_in(run_dir), dict(format=FORMAT, round=round, model=model, settings=settings,
-                                       experiment_id=experiment_id, book=book, strategy=strategy))
+                                       experiment_id=experiment_id, book=book, strategy=strategy, optimizer=optimizer))

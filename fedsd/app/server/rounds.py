@@ -39,6 +39,8 @@ class RoundBook:
                         desc=description, dynamic_ncols=True)
         self.last = time.perf_counter()
         self.log = None  # a TensorBoardLog (fedsd.training.tensorboard), when the run writes one; run_server closes it
+        # Under noise=distributed the server's optimizer (SecureRounds sets it): its momentum goes in each checkpoint.
+        self.server_optimizer = None
 
     def evaluate_global(self, launch_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Flower's evaluate_fn: round 0 is the initial model (evaluated, not recorded)."""
@@ -82,7 +84,8 @@ class RoundBook:
             self.rounds[-1]["validation_accuracy"] = validation
         if self.out is not None:
             checkpoint.save(self.out, round=server_round, model=model, settings=self.settings,
-                            experiment_id=self.experiment_id, book=self.state_dict(), strategy=s.state_dict())
+                            experiment_id=self.experiment_id, book=self.state_dict(), strategy=s.state_dict(),
+                            optimizer=None if self.server_optimizer is None else self.server_optimizer.state_dict())
         if self.log is not None:
             self.log.scalars(server_round, round_scalars(self.rounds[-1]))
         shown = accuracy if self.test is not None or federated is None else federated["test_accuracy"]

@@ -286,10 +286,25 @@ class SecureRounds:
 
     def run(self, arrays: ArrayRecord) -> ArrayRecord:
         fed = self.launch.fed
+        if self.distributed:
+            self._resume_optimizer()
         for launch_round in range(1, fed.rounds - self.launch.round + 1):
             arrays = with_frozen(self.one_round(self.launch.round + launch_round, arrays), self.side.strategy.frozen)
             self.side.book.evaluate_global(launch_round, arrays)
         return arrays
+
+    def _resume_optimizer(self) -> None:
+        """Under noise=distributed the server's optimizer goes on from the checkpoint's state (its
+        momentum), so a resumed run steps as an uninterrupted one would; its state goes into
+        every round's checkpoint (RoundBook). A checkpoint of an earlier fedsd has none: momentum
+        starts again, said in the log."""
+        saved = self.launch.optimizer if self.launch.round else None
+        if saved is not None:
+            self.optimizer.load_state_dict(saved)
+        elif self.launch.round and self.side.cfg.momentum:
+            log(WARNING, "fedsd: the checkpoint holds no server optimizer state (an earlier fedsd's): momentum "
+                "starts again at round %d", self.launch.round + 1)
+        self.side.book.server_optimizer = self.optimizer
 
     def one_round(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
         fed, experiment = self.launch.fed, self.launch.experiment_id
