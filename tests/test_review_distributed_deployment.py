@@ -293,3 +293,38 @@ def test_a_clip_float32_cannot_keep_is_refused(federation):
     tiny = {"clip": 1e-43, dn.PLAN_PREFIX + "clip": 1e-43}
     assert "below 1/√d" in _outcome(f, 0, **tiny)
     assert dn.least_clip(f.plan.dim) < 0.1 and _outcome(f, 0) == "accepted"
+
+
+def test_a_plan_whose_padding_could_not_be_computed_is_refused_before_the_charge(federation):
+    """The plan's expected batch is the server's: at 1e13 the padded step cannot be allocated and
+    failed after the ledger was charged (a review playing the attacker): a round paid for and
+    nothing released. Refused before the charge, the privacy files byte for byte."""
+    from tests.test_distributed_deployment import privacy_files
+
+    f = federation
+    huge = dn.NoisePlan(**{**f.plan.to_dict(), "expected_batch": 1e13})
+    context, owner = _owner(f, 0)
+    before = privacy_files(f.tmp_path)
+    with pytest.raises(service.StageRefused, match="pads each step"):
+        service.distributed_contribution(_round(f, 1, plan=huge), context, owner)
+    assert privacy_files(f.tmp_path) == before
+
+
+def test_a_round_that_fails_after_its_charge_counts_as_taken_part_in(federation, monkeypatch):
+    """Anything that fails after the charge (nothing released) still counts the round in the
+    run's own state, as the ledger does: the next round's ε is that of two rounds taken part in,
+    never one (the run's cap and the ledger tell one story)."""
+    import fedsd.secure.distributed_step as distributed
+
+    f = federation
+    context, owner = _owner(f, 0)
+    real = distributed.contribution
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(distributed, "contribution", fails)
+    with pytest.raises(RuntimeError):
+        service.distributed_contribution(_round(f, 1), context, owner)
+    monkeypatch.setattr(distributed, "contribution", real)
+    _, metrics = service.distributed_contribution(_round(f, 2), context, owner)
+    assert metrics["epsilon"] == pytest.approx(f.plan.epsilon(2, f.cfg.delta)), metrics

@@ -315,16 +315,21 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
             raise _refused("this round's update went into a sum already; it goes into no other")
         offered = admitted_plan(side, plan)  # None: the plan this owner admitted; else its first round's
         state = local.carried_state(side, context)
+        # What can fail without the data, before the charge: the model read, the padding sized.
+        student = record_to_model(content["arrays"])["student"]
+        pad = padded_rows(plan, len(trainer.data.x_train))
         _charge(side, context, plan, state)
         if offered is not None:  # pinned once the first round is charged: every later round must name it
             side.node.state().write_json(pinned_plan_name(side), offered)
         state = local.secret_start() if state is None else dataclasses.replace(
             state, secret=local.SecretStream.fresh(), rng_state=None)
-        student = record_to_model(content["arrays"])["student"]
         epoch = max(1, math.ceil(side.server_round * plan.sample_rate))
-        pad = padded_rows(plan, len(trainer.data.x_train))
-        vector, state, _ = step_part(trainer, state, student, epoch, plan, key=None, honest=plan.honest,
-                                     least_noise=own.noise_multiplier, pad_to=pad)
+        try:
+            vector, state, _ = step_part(trainer, state, student, epoch, plan, key=None, honest=plan.honest,
+                                         least_noise=own.noise_multiplier, pad_to=pad)
+        except Exception:  # charged and nothing released: the round still counts as taken part in
+            local.save_train_state(side.state_file, dataclasses.replace(state, steps=state.steps + 1), trainer.plan)
+            raise
         local.save_train_state(side.state_file, state, trainer.plan)  # the spent round on disk before the release
         local.keep_reply(side.state_file, request, ArrayRecord({}), {}, summed=True)
     return vector, MetricRecord(public_metrics(plan, state.steps, cfg.delta))
@@ -406,7 +411,16 @@ def padded_rows(plan, own_records: int) -> int:
     from fedsd.secure import sum_bound
 
     own = sum_bound.poisson_tail(plan.sample_rate * own_records, sum_bound.TAIL)
-    return math.ceil(max(sum_bound.poisson_tail(plan.expected_batch, sum_bound.TAIL), own))
+    rows = max(sum_bound.poisson_tail(plan.expected_batch, sum_bound.TAIL), own)
+    if not rows <= MAX_PADDED_ROWS:  # refused before the charge (a step this large would fail after it)
+        raise _refused(f"distributed noise: the plan's expected batch {plan.expected_batch:.4g} pads each step to "
+                       f"{rows:.4g} rows, above the {MAX_PADDED_ROWS} an owner computes")
+    return math.ceil(rows)
+
+
+# The most rows an owner's padded step computes: far above any batch a step takes (the papers'
+# largest is 8192 for the whole federation), far below one that could not be allocated.
+MAX_PADDED_ROWS = 1 << 22
 
 
 def public_metrics(plan, rounds_taken: int, delta: float) -> dict:
