@@ -1,7 +1,11 @@
-"""Authenticated secure aggregation on a real deployment: a SuperLink and five SuperNodes under
---isolate, each with its owner's data service (its own uid, data, ledger and state folder),
-`secure-aggregation = true`, every owner keeping its inputs (secagg-keep-inputs=true) so the
-test can check the server's sums.
+"""Authenticated secure aggregation with distributed noise on a real deployment: a SuperLink and
+five SuperNodes under --isolate, each with its owner's data service (its own uid, data, ledger
+and state folder), `secure-aggregation = true`, `noise = distributed` (each round one DP-SGD
+step of the federation, every owner adding its Skellam share, the plan t = 3), every owner
+keeping its inputs (secagg-keep-inputs=true) so the test can check the server's sums. The
+round's settings, the plan among them, cross Flower's wire at the advertise and masked-input
+stages, and each owner's signed digest of them must agree. Local noise under secure
+aggregation runs the same exchange; its service side runs in tests/test_secure_aggregation.py.
 
 Each owner makes its Ed25519 identity itself (`fedsd data-service --identity`, as its uid, in
 its state folder: LocalDeployment.identities). Owners 0-3 are the federation: one roster lists
@@ -77,7 +81,8 @@ def test_owners_on_a_roster_sum_three_rounds_a_stranger_is_named_and_a_killed_se
         deployment.start()
         run = deployment.submit({**RUN, "num-clients": 5, "num-server-rounds": 3, "client-data": "own",
                                  "epsilon": 3.0, "secure-aggregation": True, "secagg-roster": str(roster),
-                                 "out-dir": str(out)})
+                                 "noise": "distributed", "sample-rate": RUN["batch-size"] / 4000,
+                                 "honest-clients": 3, "out-dir": str(out)})
         wait_for(lambda: masked_inputs_sent(deployment, KILLED) >= KILLED_ROUND, 900,
                  f"client {KILLED}'s masked input in round {KILLED_ROUND}")
         os.killpg(deployment.services[KILLED].pid, signal.SIGKILL)
@@ -131,9 +136,13 @@ def test_owners_on_a_roster_sum_three_rounds_a_stranger_is_named_and_a_killed_se
     assert not np.array_equal(total, sum(np.load(kept[(k, 2)]) for k in range(3)))  # client 3's input is in it
     assert all(r["bytes_sent"] > 8 * len(total) and r["bytes_received"] > 8 * len(total) and r["seconds"] > 0
                for r in records)
+    # Distributed noise: each sum within what honest owners send, decoded into the server's step;
+    # each summed owner's ε (its masked reply's only metric) kept by its protocol id.
+    assert all(r["sum_norm"] <= r["honest_bound"] for r in records)
+    assert [r["epsilon"] for r in records] == sorted(r["epsilon"] for r in records) and 0 < records[-1]["epsilon"] <= 3
     result = json.loads((out / "result.json").read_text())
-    assert [r["trained"] for r in result["rounds"]] == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2]]
-    assert result["rounds"][-1]["test_accuracy"] > 0.15  # chance is 0.1
+    assert [r["trained"] for r in result["rounds"]] == [members_ids, members_ids, sorted(ids[k] for k in range(3))]
+    assert set(result["rounds"][-1]["client_epsilon"]) == {str(i) for i in members_ids}
     # Each owner's ledger is charged once a round it trained in; the stranger's holds nothing.
     for k in range(5):
         charges = [e["charges"] for book in books[k] for e in book["experiments"]]
