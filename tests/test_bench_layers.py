@@ -33,6 +33,8 @@ def test_layers_one_row_a_trainable_layer_and_parts_within_the_step(capsys):
         assert set(r["nonprivate_ms"]) == {"forward", "backward"}
         assert all(v >= 0 for v in [*r["dp_ms"].values(), *r["nonprivate_ms"].values()])
     assert all(r["dp_ms"]["forward"] > 0 and r["dp_ms"]["norms"] > 0 for r in report["layers"])
+    between = report["between_layers"]
+    assert all(v >= 0 for v in [*between["dp_ms"].values(), *between["nonprivate_ms"].values()])
     # The parts lie within the whole step (each is timed inside it), and are a fair share of it.
     assert report["dp_step_ms"] / 20 < report["dp_layers_ms"] <= report["dp_step_ms"] * 1.01
     assert report["nonprivate_step_ms"] / 20 < report["nonprivate_layers_ms"] <= report["nonprivate_step_ms"] * 1.01
@@ -41,7 +43,7 @@ def test_layers_one_row_a_trainable_layer_and_parts_within_the_step(capsys):
 def test_layers_text_table(capsys):
     assert main([*TINY[:-1], "--no-compile", "--layers"]) == 0
     out = capsys.readouterr().out
-    assert "0 Conv2d 1→16 k8 s2" in out and "9 Linear 32→10" in out and "whole step" in out
+    assert "0 Conv2d 1→16 k8 s2" in out and "9 Linear 32→10" in out and "whole step" in out and "between layers" in out
 
 
 def _step_of(observed: bool, x, y, objective):

@@ -8,8 +8,10 @@ For each trainable layer (Conv2d, Linear), in ms, the median over the timed step
     so there a layer whose input needs no gradient (the first) has no backward at all;
   - in the DP step, book-keeping's per-sample norms and its part of the clipped sum
     (fedsd.clipping.bookkeeping.BookKeepingEngine.observer).
-What no layer owns (activations, pooling, the loss, the clip factors, the noise and the update)
-is the rest of the whole step. The hooks read the clock and return nothing: a step computes the
+Between the layers (activations, pooling, flattening): the model's whole forward (hooks on the
+model itself) and its backward span (the first layer gradient's arrival to the last event)
+less the layers' own. The rest of the whole step is the loss, the teacher's forward, the clip
+factors, the noise and the update. The hooks read the clock and return nothing: a step computes the
 same bits with them as without (tests/test_bench_layers.py).
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fedsd.clipping.routes import timer
 
 DP_PARTS = ("forward", "backward", "norms", "clip-sum")
 NONPRIVATE_PARTS = ("forward", "backward")
+BETWEEN = "(between layers)"  # step_done()'s key for what runs between the layers
 
 
 def trainable_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -45,7 +48,9 @@ class LayerClock:
         self._seconds: dict[tuple[str, str], float] = {}
         self._started: dict[nn.Module, float] = {}
         self._ended: dict[nn.Module, float] = {}
-        self.handles = []
+        self._model_started = 0.0
+        self.handles = [model.register_forward_pre_hook(self._model_starts),
+                        model.register_forward_hook(self._model_ends)]
         for m in self.layers.values():
             self.handles += [m.register_forward_pre_hook(self._forward_starts),
                              m.register_forward_hook(self._forward_ends)]
@@ -59,6 +64,13 @@ class LayerClock:
     def _add(self, module: nn.Module, part: str, seconds: float) -> None:
         key = (self._names[module], part)
         self._seconds[key] = self._seconds.get(key, 0.0) + seconds
+
+    def _model_starts(self, module, args) -> None:
+        self._model_started = self._now()
+
+    def _model_ends(self, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            self._seconds[(BETWEEN, "forward")] = self._now() - self._model_started
 
     def _forward_starts(self, module, args) -> None:
         if torch.is_grad_enabled():  # a training forward, not an evaluation
@@ -86,10 +98,16 @@ class LayerClock:
         self._add(layer, part, self._now() - start)
 
     def step_done(self) -> dict[str, dict[str, float]]:
-        """This step's seconds: layer name → part → seconds (0 where the part did not run)."""
+        """This step's seconds: layer name (and BETWEEN) → part → seconds (0 where the part did not run)."""
         for module, start in self._started.items():
             self._add(module, "backward", max(0.0, self._ended.get(module, start) - start))
+        events = [*self._started.values(), *self._ended.values()]
+        span = max(events) - min(self._started.values()) if self._started else 0.0
         times = {name: {part: self._seconds.get((name, part), 0.0) for part in DP_PARTS} for name in self.layers}
+        times[BETWEEN] = {part: 0.0 for part in DP_PARTS}
+        times[BETWEEN]["forward"] = max(0.0, self._seconds.get((BETWEEN, "forward"), 0.0)
+                                        - sum(t["forward"] for t in times.values()))
+        times[BETWEEN]["backward"] = max(0.0, span - sum(t["backward"] for t in times.values()))
         self._seconds, self._started, self._ended = {}, {}, {}
         return times
 
@@ -131,7 +149,9 @@ def rows(measured: dict, layers: dict[str, nn.Module], ways: dict[str, str]) -> 
                   dp_ms={part: ms(dp["layers"][name][part]) for part in DP_PARTS},
                   nonprivate_ms={part: ms(nonprivate["layers"][name][part]) for part in NONPRIVATE_PARTS})
              for name, layer in layers.items()]
-    return dict(layers=found, dp_step_ms=ms(dp["step"]), nonprivate_step_ms=ms(nonprivate["step"]),
+    between = dict(dp_ms={part: ms(dp["layers"][BETWEEN][part]) for part in NONPRIVATE_PARTS},
+                   nonprivate_ms={part: ms(nonprivate["layers"][BETWEEN][part]) for part in NONPRIVATE_PARTS})
+    return dict(layers=found, between_layers=between, dp_step_ms=ms(dp["step"]), nonprivate_step_ms=ms(nonprivate["step"]),
                 dp_layers_ms=round(sum(sum(r["dp_ms"].values()) for r in found), 3),
                 nonprivate_layers_ms=round(sum(sum(r["nonprivate_ms"].values()) for r in found), 3))
 
@@ -150,9 +170,11 @@ def lines(report: dict) -> list[str]:
                    + "".join(f"{d[p]:{w}.1f}" for p, w in zip(DP_PARTS, (8, 9, 8, 9)))
                    + f"{sum(d.values()):8.1f} |              {n['forward']:8.1f}{n['backward']:9.1f}"
                    f"{sum(n.values()):8.1f}")
-    dp_rest = report["dp_step_ms"] - report["dp_layers_ms"]
-    np_rest = report["nonprivate_step_ms"] - report["nonprivate_layers_ms"]
-    out.append(f"{'rest (activations, pooling, loss, clip factors, noise, update)':<77}{dp_rest:8.1f} |"
-               f"{'':>31}{np_rest:8.1f}")
+    d, n = report["between_layers"]["dp_ms"], report["between_layers"]["nonprivate_ms"]
+    out.append(f"{'between layers (activations, pooling)':<37}|     {d['forward']:8.1f}{d['backward']:9.1f}{'':>17}"
+               f"{sum(d.values()):8.1f} |              {n['forward']:8.1f}{n['backward']:9.1f}{sum(n.values()):8.1f}")
+    dp_rest = report["dp_step_ms"] - report["dp_layers_ms"] - sum(d.values())
+    np_rest = report["nonprivate_step_ms"] - report["nonprivate_layers_ms"] - sum(n.values())
+    out.append(f"{'rest (loss, teacher, clip factors, noise, update)':<77}{dp_rest:8.1f} |{'':>31}{np_rest:8.1f}")
     out.append(f"{'whole step':<77}{report['dp_step_ms']:8.1f} |{'':>31}{report['nonprivate_step_ms']:8.1f}")
     return out
