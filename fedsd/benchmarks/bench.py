@@ -38,6 +38,7 @@ from fedsd.privacy.accounting import plan
 from fedsd.files.results import RunResult, check_out_dir
 from fedsd.settings.declared import add_options, from_args
 from fedsd.training.loop import evaluate, initial_model, planned_trainer
+from fedsd.benchmarks import layer_times
 from fedsd.benchmarks.distill_share import measure, summary
 from fedsd.benchmarks.soak import plan_churn, plan_faults, soak
 from fedsd.cli import dry_run
@@ -84,6 +85,10 @@ def _add_step(what) -> None:
     step.add_argument("--backbone-features", action="store_true",
                       help="also time each frozen --train-layers on the frozen blocks' cached output (--features "
                            "backbone): the trained blocks' step alone")
+    step.add_argument("--layers", action="store_true",
+                      help="the default route's DP step (auto: book-keeping) layer by layer: each trainable "
+                           "layer's forward, backward, per-sample norms and clipped sum, beside the eager "
+                           "channels-last non-private step's forward and backward")
     step.add_argument("--device", default="cpu")
     step.add_argument("--threads", type=int, default=0, help="torch threads; 0 leaves torch's default")
     step.add_argument("--repeats", type=int, default=15)
@@ -249,17 +254,45 @@ def bench_step(args: argparse.Namespace) -> int:
     x = torch.randn(base.batch_size, *shape, generator=g).to(device)
     y = torch.randint(0, 10, (base.batch_size,), generator=g).to(device)
     objective = method_of(base).epoch_loss(base, 1)  # every step, private or not, times the same loss
+    if args.layers:
+        return bench_layers(args, base, x, y, objective, device)
     steps, trainers = private_steps(base, args.grad_sample_mode, x, y, objective, step_variants(args))
-    for layout, compiled, name in ((torch.contiguous_format, False, "eager-nchw"),
-                                   (torch.channels_last, False, "eager-channels-last"),
-                                   (torch.channels_last, True, "compiled-channels-last")):
-        if not (compiled and args.no_compile):
-            steps["nonprivate:" + name] = nonprivate_step(base, objective, x, y, device, layout, compiled)
-    dry_run.stop_here(f"time {len(steps)} steps ({', '.join(steps)}) {args.warmup} + {args.repeats} times, "
-                      "interleaved")
-    median = interleaved_medians(steps, device, args.warmup, args.repeats)
-    rows = step_rows(args, base.batch_size, device, median, trainers)
+    dry_run.stop_here(f"time {len(steps) + 3 - args.no_compile} steps ({', '.join(steps)} and the non-private "
+                      f"ones) {args.warmup} + {args.repeats} times, interleaved")
+    nonprivate, left_out = nonprivate_steps(base, objective, x, y, device, args.no_compile)
+    median = interleaved_medians({**steps, **nonprivate}, device, args.warmup, args.repeats)
+    rows = [{**row, "left_out": left_out} for row in step_rows(args, base.batch_size, device, median, trainers)]
     return _emit(args, rows, "\n".join(step_lines(args, base.batch_size, device, rows)))
+
+
+def bench_layers(args: argparse.Namespace, base: TrainConfig, x, y, objective, device) -> int:
+    """`--layers`: the default route's DP step and the eager channels-last non-private step, each
+    trainable layer's parts timed (fedsd/benchmarks/layer_times.py), interleaved, medians after
+    the warm-up rounds."""
+    mode = TrainConfig.grad_sample_mode
+    steps, trainers = private_steps(base, [mode], x, y, objective)
+    clipper = trainers[mode].clipper
+    engine = getattr(clipper, "engine", None)
+    if engine is None:
+        raise ConfigError(f"--layers: times book-keeping's parts; the default route here is "
+                          f"{route_taken(trainers[mode])['route']}")
+    nonprivate = NonPrivateStep(base, objective, x, y, device, torch.channels_last, False)
+    dry_run.stop_here(f"time the default DP step and the eager channels-last non-private step layer by layer, "
+                      f"{args.warmup} + {args.repeats} times, interleaved")
+    clocks = {"dp": layer_times.LayerClock(clipper.model, device),
+              "nonprivate": layer_times.LayerClock(nonprivate.student, device)}
+    engine.observer = clocks["dp"].watch
+    measured = layer_times.interleaved({"dp": steps["dp:" + mode], "nonprivate": nonprivate}, clocks, device,
+                                       args.warmup, args.repeats)
+    names = {m: name for name, m in clocks["dp"].layers.items()}
+    ways = {names[layer]: engine.taken[i] for i, layer in enumerate(engine.layers) if i in engine.taken}
+    taken = route_taken(trainers[mode])
+    report = dict(model=args.model, batch_size=base.batch_size, method=args.method, device=str(device),
+                  threads=torch.get_num_threads(), cpu_isa=torch.backends.cpu.get_cpu_capability().lower(),
+                  repeats=args.repeats, warmup=args.warmup, route=taken["route"], chosen=taken["chosen"],
+                  memory_format=trainers[mode].route.memory_format if trainers[mode].route else base.memory_format,
+                  nonprivate="eager-channels-last", **layer_times.rows(measured, clocks["dp"].layers, ways))
+    return _emit(args, report, "\n".join(layer_times.lines(report)))
 
 
 def step_variants(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -296,25 +329,73 @@ def private_steps(base: TrainConfig, modes: list[str], x, y, objective,
     return steps, trainers
 
 
-def nonprivate_step(base: TrainConfig, objective, x, y, device, layout, compiled: bool):
-    """A plain SGD step of the same model, loss, teacher and momentum, without privacy."""
-    student = build_model(base.model).to(device, memory_format=layout)
-    teacher = build_model(base.model).to(device, memory_format=layout).eval().requires_grad_(False)
-    forward, teacher_forward = student, teacher
-    if compiled:
-        forward, teacher_forward = torch.compile(student), torch.compile(teacher)
-    sgd = torch.optim.SGD(student.parameters(), lr=base.lr, momentum=base.momentum)
-    xs = x.contiguous(memory_format=layout)
+class NonPrivateStep:
+    """A plain SGD step of the same model, loss, teacher and momentum, without privacy: called,
+    it steps; `backward()` leaves the gradients in the student's p.grad and the weights as they are."""
 
-    def step():
-        sgd.zero_grad(set_to_none=True)
+    def __init__(self, base: TrainConfig, objective, x, y, device, layout, compiled: bool):
+        self.student = build_model(base.model).to(device, memory_format=layout)
+        self.teacher = build_model(base.model).to(device, memory_format=layout).eval().requires_grad_(False)
+        self.forward, self.teacher_forward = self.student, self.teacher
+        if compiled:
+            self.forward, self.teacher_forward = torch.compile(self.student), torch.compile(self.teacher)
+        self.sgd = torch.optim.SGD(self.student.parameters(), lr=base.lr, momentum=base.momentum)
+        self.objective, self.xs, self.y = objective, x.contiguous(memory_format=layout), y
+
+    def backward(self) -> None:
+        self.sgd.zero_grad(set_to_none=True)
         t = None
-        if objective.reads_teacher:
+        if self.objective.reads_teacher:
             with torch.no_grad():
-                t = teacher_forward(xs)
-        objective.per_sample(forward(xs), t, y).mean().backward()
-        sgd.step()
-    return step
+                t = self.teacher_forward(self.xs)
+        self.objective.per_sample(self.forward(self.xs), t, self.y).mean().backward()
+
+    def __call__(self) -> None:
+        self.backward()
+        self.sgd.step()
+
+
+def compiled_differs(compiled: NonPrivateStep, eager: NonPrivateStep) -> str | None:
+    """Why the compiled step cannot stand for the eager one, or None: run once on the eager step's
+    weights and inputs, it raised, or a gradient is not the eager one's up to float32's sums in
+    another order. (Inductor reuses its cached graphs across ATEN_CPU_CAPABILITY: under avx2 on
+    an AVX-512 CPU they crash or compute garbage, results/perf.md, tests/test_torch_inductor_maxpool.py.)"""
+    compiled.student.load_state_dict(eager.student.state_dict())
+    compiled.teacher.load_state_dict(eager.teacher.state_dict())
+    try:
+        eager.backward()
+        compiled.backward()
+    except Exception as error:  # noqa: BLE001 -- any failure of the compiled code leaves it out
+        return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    try:
+        for (name, p), q in zip(eager.student.named_parameters(), compiled.student.parameters()):
+            scale = float(p.grad.abs().max())
+            if q.grad is None or not torch.allclose(q.grad, p.grad, rtol=1e-3, atol=1e-4 * scale + 1e-8):
+                off = float("inf") if q.grad is None else float((q.grad - p.grad).abs().max())
+                return f"its gradient of {name} differs from eager's by up to {off:.2e} (largest {scale:.2e})"
+        return None
+    finally:
+        eager.sgd.zero_grad(set_to_none=True)
+        compiled.sgd.zero_grad(set_to_none=True)
+
+
+def nonprivate_steps(base: TrainConfig, objective, x, y, device, no_compile: bool) -> tuple[dict, dict]:
+    """The non-private candidates ("nonprivate:NAME"), and those left out with why: the compiled
+    one where it does not give the eager channels-last step's gradients."""
+    steps, left_out = {}, {}
+    for layout, compiled, name in ((torch.contiguous_format, False, "eager-nchw"),
+                                   (torch.channels_last, False, "eager-channels-last"),
+                                   (torch.channels_last, True, "compiled-channels-last")):
+        if compiled and no_compile:
+            continue
+        step = NonPrivateStep(base, objective, x, y, device, layout, compiled)
+        reason = compiled_differs(step, steps["nonprivate:eager-channels-last"]) if compiled else None
+        if reason is not None:
+            left_out[name] = reason
+            print(f"bench step: {name} left out: {reason}", file=sys.stderr, flush=True)
+            continue
+        steps["nonprivate:" + name] = step
+    return steps, left_out
 
 
 def interleaved_medians(steps: dict, device, warmup: int, repeats: int) -> dict[str, float]:
@@ -365,6 +446,7 @@ def step_lines(args: argparse.Namespace, batch: int, device, rows: list[dict]) -
                      + f"layers: {' '.join(r['layer_routes'].values())}")
         if r["chosen"]:
             lines.append(f"      auto chose {r['chosen']}")
+    lines += [f"  {name} left out: {reason}" for name, reason in rows[0]["left_out"].items()]
     return lines
 
 

@@ -21,6 +21,8 @@ layout change (results/perf.md).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -134,6 +136,10 @@ class BookKeepingEngine:
         self.kernel = kernel
         self.conv_ways = dict(conv_ways) if conv_ways is not None else None
         self.taken: dict[int, str] = {}  # the way each conv layer took in the last step (benchmarks)
+        # Watches, never changes: observer(layer, part) is entered around each layer's per-sample
+        # norms ("norms") and its part of the clipped sum ("clip-sum"), a context manager (`fedsd
+        # bench step --layers` times them); the same computation runs with or without it.
+        self.observer = None
         self._inputs: dict[nn.Module, torch.Tensor] = {}
         self._outputs: dict[nn.Module, torch.Tensor] = {}
         for layer in self.layers:
@@ -231,13 +237,15 @@ class BookKeepingEngine:
         sample whose gradient norm is not finite joins the sum with a zero gradient (its rows of
         every layer's input, output gradient and per-sample gradients zeroed; the same work for
         any data)."""
+        watch = self.observer or _unwatched
         norms2 = torch.zeros(batch_size, device=loss.device, dtype=loss.dtype)
         kept = []
         for index, (layer, a, g) in enumerate(self.captured(loss)):
             way = self.way(index, layer, a, g) if isinstance(layer, nn.Conv2d) else None
             if way is not None:
                 self.taken[index] = way
-            kept.append((layer, a, g, self.add_layer_norms2(norms2, layer, a, g, way)))
+            with watch(layer, "norms"):
+                kept.append((layer, a, g, self.add_layer_norms2(norms2, layer, a, g, way)))
         # Scale back from the mean's gradients to each sample's own (×n), in the norms and in the
         # weights of the sum, rather than in every output gradient.
         norms = norms2.sqrt() * batch_size
@@ -248,7 +256,13 @@ class BookKeepingEngine:
             kept = [(layer, *(_zero_rows(t, bad) for t in (a, g)), tuple(_zero_rows(t, bad) for t in needs))
                     for layer, a, g, needs in kept]
         for layer, a, g, needs in kept:
-            self.layer_clipped_sum(layer, a, g, needs, coeff)
+            with watch(layer, "clip-sum"):
+                self.layer_clipped_sum(layer, a, g, needs, coeff)
+
+
+def _unwatched(layer: nn.Module, part: str) -> contextlib.nullcontext:
+    """No observer: nothing around a layer's part."""
+    return contextlib.nullcontext()
 
 
 def _zero_rows(t, bad: torch.Tensor):
