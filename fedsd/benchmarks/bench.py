@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -239,11 +241,24 @@ def _emit(args: argparse.Namespace, report, text: str) -> int:
 BASELINE = dict(grad_sample_mode="hooks", memory_format="contiguous")
 
 
+def inductor_cache_by_isa(environ=os.environ) -> str:
+    """Inductor's graph caches (torch 2.14) are not keyed by ATEN_CPU_CAPABILITY: a graph compiled
+    under the CPU's own instruction set and reused under `ATEN_CPU_CAPABILITY=avx2` computed
+    mnist-cnn's max-pool backward with garbage indices (tests/test_torch_inductor_maxpool.py).
+    Each instruction-set setting gets its own cache folder, unless the user named one; returns it."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in environ:
+        isa = "-".join(environ.get(k, "native") for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+        user = "".join(c for c in getpass.getuser() if c.isalnum()) or "user"
+        environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"torchinductor_{user}_{isa.lower()}")
+    return environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def bench_step(args: argparse.Namespace) -> int:
     """Every variant is timed once per round, round after round (interleaved), so all see the
     same machine state; medians after the warm-up rounds."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    inductor_cache_by_isa()
     device = resolve_device(args.device)
     dataset = "fmnist" if args.model == "mnist-cnn" else "cifar10"
     shape = (1, 28, 28) if args.model == "mnist-cnn" else (3, 32, 32)
