@@ -42,6 +42,8 @@ def federation(owners):
     from tests.test_attack_authenticated_secagg import _Grid
 
     contexts, flat, arrays, tmp_path = owners
+    for context in contexts.values():  # no roster here (tests/test_secure_aggregation_deploy.py has one)
+        context.node_config["secagg-trust"] = "honest-but-curious"
     cfg, fed = _settings()
     flat = {**flat, "noise": "distributed", "secure-aggregation": True, "sample-rate": Q, "epsilon": EPSILON,
             "honest-clients": 3}
@@ -229,6 +231,7 @@ BAD = {
     "more than one local step": (dict(change_flat=lambda flat: {**flat, "local-epochs": 2}), "local-epochs"),
     "a plan over the lifetime budget": (dict(change_node={"max-epsilon": 1.0}), "this client allows at most"),
     "survivors below the owner's t": (dict(drop_share=True), "below the threshold"),
+    "no roster and no trust in the server": (dict(change_node={"secagg-trust": "roster"}), "without secagg-roster"),
 }
 
 

@@ -328,3 +328,38 @@ def test_a_round_that_fails_after_its_charge_counts_as_taken_part_in(federation,
     monkeypatch.setattr(distributed, "contribution", real)
     _, metrics = service.distributed_contribution(_round(f, 2), context, owner)
     assert metrics["epsilon"] == pytest.approx(f.plan.epsilon(2, f.cfg.delta)), metrics
+
+
+def test_whether_a_plans_padding_is_refused_does_not_depend_on_the_owners_records(federation):
+    """The padding refused before the charge by the plan's bound and the owner's own together:
+    with q = 1 the refusal came for an owner with more than ~4M records only, and its text gave
+    the owner's bound, so a server read n over q for free (a second review playing the attacker).
+    The refusal now follows the plan alone, and says only the plan's numbers."""
+    from fedsd.app.client.secure_stages import MAX_PADDED_BYTES, padded_rows
+
+    plan = dn.NoisePlan(**{**federation.plan.to_dict(), "sample_rate": 1.0, "expected_batch": 1.0})
+    for records in (100, 5_000_000):  # the owner's bound at q = 1 far past the cap for the second
+        assert padded_rows(plan, records, 4 * 784) >= records  # never refused for the owner's own size
+    huge = dn.NoisePlan(**{**plan.to_dict(), "expected_batch": MAX_PADDED_BYTES / 3136 * 1.1})
+    said = set()
+    for records in (100, 5_000_000):
+        with pytest.raises(service.StageRefused) as refused:
+            padded_rows(huge, records, 4 * 784)
+        said.add(str(refused.value))
+    assert len(said) == 1 and not any(d in next(iter(said)) for d in ("100", "5000000", "5e+06"))
+
+
+def test_a_state_with_rounds_but_no_admitted_plan_is_refused(federation):
+    """The pinned plan missing (a state folder restored without it) while the run's state holds
+    rounds: any plan would be admitted as a first round's and the whole-plan check skipped.
+    Refused, nothing drawn."""
+    from tests.test_distributed_deployment import privacy_files
+
+    f = federation
+    context, owner = _owner(f, 0)
+    service.distributed_contribution(_round(f, 1), context, owner)
+    (f.tmp_path / "state-0" / EXPERIMENT / "client-0-plan.json").unlink()
+    before = privacy_files(f.tmp_path)
+    with pytest.raises(service.StageRefused, match="no plan it admitted"):
+        service.distributed_contribution(_round(f, 2), context, owner)
+    assert privacy_files(f.tmp_path) == before

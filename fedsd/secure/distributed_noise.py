@@ -130,10 +130,11 @@ def least_clip(dim: int) -> float:
     covers, Δ2 = γC + √d (γ = 2^20 / C; the √d is quantisation's rounding allowance, in integer
     units). A per-sample clip factor C / ‖g‖, with ‖g‖ up to float32's largest finite value
     (< 2^128), can fall among float32's subnormals, whose step is 2^-149: a sample's clipped
-    gradient can then be off by 2^-149 · 2^128 = 2^-21, that is 1 / (2C) integer units. At
-    C ≥ 1 / √d that is at most half the allowance; a server's C = 1e-43 moved one record's part
-    of the sum by 2.1 C (a review playing the attacker). What this does not cover, and the docs
-    say: float32's relative rounding of the sum itself (2^-24 of it)."""
+    gradient can then be off by 2^-149 · 2^128 = 2^-21, that is 1 / (2C) integer units, on top of
+    the rounding the allowance covers. At C ≥ 1 / √d that is at most √d / 2: the sensitivity is at
+    most γC + 1.5√d (0.05 % above Δ2 at d = 10^6, which ε does not count), where a server's
+    C = 1e-43 moved one record's part of the sum by 2.1 C (a review playing the attacker). Nor
+    does Δ2 cover float32's relative rounding of the sum itself (2^-24 of it; deploy/README.md)."""
     return 1.0 / math.sqrt(dim)
 
 

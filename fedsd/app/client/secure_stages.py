@@ -210,6 +210,9 @@ def masked_reply(content: RecordDict, context: Context) -> RecordDict:
         client = _session(key)
         ciphertexts, commits = read_map(record, "shares"), read_map(record, "commits")
         client.check_masked_input(ciphertexts, commits)  # before the vector is computed and charged
+        config = content.get("config")
+        if isinstance(config, ConfigRecord) and (config.get("experiment-id"), config.get("server-round")) != key[2:4]:
+            raise BadMessage("the round's settings name another experiment or round than its stage record")
         if secure_sum.settings_digest(content.get("config")) != client.context or not client.context:
             raise secagg.ProtocolError("the round's settings are not those it was advertised with (every client "
                                        "signed those; other settings now would differ from its neighbours')")
@@ -264,6 +267,13 @@ def _checked_plan(content: RecordDict, context: Context, owner: Owner):
         if not side.own_data:
             raise ConfigError("noise=distributed in a deployment: a client with its own data (client-data=own), "
                               "whose draws come from its secret stream")
+        if not owner.node.secagg_roster and owner.node.secagg_trust != "honest-but-curious":
+            # Without a roster a server can run every neighbour itself, with keys it made, and
+            # unmask this owner's input alone: one share of the noise, μ / t (a review playing the
+            # attacker did). Its owner may say it trusts the server to follow the protocol.
+            raise ConfigError("noise=distributed without secagg-roster: the server could pose as every neighbour "
+                              "and unmask this owner's input with its share of the noise alone; name the "
+                              "federation's roster, or say secagg-trust=honest-but-curious")
         if fed.privacy_unit != "record":
             raise ConfigError("privacy-unit=client: not yet in a deployment (fedsd simulate runs it)")
         if fed.local_epochs != 1:
@@ -315,9 +325,13 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
             raise _refused("this round's update went into a sum already; it goes into no other")
         offered = admitted_plan(side, plan)  # None: the plan this owner admitted; else its first round's
         state = local.carried_state(side, context)
+        if offered is not None and state is not None and state.steps > 0:
+            raise _refused("this owner's state holds rounds of this experiment but no plan it admitted (a state "
+                           "folder restored without it, or written before plans were pinned): refused, since "
+                           "any plan now would be taken as the first")
         # What can fail without the data, before the charge: the model read, the padding sized.
         student = record_to_model(content["arrays"])["student"]
-        pad = padded_rows(plan, len(trainer.data.x_train))
+        pad = padded_rows(plan, len(trainer.data.x_train), row_bytes(trainer.data.x_train))
         _charge(side, context, plan, state)
         if offered is not None:  # pinned once the first round is charged: every later round must name it
             side.node.state().write_json(pinned_plan_name(side), offered)
@@ -403,24 +417,35 @@ def admitted_plan(side, plan) -> dict | None:
     return None
 
 
-def padded_rows(plan, own_records: int) -> int:
+def padded_rows(plan, own_records: int, bytes_a_row: int = 4) -> int:
     """The rows an owner's per-sample work covers whatever its Poisson batch: the plan's bound on
     any client's batch (so the time tells neither the batch nor this owner's number of records),
     and never below this owner's own bound at the plan's q (the plan's expected batch is the
-    server's number: a small one must not leave this owner's batch showing in its time)."""
+    server's number: a small one must not leave this owner's batch showing in its time). A plan
+    whose own bound would not fit MAX_PADDED_BYTES is refused before the charge, by the plan's
+    numbers alone: a refusal that depended on the owner's records would tell the server how many
+    it holds (a review playing the attacker binary-searched n over q so)."""
     from fedsd.secure import sum_bound
 
+    planned = sum_bound.poisson_tail(plan.expected_batch, sum_bound.TAIL)
+    if not planned * bytes_a_row <= MAX_PADDED_BYTES:  # refused before the charge (it would fail after it)
+        raise _refused(f"distributed noise: the plan's expected batch {plan.expected_batch:.4g} pads each step past "
+                       f"the {MAX_PADDED_BYTES >> 30} GiB of inputs an owner computes a step on")
     own = sum_bound.poisson_tail(plan.sample_rate * own_records, sum_bound.TAIL)
-    rows = max(sum_bound.poisson_tail(plan.expected_batch, sum_bound.TAIL), own)
-    if not rows <= MAX_PADDED_ROWS:  # refused before the charge (a step this large would fail after it)
-        raise _refused(f"distributed noise: the plan's expected batch {plan.expected_batch:.4g} pads each step to "
-                       f"{rows:.4g} rows, above the {MAX_PADDED_ROWS} an owner computes")
-    return math.ceil(rows)
+    return math.ceil(max(planned, own))
 
 
-# The most rows an owner's padded step computes: far above any batch a step takes (the papers'
-# largest is 8192 for the whole federation), far below one that could not be allocated.
-MAX_PADDED_ROWS = 1 << 22
+def row_bytes(x) -> int:
+    """What one input row of the padded step holds, in bytes."""
+    if not len(x):
+        return 4
+    first = x[0]
+    return int(getattr(first, "nbytes", 0) or first.numel() * first.element_size())
+
+
+# The most input an owner's padded step holds: far above any step's batch (the papers' largest
+# is 8192 for the whole federation), far below one that could not be allocated.
+MAX_PADDED_BYTES = 4 << 30
 
 
 def public_metrics(plan, rounds_taken: int, delta: float) -> dict:
