@@ -144,13 +144,13 @@ def check_own(plan: NoisePlan, what: str, least_noise: float = 0.0, **own) -> No
     least the client's own calibration's (`least_noise`): what a client checks before it draws
     or sends anything (fedsd.secure.distributed_step, fedsd.secure.client_level)."""
     plan.check()
+    for name, actual in own.items():
+        if getattr(plan, name) != actual:
+            raise ValueError(f"{what}: the plan's {name} is {getattr(plan, name)!r}, this client's is {actual!r}")
     if not plan.clip >= least_clip(plan.dim):
         raise ValueError(f"{what}: the plan's clip {plan.clip!r} is below 1/√d = {least_clip(plan.dim):.3g} for its "
                          f"{plan.dim} parameters, where float32's rounding of the clip factor could exceed the "
                          f"sensitivity the noise covers")
-    for name, actual in own.items():
-        if getattr(plan, name) != actual:
-            raise ValueError(f"{what}: the plan's {name} is {getattr(plan, name)!r}, this client's is {actual!r}")
     if not plan.noise_multiplier >= least_noise:
         raise ValueError(f"{what}: the plan's noise_multiplier {plan.noise_multiplier!r} is below this client's own "
                          f"{least_noise!r} (its ε over its rounds)")
