@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from fedsd.app.server import checkpoint
 from fedsd.cli.secure_simulation import FEATURES_RECIPE, FEATURES_ROUNDS
 from fedsd.cli.split_data import write_client_folders
 from fedsd.deployment.local_deployment import LocalDeployment
@@ -24,7 +25,7 @@ from fedsd.files.results import write_json
 from fedsd.settings.federation import FedConfig
 from fedsd.settings.run import TrainConfig
 
-CLIENTS = 60000  # Fashion-MNIST's training records, all owners together
+RECORDS = 60000  # Fashion-MNIST's training records, all owners together
 
 
 def run_config(rounds: int, seed: int, clients: int, roster: Path, out: Path) -> dict:
@@ -32,7 +33,7 @@ def run_config(rounds: int, seed: int, clients: int, roster: Path, out: Path) ->
     recipe = {k.replace("_", "-"): v for k, v in FEATURES_RECIPE.items()}
     return {**recipe, "seed": seed, "num-clients": clients, "num-server-rounds": rounds, "client-data": "own",
             "secure-aggregation": True, "noise": "distributed", "honest-clients": clients,
-            "sample-rate": FEATURES_RECIPE["batch_size"] / CLIENTS, "secagg-roster": str(roster),
+            "sample-rate": FEATURES_RECIPE["batch_size"] / RECORDS, "secagg-roster": str(roster),
             "out-dir": str(out)}
 
 
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         deployment.start()
         ready = time.perf_counter() - started
         config = run_config(args.rounds, args.seed, args.clients, roster, out)
-        resumed = (out / "checkpoint.pt").is_file() and not (out / "result.json").is_file()
+        resumed = checkpoint.path_in(out).is_file() and not (out / "result.json").is_file()
         deployment.run({"resume-dir": str(out)} if resumed else config, timeout=args.timeout,
                        echo=echo_to(work / "rounds.jsonl"))
     (out / "rounds.jsonl").write_text((work / "rounds.jsonl").read_text())

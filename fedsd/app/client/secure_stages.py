@@ -213,7 +213,7 @@ def masked_reply(content: RecordDict, context: Context) -> RecordDict:
         config = content.get("config")
         if isinstance(config, ConfigRecord) and (config.get("experiment-id"), config.get("server-round")) != key[2:4]:
             raise BadMessage("the round's settings name another experiment or round than its stage record")
-        if secure_sum.settings_digest(content.get("config")) != client.context or not client.context:
+        if secure_sum.settings_digest(config) != client.context or not client.context:
             raise secagg.ProtocolError("the round's settings are not those it was advertised with (every client "
                                        "signed those; other settings now would differ from its neighbours')")
         if owner.node.secagg_keep_inputs and kept_input_path(owner, key).exists():
@@ -437,10 +437,7 @@ def padded_rows(plan, own_records: int, bytes_a_row: int = 4) -> int:
 
 def row_bytes(x) -> int:
     """What one input row of the padded step holds, in bytes."""
-    if not len(x):
-        return 4
-    first = x[0]
-    return int(getattr(first, "nbytes", 0) or first.numel() * first.element_size())
+    return int(x[0].nbytes) if len(x) else 4
 
 
 # The most input an owner's padded step holds: far above any step's batch (the papers' largest
