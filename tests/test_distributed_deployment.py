@@ -38,8 +38,7 @@ def _settings():
 def federation(owners):
     """The three owners under a distributed-noise run: the run's settings, the server's side
     (its resolved config, the plan and its optimizer) and a SecureRounds over their handlers."""
-    from fedsd.app.server.secure_rounds import SecureRounds, distributed_plan
-    from tests.test_attack_authenticated_secagg import _Grid
+    from fedsd.app.server.secure_rounds import distributed_plan
 
     contexts, flat, arrays, tmp_path = owners
     for context in contexts.values():  # no roster here (tests/test_secure_aggregation_deploy.py has one)
@@ -47,6 +46,14 @@ def federation(owners):
     cfg, fed = _settings()
     flat = {**flat, "noise": "distributed", "secure-aggregation": True, "sample-rate": Q, "epsilon": EPSILON,
             "honest-clients": 3}
+    return server_side(contexts, flat, arrays, tmp_path, cfg, fed, distributed_plan=distributed_plan)
+
+
+def server_side(contexts, flat, arrays, tmp_path, cfg, fed, **more) -> SimpleNamespace:
+    """The server's SecureRounds over the owners' handlers, each owner's masked reply kept as sent."""
+    from fedsd.app.server.secure_rounds import SecureRounds
+    from tests.test_attack_authenticated_secagg import _Grid
+
     server_cfg = client_config(cfg, FedConfig(num_clients=3, rounds=ROUNDS))
     replies = {}
 
@@ -59,9 +66,8 @@ def federation(owners):
                            cfg=server_cfg, num_classes=10)
     launch = SimpleNamespace(fed=fed, experiment_id=EXPERIMENT, round=0, out=tmp_path)
     rounds = SecureRounds(_Grid(contexts, tamper), side, launch)
-    plan = rounds.noise
-    return SimpleNamespace(contexts=contexts, flat=flat, arrays=arrays, tmp_path=tmp_path, rounds=rounds, plan=plan,
-                           replies=replies, cfg=server_cfg, fed=fed, distributed_plan=distributed_plan)
+    return SimpleNamespace(contexts=contexts, flat=flat, arrays=arrays, tmp_path=tmp_path, rounds=rounds,
+                           plan=rounds.noise, replies=replies, cfg=server_cfg, fed=fed, **more)
 
 
 def kept_inputs(tmp_path, server_round):
@@ -272,7 +278,7 @@ def test_the_server_refuses_a_run_that_cannot_be_distributed_before_any_round():
     cfg, fed = _settings()
     cfg = client_config(cfg, FedConfig(num_clients=3, rounds=ROUNDS))
     for change, why in ((dict(local_epochs=2), "local-epochs"), (dict(sample_rate=0.0), "sample-rate"),
-                        (dict(privacy_unit="client"), "not yet in a deployment")):
+                        (dict(privacy_unit="client"), "privacy-unit=client trains each client's update without")):
         with pytest.raises(ConfigError, match=why):
             distributed_plan(cfg, FedConfig(**{**fed.__dict__, **change}), 10)
     plan, _ = distributed_plan(cfg, fed, 10)

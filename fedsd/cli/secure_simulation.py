@@ -157,7 +157,8 @@ class SecureFederation:
         key = seeded_key(self.cfg.seed, k, r)
         generator = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
         update, losses[k] = client_level.local_update(self.net, self.shards[k], student, self.fed.local_epochs,
-                                                      self.cfg.batch_size, self.cfg.lr, self.cfg.momentum, generator)
+                                                      self.cfg.batch_size, self.cfg.lr, self.cfg.momentum, generator,
+                                                      steps=self.fed.local_steps)
         return client_level.update_contribution(update, self.noise, self.own, key)
 
     # -- the folder -----------------------------------------------------------------------
@@ -205,12 +206,19 @@ class SecureFederation:
                                                round_seconds=float(np.mean([r["seconds"] for r in self.rounds])))))
 
 
+def local_work(fed) -> str:
+    """What a client-level round trains each client for, in words."""
+    if fed.local_steps:
+        return f"{fed.local_steps} local steps (batches drawn with replacement)"
+    return f"{fed.local_epochs} local epoch(s)"
+
+
 def plan_line(cfg: TrainConfig, fed: FedConfig, run: SecureFederation) -> str:
     """What the run will do, as a dry run says it."""
     head = f"simulate {fed.num_clients} clients ({fed.partition}) with secure aggregation and distributed noise"
     if fed.privacy_unit == "client":
         return (f"{head}, each client protected whole (t = {honest_count(fed)}): {fed.rounds} rounds of "
-                f"{fed.local_epochs} local epoch(s) without noise at B = {cfg.batch_size}, lr {cfg.lr:g}, momentum "
+                f"{local_work(fed)} without noise at B = {cfg.batch_size}, lr {cfg.lr:g}, momentum "
                 f"{cfg.momentum:g}, each update clipped to {fed.update_clip:g}, σ={run.noise.noise_multiplier:.3f} "
                 f"(the honest sum's noise over the clip), client-level ε={cfg.epsilon:g}")
     epochs = fed.rounds / steps_per_epoch(run.num_train, cfg.batch_size)

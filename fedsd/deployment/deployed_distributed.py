@@ -4,6 +4,7 @@ ledger and Ed25519 identity), one roster listing the ten, secure aggregation wit
 noise at record level (each round one DP-SGD step of the whole federation, t = n).
 
     python -m fedsd.deployment.deployed_distributed --partition iid --work W --out O
+    python -m fedsd.deployment.deployed_distributed --privacy-unit client --rounds 3 --work W --out O
 
 It is resumable: the owners' state folders (ledgers, identities, admitted plans) stay in W, the
 run's checkpoint in O; run the same command again after an interruption and the run goes on
@@ -26,15 +27,25 @@ from fedsd.settings.federation import FedConfig
 from fedsd.settings.run import TrainConfig
 
 RECORDS = 60000  # Fashion-MNIST's training records, all owners together
+# --privacy-unit client: README's whole-client recipe (fedsd simulate --privacy-unit client), each
+# owner an epoch's worth of plain SGD steps (⌈6000 / 32⌉ = 188, batches drawn with replacement: an
+# owner's work does not tell its records), its update clipped to S = 0.5, its share added
+CLIENT_RECIPE = {"dataset": "fmnist", "method": "dpsgd", "epsilon": 3.0, "batch-size": 32, "lr": 0.05,
+                 "momentum": 0.0, "threads": 1, "local-steps": 188, "update-clip": 0.5, "privacy-unit": "client"}
+CLIENT_LIFETIME = 10.0  # each owner's max-epsilon there: each record's ε is the run's at z_e / 2 (above 3)
 
 
-def run_config(rounds: int, seed: int, clients: int, roster: Path, out: Path) -> dict:
-    """The features recipe of results/table-distributed.md as a deployment's run config."""
-    recipe = {k.replace("_", "-"): v for k, v in FEATURES_RECIPE.items()}
+def run_config(rounds: int, seed: int, clients: int, roster: Path, out: Path, unit: str = "record") -> dict:
+    """The features recipe of results/table-distributed.md as a deployment's run config; with
+    unit client, README's whole-client recipe (every owner every round, q = 1)."""
+    if unit == "client":
+        recipe = dict(CLIENT_RECIPE)
+    else:
+        recipe = {k.replace("_", "-"): v for k, v in FEATURES_RECIPE.items()}
+        recipe["sample-rate"] = FEATURES_RECIPE["batch_size"] / RECORDS
     return {**recipe, "seed": seed, "num-clients": clients, "num-server-rounds": rounds, "client-data": "own",
             "secure-aggregation": True, "noise": "distributed", "honest-clients": clients,
-            "sample-rate": FEATURES_RECIPE["batch_size"] / RECORDS, "secagg-roster": str(roster),
-            "out-dir": str(out)}
+            "secagg-roster": str(roster), "out-dir": str(out)}
 
 
 def split(data: Path, clients: int, partition: str, alpha: float, seed: int) -> None:
@@ -67,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--partition", choices=["iid", "dirichlet"], default="iid")
     p.add_argument("--dirichlet-alpha", type=float, default=0.1)
+    p.add_argument("--privacy-unit", choices=["record", "client"], default="record",
+                   help="client: README's whole-client recipe (each owner clips its update), else the features one")
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--rounds", type=int, default=FEATURES_ROUNDS)
     p.add_argument("--seed", type=int, default=0)
@@ -77,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     work, out = Path(args.work).absolute(), Path(args.out).absolute()
     data = work / "data"
     split(data, args.clients, args.partition, args.dirichlet_alpha, args.seed)
-    owners = "max-epsilon=3 max-delta=1e-5 secagg-min-clients={t} secagg-roster='{roster}'"
+    lifetime = CLIENT_LIFETIME if args.privacy_unit == "client" else 3
+    owners = f"max-epsilon={lifetime:g} max-delta=1e-5 secagg-min-clients={{t}} secagg-roster='{{roster}}'"
     started = time.perf_counter()
     with LocalDeployment(work / "deployment", args.clients, client_data=data, isolate=True) as deployment:
         roster = deployment.shared_dir() / "roster"
@@ -85,11 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         roster_of(deployment)
         deployment.start()
         ready = time.perf_counter() - started
-        config = run_config(args.rounds, args.seed, args.clients, roster, out)
+        config = run_config(args.rounds, args.seed, args.clients, roster, out, args.privacy_unit)
         resumed = checkpoint.path_in(out).is_file() and not (out / "result.json").is_file()
         deployment.run({"resume-dir": str(out)} if resumed else config, timeout=args.timeout,
                        echo=echo_to(work / "rounds.jsonl"))
-    (out / "rounds.jsonl").write_text((work / "rounds.jsonl").read_text())
+    if (work / "rounds.jsonl").is_file():  # none when the run ended before its first round (its logs say why)
+        (out / "rounds.jsonl").write_text((work / "rounds.jsonl").read_text())
     write_json(out / "deployment.json", dict(
         command="python -m fedsd.deployment.deployed_distributed " + " ".join(argv or sys.argv[1:]),
         run_config=config, resumed=resumed, startup_seconds=round(ready, 1),

@@ -22,7 +22,6 @@ update from S·u to −S·u: each record gets the guarantee at sensitivity 2S (`
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -34,26 +33,40 @@ from fedsd.methods import Weights
 
 
 def local_update(net: torch.nn.Module, shard: TensorData, start: Weights, epochs: int, batch_size: int, lr: float,
-                 momentum: float, generator: torch.Generator) -> tuple[np.ndarray, float]:
-    """(θ_start − θ_local over the trainable parameters as one float64 vector, the mean training
-    loss): `epochs` passes of plain SGD (no clipping, no noise: the unit protected is the whole
-    update) over shuffled batches of the client's own records."""
-    net.load_state_dict(start)
+                 momentum: float, generator: torch.Generator, steps: int = 0) -> tuple[np.ndarray, float]:
+    """(θ_start − θ_local over the trainable parameters as one float64 vector on the CPU, the
+    mean training loss): plain SGD (no clipping, no noise: the unit protected is the whole
+    update) on the client's own records, on the device they are on. `steps` > 0: that many steps,
+    each on `batch_size` records drawn uniformly with replacement, so the work, and the time it
+    takes, does not depend on the number of records (an owner's service, whose time the server
+    sees); else `epochs` passes over shuffled batches of its records (a simulation's default)."""
+    net.to(shard.x_train.device).load_state_dict(start)
     net.train()
-    before = torch.cat([p.detach().reshape(-1).double() for p in trainable(net)])
+    before = torch.cat([p.detach().reshape(-1).double().cpu() for p in trainable(net)])
     optimizer = torch.optim.SGD(trainable(net), lr=lr, momentum=momentum)
     losses = []
-    for _ in range(epochs):
-        order = torch.randperm(len(shard.y_train), generator=generator)
-        for i in range(0, len(order), batch_size):
-            batch = order[i:i + batch_size]
-            optimizer.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.cross_entropy(net(shard.x_train[batch]), shard.y_train[batch])
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-    after = torch.cat([p.detach().reshape(-1).double() for p in trainable(net)])
+    for batch in _batches(len(shard.y_train), epochs, batch_size, generator, steps):
+        batch = batch.to(shard.x_train.device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(net(shard.x_train[batch]), shard.y_train[batch])
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    after = torch.cat([p.detach().reshape(-1).double().cpu() for p in trainable(net)])
     return (before - after).numpy(), float(np.mean(losses)) if losses else math.nan
+
+
+def _batches(n: int, epochs: int, batch_size: int, generator: torch.Generator, steps: int):
+    """The index batches of a client's local training: `steps` draws of `batch_size` with
+    replacement, or `epochs` shuffled passes."""
+    if steps > 0:
+        for _ in range(steps):
+            yield torch.randint(n, (batch_size,), generator=generator)
+        return
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=generator)
+        for i in range(0, n, batch_size):
+            yield order[i:i + batch_size]
 
 
 def clipped_update(update: np.ndarray, clip: float) -> np.ndarray:
@@ -71,17 +84,21 @@ def check_plan(plan: noise.NoisePlan, own: noise.NoisePlan) -> None:
     the update by a sensitivity the noise does not cover, a q below 1 would claim an
     amplification that does not happen (every client is in every round), another n or length
     is not this run, and less noise than the client's own calibration (from its own ε, δ, S,
-    rounds and t) would spend more than its ε: this path keeps no accountant to charge it to."""
+    rounds and t) would spend more than its ε (an owner's service checks it before its ledger
+    is charged, fedsd.app.client.secure_stages)."""
     noise.check_own(plan, "client-level noise", own.noise_multiplier, clip=own.clip, sample_rate=1.0,
                     expected_batch=own.expected_batch, dim=own.dim)
+    if plan.honest > own.honest:  # every share is sized μ / the plan's t: more than the client's t would be less
+        raise ValueError(f"client-level noise: the plan's t is {plan.honest}, above this client's own {own.honest}")
 
 
 def update_contribution(update: np.ndarray, plan: noise.NoisePlan, own: noise.NoisePlan, key: bytes) -> np.ndarray:
     """One client's vector: its update clipped to its own S, quantised, plus its Skellam share
-    sized by its own t (μ / t), as uint64, under a plan (the server's) that `check_plan` found
-    to be its own or noisier."""
+    sized by the plan's t (μ / t, as every client's share is: a share sized by a larger own t
+    would leave another client's t honest shares short of μ), as uint64, under a plan (the
+    server's) that `check_plan` found to be its own or noisier, with a t no larger than its own."""
     check_plan(plan, own)
-    return noise.encode(clipped_update(update, own.clip), replace(plan, honest=own.honest), noise.generator(key))
+    return noise.encode(clipped_update(update, own.clip), plan, noise.generator(key))
 
 
 def record_epsilon(plan: noise.NoisePlan, rounds: int, delta: float) -> float:
@@ -94,3 +111,9 @@ def calibrate(epsilon: float, delta: float, clip: float, clients: int, rounds: i
               dim: int) -> noise.NoisePlan:
     """The client-level plan: every client in every round (q = 1), the sum divided by n."""
     return noise.calibrate(epsilon, delta, clip, 1.0, float(clients), rounds, honest, dim)
+
+
+def calibrated(epsilon: float, delta: float, clip: float, clients: int, rounds: int, honest: int,
+               dim: int) -> noise.NoisePlan:
+    """`calibrate`, kept in memory (an owner's service calibrates once a run, not once a round)."""
+    return noise.calibrated(epsilon, delta, clip, 1.0, float(clients), rounds, honest, dim)

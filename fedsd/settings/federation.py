@@ -80,6 +80,9 @@ class FedConfig:
                                  "named. Each owner checks its own copy; this one only keeps strangers out early",
                                  cli=False)
     update_clip: float = setting(0.1, "--privacy-unit client: the L2 norm S each client clips its model update to")
+    local_steps: int = setting(0, "--privacy-unit client: each client's SGD steps a round, each on --batch-size of "
+                               "its records drawn with replacement, so that its work does not depend on how many "
+                               "it holds (an owner's service requires it); 0 = --local-epochs passes over them")
     budget_rounds: int = setting(0, "rounds each client calibrates σ for; 0 = every round of the run")
     server_dp_noise: float = setting(0.0, "user-level DP at the server (Flower's fixed clipping): noise "
                                      "multiplier; 0 = off. A separate guarantee, not in ε")
@@ -128,6 +131,9 @@ class FedConfig:
               self.sample_rate)
         check(math.isfinite(self.update_clip) and self.update_clip > 0, "--update-clip", "must be > 0",
               self.update_clip)
+        check(self.local_steps >= 0, "--local-steps", "must be >= 0 (0: --local-epochs passes)", self.local_steps)
+        check(self.local_steps == 0 or self.privacy_unit == "client", "--local-steps", "applies to --privacy-unit "
+              "client (record level takes one DP-SGD step, or --local-epochs, a round)", self.local_steps)
         check(self.server_dp_noise >= 0, "--server-dp-noise", "must be >= 0", self.server_dp_noise)
         check(self.server_dp_clip > 0, "--server-dp-clip", "must be > 0", self.server_dp_clip)
         check(self.client_cpus > 0, "--client-cpus", "must be > 0", self.client_cpus)

@@ -70,7 +70,9 @@ def secure_summary(result: dict, out) -> str:
 def secure_settings(result: dict) -> str:
     cfg, fed = result["config"], result["federation"]
     if fed.get("privacy_unit") == "client":
-        return (f"  settings       each client whole: {result['steps']} rounds of {fed['local_epochs']} local epoch(s) "
+        local = (f"{fed['local_steps']} local steps" if fed.get("local_steps") else
+                 f"{fed['local_epochs']} local epoch(s)")
+        return (f"  settings       each client whole: {result['steps']} rounds of {local} "
                 f"at B = {cfg['batch_size']}, lr {cfg['lr']:g}, updates clipped to {fed['update_clip']:g}, z = "
                 f"{result['noise_multiplier']:.3f}")
     return (f"  settings       B = {cfg['batch_size']} (the federation's), lr {cfg['lr']:g}, z = "

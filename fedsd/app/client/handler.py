@@ -199,14 +199,18 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedCon
     if key not in _TRAINERS:
         n = len(held.y_train)
         distributed = fed.noise == "distributed"
-        if distributed and not 0 < fed.sample_rate <= 1:
+        # client level (fedsd.secure.client_level): every record in every round's local epochs, nothing
+        # sampled at a q; the run's settings checked against public numbers only, never this owner's n
+        whole = distributed and fed.privacy_unit == "client"
+        if distributed and not whole and not 0 < fed.sample_rate <= 1:
             raise ConfigError(f"sample-rate={fed.sample_rate}: noise=distributed draws each record at the run's q "
                               f"(batch-size / the federation's records), a setting in (0, 1]")
         if n < cfg.batch_size and not distributed:  # distributed: batch-size is the federation's expected batch
             raise ConfigError(f"batch-size={cfg.batch_size}: more than this client's training samples")
         # distributed: against the federation's records B / q (public), never this owner's n, which
         # a refusal would tell (δ < 1/n: its text, and whether it comes at all, over the server's δ)
-        validate(cfg, max(cfg.batch_size, math.floor(cfg.batch_size / fed.sample_rate)) if distributed else n)
+        validate(cfg, cfg.batch_size if whole else
+                 max(cfg.batch_size, math.floor(cfg.batch_size / fed.sample_rate)) if distributed else n)
         # the run's features of this client's own images, made on this machine (fedsd.data.features)
         tensors = data_lib.TensorData(
             inputs(normalised(held.x_train, task), feature_source(cfg), "training images"), held.y_train,
@@ -214,7 +218,8 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedCon
             len(task.classes)).to(resolve_device(cfg.device))
         # Cached on this client's disk: a deployed ClientApp is a fresh process for every message.
         if distributed:  # one step a round at the run's q; the noise is the round's plan's (fedsd.secure.distributed_step)
-            plan = privacy.PrivacyPlan(0.0, fed.sample_rate, fed.rounds, cfg.epsilon, cfg.delta, "rdp")
+            plan = privacy.PrivacyPlan(0.0, 1.0 if whole else fed.sample_rate, fed.rounds, cfg.epsilon, cfg.delta,
+                                       "rdp")
         else:
             plan = privacy.plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant,
                                 cache_dir=str(private_state_folder(node, "calibrations")))

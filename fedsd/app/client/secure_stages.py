@@ -254,7 +254,7 @@ def _checked_plan(content: RecordDict, context: Context, owner: Owner):
     (distributed_contribution); the client side, the owner's own plan and its t. A refusal
     raises StageRefused with a reason that tells the server none of the owner's paths."""
     from fedsd.app.client import handler as local
-    from fedsd.secure import distributed_noise
+    from fedsd.secure import client_level, distributed_noise
     from fedsd.secure.distributed_step import DISTRIBUTED_METHODS, check_plan, dimension
     from fedsd.errors import BudgetRefused, DataError
 
@@ -274,13 +274,7 @@ def _checked_plan(content: RecordDict, context: Context, owner: Owner):
             raise ConfigError("noise=distributed without secagg-roster: the server could pose as every neighbour "
                               "and unmask this owner's input with its share of the noise alone; name the "
                               "federation's roster, or say secagg-trust=honest-but-curious")
-        if fed.privacy_unit != "record":
-            raise ConfigError("privacy-unit=client: not yet in a deployment (fedsd simulate runs it)")
-        if fed.local_epochs != 1:
-            raise ConfigError(f"local-epochs={fed.local_epochs}: noise=distributed takes one step a round (the "
-                              f"server applies each step); 1 is the only value")
-        if cfg.method not in DISTRIBUTED_METHODS:
-            raise ConfigError(f"method={cfg.method}: noise=distributed runs {', '.join(DISTRIBUTED_METHODS)}")
+        _check_unit(fed, cfg, DISTRIBUTED_METHODS)
         if rounds != fed.rounds:
             raise ValueError(f"distributed noise: the plan's length is {rounds} rounds, the run's {fed.rounds}")
         if not 1 <= side.server_round <= fed.rounds:
@@ -290,12 +284,36 @@ def _checked_plan(content: RecordDict, context: Context, owner: Owner):
             raise ValueError(f"distributed noise: the plan's t is {plan.honest}, above this owner's own {t} "
                              f"(secagg-min-clients): the other owners' shares, sized by the plan's t, would "
                              f"hold less noise than its t counts on")
-        own = distributed_noise.calibrated(cfg.epsilon, cfg.delta, cfg.clip, fed.sample_rate, plan.expected_batch,
-                                           fed.rounds, t, dimension(trainer.model))
-        check_plan(trainer, plan, own.noise_multiplier)  # C, q and length this owner's; z at least its own
+        if fed.privacy_unit == "client":  # S, q = 1, n and d this owner's; z at least its own
+            own = client_level.calibrated(cfg.epsilon, cfg.delta, fed.update_clip, fed.num_clients, fed.rounds, t,
+                                          dimension(trainer.model))
+            client_level.check_plan(plan, own)
+        else:
+            own = distributed_noise.calibrated(cfg.epsilon, cfg.delta, cfg.clip, fed.sample_rate,
+                                               plan.expected_batch, fed.rounds, t, dimension(trainer.model))
+            check_plan(trainer, plan, own.noise_multiplier)  # C, q and length this owner's; z at least its own
     except (BudgetRefused, ConfigError, DataError, ValueError) as e:
         raise _refused(local.told_the_server(str(e), context.node_config)) from None
     return plan, side, own, t
+
+
+def _check_unit(fed, cfg, methods) -> None:
+    """What each unit of protection takes in a round: record level, one DP-SGD step of a method
+    that can be one; client level (fedsd.secure.client_level), local epochs of plain SGD."""
+    if fed.privacy_unit == "client":
+        if cfg.method != "dpsgd":
+            raise ConfigError(f"method={cfg.method}: privacy-unit=client trains each client's update without noise "
+                              f"and without a teacher (method=dpsgd); self-distillation is record level")
+        if fed.local_steps < 1:  # passes over its records would take a time that tells how many it holds
+            raise ConfigError(f"local-steps={fed.local_steps}: privacy-unit=client in a deployment takes a fixed "
+                              f"number of local steps a round (each on batch-size records drawn with "
+                              f"replacement), so that its work does not depend on the owner's records; set it")
+        return
+    if fed.local_epochs != 1:
+        raise ConfigError(f"local-epochs={fed.local_epochs}: noise=distributed takes one step a round (the "
+                          f"server applies each step); 1 is the only value")
+    if cfg.method not in methods:
+        raise ConfigError(f"method={cfg.method}: noise=distributed runs {', '.join(methods)}")
 
 
 def distributed_contribution(content: RecordDict, context: Context, owner: Owner) -> tuple[np.ndarray, MetricRecord]:
@@ -329,9 +347,8 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
             raise _refused("this owner's state holds rounds of this experiment but no plan it admitted (a state "
                            "folder restored without it, or written before plans were pinned): refused, since "
                            "any plan now would be taken as the first")
-        # What can fail without the data, before the charge: the model read, the padding sized.
-        student = record_to_model(content["arrays"])["student"]
-        pad = padded_rows(plan, len(trainer.data.x_train), row_bytes(trainer.data.x_train))
+        # What can fail without the data, before the charge: the model read and loaded, the padding sized.
+        student, net, pad = _before_charge(side, plan, content["arrays"])
         _charge(side, context, plan, state)
         if offered is not None:  # pinned once the first round is charged: every later round must name it
             side.node.state().write_json(pinned_plan_name(side), offered)
@@ -339,14 +356,79 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
             state, secret=local.SecretStream.fresh(), rng_state=None)
         epoch = max(1, math.ceil(side.server_round * plan.sample_rate))
         try:
-            vector, state, _ = step_part(trainer, state, student, epoch, plan, key=None, honest=plan.honest,
-                                         least_noise=own.noise_multiplier, pad_to=pad)
+            if net is not None:
+                vector, state = client_update(trainer, net, state, student, plan, own, side.fed)
+            else:
+                vector, state, _ = step_part(trainer, state, student, epoch, plan, key=None, honest=plan.honest,
+                                             least_noise=own.noise_multiplier, pad_to=pad)
         except Exception:  # charged and nothing released: the round still counts as taken part in
             local.save_train_state(side.state_file, dataclasses.replace(state, steps=state.steps + 1), trainer.plan)
             raise
         local.save_train_state(side.state_file, state, trainer.plan)  # the spent round on disk before the release
         local.keep_reply(side.state_file, request, ArrayRecord({}), {}, summed=True)
-    return vector, MetricRecord(public_metrics(plan, state.steps, cfg.delta))
+    return vector, MetricRecord(public_metrics(plan, state.steps, cfg.delta, net is not None))
+
+
+def _before_charge(side, plan, arrays):
+    """(the round's student, client level's network holding it or None, the rows a record-level
+    step is padded to): what can fail without the data, so that it fails before the charge (a
+    model whose tensors are not this network's is refused here, not charged and then failed).
+    The refusal is in fedsd's words, from the tensors' names and shapes alone: never an error's
+    text from the device (an out-of-memory message counts the memory the owner's records take)."""
+    from fedsd.models.networks import model_for
+
+    trainer = side.trainer
+    try:
+        student = record_to_model(arrays)["student"]
+    except (KeyError, ValueError) as e:
+        raise _refused(f"the round's model is not this run's network: {type(e).__name__}") from None
+    client = side.fed.privacy_unit == "client"
+    if client and not trainer.cfg.batch_size * row_bytes(trainer.data.x_train) <= MAX_PADDED_BYTES:
+        # its local steps hold batch-size rows at once: refused by public numbers alone
+        raise _refused(f"batch-size={trainer.cfg.batch_size}: a local step would hold more than the "
+                       f"{MAX_PADDED_BYTES >> 30} GiB of inputs an owner computes a step on")
+    net = model_for(trainer.cfg, trainer.data.num_classes) if client else trainer.model
+    mismatch = model_mismatch(net.state_dict(), student)
+    if mismatch:
+        raise _refused(f"the round's model is not this run's network: {mismatch}")
+    if client:
+        net.load_state_dict(student)
+        return student, net.to(trainer.data.x_train.device), 0
+    return student, None, padded_rows(plan, len(trainer.data.x_train), row_bytes(trainer.data.x_train))
+
+
+def model_mismatch(own: dict, sent: dict) -> str:
+    """What differs between the network's tensors and the model sent (names, shapes, kinds), in
+    words; "" when it loads as it is."""
+    missing, extra = sorted(set(own) - set(sent)), sorted(set(sent) - set(own))
+    if missing or extra:
+        return f"tensors missing {missing[:5]}, unknown {extra[:5]}"
+    shaped = [k for k in own if tuple(own[k].shape) != tuple(sent[k].shape)
+              or own[k].is_floating_point() != sent[k].is_floating_point()]
+    return f"tensors of another shape or kind {shaped[:5]}" if shaped else ""
+
+
+def client_update(trainer, net, state, student, plan, own, fed):
+    """Client level (fedsd.secure.client_level, as `fedsd simulate --privacy-unit client` takes
+    it): `local-steps` steps of plain SGD from the round's model, each on batch-size of this
+    owner's records drawn with replacement (so the work, and the time it takes, does not tell
+    how many records it holds), the update clipped to its own S, quantised, and its Skellam share
+    (μ / the plan's t, at most its own) added, the key 16 bytes of the state's secret stream. The
+    draws' generator is seeded from the same stream (64 bits: which records a step draws is no
+    part of the guarantee, the noise is). The state counts the round and records it as the
+    record-level Gaussian step it is for each record (z_e / 2 at q = 1: one record moves the
+    clipped update by at most 2S)."""
+    import torch
+
+    from fedsd.secure import client_level
+
+    cfg = trainer.cfg
+    key, seed = state.secret.random_bytes(16), int.from_bytes(state.secret.random_bytes(8), "little")
+    update, _ = client_level.local_update(net, trainer.data, student, fed.local_epochs, cfg.batch_size, cfg.lr,
+                                          cfg.momentum, torch.Generator().manual_seed(seed), steps=fed.local_steps)
+    vector = client_level.update_contribution(update, plan, own, key)
+    history = state.history + [[plan.gaussian_equivalent() / 2, 1.0, 1]]
+    return vector, dataclasses.replace(state, history=history, steps=state.steps + 1)
 
 
 def _charge(side, context: Context, plan, state) -> None:
@@ -358,10 +440,16 @@ def _charge(side, context: Context, plan, state) -> None:
     same step would be released twice and one of the run's planned rounds spent on it."""
     from fedsd.app.client import handler as local
     from fedsd.errors import BudgetRefused
+    from fedsd.secure import client_level
 
     fed, cfg = side.fed, side.trainer.cfg
     done = state.steps if state is not None else 0
     z_e, delta = plan.gaussian_equivalent(), cfg.delta
+    # The ledger counts the owner's records. At client level a record moves the clipped update by
+    # up to 2S: each round is, for a record, a Skellam step at z_e / 2, q = 1 (client_level.record_epsilon).
+    whole = cfg.epsilon
+    if fed.privacy_unit == "client":
+        z_e, whole = z_e / 2, client_level.record_epsilon(plan, fed.rounds, delta)
     try:
         recorded = side.server_recorded_epsilon
         if recorded > plan.epsilon(done, delta) * (1 + 1e-6) + 1e-9:
@@ -376,7 +464,7 @@ def _charge(side, context: Context, plan, state) -> None:
                     raise BudgetRefused(f"round {side.server_round} of this experiment: this owner was charged for "
                                         f"it already (a resumed run asks it again); a round is answered once")
                 if state is None:  # this owner's first round of the run: the whole plan must fit
-                    ledger.check(cfg.epsilon, delta, z_e, plan.sample_rate, fed.rounds, mechanism=privacy.SKELLAM)
+                    ledger.check(whole, delta, z_e, plan.sample_rate, fed.rounds, mechanism=privacy.SKELLAM)
                 ledger.spend(z_e, plan.sample_rate, 1, run=fed.experiment_id, mechanism=privacy.SKELLAM,
                              flower_run=int(context.run_id), round=side.server_round)
     except BudgetRefused as e:
@@ -390,7 +478,7 @@ def pinned_plan_name(side) -> str:
 
 def admitted_plan(side, plan) -> dict | None:
     """The run's plan as this owner admits it on its first round of an experiment (ε and δ, the
-    number of rounds, and the noise plan: z, C, q, the expected batch, t, d), to be pinned in its
+    number of rounds, the unit protected, and the noise plan: z, C, q, the expected batch, t, d), to be pinned in its
     state folder once that round is charged; None when one is pinned already and this round's is
     the same. A plan other than the pinned one (a server that raises ε, lengthens the run, or
     changes q, C or z for later rounds, or after the service restarted) is refused, naming
@@ -399,7 +487,7 @@ def admitted_plan(side, plan) -> dict | None:
 
     cfg = side.trainer.cfg
     offered = {"epsilon": cfg.epsilon, "delta": cfg.delta, "num-server-rounds": side.fed.rounds,
-               **distributed_noise.to_settings(plan, side.fed.rounds)}
+               "privacy-unit": side.fed.privacy_unit, **distributed_noise.to_settings(plan, side.fed.rounds)}
     try:
         pinned = side.node.state().read_json(pinned_plan_name(side))
     except ValueError:
@@ -408,6 +496,8 @@ def admitted_plan(side, plan) -> dict | None:
         return offered
     if not isinstance(pinned, dict):  # damaged: every setting differs from it (admitted None)
         pinned = {}
+    elif "privacy-unit" not in pinned:  # pinned before client level was deployed: record level was all there was
+        pinned = {**pinned, "privacy-unit": "record"}
     changed = [f"{k} {offered.get(k)!r} (admitted {pinned.get(k)!r})" for k in sorted(set(offered) | set(pinned))
                if offered.get(k) != pinned.get(k)]
     if changed:
@@ -445,11 +535,17 @@ def row_bytes(x) -> int:
 MAX_PADDED_BYTES = 4 << 30
 
 
-def public_metrics(plan, rounds_taken: int, delta: float) -> dict:
+def public_metrics(plan, rounds_taken: int, delta: float, client_unit: bool = False) -> dict:
     """All a service's masked reply says beside its vector under distributed noise: ε of the
     rounds it took part in, a function of the plan (public) and of its participation, which the
-    server sees anyway. No batch size, no step count, no loss, no time (deploy/README.md)."""
-    return {"epsilon": float(plan.epsilon(rounds_taken, delta))}
+    server sees anyway; at client level also each single record's ε (at z_e / 2). No batch size,
+    no step count, no loss, no time (deploy/README.md)."""
+    from fedsd.secure import client_level
+
+    metrics = {"epsilon": float(plan.epsilon(rounds_taken, delta))}
+    if client_unit:
+        metrics["record-epsilon"] = float(client_level.record_epsilon(plan, rounds_taken, delta))
+    return metrics
 
 
 def keep_input(owner: Owner, key: tuple, vector: np.ndarray) -> None:

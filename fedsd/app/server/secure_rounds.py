@@ -33,7 +33,7 @@ from flwr.common import log
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
 
-from fedsd.secure import distributed_noise, sum_bound
+from fedsd.secure import client_level, distributed_noise, sum_bound
 from fedsd.errors import ConfigError
 from fedsd.secure.identity import Roster, protocol_id, public_line, read_roster, verify
 from fedsd.secure.secagg import SEED_BYTES, SELF_SEED_BYTES, RoundAbandoned, SecAggServer, identify_message, minimum_threshold
@@ -251,8 +251,9 @@ def distributed_plan(cfg, fed, num_classes: int):
     from fedsd.secure.distributed_step import DISTRIBUTED_METHODS, ServerOptimizer, dimension
     from fedsd.models.networks import model_for
 
-    if fed.privacy_unit != "record":
-        raise ConfigError("privacy-unit=client: not yet in a deployment (fedsd simulate runs it in process)")
+    honest = fed.honest_clients or fed.num_clients
+    if fed.privacy_unit == "client":
+        return client_level_plan(cfg, fed, num_classes, honest)
     if fed.local_epochs != 1:
         raise ConfigError(f"local-epochs={fed.local_epochs}: noise=distributed takes one step a round (the server "
                           f"applies each step); leave it at 1")
@@ -261,7 +262,6 @@ def distributed_plan(cfg, fed, num_classes: int):
                           "federation's records (each client draws at it)")
     if cfg.method not in DISTRIBUTED_METHODS:
         raise ConfigError(f"method={cfg.method}: noise=distributed runs {', '.join(DISTRIBUTED_METHODS)}")
-    honest = fed.honest_clients or fed.num_clients
     if honest < 1:
         raise ConfigError("honest-clients: noise=distributed in a deployment needs t, the fewest clients whose "
                           "shares the noise counts on")
@@ -269,6 +269,25 @@ def distributed_plan(cfg, fed, num_classes: int):
     plan = distributed_noise.calibrated(cfg.epsilon, cfg.delta, cfg.clip, fed.sample_rate, float(cfg.batch_size),
                                         fed.rounds, honest, dimension(net))
     return plan, ServerOptimizer(net, cfg.lr, cfg.momentum)
+
+
+def client_level_plan(cfg, fed, num_classes: int, honest: int):
+    """privacy-unit=client in a deployment (fedsd.secure.client_level): every client every round
+    (q = 1), each update clipped to update-clip by its owner, the sum over n applied with learning
+    rate 1 (FedAvg of the clipped, noised updates), as `fedsd simulate --privacy-unit client`."""
+    from fedsd.models.networks import model_for
+    from fedsd.secure import client_level
+    from fedsd.secure.distributed_step import ServerOptimizer, dimension
+
+    if cfg.method != "dpsgd":
+        raise ConfigError(f"method={cfg.method}: privacy-unit=client trains each client's update without noise and "
+                          f"without a teacher (method=dpsgd); self-distillation is record level")
+    if not 1 <= honest <= fed.num_clients:
+        raise ConfigError(f"honest-clients={fed.honest_clients}: t must be in [1, num-clients={fed.num_clients}]")
+    net = model_for(cfg, num_classes)
+    plan = client_level.calibrated(cfg.epsilon, cfg.delta, fed.update_clip, fed.num_clients, fed.rounds, honest,
+                                   dimension(net))
+    return plan, ServerOptimizer(net, 1.0, 0.0)
 
 
 class SecureRounds:
@@ -382,8 +401,10 @@ class SecureRounds:
                                  f"applied", server.culprits)
         model = record_to_model(arrays)
         model["student"] = self.optimizer.step(model["student"], distributed_noise.decode(total, plan), plan)
-        return model_to_record(model), dict(sum_norm=norm, honest_bound=bound,
-                                            epsilon=plan.epsilon(server_round, self.side.cfg.delta))
+        applied = dict(sum_norm=norm, honest_bound=bound, epsilon=plan.epsilon(server_round, self.side.cfg.delta))
+        if self.launch.fed.privacy_unit == "client":  # each single record's, at sensitivity 2S
+            applied["record_epsilon"] = client_level.record_epsilon(plan, server_round, self.side.cfg.delta)
+        return model_to_record(model), applied
 
     def _check_sum(self, total: np.ndarray, count: int, replies: list[RecordDict], server: SecAggServer) -> tuple:
         """A decoded sum outside what the round's clients could have sent honestly is refused:
