@@ -91,12 +91,13 @@ def protocol_name(state_dir: Path) -> int:
 
 
 def check_client(client: int, ledger_path: Path, rounds: list[dict], experiment: str, run_delta: float,
-                 name: int | None = None) -> dict:
+                 name: int | None = None, ledger: dict | None = None) -> dict:
     """One client's facts and the problems found, from its ledger and the server's rounds (the
     ε it reported, at the run's δ, against its ledger's at that δ). `name`: how the rounds name
-    it (a distributed-noise run: its protocol id); its partition id otherwise."""
+    it (a distributed-noise run: its protocol id); its partition id otherwise. `ledger`: the file
+    as read_ledger read it, when the caller has it already."""
     name = client if name is None else name
-    ledger = read_ledger(ledger_path)
+    ledger = read_ledger(ledger_path) if ledger is None else ledger
     delta = ledger["max_delta"]
     run_charges = [e for e in ledger["entries"] if e.get("run") == experiment and "round" in e]
     charged = {int(e["round"]): e for e in run_charges}
@@ -143,17 +144,18 @@ def check_run(run_dir: Path, state_dirs: dict[int, Path]) -> dict:
         problems.append(f"the run did not finish its {planned} rounds: {[r['round'] for r in rounds]}")
     clients = {}
     ledgers = {k: client_ledger(state_dirs[k]) for k in range(int(result["num_clients"])) if k in state_dirs}
+    read = {k: read_ledger(path) for k, path in ledgers.items()}  # each file read once
     # named by protocol id when the server's record says so, or when any ledger holds a Skellam charge of this run
     distributed = distributed or any(e.get("mechanism") == SKELLAM and e.get("run") == experiment
-                                     for path in ledgers.values() for e in read_ledger(path)["entries"])
+                                     for ledger in read.values() for e in ledger["entries"])
     names = {k: protocol_name(state_dirs[k]) if distributed else k for k in ledgers}
     problems += unmatched_names(rounds, names)
     for k in range(int(result["num_clients"])):
         if k not in state_dirs:
             raise DataError(f"client {k}: no state folder given; the check fails")
-        clients[k] = check_client(k, ledgers[k], rounds, experiment, float(result["delta"]), names[k])
+        clients[k] = check_client(k, ledgers[k], rounds, experiment, float(result["delta"]), names[k], read[k])
         if distributed:
-            clients[k]["problems"] += charges_below_plan(k, state_dirs[k], experiment, ledgers[k], unit)
+            clients[k]["problems"] += charges_below_plan(k, state_dirs[k], experiment, read[k]["entries"], unit)
         problems += clients[k]["problems"]
     return dict(passed=not problems, finished=finished, experiment_id=experiment, clients=clients, problems=problems)
 
@@ -173,7 +175,7 @@ def unmatched_names(rounds: list[dict], names: dict[int, int]) -> list[str]:
     return sorted(set(problems))
 
 
-def charges_below_plan(client: int, state_dir: Path, experiment: str, ledger_path: Path,
+def charges_below_plan(client: int, state_dir: Path, experiment: str, entries: list[dict],
                        unit: str = "record") -> list[str]:
     """Under distributed noise, each of this run's charges against the plan the owner pinned
     when it admitted the run (<experiment>/client-<k>-plan.json): a charge at less than the
@@ -181,7 +183,7 @@ def charges_below_plan(client: int, state_dir: Path, experiment: str, ledger_pat
     or at a smaller q, under-counts what the round cost."""
     from fedsd.secure import distributed_noise
 
-    charges = [e for e in read_ledger(ledger_path)["entries"] if e.get("run") == experiment]
+    charges = [e for e in entries if e.get("run") == experiment]
     if not charges:  # an owner that took part in no round admitted no plan
         return []
     path = Path(state_dir) / experiment / f"client-{client}-plan.json"

@@ -391,9 +391,8 @@ def _before_charge(side, plan, arrays):
     mismatch = model_mismatch(net.state_dict(), student)
     if mismatch:
         raise _refused(f"the round's model is not this run's network: {mismatch}")
-    if client:
-        net.load_state_dict(student)
-        return student, net.to(trainer.data.x_train.device), 0
+    if client:  # local_update loads the student into it, on the data's device
+        return student, net, 0
     return student, None, padded_rows(plan, len(trainer.data.x_train), row_bytes(trainer.data.x_train))
 
 
