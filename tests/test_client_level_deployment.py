@@ -134,6 +134,8 @@ BAD = {
     # 8 is above the run's client-level ε of 4, below each record's 9.06: the ledger counts records
     "local epochs (a time that would tell the owner's records)": (lambda flat: {**flat, "local-steps": 0}, {},
                                                                   "local-steps=0"),
+    "more local steps than the owner allows": (None, {"max-local-steps": STEPS - 1},
+                                               f"local-steps={STEPS}: above this owner's max-local-steps={STEPS - 1}"),
     "a plan's t above the owner's": (_plan(honest=lambda t: 4), {}, "the plan's t is 4"),
     "a batch past the inputs a step may hold": (lambda flat: {**flat, "batch-size": 2 * 10 ** 6, "delta": 1e-10,
                                                               **dn.to_settings(client_level.calibrate(

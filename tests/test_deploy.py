@@ -84,6 +84,27 @@ def test_bad_input_is_refused_before_any_process_starts(tmp_path):
         assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()
 
 
+def test_clientapps_are_forked_warm_never_started_as_flwr_clientapp(tmp_path):
+    """A SuperNode's ClientApp tasks are forked from its warm process (fedsd/deployment/warm_supernode.py),
+    never started as Flower's `flwr-clientapp` command: here that command only fails, and the
+    round trains all the same, its task logged as Flower logs one."""
+    require("fmnist")
+    stub, cold = tmp_path / "bin", tmp_path / "cold-starts"
+    stub.mkdir()
+    (stub / "flwr-clientapp").write_text(f"#!/bin/sh\necho started >> '{cold}'\nexit 1\n")
+    (stub / "flwr-clientapp").chmod(0o755)
+    path = os.pathsep.join([str(stub), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    out = tmp_path / "out"
+    with LocalDeployment(tmp_path / "work", num_clients=1, env={"PATH": path}) as deployment:
+        assert deployment.warm_clientapps
+        deployment.start()
+        deployment.run({**RUN, "num-clients": 1, "num-server-rounds": 1, "out-dir": str(out)}, timeout=600)
+        assert clientapp_starts(deployment, 0) >= 1
+    result = json.loads((out / "result.json").read_text())
+    assert [r["trained"] for r in result["rounds"]] == [[0]]
+    assert not cold.exists()
+
+
 def test_unknown_supernode_key_is_refused(tmp_path):
     with LocalDeployment(tmp_path / "work", num_clients=1) as deployment:
         deployment.make_credentials(extra_keys=1)

@@ -24,14 +24,14 @@ from fedsd.app.simulated_shards import build_federation
 
 def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, work: Path | None = None,
                  timeout: float = 3600, client_data: Path | None = None, node_config: str = "",
-                 isolate: bool = False, echo=None) -> dict:
+                 isolate: bool = False, echo=None, warm_clientapps: bool = True) -> dict:
     """Start the deployment, run it, write out/result.json (the schema of `fedsd simulate`,
     plus tls / node_auth and the deployment's facts), stop everything."""
     out = out.absolute()
     work = Path(work or tempfile.mkdtemp(prefix="fedsd-deploy-"))
     started = time.perf_counter()
     with LocalDeployment(work, num_clients, client_data=client_data, node_config=node_config,
-                         isolate=isolate) as deployment:
+                         isolate=isolate, warm_clientapps=warm_clientapps) as deployment:
         deployment.start()
         ready = time.perf_counter() - started
         deployment.run({**run_config, "num-server-rounds": rounds, "num-clients": num_clients, "out-dir": str(out)},
@@ -41,7 +41,7 @@ def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, wor
         raise DeploymentError(f"the run ended without {result_path}; see {deployment.logs}")
     result = RunResult.read(result_path)
     result.extra.update(tls=True, node_auth=True, deployment=dict(
-        superlink=deployment.address, supernodes=num_clients,
+        superlink=deployment.address, supernodes=num_clients, clientapps="warm" if warm_clientapps else "cold",
         processes=("separate, each client in its own network namespace, its data service and its SuperNode under "
                    "uids of their own" if isolate else "separate, loopback"),
         isolation=dict(node_addresses=[deployment.isolation.address(k) for k in range(num_clients)],
@@ -67,6 +67,10 @@ def add_deploy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolate", action="store_true",
                    help="each SuperNode in its own network namespace (its own veth pair to the SuperLink, not "
                         "loopback) under its own uid, with only its own data readable by it (needs root)")
+    p.add_argument("--clientapps", choices=["warm", "cold"], default="warm",
+                   help="warm (default): each SuperNode's ClientApp tasks forked from a process that imported Flower "
+                        "once (fedsd/deployment/warm_supernode.py); cold: Flower's own start, a new interpreter a "
+                        "message")
     p.add_argument("--work", default=None, help="folder for Flower's state, logs and credentials "
                                                 "(default: a new temporary folder)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds the whole run may take")
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         result = deploy_local(args.num_clients, args.rounds, Path(args.out), run_config,
                               work=Path(args.work) if args.work else None, timeout=args.timeout,
                               client_data=Path(args.client_folders) if args.client_folders else None,
-                              node_config=args.node_config, isolate=args.isolate, echo=print_round)
+                              node_config=args.node_config, isolate=args.isolate, echo=print_round,
+                              warm_clientapps=args.clientapps == "warm")
     except KeyboardInterrupt:
         print("deploy-local: interrupted; every process it started is stopped", file=sys.stderr)
         return 130

@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", required=True, help="the deployment's folder (owners' state, logs); kept")
     p.add_argument("--out", required=True, help="the run's result folder (its checkpoint: resumed from)")
     p.add_argument("--timeout", type=float, default=48 * 3600)
+    p.add_argument("--clientapps", choices=["warm", "cold"], default="warm",
+                   help="warm: each node's ClientApps forked from a process that imported Flower once "
+                        "(fedsd/deployment/warm_supernode.py); cold: Flower's own start, a new interpreter each")
     args = p.parse_args(argv)
     work, out = Path(args.work).absolute(), Path(args.out).absolute()
     data = work / "data"
@@ -93,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     lifetime = CLIENT_LIFETIME if args.privacy_unit == "client" else 3
     owners = f"max-epsilon={lifetime:g} max-delta=1e-5 secagg-min-clients={{t}} secagg-roster='{{roster}}'"
     started = time.perf_counter()
-    with LocalDeployment(work / "deployment", args.clients, client_data=data, isolate=True) as deployment:
+    with LocalDeployment(work / "deployment", args.clients, client_data=data, isolate=True,
+                         warm_clientapps=args.clientapps == "warm") as deployment:
         roster = deployment.shared_dir() / "roster"
         deployment.node_config = [owners.format(t=args.clients, roster=roster)] * args.clients
         roster_of(deployment)
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out / "deployment.json", dict(
         command="python -m fedsd.deployment.deployed_distributed " + " ".join(argv or sys.argv[1:]),
         run_config=config, resumed=resumed, startup_seconds=round(ready, 1),
-        total_seconds=round(time.perf_counter() - started, 1), supernodes=args.clients,
+        total_seconds=round(time.perf_counter() - started, 1), supernodes=args.clients, clientapps=args.clientapps,
         node_threads=deployment.node_threads))
     return 0
 

@@ -230,8 +230,10 @@ class LocalDeployment:
     127.0.0.1, or with `isolate` each SuperNode in its own network namespace and uid."""
 
     def __init__(self, work: Path, num_clients: int, env: dict | None = None, client_data: Path | None = None,
-                 node_config: str | list[str] = "", isolate: bool = False):
+                 node_config: str | list[str] = "", isolate: bool = False, warm_clientapps: bool = True):
         self.work = Path(work).absolute()
+        # each SuperNode's ClientApp tasks forked from a warm process (fedsd/deployment/warm_supernode.py)
+        self.warm_clientapps = warm_clientapps
         self.num_clients = num_clients
         self.client_data = Path(client_data).absolute() if client_data else None  # client k: client_data/client-k
         # more k=v pairs for every SuperNode (max-epsilon=3 ...), or a list of them, one per SuperNode
@@ -373,7 +375,9 @@ class LocalDeployment:
         return proc
 
     def _supernode_cmd(self, key: Path, ca: Path, node_config: str, max_retries: int | None) -> list[str]:
-        cmd = ["flower-supernode", "--root-certificates", str(ca), "--superlink", self.address,
+        start = [sys.executable, "-P", "-m", "fedsd.deployment.warm_supernode"] if self.warm_clientapps else \
+            ["flower-supernode"]
+        cmd = start + ["--root-certificates", str(ca), "--superlink", self.address,
                "--auth-supernode-private-key", str(key), "--node-config", node_config, "--port", str(free_port())]
         return cmd + (["--max-retries", str(max_retries)] if max_retries is not None else [])
 

@@ -109,6 +109,8 @@ class NodeConfig:
     secagg_trust: str = setting("roster", "secure aggregation without a roster: with secagg-only=true this node refuses "
                                           "to take part unless the owner says honest-but-curious (a server that "
                                           "follows the protocol)", choices=("roster", "honest-but-curious"))
+    max_local_steps: int = setting(10_000, "the most local steps (local-steps) a round may ask of this node: a "
+                                           "round's work, and how long its service is busy, is the owner's to bound")
     secagg_keep_inputs: bool = setting(False, "secure aggregation: keep each round's unmasked vector, as this node "
                                               "released it into the sum, in state-dir/secagg/<run>-<experiment>-<round>-<id>.npy "
                                               "(the owner's own audit of what it released)")
@@ -225,6 +227,8 @@ def parse(node_config: Mapping) -> NodeConfig:
                               "protects only against a server that follows the protocol (it can substitute keys and "
                               "read this node's update); name the federation's roster (secagg-roster=PATH) or say "
                               "secagg-trust=honest-but-curious")
+    if node.max_local_steps < 1:
+        raise NodeConfigError(f"node-config max-local-steps={node.max_local_steps}: must be ≥ 1")
     if node.min_evaluation_samples < 1:
         raise NodeConfigError(f"node-config min-evaluation-samples={node.min_evaluation_samples}: must be ≥ 1")
     if node.service:

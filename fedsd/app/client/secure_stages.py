@@ -274,7 +274,7 @@ def _checked_plan(content: RecordDict, context: Context, owner: Owner):
             raise ConfigError("noise=distributed without secagg-roster: the server could pose as every neighbour "
                               "and unmask this owner's input with its share of the noise alone; name the "
                               "federation's roster, or say secagg-trust=honest-but-curious")
-        _check_unit(fed, cfg, DISTRIBUTED_METHODS)
+        _check_unit(fed, cfg, DISTRIBUTED_METHODS, owner.node.max_local_steps)
         if rounds != fed.rounds:
             raise ValueError(f"distributed noise: the plan's length is {rounds} rounds, the run's {fed.rounds}")
         if not 1 <= side.server_round <= fed.rounds:
@@ -297,10 +297,13 @@ def _checked_plan(content: RecordDict, context: Context, owner: Owner):
     return plan, side, own, t
 
 
-def _check_unit(fed, cfg, methods) -> None:
+def _check_unit(fed, cfg, methods, max_local_steps: int) -> None:
     """What each unit of protection takes in a round: record level, one DP-SGD step of a method
-    that can be one; client level (fedsd.secure.client_level), local epochs of plain SGD."""
+    that can be one; client level (fedsd.secure.client_level), `local-steps` steps of plain SGD,
+    at most the owner's `max-local-steps` (a round's work is the owner's to bound)."""
     if fed.privacy_unit == "client":
+        if fed.local_steps > max_local_steps:
+            raise ConfigError(f"local-steps={fed.local_steps}: above this owner's max-local-steps={max_local_steps}")
         if cfg.method != "dpsgd":
             raise ConfigError(f"method={cfg.method}: privacy-unit=client trains each client's update without noise "
                               f"and without a teacher (method=dpsgd); self-distillation is record level")
