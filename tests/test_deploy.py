@@ -84,27 +84,6 @@ def test_bad_input_is_refused_before_any_process_starts(tmp_path):
         assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()
 
 
-def test_clientapps_are_forked_warm_never_started_as_flwr_clientapp(tmp_path):
-    """A SuperNode's ClientApp tasks are forked from its warm process (fedsd/deployment/warm_supernode.py),
-    never started as Flower's `flwr-clientapp` command: here that command only fails, and the
-    round trains all the same, its task logged as Flower logs one."""
-    require("fmnist")
-    stub, cold = tmp_path / "bin", tmp_path / "cold-starts"
-    stub.mkdir()
-    (stub / "flwr-clientapp").write_text(f"#!/bin/sh\necho started >> '{cold}'\nexit 1\n")
-    (stub / "flwr-clientapp").chmod(0o755)
-    path = os.pathsep.join([str(stub), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    out = tmp_path / "out"
-    with LocalDeployment(tmp_path / "work", num_clients=1, env={"PATH": path}) as deployment:
-        assert deployment.warm_clientapps
-        deployment.start()
-        deployment.run({**RUN, "num-clients": 1, "num-server-rounds": 1, "out-dir": str(out)}, timeout=600)
-        assert clientapp_starts(deployment, 0) >= 1
-    result = json.loads((out / "result.json").read_text())
-    assert [r["trained"] for r in result["rounds"]] == [[0]]
-    assert not cold.exists()
-
-
 def test_unknown_supernode_key_is_refused(tmp_path):
     with LocalDeployment(tmp_path / "work", num_clients=1) as deployment:
         deployment.make_credentials(extra_keys=1)
@@ -119,10 +98,24 @@ def test_unknown_supernode_key_is_refused(tmp_path):
         assert "No SuperNode found with the given public key" in (deployment.logs / "superlink.log").read_text()
 
 
+def cold_start_stub(tmp_path: Path) -> tuple[dict, Path]:
+    """An environment whose `flwr-clientapp` command only fails, and the file it writes when
+    started: a deployment's ClientApp tasks are forked warm (fedsd/deployment/warm_supernode.py), never
+    started as that command."""
+    stub, cold = tmp_path / "bin", tmp_path / "cold-starts"
+    stub.mkdir()
+    (stub / "flwr-clientapp").write_text(f"#!/bin/sh\necho started >> '{cold}'\nexit 1\n")
+    (stub / "flwr-clientapp").chmod(0o755)
+    return {"PATH": os.pathsep.join([str(stub), str(Path(sys.executable).parent), os.environ.get("PATH", "")])}, cold
+
+
 def test_supernode_killed_mid_round_the_federation_goes_on(tmp_path):
+    """Also: every ClientApp task is forked warm (each logged as Flower logs one); a cold start
+    of `flwr-clientapp` would fail here."""
     require("fmnist")
     out = tmp_path / "out"
-    with LocalDeployment(tmp_path / "work", num_clients=2) as deployment:
+    env, cold = cold_start_stub(tmp_path)
+    with LocalDeployment(tmp_path / "work", num_clients=2, env=env) as deployment:
         deployment.start()
         run = deployment.submit({**RUN, "num-server-rounds": 3, "out-dir": str(out)})
         # Round 2 has reached client 1 (its ClientApp process is starting): kill its SuperNode.
@@ -136,6 +129,7 @@ def test_supernode_killed_mid_round_the_federation_goes_on(tmp_path):
     assert missed == {"2": [1], "3": [1]}, result["missed"]
     assert "heartbeat" in result["missed"]["2"][0]["reason"] or "timeout" in result["missed"]["2"][0]["reason"]
     assert result["rounds"][-1]["test_accuracy"] > result["rounds"][0]["test_accuracy"]
+    assert not cold.exists()
 
 
 def test_server_stopped_and_resumed_goes_on_with_every_clients_privacy_state(tmp_path):

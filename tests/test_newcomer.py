@@ -220,6 +220,33 @@ def test_colocated_nodes_share_the_machines_cores_unless_the_operator_says(tmp_p
     assert LocalDeployment(tmp_path / "b", 2).node_threads == 3
 
 
+def test_a_warm_supernode_starts_flower_supernode_in_process_isolation_and_needs_its_port(tmp_path):
+    """deploy-local's SuperNodes run as `python -P -m fedsd.deployment.warm_supernode <flower-supernode
+    options>` (their ClientApps forked warm); `--clientapps cold` is Flower's own command. The warm
+    SuperExec connects to the SuperNode's Runtime API, so the port must be given."""
+    from fedsd.deployment import warm_supernode
+    from fedsd.deployment.local_deployment import LocalDeployment
+
+    key, ca = tmp_path / "key", tmp_path / "ca"
+    deployment = LocalDeployment(tmp_path / "a", 1)
+    assert deployment.warm_clientapps and not LocalDeployment(tmp_path / "b", 1, warm_clientapps=False).warm_clientapps
+    warm = deployment._supernode_cmd(key, ca, "partition-id=0", None)
+    deployment.warm_clientapps = False
+    cold = deployment._supernode_cmd(key, ca, "partition-id=0", None)
+    assert warm[:4] == [sys.executable, "-P", "-m", "fedsd.deployment.warm_supernode"] and cold[0] == "flower-supernode"
+    port = warm[warm.index("--port") + 1]
+    assert warm[4:] == [port if a == cold[cold.index("--port") + 1] else a for a in cold[1:]]  # the same options
+    assert warm_supernode.runtime_address(warm[4:]) == f"127.0.0.1:{port}"
+    assert warm_supernode.runtime_address(["--port=9094"]) == "127.0.0.1:9094"
+    assert warm_supernode.runtime_address(["--host", "10.0.0.2", "--port", "9094"]) == "10.0.0.2:9094"
+    with pytest.raises(SystemExit, match="--port"):
+        warm_supernode.runtime_address(["--superlink", "127.0.0.1:9092"])
+    for option in ("--ssl-certfile=c.pem", "--superexec-auth-secret-file", "--allow-runtime-dependency-installation"):
+        # the warm launcher would leave it out (a review playing the attacker found it silently dropped)
+        with pytest.raises(SystemExit, match=f"{option.split('=')[0]} is not taken here"):
+            warm_supernode.runtime_address(["--port", "9094", option])
+
+
 def test_the_device_is_cuda_where_present_else_the_cpu_by_default():
     from fedsd.training.central import resolve_device
     from fedsd.settings.run import TrainConfig

@@ -1,68 +1,109 @@
 """A SuperNode whose ClientApps start warm: `python -P -m fedsd.deployment.warm_supernode ARGS`
 runs `flower-supernode ARGS --isolation process` and, beside it, Flower's own SuperExec loop
 (`run_superexec`) with one change: each `flwr-clientapp` task is forked from a process that has
-imported Flower once (multiprocessing's forkserver, its preload), not started as a new
-interpreter.
+imported Flower once (`ZYGOTE`), not started as a new interpreter.
 
 Why: Flower starts a fresh `flwr-clientapp` process for every message a node receives, and its
 start (the interpreter, Flower's import) costs about 1.3 s of CPU before the app runs. A round
 of secure aggregation is six messages to each node; on a machine where ten nodes share two
 cores that start was most of each stage (results/deploy-distributed.md). Forked from the warm
-process, a task pays only what it does: pull its message, load the app, answer. Each task is
-still a process of its own, started clean (the forkserver holds no task's state, no key, no
-data: nothing of a task reaches the next), run by the node's user, as Flower's subprocess
-isolation runs it; the task itself is Flower's `run_clientapp`, unchanged.
+process, a task pays only what it does: pull its message, load the app, answer.
+
+What a task gets is what `flwr-clientapp` would have: a process of its own, run by the node's
+user, running Flower's `run_clientapp` unchanged, with the program name and the log line of
+Flower's command. The warm process is a fresh interpreter (`python -P -c ZYGOTE`) that imported
+Flower and nothing of fedsd (so the app bundle's own `fedsd` modules load in the task, as in
+Flower's start), holds no task's state, key or data, and takes its launch requests on a pipe
+from this process alone: a task cannot reach it (its end of the pipe is closed in the task).
+Written here rather than with multiprocessing's forkserver, whose listening socket any task of
+the node could use, and whose children import the parent's main module (this one, and with it
+the installed fedsd).
 
 Both processes are in this process's group: stopping the group stops the node, its SuperExec
-and its tasks; the SuperExec exits when the SuperNode does (Flower's parent-pid monitor).
+and its tasks; this process exits when the SuperNode does, with its status. Options of
+Flower's SuperExec this launcher does not pass on (the Runtime API's TLS, SuperExec
+authentication, installing an app's dependencies at run time) are refused.
 """
 from __future__ import annotations
 
-import multiprocessing
+import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 
-PRELOAD = ["flwr.supernode.runtime.run_clientapp", "flwr.supercore.tls"]
+# The warm process: imports Flower once, then forks one task a line read from its stdin (the
+# launcher's pipe) and ends when the pipe does. Ended tasks are reaped by the kernel (SIGCHLD
+# ignored; a task gets the default back, for its own children).
+ZYGOTE = r'''
+import json, os, signal, sys, traceback
+from logging import INFO
+from flwr.supercore import log
+from flwr.supercore.tls import validate_and_resolve_root_certificates
+from flwr.supernode.runtime.run_clientapp import run_clientapp
+
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+program = os.path.join(os.path.dirname(sys.executable), "flwr-clientapp")
+for line in iter(sys.stdin.buffer.raw.readline, b""):  # unbuffered: a task holds no later request
+    task = json.loads(line)
+    if os.fork() != 0:
+        continue
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.argv = [program]
+    code = 1
+    try:
+        log(INFO, "Start `flwr-clientapp` process")
+        run_clientapp(runtime_api_address=task["address"], token=task["token"], insecure=task["insecure"],
+                      certificates=validate_and_resolve_root_certificates(task["certificates"], task["insecure"]),
+                      parent_pid=task["parent_pid"], runtime_dependency_install=False)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+'''
+
+UNSUPPORTED = ("--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certfile", "--appio-ssl-certfile", "--appio-ssl-keyfile",
+               "--superexec-auth-secret-file", "--allow-runtime-dependency-installation", "--isolation")
 
 
 def runtime_address(args: list[str]) -> str:
-    """The SuperNode's Runtime API, where its SuperExec asks for tasks: loopback at its --port
-    (required here: the two processes must agree on it)."""
+    """The SuperNode's Runtime API, where its SuperExec asks for tasks: its --host (loopback by
+    default) at its --port (required here: the two processes must agree on it). An option this
+    launcher does not pass on to the SuperExec is refused, naming it."""
+    for arg in args:
+        if arg.split("=", 1)[0] in UNSUPPORTED:
+            raise SystemExit(f"warm_supernode: {arg.split('=', 1)[0]} is not taken here (its ClientApps are "
+                             f"forked without it); run flower-supernode itself for it")
+    values = {}
     for i, arg in enumerate(args):
-        if arg == "--port" and i + 1 < len(args):
-            return f"127.0.0.1:{args[i + 1]}"
-        if arg.startswith("--port="):
-            return f"127.0.0.1:{arg.split('=', 1)[1]}"
-    raise SystemExit("warm_supernode: give the SuperNode's Runtime API --port (its SuperExec connects to it)")
-
-
-def _clientapp(address: str, token: str, insecure: bool, certificates_path: str | None, parent_pid: int | None,
-               install: bool) -> None:
-    """One task, as `flwr-clientapp --runtime-api-address … --token …` runs it (flwr.supernode.cli.flwr_clientapp),
-    its log line included."""
-    from logging import INFO
-
-    from flwr.supercore import log
-    from flwr.supercore.tls import validate_and_resolve_root_certificates
-    from flwr.supernode.runtime.run_clientapp import run_clientapp
-
-    log(INFO, "Start `flwr-clientapp` process")
-
-    run_clientapp(runtime_api_address=address, token=token, insecure=insecure,
-                  certificates=validate_and_resolve_root_certificates(certificates_path, insecure),
-                  parent_pid=parent_pid, runtime_dependency_install=install)
+        name, _, value = arg.partition("=")
+        if name in ("--port", "--host"):
+            values[name] = value if value else (args[i + 1] if i + 1 < len(args) else "")
+    if not values.get("--port"):
+        raise SystemExit("warm_supernode: give the SuperNode's Runtime API --port (its SuperExec connects to it)")
+    return f"{values.get('--host') or '127.0.0.1'}:{values['--port']}"
 
 
 class ForkExecutor:
-    """Flower's SubprocessExecutor for every task type but the ClientApp, which is forked warm."""
+    """Flower's SubprocessExecutor for every task type but the ClientApp, which is forked warm;
+    if the warm process cannot take a task (it died, and a new one failed too), that task is
+    started as Flower starts it."""
 
     def __init__(self):
         from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
 
         self.cold = SubprocessExecutor()
-        self.context = multiprocessing.get_context("forkserver")
-        self.context.set_forkserver_preload(PRELOAD)
+        self.zygote: subprocess.Popen | None = None
+        self._warm()  # it imports Flower while the SuperNode connects
 
     def get_eligible_capacity(self, supported_task_types, **kwargs):
         return self.cold.get_eligible_capacity(supported_task_types, **kwargs)
@@ -74,17 +115,37 @@ class ForkExecutor:
         from flwr.supercore.constant import TaskType
         from flwr.supercore.superexec.executor.types import LaunchResult
 
-        if spec.task_type != TaskType.CLIENT_APP:
+        if spec.task_type != TaskType.CLIENT_APP or spec.runtime_dependency_install:
             return self.cold.launch(spec)
-        self.context.Process(target=_clientapp, daemon=False,
-                             args=(spec.runtime_api_address, spec.token, spec.insecure, spec.root_certificates_path,
-                                   spec.parent_pid, spec.runtime_dependency_install)).start()
-        return LaunchResult.accepted()
+        line = json.dumps(dict(address=spec.runtime_api_address, token=spec.token, insecure=spec.insecure,
+                               certificates=spec.root_certificates_path, parent_pid=spec.parent_pid)) + "\n"
+        for _ in range(2):
+            try:
+                self._warm().stdin.write(line.encode())
+                self.zygote.stdin.flush()
+                return LaunchResult.accepted()
+            except OSError:  # it died: one new one
+                self._drop()
+        return self.cold.launch(spec)
+
+    def _warm(self) -> subprocess.Popen:
+        if self.zygote is None or self.zygote.poll() is not None:
+            self.zygote = subprocess.Popen([sys.executable, "-P", "-c", ZYGOTE], stdin=subprocess.PIPE)
+        return self.zygote
 
     def reconcile(self) -> None:
-        multiprocessing.active_children()  # reaps the tasks that ended
+        pass
+
+    def _drop(self) -> None:
+        if self.zygote is not None:
+            try:
+                self.zygote.stdin.close()  # it ends with its pipe
+            except OSError:
+                pass
+            self.zygote = None
 
     def close(self) -> None:
+        self._drop()
         self.cold.close()
 
 
@@ -92,6 +153,15 @@ def main(args: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if args is None else args)
     address = runtime_address(args)
     node = subprocess.Popen(["flower-supernode", *args, "--isolation", "process"])
+
+    def end_with_node():
+        # This process ends with its SuperNode, with its exit status (a node refused by the
+        # SuperLink exits, and so does this). Flower's parent-pid monitor cannot tell: a child
+        # that exited stays a process until its parent reaps it. Tasks in flight watch this pid.
+        code = node.wait()
+        os._exit(code if code >= 0 else 128 - code)
+
+    threading.Thread(target=end_with_node, daemon=True).start()
 
     def stop(signum, _frame):
         node.terminate()
@@ -103,7 +173,7 @@ def main(args: list[str] | None = None) -> None:
     # The one change to Flower's SuperExec: its executor (Flower picks it by name from two kinds).
     flower.get_executor = lambda *_args, **_kwargs: ForkExecutor()
     try:
-        flower.run_superexec(runtime_api_address=address, insecure=True, parent_pid=node.pid)
+        flower.run_superexec(runtime_api_address=address, insecure=True)
     finally:
         if node.poll() is None:
             node.terminate()
