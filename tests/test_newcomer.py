@@ -220,10 +220,10 @@ def test_colocated_nodes_share_the_machines_cores_unless_the_operator_says(tmp_p
     assert LocalDeployment(tmp_path / "b", 2).node_threads == 3
 
 
-def test_a_warm_supernode_starts_flower_supernode_in_process_isolation_and_needs_its_port(tmp_path):
+def test_a_warm_supernode_starts_flower_supernode_in_process_isolation_at_its_runtime_address(tmp_path):
     """deploy-local's SuperNodes run as `python -P -m fedsd.deployment.warm_supernode <flower-supernode
     options>` (their ClientApps forked warm); `--clientapps cold` is Flower's own command. The warm
-    SuperExec connects to the SuperNode's Runtime API, so the port must be given."""
+    SuperExec connects to the SuperNode's Runtime API where the SuperNode serves it."""
     from fedsd.deployment import warm_supernode
     from fedsd.deployment.local_deployment import LocalDeployment
 
@@ -237,14 +237,15 @@ def test_a_warm_supernode_starts_flower_supernode_in_process_isolation_and_needs
     port = warm[warm.index("--port") + 1]
     assert warm[4:] == [port if a == cold[cold.index("--port") + 1] else a for a in cold[1:]]  # the same options
     assert warm_supernode.runtime_address(warm[4:]) == f"127.0.0.1:{port}"
-    assert warm_supernode.runtime_address(["--port=9094"]) == "127.0.0.1:9094"
+    # read as flower-supernode reads them: its own parser, its defaults, its abbreviations
+    assert warm_supernode.runtime_address(["--po=9095"]) == "127.0.0.1:9095"
     assert warm_supernode.runtime_address(["--host", "10.0.0.2", "--port", "9094"]) == "10.0.0.2:9094"
-    with pytest.raises(SystemExit, match="--port"):
-        warm_supernode.runtime_address(["--superlink", "127.0.0.1:9092"])
-    for option in ("--ssl-certfile=c.pem", "--superexec-auth-secret-file", "--allow-runtime-dependency-installation"):
-        # the warm launcher would leave it out (a review playing the attacker found it silently dropped)
-        with pytest.raises(SystemExit, match=f"{option.split('=')[0]} is not taken here"):
-            warm_supernode.runtime_address(["--port", "9094", option])
+    assert warm_supernode.runtime_address(["--host", "::1", "--port", "9094"]) == "[::1]:9094"
+    for option in (["--ssl-certfile=c.pem"], ["--ssl-cert", "c.pem"], ["--superexec-auth", "s"],
+                   ["--allow-runtime"], ["--isolation=subprocess"]):
+        # the warm launcher would leave it out (reviews playing the attacker found it silently dropped)
+        with pytest.raises(SystemExit, match="is not taken here|is its own"):
+            warm_supernode.runtime_address(["--port", "9094", *option])
 
 
 def test_the_device_is_cuda_where_present_else_the_cpu_by_default():

@@ -14,7 +14,9 @@ user, running Flower's `run_clientapp` unchanged, with the program name and the 
 Flower's command. The warm process is a fresh interpreter (`python -P -c ZYGOTE`) that imported
 Flower and nothing of fedsd (so the app bundle's own `fedsd` modules load in the task, as in
 Flower's start), holds no task's state, key or data, and takes its launch requests on a pipe
-from this process alone: a task cannot reach it (its end of the pipe is closed in the task).
+from this process alone: a task cannot reach it (its end of the pipe is closed in the task, and
+the warm process, like this one, is not dumpable: no process of the node's uid opens its files
+under /proc or traces it, as Flower's own SuperExec guards itself).
 Written here rather than with multiprocessing's forkserver, whose listening socket any task of
 the node could use, and whose children import the parent's main module (this one, and with it
 the installed fedsd).
@@ -26,6 +28,7 @@ authentication, installing an app's dependencies at run time) are refused.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -33,26 +36,36 @@ import subprocess
 import sys
 import threading
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
 # The warm process: imports Flower once, then forks one task a line read from its stdin (the
 # launcher's pipe) and ends when the pipe does. Ended tasks are reaped by the kernel (SIGCHLD
 # ignored; a task gets the default back, for its own children).
 ZYGOTE = r'''
 import json, os, signal, sys, traceback
 from logging import INFO
+import ctypes
 from flwr.supercore import log
 from flwr.supercore.tls import validate_and_resolve_root_certificates
+from flwr.supercore.utils import disable_process_dumping
 from flwr.supernode.runtime.run_clientapp import run_clientapp
 
+disable_process_dumping(strict=False)  # no task of this uid reopens its pipe or traces it (/proc, ptrace)
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)
 program = os.path.join(os.path.dirname(sys.executable), "flwr-clientapp")
 for line in iter(sys.stdin.buffer.raw.readline, b""):  # unbuffered: a task holds no later request
-    task = json.loads(line)
-    if os.fork() != 0:
+    try:
+        task = json.loads(line)
+        if os.fork() != 0:
+            continue
+    except Exception:
+        traceback.print_exc()
         continue
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+    ctypes.CDLL(None).prctl(4, 1)  # PR_SET_DUMPABLE, as a task Flower starts is (its pipe is closed now)
     sys.argv = [program]
     code = 1
     try:
@@ -71,26 +84,27 @@ for line in iter(sys.stdin.buffer.raw.readline, b""):  # unbuffered: a task hold
         os._exit(code)
 '''
 
-UNSUPPORTED = ("--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certfile", "--appio-ssl-certfile", "--appio-ssl-keyfile",
-               "--superexec-auth-secret-file", "--allow-runtime-dependency-installation", "--isolation")
-
-
 def runtime_address(args: list[str]) -> str:
-    """The SuperNode's Runtime API, where its SuperExec asks for tasks: its --host (loopback by
-    default) at its --port (required here: the two processes must agree on it). An option this
-    launcher does not pass on to the SuperExec is refused, naming it."""
-    for arg in args:
-        if arg.split("=", 1)[0] in UNSUPPORTED:
-            raise SystemExit(f"warm_supernode: {arg.split('=', 1)[0]} is not taken here (its ClientApps are "
-                             f"forked without it); run flower-supernode itself for it")
-    values = {}
-    for i, arg in enumerate(args):
-        name, _, value = arg.partition("=")
-        if name in ("--port", "--host"):
-            values[name] = value if value else (args[i + 1] if i + 1 < len(args) else "")
-    if not values.get("--port"):
-        raise SystemExit("warm_supernode: give the SuperNode's Runtime API --port (its SuperExec connects to it)")
-    return f"{values.get('--host') or '127.0.0.1'}:{values['--port']}"
+    """The SuperNode's Runtime API, where its SuperExec asks for tasks: its --host at its --port,
+    as `flower-supernode` reads them (its own parser, abbreviations included). An option this
+    launcher would not pass on to the SuperExec (the Runtime API's TLS, SuperExec authentication,
+    run-time dependency installation, another isolation) is refused, naming it."""
+    from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode  # Flower's parser: its reading
+
+    parser = _parse_args_run_supernode()
+    parser.set_defaults(isolation=None)  # given at all, it is refused: this launcher's is `process`
+    given = vars(parser.parse_args(args))
+    unsupported = {"ssl_certfile": "--ssl-certfile", "ssl_keyfile": "--ssl-keyfile",
+                   "ssl_ca_certfile": "--ssl-ca-certfile", "superexec_auth_secret_file": "--superexec-auth-secret-file",
+                   "runtime_dependency_install": "--allow-runtime-dependency-installation"}
+    for key, option in unsupported.items():
+        if given.get(key):
+            raise SystemExit(f"warm_supernode: {option} is not taken here (its ClientApps are forked without it); "
+                             f"run flower-supernode itself for it")
+    if given.get("isolation") is not None:
+        raise SystemExit("warm_supernode: --isolation is its own (process, beside its SuperExec); leave it out")
+    host = given["host"]
+    return f"[{host}]:{given['port']}" if ":" in host else f"{host}:{given['port']}"
 
 
 class ForkExecutor:
@@ -150,9 +164,14 @@ class ForkExecutor:
 
 
 def main(args: list[str] | None = None) -> None:
+    from flwr.supercore.utils import disable_process_dumping
+
+    disable_process_dumping(strict=False)  # as Flower's own SuperExec: no task of this uid traces it
     args = list(sys.argv[1:] if args is None else args)
     address = runtime_address(args)
-    node = subprocess.Popen(["flower-supernode", *args, "--isolation", "process"])
+    # The node ends with this process (killed alone, it would leave the node connected, running no task).
+    node = subprocess.Popen(["flower-supernode", *args, "--isolation", "process"],
+                            preexec_fn=lambda: ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM))
 
     def end_with_node():
         # This process ends with its SuperNode, with its exit status (a node refused by the
