@@ -233,10 +233,12 @@ def test_a_warm_supernode_starts_flower_supernode_in_process_isolation_at_its_ru
     warm = deployment._supernode_cmd(key, ca, "partition-id=0", None)
     deployment.warm_clientapps = False
     cold = deployment._supernode_cmd(key, ca, "partition-id=0", None)
-    assert warm[:4] == [sys.executable, "-P", "-m", "fedsd.deployment.warm_supernode"] and cold[0] == "flower-supernode"
+    assert warm[:5] == [sys.executable, "-P", "-m", "fedsd.deployment.warm_supernode", "--pull-interval=0.5"]
+    assert cold[0] == "flower-supernode"
     port = warm[warm.index("--port") + 1]
-    assert warm[4:] == [port if a == cold[cold.index("--port") + 1] else a for a in cold[1:]]  # the same options
-    assert warm_supernode.runtime_address(warm[4:]) == f"127.0.0.1:{port}"
+    assert warm[5:] == [port if a == cold[cold.index("--port") + 1] else a for a in cold[1:]]  # the same options
+    options = warm[4:]
+    assert warm_supernode.pull_interval(options) == 0.5 and warm_supernode.runtime_address(options) == f"127.0.0.1:{port}"
     # read as flower-supernode reads them: its own parser, its defaults, its abbreviations
     assert warm_supernode.runtime_address(["--po=9095"]) == "127.0.0.1:9095"
     assert warm_supernode.runtime_address(["--host", "10.0.0.2", "--port", "9094"]) == "10.0.0.2:9094"
@@ -246,6 +248,31 @@ def test_a_warm_supernode_starts_flower_supernode_in_process_isolation_at_its_ru
         # the warm launcher would leave it out (reviews playing the attacker found it silently dropped)
         with pytest.raises(SystemExit, match="is not taken here|is its own"):
             warm_supernode.runtime_address(["--port", "9094", *option])
+
+
+def test_a_warm_supernodes_pull_interval_is_checked_and_taken_off_flowers_options(tmp_path, capsys):
+    """`--pull-interval S` (first) caps the SuperNode's wait after a pull that found no message
+    (Flower's: 3 s); from 0.1 s to Flower's 3 s, refused otherwise before anything starts, and
+    refused with Flower's own SuperNode (`--clientapps cold`)."""
+    from fedsd.deployment import warm_supernode
+    from fedsd.deployment.deployed_distributed import main as deployed
+
+    for given, seconds, rest in ((["--pull-interval", "0.25", "--port", "9"], 0.25, ["--port", "9"]),
+                                 (["--pull-interval=3"], 3.0, []), (["--port", "9"], None, ["--port", "9"])):
+        assert warm_supernode.pull_interval(given) == seconds and given == rest
+    for bad in (["--pull-interval=0.05"], ["--pull-interval", "4"], ["--pull-interval=nan"], ["--pull-interval"]):
+        with pytest.raises(SystemExit, match="--pull-interval .*: seconds from 0.1 to 3"):
+            warm_supernode.pull_interval(bad)
+    proc = subprocess.run([sys.executable, "-P", "-m", "fedsd.deployment.warm_supernode", "--pull-interval=9"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "seconds from 0.1 to 3" in proc.stderr, proc.stderr
+    work, out = tmp_path / "w", tmp_path / "o"
+    for options, needle in ((["--pull-interval", "0.01"], "invalid seconds from 0.1 to 3 value"),
+                            (["--clientapps", "cold", "--pull-interval", "1"], "only with --clientapps warm")):
+        with pytest.raises(SystemExit) as refused:
+            deployed([*options, "--work", str(work), "--out", str(out)])
+        assert refused.value.code == 2 and needle in capsys.readouterr().err
+        assert not work.exists() and not out.exists()
 
 
 def test_the_device_is_cuda_where_present_else_the_cpu_by_default():

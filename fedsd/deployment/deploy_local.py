@@ -17,21 +17,22 @@ from fedsd.settings.federation import FedConfig, from_flat
 from fedsd.files.results import RunResult, check_out_dir
 from fedsd.settings.declared import add_options, given_flat
 from fedsd.cli import dry_run
-from fedsd.deployment.local_deployment import DeploymentError, LocalDeployment
+from fedsd.deployment.local_deployment import DeploymentError, LocalDeployment, add_node_arguments, node_start
 from fedsd.training.summary import run_summary
 from fedsd.app.simulated_shards import build_federation
 
 
 def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, work: Path | None = None,
                  timeout: float = 3600, client_data: Path | None = None, node_config: str = "",
-                 isolate: bool = False, echo=None, warm_clientapps: bool = True) -> dict:
+                 isolate: bool = False, echo=None, nodes: dict | None = None) -> dict:
     """Start the deployment, run it, write out/result.json (the schema of `fedsd simulate`,
-    plus tls / node_auth and the deployment's facts), stop everything."""
+    plus tls / node_auth and the deployment's facts), stop everything. `nodes`: how the SuperNodes
+    start (LocalDeployment's warm_clientapps and pull_interval; node_start reads them from options)."""
     out = out.absolute()
     work = Path(work or tempfile.mkdtemp(prefix="fedsd-deploy-"))
     started = time.perf_counter()
     with LocalDeployment(work, num_clients, client_data=client_data, node_config=node_config,
-                         isolate=isolate, warm_clientapps=warm_clientapps) as deployment:
+                         isolate=isolate, **(nodes or {})) as deployment:
         deployment.start()
         ready = time.perf_counter() - started
         deployment.run({**run_config, "num-server-rounds": rounds, "num-clients": num_clients, "out-dir": str(out)},
@@ -41,7 +42,8 @@ def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, wor
         raise DeploymentError(f"the run ended without {result_path}; see {deployment.logs}")
     result = RunResult.read(result_path)
     result.extra.update(tls=True, node_auth=True, deployment=dict(
-        superlink=deployment.address, supernodes=num_clients, clientapps="warm" if warm_clientapps else "cold",
+        superlink=deployment.address, supernodes=num_clients, clientapps="warm" if deployment.warm_clientapps else "cold",
+        pull_interval=deployment.pull_interval,
         processes=("separate, each client in its own network namespace, its data service and its SuperNode under "
                    "uids of their own" if isolate else "separate, loopback"),
         isolation=dict(node_addresses=[deployment.isolation.address(k) for k in range(num_clients)],
@@ -67,10 +69,7 @@ def add_deploy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolate", action="store_true",
                    help="each SuperNode in its own network namespace (its own veth pair to the SuperLink, not "
                         "loopback) under its own uid, with only its own data readable by it (needs root)")
-    p.add_argument("--clientapps", choices=["warm", "cold"], default="warm",
-                   help="warm (default): each SuperNode's ClientApp tasks forked from a process that imported Flower "
-                        "once (fedsd/deployment/warm_supernode.py); cold: Flower's own start, a new interpreter a "
-                        "message")
+    add_node_arguments(p)
     p.add_argument("--work", default=None, help="folder for Flower's state, logs and credentials "
                                                 "(default: a new temporary folder)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds the whole run may take")
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                               work=Path(args.work) if args.work else None, timeout=args.timeout,
                               client_data=Path(args.client_folders) if args.client_folders else None,
                               node_config=args.node_config, isolate=args.isolate, echo=print_round,
-                              warm_clientapps=args.clientapps == "warm")
+                              nodes=node_start(p, args))
     except KeyboardInterrupt:
         print("deploy-local: interrupted; every process it started is stopped", file=sys.stderr)
         return 130

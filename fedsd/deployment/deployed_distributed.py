@@ -21,7 +21,7 @@ from pathlib import Path
 from fedsd.app.server import checkpoint
 from fedsd.cli.secure_simulation import FEATURES_RECIPE, FEATURES_ROUNDS
 from fedsd.cli.split_data import write_client_folders
-from fedsd.deployment.local_deployment import LocalDeployment
+from fedsd.deployment.local_deployment import LocalDeployment, add_node_arguments, node_start
 from fedsd.files.results import write_json
 from fedsd.settings.federation import FedConfig
 from fedsd.settings.run import TrainConfig
@@ -86,10 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", required=True, help="the deployment's folder (owners' state, logs); kept")
     p.add_argument("--out", required=True, help="the run's result folder (its checkpoint: resumed from)")
     p.add_argument("--timeout", type=float, default=48 * 3600)
-    p.add_argument("--clientapps", choices=["warm", "cold"], default="warm",
-                   help="warm: each node's ClientApps forked from a process that imported Flower once "
-                        "(fedsd/deployment/warm_supernode.py); cold: Flower's own start, a new interpreter each")
+    add_node_arguments(p)
     args = p.parse_args(argv)
+    nodes = node_start(p, args)
     work, out = Path(args.work).absolute(), Path(args.out).absolute()
     data = work / "data"
     split(data, args.clients, args.partition, args.dirichlet_alpha, args.seed)
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     owners = f"max-epsilon={lifetime:g} max-delta=1e-5 secagg-min-clients={{t}} secagg-roster='{{roster}}'"
     started = time.perf_counter()
     with LocalDeployment(work / "deployment", args.clients, client_data=data, isolate=True,
-                         warm_clientapps=args.clientapps == "warm") as deployment:
+                         **nodes) as deployment:
         roster = deployment.shared_dir() / "roster"
         deployment.node_config = [owners.format(t=args.clients, roster=roster)] * args.clients
         roster_of(deployment)
@@ -113,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         command="python -m fedsd.deployment.deployed_distributed " + " ".join(argv or sys.argv[1:]),
         run_config=config, resumed=resumed, startup_seconds=round(ready, 1),
         total_seconds=round(time.perf_counter() - started, 1), supernodes=args.clients, clientapps=args.clientapps,
+        pull_interval=deployment.pull_interval,
         node_threads=deployment.node_threads))
     return 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import argparse
 import os
 import shutil
 import signal
@@ -50,6 +51,39 @@ def flower_tool_env(flwr_home: Path) -> dict:
 def node_threads(nodes: int, cores: int | None = None) -> int:
     """Threads for each of `nodes` nodes sharing `cores` (this machine's): their share, at least 1."""
     return max(1, (cores or os.cpu_count() or 1) // nodes)
+
+
+# A warm SuperNode's pull loop sleeps at most this long after a pull that found no message (Flower's
+# SuperNode: a fixed 3 s, so each stage of a round waited up to 3 s for its slowest node); 0.5 s,
+# as the SuperExec's and the ServerApp grid's polls (fedsd/app/server/grid.py).
+PULL_SECONDS = 0.5
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    """How a deployment starts its SuperNodes (deploy-local's and deployed_distributed's options)."""
+    from fedsd.deployment.warm_supernode import PULL_INTERVALS
+
+    def seconds(text: str) -> float:
+        value = float(text)
+        if not PULL_INTERVALS[0] <= value <= PULL_INTERVALS[1]:
+            raise ValueError(text)
+        return value
+    seconds.__name__ = f"seconds from {PULL_INTERVALS[0]:g} to {PULL_INTERVALS[1]:g}"  # argparse's message
+    p.add_argument("--clientapps", choices=["warm", "cold"], default="warm",
+                   help="warm (default): each SuperNode's ClientApp tasks forked from a process that imported Flower "
+                        "once (fedsd/deployment/warm_supernode.py); cold: Flower's own start, a new interpreter a "
+                        "message, and Flower's own SuperNode command")
+    p.add_argument("--pull-interval", type=seconds, default=None, metavar="S",
+                   help=f"with warm ClientApps: the longest a SuperNode waits before it asks the SuperLink again "
+                        f"after finding no message (default {PULL_SECONDS:g}; 3 is Flower's own)")
+
+
+def node_start(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """LocalDeployment's keywords for add_node_arguments' options."""
+    if args.clientapps == "cold" and args.pull_interval is not None:
+        p.error("--pull-interval: only with --clientapps warm (cold is Flower's own SuperNode, which waits 3 s)")
+    return dict(warm_clientapps=args.clientapps == "warm",
+                pull_interval=PULL_SECONDS if args.pull_interval is None else args.pull_interval)
 
 
 def run_config_arg(values: dict) -> str:
@@ -230,10 +264,13 @@ class LocalDeployment:
     127.0.0.1, or with `isolate` each SuperNode in its own network namespace and uid."""
 
     def __init__(self, work: Path, num_clients: int, env: dict | None = None, client_data: Path | None = None,
-                 node_config: str | list[str] = "", isolate: bool = False, warm_clientapps: bool = True):
+                 node_config: str | list[str] = "", isolate: bool = False, warm_clientapps: bool = True,
+                 pull_interval: float | None = PULL_SECONDS):
         self.work = Path(work).absolute()
-        # each SuperNode's ClientApp tasks forked from a warm process (fedsd/deployment/warm_supernode.py)
+        # each SuperNode's ClientApp tasks forked from a warm process (fedsd/deployment/warm_supernode.py),
+        # its pull loop's sleeps capped at pull_interval seconds (None: Flower's 3 s); cold: Flower's command
         self.warm_clientapps = warm_clientapps
+        self.pull_interval = pull_interval if warm_clientapps else None
         self.num_clients = num_clients
         self.client_data = Path(client_data).absolute() if client_data else None  # client k: client_data/client-k
         # more k=v pairs for every SuperNode (max-epsilon=3 ...), or a list of them, one per SuperNode
@@ -377,6 +414,8 @@ class LocalDeployment:
     def _supernode_cmd(self, key: Path, ca: Path, node_config: str, max_retries: int | None) -> list[str]:
         start = [sys.executable, "-P", "-m", "fedsd.deployment.warm_supernode"] if self.warm_clientapps else \
             ["flower-supernode"]
+        if self.warm_clientapps and self.pull_interval is not None:
+            start += [f"--pull-interval={self.pull_interval:g}"]
         cmd = start + ["--root-certificates", str(ca), "--superlink", self.address,
                "--auth-supernode-private-key", str(key), "--node-config", node_config, "--port", str(free_port())]
         return cmd + (["--max-retries", str(max_retries)] if max_retries is not None else [])

@@ -21,6 +21,12 @@ Written here rather than with multiprocessing's forkserver, whose listening sock
 the node could use, and whose children import the parent's main module (this one, and with it
 the installed fedsd).
 
+Flower's SuperNode sleeps a fixed 3 s after each pull that found no message
+(flwr/supernode/start_client_internal.py; no option sets it), so every stage of a round waits up to
+3 s for its slowest node. `--pull-interval S` (0.1 to 3; first, before Flower's options) runs the
+same `flower-supernode` with that module's sleeps capped at S: its wait after an empty pull, and
+its 0.5 s waits for a reply to push. Left out, the node is Flower's command as it is.
+
 Both processes are in this process's group: stopping the group stops the node, its SuperExec
 and its tasks; this process exits when the SuperNode does, with its status. Options of
 Flower's SuperExec this launcher does not pass on (the Runtime API's TLS, SuperExec
@@ -65,7 +71,7 @@ for line in iter(sys.stdin.buffer.raw.readline, b""):  # unbuffered: a task hold
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    ctypes.CDLL(None).prctl(4, 1)  # PR_SET_DUMPABLE, as a task Flower starts is (its pipe is closed now)
+    ctypes.CDLL(None).prctl(4, 1)  # 4: PR_SET_DUMPABLE, as a task Flower starts is (its pipe is closed now)
     sys.argv = [program]
     code = 1
     try:
@@ -83,6 +89,40 @@ for line in iter(sys.stdin.buffer.raw.readline, b""):  # unbuffered: a task hold
         sys.stderr.flush()
         os._exit(code)
 '''
+
+# flower-supernode with its pull loop's sleeps capped (--pull-interval): Flower's own entry point,
+# started after one change to the module that runs the loop (no other sleep, timer or module).
+NODE = r'''
+import sys, time, types
+import flwr.supernode.start_client_internal as loop
+from flwr.supernode.cli import flower_supernode
+interval = float(sys.argv.pop(1))
+if getattr(loop, "time", None) is not time:
+    sys.exit("warm_supernode: this Flower's SuperNode loop is not the one --pull-interval knows; leave it out")
+sleep = time.sleep
+names = {k: getattr(time, k) for k in dir(time) if not k.startswith("_")}
+loop.time = types.SimpleNamespace(**{**names, "sleep": lambda seconds: sleep(min(seconds, interval))})
+sys.argv[0] = "flower-supernode"
+flower_supernode()
+'''
+PULL_INTERVALS = (0.1, 3.0)  # seconds: from a tenth of a second to Flower's own
+
+
+def pull_interval(args: list[str]) -> float | None:
+    """Takes `--pull-interval S` (or `--pull-interval=S`) off the front of args, checked."""
+    if not args or not args[0].startswith("--pull-interval"):
+        return None
+    head = args.pop(0)
+    value = head.partition("=")[2] if "=" in head else (args.pop(0) if args else "")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not PULL_INTERVALS[0] <= seconds <= PULL_INTERVALS[1]:
+        raise SystemExit(f"warm_supernode: --pull-interval {value!r}: seconds from {PULL_INTERVALS[0]:g} to "
+                         f"{PULL_INTERVALS[1]:g} (Flower's own)")
+    return seconds
+
 
 def runtime_address(args: list[str]) -> str:
     """The SuperNode's Runtime API, where its SuperExec asks for tasks: its --host at its --port,
@@ -168,9 +208,11 @@ def main(args: list[str] | None = None) -> None:
 
     disable_process_dumping(strict=False)  # as Flower's own SuperExec: no task of this uid traces it
     args = list(sys.argv[1:] if args is None else args)
+    interval = pull_interval(args)
     address = runtime_address(args)
+    command = ["flower-supernode"] if interval is None else [sys.executable, "-P", "-c", NODE, repr(interval)]
     # The node ends with this process (killed alone, it would leave the node connected, running no task).
-    node = subprocess.Popen(["flower-supernode", *args, "--isolation", "process"],
+    node = subprocess.Popen([*command, *args, "--isolation", "process"],
                             preexec_fn=lambda: ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM))
 
     def end_with_node():
