@@ -250,6 +250,19 @@ def test_a_warm_supernode_starts_flower_supernode_in_process_isolation_at_its_ru
             warm_supernode.runtime_address(["--port", "9094", *option])
 
 
+def test_a_deployment_stops_a_process_that_ends_on_sigterm_without_waiting_out_the_kill():
+    """LocalDeployment.stop: once the process and its group are gone, it returns. An exited leader
+    not yet reaped is a zombie, still in its group: the group looked alive, and every stop waited
+    its grace and the kill's 5 s (2.5 min for ten isolated owners)."""
+    import time
+    from fedsd.deployment.local_deployment import LocalDeployment
+
+    proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    started = time.monotonic()
+    LocalDeployment.stop(proc, grace=60)
+    assert proc.returncode == -15 and time.monotonic() - started < 30
+
+
 def test_a_warm_supernodes_pull_interval_is_checked_and_taken_off_flowers_options(tmp_path, capsys):
     """`--pull-interval S` (first) caps the SuperNode's wait after a pull that found no message
     (Flower's: 3 s); from 0.1 s to Flower's 3 s, refused otherwise before anything starts, and
