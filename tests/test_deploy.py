@@ -514,3 +514,36 @@ def test_churn_plans_one_absence_at_a_time_each_followed_by_a_round_back(rounds)
                 assert back < rounds  # the last round spare
     # its own generator: churn leaves the faults' plan as it was
     assert plan_faults(4, 30, 20, 1) == plan_faults(4, 30, 20, 1) and plan_churn(4, 30, 5, 1) == plan_churn(4, 30, 5, 1)
+
+
+def test_a_deployed_distributed_run_stopped_by_sigterm_leaves_no_process_or_network_behind(tmp_path):
+    """`kill -TERM` on `python -m fedsd.deployment.deployed_distributed` (the long deployed runs'
+    command, resumed by running it again): everything it started stops, its network namespaces
+    and bridge are gone, and it says the run resumes. Its default action ended it alone and left
+    the SuperLink, the owners' services and ten namespaces running."""
+    from fedsd.deployment.local_deployment import Isolation
+
+    reason = isolation_unavailable()
+    if reason:
+        pytest.skip(f"--isolate cannot run here: {reason}")
+    require("fmnist")
+    work, out = tmp_path / "w", tmp_path / "o"
+    iso = Isolation(work / "deployment", 2)
+    proc = subprocess.Popen([sys.executable, "-m", "fedsd.deployment.deployed_distributed", "--clients", "2",
+                             "--rounds", "5", "--work", str(work), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (work / "deployment" / "logs" / "data-service-1.log").exists() or proc.poll() is not None,
+                 600, "the second owner's data service")
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 130 and "the same command resumes the run" in err, err
+        assert processes_mentioning(str(work)) == []
+        namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert iso.namespace(0) not in namespaces and iso.namespace(1) not in namespaces
+        assert iso.bridge not in subprocess.run(["ip", "link", "show"], capture_output=True, text=True).stdout
+    finally:  # whatever the outcome, nothing of it stays on the machine
+        proc.kill()
+        subprocess.run(["pkill", "-9", "-f", str(work)])
+        iso.down()

@@ -4,7 +4,6 @@ it, plus the deployment's facts; every process it started is stopped on the way 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import tempfile
 import time
@@ -17,7 +16,7 @@ from fedsd.settings.federation import FedConfig, from_flat
 from fedsd.files.results import RunResult, check_out_dir
 from fedsd.settings.declared import add_options, given_flat
 from fedsd.cli import dry_run
-from fedsd.deployment.local_deployment import DeploymentError, LocalDeployment, add_node_arguments, node_start
+from fedsd.deployment.local_deployment import DeploymentError, LocalDeployment, add_node_arguments, node_start, stop_on_sigterm
 from fedsd.training.summary import run_summary
 from fedsd.app.simulated_shards import build_federation
 
@@ -113,10 +112,6 @@ def print_round(line: str) -> None:
     print(line, flush=True)
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="deploy-local.sh", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deploy-local: dry run: every check passed; would start a SuperLink and {args.num_clients} SuperNodes "
               f"for {args.rounds} rounds into {args.out}")
         return 0
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_on_sigterm()
     try:
         result = deploy_local(args.num_clients, args.rounds, Path(args.out), run_config,
                               work=Path(args.work) if args.work else None, timeout=args.timeout,

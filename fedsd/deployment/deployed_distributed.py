@@ -7,8 +7,10 @@ noise at record level (each round one DP-SGD step of the whole federation, t = n
     python -m fedsd.deployment.deployed_distributed --privacy-unit client --rounds 3 --work W --out O
 
 It is resumable: the owners' state folders (ledgers, identities, admitted plans) stay in W, the
-run's checkpoint in O; run the same command again after an interruption and the run goes on
-from its last checkpoint (`resume-dir`), each owner charged once a round. Each round's line and
+run's checkpoint in O; stop it with `kill -TERM` (every process and namespace it started stops),
+run the same command again and the run goes on from its last checkpoint (`resume-dir`), each
+owner charged once a round. scripts/deployed-run-state.sh saves a stopped run's W and O (without
+what a start makes again) to carry it to another machine or session, and restores them. Each round's line and
 its wall-clock time go to W/rounds.jsonl (copied to O at the end); at the end O/result.json is
 the run's result (`fedsd simulate`'s schema) and O/deployment.json what the deployment was.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 from fedsd.app.server import checkpoint
 from fedsd.cli.secure_simulation import FEATURES_RECIPE, FEATURES_ROUNDS
 from fedsd.cli.split_data import write_client_folders
-from fedsd.deployment.local_deployment import LocalDeployment, add_node_arguments, node_start
+from fedsd.deployment.local_deployment import LocalDeployment, add_node_arguments, node_start, stop_on_sigterm
 from fedsd.files.results import write_json
 from fedsd.settings.federation import FedConfig
 from fedsd.settings.run import TrainConfig
@@ -95,17 +97,23 @@ def main(argv: list[str] | None = None) -> int:
     lifetime = CLIENT_LIFETIME if args.privacy_unit == "client" else 3
     owners = f"max-epsilon={lifetime:g} max-delta=1e-5 secagg-min-clients={{t}} secagg-roster='{{roster}}'"
     started = time.perf_counter()
-    with LocalDeployment(work / "deployment", args.clients, client_data=data, isolate=True,
-                         **nodes) as deployment:
-        roster = deployment.shared_dir() / "roster"
-        deployment.node_config = [owners.format(t=args.clients, roster=roster)] * args.clients
-        roster_of(deployment)
-        deployment.start()
-        ready = time.perf_counter() - started
-        config = run_config(args.rounds, args.seed, args.clients, roster, out, args.privacy_unit)
-        resumed = checkpoint.path_in(out).is_file() and not (out / "result.json").is_file()
-        deployment.run({"resume-dir": str(out)} if resumed else config, timeout=args.timeout,
-                       echo=echo_to(work / "rounds.jsonl"))
+    stop_on_sigterm()  # `kill -TERM` stops every process and namespace it started; the run resumes later
+    try:
+        with LocalDeployment(work / "deployment", args.clients, client_data=data, isolate=True,
+                             **nodes) as deployment:
+            roster = deployment.shared_dir() / "roster"
+            deployment.node_config = [owners.format(t=args.clients, roster=roster)] * args.clients
+            roster_of(deployment)
+            deployment.start()
+            ready = time.perf_counter() - started
+            config = run_config(args.rounds, args.seed, args.clients, roster, out, args.privacy_unit)
+            resumed = checkpoint.path_in(out).is_file() and not (out / "result.json").is_file()
+            deployment.run({"resume-dir": str(out)} if resumed else config, timeout=args.timeout,
+                           echo=echo_to(work / "rounds.jsonl"))
+    except KeyboardInterrupt:
+        print("deployed_distributed: interrupted; every process it started is stopped; the same command resumes "
+              "the run from its last checkpoint", file=sys.stderr)
+        return 130
     if (work / "rounds.jsonl").is_file():  # none when the run ended before its first round (its logs say why)
         (out / "rounds.jsonl").write_text((work / "rounds.jsonl").read_text())
     write_json(out / "deployment.json", dict(

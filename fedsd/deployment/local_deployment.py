@@ -86,6 +86,14 @@ def node_start(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
                 pull_interval=PULL_SECONDS if args.pull_interval is None else args.pull_interval)
 
 
+def stop_on_sigterm() -> None:
+    """A command's SIGTERM raises KeyboardInterrupt, so its LocalDeployment stops everything it
+    started (processes, network namespaces) on the way out; the default action left them running."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def run_config_arg(values: dict) -> str:
     """A dict as `flwr run --run-config` reads it (TOML values)."""
     def toml(v):

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# A stopped `python -m fedsd.deployment.deployed_distributed --work W --out O` run, carried to another
+# machine or session: what it resumes from, without what the next start makes again.
+#
+#   scripts/deployed-run-state.sh save    W O DIR   # after the run is stopped (kill -TERM its pid)
+#   scripts/deployed-run-state.sh restore W O DIR   # before the same command is run again (as root)
+#
+# DIR/owners/K: owner K's state folder (identity, ledger, admitted plan, its run's train state),
+# without its feature cache (remade at the service's start); DIR/out: the run's folder (the
+# server's checkpoint, records), without the per-round sums (secagg-sum-N.npy, 0.3 MB a round);
+# DIR/rounds.jsonl: the rounds so far. The owners' data is not kept: the command cuts the same
+# shards again from the seed, and each ledger is named by a hash of its data's content (a
+# different cut would open a fresh ledger and is refused here: the ledgers' names must match).
+# Save only a stopped run: a ledger copied before the checkpoint it goes with would undercount.
+# The identities and secret streams in DIR are this experiment's own: they protect nothing
+# beyond it and must not be reused.
+set -euo pipefail
+usage() { echo "usage: $0 save|restore W O DIR" >&2; exit 2; }
+[ $# -eq 4 ] || usage
+action=$1 W=$2 O=$3 DIR=$4
+case $action in
+  save)
+    if pgrep -f -- "--work $W( |$)" >/dev/null; then
+      echo "$0: a run on $W is still going: stop it first (kill -TERM its pid)" >&2; exit 1
+    fi
+    [ -d "$W/deployment/nodes" ] && [ -d "$O" ] || { echo "$0: no run in $W / $O" >&2; exit 1; }
+    mkdir -p "$DIR/owners" "$DIR/out"
+    for state in "$W"/deployment/nodes/*/state; do
+      k=$(basename "$(dirname "$state")")
+      rsync -a --delete --exclude data-cache --exclude '*.lock' "$state/" "$DIR/owners/$k/"
+    done
+    rsync -a --delete --exclude 'secagg-sum-*.npy' "$O/" "$DIR/out/"
+    cp "$W/rounds.jsonl" "$DIR/rounds.jsonl"
+    chown -R "$(id -u):$(id -g)" "$DIR"
+    echo "saved: $(tail -n 1 "$DIR/rounds.jsonl" | cut -c1-80)"
+    ;;
+  restore)
+    [ -d "$DIR/owners" ] && [ -d "$DIR/out" ] || { echo "$0: no saved run in $DIR" >&2; exit 1; }
+    for saved in "$DIR"/owners/*; do
+      k=$(basename "$saved")
+      state=$W/deployment/nodes/$k/state
+      if [ -d "$state" ] && ls "$state"/ledger-*.json >/dev/null 2>&1; then
+        for ledger in "$state"/ledger-*.json; do
+          [ -f "$saved/$(basename "$ledger")" ] || { echo "$0: owner $k's ledger $(basename "$ledger") is not the saved one" >&2; exit 1; }
+        done
+      fi
+      mkdir -p "$state"
+      rsync -a "$saved/" "$state/"
+    done
+    mkdir -p "$O"
+    rsync -a "$DIR/out/" "$O/"
+    cp "$DIR/rounds.jsonl" "$W/rounds.jsonl"
+    echo "restored: $(tail -n 1 "$W/rounds.jsonl" | cut -c1-80); run the same command again to resume"
+    ;;
+  *) usage ;;
+esac
