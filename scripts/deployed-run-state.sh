@@ -9,8 +9,10 @@
 # without its feature cache (remade at the service's start); DIR/out: the run's folder (the
 # server's checkpoint, records), without the per-round sums (secagg-sum-N.npy, 0.3 MB a round);
 # DIR/rounds.jsonl: the rounds so far. The owners' data is not kept: the command cuts the same
-# shards again from the seed, and each ledger is named by a hash of its data's content (a
-# different cut would open a fresh ledger and is refused here: the ledgers' names must match).
+# shards again from the seed, and each ledger is named by a hash of its data's content: a
+# restore over an owner's folder holding another ledger is refused, and after the first resumed
+# round each owner's folder must still hold the saved ledger alone (`ls W/deployment/nodes/*/state/
+# ledger-*.json`: a second one would be a fresh budget for a different cut).
 # Save only a stopped run: a ledger copied before the checkpoint it goes with would undercount.
 # The identities and secret streams in DIR are this experiment's own: they protect nothing
 # beyond it and must not be reused.

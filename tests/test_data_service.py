@@ -118,6 +118,25 @@ def test_a_worker_exits_when_idle_and_when_its_supernode_does(tmp_path):
         supernode.kill()
 
 
+def test_a_starting_workers_socket_is_waited_for_not_removed_between_its_bind_and_its_listen(tmp_path):
+    """A worker's socket file exists from its bind, before it listens. A connection refused in
+    between must not be taken for a worker that has gone: the wait removed the file, the worker
+    then listened at a path no longer there, and every start on a loaded machine waited out its
+    120 s (two slow tests failed so in a CI run beside a deployment)."""
+    address, log = tmp_path / "w.sock", tmp_path / "worker.log"
+    log.write_text("")
+    late = ("import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); time.sleep(1.5); "
+            "s.listen(1); c, _ = s.accept(); c.recv(1)")
+    proc = subprocess.Popen([sys.executable, "-c", late, str(address)])
+    try:
+        sock = data_service._listening(proc, address, log, seconds=20)
+        sock.close()
+        assert address.is_socket()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_only_flowers_per_message_process_uses_a_worker_and_never_for_a_refusing_node(tmp_path, monkeypatch):
     node = parse({"partition-id": 0, "max-epsilon": 3})
     assert not data_service.wanted(node)  # a test's (or a Ray actor's) process answers itself

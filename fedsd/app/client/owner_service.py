@@ -407,9 +407,10 @@ def _reachable(address: Path):
         os.close(fd)
 
 
-def _connect(address: Path) -> socket.socket | None:
+def _connect(address: Path, remove_stale: bool = True) -> socket.socket | None:
     """A connection to the service listening at `address`, or None; a socket file nobody
-    listens at (a worker that has gone) is removed when it is ours."""
+    listens at (a worker that has gone) is removed when it is ours, unless `remove_stale` is
+    False (a worker starting: its socket file exists from its bind, before it listens)."""
     try:
         st = os.lstat(address)
     except FileNotFoundError:
@@ -423,7 +424,7 @@ def _connect(address: Path) -> socket.socket | None:
         return sock
     except (ConnectionRefusedError, FileNotFoundError):
         sock.close()
-        if st.st_uid == os.geteuid():
+        if remove_stale and st.st_uid == os.geteuid():
             address.unlink(missing_ok=True)
         return None
 
@@ -437,8 +438,16 @@ def _start_worker(folder: Path, address: Path, node: NodeConfig) -> socket.socke
         proc = subprocess.Popen([sys.executable, "-P", "-m", "fedsd.app.client.owner_service", "--socket", str(address),
                                  "--watch-pid", str(os.getppid()), "--idle-seconds", str(node.worker_idle_seconds)],
                                 cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + START_SECONDS
-    while (sock := _connect(address)) is None:
+    return _listening(proc, address, log)
+
+
+def _listening(proc: subprocess.Popen, address: Path, log: Path, seconds: float = START_SECONDS) -> socket.socket:
+    """A connection to the worker `proc` once it listens at `address`. Its socket file exists from
+    its bind, before it listens, and is left alone meanwhile: removed as stale (a connection refused
+    in between, on a loaded machine), the worker listened at a file no longer there until the wait
+    gave up."""
+    deadline = time.monotonic() + seconds
+    while (sock := _connect(address, remove_stale=False)) is None:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace").strip().splitlines()[-5:]
             raise ServiceUnavailable(f"the warm worker exited on start ({log}): " + " | ".join(tail))
@@ -446,7 +455,7 @@ def _start_worker(folder: Path, address: Path, node: NodeConfig) -> socket.socke
             proc.send_signal(signal.SIGUSR1)  # its stacks into the log (faulthandler), then stop it
             time.sleep(0.5)
             proc.kill()
-            raise ServiceUnavailable(f"the warm worker did not listen within {START_SECONDS:.0f} s ({log})")
+            raise ServiceUnavailable(f"the warm worker did not listen within {seconds:.0f} s ({log})")
         time.sleep(0.05)
     return sock
 
