@@ -17,6 +17,11 @@
 # The identities and secret streams in DIR are this experiment's own: they protect nothing
 # beyond it and must not be reused.
 set -euo pipefail
+# copy SRC's contents into DST (made anew when `fresh`), leaving out the given tar patterns
+copy() { src=$1 dst=$2 fresh=$3; shift 3
+  [ "$fresh" = fresh ] && rm -rf "$dst"; mkdir -p "$dst"
+  tar -C "$src" "${@/#/--exclude=}" -cf - . | tar -C "$dst" -xf -
+}
 usage() { echo "usage: $0 save|restore W O DIR" >&2; exit 2; }
 [ $# -eq 4 ] || usage
 action=$1 W=$2 O=$3 DIR=$4
@@ -29,9 +34,9 @@ case $action in
     mkdir -p "$DIR/owners" "$DIR/out"
     for state in "$W"/deployment/nodes/*/state; do
       k=$(basename "$(dirname "$state")")
-      rsync -a --delete --exclude data-cache --exclude '*.lock' "$state/" "$DIR/owners/$k/"
+      copy "$state" "$DIR/owners/$k" fresh data-cache '*.lock'
     done
-    rsync -a --delete --exclude 'secagg-sum-*.npy' "$O/" "$DIR/out/"
+    copy "$O" "$DIR/out" fresh 'secagg-sum-*.npy'
     cp "$W/rounds.jsonl" "$DIR/rounds.jsonl"
     chown -R "$(id -u):$(id -g)" "$DIR"
     echo "saved: $(tail -n 1 "$DIR/rounds.jsonl" | cut -c1-80)"
@@ -47,10 +52,10 @@ case $action in
         done
       fi
       mkdir -p "$state"
-      rsync -a "$saved/" "$state/"
+      copy "$saved" "$state" keep
     done
     mkdir -p "$O"
-    rsync -a "$DIR/out/" "$O/"
+    copy "$DIR/out" "$O" keep
     cp "$DIR/rounds.jsonl" "$W/rounds.jsonl"
     echo "restored: $(tail -n 1 "$W/rounds.jsonl" | cut -c1-80); run the same command again to resume"
     ;;
