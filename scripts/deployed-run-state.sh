@@ -53,6 +53,7 @@ case $action in
       fi
       mkdir -p "$state"
       copy "$saved" "$state" keep
+      chmod -R go-rwx "$state"  # git keeps no 0600: the service refuses a state file others can read
     done
     mkdir -p "$O"
     copy "$DIR/out" "$O" keep

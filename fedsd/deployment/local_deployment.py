@@ -12,9 +12,9 @@ the installed app, logs, credentials, each client's privacy state) goes under on
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
-import argparse
 import os
 import shutil
 import signal
@@ -61,14 +61,8 @@ PULL_SECONDS = 0.5
 
 def add_node_arguments(p: argparse.ArgumentParser) -> None:
     """How a deployment starts its SuperNodes (deploy-local's and deployed_distributed's options)."""
-    from fedsd.deployment.warm_supernode import PULL_INTERVALS
+    from fedsd.deployment.warm_supernode import seconds
 
-    def seconds(text: str) -> float:
-        value = float(text)
-        if not PULL_INTERVALS[0] <= value <= PULL_INTERVALS[1]:
-            raise ValueError(text)
-        return value
-    seconds.__name__ = f"seconds from {PULL_INTERVALS[0]:g} to {PULL_INTERVALS[1]:g}"  # argparse's message
     p.add_argument("--clientapps", choices=["warm", "cold"], default="warm",
                    help="warm (default): each SuperNode's ClientApp tasks forked from a process that imported Flower "
                         "once (fedsd/deployment/warm_supernode.py); cold: Flower's own start, a new interpreter a "
@@ -278,7 +272,7 @@ class LocalDeployment:
         # each SuperNode's ClientApp tasks forked from a warm process (fedsd/deployment/warm_supernode.py),
         # its pull loop's sleeps capped at pull_interval seconds (None: Flower's 3 s); cold: Flower's command
         self.warm_clientapps = warm_clientapps
-        self.pull_interval = pull_interval if warm_clientapps else None
+        self._pull_interval = pull_interval
         self.num_clients = num_clients
         self.client_data = Path(client_data).absolute() if client_data else None  # client k: client_data/client-k
         # more k=v pairs for every SuperNode (max-epsilon=3 ...), or a list of them, one per SuperNode
@@ -419,10 +413,15 @@ class LocalDeployment:
             self.supernodes[partition_id] = proc
         return proc
 
+    @property
+    def pull_interval(self) -> float | None:
+        """The warm SuperNodes' --pull-interval; None: Flower's 3 s (cold ClientApps are Flower's command)."""
+        return self._pull_interval if self.warm_clientapps else None
+
     def _supernode_cmd(self, key: Path, ca: Path, node_config: str, max_retries: int | None) -> list[str]:
         start = [sys.executable, "-P", "-m", "fedsd.deployment.warm_supernode"] if self.warm_clientapps else \
             ["flower-supernode"]
-        if self.warm_clientapps and self.pull_interval is not None:
+        if self.pull_interval is not None:
             start += [f"--pull-interval={self.pull_interval:g}"]
         cmd = start + ["--root-certificates", str(ca), "--superlink", self.address,
                "--auth-supernode-private-key", str(key), "--node-config", node_config, "--port", str(free_port())]

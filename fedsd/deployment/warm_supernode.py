@@ -108,6 +108,17 @@ flower_supernode()
 PULL_INTERVALS = (0.1, 3.0)  # seconds: from a tenth of a second to Flower's own
 
 
+def seconds(text: str) -> float:
+    """A pull interval read from text: seconds within PULL_INTERVALS, else ValueError (argparse's type)."""
+    value = float(text)  # "nan" is refused below: no comparison holds for it
+    if not PULL_INTERVALS[0] <= value <= PULL_INTERVALS[1]:
+        raise ValueError(text)
+    return value
+
+
+seconds.__name__ = f"seconds from {PULL_INTERVALS[0]:g} to {PULL_INTERVALS[1]:g}"  # argparse's message
+
+
 def pull_interval(args: list[str]) -> float | None:
     """Takes `--pull-interval S` (or `--pull-interval=S`) off the front of args, checked."""
     if not args or not args[0].startswith("--pull-interval"):
@@ -115,13 +126,9 @@ def pull_interval(args: list[str]) -> float | None:
     head = args.pop(0)
     value = head.partition("=")[2] if "=" in head else (args.pop(0) if args else "")
     try:
-        seconds = float(value)
+        return seconds(value)
     except ValueError:
-        seconds = float("nan")
-    if not PULL_INTERVALS[0] <= seconds <= PULL_INTERVALS[1]:
-        raise SystemExit(f"warm_supernode: --pull-interval {value!r}: seconds from {PULL_INTERVALS[0]:g} to "
-                         f"{PULL_INTERVALS[1]:g} (Flower's own)")
-    return seconds
+        raise SystemExit(f"warm_supernode: --pull-interval {value!r}: {seconds.__name__} (Flower's own)") from None
 
 
 def runtime_address(args: list[str]) -> str:
