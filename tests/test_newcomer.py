@@ -315,3 +315,28 @@ def test_central_training_needs_no_flower(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "dry run: every check passed" in proc.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_deployed_distributed_refuses_an_out_it_can_neither_start_nor_resume_before_anything_starts(tmp_path, capsys):
+    """An --out that holds something but no checkpoint (a run stopped before its first round
+    ended: its owners were charged for the round they released, so a new run in the same --work
+    would find their budgets short of its plan) or a finished run's is refused before anything
+    starts, saying what to do; a new folder starts and one with a checkpoint resumes. Before, the
+    deployment started, ten owners' services with it, and the ServerApp then refused the folder."""
+    from fedsd.app.server import checkpoint
+    from fedsd.deployment.deployed_distributed import main as deployed, out_refusal
+
+    work, stale, finished = tmp_path / "w", tmp_path / "stale", tmp_path / "done"
+    (stale / "tensorboard").mkdir(parents=True)
+    finished.mkdir()
+    (finished / "result.json").write_text("{}")
+    for out, needle in ((stale, "no checkpoint to resume from"), (finished, "holds a finished run")):
+        with pytest.raises(SystemExit) as refused:
+            deployed(["--work", str(work), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and needle in err and "new --work and --out" in err, err
+        assert not work.exists()
+    resumable = tmp_path / "resumable"
+    (resumable / "tensorboard").mkdir(parents=True)
+    checkpoint.path_in(resumable).write_bytes(b"")
+    assert out_refusal(tmp_path / "new") is None and out_refusal(resumable) is None

@@ -24,7 +24,8 @@ from fedsd.app.server import checkpoint
 from fedsd.cli.secure_simulation import FEATURES_RECIPE, FEATURES_ROUNDS
 from fedsd.cli.split_data import write_client_folders
 from fedsd.deployment.local_deployment import LocalDeployment, add_node_arguments, node_start, stop_on_sigterm
-from fedsd.files.results import write_json
+from fedsd.errors import OutputExistsError
+from fedsd.files.results import check_out_dir, write_json
 from fedsd.settings.federation import FedConfig
 from fedsd.settings.run import TrainConfig
 
@@ -76,6 +77,22 @@ def echo_to(path: Path):
     return echo
 
 
+def out_refusal(out: Path) -> str | None:
+    """Why --out can neither start a run nor resume one (None: it can), said before anything starts."""
+    if (out / "result.json").is_file():
+        return f"--out: {out} holds a finished run (its result.json); a new run needs a new --work and --out"
+    if checkpoint.path_in(out).is_file():
+        return None  # resumed from its checkpoint
+    try:
+        check_out_dir(out)
+    except OutputExistsError as e:
+        # a run stopped before its first checkpoint: its owners' ledgers in --work keep the round
+        # they released, so a new run there would find their budgets short of its plan
+        return (f"{e}; it holds no checkpoint to resume from (the run stopped before its first round ended): "
+                "start again with a new --work and --out")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--partition", choices=["iid", "dirichlet"], default="iid")
@@ -92,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     nodes = node_start(p, args)
     work, out = Path(args.work).absolute(), Path(args.out).absolute()
+    if refusal := out_refusal(out):
+        p.error(refusal)
     data = work / "data"
     split(data, args.clients, args.partition, args.dirichlet_alpha, args.seed)
     lifetime = CLIENT_LIFETIME if args.privacy_unit == "client" else 3
@@ -111,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             deployment.run({"resume-dir": str(out)} if resumed else config, timeout=args.timeout,
                            echo=echo_to(work / "rounds.jsonl"))
     except KeyboardInterrupt:
-        print("deployed_distributed: interrupted; every process it started is stopped; the same command resumes "
-              "the run from its last checkpoint", file=sys.stderr)
+        print("deployed_distributed: interrupted; every process it started is stopped; " + (
+            "the same command resumes the run from its last checkpoint" if checkpoint.path_in(out).is_file() else
+            "it had no checkpoint yet, so nothing resumes: start again with a new --work and --out"), file=sys.stderr)
         return 130
     if (work / "rounds.jsonl").is_file():  # none when the run ended before its first round (its logs say why)
         (out / "rounds.jsonl").write_text((work / "rounds.jsonl").read_text())
