@@ -263,6 +263,31 @@ def test_a_deployment_stops_a_process_that_ends_on_sigterm_without_waiting_out_t
     assert proc.returncode == -15 and time.monotonic() - started < 30
 
 
+def test_a_deployments_stop_also_stops_a_child_that_left_its_process_group(tmp_path):
+    """Flower's SuperLink starts its SuperExec in a session of its own, so a stop of the
+    SuperLink's process group left the SuperExec running until it noticed its parent gone: on a
+    loaded machine after the stop had returned (two slow tests found it still running). A stop
+    now takes the process's descendants before its signal and stops those that outlive the group."""
+    import time
+    from fedsd.deployment.local_deployment import LocalDeployment
+
+    pidfile = tmp_path / "child"
+    parent = subprocess.Popen([sys.executable, "-c", "import os, subprocess, time\n"
+                               "c = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+                               f"open({str(pidfile)!r} + '.new', 'w').write(str(c.pid))\n"
+                               f"os.replace({str(pidfile)!r} + '.new', {str(pidfile)!r})\n"
+                               "time.sleep(600)"], start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not pidfile.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    assert os.getpgid(child) != parent.pid  # outside the group that a stop signals
+    LocalDeployment.stop(parent, grace=5)
+    assert parent.returncode == -15
+    stat = Path(f"/proc/{child}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in "ZX"  # gone, or dead unreaped
+
+
 def test_a_warm_supernodes_pull_interval_is_checked_and_taken_off_flowers_options(tmp_path, capsys):
     """`--pull-interval S` (first) caps the SuperNode's wait after a pull that found no message
     (Flower's: 3 s); from 0.1 s to Flower's 3 s, refused otherwise before anything starts, and

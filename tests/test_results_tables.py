@@ -192,3 +192,34 @@ def test_the_kept_warmup_table_is_the_one_its_runs_give():
     t = json.loads(json.dumps(table()))  # the seeds as JSON writes them (strings)
     assert t == json.loads(OUT.with_suffix(".json").read_text())
     assert markdown(table()) == OUT.with_suffix(".md").read_text()
+
+
+def test_the_kept_distributed_table_is_the_one_its_runs_give(tmp_path):
+    """results/table-distributed.{json,md}, simulated and deployed rows, as `fedsd reproduce --table
+    distributed` writes them from the kept runs: a run added without rewriting the table fails here."""
+    from fedsd.experiments.distributed_table import write_table
+
+    write_table(RESULTS, to=tmp_path)
+    kept = json.loads((RESULTS / "table-distributed.json").read_text())
+    assert json.loads((tmp_path / "table-distributed.json").read_text()) == kept
+    assert (tmp_path / "table-distributed.md").read_text() == (RESULTS / "table-distributed.md").read_text()
+
+
+def test_a_finished_deployed_run_is_a_row_beside_the_simulated_ones(tmp_path):
+    """A deployed run's result (runs/deploy-distributed-400/<partition>/out/result.json) is a row
+    with its command, against the central mean and the central run of its seed; its round time is
+    the median of the rounds after the first (which builds each owner's features)."""
+    from fedsd.experiments.distributed_table import deployed_markdown, deployed_rows
+
+    folder = tmp_path / "runs" / "deploy-distributed-400" / "iid"
+    (folder / "out").mkdir(parents=True)
+    (folder / "out" / "result.json").write_text(json.dumps(dict(seed=0, test_accuracy=0.8912, epsilon_spent=3.0,
+                                                                noise_multiplier={"1": 4.2215, "2": 4.2215})))
+    (folder / "rounds.jsonl").write_text("".join(json.dumps(dict(line="", seconds=s)) + "\n" for s in (90, 30, 32, 31)))
+    assert deployed_rows(tmp_path / "nothing", {0: 89.5}) == []
+    [row] = deployed_rows(tmp_path, {0: 89.5, 1: 89.7})
+    assert row["accuracy"] == pytest.approx(89.12) and row["paired"] == pytest.approx(-0.38)
+    assert row["vs_central"] == pytest.approx(-0.48) and row["round_seconds"] == 31 and row["simulated"] is None
+    text = "\n".join(deployed_markdown([row]))
+    assert "| features | iid | 10 | 0 | 89.12 | -0.48 | -0.38 |  | 3.000 | 4.221 | 31.0 |" in text
+    assert "python -m fedsd.deployment.deployed_distributed --partition iid --work W --out O" in text

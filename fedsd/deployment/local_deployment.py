@@ -316,11 +316,14 @@ class LocalDeployment:
     def stop(proc: subprocess.Popen | None, grace: float = 5.0) -> None:
         if proc is None or not _running(proc):
             return
+        # taken before the signal: a child in a session of its own (Flower's SuperLink starts its
+        # SuperExec so) is not in the group, and under load it outlived the SuperLink's stop
+        children = _descendants(proc.pid)
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
-                return
+                break
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline and _running(proc):
                 time.sleep(0.1)
@@ -330,6 +333,7 @@ class LocalDeployment:
             proc.wait(timeout=1)
         except subprocess.TimeoutExpired:
             pass
+        _stop_children(children, grace)
 
     def stop_all(self) -> None:
         for proc in reversed(self._all):
@@ -669,6 +673,47 @@ def _running(proc: subprocess.Popen) -> bool:
     stop waited out its grace and the kill's 5 s: 7 s a process, 2.5 min for ten isolated owners)."""
     proc.poll()
     return _group_alive(proc.pid)
+
+
+def _started(pid: int) -> str | None:
+    """pid's start time (None once it has exited): with the pid, it names one process, not a later
+    one given the same pid."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in "ZX" else fields[19]  # state, then starttime (proc(5): fields 3 and 22)
+
+
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """pid's descendants as (pid, start time), read from /proc."""
+    found, todo = [], [pid]
+    while todo:
+        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                kids = [int(c) for c in children.read_text().split()]
+            except OSError:
+                continue
+            found += [(c, t) for c in kids if (t := _started(c)) is not None]
+            todo += kids
+    return found
+
+
+def _stop_children(children: list[tuple[int, str]], grace: float) -> None:
+    """The processes in `children` that still run: SIGTERM, then SIGKILL after `grace` s."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        alive = [(c, t) for c, t in children if _started(c) == t]
+        for c, _ in alive:
+            try:
+                os.kill(c, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [(c, t) for c, t in alive if _started(c) == t]
+        if not alive:
+            return
 
 
 def _group_alive(pgid: int) -> bool:

@@ -140,8 +140,36 @@ def _row(out: Path, recipe: Recipe, part: str, honest: int, central: dict[int, f
                 protocol_seconds=cost["protocol_seconds_per_round"], round_seconds=cost["round_seconds"])
 
 
-def write_table(out: Path) -> dict:
-    """results/table-distributed.{json,md} from the finished runs."""
+# The features recipe deployed (fedsd/deployment/deployed_distributed.py: a SuperLink and 10
+# isolated SuperNodes, each client with its owner's data service, ledger and identity), one seed;
+# its state carried from session to session in runs/deploy-distributed-400/<--partition>/.
+DEPLOYED = (("iid", "iid"), ("dirichlet0.1", "dirichlet"))  # the table's partition, --partition
+DEPLOYED_COMMAND = "python -m fedsd.deployment.deployed_distributed --partition {} --work W --out O"
+
+
+def deployed_rows(out: Path, central: dict[int, float]) -> list[dict]:
+    """The finished deployed runs, each beside the simulated run of the same partition and seed."""
+    rows = []
+    for part, argument in DEPLOYED:
+        folder = out / "runs" / "deploy-distributed-400" / argument
+        if not (folder / "out" / "result.json").is_file():
+            continue
+        result = json.loads((folder / "out" / "result.json").read_text())
+        seed, accuracy = result["seed"], 100 * result["test_accuracy"]
+        simulated = out / "runs" / "distributed" / run_name(RECIPES[0], part, CLIENTS, seed) / "result.json"
+        seconds = [json.loads(line)["seconds"] for line in (folder / "rounds.jsonl").read_text().splitlines()]
+        rows.append(dict(recipe=RECIPES[0].name, partition=part, honest=CLIENTS, seed=seed, accuracy=accuracy,
+                         vs_central=accuracy - statistics.mean(central.values()) if central else None,
+                         paired=accuracy - central[seed] if seed in central else None,
+                         simulated=100 * json.loads(simulated.read_text())["test_accuracy"]
+                         if simulated.is_file() else None,
+                         epsilon=result["epsilon_spent"], z=max(result["noise_multiplier"].values()),
+                         round_seconds=statistics.median(seconds[1:]), command=DEPLOYED_COMMAND.format(argument)))
+    return rows
+
+
+def write_table(out: Path, to: Path | None = None) -> dict:
+    """results/table-distributed.{json,md} from the finished runs under `out` (written to `to`, else `out`)."""
     rows, recipes = [], {}
     for recipe in RECIPES:
         central = central_by_seed(out, recipe)
@@ -153,9 +181,10 @@ def write_table(out: Path) -> dict:
                 row = _row(out, recipe, partition_name(partition, alpha), honest, central)
                 if row is not None:
                     rows.append(row)
-    table = dict(question=__doc__.split("\n")[0], clients=CLIENTS, recipes=recipes, rows=rows)
-    write_json(out / f"{TABLE_NAME}.json", table)
-    (out / f"{TABLE_NAME}.md").write_text(markdown(table))
+    table = dict(question=__doc__.split("\n")[0], clients=CLIENTS, recipes=recipes, rows=rows,
+                 deployed=deployed_rows(out, dict(recipes[RECIPES[0].name]["central"])))
+    write_json((to or out) / f"{TABLE_NAME}.json", table)
+    ((to or out) / f"{TABLE_NAME}.md").write_text(markdown(table))
     return table
 
 
@@ -191,7 +220,29 @@ def markdown(table: dict) -> str:
                      f"{vs} | {_mean_se(r['paired'], '+')} | {local} | {r['epsilon']:.3f} | {r['z']:.3f} | "
                      f"{r['minutes']:.1f} | {r['bytes_to_server'] / 1e6:.2f} | {r['protocol_seconds']:.2f} | "
                      f"{r['round_seconds']:.2f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + deployed_markdown(table.get("deployed", []))) + "\n"
+
+
+def deployed_markdown(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "## Deployed: the features recipe on owners' services (results/deploy-distributed.md)", "",
+             "A SuperLink and 10 SuperNodes on this machine, each in its own network namespace and uid, each client "
+             "with its owner's data service (its own data, ledger with `max-epsilon=3`, Ed25519 identity on one "
+             "roster), TLS and node authentication; secure aggregation with distributed noise at record level, "
+             "t = n = 10, one seed. The run's state was carried from session to session "
+             "(results/runs/deploy-distributed-400/). Simulated: the table's run of the same partition and seed; "
+             "vs central: against the mean of the central runs, and against the central run of the same seed.", ""]
+    lines += [f"    {r['command']}" for r in rows]
+    lines += ["", "| recipe | partition | t | seed | test accuracy (%) | vs central (mean) | vs central, same seed | "
+              "simulated, same seed (%) | client ε | z | median round s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        signed = [f"{v:+.2f}" if v is not None else "" for v in (r["vs_central"], r["paired"])]
+        simulated = f"{r['simulated']:.2f}" if r["simulated"] is not None else ""
+        lines.append(f"| {r['recipe']} | {r['partition']} | {r['honest']} | {r['seed']} | {r['accuracy']:.2f} | "
+                     f"{signed[0]} | {signed[1]} | {simulated} | {r['epsilon']:.3f} | {r['z']:.3f} | "
+                     f"{r['round_seconds']:.1f} |")
+    return lines
 
 
 def beside(out: Path, recipe: str) -> list[str]:
