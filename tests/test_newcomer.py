@@ -364,4 +364,12 @@ def test_deployed_distributed_refuses_an_out_it_can_neither_start_nor_resume_bef
     resumable = tmp_path / "resumable"
     (resumable / "tensorboard").mkdir(parents=True)
     checkpoint.path_in(resumable).write_bytes(b"")
-    assert out_refusal(tmp_path / "new") is None and out_refusal(resumable) is None
+    assert out_refusal(tmp_path / "new", work) is None and out_refusal(resumable, work) is None
+    # an --out still empty (no TensorBoard installed) while an owner was already charged for round 1
+    ledger = work / "deployment" / "nodes" / "3" / "state" / "ledger-0.json"
+    ledger.parent.mkdir(parents=True)
+    ledger.write_text(json.dumps(dict(entries=[])))
+    assert out_refusal(tmp_path / "new", work) is None
+    ledger.write_text(json.dumps(dict(entries=[dict(noise_multiplier=4.2, sample_rate=0.14, steps=1)])))
+    assert "no checkpoint to resume from" in out_refusal(tmp_path / "new", work)
+    assert out_refusal(resumable, work) is None

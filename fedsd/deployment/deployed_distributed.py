@@ -77,19 +77,23 @@ def echo_to(path: Path):
     return echo
 
 
-def out_refusal(out: Path) -> str | None:
-    """Why --out can neither start a run nor resume one (None: it can), said before anything starts."""
+def out_refusal(out: Path, work: Path) -> str | None:
+    """Why --out and --work can neither start a run nor resume one (None: they can), said before
+    anything starts. A run stopped before its first checkpoint cannot go on: its owners' ledgers in
+    --work keep the round they released, so a new run there would find their budgets short of its plan."""
     if (out / "result.json").is_file():
         return f"--out: {out} holds a finished run (its result.json); a new run needs a new --work and --out"
     if checkpoint.path_in(out).is_file():
         return None  # resumed from its checkpoint
     try:
         check_out_dir(out)
-    except OutputExistsError as e:
-        # a run stopped before its first checkpoint: its owners' ledgers in --work keep the round
-        # they released, so a new run there would find their budgets short of its plan
-        return (f"{e}; it holds no checkpoint to resume from (the run stopped before its first round ended): "
-                "start again with a new --work and --out")
+        charged = [ledger for ledger in work.glob("deployment/nodes/*/state/ledger-*.json")
+                   if json.loads(ledger.read_text()).get("entries")]
+    except (OutputExistsError, OSError, ValueError):
+        charged = [out]
+    if charged:
+        return (f"--out {out} and --work {work} hold a run stopped before its first round ended (no checkpoint to "
+                "resume from; its owners' ledgers keep what they released): start again with a new --work and --out")
     return None
 
 
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     nodes = node_start(p, args)
     work, out = Path(args.work).absolute(), Path(args.out).absolute()
-    if refusal := out_refusal(out):
+    if refusal := out_refusal(out, work):
         p.error(refusal)
     data = work / "data"
     split(data, args.clients, args.partition, args.dirichlet_alpha, args.seed)

@@ -706,7 +706,7 @@ def _stop_children(children: list[tuple[int, str]], grace: float) -> None:
         for c, _ in alive:
             try:
                 os.kill(c, sig)
-            except ProcessLookupError:
+            except OSError:  # gone, or not ours to signal: the stop goes on to the rest
                 pass
         deadline = time.monotonic() + wait
         while alive and time.monotonic() < deadline:
