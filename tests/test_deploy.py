@@ -519,7 +519,7 @@ def test_churn_plans_one_absence_at_a_time_each_followed_by_a_round_back(rounds)
 def test_a_deployed_distributed_run_stopped_by_sigterm_leaves_no_process_or_network_behind(tmp_path):
     """`kill -TERM` on `python -m fedsd.deployment.deployed_distributed` (the long deployed runs'
     command, resumed by running it again): everything it started stops, its network namespaces
-    and bridge are gone, and it says the run resumes. Its default action ended it alone and left
+    and bridge are gone, and it says whether the run resumes. Its default action ended it alone and left
     the SuperLink, the owners' services and ten namespaces running."""
     from fedsd.deployment.local_deployment import Isolation
 
@@ -538,7 +538,9 @@ def test_a_deployed_distributed_run_stopped_by_sigterm_leaves_no_process_or_netw
         assert proc.poll() is None, proc.stderr.read()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=180)
-        assert proc.returncode == 130 and "the same command resumes the run" in err, err
+        # stopped before its first round: no owner charged, so the same command starts it again
+        assert proc.returncode == 130 and "every process it started is stopped" in err, err
+        assert "no owner had been charged: the same command starts it again" in err, err
         assert processes_mentioning(str(work)) == []
         namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert iso.namespace(0) not in namespaces and iso.namespace(1) not in namespaces

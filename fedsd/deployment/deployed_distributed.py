@@ -134,9 +134,11 @@ def main(argv: list[str] | None = None) -> int:
             deployment.run({"resume-dir": str(out)} if resumed else config, timeout=args.timeout,
                            echo=echo_to(work / "rounds.jsonl"))
     except KeyboardInterrupt:
+        refusal = out_refusal(out, work)
         print("deployed_distributed: interrupted; every process it started is stopped; " + (
-            "the same command resumes the run from its last checkpoint" if checkpoint.path_in(out).is_file() else
-            "it had no checkpoint yet, so nothing resumes: start again with a new --work and --out"), file=sys.stderr)
+            refusal if refusal else "the same command resumes the run from its last checkpoint"
+            if checkpoint.path_in(out).is_file() else "no owner had been charged: the same command starts it again"),
+            file=sys.stderr)
         return 130
     if (work / "rounds.jsonl").is_file():  # none when the run ended before its first round (its logs say why)
         (out / "rounds.jsonl").write_text((work / "rounds.jsonl").read_text())
