@@ -163,7 +163,7 @@ def deployed_rows(out: Path, central: dict[int, float]) -> list[dict]:
                          paired=accuracy - central[seed] if seed in central else None,
                          simulated=100 * json.loads(simulated.read_text())["test_accuracy"]
                          if simulated.is_file() else None,
-                         epsilon=result["epsilon_spent"], z=max(result["noise_multiplier"].values()),
+                         epsilon=result["epsilon_spent"], z=max((z for z in result["noise_multiplier"].values() if z), default=None),
                          round_seconds=statistics.median(seconds[1:]), command=DEPLOYED_COMMAND.format(argument)))
     return rows
 
@@ -239,8 +239,9 @@ def deployed_markdown(rows: list[dict]) -> list[str]:
     for r in rows:
         signed = [f"{v:+.2f}" if v is not None else "" for v in (r["vs_central"], r["paired"])]
         simulated = f"{r['simulated']:.2f}" if r["simulated"] is not None else ""
+        z = f"{r['z']:.3f}" if r["z"] is not None else "4.222 (the plan's)"
         lines.append(f"| {r['recipe']} | {r['partition']} | {r['honest']} | {r['seed']} | {r['accuracy']:.2f} | "
-                     f"{signed[0]} | {signed[1]} | {simulated} | {r['epsilon']:.3f} | {r['z']:.3f} | "
+                     f"{signed[0]} | {signed[1]} | {simulated} | {r['epsilon']:.3f} | {z} | "
                      f"{r['round_seconds']:.1f} |")
     return lines
 
