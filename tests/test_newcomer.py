@@ -288,6 +288,34 @@ def test_a_deployments_stop_also_stops_a_child_that_left_its_process_group(tmp_p
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in "ZX"  # gone, or dead unreaped
 
 
+def test_a_deployments_stop_also_stops_what_a_process_that_died_on_its_own_left(tmp_path):
+    """A SuperLink that crashed leaves its SuperExec (in a session of its own) to init: no longer
+    its descendant, so a stop that looks only then finds nothing. The deployment notes each process's
+    descendants once everything is up, and its stop stops those that still run."""
+    import time
+    from fedsd.deployment.local_deployment import LocalDeployment
+
+    pidfile = tmp_path / "child"
+    deployment = LocalDeployment(tmp_path / "work", 1)
+    parent = deployment._start("parent", [
+        sys.executable, "-c", "import os, subprocess, sys, time\n"
+        "c = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+        f"open({str(pidfile)!r} + '.new', 'w').write(str(c.pid))\n"
+        f"os.replace({str(pidfile)!r} + '.new', {str(pidfile)!r})\n"
+        "time.sleep(600)"])
+    deadline = time.monotonic() + 60
+    while not pidfile.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    deployment.remember_children()  # as start() does once every node is online
+    os.kill(parent.pid, 9)  # it dies on its own: its child goes to init
+    parent.wait(timeout=30)
+    stat = Path(f"/proc/{child}/stat")
+    assert stat.exists()
+    deployment.stop_all()
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+
+
 def test_a_warm_supernodes_pull_interval_is_checked_and_taken_off_flowers_options(tmp_path, capsys):
     """`--pull-interval S` (first) caps the SuperNode's wait after a pull that found no message
     (Flower's: 3 s); from 0.1 s to Flower's 3 s, refused otherwise before anything starts, and
@@ -366,10 +394,16 @@ def test_deployed_distributed_refuses_an_out_it_can_neither_start_nor_resume_bef
     checkpoint.path_in(resumable).write_bytes(b"")
     assert out_refusal(tmp_path / "new", work) is None and out_refusal(resumable, work) is None
     # an --out still empty (no TensorBoard installed) while an owner was already charged for round 1
-    ledger = work / "deployment" / "nodes" / "3" / "state" / "ledger-0.json"
-    ledger.parent.mkdir(parents=True)
-    ledger.write_text(json.dumps(dict(entries=[])))
+    from fedsd.privacy.lifetime_ledger import ledger_path, opened
+
+    state = work / "deployment" / "nodes" / "3" / "state"
+    state.mkdir(parents=True)
+    with opened(state, "0", 3.0, 1e-5):
+        pass  # an owner's ledger, opened and saved with nothing admitted
     assert out_refusal(tmp_path / "new", work) is None
-    ledger.write_text(json.dumps(dict(entries=[dict(noise_multiplier=4.2, sample_rate=0.14, steps=1)])))
+    with opened(state, "0", 3.0, 1e-5) as ledger:
+        ledger.spend(4.2, 0.14, 1)
     assert "no checkpoint to resume from" in out_refusal(tmp_path / "new", work)
     assert out_refusal(resumable, work) is None
+    ledger_path(state, "0").write_text("{")  # a ledger that cannot be read is no proof that nobody was charged
+    assert "no checkpoint to resume from" in out_refusal(tmp_path / "new", work)

@@ -26,6 +26,7 @@ from fedsd.cli.split_data import write_client_folders
 from fedsd.deployment.local_deployment import LocalDeployment, add_node_arguments, node_start, stop_on_sigterm
 from fedsd.errors import OutputExistsError
 from fedsd.files.results import check_out_dir, write_json
+from fedsd.privacy.lifetime_ledger import read_all
 from fedsd.settings.federation import FedConfig
 from fedsd.settings.run import TrainConfig
 
@@ -87,9 +88,9 @@ def out_refusal(out: Path, work: Path) -> str | None:
         return None  # resumed from its checkpoint
     try:
         check_out_dir(out)
-        charged = [ledger for ledger in work.glob("deployment/nodes/*/state/ledger-*.json")
-                   if json.loads(ledger.read_text()).get("entries")]
-    except (OutputExistsError, OSError, ValueError):
+        charged = [ledger for state in work.glob("deployment/nodes/*/state") for ledger in read_all(state)
+                   if ledger.experiments]
+    except (OutputExistsError, OSError, ValueError):  # a ledger that cannot be read: DataError, a ValueError
         charged = [out]
     if charged:
         return (f"--out {out} and --work {work} hold a run stopped before its first round ended (no checkpoint to "

@@ -301,6 +301,7 @@ class LocalDeployment:
         self.node_ids: dict[int, int] = {}  # client k → the node id the SuperLink gave its key
         self.services: dict[int, subprocess.Popen] = {}  # --isolate: each client's data service
         self._all: list[subprocess.Popen] = []
+        self._children: dict[int, list[tuple[int, str]]] = {}  # pid → its descendants when last looked at
         self._network_up = False
 
     # -- processes ---------------------------------------------------------------------------
@@ -312,13 +313,26 @@ class LocalDeployment:
         self._all.append(proc)
         return proc
 
+    def remember_children(self) -> None:
+        """Notes each started process's descendants (pid and start time), so that a stop finds a
+        child in a session of its own even after its parent died on its own (Flower's SuperExec
+        left by a SuperLink that crashed is no longer anyone's descendant)."""
+        for proc in self._all:
+            if proc.poll() is None:
+                self._children[proc.pid] = sorted({*self._children.get(proc.pid, []), *_descendants(proc.pid)})
+
     @staticmethod
-    def stop(proc: subprocess.Popen | None, grace: float = 5.0) -> None:
-        if proc is None or not _running(proc):
+    def stop(proc: subprocess.Popen | None, grace: float = 5.0, known: list[tuple[int, str]] = ()) -> None:
+        """Stops proc's process group, then its descendants outside the group that still run,
+        those found now and those `known` from before (each checked by its start time)."""
+        if proc is None:
+            return
+        if not _running(proc):
+            _stop_children(list(known), grace)
             return
         # taken before the signal: a child in a session of its own (Flower's SuperLink starts its
         # SuperExec so) is not in the group, and under load it outlived the SuperLink's stop
-        children = _descendants(proc.pid)
+        children = sorted({*_descendants(proc.pid), *known})
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(proc.pid, sig)
@@ -337,7 +351,7 @@ class LocalDeployment:
 
     def stop_all(self) -> None:
         for proc in reversed(self._all):
-            self.stop(proc, grace=2.0)
+            self.stop(proc, grace=2.0, known=self._children.get(proc.pid, []))
         if self.isolation is not None and self._network_up:
             self.isolation.down()
             self._network_up = False
@@ -593,6 +607,7 @@ class LocalDeployment:
         for k in range(self.num_clients):
             self.start_supernode(k)
         self.wait_online(self.num_clients)
+        self.remember_children()
 
     def submit(self, run_config: dict, app: Path = ROOT) -> subprocess.Popen:
         """`flwr run <app> <federation> --stream` in the background; the app is fedsd's, or
