@@ -9,8 +9,11 @@ turns it off everywhere; a value you set for any variable below is kept.
 """
 from __future__ import annotations
 
+import getpass
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 OPT_OUT_ENV = "FEDSD_TUNE_PROCESS"
 
@@ -37,9 +40,30 @@ def tune_process() -> dict:
         if name not in os.environ:
             os.environ[name] = value
             done[name] = value
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        done["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_by_isa()
     if keep_freed_memory():
         done["malloc"] = "freed memory kept in the heap (M_MMAP_MAX=0)"
     return done
+
+
+def inductor_cache_by_isa(environ=os.environ) -> str:
+    """Inductor's graph caches (torch 2.14) are not keyed by ATEN_CPU_CAPABILITY: a graph compiled
+    under the CPU's own instruction set and reused under `ATEN_CPU_CAPABILITY=avx2` computed
+    mnist-cnn's max-pool backward with garbage indices (tests/test_torch_inductor_maxpool.py).
+    Each instruction-set setting gets its own cache folder, unless the user named one; returns it.
+    Where fedsd compiles: `fedsd bench step`, and training (fedsd.training.compiled), whose
+    bitwise check would catch such garbage and fall back to eager, but only after compiling.
+    tune_process() sets it for the entry points."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in environ:
+        isa = "-".join(environ.get(k, "native") for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):  # a uid with no name (an owner's service under its own uid)
+            user = str(os.getuid())
+        user = "".join(c for c in user if c.isalnum()) or "user"
+        environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"torchinductor_{user}_{isa.lower()}")
+    return environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 _kept = False

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-TUNED = ("THP_MEM_ALLOC_ENABLE", "GOMP_SPINCOUNT")
+TUNED = ("THP_MEM_ALLOC_ENABLE", "GOMP_SPINCOUNT", "TORCHINDUCTOR_CACHE_DIR")
 # What glibc's malloc does with a 64 MB block: mmap'd (glibc's default) or from the heap (tuned).
 PROBE = r"""
 import ctypes, json, os, sys

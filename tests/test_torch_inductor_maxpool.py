@@ -91,7 +91,7 @@ def test_fedsd_bench_keeps_one_inductor_cache_per_instruction_set_setting():
     """Where fedsd compiles (fedsd bench step), the graphs cached under the CPU's own instruction
     set are never reused under the AVX2 emulation, the case above: each setting its own folder;
     a folder the user named is kept."""
-    from fedsd.benchmarks.bench import inductor_cache_by_isa
+    from fedsd.runtime import inductor_cache_by_isa
 
     native, avx2 = {}, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     assert inductor_cache_by_isa(native) != inductor_cache_by_isa(avx2)

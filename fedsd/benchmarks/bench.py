@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import getpass
 import json
 import os
 import shutil
@@ -41,6 +40,7 @@ from fedsd.files.results import RunResult, check_out_dir
 from fedsd.settings.declared import add_options, from_args
 from fedsd.training.loop import evaluate, initial_model, planned_trainer
 from fedsd.benchmarks import layer_times
+from fedsd.runtime import inductor_cache_by_isa
 from fedsd.benchmarks.distill_share import measure, summary
 from fedsd.benchmarks.soak import plan_churn, plan_faults, soak
 from fedsd.cli import dry_run
@@ -80,7 +80,8 @@ def _add_step(what) -> None:
     step.add_argument("--method", default="dp3sd", help="dp3sd also times the teacher's forward pass")
     step.add_argument("--grad-sample-mode", nargs="+", default=list(GRAD_SAMPLE_MODES))
     step.add_argument("--no-compile", action="store_true",
-                      help="leave torch.compile out of the non-private candidates (it takes ~20 s to compile)")
+                      help="leave torch.compile out: of the non-private candidates (it takes ~20 s to compile) and of the "
+                           "DP steps (fedsd.training.compiled)")
     step.add_argument("--train-layers", nargs="+", default=["all"], metavar="SPEC",
                       help="what each DP step trains (all, head, last:N: the rest frozen, as fedsd train "
                            "--train-layers); several are timed side by side, each against all (default: all)")
@@ -90,7 +91,7 @@ def _add_step(what) -> None:
     step.add_argument("--layers", action="store_true",
                       help="the default route's DP step (auto: book-keeping) layer by layer: each trainable "
                            "layer's forward, backward, per-sample norms and clipped sum, beside the eager "
-                           "channels-last non-private step's forward and backward")
+                           "channels-last non-private step's forward and backward (both eager: nothing compiled)")
     step.add_argument("--device", default="cpu")
     step.add_argument("--threads", type=int, default=0, help="torch threads; 0 leaves torch's default")
     step.add_argument("--repeats", type=int, default=15)
@@ -241,18 +242,6 @@ def _emit(args: argparse.Namespace, report, text: str) -> int:
 BASELINE = dict(grad_sample_mode="hooks", memory_format="contiguous")
 
 
-def inductor_cache_by_isa(environ=os.environ) -> str:
-    """Inductor's graph caches (torch 2.14) are not keyed by ATEN_CPU_CAPABILITY: a graph compiled
-    under the CPU's own instruction set and reused under `ATEN_CPU_CAPABILITY=avx2` computed
-    mnist-cnn's max-pool backward with garbage indices (tests/test_torch_inductor_maxpool.py).
-    Each instruction-set setting gets its own cache folder, unless the user named one; returns it."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in environ:
-        isa = "-".join(environ.get(k, "native") for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
-        user = "".join(c for c in getpass.getuser() if c.isalnum()) or "user"
-        environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"torchinductor_{user}_{isa.lower()}")
-    return environ["TORCHINDUCTOR_CACHE_DIR"]
-
-
 def bench_step(args: argparse.Namespace) -> int:
     """Every variant is timed once per round, round after round (interleaved), so all see the
     same machine state; medians after the warm-up rounds."""
@@ -271,7 +260,8 @@ def bench_step(args: argparse.Namespace) -> int:
     objective = method_of(base).epoch_loss(base, 1)  # every step, private or not, times the same loss
     if args.layers:
         return bench_layers(args, base, x, y, objective, device)
-    steps, trainers = private_steps(base, args.grad_sample_mode, x, y, objective, step_variants(args))
+    steps, trainers = private_steps(base, args.grad_sample_mode, x, y, objective, step_variants(args),
+                                    compiled=not args.no_compile)
     dry_run.stop_here(f"time {len(steps) + 3 - args.no_compile} steps ({', '.join(steps)} and the non-private "
                       f"ones) {args.warmup} + {args.repeats} times, interleaved")
     nonprivate, left_out = nonprivate_steps(base, objective, x, y, device, args.no_compile)
@@ -285,7 +275,7 @@ def bench_layers(args: argparse.Namespace, base: TrainConfig, x, y, objective, d
     trainable layer's parts timed (fedsd/benchmarks/layer_times.py), interleaved, medians after
     the warm-up rounds."""
     mode = TrainConfig.grad_sample_mode
-    steps, trainers = private_steps(base, [mode], x, y, objective)
+    steps, trainers = private_steps(base, [mode], x, y, objective, compiled=False)  # eager, as the other step
     clipper = trainers[mode].clipper
     engine = getattr(clipper, "engine", None)
     if engine is None:
@@ -326,10 +316,12 @@ def variant_name(mode: str, spec: str = "all", features: str = "none") -> str:
 
 
 def private_steps(base: TrainConfig, modes: list[str], x, y, objective,
-                  variants=(("all", "none"),)) -> tuple[dict, dict]:
+                  variants=(("all", "none"),), compiled: bool = True) -> tuple[dict, dict]:
     """A DP step in each clipping mode and variant ("dp:NAME", variant_name), and each one's
     trainer. A variant on backbone features steps on random features of the frozen blocks'
-    output shape (timing only: no weights file is read)."""
+    output shape (timing only: no weights file is read). `compiled`: the step of a long run,
+    whose parts that compile without changing a bit are compiled from the first step on
+    (fedsd.training.compiled); else eager throughout."""
     steps, trainers = {}, {}
     batch = base.batch_size
     for spec, features in variants:
@@ -340,6 +332,8 @@ def private_steps(base: TrainConfig, modes: list[str], x, y, objective,
             name = variant_name(mode, spec, features)
             trainer = trainers[name] = planned_trainer(cfg, TensorData(inputs, y, inputs[:1], y[:1], 10),
                                                        plan(3.0, 1e-5, 10 * batch, batch, 1))
+            if compiled:
+                trainer.compile_now()
             steps["dp:" + name] = lambda t=trainer: t.train_on_batch(t.data.x_train, y, objective)
     return steps, trainers
 
@@ -435,6 +429,7 @@ def step_rows(args: argparse.Namespace, batch: int, device, median: dict, traine
                  default=mode == TrainConfig.grad_sample_mode, device=str(device), threads=torch.get_num_threads(),
                  cpu_isa=torch.backends.cpu.get_cpu_capability().lower(), kernel_isa=conv_kernel.isa(),
                  train_layers=spec, features=features, **route_taken(trainers[variant_name(mode, spec, features)]),
+                 compiled=trainers[variant_name(mode, spec, features)].compiled_parts(),
                  dp_step_seconds=median["dp:" + variant_name(mode, spec, features)],
                  eager_nonprivate_step_seconds=eager,
                  fastest_nonprivate_step_seconds=fastest, fastest_nonprivate=fastest_name.split(":", 1)[1],
@@ -461,6 +456,8 @@ def step_lines(args: argparse.Namespace, batch: int, device, rows: list[dict]) -
                      + f"layers: {' '.join(r['layer_routes'].values())}")
         if r["chosen"]:
             lines.append(f"      auto chose {r['chosen']}")
+        if r["default"]:
+            lines.append("      " + "; ".join(f"{part}: {state}" for part, state in r["compiled"].items()))
     lines += [f"  {name} left out: {reason}" for name, reason in rows[0]["left_out"].items()]
     return lines
 
