@@ -101,3 +101,10 @@ def test_a_dp_step_with_its_compiled_parts_releases_the_eager_steps_weights_bit_
         assert all(torch.equal(p, q) for p, q in zip(eager.model.parameters(), fast.model.parameters()))
     assert list(fast.compiled_parts().values()) == ["compiled"] * 5
     assert set(eager.compiled_parts().values()) == {"eager"}
+    # one graph each, whatever the batch: before each part had a code object of its own, the five
+    # shared one, whose recompilations dynamo stops at 8, running the rest eagerly without a word
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    parts = [fast._teacher_forward, *fast._compiled_runs]
+    codes = [part.compiled._torchdynamo_orig_callable.__code__ for part in parts]
+    assert len(set(map(id, codes))) == 5 and [len(_debug_get_cache_entry_list(c)) for c in codes] == [1] * 5
