@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -62,8 +63,23 @@ def inductor_cache_by_isa(environ=os.environ) -> str:
         except (KeyError, OSError):  # a uid with no name (an owner's service under its own uid)
             user = str(os.getuid())
         user = "".join(c for c in user if c.isalnum()) or "user"
-        environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"torchinductor_{user}_{isa.lower()}")
+        environ["TORCHINDUCTOR_CACHE_DIR"] = str(own_folder(Path(tempfile.gettempdir()) / f"torchinductor_{user}_{isa.lower()}"))
     return environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def own_folder(path: Path) -> Path:
+    """`path`, made 0700 if new, where it is this user's own folder that nobody else may write
+    in; else a new private folder beside it. The temporary folder is everybody's: a folder there
+    that another user made first would give them code in this process (inductor loads the
+    libraries and graphs it finds in its cache)."""
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022:
+            return path
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix=f"{path.name}-"))
 
 
 _kept = False

@@ -1,5 +1,6 @@
 """fedsd changes nothing about a process when imported; fedsd.runtime.tune_process(), which its
 entry points call, does: the environment for torch and libgomp, and glibc's malloc."""
+import os
 import json
 import subprocess
 import sys
@@ -69,3 +70,26 @@ def test_the_entry_points_tune_their_process():
     """The fedsd command and the Flower apps (ClientApp, ServerApp) call tune_process on import."""
     for module in ("fedsd.cli.main", "fedsd.app.client.client_app", "fedsd.app.server.server_app"):
         assert probe(f"import {module}")["mmapped"] == 0, module
+
+
+def test_the_inductor_cache_is_never_a_folder_another_user_could_write_in(tmp_path):
+    """Inductor loads compiled libraries from its cache: a folder in the shared temporary folder
+    that someone else made, or may write in, is not taken; a private one is made instead."""
+    from fedsd.runtime import own_folder
+
+    mine = own_folder(tmp_path / "cache")
+    assert mine == tmp_path / "cache" and (mine.stat().st_mode & 0o777) == 0o700
+    assert own_folder(mine) == mine  # kept from one process to the next
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    planted.chmod(0o777)  # made first, open to all
+    other = own_folder(planted)
+    assert other != planted and other.stat().st_uid == os.getuid() and (other.stat().st_mode & 0o777) == 0o700
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    assert own_folder(link) != link
+    if os.getuid() == 0:  # as root the test can also make a folder another user owns
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 12345, 12345)
+        assert own_folder(theirs) != theirs

@@ -16,8 +16,14 @@ Three rules:
     runs eager on the same input (and, where a gradient flows, the same output gradient), and
     any difference in a value or a layout, or any error, keeps the eager code for the rest of the
     run, said once on stderr. The weights a run releases are the same either way.
-  - Max pooling stays eager: inductor's max-pool backward was twice as slow as eager here
-    (mnist-cnn: 107 against 50 ms a step), and crashed under the avx2 emulation (issue 71).
+  - Max pooling's backward stays eager: inductor's was twice as slow as eager here (mnist-cnn:
+    107 against 50 ms a step), and crashed under the avx2 emulation (issue 71). The teacher's
+    forward, which has no backward, compiles with it; only models made of the layers below
+    (the papers' CNNs and their like) compile at all: others (normalisation layers, torchvision's
+    networks) would compile in other roundings and be left out, for nothing.
+  - Never on an owner's data under secret draws (a deployment's service): nothing of what it does
+    may depend on its data, a compiled part's check included, and a shared cache folder is
+    another user's way into its process.
   - On CPU only (not measured on a GPU), and after COMPILE_AFTER calls: compiling costs 1–11 s,
     which a short run (a test, a client's few local steps) would never earn back.
 FEDSD_COMPILE=0 keeps everything eager.
@@ -37,18 +43,32 @@ COMPILE_AFTER = 50
 # Weightless layers whose compiled forward and backward were measured faster than eager here.
 FUSED_LAYERS = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU, nn.LeakyReLU, nn.AvgPool2d, nn.AdaptiveAvgPool2d,
                 nn.Flatten, nn.Identity)
+# What a teacher may be made of to compile (its forward alone: max pooling too).
+TEACHER_LAYERS = (nn.Conv2d, nn.Linear, nn.MaxPool2d, *FUSED_LAYERS)
+
+
+def teacher_forward(teacher: nn.Module, after: int = COMPILE_AFTER) -> "CompiledForward | nn.Module":
+    """The teacher's forward, compiled (CompiledForward) where it is a plain nn.Sequential of
+    TEACHER_LAYERS; else the teacher itself, eager."""
+    if not isinstance(teacher, nn.Sequential) or type(teacher).forward is not nn.Sequential.forward or \
+            not all(isinstance(m, TEACHER_LAYERS) for m in teacher):
+        return teacher
+    return CompiledForward(teacher, "teacher's forward", after)
 OPT_OUT_ENV = "FEDSD_COMPILE"
 
 
 class CompiledForward:
     """`fn` called eagerly for its first `after` calls, then compiled (the batch dimension dynamic:
-    one graph for every Poisson batch), where its first compiled call gives eager's bits."""
+    one graph for every Poisson batch), where it gives eager's bits: checked on the first call of
+    each kind of input (whether it needs a gradient, grad mode, dtype, layout), each of which
+    dynamo compiles a graph of its own for."""
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], name: str, after: int = COMPILE_AFTER,
                  gradient: bool = False):
         self.fn, self.name, self.after, self.gradient = fn, name, after, gradient
         self.calls = 0
         self.compiled: Callable | None = None
+        self.checked: set[tuple] = set()
         self.left_out: str | None = None if os.environ.get(OPT_OUT_ENV, "1") != "0" else f"{OPT_OUT_ENV}=0"
 
     @property
@@ -60,23 +80,26 @@ class CompiledForward:
         self.calls += 1
         if self.left_out or self.calls <= self.after or x.device.type != "cpu" or x.shape[0] < 2:
             return self.fn(x)
-        if self.compiled is None:
-            return self._first(x)
+        kind = (x.requires_grad, torch.is_grad_enabled(), x.dtype, _layout_of(x))
+        if kind not in self.checked:
+            return self._check(x, kind)
         torch._dynamo.maybe_mark_dynamic(x, 0)
         return self.compiled(x)
 
-    def _first(self, x: torch.Tensor) -> torch.Tensor:
-        compiled = torch.compile(_own_code(self.fn))
+    def _check(self, x: torch.Tensor, kind: tuple) -> torch.Tensor:
+        compiled = self.compiled or torch.compile(_own_code(self.fn))
         torch._dynamo.maybe_mark_dynamic(x, 0)
         try:
             self.left_out = differs(self.fn, compiled, x, self.gradient)
         except Exception as error:  # noqa: BLE001 -- whatever fails in the compiled code, eager goes on
             self.left_out = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
         if self.left_out:
+            self.compiled = None
             print(f"fedsd: the compiled {self.name} is left out (eager from now on): {self.left_out}",
                   file=sys.stderr, flush=True)
             return self.fn(x)
         self.compiled = compiled
+        self.checked.add(kind)
         return compiled(x)
 
 
@@ -100,10 +123,10 @@ _own_code.made = 0
 def differs(eager: Callable, compiled: Callable, x: torch.Tensor, gradient: bool) -> str | None:
     """Why `compiled` is not bitwise `eager` on x (its output; with `gradient`, also x's gradient
     for one output gradient), or None."""
-    probe = x.detach().requires_grad_(gradient and torch.is_grad_enabled())
+    probe = x.detach().requires_grad_(x.requires_grad)  # the graph checked is the one the call will use
     torch._dynamo.maybe_mark_dynamic(probe, 0)  # compiled as every later batch will come: any size
     e, c = eager(probe), compiled(probe)
-    if (why := _not_same("output", e, c)) or not probe.requires_grad:
+    if (why := _not_same("output", e, c)) or not (gradient and e.requires_grad and c.requires_grad):
         return why
     g = torch.randn(e.shape, generator=torch.Generator().manual_seed(0), dtype=e.dtype).to(e.device)
     g = g.contiguous(memory_format=_layout_of(e))
@@ -116,8 +139,9 @@ def _not_same(what: str, e: torch.Tensor, c: torch.Tensor) -> str | None:
         return f"its {what} has shape {tuple(c.shape)} {c.dtype}, eager's {tuple(e.shape)} {e.dtype}"
     if e.stride() != c.stride():
         return f"its {what} has strides {c.stride()}, eager's {e.stride()}"
-    if not torch.equal(torch.nan_to_num(e), torch.nan_to_num(c)):
-        return f"its {what} differs from eager's by up to {float((e - c).detach().abs().nan_to_num().max()):.3g}"
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[e.element_size()]
+    if not torch.equal(e.detach().view(bits), c.detach().view(bits)):  # bit for bit: -0.0 is not 0.0, NaN is NaN
+        return f"its {what} differs from eager's"  # by how much is the data's to say, not a log's
     return None
 
 

@@ -28,7 +28,7 @@ import torch
 
 from fedsd.clipping import routes
 from fedsd.training.callbacks import ProximalTerm, StepCallback
-from fedsd.training.compiled import CompiledForward, student_forward
+from fedsd.training.compiled import CompiledForward, student_forward, teacher_forward
 from fedsd.clipping import CLIPPERS
 from fedsd.settings.run import TrainConfig, check_layout
 from fedsd.data.datasets import TensorData
@@ -260,9 +260,10 @@ class DPTrainer:
             self.clipper.take(self.route)
         # Compiled where that changes no bit (fedsd.training.compiled): the teacher's forward, and
         # with book-keeping (hooks on the weighted layers only) the student's weightless layers
-        self._teacher_forward = CompiledForward(self.teacher, "teacher's forward")
+        self._teacher_forward = teacher_forward(self.teacher)
         self._student_forward, self._compiled_runs = (student_forward(self.model) if self.clipper.module is self.model
                                                       else (self.clipper.module, []))
+        self._compiled = [p for p in (self._teacher_forward, *self._compiled_runs) if isinstance(p, CompiledForward)]
         # Frozen blocks (--train-layers) are no part of the optimizer: no gradient, no noise, no step
         sgd = torch.optim.SGD(self.trainable(), lr=cfg.lr, momentum=cfg.momentum)
         self.optimizer = self.clipper.make_optimizer(
@@ -272,11 +273,11 @@ class DPTrainer:
 
     def compiled_parts(self) -> dict[str, str]:
         """Each part of a step that compiles (fedsd.training.compiled): compiled, eager (not yet), or why not."""
-        return {part.name: part.state for part in (self._teacher_forward, *self._compiled_runs)}
+        return {part.name: part.state for part in self._compiled}
 
     def compile_now(self) -> None:
         """Compile from the next step on, as a long run does after its first steps (fedsd bench step)."""
-        for part in (self._teacher_forward, *self._compiled_runs):
+        for part in self._compiled:
             part.after = part.calls
 
     def bind(self, data: TensorData, plan: PrivacyPlan, client: int = 0) -> "DPTrainer":
@@ -484,11 +485,12 @@ class DPTrainer:
         model alone, so this is a per-sample clipping rule (norm 0 ≤ C): the sensitivity and the
         accounting are unchanged, and the released update stays finite. `weight` (0 or 1 a
         row) multiplies each sample's loss: a row of weight 0 has a zero gradient."""
-        logits = self._student_forward(x)
+        secret = self.secret is not None  # an owner's data: nothing compiled (fedsd.training.compiled)
+        logits = (self.clipper.module if secret else self._student_forward)(x)
         teacher_logits = None
         if objective.reads_teacher:
             with torch.no_grad():
-                teacher_logits = self._teacher_forward(x)
+                teacher_logits = (self.teacher if secret else self._teacher_forward)(x)
         per_sample = objective.per_sample(logits, teacher_logits, y)
         return self.clipper.backward(per_sample if weight is None else per_sample * weight.to(per_sample.dtype))
 
