@@ -11,7 +11,7 @@ compile and the book-keeping hooks stay where they are: cifar-cnn's DP step went
 to 0.97–1.02 times the compiled non-private step on an AVX-512 CPU, mnist-cnn's from 1.15–1.17
 to 1.05–1.11 times the eager one (results/perf.md).
 
-Three rules:
+Four rules:
   - Nothing compiled is used unless it is bitwise the eager computation: its first call also
     runs eager on the same input (and, where a gradient flows, the same output gradient), and
     any difference in a value or a layout, or any error, keeps the eager code for the rest of the
@@ -50,10 +50,16 @@ TEACHER_LAYERS = (nn.Conv2d, nn.Linear, nn.MaxPool2d, *FUSED_LAYERS)
 def teacher_forward(teacher: nn.Module, after: int = COMPILE_AFTER) -> "CompiledForward | nn.Module":
     """The teacher's forward, compiled (CompiledForward) where it is a plain nn.Sequential of
     TEACHER_LAYERS; else the teacher itself, eager."""
-    if not isinstance(teacher, nn.Sequential) or type(teacher).forward is not nn.Sequential.forward or \
-            not all(isinstance(m, TEACHER_LAYERS) for m in teacher):
+    if not _plain_sequential(teacher) or not all(isinstance(m, TEACHER_LAYERS) for m in teacher):
         return teacher
     return CompiledForward(teacher, "teacher's forward", after)
+
+
+def _plain_sequential(model: nn.Module) -> bool:
+    """Whether `model` is an nn.Sequential whose forward is Sequential's: its layers, in order."""
+    return isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward
+
+
 OPT_OUT_ENV = "FEDSD_COMPILE"
 
 
@@ -155,7 +161,7 @@ def student_forward(model: nn.Module, after: int = COMPILE_AFTER) -> tuple[Calla
     (CompiledForward), and those runs; the model itself where it is not a plain nn.Sequential (its
     forward is Sequential's) or has no such run. The weighted layers are called as modules, so
     their hooks (book-keeping's) run as before; a model with hooks of its own is called whole, eager."""
-    if not isinstance(model, nn.Sequential) or type(model).forward is not nn.Sequential.forward:
+    if not _plain_sequential(model):
         return model, []
     parts: list[Callable] = []
     runs: list[CompiledForward] = []
