@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fedsd.benchmarks import bench, layer_times
+from fedsd.clipping import conv_kernel
 from fedsd.cli.main import main
 from fedsd.models.networks import build_model
 from fedsd.settings.run import TrainConfig
@@ -32,7 +33,12 @@ def test_layers_one_row_a_trainable_layer_and_parts_within_the_step(capsys):
         assert set(r["dp_ms"]) == {"forward", "backward", "norms", "clip-sum"}
         assert set(r["nonprivate_ms"]) == {"forward", "backward"}
         assert all(v >= 0 for v in [*r["dp_ms"].values(), *r["nonprivate_ms"].values()])
-    assert all(r["dp_ms"]["forward"] > 0 and r["dp_ms"]["norms"] > 0 for r in report["layers"])
+    assert all(r["dp_ms"]["forward"] > 0 for r in report["layers"])
+    # The two convs take the kernel: their norms and clipped sums are one pass, one row of its own.
+    together = report["kernel_layers_together"]
+    assert together["layers"] == (names[:2] if conv_kernel.available() else [])
+    assert (together["dp_ms"] > 0) == conv_kernel.available()
+    assert all((r["dp_ms"]["norms"] == 0) == (r["name"] in together["layers"]) for r in report["layers"])
     between = report["between_layers"]
     assert all(v >= 0 for v in [*between["dp_ms"].values(), *between["nonprivate_ms"].values()])
     # The parts lie within the whole step (each is timed inside it), and are a fair share of it.
@@ -44,6 +50,7 @@ def test_layers_text_table(capsys):
     assert main([*TINY[:-1], "--no-compile", "--layers"]) == 0
     out = capsys.readouterr().out
     assert "0 Conv2d 1→16 k8 s2" in out and "9 Linear 32→10" in out and "whole step" in out and "between layers" in out
+    assert ("kernel layers 0, 3: norms and clip-sum in one pass" in out) == conv_kernel.available()
 
 
 def _step_of(observed: bool, x, y, objective):
@@ -72,7 +79,7 @@ def _step_of(observed: bool, x, y, objective):
     trainer.train_on_batch(trainer.data.x_train, y, objective, callbacks=[Before()])
     if observed:
         times = clock.step_done()
-        assert all(times[name]["norms"] > 0 for name in clock.layers)  # it did watch
+        assert times["7"]["norms"] > 0 and (times[layer_times.TOGETHER]["norms"] > 0) == conv_kernel.available()
     return seen, {n: p.detach().clone() for n, p in trainer.clipper.model.named_parameters()}
 
 
@@ -106,7 +113,8 @@ def test_a_failing_compiled_candidate_is_left_out_with_why(monkeypatch, capsys, 
     monkeypatch.setattr(torch, "compile", fake)
     rows, err = run_json(capsys, "--grad-sample-mode", "bk")
     assert rows[0]["left_out"]["compiled-channels-last"].startswith(reason)
-    assert set(rows[0]["nonprivate_step_seconds"]) == {"eager-nchw", "eager-channels-last"}
+    # The parts compiled as the DP step's are checked bit for bit there, and run eager when they differ.
+    assert set(rows[0]["nonprivate_step_seconds"]) == {"eager-nchw", "eager-channels-last", "compiled-parts-channels-last"}
     assert "compiled-channels-last left out: " + reason in err
     # and in the text table
     args = argparse.Namespace(model="mnist-cnn", method=rows[0]["method"], grad_sample_mode=["bk"])
@@ -118,4 +126,4 @@ def test_a_compiled_candidate_with_the_eager_gradients_is_timed(monkeypatch, cap
     monkeypatch.setattr(torch, "compile", lambda module: module)
     rows, _ = run_json(capsys, "--grad-sample-mode", "bk")
     assert rows[0]["left_out"] == {}
-    assert "compiled-channels-last" in rows[0]["nonprivate_step_seconds"]
+    assert {"compiled-channels-last", "compiled-parts-channels-last"} <= set(rows[0]["nonprivate_step_seconds"])

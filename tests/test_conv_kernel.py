@@ -145,3 +145,82 @@ def test_kernel_builds_for_each_target_and_each_build_this_cpu_runs_is_exact(mar
         got = per_sample.view(len(x), conv.kernel_size[0], conv.kernel_size[1], x.shape[1], -1).permute(0, 4, 3, 1, 2)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item(), msg=name)
         torch.testing.assert_close(norms2, expected.flatten(1).pow(2).sum(1), rtol=1e-5, atol=0, msg=name)
+
+
+def _two_layers(n: int, seed: int = 0):
+    """mnist-cnn's two convs' (layer, input, output gradient) for n samples, and other weights' squared norms."""
+    convs = [layer_and_gradients(LAYERS[name], n=n, seed=seed + k) for k, name in
+             enumerate(("mnist-cnn conv1", "48 channels, 5 in, dilated"))]
+    base2 = torch.rand(n, generator=torch.Generator().manual_seed(seed)) * 100
+    return convs, base2
+
+
+@needs_kernel
+def test_one_pass_clipped_sums_are_the_per_sample_gradients_clipped_and_summed():
+    """conv_kernel.clipped_sums (book-keeping's pass for the kernel's layers) gives the norms,
+    Opacus' clipping factors and the clipped sums that per_sample_grads and PyTorch give, over
+    more samples than one block and not a whole number of blocks, clipping active."""
+    n = 70
+    convs, base2 = _two_layers(n)
+    grads = [conv_kernel.per_sample_grads(*conv) for conv in convs]
+    expected2 = base2 + grads[0][1] + grads[1][1]
+    C = float((expected2.sqrt() * n).median())  # about half the samples clipped
+    norms2, coeff, sums = conv_kernel.clipped_sums(convs, base2, n, C)
+    torch.testing.assert_close(norms2, expected2, rtol=1e-6, atol=0)
+    expected_coeff = (C / (expected2.sqrt() * n + 1e-6)).clamp(max=1.0) * n
+    torch.testing.assert_close(coeff, expected_coeff, rtol=1e-6, atol=0)
+    assert 0 < (coeff < n).sum() < n  # some samples clipped, some not
+    for summed, (per_sample, _) in zip(sums, grads):
+        expected = expected_coeff @ per_sample.flatten(1)
+        torch.testing.assert_close(summed, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    # Every sample's clipped gradient (its own: n times the mean's) is within C.
+    assert ((coeff / n) * expected2.sqrt() * n <= C * (1 + 1e-6)).all()
+
+
+@needs_kernel
+def test_one_pass_clipped_sums_do_not_depend_on_the_number_of_threads():
+    convs, base2 = _two_layers(70)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = conv_kernel.clipped_sums(convs, base2, 70, 20.0)
+        torch.set_num_threads(2)
+        two = conv_kernel.clipped_sums(convs, base2, 70, 20.0)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip([one[0], one[1], *one[2]], [two[0], two[1], *two[2]]))
+
+
+@needs_kernel
+def test_one_pass_leaves_out_a_sample_whose_norm_is_not_finite_only_when_asked():
+    """zero_nonfinite: the sample's factor is 0 and the sums are the other samples'; without it,
+    its NaN reaches the sum (the caller's choice, as on every other route)."""
+    convs, base2 = _two_layers(40)
+    convs[0][1][7] = float("inf")
+    norms2, coeff, sums = conv_kernel.clipped_sums(convs, base2, 40, 20.0, zero_nonfinite=True)
+    assert not torch.isfinite(norms2[7]) and coeff[7] == 0 and torch.isfinite(coeff).all()
+    keep = torch.arange(40) != 7
+    others = [(layer, a[keep].contiguous(memory_format=torch.channels_last),
+               g[keep].contiguous(memory_format=torch.channels_last)) for layer, a, g in convs]
+    # The others' factors are those of a batch of 40 (n scales them), so compare against those.
+    per_sample = [conv_kernel.per_sample_grads(*conv)[0] for conv in others]
+    for summed, ps in zip(sums, per_sample):
+        expected = coeff[keep] @ ps.flatten(1)
+        torch.testing.assert_close(summed, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    _, _, unguarded = conv_kernel.clipped_sums(convs, base2, 40, 20.0)
+    assert not torch.isfinite(unguarded[0]).all()
+
+
+@needs_kernel
+def test_the_kernel_refuses_shapes_its_layer_would_not_give():
+    """The kernel reads through raw pointers where the layer's geometry says each patch lies: an
+    output gradient larger than that geometry gives (a Conv2d subclass with its own forward)
+    would make it read past the input. Refused before any read."""
+    conv, x, grad = layer_and_gradients(LAYERS["mnist-cnn conv2"], n=4)
+    big = torch.zeros(4, grad.shape[1], grad.shape[2] + 3, grad.shape[3]).contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="do not fit the layer"):
+        conv_kernel.per_sample_grads(conv, x, big)
+    with pytest.raises(ValueError, match="do not fit the layer"):
+        conv_kernel.clipped_sums([(conv, x, big)], torch.zeros(4), 4, 1.0)
+    with pytest.raises(ValueError, match="samples' inputs"):
+        conv_kernel.clipped_sums([(conv, x, grad)], torch.zeros(5), 5, 1.0)

@@ -38,6 +38,7 @@ from fedsd.models.pretrained import check_train_layers
 from fedsd.privacy.accounting import plan
 from fedsd.files.results import RunResult, check_out_dir
 from fedsd.settings.declared import add_options, from_args
+from fedsd.training.compiled import student_forward, teacher_forward
 from fedsd.training.loop import evaluate, initial_model, planned_trainer
 from fedsd.benchmarks import layer_times
 from fedsd.runtime import inductor_cache_by_isa
@@ -342,11 +343,17 @@ class NonPrivateStep:
     """A plain SGD step of the same model, loss, teacher and momentum, without privacy: called,
     it steps; `backward()` leaves the gradients in the student's p.grad and the weights as they are."""
 
-    def __init__(self, base: TrainConfig, objective, x, y, device, layout, compiled: bool):
+    def __init__(self, base: TrainConfig, objective, x, y, device, layout, compiled: bool | str):
+        """compiled: True, the whole student and teacher (torch.compile); "parts", only what the DP
+        step compiles (fedsd.training.compiled: the teacher, the student's runs between its
+        weighted layers), from the first step on; False, nothing."""
         self.student = build_model(base.model).to(device, memory_format=layout)
         self.teacher = build_model(base.model).to(device, memory_format=layout).eval().requires_grad_(False)
         self.forward, self.teacher_forward = self.student, self.teacher
-        if compiled:
+        if compiled == "parts":
+            self.forward = student_forward(self.student, after=0)[0]
+            self.teacher_forward = teacher_forward(self.teacher, after=0)
+        elif compiled:
             self.forward, self.teacher_forward = torch.compile(self.student), torch.compile(self.teacher)
         self.sgd = torch.optim.SGD(self.student.parameters(), lr=base.lr, momentum=base.momentum)
         self.objective, self.xs, self.y = objective, x.contiguous(memory_format=layout), y
@@ -390,15 +397,17 @@ def compiled_differs(compiled: NonPrivateStep, eager: NonPrivateStep) -> str | N
 
 def nonprivate_steps(base: TrainConfig, objective, x, y, device, no_compile: bool) -> tuple[dict, dict]:
     """The non-private candidates ("nonprivate:NAME"), and those left out with why: the compiled
-    one where it does not give the eager channels-last step's gradients."""
+    one where it does not give the eager channels-last step's gradients. compiled-parts: compiled
+    where the DP step is (fedsd.training.compiled), each part checked bit for bit as there."""
     steps, left_out = {}, {}
     for layout, compiled, name in ((torch.contiguous_format, False, "eager-nchw"),
                                    (torch.channels_last, False, "eager-channels-last"),
-                                   (torch.channels_last, True, "compiled-channels-last")):
+                                   (torch.channels_last, True, "compiled-channels-last"),
+                                   (torch.channels_last, "parts", "compiled-parts-channels-last")):
         if compiled and no_compile:
             continue
         step = NonPrivateStep(base, objective, x, y, device, layout, compiled)
-        reason = compiled_differs(step, steps["nonprivate:eager-channels-last"]) if compiled else None
+        reason = compiled_differs(step, steps["nonprivate:eager-channels-last"]) if compiled is True else None
         if reason is not None:
             left_out[name] = reason
             print(f"bench step: {name} left out: {reason}", file=sys.stderr, flush=True)

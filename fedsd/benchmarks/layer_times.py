@@ -7,7 +7,8 @@ For each trainable layer (Conv2d, Linear), in ms, the median over the timed step
     its parameters' accumulated gradients. Book-keeping computes no weight gradient in autograd,
     so there a layer whose input needs no gradient (the first) has no backward at all;
   - in the DP step, book-keeping's per-sample norms and its part of the clipped sum
-    (fedsd.clipping.bookkeeping.BookKeepingEngine.observer).
+    (fedsd.clipping.bookkeeping.BookKeepingEngine.observer). The conv layers that take the
+    kernel make both in one pass (fedsd.clipping.conv_kernel.clipped_sums), one row of its own.
 Between the layers (activations, pooling, flattening): the model's whole forward (hooks on the
 model itself) and its backward span (the first layer gradient's arrival to the last event)
 less the layers' own. The rest of the whole step is the loss, the teacher's forward, the clip
@@ -29,6 +30,9 @@ from fedsd.clipping.routes import timer
 DP_PARTS = ("forward", "backward", "norms", "clip-sum")
 NONPRIVATE_PARTS = ("forward", "backward")
 BETWEEN = "(between layers)"  # step_done()'s key for what runs between the layers
+# step_done()'s key for the kernel's conv layers' one pass: their per-sample norms and clipped
+# sums at once (fedsd.clipping.conv_kernel.clipped_sums), which cannot be told apart.
+TOGETHER = "(kernel layers together)"
 
 
 def trainable_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -61,8 +65,8 @@ class LayerClock:
         self._sync()
         return time.perf_counter()
 
-    def _add(self, module: nn.Module, part: str, seconds: float) -> None:
-        key = (self._names[module], part)
+    def _add(self, module: nn.Module | tuple, part: str, seconds: float) -> None:
+        key = (TOGETHER if isinstance(module, tuple) else self._names[module], part)
         self._seconds[key] = self._seconds.get(key, 0.0) + seconds
 
     def _model_starts(self, module, args) -> None:
@@ -105,6 +109,7 @@ class LayerClock:
         span = max(events) - min(self._started.values()) if self._started else 0.0
         times = {name: {part: self._seconds.get((name, part), 0.0) for part in DP_PARTS} for name in self.layers}
         times[BETWEEN] = {part: 0.0 for part in DP_PARTS}
+        times[TOGETHER] = {part: self._seconds.get((TOGETHER, part), 0.0) for part in DP_PARTS}
         times[BETWEEN]["forward"] = max(0.0, self._seconds.get((BETWEEN, "forward"), 0.0)
                                         - sum(t["forward"] for t in times.values()))
         times[BETWEEN]["backward"] = max(0.0, span - sum(t["backward"] for t in times.values()))
@@ -151,8 +156,11 @@ def rows(measured: dict, layers: dict[str, nn.Module], ways: dict[str, str]) -> 
              for name, layer in layers.items()]
     between = dict(dp_ms={part: ms(dp["layers"][BETWEEN][part]) for part in NONPRIVATE_PARTS},
                    nonprivate_ms={part: ms(nonprivate["layers"][BETWEEN][part]) for part in NONPRIVATE_PARTS})
-    return dict(layers=found, between_layers=between, dp_step_ms=ms(dp["step"]), nonprivate_step_ms=ms(nonprivate["step"]),
-                dp_layers_ms=round(sum(sum(r["dp_ms"].values()) for r in found), 3),
+    together = dict(layers=[name for name in layers if ways.get(name) == "kernel"],
+                    dp_ms=ms(dp["layers"][TOGETHER]["norms"]))
+    return dict(layers=found, kernel_layers_together=together, between_layers=between, dp_step_ms=ms(dp["step"]),
+                nonprivate_step_ms=ms(nonprivate["step"]),
+                dp_layers_ms=round(sum(sum(r["dp_ms"].values()) for r in found) + together["dp_ms"], 3),
                 nonprivate_layers_ms=round(sum(sum(r["nonprivate_ms"].values()) for r in found), 3))
 
 
@@ -170,6 +178,10 @@ def lines(report: dict) -> list[str]:
                    + "".join(f"{d[p]:{w}.1f}" for p, w in zip(DP_PARTS, (8, 9, 8, 9)))
                    + f"{sum(d.values()):8.1f} |              {n['forward']:8.1f}{n['backward']:9.1f}"
                    f"{sum(n.values()):8.1f}")
+    together = report["kernel_layers_together"]
+    if together["layers"]:
+        out.append(f"{'kernel layers ' + ', '.join(together['layers']) + ': norms and clip-sum in one pass':<60}"
+                   f"{together['dp_ms']:17.1f} |")
     d, n = report["between_layers"]["dp_ms"], report["between_layers"]["nonprivate_ms"]
     out.append(f"{'between layers (activations, pooling)':<37}|     {d['forward']:8.1f}{d['backward']:9.1f}{'':>17}"
                f"{sum(d.values()):8.1f} |              {n['forward']:8.1f}{n['backward']:9.1f}{sum(n.values()):8.1f}")

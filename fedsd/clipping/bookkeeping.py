@@ -13,7 +13,8 @@ a); autograd never computes a weight gradient. Per layer, from (a, g):
     gradient convolution.
 On CPU, per-sample gradients come from fedsd.clipping.conv_kernel, which never writes the patches
 (where it is not built, the patches are made and used a cache-sized chunk of the batch at a
-time).
+time), nor the per-sample gradients: its one pass (clipped_sums) measures, clips and sums each
+sample's while they are in cache, once every other layer's norms are known.
 The result is written into p.grad; Opacus' DPOptimizerFastGradientClipping then adds the noise
 and averages, as for its own ghost clipping. The clipping factor is Opacus' own:
 c_i = min(1, C / (‖∇_i‖ + 1e-6)). Everything works on channels-last activations without a
@@ -22,6 +23,7 @@ layout change (results/perf.md).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch import nn
@@ -138,7 +140,8 @@ class BookKeepingEngine:
         self.taken: dict[int, str] = {}  # the way each conv layer took in the last step (benchmarks)
         # Watches, never changes: observer(layer, part) is entered around each layer's per-sample
         # norms ("norms") and its part of the clipped sum ("clip-sum"), a context manager (`fedsd
-        # bench step --layers` times them); the same computation runs with or without it.
+        # bench step --layers` times them), and observer((layer, ...), "norms") around the kernel
+        # layers' one pass that makes both; the same computation runs with or without it.
         self.observer = None
         self._inputs: dict[nn.Module, torch.Tensor] = {}
         self._outputs: dict[nn.Module, torch.Tensor] = {}
@@ -189,9 +192,7 @@ class BookKeepingEngine:
                 norms2 += g.pow(2).sum(1)
             return None, None, False
         n, p, th, tw = g.shape
-        per_sample_bias = g.sum((2, 3)) if layer.bias is not None else None
-        if per_sample_bias is not None:
-            norms2 += per_sample_bias.pow(2).sum(1)
+        per_sample_bias = _add_bias_norms2(norms2, layer, g)
         G = g.permute(0, 2, 3, 1).reshape(n, th * tw, p)  # (n, T, p), a view when channels-last
         if way == "ghost":
             norms2 += _ghost_norms2(layer, a, G)
@@ -210,13 +211,7 @@ class BookKeepingEngine:
         """Set the layer's p.grad to Σ_i coeff_i ∇_i."""
         per_sample, per_sample_bias, d_first = kept
         if per_sample is not None:  # Σ_i c_i ∇_i straight from the per-sample gradients
-            p, c, kh, kw = layer.weight.shape
-            summed = coeff @ per_sample.flatten(1)
-            summed = (summed.view(kh, kw, c, p).permute(3, 2, 0, 1) if d_first
-                      else summed.view(p, kh, kw, c).permute(0, 3, 1, 2))
-            layer.weight.grad = summed.contiguous(memory_format=_format_of(layer.weight))
-            if per_sample_bias is not None:
-                layer.bias.grad = coeff @ per_sample_bias
+            _set_summed(layer, coeff @ per_sample.flatten(1), d_first, per_sample_bias, coeff)
             return
         weighted = g * coeff.view(-1, *([1] * (g.dim() - 1)))
         if isinstance(layer, nn.Linear):
@@ -236,28 +231,69 @@ class BookKeepingEngine:
         per-sample losses (`loss` is their mean over `batch_size` samples). zero_nonfinite: a
         sample whose gradient norm is not finite joins the sum with a zero gradient (its rows of
         every layer's input, output gradient and per-sample gradients zeroed; the same work for
-        any data)."""
+        any data). The conv layers that take the kernel are measured, clipped and summed in one
+        pass (conv_kernel.clipped_sums), which an observer sees as those layers' norms, together."""
         watch = self.observer or _unwatched
         norms2 = torch.zeros(batch_size, device=loss.device, dtype=loss.dtype)
-        kept = []
+        kept, fused = [], []
         for index, (layer, a, g) in enumerate(self.captured(loss)):
             way = self.way(index, layer, a, g) if isinstance(layer, nn.Conv2d) else None
             if way is not None:
                 self.taken[index] = way
+            if way == "kernel":
+                kept.append((layer, a, g, _FusedConv(_add_bias_norms2(norms2, layer, g), len(fused))))
+                fused.append((layer, a, g))
+                continue
             with watch(layer, "norms"):
                 kept.append((layer, a, g, self.add_layer_norms2(norms2, layer, a, g, way)))
-        # Scale back from the mean's gradients to each sample's own (×n), in the norms and in the
-        # weights of the sum, rather than in every output gradient.
-        norms = norms2.sqrt() * batch_size
-        coeff = clip_factor(norms, self.max_grad_norm) * batch_size
+        if fused:  # the kernel's layers last: their pass needs every other weight's norms
+            with watch(tuple(layer for layer, _, _ in fused), "norms"):  # one part: the pass makes both at once
+                norms2, coeff, sums = conv_kernel.clipped_sums(fused, norms2, batch_size, self.max_grad_norm,
+                                                               zero_nonfinite)
+        else:
+            # Scale back from the mean's gradients to each sample's own (×n), in the norms and in
+            # the weights of the sum, rather than in every output gradient.
+            coeff = clip_factor(norms2.sqrt() * batch_size, self.max_grad_norm) * batch_size
         if zero_nonfinite:
-            bad = ~torch.isfinite(norms)
+            bad = ~torch.isfinite(norms2.sqrt() * batch_size)
             coeff = torch.where(bad, torch.zeros((), dtype=coeff.dtype, device=coeff.device), coeff)
-            kept = [(layer, *(_zero_rows(t, bad) for t in (a, g)), tuple(_zero_rows(t, bad) for t in needs))
-                    for layer, a, g, needs in kept]
+            kept = [(layer, *(_zero_rows(t, bad) for t in (a, g)),
+                     _FusedConv(_zero_rows(needs.bias, bad), needs.index) if isinstance(needs, _FusedConv)
+                     else tuple(_zero_rows(t, bad) for t in needs)) for layer, a, g, needs in kept]
         for layer, a, g, needs in kept:
             with watch(layer, "clip-sum"):
-                self.layer_clipped_sum(layer, a, g, needs, coeff)
+                if isinstance(needs, _FusedConv):
+                    _set_summed(layer, sums[needs.index], True, needs.bias, coeff)
+                else:
+                    self.layer_clipped_sum(layer, a, g, needs, coeff)
+
+
+def _add_bias_norms2(norms2: torch.Tensor, layer: nn.Conv2d, g: torch.Tensor) -> torch.Tensor | None:
+    """Add a conv layer's per-sample bias gradients' squared norms; return them (None: no bias)."""
+    if layer.bias is None:
+        return None
+    per_sample_bias = g.sum((2, 3))
+    norms2 += per_sample_bias.pow(2).sum(1)
+    return per_sample_bias
+
+
+@dataclasses.dataclass(frozen=True)
+class _FusedConv:
+    """What the clipped sum of a conv layer in conv_kernel.clipped_sums' pass needs: its
+    per-sample bias gradients (or None) and its place among that pass's layers."""
+    bias: torch.Tensor | None
+    index: int
+
+
+def _set_summed(layer: nn.Conv2d, summed: torch.Tensor, d_first: bool, per_sample_bias: torch.Tensor | None,
+                coeff: torch.Tensor) -> None:
+    """A conv layer's p.grad from its clipped sum Σ_i c_i ∇_i, flat in (kh, kw, c, p) order
+    (d_first, the kernel's) or (p, kh, kw, c), and its bias's Σ_i c_i ∇b_i."""
+    p, c, kh, kw = layer.weight.shape
+    summed = summed.view(kh, kw, c, p).permute(3, 2, 0, 1) if d_first else summed.view(p, kh, kw, c).permute(0, 3, 1, 2)
+    layer.weight.grad = summed.contiguous(memory_format=_format_of(layer.weight))
+    if per_sample_bias is not None:
+        layer.bias.grad = coeff @ per_sample_bias
 
 
 def _unwatched(layer: nn.Module, part: str) -> contextlib.nullcontext:

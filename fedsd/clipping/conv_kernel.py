@@ -17,6 +17,13 @@ same gradients to float rounding (tests/test_conv_kernel.py).
 
 Each sample's gradient is computed by one thread alone, so the result does not depend on the
 number of threads.
+
+Book-keeping's step calls `clipped_sums`, not `per_sample_grads`: one pass over the samples
+makes each sample's gradients of every such layer, its norm, its clipping factor, and adds the
+clipped gradients into a block's partial sum while they are still in cache. Written out, the
+per-sample gradients are 52 MB for mnist-cnn's second conv at B = 1600, written once and read
+back for the clipped sum: the one pass took mnist-cnn's two convs from 8.9 to 6.4 ms, 2 threads
+(results/perf.md).
 """
 from __future__ import annotations
 
@@ -56,6 +63,7 @@ from fedsd.files.cache import cache_root
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 #if defined(__AVX512F__)
 #  define VW 16
 #  define REGS_WIDE_NV 2
@@ -82,6 +90,7 @@ SOURCE = r"""
 #  define NARROW_DB REGS_NARROW_DB
 #endif
 typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4)));
 static inline vf ld(const float* p) { vf v; memcpy(&v, p, VW * 4); return v; }
 static inline void st(float* p, vf v) { memcpy(p, &v, VW * 4); }
 
@@ -111,33 +120,87 @@ int vector_floats(void) { return VW; }
     for (int k = 0; k < VW; k++) norm2 += sq[k]; \
   }
 
-/* Samples [i0, i1): x (n, H, W, C), g (n, TH, TW, P), out (n, D, P) with d = (ky, kx, c), and
-   norms2 (n) their squared norms. pad: Hp·Wp·C floats, off: D + 64 int64s, both this call's
-   own. */
+/* One conv layer's shape, and this thread's scratch: pad Hp·Wp·C floats, off D + 64 int64s. */
+typedef struct {
+  const float* x; const float* g;  /* x (n, H, W, C), g (n, TH, TW, P) */
+  float* pad; int64_t* off;
+  int32_t H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P;
+} layer_t;
+
+static void prepare(const layer_t* L) {
+  const int Wp = L->W + 2 * L->pw, C = L->C;
+  const int64_t D = (int64_t)L->KH * L->KW * C;
+  for (int64_t d = 0; d < D + 64; d++) {
+    int64_t ky = d / ((int64_t)L->KW * C), kx = d / C % L->KW, c = d % C;
+    L->off[d] = d < D ? (ky * L->dh * Wp + kx * L->dw) * C + c : 0;
+  }
+  if (L->ph || L->pw) memset(L->pad, 0, sizeof(float) * (L->H + 2 * L->ph) * Wp * C);
+}
+
+/* Sample i's ∇_i (D × P, d = (ky, kx, c)) into oi; returns its squared norm. */
+static float one_sample(const layer_t* L, int64_t i, float* oi) {
+  const int H = L->H, W = L->W, C = L->C, sh = L->sh, sw = L->sw, TH = L->TH, TW = L->TW, P = L->P;
+  const int Wp = W + 2 * L->pw;
+  const int64_t D = (int64_t)L->KH * L->KW * C;
+  const int64_t* off = L->off;
+  const float* xp = L->x + i * H * W * C;
+  if (L->ph || L->pw) {
+    for (int r = 0; r < H; r++)
+      memcpy(L->pad + ((int64_t)(r + L->ph) * Wp + L->pw) * C, xp + (int64_t)r * W * C, sizeof(float) * W * C);
+    xp = L->pad;
+  }
+  const float* gi = L->g + i * TH * TW * P;
+  float norm2 = 0;
+  int pc = 0;
+  for (; pc + WIDE_NV * VW <= P; pc += WIDE_NV * VW) { BLOCK(WIDE_NV, WIDE_DB) }
+  for (; pc + VW <= P; pc += VW) { BLOCK(1, NARROW_DB) }
+  return norm2;
+}
+
+/* Samples [i0, i1): out (n, D, P), and norms2 (n) their squared norms. pad, off: this call's own. */
 void per_sample_conv_grads(const float* x, const float* g, float* out, float* norms2, int64_t i0, int64_t i1,
                            int H, int W, int C, int KH, int KW, int sh, int sw, int ph, int pw,
                            int dh, int dw, int TH, int TW, int P, float* pad, int64_t* off) {
-  const int Hp = H + 2 * ph, Wp = W + 2 * pw;
+  layer_t L = {x, g, pad, off, H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P};
+  prepare(&L);
   const int64_t D = (int64_t)KH * KW * C;
-  for (int64_t d = 0; d < D + 64; d++) {
-    int64_t ky = d / ((int64_t)KW * C), kx = d / C % KW, c = d % C;
-    off[d] = d < D ? (ky * dh * Wp + kx * dw) * C + c : 0;
-  }
-  if (ph || pw) memset(pad, 0, sizeof(float) * Hp * Wp * C);
-  for (int64_t i = i0; i < i1; i++) {
-    const float* xp = x + i * H * W * C;
-    if (ph || pw) {
-      for (int r = 0; r < H; r++)
-        memcpy(pad + ((int64_t)(r + ph) * Wp + pw) * C, xp + (int64_t)r * W * C, sizeof(float) * W * C);
-      xp = pad;
+  for (int64_t i = i0; i < i1; i++) norms2[i] = one_sample(&L, i, out + i * D * P);
+}
+
+/* The clipped sum of `nl` conv layers, their per-sample gradients never leaving this thread's
+   buffer `buf` (Σ D·P floats): for each sample i in blocks [b0, b1) of `bs` samples, all its
+   layers' ∇_i, its squared norm norms2[i] = base2[i] + Σ ‖∇_i‖² (base2: the model's other
+   weights'), its factor coeff[i] = n·min(1, C / (n·‖·‖ + 1e-6)) (Opacus', for gradients of a
+   mean over n samples), and coeff[i]·∇_i added, sample by sample in order, into the block's
+   row of `partial` (blocks × Σ D·P). zero_nonfinite: a sample whose norm is not finite gets
+   coeff 0 and adds +0.0. The rows do not depend on how blocks are split among threads. */
+void clipped_conv_sums(layer_t* layers, int nl, const float* base2, float* norms2, float* coeff,
+                       int64_t n, int64_t bs, int64_t b0, int64_t b1, float n_scale, float max_norm,
+                       int zero_nonfinite, float* buf, float* partial) {
+  int64_t K = 0;
+  for (int l = 0; l < nl; l++) { prepare(&layers[l]); K += (int64_t)layers[l].KH * layers[l].KW * layers[l].C * layers[l].P; }
+  for (int64_t b = b0; b < b1; b++) {
+    float* row = partial + b * K;
+    memset(row, 0, sizeof(float) * K);
+    for (int64_t i = b * bs; i < (b + 1) * bs && i < n; i++) {
+      float norm2 = base2[i];
+      float* o = buf;
+      for (int l = 0; l < nl; l++) {
+        norm2 += one_sample(&layers[l], i, o);
+        o += (int64_t)layers[l].KH * layers[l].KW * layers[l].C * layers[l].P;
+      }
+      float norm = sqrtf(norm2) * n_scale;
+      float c = max_norm / (norm + 1e-6f);
+      c = c > 1.0f ? 1.0f : c;
+      c *= n_scale;
+      norms2[i] = norm2;
+      /* A sample left out adds +0.0 (bits masked to zero: c·∇_i may be NaN), the same work as
+         any other; a row that starts at +0.0 is unchanged by it. K is a multiple of VW (P of 16). */
+      int bad = zero_nonfinite && !isfinite(norm);
+      coeff[i] = bad ? 0.0f : c;
+      vi keep = (vi){0} + (bad ? 0 : -1);
+      for (int64_t k = 0; k < K; k += VW) st(row + k, ld(row + k) + (vf)((vi)(c * ld(buf + k)) & keep));
     }
-    const float* gi = g + i * TH * TW * P;
-    float* oi = out + i * D * P;
-    float norm2 = 0;
-    int pc = 0;
-    for (; pc + WIDE_NV * VW <= P; pc += WIDE_NV * VW) { BLOCK(WIDE_NV, WIDE_DB) }
-    for (; pc + VW <= P; pc += VW) { BLOCK(1, NARROW_DB) }
-    norms2[i] = norm2;
   }
 }
 """
@@ -169,7 +232,7 @@ def _compile(cc: list[str], flags: list[str], target: Path, fallback: bool) -> N
         src, lib = Path(tmp) / "kernel.c", Path(tmp) / target.name
         src.write_text(SOURCE)
         for arch in ([flags, flags[1:]] if fallback else [flags]):
-            done = subprocess.run([*cc, "-O3", *arch, "-shared", "-fPIC", str(src), "-o", str(lib)],
+            done = subprocess.run([*cc, "-O3", *arch, "-shared", "-fPIC", str(src), "-o", str(lib), "-lm"],
                                   capture_output=True)
             if done.returncode == 0:
                 os.replace(lib, target)
@@ -197,6 +260,7 @@ def check_loadable(path: Path) -> None:
 @dataclass(frozen=True)
 class Kernel:
     fn: object  # per_sample_conv_grads, through ctypes
+    sums: object  # clipped_conv_sums, through ctypes
     march: str
     isa: str  # avx512, avx2, sse: the vector width it was built for
 
@@ -223,8 +287,12 @@ def compiled(march: str = "native", defines: tuple[str, ...] = (), load: bool = 
     fn = lib.per_sample_conv_grads
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 14 + [ctypes.c_void_p] * 2
+    sums = lib.clipped_conv_sums
+    sums.restype = None
+    sums.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+                     + [ctypes.c_float] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2)
     lib.vector_floats.restype = ctypes.c_int
-    return Kernel(fn, march, ISA_BY_VECTOR.get(lib.vector_floats(), f"{lib.vector_floats()}-float vectors"))
+    return Kernel(fn, sums, march, ISA_BY_VECTOR.get(lib.vector_floats(), f"{lib.vector_floats()}-float vectors"))
 
 
 @functools.lru_cache(maxsize=1)
@@ -278,12 +346,30 @@ def _run_split(calls: list) -> None:
         future.result()
 
 
+def check_shapes(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> None:
+    """Refuse (ValueError) a layer input and output gradient the kernel would read past: the
+    kernel takes raw pointers, and reads each patch where the layer's geometry says it lies, so
+    every shape must be the one that geometry gives (a Conv2d subclass with a forward of its own
+    could give another)."""
+    n, c, h, w = a.shape
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = layer.kernel_size, layer.stride, layer.padding, layer.dilation
+    th, tw = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    expected = (n, layer.out_channels, th, tw)
+    if c != layer.in_channels or tuple(g.shape) != expected or th < 1 or tw < 1:
+        raise ValueError(f"conv kernel: input {tuple(a.shape)} and output gradient {tuple(g.shape)} do not fit the "
+                         f"layer {layer} (its output would be {expected})")
+    for t in (a, g):
+        if not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous(memory_format=torch.channels_last)):
+            raise ValueError("conv kernel: float32 CPU tensors in channels-last only")
+
+
 def per_sample_grads(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor,
                      kernel: Kernel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, kh·kw·c, p): each sample's weight gradient GᵢᵀAᵢ, transposed (d before p), and (n)
     their squared norms, summed as they are made rather than read back (for mnist-cnn conv2 at
     B = 1600 that is 52 MB), for a layer `applies` accepts; a is the layer's input, g its output
     gradient, both (n, c, h, w). `kernel`: another build than this process's (tests, measurement)."""
+    check_shapes(layer, a, g)
     fn = (kernel or _library()).fn
     n, c, h, w = a.shape
     p, th, tw = g.shape[1:]
@@ -299,3 +385,76 @@ def per_sample_grads(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor,
              for (lo, hi), (pad, off) in zip(zip(bounds, bounds[1:]), scratch) if hi > lo]
     _run_split(calls)
     return out, norms2
+
+
+class _Layer(ctypes.Structure):
+    """The kernel's layer_t: one conv layer's tensors, shape and a thread's scratch."""
+    _fields_ = [("x", ctypes.c_void_p), ("g", ctypes.c_void_p), ("pad", ctypes.c_void_p), ("off", ctypes.c_void_p),
+                *((name, ctypes.c_int32) for name in ("H", "W", "C", "KH", "KW", "sh", "sw", "ph", "pw", "dh", "dw",
+                                                      "TH", "TW", "P"))]
+
+
+# Samples whose clipped gradients one thread adds up, in order, into a partial sum of their own;
+# the partial sums are then added in block order. A constant, so that the sum's rounding is the
+# same whatever the number of threads (or machine); 32 samples' rows of mnist-cnn's two convs
+# (9216 floats) stay in cache.
+SUM_BLOCK = 32
+
+
+def clipped_sums(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]], base2: torch.Tensor, batch_size: int,
+                 max_grad_norm: float, zero_nonfinite: bool = False,
+                 kernel: Kernel | None = None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The clipped sum Σ_i c_i ∇_i of each conv layer in `convs` ((layer, input a, output
+    gradient g) as `per_sample_grads` takes them), with no per-sample gradient ever written out:
+    each sample's are made, measured, scaled and added while they are in cache (per_sample_grads
+    writes and reads back 52 MB for mnist-cnn's second conv at B = 1600). base2: each sample's
+    squared gradient norm over the model's other weights. Returns each sample's whole squared
+    norm, its factor c_i (Opacus' min(1, C / (‖∇_i‖ + 1e-6)), ‖∇_i‖ the norm of the sample's own
+    gradient, n times the batch mean's, times n; 0 for a sample whose norm is not finite under
+    zero_nonfinite) and each layer's sum as (kh·kw·c, p)."""
+    fn = (kernel or _library()).sums
+    n = base2.shape[0]
+    for layer, a, g in convs:
+        check_shapes(layer, a, g)
+        if a.shape[0] != n or g.shape[1] % 16:
+            raise ValueError(f"conv kernel: {a.shape[0]} samples' inputs for {n} norms, or {g.shape[1]} output "
+                             "channels (a multiple of 16)")
+    if not (base2.dtype == torch.float32 and base2.is_contiguous()):
+        raise ValueError("conv kernel: the other layers' squared norms as one contiguous float32 vector")
+    sizes = [layer.weight[0].numel() * g.shape[1] for layer, _, g in convs]
+    blocks = -(-n // SUM_BLOCK)
+    norms2, coeff = base2.new_empty(n), base2.new_empty(n)
+    partial = base2.new_empty((max(blocks, 1), sum(sizes)))
+    parts = max(1, min(torch.get_num_threads(), blocks))
+    bounds = [blocks * k // parts for k in range(parts + 1)]
+    keep = []  # the scratch tensors stay alive through the calls
+    calls = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        if hi > lo:
+            layers, scratch = _layers(convs)
+            buf = base2.new_empty(sum(sizes))
+            keep += [layers, scratch, buf]
+            calls.append(functools.partial(fn, ctypes.addressof(layers), len(convs), base2.data_ptr(), norms2.data_ptr(),
+                                           coeff.data_ptr(), n, SUM_BLOCK, lo, hi, float(batch_size),
+                                           float(max_grad_norm), int(zero_nonfinite), buf.data_ptr(), partial.data_ptr()))
+    _run_split(calls)
+    total = partial[0].clone() if blocks else partial[0].zero_()
+    for b in range(1, blocks):  # in block order, whatever the threads
+        total += partial[b]
+    return norms2, coeff, list(total.split(sizes))
+
+
+def _layers(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]]) -> tuple[ctypes.Array, list[torch.Tensor]]:
+    """One thread's layer_t array for `convs`, and its scratch tensors (pad, off per layer)."""
+    layers, scratch = (_Layer * len(convs))(), []
+    for entry, (layer, a, g) in zip(layers, convs):
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = layer.kernel_size, layer.stride, layer.padding, layer.dilation
+        _, c, h, w = a.shape
+        pad = a.new_empty((h + 2 * ph) * (w + 2 * pw) * c)
+        off = torch.empty(kh * kw * c + OFF_PADDING, dtype=torch.long)
+        scratch += [pad, off]
+        entry.x, entry.g, entry.pad, entry.off = a.data_ptr(), g.data_ptr(), pad.data_ptr(), off.data_ptr()
+        for name, value in zip(("H", "W", "C", "KH", "KW", "sh", "sw", "ph", "pw", "dh", "dw", "TH", "TW", "P"),
+                               (h, w, c, kh, kw, sh, sw, ph, pw, dh, dw, *g.shape[2:], g.shape[1])):
+            setattr(entry, name, value)
+    return layers, scratch

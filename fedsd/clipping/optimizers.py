@@ -36,3 +36,12 @@ class SourcedDPOptimizer(NoiseSource, DPOptimizer):
 
 class SourcedDPOptimizerFastGradientClipping(NoiseSource, DPOptimizerFastGradientClipping):
     """Opacus' DPOptimizerFastGradientClipping (the clipped sum already in p.grad)."""
+
+    def accumulate(self):
+        """Opacus' accumulate, with a clone where it takes a copy.deepcopy: the same tensor,
+        without deepcopy's Python machinery (0.5 of mnist-cnn's 45 ms step, for 8 small tensors)."""
+        for p in self.params:
+            if p.summed_grad is not None:
+                p.summed_grad.add_(p.grad.data)
+            else:
+                p.summed_grad = p.grad.data.clone()

@@ -486,11 +486,11 @@ class DPTrainer:
         accounting are unchanged, and the released update stays finite. `weight` (0 or 1 a
         row) multiplies each sample's loss: a row of weight 0 has a zero gradient."""
         secret = self.secret is not None  # an owner's data: nothing compiled (fedsd.training.compiled)
-        logits = (self.clipper.module if secret else self._student_forward)(x)
         teacher_logits = None
         if objective.reads_teacher:
             with torch.no_grad():
                 teacher_logits = (self.teacher if secret else self._teacher_forward)(x)
+        logits = (self.clipper.module if secret else self._student_forward)(x)
         per_sample = objective.per_sample(logits, teacher_logits, y)
         return self.clipper.backward(per_sample if weight is None else per_sample * weight.to(per_sample.dtype))
 
