@@ -224,3 +224,43 @@ def test_the_kernel_refuses_shapes_its_layer_would_not_give():
         conv_kernel.clipped_sums([(conv, x, big)], torch.zeros(4), 4, 1.0)
     with pytest.raises(ValueError, match="samples' inputs"):
         conv_kernel.clipped_sums([(conv, x, grad)], torch.zeros(5), 5, 1.0)
+
+
+class _Cropping(nn.Conv2d):
+    """A Conv2d whose forward crops its input, so that negative padding gives a real output."""
+
+    def forward(self, x):
+        return nn.functional.conv2d(x[:, :, 4:-4, 4:-4], self.weight, self.bias, self.stride, 0, self.dilation)
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["weight smaller than kernel_size", "weight larger than kernel_size",
+                                  "negative padding"])
+def test_the_kernel_refuses_a_layer_whose_geometry_is_not_its_weights(case):
+    """The C code sizes its reads and writes by kernel_size and padding, Python its buffers by
+    the same numbers: a weight of another size (with a stride, the output has the right shape)
+    wrote 4096-float rows into 256-float buffers (a crash), or read rows C never wrote (NaN
+    in the released sum); negative padding wrote before the padding buffer. A review found
+    each; each is refused before any pointer is passed."""
+    n = 8
+    if case == "negative padding":
+        conv = _Cropping(16, 16, 3, padding=-4)
+        x = torch.randn(n, 16, 40, 40)
+    else:
+        conv = nn.Conv2d(16, 16, kernel_size=4 if case.endswith("smaller than kernel_size") else 1, stride=4, bias=False)
+        conv.weight = nn.Parameter(torch.randn(16, 16, *((1, 1) if case.endswith("smaller than kernel_size") else (4, 4))))
+        x = torch.randn(n, 16, 8, 8)
+    conv = conv.to(memory_format=torch.channels_last)
+    x = x.contiguous(memory_format=torch.channels_last)
+    g = torch.randn(conv(x).shape).contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="is not one it takes"):
+        conv_kernel.clipped_sums([(conv, x, g)], torch.zeros(n), n, 1.0)
+    with pytest.raises(ValueError, match="is not one it takes"):
+        conv_kernel.per_sample_grads(conv, x, g)
+
+
+@needs_kernel
+def test_one_pass_on_no_samples_is_zero():
+    conv, x, grad = layer_and_gradients(LAYERS["mnist-cnn conv2"], n=0)
+    norms2, coeff, (summed,) = conv_kernel.clipped_sums([(conv, x, grad)], torch.zeros(0), 0, 1.0)
+    assert norms2.shape == coeff.shape == (0,) and summed.shape == (conv.weight.numel(),) and not summed.any()

@@ -190,15 +190,23 @@ void clipped_conv_sums(layer_t* layers, int nl, const float* base2, float* norms
         o += (int64_t)layers[l].KH * layers[l].KW * layers[l].C * layers[l].P;
       }
       float norm = sqrtf(norm2) * n_scale;
-      float c = max_norm / (norm + 1e-6f);
-      c = c > 1.0f ? 1.0f : c;
+      /* No branch on the data (an owner's service: its timing must not tell which sample was
+         clipped or left out): the clamp and the finite test are masks on the bits. The clamp
+         keeps a NaN (min(1, NaN) is NaN, as torch's clamp). */
+      float c = max_norm / (norm + 1e-6f), one = 1.0f;
+      uint32_t cb, ob, nb;
+      memcpy(&cb, &c, 4); memcpy(&ob, &one, 4); memcpy(&nb, &norm, 4);
+      uint32_t over = 0u - (uint32_t)(c > 1.0f);
+      cb = (ob & over) | (cb & ~over);
+      memcpy(&c, &cb, 4);
       c *= n_scale;
       norms2[i] = norm2;
       /* A sample left out adds +0.0 (bits masked to zero: c·∇_i may be NaN), the same work as
          any other; a row that starts at +0.0 is unchanged by it. K is a multiple of VW (P of 16). */
-      int bad = zero_nonfinite && !isfinite(norm);
-      coeff[i] = bad ? 0.0f : c;
-      vi keep = (vi){0} + (bad ? 0 : -1);
+      uint32_t bad = (uint32_t)(((nb >> 23) & 0xffu) == 0xffu) & (uint32_t)(zero_nonfinite != 0);
+      uint32_t keepb = bad - 1u;  /* all ones: kept; zero: left out */
+      memcpy(&cb, &c, 4); cb &= keepb; memcpy(&coeff[i], &cb, 4);
+      vi keep = (vi){0} + (int32_t)keepb;
       for (int64_t k = 0; k < K; k += VW) st(row + k, ld(row + k) + (vf)((vi)(c * ld(buf + k)) & keep));
     }
   }
@@ -232,7 +240,7 @@ def _compile(cc: list[str], flags: list[str], target: Path, fallback: bool) -> N
         src, lib = Path(tmp) / "kernel.c", Path(tmp) / target.name
         src.write_text(SOURCE)
         for arch in ([flags, flags[1:]] if fallback else [flags]):
-            done = subprocess.run([*cc, "-O3", *arch, "-shared", "-fPIC", str(src), "-o", str(lib), "-lm"],
+            done = subprocess.run([*cc, "-O3", *arch, "-fno-math-errno", "-shared", "-fPIC", str(src), "-o", str(lib), "-lm"],
                                   capture_output=True)
             if done.returncode == 0:
                 os.replace(lib, target)
@@ -335,6 +343,8 @@ def _run_split(calls: list) -> None:
     """Run the calls at once on as many threads (ctypes lets go of the GIL during each). A
     forked child gets a pool of its own: the parent's threads do not survive a fork."""
     global _pool
+    if not calls:  # no samples
+        return
     if len(calls) == 1:
         calls[0]()
         return
@@ -353,6 +363,10 @@ def check_shapes(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> None:
     could give another)."""
     n, c, h, w = a.shape
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = layer.kernel_size, layer.stride, layer.padding, layer.dilation
+    if (min(kh, kw, sh, sw, dh, dw) < 1 or min(ph, pw) < 0 or layer.groups != 1 or layer.padding_mode != "zeros"
+            or tuple(layer.weight.shape) != (layer.out_channels, c, kh, kw)
+            or max(h + 2 * ph, w + 2 * pw, kh * kw * c * layer.out_channels, (h + 2 * ph) * (w + 2 * pw) * c) >= 2**31):
+        raise ValueError(f"conv kernel: the layer {layer} (weight {tuple(layer.weight.shape)}) is not one it takes")
     th, tw = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     expected = (n, layer.out_channels, th, tw)
     if c != layer.in_channels or tuple(g.shape) != expected or th < 1 or tw < 1:
@@ -421,7 +435,7 @@ def clipped_sums(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]], base
                              "channels (a multiple of 16)")
     if not (base2.dtype == torch.float32 and base2.is_contiguous()):
         raise ValueError("conv kernel: the other layers' squared norms as one contiguous float32 vector")
-    sizes = [layer.weight[0].numel() * g.shape[1] for layer, _, g in convs]
+    sizes = [layer.kernel_size[0] * layer.kernel_size[1] * a.shape[1] * g.shape[1] for layer, a, g in convs]  # as C counts
     blocks = -(-n // SUM_BLOCK)
     norms2, coeff = base2.new_empty(n), base2.new_empty(n)
     partial = base2.new_empty((max(blocks, 1), sum(sizes)))
