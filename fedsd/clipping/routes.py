@@ -456,6 +456,9 @@ def _measure_conv_ways(cfg, x, y, num_classes: int, device) -> tuple[dict[int, s
 
         def way(w, layer=layer, a=a, g=g):
             norms2 = torch.zeros(len(y), device=device)
+            if w == "kernel":  # as a step takes it: the one pass (conv_kernel.clipped_sums), this layer alone
+                conv_kernel.clipped_sums([(layer, a, g)], norms2, len(y), cfg.clip)
+                return
             clipper.layer_clipped_sum(layer, a, g, clipper.add_layer_norms2(norms2, layer, a, g, w), coeff)
         layer_ms[index] = {w: _median_ms(lambda w=w: way(w), timed) for w in ways}
         conv_ways[index] = min(layer_ms[index], key=layer_ms[index].get)
