@@ -241,7 +241,8 @@ class BookKeepingEngine:
             if way is not None:
                 self.taken[index] = way
             if way == "kernel":
-                kept.append((layer, a, g, _FusedConv(_add_bias_norms2(norms2, layer, g), len(fused))))
+                with watch(layer, "norms"):  # its bias's: the weight's come in the one pass
+                    kept.append((layer, a, g, _FusedConv(_add_bias_norms2(norms2, layer, g), len(fused))))
                 fused.append((layer, a, g))
                 continue
             with watch(layer, "norms"):
