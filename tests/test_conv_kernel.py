@@ -224,6 +224,11 @@ def test_the_kernel_refuses_shapes_its_layer_would_not_give():
         conv_kernel.clipped_sums([(conv, x, big)], torch.zeros(4), 4, 1.0)
     with pytest.raises(ValueError, match="samples' inputs"):
         conv_kernel.clipped_sums([(conv, x, grad)], torch.zeros(5), 5, 1.0)
+    # 8 output channels: not whole vectors, whose remainder the kernel would leave unwritten.
+    narrow = nn.Conv2d(16, 8, 4, stride=2).to(memory_format=torch.channels_last)
+    g8 = torch.zeros(4, 8, *grad.shape[2:]).contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="a multiple of 16"):
+        conv_kernel.per_sample_grads(narrow, x, g8)
 
 
 class _Cropping(nn.Conv2d):

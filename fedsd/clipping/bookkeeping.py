@@ -182,36 +182,32 @@ class BookKeepingEngine:
                          way: str | None) -> tuple:
         """Add one layer's squared per-sample gradient norms (of the batch mean's gradients) to
         `norms2`, in place, and return what its clipped sum needs: (per-sample weight gradients
-        or None, per-sample bias gradients or None, whether the former are (n, kh·kw·c, p) as
-        from the kernel)."""
+        or None, per-sample bias gradients or None). `way`: a conv layer's "ghost" or "patches";
+        the kernel's layers are measured in their one pass (backward, conv_kernel.clipped_sums)."""
         if isinstance(layer, nn.Linear):
             if a.dim() != 2:
                 raise ConfigError("--grad-sample-mode bk: Linear layers need (batch, features) inputs")
             norms2 += a.pow(2).sum(1) * g.pow(2).sum(1)
             if layer.bias is not None:
                 norms2 += g.pow(2).sum(1)
-            return None, None, False
+            return None, None
         n, p, th, tw = g.shape
         per_sample_bias = _add_bias_norms2(norms2, layer, g)
         G = g.permute(0, 2, 3, 1).reshape(n, th * tw, p)  # (n, T, p), a view when channels-last
         if way == "ghost":
             norms2 += _ghost_norms2(layer, a, G)
-            return None, None, False
-        if way == "kernel":
-            per_sample, per_sample_norms2 = conv_kernel.per_sample_grads(layer, a, g)
-            norms2 += per_sample_norms2
-            return per_sample, per_sample_bias, True
+            return None, None
         per_sample = _per_sample_grads(layer, a, G)
         norms2 += torch.linalg.vector_norm(per_sample.flatten(1), dim=1).square()
-        return per_sample, per_sample_bias, False
+        return per_sample, per_sample_bias
 
     @staticmethod
     def layer_clipped_sum(layer: nn.Module, a: torch.Tensor, g: torch.Tensor, kept: tuple,
                           coeff: torch.Tensor) -> None:
         """Set the layer's p.grad to Σ_i coeff_i ∇_i."""
-        per_sample, per_sample_bias, d_first = kept
-        if per_sample is not None:  # Σ_i c_i ∇_i straight from the per-sample gradients
-            _set_summed(layer, coeff @ per_sample.flatten(1), d_first, per_sample_bias, coeff)
+        per_sample, per_sample_bias = kept
+        if per_sample is not None:  # Σ_i c_i ∇_i straight from PyTorch's per-sample gradients (p, kh, kw, c)
+            _set_summed(layer, coeff @ per_sample.flatten(1), False, per_sample_bias, coeff)
             return
         weighted = g * coeff.view(-1, *([1] * (g.dim() - 1)))
         if isinstance(layer, nn.Linear):

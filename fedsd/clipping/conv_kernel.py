@@ -372,6 +372,8 @@ def check_shapes(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> None:
     if c != layer.in_channels or tuple(g.shape) != expected or th < 1 or tw < 1:
         raise ValueError(f"conv kernel: input {tuple(a.shape)} and output gradient {tuple(g.shape)} do not fit the "
                          f"layer {layer} (its output would be {expected})")
+    if layer.out_channels % 16:  # whole vectors of output channels: the kernel leaves a remainder unwritten
+        raise ValueError(f"conv kernel: {layer.out_channels} output channels (a multiple of 16)")
     for t in (a, g):
         if not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous(memory_format=torch.channels_last)):
             raise ValueError("conv kernel: float32 CPU tensors in channels-last only")
@@ -430,9 +432,8 @@ def clipped_sums(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]], base
     n = base2.shape[0]
     for layer, a, g in convs:
         check_shapes(layer, a, g)
-        if a.shape[0] != n or g.shape[1] % 16:
-            raise ValueError(f"conv kernel: {a.shape[0]} samples' inputs for {n} norms, or {g.shape[1]} output "
-                             "channels (a multiple of 16)")
+        if a.shape[0] != n:
+            raise ValueError(f"conv kernel: {a.shape[0]} samples' inputs for {n} norms")
     if not (base2.dtype == torch.float32 and base2.is_contiguous()):
         raise ValueError("conv kernel: the other layers' squared norms as one contiguous float32 vector")
     sizes = [layer.kernel_size[0] * layer.kernel_size[1] * a.shape[1] * g.shape[1] for layer, a, g in convs]  # as C counts
