@@ -25,9 +25,11 @@ OPT_OUT_ENV = "FEDSD_TUNE_PROCESS"
 # allocation.
 HUGE_PAGES = ("THP_MEM_ALLOC_ENABLE", "1")
 # After each parallel region, PyTorch's OpenMP threads (GNU libgomp) spin for about 300,000
-# iterations before they sleep, on the cores book-keeping's conv kernel (fedsd.clipping.conv_kernel)
-# needs right after the backward pass (results/perf.md). libgomp reads it when torch loads, so
-# it only takes effect when set before `import torch` (or in a child process's environment).
+# iterations before they sleep, on cores that other threads need: book-keeping's conv kernel
+# where it is built without OpenMP (fedsd.clipping.conv_kernel; built with it, it runs on those
+# threads themselves), and other clients' processes on the same machine (results/perf.md).
+# libgomp reads it when torch loads, so it only takes effect when set before `import torch`
+# (or in a child process's environment).
 OMP_SPIN = ("GOMP_SPINCOUNT", "10000")
 
 

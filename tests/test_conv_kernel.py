@@ -269,3 +269,41 @@ def test_one_pass_on_no_samples_is_zero():
     conv, x, grad = layer_and_gradients(LAYERS["mnist-cnn conv2"], n=0)
     norms2, coeff, (summed,) = conv_kernel.clipped_sums([(conv, x, grad)], torch.zeros(0), 0, 1.0)
     assert norms2.shape == coeff.shape == (0,) and summed.shape == (conv.weight.numel(),) and not summed.any()
+
+
+@needs_kernel
+def test_the_openmp_build_and_the_pool_build_give_the_same_bits_at_any_number_of_threads(tmp_path, monkeypatch):
+    """Built with OpenMP (the parts on torch's threads) or without (on Python's): the same
+    norms, factors, sums and per-sample gradients, bit for bit, at 1, 2 and 3 threads."""
+    monkeypatch.setenv("FEDSD_CACHE_DIR", str(tmp_path))
+    team, pool = conv_kernel.compiled(), conv_kernel.compiled(openmp=False)
+    assert not pool.openmp
+    if not team.openmp:
+        pytest.skip("the compiler has no OpenMP")
+    convs, base2 = _two_layers(100)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for kernel in (team, pool):
+                sums = conv_kernel.clipped_sums(convs, base2, 100, 20.0, kernel=kernel)
+                grads = conv_kernel.per_sample_grads(*convs[1], kernel=kernel)
+                results.append([sums[0], sums[1], *sums[2], *grads])
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other))
+
+
+@needs_kernel
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_openmp_build_runs_on_torchs_own_openmp_runtime():
+    """One OpenMP runtime in the process: the kernel's parts run on torch's threads (a second
+    libgomp would bring a second team, spinning against torch's)."""
+    kernel = conv_kernel._library()
+    if not kernel.openmp:
+        pytest.skip("the compiler has no OpenMP")
+    conv_kernel.clipped_sums(*_two_layers(64), 64, 20.0)
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line or "libomp" in line}
+    assert len(runtimes) == 1, runtimes

@@ -16,7 +16,13 @@ Where no compiler is found, or FEDSD_CONV_KERNEL=0, bk uses the PyTorch route, w
 same gradients to float rounding (tests/test_conv_kernel.py).
 
 Each sample's gradient is computed by one thread alone, so the result does not depend on the
-number of threads.
+number of threads. The threads are torch's own: built with -fopenmp, the library shares the
+libgomp torch has loaded (the same soname), and its parts run on the calling thread's OpenMP
+team. On a pool of other threads the pass lost a core to torch's workers, which spin after
+each parallel op: mnist-cnn's pass took 6.1 ms alone and 12.3 right after a torch op under
+libgomp's default spin, 7.2 under fedsd's shorter one (fedsd.runtime); on the team, 6.9, and
+the DP step 41.1–41.3 ms against 43.1–44.2 on the pool (2 threads). Without OpenMP the parts
+run on a pool of Python threads.
 
 Book-keeping's step calls `clipped_sums`, not `per_sample_grads`: one pass over the samples
 makes each sample's gradients of every such layer, its norm, its clipping factor, and adds the
@@ -64,6 +70,9 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#ifdef _OPENMP
+#  include <omp.h>
+#endif
 #if defined(__AVX512F__)
 #  define VW 16
 #  define REGS_WIDE_NV 2
@@ -157,28 +166,37 @@ static float one_sample(const layer_t* L, int64_t i, float* oi) {
   return norm2;
 }
 
-/* Samples [i0, i1): out (n, D, P), and norms2 (n) their squared norms. pad, off: this call's own. */
-void per_sample_conv_grads(const float* x, const float* g, float* out, float* norms2, int64_t i0, int64_t i1,
+/* Part `part` of `parts` of the samples: out (n, D, P), and norms2 (n) their squared norms.
+   pad, off: parts × (Hp·Wp·C floats), parts × (D + 64 int64s), each part's scratch its own. */
+void per_sample_conv_grads(const float* x, const float* g, float* out, float* norms2, int64_t n, int part, int parts,
                            int H, int W, int C, int KH, int KW, int sh, int sw, int ph, int pw,
                            int dh, int dw, int TH, int TW, int P, float* pad, int64_t* off) {
-  layer_t L = {x, g, pad, off, H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P};
+  const int64_t D = (int64_t)KH * KW * C, i0 = n * part / parts, i1 = n * (part + 1) / parts;
+  layer_t L = {x, g, pad + part * (int64_t)(H + 2 * ph) * (W + 2 * pw) * C, off + part * (D + 64),
+               H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P};
+  if (i1 <= i0) return;
   prepare(&L);
-  const int64_t D = (int64_t)KH * KW * C;
   for (int64_t i = i0; i < i1; i++) norms2[i] = one_sample(&L, i, out + i * D * P);
 }
 
 /* The clipped sum of `nl` conv layers, their per-sample gradients never leaving this thread's
-   buffer `buf` (Σ D·P floats): for each sample i in blocks [b0, b1) of `bs` samples, all its
+   buffer (`buf`: parts × Σ D·P floats; `layers`: parts × nl, each part's own scratch): for
+   each sample i in the part's share of the blocks of `bs` samples, all its
    layers' ∇_i, its squared norm norms2[i] = base2[i] + Σ ‖∇_i‖² (base2: the model's other
    weights'), its factor coeff[i] = n·min(1, C / (n·‖·‖ + 1e-6)) (Opacus', for gradients of a
    mean over n samples), and coeff[i]·∇_i added, sample by sample in order, into the block's
    row of `partial` (blocks × Σ D·P). zero_nonfinite: a sample whose norm is not finite gets
-   coeff 0 and adds +0.0. The rows do not depend on how blocks are split among threads. */
+   coeff 0 and adds +0.0. The rows do not depend on how blocks are split into parts. */
 void clipped_conv_sums(layer_t* layers, int nl, const float* base2, float* norms2, float* coeff,
-                       int64_t n, int64_t bs, int64_t b0, int64_t b1, float n_scale, float max_norm,
+                       int64_t n, int64_t bs, int part, int parts, float n_scale, float max_norm,
                        int zero_nonfinite, float* buf, float* partial) {
+  const int64_t blocks = (n + bs - 1) / bs, b0 = blocks * part / parts, b1 = blocks * (part + 1) / parts;
+  if (b1 <= b0) return;
   int64_t K = 0;
-  for (int l = 0; l < nl; l++) { prepare(&layers[l]); K += (int64_t)layers[l].KH * layers[l].KW * layers[l].C * layers[l].P; }
+  for (int l = 0; l < nl; l++) K += (int64_t)layers[l].KH * layers[l].KW * layers[l].C * layers[l].P;
+  layers += (int64_t)part * nl;  /* the part's own layer_t (its scratch) and buffer */
+  buf += part * K;
+  for (int l = 0; l < nl; l++) prepare(&layers[l]);
   for (int64_t b = b0; b < b1; b++) {
     float* row = partial + b * K;
     memset(row, 0, sizeof(float) * K);
@@ -211,6 +229,44 @@ void clipped_conv_sums(layer_t* layers, int nl, const float* base2, float* norms
     }
   }
 }
+
+/* All `parts` parts on the OpenMP team of the calling thread: torch's own threads, as this
+   library shares torch's libgomp (the same soname, loaded already), where it was built with
+   -fopenmp. A pool of other threads loses a core to torch's workers, which spin after each
+   parallel op (the module's docstring has the times). A part runs on one thread whatever the team's size; without OpenMP, parts run in turn (the
+   Python side then runs them on its own threads instead). */
+int openmp(void) {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+void per_sample_conv_grads_team(const float* x, const float* g, float* out, float* norms2, int64_t n, int parts,
+                                int H, int W, int C, int KH, int KW, int sh, int sw, int ph, int pw,
+                                int dh, int dw, int TH, int TW, int P, float* pad, int64_t* off) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(parts)
+  for (int t = omp_get_thread_num(); t < parts; t += omp_get_num_threads())
+#else
+  for (int t = 0; t < parts; t++)
+#endif
+    per_sample_conv_grads(x, g, out, norms2, n, t, parts, H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P, pad, off);
+}
+
+void clipped_conv_sums_team(layer_t* layers, int nl, const float* base2, float* norms2, float* coeff,
+                            int64_t n, int64_t bs, int parts, float n_scale, float max_norm,
+                            int zero_nonfinite, float* buf, float* partial) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(parts)
+  for (int t = omp_get_thread_num(); t < parts; t += omp_get_num_threads())
+#else
+  for (int t = 0; t < parts; t++)
+#endif
+    clipped_conv_sums(layers, nl, base2, norms2, coeff, n, bs, t, parts, n_scale, max_norm, zero_nonfinite, buf,
+                      partial);
+}
 """
 # Rows of `off` past D that a block may read: more than any block's DB.
 OFF_PADDING = 64
@@ -231,15 +287,18 @@ def _cpu_id() -> str:
         return platform.processor() + platform.machine()
 
 
-def _compile(cc: list[str], flags: list[str], target: Path, fallback: bool) -> None:
+def _compile(cc: list[str], flags: list[str], target: Path, fallback: bool, openmp: bool) -> None:
     """Build into a private temporary file and rename it into place, so that processes that
-    build at once (Ray workers) never load a half-written library. `fallback`: without the
-    -march flag where the compiler has none (not x86)."""
+    build at once (Ray workers) never load a half-written library. `openmp`: with -fopenmp
+    where the compiler has it (the parts run on torch's OpenMP threads), else without (they
+    run on a pool of Python's). `fallback`: without the -march flag where the compiler has none
+    (not x86)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, lib = Path(tmp) / "kernel.c", Path(tmp) / target.name
         src.write_text(SOURCE)
-        for arch in ([flags, flags[1:]] if fallback else [flags]):
+        attempts = [flags, flags[1:]] if fallback else [flags]
+        for arch in [["-fopenmp", *a] for a in attempts if openmp] + attempts:
             done = subprocess.run([*cc, "-O3", *arch, "-fno-math-errno", "-shared", "-fPIC", str(src), "-o", str(lib), "-lm"],
                                   capture_output=True)
             if done.returncode == 0:
@@ -267,40 +326,51 @@ def check_loadable(path: Path) -> None:
 
 @dataclass(frozen=True)
 class Kernel:
-    fn: object  # per_sample_conv_grads, through ctypes
-    sums: object  # clipped_conv_sums, through ctypes
+    fn: object  # per_sample_conv_grads (one part), through ctypes
+    sums: object  # clipped_conv_sums (one part), through ctypes
+    fn_team: object  # per_sample_conv_grads_team (every part, on the OpenMP team)
+    sums_team: object  # clipped_conv_sums_team
+    openmp: bool  # built with OpenMP: the _team functions run the parts at once
     march: str
     isa: str  # avx512, avx2, sse: the vector width it was built for
 
 
-def compiled(march: str = "native", defines: tuple[str, ...] = (), load: bool = True) -> Kernel | Path:
+def compiled(march: str = "native", defines: tuple[str, ...] = (), load: bool = True,
+             openmp: bool = True) -> Kernel | Path:
     """The kernel built for `march` (-D `defines` for measurement), cached under
-    FEDSD_CACHE_DIR/kernels by source, compiler, target and CPU; loaded, or with load=False
-    only its path (a target this CPU cannot run can still be built). Raises OSError when it
-    cannot be built."""
+    FEDSD_CACHE_DIR/kernels by source, compiler, target, OpenMP and CPU; loaded, or with
+    load=False only its path (a target this CPU cannot run can still be built). openmp=False:
+    built without it (its parts on Python's threads, as where the compiler has no OpenMP).
+    Raises OSError when it cannot be built."""
     found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not found:
         raise OSError("no C compiler found (cc, gcc, clang or $CC)")
     cc = shlex.split(found)  # $CC may carry flags ("gcc -m64")
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
     flags = [f"-march={march}", *(f"-D{d}" for d in defines)]
-    key = hashlib.sha256("\0".join([SOURCE, found, version, _cpu_id(), *flags]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([SOURCE, found, version, _cpu_id(), *flags, f"openmp={openmp}"]).encode())
+    key = key.hexdigest()[:16]
     path = cache_root() / "kernels" / f"per_sample_conv-{key}.so"
     if not path.exists():
-        _compile(cc, flags, path, fallback=march == "native")
+        _compile(cc, flags, path, fallback=march == "native", openmp=openmp)
     if not load:
         return path
     check_loadable(path)
     lib = ctypes.CDLL(str(path))
-    fn = lib.per_sample_conv_grads
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 14 + [ctypes.c_void_p] * 2
-    sums = lib.clipped_conv_sums
-    sums.restype = None
-    sums.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
-                     + [ctypes.c_float] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2)
-    lib.vector_floats.restype = ctypes.c_int
-    return Kernel(fn, sums, march, ISA_BY_VECTOR.get(lib.vector_floats(), f"{lib.vector_floats()}-float vectors"))
+    shape = [ctypes.c_int] * 14 + [ctypes.c_void_p] * 2
+    fn, fn_team = lib.per_sample_conv_grads, lib.per_sample_conv_grads_team
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + shape
+    fn_team.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int] + shape
+    sums, sums_team = lib.clipped_conv_sums, lib.clipped_conv_sums_team
+    head, tail = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2, \
+        [ctypes.c_float] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
+    sums.argtypes = head + [ctypes.c_int] * 2 + tail
+    sums_team.argtypes = head + [ctypes.c_int] + tail
+    for f in (fn, fn_team, sums, sums_team):
+        f.restype = None
+    lib.vector_floats.restype = lib.openmp.restype = ctypes.c_int
+    return Kernel(fn, sums, fn_team, sums_team, bool(lib.openmp()), march,
+                  ISA_BY_VECTOR.get(lib.vector_floats(), f"{lib.vector_floats()}-float vectors"))
 
 
 @functools.lru_cache(maxsize=1)
@@ -356,6 +426,17 @@ def _run_split(calls: list) -> None:
         future.result()
 
 
+def _run_parts(kernel: Kernel, name: str, head: tuple, tail: tuple, parts: int) -> None:
+    """Run the kernel's function `name` ("fn" or "sums") on every part, its arguments `head`,
+    the part (with a one-part function) and the number of parts, then `tail`: all parts in one
+    call on torch's OpenMP threads where the kernel has OpenMP, else each part on a thread of
+    _run_split's pool."""
+    if kernel.openmp:
+        getattr(kernel, name + "_team")(*head, parts, *tail)
+    else:
+        _run_split([functools.partial(getattr(kernel, name), *head, part, parts, *tail) for part in range(parts)])
+
+
 def check_shapes(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> None:
     """Refuse (ValueError) a layer input and output gradient the kernel would read past: the
     kernel takes raw pointers, and reads each patch where the layer's geometry says it lies, so
@@ -386,20 +467,16 @@ def per_sample_grads(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor,
     B = 1600 that is 52 MB), for a layer `applies` accepts; a is the layer's input, g its output
     gradient, both (n, c, h, w). `kernel`: another build than this process's (tests, measurement)."""
     check_shapes(layer, a, g)
-    fn = (kernel or _library()).fn
+    kernel = kernel or _library()
     n, c, h, w = a.shape
     p, th, tw = g.shape[1:]
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = layer.kernel_size, layer.stride, layer.padding, layer.dilation
     d = kh * kw * c
     out, norms2 = a.new_empty((n, d, p)), a.new_empty(n)
     parts = max(1, min(torch.get_num_threads(), n))
-    bounds = [n * k // parts for k in range(parts + 1)]
-    scratch = [(a.new_empty((h + 2 * ph) * (w + 2 * pw) * c), torch.empty(d + OFF_PADDING, dtype=torch.long))
-               for _ in range(parts)]
-    calls = [functools.partial(fn, a.data_ptr(), g.data_ptr(), out.data_ptr(), norms2.data_ptr(), lo, hi, h, w, c, kh, kw, sh, sw,
-                               ph, pw, dh, dw, th, tw, p, pad.data_ptr(), off.data_ptr())
-             for (lo, hi), (pad, off) in zip(zip(bounds, bounds[1:]), scratch) if hi > lo]
-    _run_split(calls)
+    pad, off = a.new_empty((parts, (h + 2 * ph) * (w + 2 * pw) * c)), torch.empty((parts, d + OFF_PADDING), dtype=torch.long)
+    shape = (h, w, c, kh, kw, sh, sw, ph, pw, dh, dw, th, tw, p, pad.data_ptr(), off.data_ptr())
+    _run_parts(kernel, "fn", (a.data_ptr(), g.data_ptr(), out.data_ptr(), norms2.data_ptr(), n), shape, parts)
     return out, norms2
 
 
@@ -428,7 +505,7 @@ def clipped_sums(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]], base
     norm, its factor c_i (Opacus' min(1, C / (‖∇_i‖ + 1e-6)), ‖∇_i‖ the norm of the sample's own
     gradient, n times the batch mean's, times n; 0 for a sample whose norm is not finite under
     zero_nonfinite) and each layer's sum as (kh·kw·c, p)."""
-    fn = (kernel or _library()).sums
+    kernel = kernel or _library()
     n = base2.shape[0]
     for layer, a, g in convs:
         check_shapes(layer, a, g)
@@ -441,28 +518,23 @@ def clipped_sums(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]], base
     norms2, coeff = base2.new_empty(n), base2.new_empty(n)
     partial = base2.new_empty((max(blocks, 1), sum(sizes)))
     parts = max(1, min(torch.get_num_threads(), blocks))
-    bounds = [blocks * k // parts for k in range(parts + 1)]
-    keep = []  # the scratch tensors stay alive through the calls
-    calls = []
-    for lo, hi in zip(bounds, bounds[1:]):
-        if hi > lo:
-            layers, scratch = _layers(convs)
-            buf = base2.new_empty(sum(sizes))
-            keep += [layers, scratch, buf]
-            calls.append(functools.partial(fn, ctypes.addressof(layers), len(convs), base2.data_ptr(), norms2.data_ptr(),
-                                           coeff.data_ptr(), n, SUM_BLOCK, lo, hi, float(batch_size),
-                                           float(max_grad_norm), int(zero_nonfinite), buf.data_ptr(), partial.data_ptr()))
-    _run_split(calls)
+    layers, scratch = _layers(convs, parts)  # `scratch` keeps the tensors the layer_t point into alive
+    buf = base2.new_empty((parts, sum(sizes)))
+    _run_parts(kernel, "sums", (ctypes.addressof(layers), len(convs), base2.data_ptr(), norms2.data_ptr(),
+                                coeff.data_ptr(), n, SUM_BLOCK),
+               (float(batch_size), float(max_grad_norm), int(zero_nonfinite), buf.data_ptr(), partial.data_ptr()), parts)
     total = partial[0].clone() if blocks else partial[0].zero_()
     for b in range(1, blocks):  # in block order, whatever the threads
         total += partial[b]
     return norms2, coeff, list(total.split(sizes))
 
 
-def _layers(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]]) -> tuple[ctypes.Array, list[torch.Tensor]]:
-    """One thread's layer_t array for `convs`, and its scratch tensors (pad, off per layer)."""
-    layers, scratch = (_Layer * len(convs))(), []
-    for entry, (layer, a, g) in zip(layers, convs):
+def _layers(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]],
+            parts: int) -> tuple[ctypes.Array, list[torch.Tensor]]:
+    """The layer_t array for `convs`, once for each of `parts` parts (part-major), and their
+    scratch tensors (pad, off per layer and part: each part's its own)."""
+    layers, scratch = (_Layer * (len(convs) * parts))(), []
+    for entry, (layer, a, g) in zip(layers, convs * parts):
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = layer.kernel_size, layer.stride, layer.padding, layer.dilation
         _, c, h, w = a.shape
         pad = a.new_empty((h + 2 * ph) * (w + 2 * pw) * c)
