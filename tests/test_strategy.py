@@ -314,3 +314,21 @@ def test_a_launch_with_its_whole_federation_does_not_wait():
     sent = list(strategy.configure_train(1, ArrayRecord({k: Array(v) for k, v in good().items()}), ConfigRecord({}),
                                          Nodes(11, 12, 13)))
     assert len(sent) == 3 and time.monotonic() - started < 2
+
+
+def test_the_aggregate_does_not_depend_on_the_order_the_replies_arrive_in():
+    """Float sums depend on their order, and replies arrive in whatever order the clients
+    finish: the server sums them by partition, so the same run gives the same weights."""
+    rng = np.random.default_rng(0)
+    updates = [{f"student/{k}": rng.standard_normal(s).astype(np.float32) * np.float32(10.0) ** rng.integers(-3, 3)
+                for k, s in SHAPES.items()} for _ in range(6)]
+    results = []
+    for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 4, 2], [2, 0, 5, 4, 1, 3]):
+        fed = FedConfig(num_clients=6)
+        strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
+        arrays, _ = strategy.aggregate_train(1, [reply(pid, updates[pid], n=97 + 13 * pid) for pid in order])
+        results.append({k: v.numpy() for k, v in arrays.items()})
+    assert any(not np.array_equal(sum(u[k] for u in updates), sum(updates[i][k] for i in (5, 3, 1, 0, 4, 2)))
+               for k in updates[0])  # the orders do round differently
+    for other in results[1:]:
+        assert all(np.array_equal(results[0][k], other[k]) for k in results[0])

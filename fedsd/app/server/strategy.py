@@ -239,7 +239,9 @@ class RecordingStrategy(Strategy):
         self._note_missing(server_round, set(sent.values()), round_)
         self._stop_if_no_round_can_train(server_round, len(sent), round_)
         self.round_clients[server_round], self.missed[server_round] = round_.reports, round_.missed
-        trained = same_metric_keys(round_.trained)
+        # In partition order, not arrival order: a float sum's bits depend on its order, and the
+        # same run gives the same weights only if its replies are summed the same way.
+        trained = same_metric_keys(sorted(round_.trained, key=partition_order))
         result = self.inner.aggregate_train(server_round, trained) if trained else (None, None)
         if result[0] is not None:
             result = (with_frozen(result[0], self.frozen), result[1])
@@ -376,6 +378,11 @@ def client_report(reply: Message) -> dict:
     if "service" in records:  # the owner's data service: what code answered
         report["service"] = dict(version=str(records["service"].get("version")), code=str(records["service"].get("code")))
     return report
+
+
+def partition_order(reply: Message) -> tuple[int, int]:
+    """A trained reply's place in the sum: its partition id (as the client said), then its node."""
+    return int(_metrics([reply.content])[0]["partition-id"]), reply.metadata.src_node_id
 
 
 def same_metric_keys(trained: list[Message]) -> list[Message]:
