@@ -159,20 +159,27 @@ def _two_layers(n: int, seed: int = 0):
 def test_one_pass_clipped_sums_are_the_per_sample_gradients_clipped_and_summed():
     """conv_kernel.clipped_sums (book-keeping's pass for the kernel's layers) gives the norms,
     Opacus' clipping factors and the clipped sums that per_sample_grads and PyTorch give, over
-    more samples than one block and not a whole number of blocks, clipping active."""
+    more samples than one block and not a whole number of blocks, clipping active; each layer's
+    bias too (its per-sample gradient is the output gradient summed over the positions), the
+    second layer without one."""
     n = 70
     convs, base2 = _two_layers(n)
+    convs[1][0].bias = None
     grads = [conv_kernel.per_sample_grads(*conv) for conv in convs]
-    expected2 = base2 + grads[0][1] + grads[1][1]
+    bias = convs[0][2].sum((2, 3))  # (n, p): the first layer's per-sample bias gradients
+    expected2 = base2 + grads[0][1] + bias.pow(2).sum(1) + grads[1][1]
     C = float((expected2.sqrt() * n).median())  # about half the samples clipped
     norms2, coeff, sums = conv_kernel.clipped_sums(convs, base2, n, C)
     torch.testing.assert_close(norms2, expected2, rtol=1e-6, atol=0)
     expected_coeff = (C / (expected2.sqrt() * n + 1e-6)).clamp(max=1.0) * n
     torch.testing.assert_close(coeff, expected_coeff, rtol=1e-6, atol=0)
     assert 0 < (coeff < n).sum() < n  # some samples clipped, some not
-    for summed, (per_sample, _) in zip(sums, grads):
+    for (summed, _), (per_sample, _) in zip(sums, grads):
         expected = expected_coeff @ per_sample.flatten(1)
         torch.testing.assert_close(summed, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    scale = (expected_coeff @ bias.abs()).max().item()  # a sum of terms of both signs: its rounding is theirs
+    torch.testing.assert_close(sums[0][1], expected_coeff @ bias, rtol=1e-5, atol=1e-5 * scale)
+    assert sums[1][1] is None
     # Every sample's clipped gradient (its own: n times the mean's) is within C.
     assert ((coeff / n) * expected2.sqrt() * n <= C * (1 + 1e-6)).all()
 
@@ -188,7 +195,7 @@ def test_one_pass_clipped_sums_do_not_depend_on_the_number_of_threads():
         two = conv_kernel.clipped_sums(convs, base2, 70, 20.0)
     finally:
         torch.set_num_threads(before)
-    assert all(torch.equal(a, b) for a, b in zip([one[0], one[1], *one[2]], [two[0], two[1], *two[2]]))
+    assert all(torch.equal(a, b) for a, b in zip([one[0], one[1], *sum(one[2], ())], [two[0], two[1], *sum(two[2], ())]))
 
 
 @needs_kernel
@@ -203,12 +210,14 @@ def test_one_pass_leaves_out_a_sample_whose_norm_is_not_finite_only_when_asked()
     others = [(layer, a[keep].contiguous(memory_format=torch.channels_last),
                g[keep].contiguous(memory_format=torch.channels_last)) for layer, a, g in convs]
     # The others' factors are those of a batch of 40 (n scales them), so compare against those.
-    per_sample = [conv_kernel.per_sample_grads(*conv)[0] for conv in others]
-    for summed, ps in zip(sums, per_sample):
+    per_sample = [(conv_kernel.per_sample_grads(*conv)[0], conv[2].sum((2, 3))) for conv in others]
+    for (summed, bias_summed), (ps, bias) in zip(sums, per_sample):
         expected = coeff[keep] @ ps.flatten(1)
         torch.testing.assert_close(summed, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        torch.testing.assert_close(bias_summed, coeff[keep] @ bias, rtol=1e-5,
+                                   atol=1e-5 * (coeff[keep] @ bias.abs()).max().item())
     _, _, unguarded = conv_kernel.clipped_sums(convs, base2, 40, 20.0)
-    assert not torch.isfinite(unguarded[0]).all()
+    assert not torch.isfinite(unguarded[0][0]).all()
 
 
 @needs_kernel
@@ -267,8 +276,9 @@ def test_the_kernel_refuses_a_layer_whose_geometry_is_not_its_weights(case):
 @needs_kernel
 def test_one_pass_on_no_samples_is_zero():
     conv, x, grad = layer_and_gradients(LAYERS["mnist-cnn conv2"], n=0)
-    norms2, coeff, (summed,) = conv_kernel.clipped_sums([(conv, x, grad)], torch.zeros(0), 0, 1.0)
+    norms2, coeff, ((summed, bias),) = conv_kernel.clipped_sums([(conv, x, grad)], torch.zeros(0), 0, 1.0)
     assert norms2.shape == coeff.shape == (0,) and summed.shape == (conv.weight.numel(),) and not summed.any()
+    assert bias.shape == conv.bias.shape and not bias.any()
 
 
 @needs_kernel
@@ -289,7 +299,7 @@ def test_the_openmp_build_and_the_pool_build_give_the_same_bits_at_any_number_of
             for kernel in (team, pool):
                 sums = conv_kernel.clipped_sums(convs, base2, 100, 20.0, kernel=kernel)
                 grads = conv_kernel.per_sample_grads(*convs[1], kernel=kernel)
-                results.append([sums[0], sums[1], *sums[2], *grads])
+                results.append([sums[0], sums[1], *sum(sums[2], ()), *grads])
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other))

@@ -236,9 +236,8 @@ class BookKeepingEngine:
             way = self.way(index, layer, a, g) if isinstance(layer, nn.Conv2d) else None
             if way is not None:
                 self.taken[index] = way
-            if way == "kernel":
-                with watch(layer, "norms"):  # its bias's: the weight's come in the one pass
-                    kept.append((layer, a, g, _FusedConv(_add_bias_norms2(norms2, layer, g), len(fused))))
+            if way == "kernel":  # weight's and bias's norms, factors and sums in the one pass
+                kept.append((layer, a, g, _FusedConv(len(fused))))
                 fused.append((layer, a, g))
                 continue
             with watch(layer, "norms"):
@@ -255,12 +254,15 @@ class BookKeepingEngine:
             bad = ~torch.isfinite(norms2.sqrt() * batch_size)
             coeff = torch.where(bad, torch.zeros((), dtype=coeff.dtype, device=coeff.device), coeff)
             kept = [(layer, *(_zero_rows(t, bad) for t in (a, g)),
-                     _FusedConv(_zero_rows(needs.bias, bad), needs.index) if isinstance(needs, _FusedConv)
-                     else tuple(_zero_rows(t, bad) for t in needs)) for layer, a, g, needs in kept]
+                     needs if isinstance(needs, _FusedConv) else tuple(_zero_rows(t, bad) for t in needs))
+                    for layer, a, g, needs in kept]
         for layer, a, g, needs in kept:
             with watch(layer, "clip-sum"):
                 if isinstance(needs, _FusedConv):
-                    _set_summed(layer, sums[needs.index], True, needs.bias, coeff)
+                    summed, bias_summed = sums[needs.index]
+                    _set_summed(layer, summed, True, None, coeff)
+                    if bias_summed is not None:
+                        layer.bias.grad = bias_summed
                 else:
                     self.layer_clipped_sum(layer, a, g, needs, coeff)
 
@@ -276,9 +278,8 @@ def _add_bias_norms2(norms2: torch.Tensor, layer: nn.Conv2d, g: torch.Tensor) ->
 
 @dataclasses.dataclass(frozen=True)
 class _FusedConv:
-    """What the clipped sum of a conv layer in conv_kernel.clipped_sums' pass needs: its
-    per-sample bias gradients (or None) and its place among that pass's layers."""
-    bias: torch.Tensor | None
+    """A conv layer in conv_kernel.clipped_sums' pass (its weight's and bias's clipped sums come
+    from there): its place among that pass's layers."""
     index: int
 
 

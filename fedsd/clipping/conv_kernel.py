@@ -129,12 +129,36 @@ int vector_floats(void) { return VW; }
     for (int k = 0; k < VW; k++) norm2 += sq[k]; \
   }
 
-/* One conv layer's shape, and this thread's scratch: pad Hp·Wp·C floats, off D + 64 int64s. */
+/* One conv layer's shape, and this thread's scratch: pad Hp·Wp·C floats, off D + 64 int64s.
+   bias: the clipped sum also makes the bias's (clipped_conv_sums; per_sample_conv_grads never). */
 typedef struct {
   const float* x; const float* g;  /* x (n, H, W, C), g (n, TH, TW, P) */
   float* pad; int64_t* off;
-  int32_t H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P;
+  int32_t H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P, bias;
 } layer_t;
+
+/* A layer's share of a sample's row in clipped_conv_sums: ∇W (D × P), then ∇b (P) with a bias. */
+static int64_t row_floats(const layer_t* L) {
+  return (int64_t)L->KH * L->KW * L->C * L->P + (L->bias ? L->P : 0);
+}
+
+/* Sample i's bias gradient, its output gradient summed over the positions, into ob (P floats);
+   returns its squared norm. */
+static float bias_sample(const layer_t* L, int64_t i, float* ob) {
+  const int64_t T = (int64_t)L->TH * L->TW;
+  const int P = L->P;
+  const float* gi = L->g + i * T * P;
+  vf sq = (vf){0};
+  for (int pc = 0; pc < P; pc += VW) {
+    vf acc = (vf){0};
+    for (int64_t t = 0; t < T; t++) acc += ld(gi + t * P + pc);
+    st(ob + pc, acc);
+    sq += acc * acc;
+  }
+  float norm2 = 0;
+  for (int k = 0; k < VW; k++) norm2 += sq[k];
+  return norm2;
+}
 
 static void prepare(const layer_t* L) {
   const int Wp = L->W + 2 * L->pw, C = L->C;
@@ -173,19 +197,19 @@ void per_sample_conv_grads(const float* x, const float* g, float* out, float* no
                            int dh, int dw, int TH, int TW, int P, float* pad, int64_t* off) {
   const int64_t D = (int64_t)KH * KW * C, i0 = n * part / parts, i1 = n * (part + 1) / parts;
   layer_t L = {x, g, pad + part * (int64_t)(H + 2 * ph) * (W + 2 * pw) * C, off + part * (D + 64),
-               H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P};
+               H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P, 0};
   if (i1 <= i0) return;
   prepare(&L);
   for (int64_t i = i0; i < i1; i++) norms2[i] = one_sample(&L, i, out + i * D * P);
 }
 
 /* The clipped sum of `nl` conv layers, their per-sample gradients never leaving this thread's
-   buffer (`buf`: parts × Σ D·P floats; `layers`: parts × nl, each part's own scratch): for
-   each sample i in the part's share of the blocks of `bs` samples, all its
+   buffer (`buf`: parts × K floats, K = Σ row_floats; `layers`: parts × nl, each part's own
+   scratch): for each sample i in the part's share of the blocks of `bs` samples, all its
    layers' ∇_i, its squared norm norms2[i] = base2[i] + Σ ‖∇_i‖² (base2: the model's other
    weights'), its factor coeff[i] = n·min(1, C / (n·‖·‖ + 1e-6)) (Opacus', for gradients of a
    mean over n samples), and coeff[i]·∇_i added, sample by sample in order, into the block's
-   row of `partial` (blocks × Σ D·P). zero_nonfinite: a sample whose norm is not finite gets
+   row of `partial` (blocks × K). zero_nonfinite: a sample whose norm is not finite gets
    coeff 0 and adds +0.0. The rows do not depend on how blocks are split into parts. */
 void clipped_conv_sums(layer_t* layers, int nl, const float* base2, float* norms2, float* coeff,
                        int64_t n, int64_t bs, int part, int parts, float n_scale, float max_norm,
@@ -193,7 +217,7 @@ void clipped_conv_sums(layer_t* layers, int nl, const float* base2, float* norms
   const int64_t blocks = (n + bs - 1) / bs, b0 = blocks * part / parts, b1 = blocks * (part + 1) / parts;
   if (b1 <= b0) return;
   int64_t K = 0;
-  for (int l = 0; l < nl; l++) K += (int64_t)layers[l].KH * layers[l].KW * layers[l].C * layers[l].P;
+  for (int l = 0; l < nl; l++) K += row_floats(&layers[l]);
   layers += (int64_t)part * nl;  /* the part's own layer_t (its scratch) and buffer */
   buf += part * K;
   for (int l = 0; l < nl; l++) prepare(&layers[l]);
@@ -204,8 +228,10 @@ void clipped_conv_sums(layer_t* layers, int nl, const float* base2, float* norms
       float norm2 = base2[i];
       float* o = buf;
       for (int l = 0; l < nl; l++) {
-        norm2 += one_sample(&layers[l], i, o);
-        o += (int64_t)layers[l].KH * layers[l].KW * layers[l].C * layers[l].P;
+        const layer_t* L = &layers[l];
+        norm2 += one_sample(L, i, o);
+        if (L->bias) norm2 += bias_sample(L, i, o + (int64_t)L->KH * L->KW * L->C * L->P);
+        o += row_floats(L);
       }
       float norm = sqrtf(norm2) * n_scale;
       /* No branch on the data (an owner's service: its timing must not tell which sample was
@@ -484,7 +510,7 @@ class _Layer(ctypes.Structure):
     """The kernel's layer_t: one conv layer's tensors, shape and a thread's scratch."""
     _fields_ = [("x", ctypes.c_void_p), ("g", ctypes.c_void_p), ("pad", ctypes.c_void_p), ("off", ctypes.c_void_p),
                 *((name, ctypes.c_int32) for name in ("H", "W", "C", "KH", "KW", "sh", "sw", "ph", "pw", "dh", "dw",
-                                                      "TH", "TW", "P"))]
+                                                      "TH", "TW", "P", "bias"))]
 
 
 # Samples whose clipped gradients one thread adds up, in order, into a partial sum of their own;
@@ -495,16 +521,18 @@ SUM_BLOCK = 32
 
 
 def clipped_sums(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]], base2: torch.Tensor, batch_size: int,
-                 max_grad_norm: float, zero_nonfinite: bool = False,
-                 kernel: Kernel | None = None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+                 max_grad_norm: float, zero_nonfinite: bool = False, kernel: Kernel | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor | None]]]:
     """The clipped sum Σ_i c_i ∇_i of each conv layer in `convs` ((layer, input a, output
     gradient g) as `per_sample_grads` takes them), with no per-sample gradient ever written out:
     each sample's are made, measured, scaled and added while they are in cache (per_sample_grads
     writes and reads back 52 MB for mnist-cnn's second conv at B = 1600). base2: each sample's
-    squared gradient norm over the model's other weights. Returns each sample's whole squared
-    norm, its factor c_i (Opacus' min(1, C / (‖∇_i‖ + 1e-6)), ‖∇_i‖ the norm of the sample's own
-    gradient, n times the batch mean's, times n; 0 for a sample whose norm is not finite under
-    zero_nonfinite) and each layer's sum as (kh·kw·c, p)."""
+    squared gradient norm over the model's other weights (the layers' biases are these layers'
+    own: the pass makes each sample's bias gradient, its output gradient summed over the
+    positions, from the rows it reads anyway). Returns each sample's whole squared norm, its
+    factor c_i (Opacus' min(1, C / (‖∇_i‖ + 1e-6)), ‖∇_i‖ the norm of the sample's own gradient,
+    n times the batch mean's, times n; 0 for a sample whose norm is not finite under
+    zero_nonfinite) and each layer's sums: its weight's as (kh·kw·c, p), its bias's (p) or None."""
     kernel = kernel or _library()
     n = base2.shape[0]
     for layer, a, g in convs:
@@ -513,7 +541,9 @@ def clipped_sums(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]], base
             raise ValueError(f"conv kernel: {a.shape[0]} samples' inputs for {n} norms")
     if not (base2.dtype == torch.float32 and base2.is_contiguous()):
         raise ValueError("conv kernel: the other layers' squared norms as one contiguous float32 vector")
-    sizes = [layer.kernel_size[0] * layer.kernel_size[1] * a.shape[1] * g.shape[1] for layer, a, g in convs]  # as C counts
+    sizes = [size for layer, a, g in convs  # as C counts: each layer's weight, then its bias
+             for size in (layer.kernel_size[0] * layer.kernel_size[1] * a.shape[1] * g.shape[1],
+                          g.shape[1] * (layer.bias is not None))]
     blocks = -(-n // SUM_BLOCK)
     norms2, coeff = base2.new_empty(n), base2.new_empty(n)
     partial = base2.new_empty((max(blocks, 1), sum(sizes)))
@@ -526,7 +556,9 @@ def clipped_sums(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]], base
     total = partial[0].clone() if blocks else partial[0].zero_()
     for b in range(1, blocks):  # in block order, whatever the threads
         total += partial[b]
-    return norms2, coeff, list(total.split(sizes))
+    pieces = total.split(sizes)
+    return norms2, coeff, [(w, b if layer.bias is not None else None)
+                           for (layer, _, _), w, b in zip(convs, pieces[::2], pieces[1::2])]
 
 
 def _layers(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]],
@@ -541,7 +573,8 @@ def _layers(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]],
         off = torch.empty(kh * kw * c + OFF_PADDING, dtype=torch.long)
         scratch += [pad, off]
         entry.x, entry.g, entry.pad, entry.off = a.data_ptr(), g.data_ptr(), pad.data_ptr(), off.data_ptr()
-        for name, value in zip(("H", "W", "C", "KH", "KW", "sh", "sw", "ph", "pw", "dh", "dw", "TH", "TW", "P"),
-                               (h, w, c, kh, kw, sh, sw, ph, pw, dh, dw, *g.shape[2:], g.shape[1])):
+        for name, value in zip(("H", "W", "C", "KH", "KW", "sh", "sw", "ph", "pw", "dh", "dw", "TH", "TW", "P", "bias"),
+                               (h, w, c, kh, kw, sh, sw, ph, pw, dh, dw, *g.shape[2:], g.shape[1],
+                                layer.bias is not None)):
             setattr(entry, name, value)
     return layers, scratch
