@@ -317,3 +317,23 @@ def test_the_openmp_build_runs_on_torchs_own_openmp_runtime():
     with open("/proc/self/maps") as maps:
         runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line or "libomp" in line}
     assert len(runtimes) == 1, runtimes
+
+
+@needs_kernel
+def test_an_openmp_build_that_does_not_load_gives_way_to_the_build_without(tmp_path, monkeypatch):
+    """An OpenMP build that the process cannot load (torch's libgomp older than the compiler's)
+    falls back to the build without OpenMP, not to no kernel at all."""
+    monkeypatch.setenv("FEDSD_CACHE_DIR", str(tmp_path))
+    real = conv_kernel.ctypes.CDLL
+    team_path = conv_kernel.compiled(load=False)
+
+    def cdll(path, *args, **kwargs):
+        if str(path) == str(team_path):
+            raise OSError("undefined symbol: GOMP_parallel")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(conv_kernel.ctypes, "CDLL", cdll)
+    kernel = conv_kernel.compiled()
+    assert not kernel.openmp
+    convs, base2 = _two_layers(40)
+    assert torch.isfinite(conv_kernel.clipped_sums(convs, base2, 40, 20.0, kernel=kernel)[0]).all()

@@ -382,7 +382,13 @@ def compiled(march: str = "native", defines: tuple[str, ...] = (), load: bool = 
     if not load:
         return path
     check_loadable(path)
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        if not openmp:
+            raise
+        # The OpenMP build needs what the libgomp already loaded (torch's) may lack: built without.
+        return compiled(march, defines, load, openmp=False)
     shape = [ctypes.c_int] * 14 + [ctypes.c_void_p] * 2
     fn, fn_team = lib.per_sample_conv_grads, lib.per_sample_conv_grads_team
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + shape
