@@ -253,8 +253,9 @@ class BookKeepingEngine:
         if zero_nonfinite:
             bad = ~torch.isfinite(norms2.sqrt() * batch_size)
             coeff = torch.where(bad, torch.zeros((), dtype=coeff.dtype, device=coeff.device), coeff)
-            kept = [(layer, *(_zero_rows(t, bad) for t in (a, g)),
-                     needs if isinstance(needs, _FusedConv) else tuple(_zero_rows(t, bad) for t in needs))
+            # The pass's layers are summed already (a bad sample added +0.0): nothing of theirs to zero.
+            kept = [(layer, a, g, needs) if isinstance(needs, _FusedConv)
+                    else (layer, *(_zero_rows(t, bad) for t in (a, g)), tuple(_zero_rows(t, bad) for t in needs))
                     for layer, a, g, needs in kept]
         for layer, a, g, needs in kept:
             with watch(layer, "clip-sum"):
