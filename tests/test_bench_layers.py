@@ -38,8 +38,8 @@ def test_layers_one_row_a_trainable_layer_and_parts_within_the_step(capsys):
     together = report["kernel_layers_together"]
     assert together["layers"] == (names[:2] if conv_kernel.available() else [])
     assert (together["dp_ms"] > 0) == conv_kernel.available()
-    # Their rows' norms are their biases' alone, a fraction of the pass.
-    assert all(r["dp_ms"]["norms"] < together["dp_ms"] for r in report["layers"] if r["name"] in together["layers"])
+    # The pass makes their weights' and biases' norms: nothing of theirs is measured apart from it.
+    assert all((r["dp_ms"]["norms"] == 0) == (r["name"] in together["layers"]) for r in report["layers"])
     between = report["between_layers"]
     assert all(v >= 0 for v in [*between["dp_ms"].values(), *between["nonprivate_ms"].values()])
     # The parts lie within the whole step (each is timed inside it), and are a fair share of it.

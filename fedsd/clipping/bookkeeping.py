@@ -207,7 +207,8 @@ class BookKeepingEngine:
         """Set the layer's p.grad to Σ_i coeff_i ∇_i."""
         per_sample, per_sample_bias = kept
         if per_sample is not None:  # Σ_i c_i ∇_i straight from PyTorch's per-sample gradients (p, kh, kw, c)
-            _set_summed(layer, coeff @ per_sample.flatten(1), False, per_sample_bias, coeff)
+            _set_summed(layer, coeff @ per_sample.flatten(1), False,
+                        None if per_sample_bias is None else coeff @ per_sample_bias)
             return
         weighted = g * coeff.view(-1, *([1] * (g.dim() - 1)))
         if isinstance(layer, nn.Linear):
@@ -261,9 +262,7 @@ class BookKeepingEngine:
             with watch(layer, "clip-sum"):
                 if isinstance(needs, _FusedConv):
                     summed, bias_summed = sums[needs.index]
-                    _set_summed(layer, summed, True, None, coeff)
-                    if bias_summed is not None:
-                        layer.bias.grad = bias_summed
+                    _set_summed(layer, summed, True, bias_summed)
                 else:
                     self.layer_clipped_sum(layer, a, g, needs, coeff)
 
@@ -284,15 +283,14 @@ class _FusedConv:
     index: int
 
 
-def _set_summed(layer: nn.Conv2d, summed: torch.Tensor, d_first: bool, per_sample_bias: torch.Tensor | None,
-                coeff: torch.Tensor) -> None:
+def _set_summed(layer: nn.Conv2d, summed: torch.Tensor, d_first: bool, bias_summed: torch.Tensor | None) -> None:
     """A conv layer's p.grad from its clipped sum Σ_i c_i ∇_i, flat in (kh, kw, c, p) order
-    (d_first, the kernel's) or (p, kh, kw, c), and its bias's Σ_i c_i ∇b_i."""
+    (d_first, the kernel's) or (p, kh, kw, c), and its bias's from Σ_i c_i ∇b_i (None: no bias)."""
     p, c, kh, kw = layer.weight.shape
     summed = summed.view(kh, kw, c, p).permute(3, 2, 0, 1) if d_first else summed.view(p, kh, kw, c).permute(0, 3, 1, 2)
     layer.weight.grad = summed.contiguous(memory_format=_format_of(layer.weight))
-    if per_sample_bias is not None:
-        layer.bias.grad = coeff @ per_sample_bias
+    if bias_summed is not None:
+        layer.bias.grad = bias_summed
 
 
 def _unwatched(layer: nn.Module, part: str) -> contextlib.nullcontext:

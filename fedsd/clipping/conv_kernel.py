@@ -259,8 +259,15 @@ void clipped_conv_sums(layer_t* layers, int nl, const float* base2, float* norms
 /* All `parts` parts on the OpenMP team of the calling thread: torch's own threads, as this
    library shares torch's libgomp (the same soname, loaded already), where it was built with
    -fopenmp. A pool of other threads loses a core to torch's workers, which spin after each
-   parallel op (the module's docstring has the times). A part runs on one thread whatever the team's size; without OpenMP, parts run in turn (the
-   Python side then runs them on its own threads instead). */
+   parallel op (the module's docstring has the times). A part runs on one thread whatever the
+   team's size; without OpenMP, parts run in turn (the Python side then runs them on its own
+   threads instead). EACH_PART(t) runs the statement after it for every part t. */
+#ifdef _OPENMP
+#  define EACH_PART(t) _Pragma("omp parallel num_threads(parts)") \
+     for (int t = omp_get_thread_num(); t < parts; t += omp_get_num_threads())
+#else
+#  define EACH_PART(t) for (int t = 0; t < parts; t++)
+#endif
 int openmp(void) {
 #ifdef _OPENMP
   return 1;
@@ -272,24 +279,14 @@ int openmp(void) {
 void per_sample_conv_grads_team(const float* x, const float* g, float* out, float* norms2, int64_t n, int parts,
                                 int H, int W, int C, int KH, int KW, int sh, int sw, int ph, int pw,
                                 int dh, int dw, int TH, int TW, int P, float* pad, int64_t* off) {
-#ifdef _OPENMP
-#pragma omp parallel num_threads(parts)
-  for (int t = omp_get_thread_num(); t < parts; t += omp_get_num_threads())
-#else
-  for (int t = 0; t < parts; t++)
-#endif
+  EACH_PART(t)
     per_sample_conv_grads(x, g, out, norms2, n, t, parts, H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P, pad, off);
 }
 
 void clipped_conv_sums_team(layer_t* layers, int nl, const float* base2, float* norms2, float* coeff,
                             int64_t n, int64_t bs, int parts, float n_scale, float max_norm,
                             int zero_nonfinite, float* buf, float* partial) {
-#ifdef _OPENMP
-#pragma omp parallel num_threads(parts)
-  for (int t = omp_get_thread_num(); t < parts; t += omp_get_num_threads())
-#else
-  for (int t = 0; t < parts; t++)
-#endif
+  EACH_PART(t)
     clipped_conv_sums(layers, nl, base2, norms2, coeff, n, bs, t, parts, n_scale, max_norm, zero_nonfinite, buf,
                       partial);
 }
