@@ -337,3 +337,26 @@ def test_an_openmp_build_that_does_not_load_gives_way_to_the_build_without(tmp_p
     assert not kernel.openmp
     convs, base2 = _two_layers(40)
     assert torch.isfinite(conv_kernel.clipped_sums(convs, base2, 40, 20.0, kernel=kernel)[0]).all()
+
+
+@needs_kernel
+def test_blocks_read_as_runs_give_the_bits_of_rows_read_one_by_one(tmp_path, monkeypatch):
+    """The kernel reads a block of rows whose patch entries lie side by side (a kernel row's
+    channels, or its columns where there is one channel) through one pointer a run: mnist-cnn's
+    two convs, where it does so, give the same norms, factors, sums and per-sample gradients,
+    bit for bit, as the build that reads every row's offset (-D NO_RUNS)."""
+    monkeypatch.setenv("FEDSD_CACHE_DIR", str(tmp_path))
+    fast, plain = conv_kernel.compiled(), conv_kernel.compiled(defines=("NO_RUNS",))
+    convs = [layer_and_gradients(LAYERS["mnist-cnn conv1"], n=70, seed=1),
+             layer_and_gradients(LAYERS["mnist-cnn conv2"], n=70, seed=2)]
+    if fast.isa == "avx512":  # the blocks AVX-512 takes: 16 rows × 1 vector (conv1), 8 × 2 (conv2)
+        assert conv_kernel.runs(*convs[0], kernel=fast)[1] and conv_kernel.runs(*convs[1], kernel=fast)[0]
+    assert conv_kernel.runs(*convs[0], kernel=plain) == conv_kernel.runs(*convs[1], kernel=plain) == (False, False)
+    assert not any(conv_kernel.runs(*layer_and_gradients(LAYERS["cifar-cnn conv1"]), kernel=fast))  # 3 channels
+    base2 = torch.rand(70)
+    C = float((conv_kernel.clipped_sums(convs, base2, 70, 1.0, kernel=plain)[0].sqrt() * 70).median())
+    got = [conv_kernel.clipped_sums(convs, base2, 70, C, kernel=k) for k in (fast, plain)]
+    grads = [conv_kernel.per_sample_grads(*convs[0], kernel=k) for k in (fast, plain)]
+    flat = [[r[0], r[1], *sum(r[2], ()), *g] for r, g in zip(got, grads)]
+    assert all(torch.equal(a, b) for a, b in zip(*flat))
+    assert 0 < (got[0][1] < 70).sum() < 70  # some clipped, some not

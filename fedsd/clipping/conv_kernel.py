@@ -61,8 +61,8 @@ from fedsd.files.cache import cache_root
 # the output gradients and one for the input's broadcast), the fastest of the blocks measured
 # on an AVX2 CPU (results/perf.md; the AVX-512 block built for AVX2 needs 32 of its 16
 # registers and spills, 1.4-1.8× slower). The compiler's target picks the block (-march);
-# -D WIDE_NV=… WIDE_DB=… NARROW_DB=… overrides it for measurement. The output channels go in
-# vectors, so p must be a multiple of 16 (every conv of the papers' CNNs); other layers take
+# -D WIDE_NV=… WIDE_DB=… NARROW_DB=… overrides it for measurement (-D NO_RUNS leaves BLOCK's
+# runs out, for tests). The output channels go in vectors, so p must be a multiple of 16 (every conv of the papers' CNNs); other layers take
 # the PyTorch route. On the AVX2 CPU measured, even the best block loses to PyTorch's patches
 # and batched products on every layer of the papers' CNNs: fedsd.clipping.routes' rule (RULES, by the
 # kernel's instruction set) leaves the kernel out there.
@@ -107,27 +107,60 @@ static inline void st(float* p, vf v) { memcpy(p, &v, VW * 4); }
 int vector_floats(void) { return VW; }
 
 /* ∇_i[d][pc .. pc + VW·NV) for d in blocks of DB; off[d] is where patch entry d lies from the
-   patch's corner (the rows past D read the corner and are not stored). */
-#define BLOCK(NV, DB) \
+   patch's corner (the rows past D read the corner and are not stored). RUNS: the block's rows
+   are DB / RUN_L runs of RUN_L consecutive floats of the input (off[db + r·RUN_L + j] =
+   off[db + r·RUN_L] + j: a kernel row's channels, or its columns where there is one channel and
+   no dilation), so each run needs one pointer and its entries are constant displacements from
+   it; else each row's offset is read from `off` (the compiler keeps them in registers, or
+   spills them: mnist-cnn conv1's 16 rows spilled, at half the FMA rate). Each sum over the
+   positions runs in the same order either way: the same bits. The first block also sums the
+   output gradients it loads over the positions, in order: the bias's gradient (bacc). The
+   squares go into the vector sq, summed across its lanes once a sample (one_sample). */
+#ifndef RUN_L
+#  define RUN_L 8
+#endif
+#define BLOCK(NV, DB, RUNS) \
+  vf bacc[NV]; \
+  for (int v = 0; v < NV; v++) bacc[v] = (vf){0}; \
   for (int64_t db = 0; db < D; db += DB) { \
     vf acc[DB][NV]; \
     for (int dd = 0; dd < DB; dd++) for (int v = 0; v < NV; v++) acc[dd][v] = (vf){0}; \
     const int64_t* od = off + db; \
-    for (int ty = 0; ty < TH; ty++) for (int tx = 0; tx < TW; tx++) { \
-      const float* corner = xp + ((int64_t)ty * sh * Wp + (int64_t)tx * sw) * C; \
-      const float* gt = gi + ((int64_t)ty * TW + tx) * P + pc; \
-      vf gv[NV]; \
-      for (int v = 0; v < NV; v++) gv[v] = ld(gt + VW * v); \
-      for (int dd = 0; dd < DB; dd++) { \
-        float a = corner[od[dd]]; \
-        for (int v = 0; v < NV; v++) acc[dd][v] += a * gv[v]; \
+    if ((RUNS) && db + DB <= D) { \
+      int64_t ro[DB / RUN_L]; \
+      for (int r = 0; r < DB / RUN_L; r++) ro[r] = od[r * RUN_L]; \
+      for (int ty = 0; ty < TH; ty++) { \
+        const float* row = xp + (int64_t)ty * sh * Wp * C; \
+        const float* gt = gi + (int64_t)ty * TW * P + pc; \
+        for (int tx = 0; tx < TW; tx++, row += (int64_t)sw * C, gt += P) { \
+          vf gv[NV]; \
+          for (int v = 0; v < NV; v++) gv[v] = ld(gt + VW * v); \
+          if (db == 0) for (int v = 0; v < NV; v++) bacc[v] += gv[v]; \
+          for (int r = 0; r < DB / RUN_L; r++) { \
+            const float* run = row + ro[r]; \
+            __asm__("" : "+r"(run)); /* one register a run: GCC would otherwise keep each row's offset */ \
+            for (int j = 0; j < RUN_L; j++) \
+              for (int v = 0; v < NV; v++) acc[r * RUN_L + j][v] += run[j] * gv[v]; \
+          } \
+        } \
+      } \
+    } else { \
+      for (int ty = 0; ty < TH; ty++) for (int tx = 0; tx < TW; tx++) { \
+        const float* corner = xp + ((int64_t)ty * sh * Wp + (int64_t)tx * sw) * C; \
+        const float* gt = gi + ((int64_t)ty * TW + tx) * P + pc; \
+        vf gv[NV]; \
+        for (int v = 0; v < NV; v++) gv[v] = ld(gt + VW * v); \
+        if (db == 0) for (int v = 0; v < NV; v++) bacc[v] += gv[v]; \
+        for (int dd = 0; dd < DB; dd++) { \
+          float a = corner[od[dd]]; \
+          for (int v = 0; v < NV; v++) acc[dd][v] += a * gv[v]; \
+        } \
       } \
     } \
-    vf sq = (vf){0}; \
     for (int dd = 0; dd < DB && db + dd < D; dd++) \
       for (int v = 0; v < NV; v++) { st(oi + (db + dd) * P + pc + VW * v, acc[dd][v]); sq += acc[dd][v] * acc[dd][v]; } \
-    for (int k = 0; k < VW; k++) norm2 += sq[k]; \
-  }
+  } \
+  if (ob) for (int v = 0; v < NV; v++) { st(ob + pc + VW * v, bacc[v]); bsq += bacc[v] * bacc[v]; }
 
 /* One conv layer's shape, and this thread's scratch: pad Hp·Wp·C floats, off D + 64 int64s.
    bias: the clipped sum also makes the bias's (clipped_conv_sums; per_sample_conv_grads never). */
@@ -135,6 +168,7 @@ typedef struct {
   const float* x; const float* g;  /* x (n, H, W, C), g (n, TH, TW, P) */
   float* pad; int64_t* off;
   int32_t H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P, bias;
+  int32_t runs;  /* set by prepare: bit 0, the wide blocks' rows are runs (BLOCK); bit 1, the narrow ones' */
 } layer_t;
 
 /* A layer's share of a sample's row in clipped_conv_sums: ∇W (D × P), then ∇b (P) with a bias. */
@@ -142,36 +176,39 @@ static int64_t row_floats(const layer_t* L) {
   return (int64_t)L->KH * L->KW * L->C * L->P + (L->bias ? L->P : 0);
 }
 
-/* Sample i's bias gradient, its output gradient summed over the positions, into ob (P floats);
-   returns its squared norm. */
-static float bias_sample(const layer_t* L, int64_t i, float* ob) {
-  const int64_t T = (int64_t)L->TH * L->TW;
-  const int P = L->P;
-  const float* gi = L->g + i * T * P;
-  vf sq = (vf){0};
-  for (int pc = 0; pc < P; pc += VW) {
-    vf acc = (vf){0};
-    for (int64_t t = 0; t < T; t++) acc += ld(gi + t * P + pc);
-    st(ob + pc, acc);
-    sq += acc * acc;
-  }
-  float norm2 = 0;
-  for (int k = 0; k < VW; k++) norm2 += sq[k];
-  return norm2;
+/* Whether every whole block of `db_size` rows is runs of RUN_L consecutive floats (BLOCK). */
+static int blocks_are_runs(const int64_t* off, int64_t D, int db_size) {
+  if (db_size % RUN_L) return 0;
+  for (int64_t d = 0; d + 1 < D; d++)
+    if ((d + 1) % RUN_L && off[d + 1] != off[d] + 1) return 0;
+  return 1;
 }
 
-static void prepare(const layer_t* L) {
+static void prepare(layer_t* L) {
   const int Wp = L->W + 2 * L->pw, C = L->C;
   const int64_t D = (int64_t)L->KH * L->KW * C;
   for (int64_t d = 0; d < D + 64; d++) {
     int64_t ky = d / ((int64_t)L->KW * C), kx = d / C % L->KW, c = d % C;
     L->off[d] = d < D ? (ky * L->dh * Wp + kx * L->dw) * C + c : 0;
   }
+#ifdef NO_RUNS  /* every row's offset read from `off` (tests: the same bits either way) */
+  L->runs = 0;
+#else
+  L->runs = blocks_are_runs(L->off, D, WIDE_DB) | blocks_are_runs(L->off, D, NARROW_DB) << 1;
+#endif
   if (L->ph || L->pw) memset(L->pad, 0, sizeof(float) * (L->H + 2 * L->ph) * Wp * C);
 }
 
-/* Sample i's ∇_i (D × P, d = (ky, kx, c)) into oi; returns its squared norm. */
-static float one_sample(const layer_t* L, int64_t i, float* oi) {
+static float lanes_sum(vf v) {
+  float s = 0;
+  for (int k = 0; k < VW; k++) s += v[k];
+  return s;
+}
+
+/* Sample i's ∇_i (D × P, d = (ky, kx, c)) into oi; returns its squared norm. ob: also its bias's
+   gradient, the output gradient summed over the positions (P floats), its squared norm added
+   to the return value; NULL: none. */
+static float one_sample(const layer_t* L, int64_t i, float* oi, float* ob) {
   const int H = L->H, W = L->W, C = L->C, sh = L->sh, sw = L->sw, TH = L->TH, TW = L->TW, P = L->P;
   const int Wp = W + 2 * L->pw;
   const int64_t D = (int64_t)L->KH * L->KW * C;
@@ -183,11 +220,22 @@ static float one_sample(const layer_t* L, int64_t i, float* oi) {
     xp = L->pad;
   }
   const float* gi = L->g + i * TH * TW * P;
-  float norm2 = 0;
+  vf sq = (vf){0}, bsq = (vf){0};
   int pc = 0;
-  for (; pc + WIDE_NV * VW <= P; pc += WIDE_NV * VW) { BLOCK(WIDE_NV, WIDE_DB) }
-  for (; pc + VW <= P; pc += VW) { BLOCK(1, NARROW_DB) }
-  return norm2;
+  for (; pc + WIDE_NV * VW <= P; pc += WIDE_NV * VW) { BLOCK(WIDE_NV, WIDE_DB, L->runs & 1) }
+  for (; pc + VW <= P; pc += VW) { BLOCK(1, NARROW_DB, L->runs & 2) }
+  return lanes_sum(sq) + lanes_sum(bsq);
+}
+
+/* Fetch sample i's input and output gradient into the cache while the sample before is made:
+   they come from memory (mnist-cnn's two convs read 47 MB at B = 1600), in a pattern of
+   strides the hardware's prefetcher does not follow ahead. */
+static void prefetch_sample(const layer_t* L, int64_t i) {
+  const int64_t xs = (int64_t)L->H * L->W * L->C * 4, gs = (int64_t)L->TH * L->TW * L->P * 4;
+  const char* x = (const char*)L->x + i * xs;
+  const char* g = (const char*)L->g + i * gs;
+  for (int64_t k = 0; k < xs; k += 64) __builtin_prefetch(x + k, 0, 3);
+  for (int64_t k = 0; k < gs; k += 64) __builtin_prefetch(g + k, 0, 3);
 }
 
 /* Part `part` of `parts` of the samples: out (n, D, P), and norms2 (n) their squared norms.
@@ -197,10 +245,10 @@ void per_sample_conv_grads(const float* x, const float* g, float* out, float* no
                            int dh, int dw, int TH, int TW, int P, float* pad, int64_t* off) {
   const int64_t D = (int64_t)KH * KW * C, i0 = n * part / parts, i1 = n * (part + 1) / parts;
   layer_t L = {x, g, pad + part * (int64_t)(H + 2 * ph) * (W + 2 * pw) * C, off + part * (D + 64),
-               H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P, 0};
+               H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P, 0, 0};
   if (i1 <= i0) return;
   prepare(&L);
-  for (int64_t i = i0; i < i1; i++) norms2[i] = one_sample(&L, i, out + i * D * P);
+  for (int64_t i = i0; i < i1; i++) norms2[i] = one_sample(&L, i, out + i * D * P, NULL);
 }
 
 /* The clipped sum of `nl` conv layers, their per-sample gradients never leaving this thread's
@@ -227,10 +275,11 @@ void clipped_conv_sums(layer_t* layers, int nl, const float* base2, float* norms
     for (int64_t i = b * bs; i < (b + 1) * bs && i < n; i++) {
       float norm2 = base2[i];
       float* o = buf;
+      if (i + 1 < n)
+        for (int l = 0; l < nl; l++) prefetch_sample(&layers[l], i + 1);
       for (int l = 0; l < nl; l++) {
         const layer_t* L = &layers[l];
-        norm2 += one_sample(L, i, o);
-        if (L->bias) norm2 += bias_sample(L, i, o + (int64_t)L->KH * L->KW * L->C * L->P);
+        norm2 += one_sample(L, i, o, L->bias ? o + (int64_t)L->KH * L->KW * L->C * L->P : NULL);
         o += row_floats(L);
       }
       float norm = sqrtf(norm2) * n_scale;
@@ -253,6 +302,24 @@ void clipped_conv_sums(layer_t* layers, int nl, const float* base2, float* norms
       vi keep = (vi){0} + (int32_t)keepb;
       for (int64_t k = 0; k < K; k += VW) st(row + k, ld(row + k) + (vf)((vi)(c * ld(buf + k)) & keep));
     }
+  }
+}
+
+/* Which of the layer's blocks BLOCK reads as runs (the bits of layer_t.runs; tests). */
+int layer_runs(layer_t* L) {
+  prepare(L);
+  return L->runs;
+}
+
+/* Part `part` of `parts` of the K columns of the blocks' partial rows (`partial`: blocks × K),
+   summed in block order into out (K): each column's sum the same whatever the parts. */
+void block_sum(const float* partial, int64_t blocks, int64_t K, float* out, int part, int parts) {
+  const int64_t k0 = K * part / parts, k1 = K * (part + 1) / parts;
+  if (k1 <= k0) return;
+  memcpy(out + k0, partial + k0, sizeof(float) * (k1 - k0));
+  for (int64_t b = 1; b < blocks; b++) {
+    const float* row = partial + b * K;
+    for (int64_t k = k0; k < k1; k++) out[k] += row[k];
   }
 }
 
@@ -281,6 +348,11 @@ void per_sample_conv_grads_team(const float* x, const float* g, float* out, floa
                                 int dh, int dw, int TH, int TW, int P, float* pad, int64_t* off) {
   EACH_PART(t)
     per_sample_conv_grads(x, g, out, norms2, n, t, parts, H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P, pad, off);
+}
+
+void block_sum_team(const float* partial, int64_t blocks, int64_t K, float* out, int parts) {
+  EACH_PART(t)
+    block_sum(partial, blocks, K, out, t, parts);
 }
 
 void clipped_conv_sums_team(layer_t* layers, int nl, const float* base2, float* norms2, float* coeff,
@@ -353,6 +425,9 @@ class Kernel:
     sums: object  # clipped_conv_sums (one part), through ctypes
     fn_team: object  # per_sample_conv_grads_team (every part, on the OpenMP team)
     sums_team: object  # clipped_conv_sums_team
+    block_sum: object  # block_sum (one part of the columns)
+    block_sum_team: object  # block_sum_team
+    layer_runs: object  # layer_runs: which blocks of a layer_t are read as runs (tests)
     openmp: bool  # built with OpenMP: the _team functions run the parts at once
     march: str
     isa: str  # avx512, avx2, sse: the vector width it was built for
@@ -395,10 +470,14 @@ def compiled(march: str = "native", defines: tuple[str, ...] = (), load: bool = 
         [ctypes.c_float] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
     sums.argtypes = head + [ctypes.c_int] * 2 + tail
     sums_team.argtypes = head + [ctypes.c_int] + tail
-    for f in (fn, fn_team, sums, sums_team):
+    block_sum, block_sum_team = lib.block_sum, lib.block_sum_team
+    block_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    block_sum_team.argtypes = block_sum.argtypes[:-1]
+    for f in (fn, fn_team, sums, sums_team, block_sum, block_sum_team):
         f.restype = None
-    lib.vector_floats.restype = lib.openmp.restype = ctypes.c_int
-    return Kernel(fn, sums, fn_team, sums_team, bool(lib.openmp()), march,
+    lib.layer_runs.argtypes = [ctypes.c_void_p]
+    lib.vector_floats.restype = lib.openmp.restype = lib.layer_runs.restype = ctypes.c_int
+    return Kernel(fn, sums, fn_team, sums_team, block_sum, block_sum_team, lib.layer_runs, bool(lib.openmp()), march,
                   ISA_BY_VECTOR.get(lib.vector_floats(), f"{lib.vector_floats()}-float vectors"))
 
 
@@ -456,7 +535,7 @@ def _run_split(calls: list) -> None:
 
 
 def _run_parts(kernel: Kernel, name: str, head: tuple, tail: tuple, parts: int) -> None:
-    """Run the kernel's function `name` ("fn" or "sums") on every part, its arguments `head`,
+    """Run the kernel's function `name` ("fn", "sums" or "block_sum") on every part, its arguments `head`,
     the part (with a one-part function) and the number of parts, then `tail`: all parts in one
     call on torch's OpenMP threads where the kernel has OpenMP, else each part on a thread of
     _run_split's pool."""
@@ -513,7 +592,7 @@ class _Layer(ctypes.Structure):
     """The kernel's layer_t: one conv layer's tensors, shape and a thread's scratch."""
     _fields_ = [("x", ctypes.c_void_p), ("g", ctypes.c_void_p), ("pad", ctypes.c_void_p), ("off", ctypes.c_void_p),
                 *((name, ctypes.c_int32) for name in ("H", "W", "C", "KH", "KW", "sh", "sw", "ph", "pw", "dh", "dw",
-                                                      "TH", "TW", "P", "bias"))]
+                                                      "TH", "TW", "P", "bias", "runs"))]
 
 
 # Samples whose clipped gradients one thread adds up, in order, into a partial sum of their own;
@@ -556,12 +635,22 @@ def clipped_sums(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]], base
     _run_parts(kernel, "sums", (ctypes.addressof(layers), len(convs), base2.data_ptr(), norms2.data_ptr(),
                                 coeff.data_ptr(), n, SUM_BLOCK),
                (float(batch_size), float(max_grad_norm), int(zero_nonfinite), buf.data_ptr(), partial.data_ptr()), parts)
-    total = partial[0].clone() if blocks else partial[0].zero_()
-    for b in range(1, blocks):  # in block order, whatever the threads
-        total += partial[b]
+    total = partial[0].zero_() if not blocks else partial.new_empty(partial.shape[1])
+    if blocks:  # in block order, whatever the threads
+        _run_parts(kernel, "block_sum", (partial.data_ptr(), blocks, partial.shape[1], total.data_ptr()), (),
+                   max(1, min(torch.get_num_threads(), partial.shape[1] // 256)))
     pieces = total.split(sizes)
     return norms2, coeff, [(w, b if layer.bias is not None else None)
                            for (layer, _, _), w, b in zip(convs, pieces[::2], pieces[1::2])]
+
+
+def runs(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor, kernel: Kernel | None = None) -> tuple[bool, bool]:
+    """Whether the kernel reads this layer's (wide, narrow) blocks of rows as runs of consecutive
+    floats (BLOCK in SOURCE), for a layer `applies` accepts."""
+    check_shapes(layer, a, g)
+    layers, scratch = _layers([(layer, a, g)], 1)
+    found = (kernel or _library()).layer_runs(ctypes.addressof(layers))
+    return bool(found & 1), bool(found & 2)
 
 
 def _layers(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]],
