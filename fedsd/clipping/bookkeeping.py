@@ -37,10 +37,10 @@ from fedsd.errors import ConfigError
 # up to about twice the flops: mnist-cnn conv2 (0.9×) and cifar-cnn conv3 (1.1×), conv4 (0.15×)
 # take ghost norms; mnist-cnn conv1 (15×) and cifar-cnn conv1 (>100×), conv2 (4.9×) per-sample
 # gradients. fedsd.clipping.conv_kernel's per-sample gradients are faster, so with it ghost norms win
-# only below about half the flops (mnist-cnn conv2: kernel 17 ms, ghost 28; cifar-cnn conv3:
-# 70 against 116; conv4: 65 against 32).
+# only below about a tenth of the flops (cifar-cnn conv4, 0.15×: kernel 14.6 ms, ghost 19.4;
+# fedsd.clipping.routes' RULES, which a run's route follows, has the measurements).
 GHOST_FLOPS_LIMIT = 2.0
-GHOST_FLOPS_LIMIT_WITH_KERNEL = 0.5
+GHOST_FLOPS_LIMIT_WITH_KERNEL = 0.1
 # The im2col patches of a chunk of the batch, in bytes, on CPU: 2 MiB stays in this CPU's cache
 # (measured on mnist-cnn at B = 1600, 1 thread: conv1's per-sample gradients 43 → 28 ms, conv2's
 # ghost norms 31 → 20 ms; chunks of 1–4 MiB within a millisecond of each other).

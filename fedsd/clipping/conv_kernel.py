@@ -57,15 +57,15 @@ from fedsd.files.cache import cache_root
 # One block of ∇_i (DB rows of d × NV vectors of output channels) lives in vector registers for
 # a whole sum over the positions, so the block is sized for the target's registers. AVX-512 has
 # 32 registers of 16 floats: blocks of 8 × 2 or 16 × 1 vectors (16 accumulators), as measured
-# on an AVX-512 CPU. AVX2 and SSE have 16 registers: 14 × 1 (14 accumulators, one register for
-# the output gradients and one for the input's broadcast), the fastest of the blocks measured
-# on an AVX2 CPU (results/perf.md; the AVX-512 block built for AVX2 needs 32 of its 16
-# registers and spills, 1.4-1.8× slower). The compiler's target picks the block (-march);
-# -D WIDE_NV=… WIDE_DB=… NARROW_DB=… overrides it for measurement (-D NO_RUNS leaves BLOCK's
-# runs out, for tests). The output channels go in vectors, so p must be a multiple of 16 (every conv of the papers' CNNs); other layers take
-# the PyTorch route. On the AVX2 CPU measured, even the best block loses to PyTorch's patches
-# and batched products on every layer of the papers' CNNs: fedsd.clipping.routes' rule (RULES, by the
-# kernel's instruction set) leaves the kernel out there.
+# on an AVX-512 CPU. AVX2 has 16 registers: 6 × 2 (12 accumulators, two registers for the output
+# gradients, one for the input's broadcast), the fastest of 14 × 1, 12 × 1, 8 × 1 and 6 × 2
+# built for x86-64-v3 on the AVX-512 CPU (mnist-cnn's two convs, 1 thread: 14.4 ms against
+# 19.3, 17.9, 16.7; results/perf.md); SSE keeps 14 × 1. The compiler's target picks the block
+# (-march); -D WIDE_NV=… WIDE_DB=… NARROW_DB=… overrides it for measurement (-D NO_RUNS leaves
+# BLOCK's runs out, for tests). The output channels go in vectors, so p must be a multiple of
+# 16 (every conv of the papers' CNNs); other layers take the PyTorch route.
+# fedsd.clipping.routes' rule (RULES, by the kernel's instruction set) takes the kernel on
+# AVX-512 and AVX2, where it was measured the fastest on every conv of the papers' CNNs.
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -80,8 +80,8 @@ SOURCE = r"""
 #  define REGS_NARROW_DB 16
 #elif defined(__AVX__)
 #  define VW 8
-#  define REGS_WIDE_NV 1
-#  define REGS_WIDE_DB 14
+#  define REGS_WIDE_NV 2
+#  define REGS_WIDE_DB 6
 #  define REGS_NARROW_DB 14
 #else
 #  define VW 4
@@ -100,8 +100,13 @@ SOURCE = r"""
 #endif
 typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4)));
-static inline vf ld(const float* p) { vf v; memcpy(&v, p, VW * 4); return v; }
-static inline void st(float* p, vf v) { memcpy(p, &v, VW * 4); }
+/* Unaligned loads and stores through a vector type that may alias floats (as the intrinsics'
+   _mm256_loadu_ps). Not memcpy: GCC 12 built for AVX2 (x86-64-v3) copies 32 bytes in two
+   16-byte pieces through the stack, and then kept the block's accumulators in memory too: the
+   kernel ran at 17 GFLOP/s instead of 69 (mnist-cnn's two convs, 1 thread, results/perf.md). */
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+static inline vf ld(const float* p) { return *(const vfu*)p; }
+static inline void st(float* p, vf v) { *(vfu*)p = v; }
 
 /* The target's vector width in floats (the Python side reports it). */
 int vector_floats(void) { return VW; }
