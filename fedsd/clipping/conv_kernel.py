@@ -111,6 +111,23 @@ static inline void st(float* p, vf v) { *(vfu*)p = v; }
 /* The target's vector width in floats (the Python side reports it). */
 int vector_floats(void) { return VW; }
 
+/* The next sample's input and output gradient of every layer, fetched into the cache a few lines
+   at a time while this sample is made: they come from memory (mnist-cnn's two convs read 47 MB
+   at B = 1600), in a pattern of strides the hardware's prefetcher does not follow ahead, and a
+   burst of prefetches at the sample's start fills the load queue (results/perf.md). Which
+   lines, and when, depends on the shapes alone. */
+#define PF_RANGES 32
+#define PF_LINES 4
+typedef struct { const char* start[PF_RANGES]; const char* end[PF_RANGES]; const char* at; int r, nr; } pf_t;
+static inline void pf_step(pf_t* pf) {
+  if (!pf) return;
+  for (int j = 0; j < PF_LINES && pf->r < pf->nr; j++) {
+    __builtin_prefetch(pf->at, 0, 3);
+    pf->at += 64;
+    if (pf->at >= pf->end[pf->r] && ++pf->r < pf->nr) pf->at = pf->start[pf->r];
+  }
+}
+
 /* ∇_i[d][pc .. pc + VW·NV) for d in blocks of DB; off[d] is where patch entry d lies from the
    patch's corner (the rows past D read the corner and are not stored). RUNS: the block's rows
    are DB / RUN_L runs of RUN_L consecutive floats of the input (off[db + r·RUN_L + j] =
@@ -135,6 +152,7 @@ int vector_floats(void) { return VW; }
       int64_t ro[DB / RUN_L]; \
       for (int r = 0; r < DB / RUN_L; r++) ro[r] = od[r * RUN_L]; \
       for (int ty = 0; ty < TH; ty++) { \
+        pf_step(pf); \
         const float* row = xp + (int64_t)ty * sh * Wp * C; \
         const float* gt = gi + (int64_t)ty * TW * P + pc; \
         for (int tx = 0; tx < TW; tx++, row += (int64_t)sw * C, gt += P) { \
@@ -151,6 +169,7 @@ int vector_floats(void) { return VW; }
       } \
     } else { \
       for (int ty = 0; ty < TH; ty++) for (int tx = 0; tx < TW; tx++) { \
+        if (tx == 0) pf_step(pf); \
         const float* corner = xp + ((int64_t)ty * sh * Wp + (int64_t)tx * sw) * C; \
         const float* gt = gi + ((int64_t)ty * TW + tx) * P + pc; \
         vf gv[NV]; \
@@ -212,8 +231,8 @@ static float lanes_sum(vf v) {
 
 /* Sample i's ∇_i (D × P, d = (ky, kx, c)) into oi; returns its squared norm. ob: also its bias's
    gradient, the output gradient summed over the positions (P floats), its squared norm added
-   to the return value; NULL: none. */
-static float one_sample(const layer_t* L, int64_t i, float* oi, float* ob) {
+   to the return value; NULL: none. pf: the lines to fetch meanwhile (pf_step), or NULL. */
+static float one_sample(const layer_t* L, int64_t i, float* oi, float* ob, pf_t* pf) {
   const int H = L->H, W = L->W, C = L->C, sh = L->sh, sw = L->sw, TH = L->TH, TW = L->TW, P = L->P;
   const int Wp = W + 2 * L->pw;
   const int64_t D = (int64_t)L->KH * L->KW * C;
@@ -232,15 +251,16 @@ static float one_sample(const layer_t* L, int64_t i, float* oi, float* ob) {
   return lanes_sum(sq) + lanes_sum(bsq);
 }
 
-/* Fetch sample i's input and output gradient into the cache while the sample before is made:
-   they come from memory (mnist-cnn's two convs read 47 MB at B = 1600), in a pattern of
-   strides the hardware's prefetcher does not follow ahead. */
-static void prefetch_sample(const layer_t* L, int64_t i) {
-  const int64_t xs = (int64_t)L->H * L->W * L->C * 4, gs = (int64_t)L->TH * L->TW * L->P * 4;
-  const char* x = (const char*)L->x + i * xs;
-  const char* g = (const char*)L->g + i * gs;
-  for (int64_t k = 0; k < xs; k += 64) __builtin_prefetch(x + k, 0, 3);
-  for (int64_t k = 0; k < gs; k += 64) __builtin_prefetch(g + k, 0, 3);
+/* The lines of sample i's input and output gradient in every layer, for pf_step. */
+static void pf_sample(pf_t* pf, const layer_t* layers, int nl, int64_t i) {
+  pf->r = pf->nr = 0;
+  for (int l = 0; l < nl && pf->nr + 2 <= PF_RANGES; l++) {
+    const layer_t* L = &layers[l];
+    const int64_t xs = (int64_t)L->H * L->W * L->C * 4, gs = (int64_t)L->TH * L->TW * L->P * 4;
+    pf->start[pf->nr] = (const char*)L->x + i * xs; pf->end[pf->nr] = pf->start[pf->nr] + xs; pf->nr++;
+    pf->start[pf->nr] = (const char*)L->g + i * gs; pf->end[pf->nr] = pf->start[pf->nr] + gs; pf->nr++;
+  }
+  pf->at = pf->start[0];
 }
 
 /* Part `part` of `parts` of the samples: out (n, D, P), and norms2 (n) their squared norms.
@@ -253,7 +273,7 @@ void per_sample_conv_grads(const float* x, const float* g, float* out, float* no
                H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P, 0, 0};
   if (i1 <= i0) return;
   prepare(&L);
-  for (int64_t i = i0; i < i1; i++) norms2[i] = one_sample(&L, i, out + i * D * P, NULL);
+  for (int64_t i = i0; i < i1; i++) norms2[i] = one_sample(&L, i, out + i * D * P, NULL, NULL);
 }
 
 /* The clipped sum of `nl` conv layers, their per-sample gradients never leaving this thread's
@@ -280,11 +300,11 @@ void clipped_conv_sums(layer_t* layers, int nl, const float* base2, float* norms
     for (int64_t i = b * bs; i < (b + 1) * bs && i < n; i++) {
       float norm2 = base2[i];
       float* o = buf;
-      if (i + 1 < n)
-        for (int l = 0; l < nl; l++) prefetch_sample(&layers[l], i + 1);
+      pf_t pf;
+      pf_sample(&pf, layers, nl, i + 1 < n ? i + 1 : i);
       for (int l = 0; l < nl; l++) {
         const layer_t* L = &layers[l];
-        norm2 += one_sample(L, i, o, L->bias ? o + (int64_t)L->KH * L->KW * L->C * L->P : NULL);
+        norm2 += one_sample(L, i, o, L->bias ? o + (int64_t)L->KH * L->KW * L->C * L->P : NULL, &pf);
         o += row_floats(L);
       }
       float norm = sqrtf(norm2) * n_scale;
