@@ -187,9 +187,10 @@ class BookKeepingEngine:
         if isinstance(layer, nn.Linear):
             if a.dim() != 2:
                 raise ConfigError("--grad-sample-mode bk: Linear layers need (batch, features) inputs")
-            norms2 += a.pow(2).sum(1) * g.pow(2).sum(1)
+            g2 = g.pow(2).sum(1)  # ‖g_i‖²: the weight's factor and the bias's own norm
+            norms2 += a.pow(2).sum(1) * g2
             if layer.bias is not None:
-                norms2 += g.pow(2).sum(1)
+                norms2 += g2
             return None, None
         n, p, th, tw = g.shape
         per_sample_bias = _add_bias_norms2(norms2, layer, g)

@@ -30,6 +30,16 @@ clipped gradients into a block's partial sum while they are still in cache. Writ
 per-sample gradients are 52 MB for mnist-cnn's second conv at B = 1600, written once and read
 back for the clipped sum: the one pass took mnist-cnn's two convs from 8.9 to 6.4 ms, 2 threads
 (results/perf.md).
+
+What the pass waits on, measured with a C harness on the AVX-512 CPU (mnist-cnn's two convs,
+B = 1600, 1 thread; results/perf.md): its register block runs at about 90 % of the FMA peak on
+samples already in cache (5.9 ms), but the samples come from memory, 47 MB of inputs and output
+gradients, read in strides the hardware's prefetcher does not follow ahead (10.0 ms). The next
+sample's lines are fetched four at a time as each row of positions starts (7.1 ms): spread so,
+not in one burst, which filled the load queue. A block whose rows lie side by side in the input
+reads each run of them through one pointer (conv1's 16 rows spilled their offsets to the stack,
+at half the FMA rate), and its first block sums the bias's gradient from the output gradients it
+loads anyway.
 """
 from __future__ import annotations
 
