@@ -221,6 +221,7 @@ def test_one_pass_leaves_out_a_sample_whose_norm_is_not_finite_only_when_asked()
 
 
 @needs_kernel
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
 def test_the_kernel_refuses_shapes_its_layer_would_not_give():
     """The kernel reads through raw pointers where the layer's geometry says each patch lies: an
     output gradient larger than that geometry gives (a Conv2d subclass with its own forward)
@@ -238,6 +239,11 @@ def test_the_kernel_refuses_shapes_its_layer_would_not_give():
     g8 = torch.zeros(4, 8, *grad.shape[2:]).contiguous(memory_format=torch.channels_last)
     with pytest.raises(ValueError, match="a multiple of 16"):
         conv_kernel.per_sample_grads(narrow, x, g8)
+    # No input channels: no patch to read (the bias's gradient comes from the weight's blocks).
+    empty = nn.Conv2d(0, 16, 3).to(memory_format=torch.channels_last)
+    x0, g0 = torch.zeros(4, 0, 6, 6), torch.zeros(4, 16, 4, 4).contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="is not one it takes"):
+        conv_kernel.clipped_sums([(empty, x0, g0)], torch.zeros(4), 4, 1.0)
 
 
 class _Cropping(nn.Conv2d):
@@ -339,18 +345,26 @@ def test_an_openmp_build_that_does_not_load_gives_way_to_the_build_without(tmp_p
     assert torch.isfinite(conv_kernel.clipped_sums(convs, base2, 40, 20.0, kernel=kernel)[0]).all()
 
 
+RUNS_TARGETS = [("native", ()), *((march, ("WIDE_DB=8", "NARROW_DB=16")) for march in ("x86-64-v4", "x86-64-v3", "x86-64"))]
+
+
 @needs_kernel
-def test_blocks_read_as_runs_give_the_bits_of_rows_read_one_by_one(tmp_path, monkeypatch):
+@pytest.mark.parametrize("march,blocks", RUNS_TARGETS)
+def test_blocks_read_as_runs_give_the_bits_of_rows_read_one_by_one(march, blocks, tmp_path, monkeypatch):
     """The kernel reads a block of rows whose patch entries lie side by side (a kernel row's
     channels, or its columns where there is one channel) through one pointer a run: mnist-cnn's
     two convs, where it does so, give the same norms, factors, sums and per-sample gradients,
-    bit for bit, as the build that reads every row's offset (-D NO_RUNS)."""
+    bit for bit, as the build that reads every row's offset (-D NO_RUNS). Each target this CPU
+    runs, with blocks of 8 and 16 rows where its own blocks are not runs of 8 (AVX2's 6, SSE's 14)."""
+    if march != "native" and (__import__("platform").machine() != "x86_64" or not set(TARGETS[march]) <= _cpu_flags()):
+        pytest.skip(f"this CPU cannot run {march}")
     monkeypatch.setenv("FEDSD_CACHE_DIR", str(tmp_path))
-    fast, plain = conv_kernel.compiled(), conv_kernel.compiled(defines=("NO_RUNS",))
+    fast, plain = conv_kernel.compiled(march, blocks), conv_kernel.compiled(march, (*blocks, "NO_RUNS"))
     convs = [layer_and_gradients(LAYERS["mnist-cnn conv1"], n=70, seed=1),
              layer_and_gradients(LAYERS["mnist-cnn conv2"], n=70, seed=2)]
-    if fast.isa == "avx512":  # the blocks AVX-512 takes: 16 rows × 1 vector (conv1), 8 × 2 (conv2)
-        assert conv_kernel.runs(*convs[0], kernel=fast)[1] and conv_kernel.runs(*convs[1], kernel=fast)[0]
+    if march != "native" or fast.isa == "avx512":  # blocks of 16 rows × 1 vector (conv1), 8 × 2 or × 1 (conv2)
+        assert conv_kernel.runs(*convs[0], kernel=fast)[1] or conv_kernel.runs(*convs[0], kernel=fast)[0]
+        assert conv_kernel.runs(*convs[1], kernel=fast)[0]
     assert conv_kernel.runs(*convs[0], kernel=plain) == conv_kernel.runs(*convs[1], kernel=plain) == (False, False)
     assert not any(conv_kernel.runs(*layer_and_gradients(LAYERS["cifar-cnn conv1"]), kernel=fast))  # 3 channels
     base2 = torch.rand(70)

@@ -151,6 +151,8 @@ static inline void pf_step(pf_t* pf) {
 #ifndef RUN_L
 #  define RUN_L 8
 #endif
+/* A block's rows past D read `off`'s padding (OFF_PADDING entries, Python side). */
+_Static_assert(WIDE_DB <= 64 && NARROW_DB <= 64, "a block of more rows than off's padding");
 #define BLOCK(NV, DB, RUNS) \
   vf bacc[NV]; \
   for (int v = 0; v < NV; v++) bacc[v] = (vf){0}; \
@@ -158,8 +160,8 @@ static inline void pf_step(pf_t* pf) {
     vf acc[DB][NV]; \
     for (int dd = 0; dd < DB; dd++) for (int v = 0; v < NV; v++) acc[dd][v] = (vf){0}; \
     const int64_t* od = off + db; \
-    if ((RUNS) && db + DB <= D) { \
-      int64_t ro[DB / RUN_L]; \
+    if ((DB) % RUN_L == 0 && (RUNS) && db + DB <= D) { \
+      int64_t ro[DB / RUN_L ? DB / RUN_L : 1]; \
       for (int r = 0; r < DB / RUN_L; r++) ro[r] = od[r * RUN_L]; \
       for (int ty = 0; ty < TH; ty++) { \
         pf_step(pf); \
@@ -212,7 +214,7 @@ static int64_t row_floats(const layer_t* L) {
 
 /* Whether every whole block of `db_size` rows is runs of RUN_L consecutive floats (BLOCK). */
 static int blocks_are_runs(const int64_t* off, int64_t D, int db_size) {
-  if (db_size % RUN_L) return 0;
+  if (db_size % RUN_L || D < db_size) return 0;  /* no whole block: none read as runs */
   for (int64_t d = 0; d + 1 < D; d++)
     if ((d + 1) % RUN_L && off[d + 1] != off[d] + 1) return 0;
   return 1;
@@ -270,7 +272,7 @@ static void pf_sample(pf_t* pf, const layer_t* layers, int nl, int64_t i) {
     pf->start[pf->nr] = (const char*)L->x + i * xs; pf->end[pf->nr] = pf->start[pf->nr] + xs; pf->nr++;
     pf->start[pf->nr] = (const char*)L->g + i * gs; pf->end[pf->nr] = pf->start[pf->nr] + gs; pf->nr++;
   }
-  pf->at = pf->start[0];
+  pf->at = pf->nr ? pf->start[0] : NULL;
 }
 
 /* Part `part` of `parts` of the samples: out (n, D, P), and norms2 (n) their squared norms.
@@ -587,7 +589,7 @@ def check_shapes(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> None:
     could give another)."""
     n, c, h, w = a.shape
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = layer.kernel_size, layer.stride, layer.padding, layer.dilation
-    if (min(kh, kw, sh, sw, dh, dw) < 1 or min(ph, pw) < 0 or layer.groups != 1 or layer.padding_mode != "zeros"
+    if (min(kh, kw, sh, sw, dh, dw, c) < 1 or min(ph, pw) < 0 or layer.groups != 1 or layer.padding_mode != "zeros"
             or tuple(layer.weight.shape) != (layer.out_channels, c, kh, kw)
             or max(h + 2 * ph, w + 2 * pw, kh * kw * c * layer.out_channels, (h + 2 * ph) * (w + 2 * pw) * c) >= 2**31):
         raise ValueError(f"conv kernel: the layer {layer} (weight {tuple(layer.weight.shape)}) is not one it takes")

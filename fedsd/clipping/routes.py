@@ -62,7 +62,9 @@ RULE = "isa-flops-2"
 #     ghost norms down to 0.15× the flops (cifar-cnn conv4: 14.6 ms against 19.4 on AVX-512,
 #     25.1 against 36.8 on AVX2, 1 thread; 8.1 against 12.4 and 13.1 against 19.3 at 2): ghost,
 #     about 1.4× the kernel's time there, takes over below about 0.1×. (isa-flops-1 kept the
-#     AVX2 kernel out: built with memcpy loads, it ran at a quarter of its speed, conv_kernel);
+#     AVX2 kernel out: built with memcpy loads, it ran at a sixth of its speed, conv_kernel.)
+#     The AVX2 figures are of the x86-64-v3 build on the AVX-512 CPU; no AVX2-only CPU was at
+#     hand to measure since;
 #   - sse: the kernel and the patches within 15 % of each other (mnist-cnn, 1 thread: 18.8 against
 #     18.9 ms and 20.8 against 17.8): the patches, PyTorch's own code;
 #   - a GPU: bk's flops rule without the kernel (GHOST_FLOPS_LIMIT), not measured beyond it.
