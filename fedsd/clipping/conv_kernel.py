@@ -31,12 +31,12 @@ per-sample gradients are 52 MB for mnist-cnn's second conv at B = 1600, written 
 back for the clipped sum: the one pass took mnist-cnn's two convs from 8.9 to 6.4 ms, 2 threads
 (results/perf.md).
 
-What the pass waits on, measured with a C harness on the AVX-512 CPU (mnist-cnn's two convs,
-B = 1600, 1 thread; results/perf.md): its register block runs at about 90 % of the FMA peak on
-samples already in cache (5.9 ms), but the samples come from memory, 47 MB of inputs and output
-gradients, read in strides the hardware's prefetcher does not follow ahead (10.0 ms). The next
-sample's lines are fetched four at a time as each row of positions starts (7.1 ms): spread so,
-not in one burst, which filled the load queue. A block whose rows lie side by side in the input
+What the pass waits on, measured on the AVX-512 CPU with scripts/conv-kernel-harness.sh
+(mnist-cnn's two convs, 1 thread; results/perf.md): the samples come from memory, 47 MB of
+inputs and output gradients at B = 1600, read in strides the hardware's prefetcher does not
+follow ahead. The pass took 10.7–11.1 ms there against 8.4 on 32 samples kept in cache. The next
+sample's lines are now fetched four at a time as each row of positions starts (6.7–6.8 ms, 6.6 in
+cache, about 3/4 of the core's FMA peak): spread so, not in one burst, which filled the load queue. A block whose rows lie side by side in the input
 reads each run of them through one pointer (conv1's 16 rows spilled their offsets to the stack,
 at half the FMA rate), and its first block sums the bias's gradient from the output gradients it
 loads anyway.
@@ -153,6 +153,12 @@ static inline void pf_step(pf_t* pf) {
 #endif
 /* A block's rows past D read `off`'s padding (OFF_PADDING entries, Python side). */
 _Static_assert(WIDE_DB <= 64 && NARROW_DB <= 64, "a block of more rows than off's padding");
+/* Position t's output gradients of the block's channels (gt) into gv; the first block adds them
+   to the bias's gradient. */
+#define OUTPUT_GRADIENT(NV) \
+  vf gv[NV]; \
+  for (int v = 0; v < NV; v++) gv[v] = ld(gt + VW * v); \
+  if (db == 0) for (int v = 0; v < NV; v++) bacc[v] += gv[v];
 #define BLOCK(NV, DB, RUNS) \
   vf bacc[NV]; \
   for (int v = 0; v < NV; v++) bacc[v] = (vf){0}; \
@@ -168,9 +174,7 @@ _Static_assert(WIDE_DB <= 64 && NARROW_DB <= 64, "a block of more rows than off'
         const float* row = xp + (int64_t)ty * sh * Wp * C; \
         const float* gt = gi + (int64_t)ty * TW * P + pc; \
         for (int tx = 0; tx < TW; tx++, row += (int64_t)sw * C, gt += P) { \
-          vf gv[NV]; \
-          for (int v = 0; v < NV; v++) gv[v] = ld(gt + VW * v); \
-          if (db == 0) for (int v = 0; v < NV; v++) bacc[v] += gv[v]; \
+          OUTPUT_GRADIENT(NV) \
           for (int r = 0; r < DB / RUN_L; r++) { \
             const float* run = row + ro[r]; \
             __asm__("" : "+r"(run)); /* one register a run: GCC would otherwise keep each row's offset */ \
@@ -184,9 +188,7 @@ _Static_assert(WIDE_DB <= 64 && NARROW_DB <= 64, "a block of more rows than off'
         if (tx == 0) pf_step(pf); \
         const float* corner = xp + ((int64_t)ty * sh * Wp + (int64_t)tx * sw) * C; \
         const float* gt = gi + ((int64_t)ty * TW + tx) * P + pc; \
-        vf gv[NV]; \
-        for (int v = 0; v < NV; v++) gv[v] = ld(gt + VW * v); \
-        if (db == 0) for (int v = 0; v < NV; v++) bacc[v] += gv[v]; \
+        OUTPUT_GRADIENT(NV) \
         for (int dd = 0; dd < DB; dd++) { \
           float a = corner[od[dd]]; \
           for (int v = 0; v < NV; v++) acc[dd][v] += a * gv[v]; \
@@ -672,10 +674,12 @@ def clipped_sums(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]], base
     _run_parts(kernel, "sums", (ctypes.addressof(layers), len(convs), base2.data_ptr(), norms2.data_ptr(),
                                 coeff.data_ptr(), n, SUM_BLOCK),
                (float(batch_size), float(max_grad_norm), int(zero_nonfinite), buf.data_ptr(), partial.data_ptr()), parts)
-    total = partial[0].zero_() if not blocks else partial.new_empty(partial.shape[1])
-    if blocks:  # in block order, whatever the threads
+    if blocks:  # in block order, whatever the threads; a thread for each 256 columns at least
+        total = partial.new_empty(partial.shape[1])
         _run_parts(kernel, "block_sum", (partial.data_ptr(), blocks, partial.shape[1], total.data_ptr()), (),
                    max(1, min(torch.get_num_threads(), partial.shape[1] // 256)))
+    else:
+        total = partial[0].zero_()
     pieces = total.split(sizes)
     return norms2, coeff, [(w, b if layer.bias is not None else None)
                            for (layer, _, _), w, b in zip(convs, pieces[::2], pieces[1::2])]

@@ -35,7 +35,7 @@ from torch import nn
 
 from fedsd.clipping import conv_kernel
 from fedsd.files.cache import cache_root
-from fedsd.clipping.bookkeeping import CONV_WAYS, BookKeepingEngine
+from fedsd.clipping.bookkeeping import CONV_WAYS, GHOST_FLOPS_LIMIT, GHOST_FLOPS_LIMIT_WITH_KERNEL, BookKeepingEngine
 from fedsd.clipping import CHANNELS_LAST_EXACT, CLIPPERS
 from fedsd.errors import ConfigError, ModelNotPrivateError
 from fedsd.models.networks import traced_for_hooks
@@ -69,11 +69,11 @@ RULE = "isa-flops-2"
 #     18.9 ms and 20.8 against 17.8): the patches, PyTorch's own code;
 #   - a GPU: bk's flops rule without the kernel (GHOST_FLOPS_LIMIT), not measured beyond it.
 RULES = {
-    "avx512": dict(per_sample="kernel", ghost_below=0.1),
-    "avx2": dict(per_sample="kernel", ghost_below=0.1),
+    "avx512": dict(per_sample="kernel", ghost_below=GHOST_FLOPS_LIMIT_WITH_KERNEL),  # 0.1, bk's own with the kernel
+    "avx2": dict(per_sample="kernel", ghost_below=GHOST_FLOPS_LIMIT_WITH_KERNEL),
     "sse": dict(per_sample="patches", ghost_below=0.5),
     None: dict(per_sample="patches", ghost_below=0.5),
-    "cuda": dict(per_sample="patches", ghost_below=2.0),
+    "cuda": dict(per_sample="patches", ghost_below=GHOST_FLOPS_LIMIT),  # 2.0
 }
 # Where book-keeping cannot take a network (a layer it has no rule for): the first of these
 # that trains it, in the layout it runs in under auto (each clipper's auto_layouts). Ghost
