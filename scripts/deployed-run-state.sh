@@ -1,26 +1,44 @@
 #!/usr/bin/env bash
 # A stopped `python -m fedsd.deployment.deployed_distributed --work W --out O` run, carried to another
-# machine or session: what it resumes from, without what the next start makes again.
+# machine or session: its public record, without what the next start makes again. The owners'
+# private state is not in it: a resume needs W's state folders too, carried outside git.
 #
 #   scripts/deployed-run-state.sh save    W O DIR   # after the run is stopped (kill -TERM its pid)
 #   scripts/deployed-run-state.sh restore W O DIR   # before the same command is run again (as root)
 #
-# DIR/owners/K: owner K's state folder (identity, ledger, admitted plan, its run's train state),
-# without its feature cache (remade at the service's start); DIR/out: the run's folder (the
-# server's checkpoint, records), without the per-round sums (secagg-sum-N.npy, 0.3 MB a round);
-# DIR/rounds.jsonl: the rounds so far. The owners' data is not kept: the command cuts the same
-# shards again from the seed, and each ledger is named by a hash of its data's content: a
-# restore over an owner's folder holding another ledger is refused, and after the first resumed
-# round each owner's folder must still hold the saved ledger alone (`ls W/deployment/nodes/*/state/
-# ledger-*.json`: a second one would be a fresh budget for a different cut).
+# DIR is for the repository (results/runs/...), so save keeps only what the owners would publish:
+# DIR/owners/K: owner K's ledgers (ledger-*.json) and the plans it admitted (*/client-*-plan.json);
+# DIR/roster: the owners' public keys; DIR/out: the run's folder (the server's checkpoint, records),
+# without the per-round sums (secagg-sum-N.npy, 0.3 MB a round); DIR/rounds.jsonl: the rounds so
+# far. An owner's identity key (identity.key), its train state (*/client-K.pt), its kept reply
+# (*-last-reply.pt), its joined rounds and pinned task stay in W: a key in git is anyone's
+# (issue 86), so save refuses a DIR that would hold one. The owners' data is not kept: the command
+# cuts the same shards again from the seed, and each ledger is named by a hash of its data's
+# content: a restore over an owner's folder holding another ledger is refused, and after the first
+# resumed round each owner's folder must still hold the saved ledger alone (`ls W/deployment/nodes/
+# */state/ledger-*.json`: a second one would be a fresh budget for a different cut).
 # Save only a stopped run: a ledger copied before the checkpoint it goes with would undercount.
-# The identities and secret streams in DIR are this experiment's own: they protect nothing
-# beyond it and must not be reused.
 set -euo pipefail
 # copy SRC's contents into DST (made anew when `fresh`), leaving out the given tar patterns
 copy() { src=$1 dst=$2 fresh=$3; shift 3
   [ "$fresh" = fresh ] && rm -rf "$dst"; mkdir -p "$dst"
   tar -C "$src" "${@/#/--exclude=}" -cf - . | tar -C "$dst" -xf -
+}
+IDENTITY=identity.key  # an owner's Ed25519 private key, 32 raw bytes (fedsd.secure.identity)
+# an owner's public files in state folder SRC into DST (made anew): its ledgers and admitted plans
+public() { src=$1 dst=$2
+  rm -rf "$dst"; mkdir -p "$dst"
+  (cd "$src" && find . -maxdepth 2 -type f \( -path './ledger-*.json' -o -path './*/client-*-plan.json' \) -print0) |
+    tar -C "$src" --null -T - -cf - | tar -C "$dst" -xf -
+}
+# refuse (and delete) any private key under the given folders: an identity file, 32 bytes (they
+# load as one), a PEM one
+no_keys() { bad=$(find "$@" -type f \( -name "$IDENTITY" -o -size 32c \) -print
+                  grep -rlE -- '-----BEGIN ([A-Z0-9]+ )*PRIVATE KEY-----' "$@" || true)
+  [ -z "$bad" ] && return 0
+  printf '%s\n' "$bad" | while IFS= read -r f; do rm -f -- "$f"; done
+  echo "$0: a private key was about to be saved in $DIR (deleted; save none in the repository):" >&2
+  printf '  %s\n' "$bad" >&2; exit 1
 }
 usage() { echo "usage: $0 save|restore W O DIR" >&2; exit 2; }
 [ $# -eq 4 ] || usage
@@ -34,10 +52,13 @@ case $action in
     mkdir -p "$DIR/owners" "$DIR/out"
     for state in "$W"/deployment/nodes/*/state; do
       k=$(basename "$(dirname "$state")")
-      copy "$state" "$DIR/owners/$k" fresh data-cache '*.lock'
+      public "$state" "$DIR/owners/$k"
     done
-    copy "$O" "$DIR/out" fresh 'secagg-sum-*.npy'
+    rm -f "$DIR/roster"
+    [ -f "$W/deployment/shared/roster" ] && cp "$W/deployment/shared/roster" "$DIR/roster"
+    copy "$O" "$DIR/out" fresh 'secagg-sum-*.npy' "$IDENTITY" '*.key' '*.pem'
     cp "$W/rounds.jsonl" "$DIR/rounds.jsonl"
+    no_keys "$DIR/owners" "$DIR/out"
     chown -R "$(id -u):$(id -g)" "$DIR"
     echo "saved: $(tail -n 1 "$DIR/rounds.jsonl" | cut -c1-80)"
     ;;
