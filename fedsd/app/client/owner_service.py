@@ -11,6 +11,12 @@ Two ways it runs:
   only forwards each message here and cannot open the data, the state or the budget itself.
   The service answers with its own node config, never one a message brings, checks its peer's
   uid (SO_PEERCRED) on every connection, and reports its version and code hash in every reply.
+  Its connection slots are shared out by that uid: a process holds at most 8 connections, a
+  uid, all its processes together, at most its share of the 128 (128 divided by the uids the
+  service answers: 64 each for the owner and the SuperNode's user), and the whole at most 128;
+  records being read likewise (256 MiB a process, a uid's share of 2 GiB). So one user's
+  processes holding half frames (each given up on after 30 s) never keep another allowed user
+  waiting; past a limit a connection is refused at once, with the reason.
 - **The warm worker** (node config `worker=auto`, the default, with the data named in the
   SuperNode's own node config): started by the node's first message, from the app's code, as
   the SuperNode's user. Flower runs every message in a fresh `flwr-clientapp` process that
@@ -79,10 +85,18 @@ MAX_DEPTH = 8  # nesting of that JSON (the node config is one level below the to
 MAX_RECORDS = 1 << 27  # bytes of a message's records: resnet18's weights are 45 MB
 FRAME_SECONDS = 30.0  # a frame must arrive whole within this long, and a reply be taken within it
 # Connections are never waited for: accepting goes on whatever the open ones do, and one over a
-# limit is refused at once with the reason. A peer (a process, by SO_PEERCRED) holds at most
-# PEER_CONNECTIONS open and PEER_BYTES of records being read or waiting to be answered (a message
-# read whole waits for the answer lock, parsed, in memory), so a peer holding half frames holds
-# only its own slots; MAX_CONNECTIONS and MAX_BYTES bound the service as a whole (its memory).
+# limit is refused at once with the reason. Three levels, each checked on every connection and
+# every message (SO_PEERCRED's pid and uid):
+# - a peer process holds at most PEER_CONNECTIONS open and PEER_BYTES of records being read or
+#   waiting to be answered (a message read whole waits for the answer lock, parsed, in memory);
+# - a peer uid, all its processes together, holds at most its share of the service's limits:
+#   MAX_CONNECTIONS and MAX_BYTES divided by the number of uids the service answers (its own and
+#   each --allow-uid; at least 1 connection each). The shares add up to no more than the whole,
+#   so however many processes one user runs, each other allowed user always has its full share
+#   free: the owner's service with the SuperNode's user allowed gives each of the two 64
+#   connections and 1 GiB; a warm worker, which answers its own user only, gives it all;
+# - MAX_CONNECTIONS and MAX_BYTES bound the service as a whole (its memory).
+# A slot held by half a frame is given up on after FRAME_SECONDS, as any slow frame is.
 PEER_CONNECTIONS = 8
 PEER_BYTES = 1 << 28  # 256 MiB: two messages of the largest size
 MAX_CONNECTIONS = 128
@@ -266,54 +280,81 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
 
 
 class Slots:
-    """What the connections being read hold, by peer and in all (PEER_CONNECTIONS, PEER_BYTES,
-    MAX_CONNECTIONS, MAX_BYTES): taken without waiting, or refused with the reason."""
+    """What the connections being read hold, by peer process, by peer uid and in all
+    (PEER_CONNECTIONS and PEER_BYTES; MAX_CONNECTIONS and MAX_BYTES shared out among the `users`
+    uids the service answers; MAX_CONNECTIONS and MAX_BYTES): taken without waiting, or refused
+    with the reason. A peer is its (pid, uid), as SO_PEERCRED gives them."""
 
-    def __init__(self):
+    def __init__(self, users: int = 1):
+        self.users = max(1, users)  # the uids the service answers: each has a share of the whole
         self.lock = threading.Lock()
         self.connections: dict[int, int] = {}  # peer pid → connections open
         self.bytes: dict[int, int] = {}  # peer pid → bytes of records reserved
+        self.uid_connections: dict[int, int] = {}  # peer uid → connections open
+        self.uid_bytes: dict[int, int] = {}  # peer uid → bytes of records reserved
         self.total_connections = self.total_bytes = 0
 
-    def open(self, peer: int) -> str | None:
-        """A connection from `peer` taken (None), or why not."""
+    def uid_share(self) -> tuple[int, int]:
+        """(connections, bytes) one uid may hold: the service's limits shared out (read when
+        used, so a test's limits apply)."""
+        return max(1, MAX_CONNECTIONS // self.users), MAX_BYTES // self.users
+
+    def open(self, peer: tuple[int, int]) -> str | None:
+        """A connection from `peer` (pid, uid) taken (None), or why not."""
+        pid, uid = peer
+        share = self.uid_share()[0]
         with self.lock:
-            if self.connections.get(peer, 0) >= PEER_CONNECTIONS:
+            if self.connections.get(pid, 0) >= PEER_CONNECTIONS:
                 return f"this process has {PEER_CONNECTIONS} connections open to the service, the most one may have"
+            if share < MAX_CONNECTIONS and self.uid_connections.get(uid, 0) >= share:  # (a lone uid: the whole)
+                return (f"this user has {share} connections open to the service, its share of the "
+                        f"{MAX_CONNECTIONS} among the {self.users} users it answers; try again")
             if self.total_connections >= MAX_CONNECTIONS:
                 return f"the service has {MAX_CONNECTIONS} connections open, the most it reads at once; try again"
-            self.connections[peer] = self.connections.get(peer, 0) + 1
+            self.connections[pid] = self.connections.get(pid, 0) + 1
+            self.uid_connections[uid] = self.uid_connections.get(uid, 0) + 1
             self.total_connections += 1
         return None
 
-    def close(self, peer: int) -> None:
+    def close(self, peer: tuple[int, int]) -> None:
+        pid, uid = peer
         with self.lock:
-            self.connections[peer] -= 1
-            if not self.connections[peer]:
-                del self.connections[peer]
+            _less(self.connections, pid, 1)
+            _less(self.uid_connections, uid, 1)
             self.total_connections -= 1
 
     @contextmanager
-    def reserve(self, peer: int, size: int):
-        """`size` bytes of records to be read for `peer`, held for the block (Refused if they do
-        not fit its share or the service's)."""
+    def reserve(self, peer: tuple[int, int], size: int):
+        """`size` bytes of records to be read for `peer` (pid, uid), held for the block (Refused
+        if they do not fit its share, its user's or the service's)."""
+        pid, uid = peer
+        share = self.uid_share()[1]
         with self.lock:
-            if self.bytes.get(peer, 0) + size > PEER_BYTES:
+            if self.bytes.get(pid, 0) + size > PEER_BYTES:
                 raise Refused(f"records of {size} bytes, over the {PEER_BYTES} this process may have being read or "
                               f"waiting to be answered")
+            if share < MAX_BYTES and self.uid_bytes.get(uid, 0) + size > share:
+                raise Refused(f"records of {size} bytes while this user has {self.uid_bytes.get(uid, 0)} being read "
+                              f"or waiting to be answered, over its share of {share}; try again")
             if self.total_bytes + size > MAX_BYTES:
                 raise Refused(f"records of {size} bytes while the service holds {self.total_bytes} of others, over "
                               f"the {MAX_BYTES} it holds at once; try again")
-            self.bytes[peer] = self.bytes.get(peer, 0) + size
+            self.bytes[pid] = self.bytes.get(pid, 0) + size
+            self.uid_bytes[uid] = self.uid_bytes.get(uid, 0) + size
             self.total_bytes += size
         try:
             yield
         finally:
             with self.lock:
-                self.bytes[peer] -= size
-                if not self.bytes[peer]:
-                    del self.bytes[peer]
+                _less(self.bytes, pid, size)
+                _less(self.uid_bytes, uid, size)
                 self.total_bytes -= size
+
+
+def _less(counts: dict[int, int], key: int, n: int) -> None:
+    counts[key] -= n
+    if not counts[key]:
+        del counts[key]
 
 
 # -- the ClientApp's side ------------------------------------------------------------------------
@@ -488,7 +529,7 @@ class DataService:
         self.closing = False
         self.state_lock = threading.Lock()  # busy / closing: a message is taken, or the worker closes
         self.answer_lock = threading.Lock()  # one message answered at a time
-        self.slots = Slots()
+        self.slots = Slots(len(self.allowed))  # each allowed uid has its share of the connections
         self.held = None  # the owner's service: its lock on its state folder, held for its life
 
     def serve(self) -> None:
@@ -517,16 +558,16 @@ class DataService:
                 log.warning("refused a connection from uid %d, which this service does not answer", uid)
                 conn.close()  # a user this service does not answer: closed without a word
                 continue
-            why = self.slots.open(pid)
+            why = self.slots.open((pid, uid))
             if why is not None:
-                log.warning("refused a connection from pid %d: %s", pid, why)
+                log.warning("refused a connection from pid %d (uid %d): %s", pid, uid, why)
                 conn.setblocking(False)  # a new connection's buffer holds the refusal; never waited on
                 _try_send(conn, {"status": "refused", "error": why})
                 conn.close()
                 continue
-            threading.Thread(target=self._connection, args=(conn, pid), daemon=True).start()
+            threading.Thread(target=self._connection, args=(conn, (pid, uid)), daemon=True).start()
 
-    def _connection(self, conn: socket.socket, peer: int) -> None:
+    def _connection(self, conn: socket.socket, peer: tuple[int, int]) -> None:
         """One connection: read and check its message, then take and answer it, or refuse it."""
         def reserve(size: int):  # held until the connection ends: a message read waits in memory
             held.enter_context(self.slots.reserve(peer, size))
