@@ -34,6 +34,19 @@ class BudgetRefused(UserError, ValueError):
     """A data holder's lifetime budget does not admit what a run asks for; nothing was spent."""
 
 
+class LedgerSpent(BudgetRefused):
+    """What the ledger has spent leaves too little for what a run asks: its message counts what
+    was spent (other federations' runs too), so the owner's service tells the server only
+    "budget" (fedsd.app.client.handler.ledger_refusals)."""
+
+
+class StateRolledBack(UserError, RuntimeError):
+    """An owner's state folder older than the owner's record of what it spent and joined (a
+    restored copy): refused until the owner accepts it (fedsd.privacy.owner_record). The message
+    says what was found, the ε a rollback would spend again and the flag that accepts it; it is
+    for the owner's log, never the server (which is told only "refused: state")."""
+
+
 class DataError(UserError, ValueError):
     """A holder's data that cannot be used; the message names the file and the problem."""
 

@@ -18,6 +18,14 @@
 # resumed round each owner's folder must still hold the saved ledger alone (`ls W/deployment/nodes/
 # */state/ledger-*.json`: a second one would be a fresh budget for a different cut).
 # Save only a stopped run: a ledger copied before the checkpoint it goes with would undercount.
+# restore's file-name check is not the guard against rolling a ledger back: each owner's service
+# keeps a record of what its state folder spent and joined outside it, in the owner's home
+# (W/deployment/nodes/K/home/.local/state/fedsd, fedsd/privacy/owner_record.py), which neither
+# save nor restore touches. Restored over a W whose run went on past DIR's rounds, an owner's folder
+# is older than its record, and its service refuses to start, saying what the folder lacks and the
+# ε charging on from it would spend again; `fedsd data-service --accept-restored-state` accepts it
+# knowingly (the charges added back into its ledger, nothing spent twice). On a fresh W (another
+# machine) there is no record to refuse it: a restore of the whole disk is beyond that defence.
 set -euo pipefail
 # copy SRC's contents into DST (made anew when `fresh`), leaving out the given tar patterns
 copy() { src=$1 dst=$2 fresh=$3; shift 3
@@ -75,6 +83,12 @@ case $action in
       mkdir -p "$state"
       copy "$saved" "$state" keep
       chmod -R go-rwx "$state"  # git keeps no 0600: the service refuses a state file others can read
+      # the owner's record (outside the folder) is left as it is: a folder older than it is refused at start
+      record=$W/deployment/nodes/$k/home/.local/state/fedsd
+      if [ -d "$record" ]; then
+        echo "owner $k: its record in $record stays; its service refuses this folder if it is older" \
+          "(fedsd data-service --accept-restored-state accepts it knowingly)"
+      fi
     done
     mkdir -p "$O"
     copy "$DIR/out" "$O" keep

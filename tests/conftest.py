@@ -11,6 +11,25 @@ warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def owner_records_of_the_session(tmp_path_factory):
+    """The owners' records (fedsd.privacy.owner_record, kept outside their state folders) of these
+    tests, never the user's own state home: for fixtures wider than a test."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("FEDSD_RECORD_DIR", str(tmp_path_factory.mktemp("owner-records")))
+    yield
+    patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def owner_records(tmp_path_factory, monkeypatch):
+    """A folder of owners' records a test: two tests' owners of the same data are two owners,
+    not one whose state folder the other restored."""
+    folder = tmp_path_factory.mktemp("owner-records")
+    monkeypatch.setenv("FEDSD_RECORD_DIR", str(folder))
+    return folder
+
+
 def require(dataset: str):
     """Skip a test whose data set is not on this machine; with FEDSD_REQUIRE_DATA=1 (CI) fail
     instead, so a machine without the data cannot pass on little coverage."""

@@ -158,9 +158,10 @@ def test_a_bad_client_level_plan_is_refused_before_anything_is_drawn(federation,
         context.node_config.update(node)
     flat = {**f.flat, **dn.to_settings(f.plan, ROUNDS)}
     flat = change(flat) if change else flat
-    base, server = up_to_shares(f.contexts, 1, flat)
     before = privacy_files(f.tmp_path)
-    with pytest.raises(service.StageRefused, match=why):
+    with pytest.raises(service.StageRefused, match=why):  # at stage 0 now, where the plan and budget are tried,
+        base, server = up_to_shares(f.contexts, 1, flat)  # or at the masked stage
+        before = privacy_files(f.tmp_path)
         service.masked_reply(masked_message(base, flat, f.arrays, server.shares_for(IDS[0])), f.contexts[IDS[0]])
     assert privacy_files(f.tmp_path) == before
     assert not list(f.tmp_path.glob("state-*/ledger-*.json"))

@@ -9,6 +9,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from fedsd.app.client import handler as local
+from fedsd.app.client.handler import LEDGER_REFUSED
 from fedsd.app.client.client_app import app
 from fedsd.app.records import model_to_record, record_to_model
 from fedsd.data import client_data
@@ -101,7 +102,7 @@ def test_run_asking_more_than_the_owner_allows_is_refused_before_any_step(split,
     assert not ledgers or json.loads(ledgers[0].read_text())["entries"] == []
 
 
-def test_lifetime_budget_spans_experiments(split, tmp_path):
+def test_lifetime_budget_spans_experiments(split, tmp_path, caplog):
     """A fresh experiment id (a fresh accountant) does not reset what the data has spent."""
     node = {"partition-id": 1, "data": str(split / "npz" / "client-1"), "state-dir": str(tmp_path),
             "max-epsilon": 3.0, "max-delta": 1e-5}
@@ -119,7 +120,9 @@ def test_lifetime_budget_spans_experiments(split, tmp_path):
     _, flat2 = run_config(epsilon=2.5, experiment="exp-2")
     reply, _ = send(flat2, node, model, 1)
     assert reply.content["metrics"]["refused"] == 1
-    assert reply.content["refusal"]["reason"].startswith(f"lifetime budget left: {3.0 - spent:.3g} of ε=3")
+    # The server is told "budget" and no figure of the ledger (it counts what other federations spent)
+    assert reply.content["refusal"]["reason"] == LEDGER_REFUSED
+    assert f"lifetime budget left: {3.0 - spent:.3g} of ε=3" in caplog.text  # in full in the owner's log
     # ...and a small run that fits what is left is admitted.
     _, flat3 = run_config(epsilon=0.3, rounds=1, experiment="exp-3")
     reply, _ = send(flat3, node, model, 1)

@@ -261,10 +261,15 @@ def test_a_bad_input_is_refused_before_anything_is_drawn(federation, monkeypatch
         assert "arrays" not in reply and "only inside a secure sum" in reply["refusal"]["reason"]
         assert privacy_files(f.tmp_path) == before
         return
-    else:
+    else:  # refused at the masked stage, or already at stage 0 (where the plan and the budget are tried first)
         kwargs, why = BAD[case]
-        attempt = _refused_at_masked(f, **kwargs)
         before = privacy_files(f.tmp_path)
+        try:
+            attempt = _refused_at_masked(f, **kwargs)
+            before = privacy_files(f.tmp_path)  # the rounds joined at stage 0, before the masked stage's
+        except service.StageRefused as refused:  # at stage 0: nothing joined, nothing written
+            def attempt(refused=refused):
+                raise refused
     with pytest.raises(service.StageRefused, match=why):
         attempt()
     assert privacy_files(f.tmp_path) == before  # the ledgers and every privacy file byte for byte

@@ -77,9 +77,11 @@ def test_a_second_service_on_a_state_folder_in_use_is_refused_at_start(own_npz, 
 
 def test_a_restored_state_folder_draws_new_noise(own_npz, tmp_path):
     """The owner restores a backup of the state folder (or copies it to a second machine) and the
-    server asks round 2 again with the same model: the reply's noise is new, so the difference of
-    the two replies leaves noise of the norm two independent draws have (a replayed keystream
-    would leave about 1e-5 of it)."""
+    server asks round 2 again with the same model: refused while the folder is older than the
+    owner's record (tests/test_restored_state.py); once the owner accepts the restore
+    (--accept-restored-state, its ledger raised to the record), the reply's noise is new, so the
+    difference of the two replies leaves noise of the norm two independent draws have (a
+    replayed keystream would leave about 1e-5 of it)."""
     state, backup = tmp_path / "owner-state", tmp_path / "backup"
     cfg, fed, flat, start = run_of("restored", rounds=2)
     with owner_service(own_npz, tmp_path, state) as (address, _, _):
@@ -88,6 +90,9 @@ def test_a_restored_state_folder_draws_new_noise(own_npz, tmp_path):
         after_first = {"student": record_to_model(first["arrays"])["student"]}
         a = via_service(address, flat, after_first, server_round=2)
         shutil.copytree(backup, state, dirs_exist_ok=True)  # the backup, restored in place
+        refused = via_service(address, flat, after_first, server_round=2)
+    assert refused["metrics"]["skipped"] == 1 and refused["refusal"]["reason"] == "refused: state"
+    with owner_service(own_npz, tmp_path, state, flags=("--accept-restored-state",)) as (address, _, _):
         b = via_service(address, flat, after_first, server_round=2)
     assert [r["metrics"]["skipped"] for r in (first, a, b)] == [0, 0, 0] and "replayed" not in b["metrics"]
     ratio = noise_left(cfg, fed, a, b, after_first)

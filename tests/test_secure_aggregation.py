@@ -91,7 +91,7 @@ def up_to_shares(contexts, server_round, flat=None, flats=None):
 
 def dealt(reply) -> dict:
     return {"shares": secure_sum.read_map(reply["secagg"], "shares"),
-            "commits": secure_sum.read_map(reply["secagg"], "commits")}
+            "commits": secure_sum.read_map(reply["secagg"], "commits"), "dealing": reply["secagg"]["dealing"]}
 
 
 def finish_round(contexts, base, server, nodes=IDS):

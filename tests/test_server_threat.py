@@ -555,10 +555,10 @@ def make(num_classes, channels, image_size):  # 101,770 weights: a reply of 400 
 
 
 @contextmanager
-def owner_service(npz, tmp_path, state, name="owner", more="", wait=True):
+def owner_service(npz, tmp_path, state, name="owner", more="", wait=True, flags=()):
     """The owner's `fedsd data-service` as a real process (secret noise, the default; one network
-    of its own, allowed by name): yields (address, log, process) once it listens, or at once
-    with wait=False; stopped after."""
+    of its own, allowed by name; `flags` on its command line): yields (address, log, process) once
+    it listens, or at once with wait=False; stopped after."""
     import shutil
     import subprocess
     import sys
@@ -575,7 +575,7 @@ def owner_service(npz, tmp_path, state, name="owner", more="", wait=True):
              f"min-evaluation-samples=10 allow-model='owners_wide_net:make' {more}"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-P", "-m", "fedsd.cli.main", "data-service", "--socket", str(address),
-                                 "--node-config", config], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                 "--node-config", config, *flags], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
                                 env={**os.environ, "PYTHONPATH": f"{Path(__file__).resolve().parents[1]}:{site}"})
     deadline = time.monotonic() + 120
     while wait and not address.exists():
@@ -798,8 +798,10 @@ def test_a_state_an_earlier_version_kept_goes_on_with_a_new_key(own_npz, tmp_pat
     old = {k: v for k, v in kept.items() if not k.startswith("secret/")}
     old["rng_state"] = torch.Generator().manual_seed(7).get_state()
     torch.save(old, state_file)
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    replies = [ask(flat2, node(own_npz, tmp_path / m), record_to_model(first["arrays"]), server_round=2) for m in "ab"]
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # to a second machine: its owner's record is its own
+    machine = {"a": {}, "b": {"record-dir": str(tmp_path / "b-machine-records")}}
+    replies = [ask(flat2, node(own_npz, tmp_path / m, **machine[m]), record_to_model(first["arrays"]), server_round=2)
+               for m in "ab"]
     a, b = (record_to_model(r["arrays"])["student"] for r in replies)
     assert any(not torch.equal(a[k], b[k]) for k in a)
     for m in "ab":  # secret draws from now on, and no key on the disk (each call draws its own)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 
+import math
+
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
@@ -80,13 +82,18 @@ def vector_length(arrays: ArrayRecord) -> int:
     return int(sum(int(np.prod(arrays[k].shape)) for k in float_keys(arrays)))
 
 
-def update_vector(old: ArrayRecord, new: ArrayRecord) -> np.ndarray:
-    """new − old over the floating arrays, flattened, in fixed point, as uint64 (mod 2^64)."""
+def update_vector(old: ArrayRecord, new: ArrayRecord, max_norm: float = math.inf) -> np.ndarray:
+    """new − old over the floating arrays, flattened, scaled down to L2 norm `max_norm` where it
+    is above it (the run's public bound on an honest update: fedsd.secure.sum_bound), in fixed
+    point, as uint64 (mod 2^64)."""
     keys = float_keys(old)
     if keys != float_keys(new) or any(old[k].shape != new[k].shape for k in keys):
         raise BadMessage("the update's arrays are not the global model's")
     delta = np.concatenate([(new[k].numpy().astype(np.float64) - old[k].numpy().astype(np.float64)).ravel()
                             for k in keys]) if keys else np.zeros(0)
+    norm = float(np.linalg.norm(delta))
+    if not norm <= max_norm:  # a NaN too: the whole update is left out, not sent as garbage
+        delta = delta * (max_norm / norm) if math.isfinite(norm) and norm > 0 else np.zeros_like(delta)
     return np.round(delta * SCALE).astype(np.int64).view(np.uint64)
 
 

@@ -35,6 +35,7 @@ TOLERANCE = 1e-6  # relative: the same arithmetic in another order
 # A Skellam charge's orders: the integers 2..256, where the ledger proves its bound (fedsd.secure.distributed_noise)
 INTEGER_ORDERS = [a for a in ORDERS if float(a).is_integer() and 2 <= a <= 256]
 SKELLAM = "skellam"  # a ledger entry's mechanism under distributed noise (as the ledger writes it)
+RESTORED = "restored"  # an entry of charges added back from the owner's record (fedsd.privacy.owner_record)
 IDENTITY = "identity.key"  # an owner's Ed25519 private key, 32 raw bytes, in its state folder
 
 
@@ -56,9 +57,15 @@ def read_ledger(path: Path) -> dict:
     """A ledger as plain JSON: its limits and its charges; DataError naming the file otherwise."""
     try:
         state = json.loads(path.read_text())
+        if any(e.get("mechanism") == RESTORED for e in state["entries"]):
+            raise DataError(f"{path}: holds charges its owner's record added back after a restored state folder was "
+                            f"accepted (fedsd data-service --accept-restored-state), as one RDP curve, not charges "
+                            f"this check can recompute; the check fails")
         limits = float(state["max_epsilon"]), float(state["max_delta"])
         entries = [dict(e, noise_multiplier=float(e["noise_multiplier"]), sample_rate=float(e["sample_rate"]),
                         steps=int(e["steps"])) for e in state["entries"]]
+    except DataError:
+        raise
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"{path}: not a readable ledger ({type(e).__name__}: {e}); the check fails") from None
     return dict(max_epsilon=limits[0], max_delta=limits[1], entries=entries)

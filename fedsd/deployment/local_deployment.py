@@ -421,8 +421,10 @@ class LocalDeployment:
         if self.isolation is not None:  # the owner's data service, then its SuperNode as another user
             return self._start_isolated(partition_id, key, data, owner, key_index, max_retries, name)
         node_config = f"{owner} state-dir='{self.work / 'client-state' / str(partition_id)}'"
-        if data is not None:
+        if data is not None:  # its record outside its state folder: this work folder's machine, not the user's home
             node_config += f" data='{data}'"
+            if "record-dir" not in self.node_config[partition_id]:
+                node_config += f" record-dir='{self.work / 'client-records' / str(partition_id)}'"
         if self.node_config[partition_id]:
             node_config += " " + self.node_config[partition_id]
         proc = self._start(name or f"supernode-{partition_id}", self._supernode_cmd(key, self.ca, node_config,
@@ -469,8 +471,10 @@ class LocalDeployment:
         return proc
 
     def _kept_env(self) -> dict:
+        """What a client's processes keep of this one's environment; an owner's record folder is
+        its own, in its home (fedsd.privacy.owner_record), never one FEDSD_RECORD_DIR names here."""
         return {k: v for k, v in self.env.items() if k.startswith(("FLWR_", "FEDSD_", "OMP_", "LANG"))
-                and k != "FLWR_HOME"}
+                and k not in ("FLWR_HOME", "FEDSD_RECORD_DIR")}
 
     def _owner(self, k: int, key: Path, data: Path | None, owner: str) -> tuple[dict, str, dict]:
         """Client k's folders (Isolation.prepare_node), and its owner's node config and

@@ -24,7 +24,7 @@ from opacus.accountants import create_accountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
 
-from fedsd.errors import BudgetError, BudgetRefused, FedsdNote
+from fedsd.errors import BudgetError, BudgetRefused, FedsdNote, LedgerSpent
 
 EPSILON_TOLERANCE = 0.01
 # Rényi orders of every RDP computation here. Opacus' default set stops at 63, and a run whose
@@ -234,7 +234,12 @@ class AccountantHistory:
 
 
 GAUSSIAN, SKELLAM = "subsampled-gaussian", "skellam"  # a ledger entry's mechanism (PrivacyFilter)
-MIXED = "subsampled-gaussian+skellam"  # a ledger file's, once it holds a Skellam entry
+MIXED = "subsampled-gaussian+skellam"  # a ledger file's, once it holds an entry other than a Gaussian one
+# An entry of charges added back from the owner's record after a restored state folder was
+# accepted (fedsd.privacy.owner_record): their RDP curve at RDP_ORDERS, as it is, and how many
+# charges and steps it stands for.
+RESTORED = "restored"
+RESTORED_RUN = "(restored state)"  # its experiment: no experiment id can be written so
 
 
 @functools.lru_cache(maxsize=4096)
@@ -262,6 +267,30 @@ def entry_rdp(noise_multiplier: float, sample_rate: float, steps: int, mechanism
     if mechanism != GAUSSIAN:
         raise BudgetError(f"privacy ledger: an entry of an unknown mechanism {mechanism!r}")
     return _rdp_of_one_step(sample_rate, noise_multiplier) * steps
+
+
+def _ledger_entry_rdp(entry: dict) -> np.ndarray:
+    """A saved ledger entry's RDP at RDP_ORDERS: a restored one's curve as written, else entry_rdp."""
+    if entry.get("mechanism") == RESTORED:
+        curve = np.array([float(x) for x in entry["rdp"]])
+        if curve.shape != (len(RDP_ORDERS),) or np.isnan(curve).any() or (curve < 0).any():
+            raise BudgetError("privacy ledger: a restored entry whose RDP curve is not one at this fedsd's orders")
+        return curve
+    return entry_rdp(entry["noise_multiplier"], entry["sample_rate"], entry["steps"], entry.get("mechanism", GAUSSIAN))
+
+
+def rdp_epsilon(rdp: np.ndarray, delta: float) -> float:
+    """ε at `delta` of an RDP curve at RDP_ORDERS (0 for none spent), converted as Opacus does."""
+    if not np.any(rdp):
+        return 0.0
+    with _largest_order_said_once():
+        eps, _ = get_privacy_spent(orders=RDP_ORDERS, rdp=np.asarray(rdp, dtype=float), delta=delta)
+    return float(eps)
+
+
+def curve_to_json(rdp) -> list:
+    """An RDP curve as JSON holds it: an order without a bound as "inf"."""
+    return [float(x) if math.isfinite(x) else "inf" for x in rdp]
 
 
 class PrivacyFilter:
@@ -293,14 +322,29 @@ class PrivacyFilter:
         """ε at max δ of everything admitted so far, plus `extra` (σ, q, steps[, mechanism])
         entries: their RDP curves added at the orders RDP_ORDERS, fixed in advance (a Skellam
         entry counts at the integer orders only, fedsd.secure.distributed_noise), converted as Opacus does."""
-        parts = [(e["noise_multiplier"], e["sample_rate"], e["steps"], e.get("mechanism", GAUSSIAN))
-                 for e in self.entries] + [tuple(x) for x in extra]
-        if not parts:
+        if not self.entries and not extra:
             return 0.0
-        rdp = sum(entry_rdp(*p) for p in parts)
-        with _largest_order_said_once():
-            eps, _ = get_privacy_spent(orders=RDP_ORDERS, rdp=rdp, delta=self.max_delta)
-        return float(eps)
+        return rdp_epsilon(self.rdp() + sum((entry_rdp(*x) for x in extra), np.zeros(len(RDP_ORDERS))),
+                           self.max_delta)
+
+    def rdp(self) -> np.ndarray:
+        """The RDP curve at RDP_ORDERS of everything admitted (zeros for nothing)."""
+        return sum((_ledger_entry_rdp(e) for e in self.entries), np.zeros(len(RDP_ORDERS)))
+
+    def charges(self) -> int:
+        """How many charges the ledger holds (a restored entry counts the charges it stands for)."""
+        return sum(int(e.get("charges", 1)) for e in self.entries)
+
+    def steps(self) -> int:
+        return sum(int(e["steps"]) for e in self.entries)
+
+    def restore(self, rdp: np.ndarray, charges: int, steps: int) -> None:
+        """Add back charges this ledger lost (a restored copy of its state folder), as one entry
+        of their RDP curve: spent, never admitted again (fedsd.privacy.owner_record)."""
+        from datetime import datetime, timezone
+
+        self.entries.append(dict(mechanism=RESTORED, rdp=curve_to_json(rdp), charges=int(charges), steps=int(steps),
+                                 run=RESTORED_RUN, time=datetime.now(timezone.utc).isoformat(timespec="seconds")))
 
     def check(self, epsilon: float, delta: float, noise_multiplier: float, sample_rate: float, steps: int,
               mechanism: str = GAUSSIAN) -> None:
@@ -318,7 +362,7 @@ class PrivacyFilter:
         """Raise BudgetRefused unless everything so far plus these steps stays within max ε."""
         after = self.epsilon([(noise_multiplier, sample_rate, steps, mechanism)])
         if after > self.max_epsilon * (1 + 1e-9):
-            raise BudgetRefused(f"lifetime budget left: {self.left():.3g} of ε={self.max_epsilon:g}; {request} "
+            raise LedgerSpent(f"lifetime budget left: {self.left():.3g} of ε={self.max_epsilon:g}; {request} "
                                 f"would bring it to ε={after:.3f}")
 
     def left(self) -> float:
@@ -348,7 +392,8 @@ class PrivacyFilter:
         groups: dict[str, list[dict]] = {}
         for e in self.entries:
             groups.setdefault(e.get("run", ""), []).append(e)
-        return [dict(experiment=run, steps=sum(e["steps"] for e in es), charges=len(es),
+        return [dict(experiment=run, steps=sum(e["steps"] for e in es),
+                     charges=sum(int(e.get("charges", 1)) for e in es),
                      first=es[0].get("time"), last=es[-1].get("time"),
                      flower_runs=sorted({e["flower_run"] for e in es if "flower_run" in e}),
                      epsilon=PrivacyFilter(math.inf, self.max_delta, es).epsilon())
@@ -358,7 +403,7 @@ class PrivacyFilter:
         # JSON has no infinity: an unlimited budget is written "inf" (float("inf") reads it back).
         # A ledger with a Skellam entry names both mechanisms: an earlier fedsd, which would count
         # that entry as a Gaussian at every order, refuses to read it rather than under-charge.
-        mechanism = MIXED if any(e.get("mechanism") == SKELLAM for e in self.entries) else GAUSSIAN
+        mechanism = MIXED if any(e.get("mechanism", GAUSSIAN) != GAUSSIAN for e in self.entries) else GAUSSIAN
         return dict(mechanism=mechanism, accountant="rdp",
                     max_epsilon="inf" if self.unlimited else self.max_epsilon,
                     max_delta=self.max_delta, entries=self.entries)

@@ -4,21 +4,24 @@ One Rényi privacy filter (fedsd.privacy.accounting.PrivacyFilter) per data set,
 the client's state folder, `ledger-<fingerprint>.json`, where the fingerprint is a hash of the
 data's content (so a copied or moved data set keeps its ledger). A charge is admitted and
 written under a file lock, so two runs on one machine cannot both take what is left.
-`fedsd ledger --state-dir DIR` reads them back for the owner (fedsd/cli/ledger.py).
+`fedsd ledger --state-dir DIR` reads them back for the owner (fedsd/cli/ledger.py). A node with its
+own data also keeps a record of each ledger outside the folder (fedsd.privacy.owner_record), checked
+and raised in the same locked section as each charge, so that a restored copy of the folder, whose
+ledger is older, is refused rather than charged on from.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 from fedsd.privacy.accounting import PrivacyFilter
 from fedsd.files.atomic import _jsonable
 from fedsd.files.state_folder import StateFolder, state_folder
-from fedsd.errors import DataError, DataNotFoundError
+from fedsd.errors import DataError, DataNotFoundError, StateRolledBack
 
 PREFIX = "ledger-"
 
@@ -51,19 +54,55 @@ def adopt(root: "Path | StateFolder", old: str, new: str) -> None:
 
 
 @contextmanager
-def opened(root: "Path | StateFolder", fingerprint: str, max_epsilon: float, max_delta: float):
+def opened(root: "Path | StateFolder", fingerprint: str, max_epsilon: float, max_delta: float, records=None,
+           accept: bool = False):
     """The filter for this data under the owner's current limits (a lowered limit applies at
     once; what was spent stays spent), locked against other runs on this machine; written back
     when the block ends without an exception. Every file is opened through the state folder's
-    descriptor, never following a link (fedsd.files.state_folder)."""
+    descriptor, never following a link (fedsd.files.state_folder). With the owner's `records`
+    (fedsd.privacy.owner_record.Records): a ledger behind its record raises StateRolledBack before
+    the block (with `accept`, it is raised to the record), and the record is raised to the ledger
+    after it, before the ledger is written."""
     folder = _folder(root)
     name = ledger_name(fingerprint)
     with folder.lock(f"{PREFIX}{fingerprint}.lock"):
         state = folder.read_json(name)
         ledger = (PrivacyFilter.from_state_dict(state, max_epsilon, max_delta) if state is not None
                   else PrivacyFilter(max_epsilon, max_delta))
-        yield ledger
+        with nullcontext() if records is None else records.guard(fingerprint, ledger, folder, accept):
+            yield ledger
         folder.write_atomic(name, (json.dumps(ledger.state_dict(), indent=2, default=_jsonable) + "\n").encode())
+
+
+def peeked(root: "Path | StateFolder", fingerprint: str, max_epsilon: float, max_delta: float) -> PrivacyFilter:
+    """The filter for this data as it stands, read without a lock and never written: for a check
+    of what a charge would do (a round admitted before anyone releases), never for a charge."""
+    state = _folder(root).read_json(ledger_name(fingerprint))
+    return (PrivacyFilter.from_state_dict(state, max_epsilon, max_delta) if state is not None
+            else PrivacyFilter(max_epsilon, max_delta))
+
+
+def fingerprints(root: "Path | StateFolder") -> list[str]:
+    """The data sets the state folder holds a ledger for."""
+    names = os.listdir(_folder(root).fd)
+    return sorted(n[len(PREFIX):-len(".json")] for n in names if n.startswith(PREFIX) and n.endswith(".json"))
+
+
+def check_restored(root: "Path | StateFolder", records, max_epsilon: float, max_delta: float,
+                   accept: bool = False) -> None:
+    """Every ledger in the state folder, and every data set whose record names the folder,
+    against the owner's `records`: StateRolledBack saying each one behind its record; with
+    `accept`, each raised to its record instead (records.accepted says which)."""
+    folder = _folder(root)
+    refused = []
+    for fingerprint in sorted({*fingerprints(folder), *records.tied(folder)}):
+        try:
+            with opened(folder, fingerprint, max_epsilon, max_delta, records, accept):
+                pass
+        except StateRolledBack as e:
+            refused.append(str(e))
+    if refused:
+        raise StateRolledBack("\n".join(refused))
 
 
 @dataclass(frozen=True)
@@ -77,12 +116,15 @@ class LedgerReport:
     left: float
     steps: int
     experiments: list[dict]  # PrivacyFilter.by_experiment()
+    charges: int = 0  # a restored entry counts the charges it stands for
+    rdp: tuple = ()  # the RDP curve at RDP_ORDERS of everything admitted
 
     def to_dict(self) -> dict:
         unlimited = math.isinf(self.max_epsilon)
         return dict(fingerprint=self.fingerprint, path=self.path,
                     max_epsilon="inf" if unlimited else self.max_epsilon, max_delta=self.max_delta,
                     spent_epsilon=self.spent, left_epsilon="inf" if unlimited else self.left, steps=self.steps,
+                    charges=self.charges,
                     sum_of_experiments_epsilon=sum(e["epsilon"] for e in self.experiments),
                     experiments=self.experiments)
 
@@ -101,6 +143,6 @@ def read_all(root: Path) -> list[LedgerReport]:
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{path}: not a readable fedsd ledger ({e})") from None
         reports.append(LedgerReport(path.stem[len(PREFIX):], str(path), ledger.max_epsilon, ledger.max_delta,
-                                    ledger.epsilon(), ledger.left(), sum(e["steps"] for e in ledger.entries),
-                                    ledger.by_experiment()))
+                                    ledger.epsilon(), ledger.left(), ledger.steps(), ledger.by_experiment(),
+                                    ledger.charges(), tuple(float(x) for x in ledger.rdp())))
     return reports

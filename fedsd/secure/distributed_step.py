@@ -64,7 +64,7 @@ def check_plan(trainer: DPTrainer, plan: noise.NoisePlan, least_noise: float = 0
 def contribution(trainer: DPTrainer, state: TrainState | None, student: Weights, epoch: int,
                  plan: noise.NoisePlan, key: bytes | None = None, teacher: Weights | None = None,
                  honest: int | None = None, least_noise: float = 0.0,
-                 pad_to: int = 0) -> tuple[np.ndarray, TrainState, dict]:
+                 pad_to: int = 0, draw_rate: float | None = None) -> tuple[np.ndarray, TrainState, dict]:
     """One client's part of a round: its clipped sum of one Poisson batch at the trainer's
     q, quantised, plus its Skellam share, as uint64; the new state (its draws, its steps, its
     accountant history charged with the round as the mechanism's Gaussian equivalent) and the
@@ -73,7 +73,8 @@ def contribution(trainer: DPTrainer, state: TrainState | None, student: Weights,
     the share (μ / t) whatever the plan assumes. `least_noise`: the client's own calibration's z;
     a plan (from the server) with less is refused before anything is drawn (`check_plan`).
     `pad_to`: the per-sample work covers this many rows whatever the batch drawn
-    (DPTrainer.clipped_sum), so the time taken does not tell the batch."""
+    (DPTrainer.clipped_sum), so the time taken does not tell the batch; `draw_rate`: the rate its
+    records are drawn at, at most the plan's q (the accountant is charged at q either way)."""
     check_plan(trainer, plan, least_noise)
     if honest is not None:
         plan = dataclasses.replace(plan, honest=honest)
@@ -88,7 +89,8 @@ def contribution(trainer: DPTrainer, state: TrainState | None, student: Weights,
         if teacher is not None or trainer.method.self_distilling:
             trainer.load_teacher(teacher if teacher is not None else student)
         started = time.perf_counter()
-        loss, clipped = trainer.clipped_sum(trainer.method.epoch_loss(trainer.cfg, epoch), pad_to=pad_to)
+        loss, clipped = trainer.clipped_sum(trainer.method.epoch_loss(trainer.cfg, epoch), pad_to=pad_to,
+                                            sample_rate=draw_rate)
         vector = noise.encode(clipped.detach().double().cpu().numpy(), plan, noise.generator(key))
     finally:
         trainer._end_draws(state)

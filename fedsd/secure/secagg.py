@@ -167,6 +167,51 @@ def combine_secret(shares: dict[int, bytes], holders: list[int], threshold: int)
                     for i in range(0, len(shares[chosen[0]]), CHUNK))
 
 
+def _combine(points: list[tuple[int, bytes]]) -> bytes:
+    return b"".join(Shamir.combine([(x, share[i:i + CHUNK]) for x, share in points])
+                    for i in range(0, len(points[0][1]), CHUNK))
+
+
+def consistent(shares: dict[int, bytes], holders: list[int], threshold: int) -> bool:
+    """Whether shares (holder → share) lie on one polynomial of degree < t: each share past the
+    first t, put in place of the t-th, rebuilds the same secret. (Two polynomials of degree < t
+    through the same t − 1 points, none at x = 0, differ at 0 wherever they differ at all.) With
+    t shares or fewer there is nothing to compare: True."""
+    position = {h: k + 1 for k, h in enumerate(holders)}
+    points = [(position[h], bytes(shares[h])) for h in sorted(shares)]
+    if len(points) <= threshold:
+        return True
+    base = points[:threshold]
+    secret = _combine(base)
+    return all(_combine(base[:threshold - 1] + [p]) == secret for p in points[threshold:])
+
+
+def verify_blame(evidence: dict, dealer_key: bytes) -> bool:
+    """Whether `evidence` (SecAggServer.blame's) proves its dealer dealt shares of one secret that
+    lie on no one polynomial: its signed dealing (holders, t), each share's commitment signed by
+    the dealer (`dealer_key`, its roster key) and matching the share, and the shares inconsistent.
+    Anyone holding the roster can check it; a share, commitment or order changed fails."""
+    try:
+        rid, dealer, part = bytes.fromhex(evidence["round_id"]), int(evidence["dealer"]), evidence["part"]
+        holders, t = [int(h) for h in evidence["holders"]], int(evidence["threshold"])
+        if part not in ("b", "s") or not 1 <= t <= len(holders) or len(set(holders)) != len(holders):
+            return False
+        if not verify(dealer_key, bytes.fromhex(evidence["dealing"]), _dealing_message(rid, dealer, holders, t)):
+            return False
+        shares = {}
+        for holder, share in evidence["shares"].items():
+            holder, share, commit = int(holder), bytes.fromhex(share), bytes.fromhex(evidence["commits"][holder])
+            if holder not in holders or len(commit) != 64 + SIGNATURE_BYTES or not verify(
+                    dealer_key, commit[64:], _commit_message(rid, dealer, holder, commit[:32], commit[32:64])):
+                return False
+            if _commitment(rid, dealer, holder, part, share) != (commit[:32] if part == "b" else commit[32:64]):
+                return False
+            shares[holder] = share
+        return len(shares) > t and len({len(v) for v in shares.values()}) == 1 and not consistent(shares, holders, t)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return False
+
+
 def identify_message(round_id: bytes, node_id: int) -> bytes:
     """What an owner signs at the identify stage: that it answers for this node in this round
     (an identity key and an id alone are public: a member could tell another owner's)."""
@@ -195,6 +240,14 @@ def _commitment(round_id: bytes, dealer: int, holder: int, what: str, share: byt
 
 def _commit_message(round_id: bytes, dealer: int, holder: int, b_digest: bytes, s_digest: bytes) -> bytes:
     return _info(round_id, "commitments", dealer, holder) + b"|" + bytes(b_digest) + bytes(s_digest)
+
+
+def _dealing_message(round_id: bytes, dealer: int, holders: list[int], threshold: int) -> bytes:
+    """What a dealer signs of its dealing: who holds its shares, in the order that gives each its
+    x (position + 1), and t. With its signed commitments it makes shares that lie on no one
+    polynomial evidence anyone with the roster can check (`verify_blame`): the server cannot
+    frame an honest dealer by listing its holders in another order."""
+    return _info(round_id, "dealing", dealer, threshold, *holders)
 
 
 def _view_message(round_id: bytes, survivors: list[int], dropped: list[int]) -> bytes:
@@ -381,7 +434,8 @@ class SecAggClient:
             hb = _commitment(self.round_id, self.me, j, "b", b_shares[j])
             hs = _commitment(self.round_id, self.me, j, "s", s_shares[j])
             commits[j] = hb + hs + self.identity.sign(_commit_message(self.round_id, self.me, j, hb, hs))
-        return {"shares": out, "commits": commits}
+        dealing = self.identity.sign(_dealing_message(self.round_id, self.me, holders, self.threshold))
+        return {"shares": out, "commits": commits, "dealing": dealing}
 
     def masked_input(self, ciphertexts: object, commits: object, vector: np.ndarray) -> np.ndarray:
         """Stage 2: the shares sent to me (sender id → ciphertext) with their dealers' signed
@@ -507,6 +561,8 @@ class SecAggServer:
         self.commits: dict[int, dict[int, bytes]] = {}  # dealer → holder → signed commitment
         self.masked: dict[int, np.ndarray] = {}
         self.holders: dict[int, list[int]] = {}  # who holds shares of each client's secrets
+        self.dealings: dict[int, bytes] = {}  # dealer → its signature of its holders and t
+        self.answers: dict[int, dict] = {}  # the unmask answers the sum was rebuilt from
         self.culprits: dict[int, str] = {}
         self.bytes_in = self.bytes_out = 0
 
@@ -525,10 +581,20 @@ class SecAggServer:
 
     def collect_shares(self, shares: dict[int, dict[str, dict[int, bytes]]]) -> None:
         """Each dealer's {"shares": holder → ciphertext, "commits": holder → signed commitment}."""
-        self.inbox = {}
-        for sender, dealt in shares.items():
-            self.holders[sender] = sorted(dealt["shares"])
+        self.inbox, shares = {}, dict(shares)
+        for sender, dealt in list(shares.items()):
+            holders = sorted(dealt["shares"])
+            key = self.keys.get(sender, {}).get("v", b"")
+            if not verify(key, bytes(dealt.get("dealing") or b""),
+                          _dealing_message(self.round_id, sender, holders, self.threshold)):
+                # without it, shares on no one polynomial could not be laid at its door: left out
+                self.culprits[sender] = "a dealing (its holders and t) it did not sign"
+                del shares[sender]
+                continue
+            self.holders[sender] = holders
             self.commits[sender] = dict(dealt["commits"])
+            if isinstance(dealt.get("dealing"), bytes):
+                self.dealings[sender] = dealt["dealing"]
             for receiver, ciphertext in dealt["shares"].items():
                 self.inbox.setdefault(receiver, {})[sender] = ciphertext
                 self.bytes_in += len(ciphertext) + len(dealt["commits"].get(receiver, b""))
@@ -565,6 +631,13 @@ class SecAggServer:
         abandon the round. (A dealer whose shares lie on no one polynomial leaves its mask in the
         sum, which the server's bound on an honest sum refuses; checking two sets of t here would
         double the rebuilding, the protocol's largest cost.)"""
+        good = self._good_shares(dealer, part, answers)
+        self._enough(len(good), f"sent a good share of client {dealer}'s {'self mask' if part == 'b' else 'key'}")
+        return combine_secret(good, self.holders[dealer], self.threshold)
+
+    def _good_shares(self, dealer: int, part: str, answers: dict[int, dict]) -> dict[int, bytes]:
+        """The shares of `dealer`'s b or s its holders sent that match its commitments; a holder
+        that sent another share, or one it was not dealt, is named."""
         good, dealt_to = {}, set(self.holders.get(dealer, ()))
         for holder, answer in answers.items():
             if dealer not in answer[part]:
@@ -578,12 +651,34 @@ class SecAggServer:
                 good[holder] = answer[part][dealer]
             else:
                 self.culprits[holder] = f"sent a share of client {dealer}'s {part} other than the one committed to"
-        self._enough(len(good), f"sent a good share of client {dealer}'s {'self mask' if part == 'b' else 'key'}")
-        return combine_secret(good, self.holders[dealer], self.threshold)
+        return good
+
+    def blame(self) -> dict[int, dict]:
+        """After a round whose sum failed the honest bound: each dealer whose committed shares of a
+        secret the sum was rebuilt with lie on no one polynomial (its mask was not removed, and
+        the sum was noise), with the evidence `verify_blame` checks, and named in `culprits`.
+        Run only then: it costs one rebuilding a share past the first t, per dealer. A dealer
+        whose holders sent t good shares or fewer cannot be told apart (nothing to compare)."""
+        found, answers = {}, self.answers
+        for part, dealers in (("b", sorted(self.masked)), ("s", sorted(set(self.holders) - set(self.masked)))):
+            for dealer in dealers:
+                good = self._good_shares(dealer, part, answers)
+                if dealer not in self.dealings or consistent(good, self.holders[dealer], self.threshold):
+                    continue
+                found[dealer] = {"round_id": self.round_id.hex(), "dealer": dealer, "part": part,
+                                 "threshold": self.threshold, "holders": self.holders[dealer],
+                                 "dealing": self.dealings[dealer].hex(),
+                                 "shares": {str(h): v.hex() for h, v in good.items()},
+                                 "commits": {str(h): self.commits[dealer][h].hex() for h in good}}
+                self.culprits[dealer] = (f"dealt shares of its {'self mask' if part == 'b' else 'key'} that lie on no "
+                                         f"one polynomial (its signed commitments and {len(good)} shares, past t = "
+                                         f"{self.threshold}: checkable evidence in secure-aggregation.json)")
+        return found
 
     def finish(self, answers: dict[int, dict]) -> np.ndarray:
         """The sum of the survivors' vectors, from the unmask answers of at least t survivors."""
         self._enough(len(answers), "answered the unmask request")
+        self.answers = answers
         total = np.zeros(self.length, dtype=np.uint64)
         for vector in self.masked.values():
             total += vector

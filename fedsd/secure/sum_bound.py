@@ -20,6 +20,12 @@ most γ·C·b_max + √d (stochastic rounding, one unit a coordinate at most, fr
 √d times the largest coordinate of the noise, P1 − P2 with P1, P2 ~ Poisson(μ/2), each within
 Bernstein's deviation of μ/2 (a loose bound, √(log d) times the noise's typical norm, and proven).
 
+Under local noise the bound takes the run's public numbers only (`public_local_bound`), never
+what a client reports: σ above any honest client's and the steps of the largest client the run
+admits (secagg-max-records). Each owner scales an update above it down to it before the update
+enters the sum (a post-processing of its DP release), so an honest sum never fails the check and a
+member's report cannot loosen it.
+
 TAIL = 1e-9: an honest round is refused once in a billion rounds at most. A member can still send
 any update within the bound (docs/algorithms.md, "What it assumes"); robust aggregation under
 secure aggregation is beyond this check.
@@ -27,6 +33,8 @@ secure aggregation is beyond this check.
 from __future__ import annotations
 
 import math
+
+from fedsd.privacy import accounting
 
 TAIL = 1e-9
 
@@ -61,3 +69,27 @@ def distributed_sum_bound(*, clip_units: float, expected_batch: float, variance:
     half = variance / 2
     coordinate = 2 * (poisson_tail(half, tail / (4 * dim)) - half)  # |P1 − μ/2| + |P2 − μ/2|, both tails
     return clip_units * poisson_tail(expected_batch, tail / 2) + clients * math.sqrt(dim) + math.sqrt(dim) * coordinate
+
+
+def public_noise_multiplier(*, epsilon: float, delta: float, batch_size: int, epochs: int,
+                            accountant: str = "rdp") -> float:
+    """The largest σ an honest client calibrates for `epochs` epochs at (ε, δ), whatever its number
+    of records n ≥ B (a client with fewer is refused): ⌈n/B⌉ steps an epoch at q = B/n. At
+    ⌈n/B⌉ = 2 (q → 1) it is two full-batch Gaussian steps an epoch, √2 times the σ of one (a
+    Gaussian's Rényi divergence adds up over steps: σ² ∝ steps at q = 1); more steps an epoch come
+    with q ≤ 1/2, whose amplification outweighs them (tests/test_secure_aggregation.py checks
+    n from B to 60,000)."""
+    one = accounting.plan(epsilon, delta, batch_size, batch_size, epochs, accountant).noise_multiplier
+    return math.sqrt(2) * one
+
+
+def public_local_bound(cfg, fed, dim: int, tail: float = TAIL) -> float:
+    """The L2 norm of an honest local-noise update of the run `cfg`, `fed` (its training and
+    federation settings), from public numbers only: σ from `public_noise_multiplier` over the
+    run's planned epochs, the steps a round of a client holding secagg-max-records records."""
+    epochs = fed.planned_rounds * fed.local_epochs
+    sigma = public_noise_multiplier(epsilon=cfg.epsilon, delta=cfg.delta, batch_size=cfg.batch_size, epochs=epochs,
+                                    accountant=cfg.accountant)
+    steps = fed.local_epochs * accounting.steps_per_epoch(max(fed.secagg_max_records, cfg.batch_size), cfg.batch_size)
+    return local_update_bound(lr=cfg.lr, clip=cfg.clip, batch_size=cfg.batch_size, noise_multiplier=sigma,
+                              steps=steps, momentum=cfg.momentum, dim=dim, tail=tail)

@@ -75,6 +75,11 @@ class FedConfig:
     secagg_threshold: int = setting(0, "--secure-aggregation: the shares needed to unmask (each client's neighbours); "
                                     "0 = more than two thirds. An owner with secagg-max-colluders f refuses a "
                                     "threshold at or below (neighbours + f) / 2", cli=False)
+    secagg_max_records: int = setting(60_000, "--secure-aggregation with local noise: the most training records a "
+                                      "client is taken to hold when the server bounds an honest update from the "
+                                      "run's public numbers alone (no client's report moves the bound); an owner "
+                                      "scales an update above that bound down to it before it enters the sum",
+                                      cli=False)
     secagg_roster: str = setting("", "--secure-aggregation in a deployment: the server's copy of the owners' roster "
                                  "(public keys); a node whose identity is not on it is left out of every round and "
                                  "named. Each owner checks its own copy; this one only keeps strangers out early",
@@ -131,6 +136,7 @@ class FedConfig:
               self.sample_rate)
         check(math.isfinite(self.update_clip) and self.update_clip > 0, "--update-clip", "must be > 0",
               self.update_clip)
+        check(self.secagg_max_records >= 1, "secagg-max-records", "must be >= 1", self.secagg_max_records)
         check(self.local_steps >= 0, "--local-steps", "must be >= 0 (0: --local-epochs passes)", self.local_steps)
         check(self.local_steps == 0 or self.privacy_unit == "client", "--local-steps", "applies to --privacy-unit "
               "client (record level takes one DP-SGD step, or --local-epochs, a round)", self.local_steps)

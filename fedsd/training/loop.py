@@ -444,7 +444,8 @@ class DPTrainer:
         self._optimizer_step(callbacks, update)
         return loss
 
-    def clipped_sum(self, objective: EpochLoss, pad_to: int = 0) -> tuple[float, torch.Tensor]:
+    def clipped_sum(self, objective: EpochLoss, pad_to: int = 0,
+                    sample_rate: float | None = None) -> tuple[float, torch.Tensor]:
         """One Poisson batch's clipped per-sample gradient sum, flattened, with no noise and no
         update: a client's part of a step whose noise the clients add together
         (fedsd.secure.distributed_step). Draws as `_step` does (the call's secret stream or generator).
@@ -452,11 +453,13 @@ class DPTrainer:
         `pad_to` > 0: the batch is padded with rows of zeros, weighted 0, to `pad_to` rows (a
         larger batch is not cut), so the per-sample work, and the time it takes, is that of
         `pad_to` rows whatever the batch drawn (a deployment's service: its Poisson batch
-        is private). The loss is then the padded batch's, a diagnostic only."""
+        is private). The loss is then the padded batch's, a diagnostic only. `sample_rate`: the
+        rate records are drawn at (at most the plan's, which the accountant charges); None: the plan's."""
+        q = self.plan.sample_rate if sample_rate is None else min(sample_rate, self.plan.sample_rate)
         if self.secret is not None:
-            mask = self.secret.bernoulli(self.num_train, self.plan.sample_rate, self.device)
+            mask = self.secret.bernoulli(self.num_train, q, self.device)
         else:
-            mask = torch.rand(self.num_train, generator=self.generator, device=self.device) < self.plan.sample_rate
+            mask = torch.rand(self.num_train, generator=self.generator, device=self.device) < q
         x, y, weight = self.data.x_train[mask], self.data.y_train[mask], None
         if pad_to > len(y):
             padding = pad_to - len(y)

@@ -39,7 +39,7 @@ import json
 import logging
 import math
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,11 +49,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, Re
 
 from fedsd.data import datasets as data_lib
 from fedsd.privacy import lifetime_ledger as ledgers
+from fedsd.privacy import owner_record
 from fedsd.privacy import accounting as privacy
 from fedsd.training.central import resolve_device
 from fedsd.data.client_data import HolderData, load_holder_data, normalised, task_for
 from fedsd.data.features import inputs
-from fedsd.errors import BudgetExhausted, BudgetRefused, ConfigError, DataError, TrainingDiverged
+from fedsd.errors import (BudgetExhausted, BudgetRefused, ConfigError, DataError, LedgerSpent, StateRolledBack,
+                          TrainingDiverged)
 from fedsd.settings.run import validate
 from fedsd.files.results import save_atomic, write_json
 from fedsd.privacy.secret_random import SecretStream
@@ -356,10 +358,27 @@ def lifetime_ledger(node: NodeConfig, fingerprint: str):
     """The owner's lifetime privacy filter for this data (fedsd.privacy.lifetime_ledger), locked against other
     runs on this machine while a round is admitted and recorded; None for a simulated client
     whose node sets no max-epsilon (the run's ε is its budget). A node with its own data always
-    has one (NodeConfig.require_budget)."""
+    has one (NodeConfig.require_budget), checked against the owner's record outside its state
+    folder before the charge (StateRolledBack where the folder is a restored, older copy) and
+    the record raised with it (fedsd.privacy.owner_record)."""
     if node.max_epsilon is None:
         return nullcontext(None)
-    return ledgers.opened(node.state(), fingerprint, node.max_epsilon, node.max_delta)
+    return ledgers.opened(node.state(), fingerprint, node.max_epsilon, node.max_delta, records=node.records())
+
+
+@contextmanager
+def peeked_ledger(node: NodeConfig, fingerprint: str):
+    """A copy of the owner's lifetime filter for this data, to try a charge on: nothing written
+    (None where the node sets no max-epsilon, as lifetime_ledger)."""
+    yield (None if node.max_epsilon is None else
+           ledgers.peeked(node.state(), fingerprint, node.max_epsilon, node.max_delta))
+
+
+def state_refused(e: StateRolledBack) -> str:
+    """A state folder older than the owner's record: the details in the owner's log, and the
+    server told only that the state refused."""
+    log.error("refused a round: %s", e)
+    return owner_record.SERVER_REASON
 
 
 def node_settings(flat: dict, node_config) -> NodeConfig:
@@ -623,9 +642,11 @@ def carried_state(side: ClientSide, context: Context) -> TrainState | None:
     return state
 
 
-def admit(side: ClientSide, state: TrainState | None, context: Context, base: dict) -> RecordDict | None:
+def admit(side: ClientSide, state: TrainState | None, context: Context, base: dict,
+          dry_run: bool = False) -> RecordDict | None:
     """The reply of a client that may not train this round (a refusal, or a skip when the run's
-    own budget is spent); None when it may, its owner's ledger charged for the round."""
+    own budget is spent); None when it may, its owner's ledger charged for the round (`dry_run`:
+    the same checks on a copy of the ledger, nothing charged or written)."""
     plan, trainer = side.trainer.plan, side.trainer
     epochs = round_epochs(side.server_round, side.fed.local_epochs)
     behind = state_lost(side, state)
@@ -633,7 +654,8 @@ def admit(side: ClientSide, state: TrainState | None, context: Context, base: di
         return refusal({**base, "epsilon": spent_so_far(state, plan)}, behind)
     try:
         trainer.check_budget(state, epochs)  # the run's own plan, before the owner's ledger is charged
-        with lifetime_ledger(side.node, side.fingerprint) as ledger:
+        with (peeked_ledger if dry_run else lifetime_ledger)(side.node, side.fingerprint) as ledger, \
+                ledger_refusals():
             if ledger is not None:
                 if state is None:  # this client's first round of the run: the whole plan must fit
                     ledger.check(plan.epsilon, plan.delta, plan.noise_multiplier, plan.sample_rate, plan.planned_steps)
@@ -642,10 +664,28 @@ def admit(side: ClientSide, state: TrainState | None, context: Context, base: di
                              run=side.fed.experiment_id, flower_run=int(context.run_id), round=side.server_round)
     except BudgetRefused as e:
         return refusal({**base, "epsilon": spent_so_far(state, plan)}, str(e))
+    except StateRolledBack as e:
+        return refusal({**base, "epsilon": spent_so_far(state, plan)}, state_refused(e))
     except BudgetExhausted:
         return RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "refused": 0,
                                                     "epsilon": spent_so_far(state, plan)})})
     return None
+
+
+LEDGER_REFUSED = ("budget: this owner's lifetime ledger does not admit this run (what it holds and what the run "
+                  "asks are in the owner's log)")
+
+
+@contextmanager
+def ledger_refusals():
+    """A refusal for what the owner's lifetime ledger has spent, as the server is told it:
+    "budget", no figure (the ledger counts what other federations spent too); in full in the
+    owner's log. A run asking more than the owner's limits (which its replies publish) says so."""
+    try:
+        yield
+    except LedgerSpent as e:
+        log.warning("refused a round: %s", e)
+        raise BudgetRefused(LEDGER_REFUSED) from None
 
 
 def secret_start() -> TrainState:

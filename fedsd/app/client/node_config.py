@@ -46,6 +46,10 @@ class NodeConfig:
     max_delta: float = setting(1e-5, "the owner's lifetime δ for this data")
     state_dir: str = setting("", "where this client keeps its ledgers, privacy state and prepared data",
                              default_text="FEDSD_CLIENT_STATE_DIR, else ~/.cache/fedsd/client-state")
+    record_dir: str = setting("", "own data: where the owner's record of what its state folder spent and joined is "
+                                  "kept, outside state-dir, so that a restored copy of the folder is refused "
+                                  "(fedsd data-service --accept-restored-state accepts one); not inside state-dir",
+                              default_text="FEDSD_RECORD_DIR, else $XDG_STATE_HOME/fedsd, else ~/.local/state/fedsd")
     data_dir: str = setting("", "where the built-in data sets are (a simulated client's shard)",
                             default_text="FEDSD_DATA_DIR or the usual places")
     download: bool = setting(False, "a shard of a built-in data set: download it with torchvision when this machine "
@@ -124,6 +128,19 @@ class NodeConfig:
         """This client's own folder: privacy state, its lifetime ledgers, its prepared data
         (absolute, resolved once by `parse`)."""
         return Path(self.state_dir)
+
+    def records(self):
+        """The owner's record of what its state folder spent and joined (fedsd.privacy.owner_record),
+        held open, for a node with its own data; None for a simulated client. NodeConfigError
+        where its folder is refused, naming it and why."""
+        if not self.owns_data:
+            return None
+        from fedsd.privacy.owner_record import Records
+
+        try:
+            return Records.open(record_root_of(self.record_dir))
+        except StateFolderError as e:
+            raise NodeConfigError(f"node-config {e}") from None
 
     def state(self, pin: bool = False) -> StateFolder:
         """This client's state folder held open (fedsd.files.state_folder): walked once from `/`
@@ -249,7 +266,11 @@ def parse(node_config: Mapping) -> NodeConfig:
                               "predict this client's noise and subtract it from its update, which leaves the sum of "
                               "clipped gradients of the owner's data unnoised; add trust-server-with-noise=true to "
                               "say the owner accepts that, or leave randomness unset (secret noise)")
-    return dataclasses.replace(node, state_dir=str(state_root_of(node.state_dir)))
+    node = dataclasses.replace(node, state_dir=str(state_root_of(node.state_dir)),  # absolute: the same in a worker
+                               record_dir=str(record_root_of(node.record_dir)) if node.record_dir else "")
+    if node.owns_data:
+        check_record_dir(node)
+    return node
 
 
 # With service=...: what the SuperNode's own node config holds (the rest is the service's).
@@ -262,6 +283,27 @@ def state_root_of(state_dir: str) -> Path:
     root = Path(state_dir or os.environ.get("FEDSD_CLIENT_STATE_DIR")
                 or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fedsd" / "client-state")
     return Path(os.path.abspath(root.expanduser()))
+
+
+RECORD_ENV = "FEDSD_RECORD_DIR"  # the owner's record folder where node-config record-dir is unset
+
+
+def record_root_of(record_dir: str) -> Path:
+    """The owner's record folder as an absolute path: record-dir, else FEDSD_RECORD_DIR, else
+    $XDG_STATE_HOME/fedsd, else ~/.local/state/fedsd (the owner's state home, which a copy of
+    its state folder does not carry)."""
+    xdg = os.environ.get("XDG_STATE_HOME", "")
+    home = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "state"
+    return Path(os.path.abspath(Path(record_dir or os.environ.get(RECORD_ENV) or home / "fedsd").expanduser()))
+
+
+def check_record_dir(node: NodeConfig) -> None:
+    """The record folder may not be the state folder or lie inside it: a copy of the folder would
+    carry the record, and a restore roll both back."""
+    record, state = record_root_of(node.record_dir), node.state_root
+    if record == state or state in record.parents:
+        raise NodeConfigError(f"node-config record-dir={record}: inside state-dir={state}, where a copy of the state "
+                              f"folder would carry it; set record-dir (or {RECORD_ENV}) to a folder outside state-dir")
 
 
 def private_folder(folder: Path) -> Path:

@@ -725,6 +725,10 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
                    help="a user who may send messages besides the service's own (the SuperNode's user)")
     p.add_argument("--watch-pid", type=int, default=None, help="a warm worker: exit when this process does")
     p.add_argument("--idle-seconds", type=float, default=None, help="a warm worker: exit after this long idle")
+    p.add_argument("--accept-restored-state", action="store_true",
+                   help="the owner's service: accept a state folder older than the owner's record outside it (a "
+                        "restored copy, refused at start without this flag, saying by how much): its ledgers are "
+                        "raised to the record, the charges they lack added back, so nothing is spent twice")
 
 
 def owner_pairs(text: str) -> dict:
@@ -776,6 +780,11 @@ def run_service(args: argparse.Namespace) -> int:
             service.held = state.hold(SERVICE_LOCK, "another data service")
         except StateFolderError as e:
             raise NodeConfigError(f"node-config {e}") from None
+        from fedsd.app.client.restored_state import check_on_start
+
+        check_on_start(node, state, accept=args.accept_restored_state)  # a restored, older folder: refused here
+    elif args.accept_restored_state:
+        raise NodeConfigError("--accept-restored-state: the owner's service's flag (with --node-config)")
     service.serve()
     return 0
 

@@ -23,12 +23,11 @@ import json
 import math
 import re
 import time
-from types import SimpleNamespace
 from logging import INFO, WARNING
 from pathlib import Path
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
@@ -40,8 +39,8 @@ from fedsd.secure.secagg import SEED_BYTES, SELF_SEED_BYTES, RoundAbandoned, Sec
 from fedsd.app import secure_sum
 from fedsd.app.records import model_to_record, record_to_model, with_frozen
 from fedsd.app.secure_sum import KEY_FIELDS, BadMessage, read_map, write_map
+from fedsd.app.server.strategy import NoClientCanTrain
 
-from fedsd.app.server.strategy import client_report
 
 
 def _size(content: RecordDict) -> int:
@@ -147,7 +146,10 @@ def _keys(record) -> dict:
 
 
 def _dealt(record) -> dict:
-    return {"shares": read_map(record, "shares"), "commits": read_map(record, "commits")}
+    dealing = record["dealing"]
+    if not isinstance(dealing, bytes):
+        raise BadMessage("a signature of the dealing was expected")
+    return {"shares": read_map(record, "shares"), "commits": read_map(record, "commits"), "dealing": dealing}
 
 
 def _masked(length: int):
@@ -173,12 +175,18 @@ def _unmask_answer(record) -> dict:
     return answer
 
 
-def identify(exchange: Exchange, base: dict, roster: Roster | None, round_id: bytes) -> dict[int, dict]:
+def identify(exchange: Exchange, base: dict, roster: Roster | None, round_id: bytes,
+             barred: dict[int, str] | None = None) -> dict[int, dict]:
     """Before stage 0: each node's protocol id and identity. A node that tells an identity key
     without its signature for this round and node (a member telling another owner's) is left out
     and named by its node; with the server's copy of the roster a node whose key is not on it,
     or whose id is not its key's, is left out and named."""
     told = _parsed(exchange.ask("identify", {c: _stage_record(base) for c in exchange.nodes}), _identity)
+    if roster is None and any(who["v"] for who in told.values()):
+        # Without the server's copy a keyless node could tell an owner's id first and take its place
+        raise ConfigError("secagg-roster: the owners take part under a roster (their nodes told roster identities) "
+                          "but this run has no copy of it; give the server the owners' roster file "
+                          "(--run-config \"secagg-roster='PATH'\")")
     ids, out = {}, {}
     for client, who in told.items():
         node = exchange.nodes[client]
@@ -193,6 +201,9 @@ def identify(exchange: Exchange, base: dict, roster: Roster | None, round_id: by
             log(WARNING, "secure aggregation round %d: left out %s", exchange.server_round,
                 exchange.named[str(who["id"])])
             continue
+        if who["id"] in (barred or {}):  # named with checkable evidence earlier in this run: never again in it
+            exchange.named[str(who["id"])] = barred[who["id"]]
+            continue
         if who["id"] in ids:
             exchange.named[str(who["id"])] = f"nodes {ids[who['id']]} and {node} told one id"
             continue
@@ -201,14 +212,17 @@ def identify(exchange: Exchange, base: dict, roster: Roster | None, round_id: by
     return out
 
 
-def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: RecordDict) -> tuple[np.ndarray, list]:
+def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: RecordDict,
+             evidence: str = "") -> tuple[np.ndarray, list]:
     """The five stages after identify; the sum and the survivors' replies (RoundAbandoned below
     the threshold, or when the shares do not rebuild one secret)."""
     ask = exchange.ask
     # The round's settings go with stage 0 too: each client signs their digest with its keys
     # (fedsd.secure.secagg, stage 0), and its masked input is refused under any other settings.
-    keys = _parsed(ask("advertise", {n: _with_config(_stage_record(base, **server.setup(n)), train["config"])
-                                     for n in server.cohort}), _keys)
+    # `evidence`: the run's spoilers so far, with what proves it: each owner checks it and refuses them
+    extra = {"evidence": evidence} if evidence else {}
+    keys = _parsed(ask("advertise", {n: _with_config(_stage_record(base, **server.setup(n), **extra),
+                                                     train["config"]) for n in server.cohort}), _keys)
     server.collect_keys(keys)
     requests = {}
     for n in keys:
@@ -221,7 +235,12 @@ def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: Record
         requests[n] = _map_record(base, {"arrays": train["arrays"], "config": train["config"]},
                                   shares=shares["ciphertexts"], commits=shares["commits"])
     replies = ask("masked", requests)
-    server.collect_masked(_parsed(replies, _masked(server.length)))
+    # A masked input without its metrics record (or one that does not parse) is left out: that
+    # client counts as dropped, its masks are removed as a dropout's, the round goes on.
+    masked = {n: v for n, v in _parsed(replies, _masked(server.length)).items() if reported(replies[n]) is not None}
+    for n in set(replies) - set(masked):
+        exchange.stages["masked"]["failed"].setdefault(str(n), "a masked input without a metrics record")
+    server.collect_masked(masked)
     signatures = _parsed(ask("confirm", {n: _stage_record(base, **server.unmask_request(n)) for n in server.masked}),
                          _signature)
     routed = server.route_confirmations(signatures)
@@ -231,16 +250,60 @@ def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: Record
     return total, [replies[n] for n in sorted(server.masked)]
 
 
-def local_noise_bound(cfg, replies: list[RecordDict], dim: int) -> float:
-    """The L2 norm the mean of the survivors' honest updates stays below (fedsd.secure.sum_bound), from
-    the run's settings and the median of the noise multipliers and step counts the survivors
-    reported (a minority cannot move it outside the honest ones' range)."""
-    reports = [client_report(SimpleNamespace(content=c)) for c in replies]
-    sigma = float(np.median([float(r.get("noise-multiplier", 0.0)) for r in reports]))
-    steps = int(np.median([int(r.get("steps", 1)) for r in reports]))
-    return sum_bound.local_update_bound(lr=cfg.lr, clip=cfg.clip, batch_size=cfg.batch_size, noise_multiplier=sigma,
-                                        steps=steps, momentum=cfg.momentum, dim=dim) + \
-        math.sqrt(dim) / secure_sum.SCALE  # each update's fixed-point rounding, half a unit a coordinate
+REFUSED = "secure aggregation refused: "
+
+
+def refusals(exchange: Exchange, stage: str = "") -> dict[str, int]:
+    """The owners' refusals in a round (of one stage, or all), each distinct reason with the
+    number of owners that gave it (what a node's service refused with, as its error reply says)."""
+    counts: dict[str, int] = {}
+    for name, record in exchange.stages.items():
+        if stage and name != stage:
+            continue
+        for why in record["failed"].values():
+            if REFUSED in why:
+                reason = why.split(REFUSED, 1)[1]
+                counts[reason] = counts.get(reason, 0) + 1
+    return counts
+
+
+def cannot_go_on(server_round: int, record: dict, exchange: Exchange) -> str:
+    """Why the run stops after an abandoned round ("" where it goes on): owners refused it at
+    stage 0, where the plan and their budgets are tried, and too few were left for the threshold.
+    In round 1 whatever they said (the next round asks the same of the same owners, and the run
+    would release its initial model); later only for budget refusals, which no later round
+    changes, so going on would abandon every round."""
+    refused = refusals(exchange, "advertise")
+    cohort, threshold = record.get("cohort", []), record.get("threshold", 1)
+    if not record.get("abandoned") or not refused or len(cohort) - sum(refused.values()) >= threshold:
+        return ""
+    if server_round > 1 and not all("budget" in reason for reason in refused):
+        return ""
+    return (f"round {server_round}: {sum(refused.values())} of {len(cohort)} owners refused the round before anyone "
+            f"released, leaving fewer than the threshold of {threshold}, so the run stops: "
+            + "; ".join(f"{count} refused: {reason}" for reason, count in refused.items()))
+
+
+def local_noise_bound(cfg, fed, dim: int) -> float:
+    """The L2 norm the mean of the survivors' local-noise updates stays below: the run's public
+    bound on one honest update (fedsd.secure.sum_bound.public_local_bound, which every owner scales
+    its update down to) plus each update's fixed-point rounding, half a unit a coordinate. No
+    client's report enters it: a member cannot loosen it."""
+    return sum_bound.public_local_bound(cfg, fed, dim) + math.sqrt(dim) / secure_sum.SCALE
+
+
+def reported(content: RecordDict) -> dict | None:
+    """A masked reply's metrics record as plain numbers, or None where it has none or one that
+    does not parse (that client is then left out like one that did not answer)."""
+    metrics = content.get("metrics") if "metrics" in content else None
+    if not isinstance(metrics, MetricRecord):
+        return None
+    out = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str) or isinstance(value, (list, bool)) or not isinstance(value, (int, float)):
+            return None
+        out[key] = value
+    return out
 
 
 def distributed_plan(cfg, fed, num_classes: int):
@@ -302,6 +365,8 @@ class SecureRounds:
         self.roster = read_roster(launch.fed.secagg_roster) if launch.fed.secagg_roster else None
         self.out = Path(launch.out) if launch.out is not None else None
         self.records: list[dict] = []
+        self.barred: dict[int, str] = {}  # protocol id → the round it spoiled, with checkable evidence
+        self.evidence: list[dict] = []  # what proves it, sent to every owner at each later advertise
 
     def run(self, arrays: ArrayRecord) -> ArrayRecord:
         fed = self.launch.fed
@@ -333,7 +398,7 @@ class SecureRounds:
         record = dict(round=server_round)
         try:
             rid = secure_sum.round_id(self.grid.run.run_id, experiment, server_round)
-            identities = identify(exchange, base, self.roster, rid)
+            identities = identify(exchange, base, self.roster, rid, self.barred)
             cohort = sorted(exchange.nodes)
             plain = sorted(exchange.nodes[c] for c, who in identities.items() if not who["authenticated"])
             n = len(cohort)
@@ -348,16 +413,22 @@ class SecureRounds:
             train = RecordDict({"arrays": arrays, "config": ConfigRecord({**self.side.strategy.settings, **base,
                                                                           **plan})})
             try:
-                total, replies = protocol(exchange, server, base, train)
+                total, replies = protocol(exchange, server, base, train, json.dumps(self.evidence) if self.evidence
+                                          else "")
             finally:
                 exchange.named.update({str(k): v for k, v in server.culprits.items()})
+            try:
+                checked = self._checked(arrays, total, server, server_round)
+            except RoundAbandoned:
+                self._blame(server, record, server_round)
+                exchange.named.update({str(k): v for k, v in server.culprits.items()})
+                raise
             if self.distributed:
-                arrays, applied = self._step(arrays, total, len(server.masked), server, server_round)
+                arrays, applied = checked
                 record.update(applied)
                 self._reports(server_round, replies, sorted(server.masked))
             else:
-                record.update(zip(("mean_update_norm", "honest_bound"), self._check_sum(total, len(server.masked),
-                                                                                         replies, server)))
+                record.update(zip(("mean_update_norm", "honest_bound"), checked))
                 arrays = secure_sum.apply_sum(arrays, total, len(server.masked))
                 self._reports(server_round, replies)
             record.update(survivors=sorted(server.masked), abandoned=None)
@@ -366,6 +437,8 @@ class SecureRounds:
         except RoundAbandoned as e:
             log(WARNING, "secure aggregation round %d abandoned: %s", server_round, e)
             record.update(survivors=[], abandoned=str(e))
+            for reason, count in refusals(exchange).items():  # each distinct reason once, with its count
+                log(WARNING, "secure aggregation round %d: %d client(s) refused: %s", server_round, count, reason)
         record.update(culprits=exchange.named, stages=exchange.stages, seconds=time.perf_counter() - started,
                       bytes_sent=sum(s["bytes_sent"] for s in exchange.stages.values()),
                       bytes_received=sum(s["bytes_received"] for s in exchange.stages.values()))
@@ -377,7 +450,31 @@ class SecureRounds:
         self.records.append(record)
         if self.out is not None:
             (self.out / "secure-aggregation.json").write_text(json.dumps(self.records, indent=1))
+        stop = cannot_go_on(server_round, record, exchange)
+        if stop:
+            raise NoClientCanTrain(stop)
         return arrays
+
+    def _checked(self, arrays, total, server: SecAggServer, server_round: int) -> tuple:
+        """The round's sum checked against the bound on an honest one: under distributed noise the
+        stepped model and what was applied, else the mean update's norm and its bound
+        (RoundAbandoned where it fails)."""
+        if self.distributed:
+            return self._step(arrays, total, len(server.masked), server, server_round)
+        return self._check_sum(total, len(server.masked), server)
+
+    def _blame(self, server: SecAggServer, record: dict, server_round: int) -> None:
+        """A sum that failed the bound: each dealer whose shares rebuild no one secret, named with
+        its evidence (fedsd.secure.secagg.verify_blame checks it) in the round's record, and left
+        out of every later round of this run, so that honest owners pay for one such round at
+        most per member. An input outside the bound is not found so (docs/algorithms.md)."""
+        evidence = {dealer: {**item, "round": server_round} for dealer, item in server.blame().items()}
+        if evidence:
+            record["evidence"] = {str(k): v for k, v in evidence.items()}
+            self.evidence.extend(evidence.values())
+            for dealer in evidence:
+                self.barred[dealer] = (f"spoiled round {server_round} (shares on no one polynomial, evidence in "
+                                       f"secure-aggregation.json): left out of the rest of the run")
 
     def _step(self, arrays: ArrayRecord, total: np.ndarray, count: int, server: SecAggServer,
               server_round: int) -> tuple[ArrayRecord, dict]:
@@ -406,11 +503,12 @@ class SecureRounds:
             applied["record_epsilon"] = client_level.record_epsilon(plan, server_round, self.side.cfg.delta)
         return model_to_record(model), applied
 
-    def _check_sum(self, total: np.ndarray, count: int, replies: list[RecordDict], server: SecAggServer) -> tuple:
+    def _check_sum(self, total: np.ndarray, count: int, server: SecAggServer) -> tuple:
         """A decoded sum outside what the round's clients could have sent honestly is refused:
-        nothing applied (fedsd.secure.sum_bound)."""
+        nothing applied (fedsd.secure.sum_bound: every owner scales its update down to the bound,
+        so an honest round never fails it)."""
         mean = total.view(np.int64).astype(np.float64) / secure_sum.SCALE / max(count, 1)
-        bound = local_noise_bound(self.side.cfg, replies, len(total))
+        bound = local_noise_bound(self.side.cfg, self.launch.fed, len(total))
         norm = float(np.linalg.norm(mean))
         if not norm <= bound:
             raise RoundAbandoned(f"secure aggregation: the survivors' mean update has norm {norm:.4g}, above the "
@@ -423,7 +521,7 @@ class SecureRounds:
         reply names no partition (only ε), by its protocol id (`ids`, in the replies' order)."""
         strategy = self.side.strategy
         for k, content in enumerate(replies):
-            report = client_report(SimpleNamespace(content=content))
+            report = reported(content) or {}  # protocol() left out a masked input without one
             pid = int(report.get("partition-id", -1)) if ids is None else ids[k]
             strategy.round_clients.setdefault(server_round, {})[pid] = report
             if "epsilon" in report:
