@@ -123,7 +123,7 @@ def test_owners_under_a_roster_need_the_servers_copy_at_identify(monkeypatch):
 
 
 # -- a spoiler's shares ----------------------------------------------------------------------------
-def _spoiled_round(monkeypatch, n: int = 5, spoil: bool = True):
+def _spoiled_round(monkeypatch, n: int = 5, spoil: bool = True, deal=None):
     """A round of n roster members in which the first deals shares of its self mask that are
     random bytes, each correctly encrypted, committed and signed (its own code, as a member's)."""
     from fedsd.secure import secagg
@@ -142,32 +142,38 @@ def _spoiled_round(monkeypatch, n: int = 5, spoil: bool = True):
     dealt = {}
     for i, c in clients.items():
         if spoil and i == spoiler:  # b's shares (its first split) random: they rebuild no one secret
-            calls = iter([lambda s, t, h: {j: bytes(rng.integers(0, 256, len(s), dtype=np.uint8)) for j in h}, real])
+            random = lambda s, t, h: {j: bytes(rng.integers(0, 256, len(s), dtype=np.uint8)) for j in h}  # noqa: E731
+            calls = iter([deal or random, real])
             monkeypatch.setattr(secagg, "split_secret", lambda s, t, h: next(calls)(s, t, h))
         dealt[i] = c.share_keys(server.keys_for(i))
         monkeypatch.setattr(secagg, "split_secret", real)
     server.collect_shares(dealt)
     server.collect_masked({i: c.masked_input(*server.shares_for(i).values(), xs[i]) for i, c in clients.items()})
     signatures = server.route_confirmations({i: c.confirm(**server.unmask_request(i)) for i, c in clients.items()})
-    total = server.finish({i: c.unmask(signatures[i]) for i, c in clients.items()})
-    return server, total, xs, spoiler, {i.id: i.public for i in identities}
+    answers = {i: c.unmask(signatures[i]) for i, c in clients.items()}
+    server.test_answers = answers
+    if not spoil:
+        return server, server.finish(answers), xs, spoiler, {i.id: i.public for i in identities}
+    with pytest.raises(secagg.RoundAbandoned, match="rebuild secrets other than those they signed") as abandoned:
+        server.finish(answers)
+    assert spoiler in abandoned.value.culprits
+    return server, None, xs, spoiler, {i.id: i.public for i in identities}
 
 
-def test_a_dealer_whose_shares_rebuild_no_one_secret_is_named_with_evidence_anyone_can_check(monkeypatch):
+def test_a_dealer_whose_shares_rebuild_another_secret_is_named_with_evidence_anyone_can_check(monkeypatch):
     """928191a: random shares, correctly encrypted and committed, left the dealer's self mask in
     the sum; the decoded sum failed the bound, the round was abandoned, nobody was named, and each
-    honest owner had paid for it. After such a round the server finds the dealer from the shares
-    past t (they lie on no one polynomial) and names it, with its signed dealing, its signed
-    commitments and the shares: evidence anyone holding the roster checks, which no change to a
-    share, a commitment or the holders' order survives."""
+    honest owner had paid for it. Each dealer now signs its seed's digest (and its s key) with its
+    holders and t; the t shares the server rebuilds from give another seed, and the dealer is named
+    with its signed dealing, its signed commitments and the shares: evidence anyone holding the
+    roster checks, which no change to a share, a commitment, the holders' order or t survives."""
     import copy
 
     from fedsd.secure.secagg import verify_blame
 
-    server, total, xs, spoiler, keys = _spoiled_round(monkeypatch)
-    assert not np.array_equal(total, sum(xs.values()))  # the sum is spoiled
-    evidence = server.blame()
-    assert set(evidence) == {spoiler} and "no one polynomial" in server.culprits[spoiler]
+    server, _, xs, spoiler, keys = _spoiled_round(monkeypatch)
+    evidence = server.evidence
+    assert set(evidence) == {spoiler} and "other than the one it signed" in server.culprits[spoiler]
     assert verify_blame(evidence[spoiler], keys[spoiler])
     assert not verify_blame(evidence[spoiler], keys[sorted(keys)[1]])  # another member's key: not its evidence
     for change in ("share", "commit", "order", "threshold"):
@@ -180,24 +186,44 @@ def test_a_dealer_whose_shares_rebuild_no_one_secret_is_named_with_evidence_anyo
         elif change == "order":
             forged["holders"] = forged["holders"][::-1]
         else:
-            forged["threshold"] += 1
+            forged["threshold"] -= 1
         assert not verify_blame(forged, keys[spoiler]), change
+
+
+def test_a_dealer_with_a_consistent_sharing_of_another_secret_is_named_too(monkeypatch):
+    """A review: shares on one polynomial, of another secret than the seed it masked with, passed
+    every check of a first fix (shares past t compared with each other) and were never named."""
+    import os
+
+    from fedsd.secure import secagg
+
+    real = secagg.split_secret
+    server, _, _, spoiler, keys = _spoiled_round(monkeypatch, deal=lambda s, t, h: real(os.urandom(len(s)), t, h))
+    assert set(server.evidence) == {spoiler} and secagg.verify_blame(server.evidence[spoiler], keys[spoiler])
 
 
 def test_an_honest_round_names_no_dealer_and_a_framed_one_fails_the_check(monkeypatch):
     from fedsd.secure.secagg import verify_blame
 
     server, total, xs, dealer, keys = _spoiled_round(monkeypatch, spoil=False)
-    assert np.array_equal(total, sum(xs.values())) and server.blame() == {} and not server.culprits
-    # A server that frames an honest dealer: its real shares, its real signatures, holders re-ordered
-    good = server._good_shares(dealer, "b", server.answers)
+    assert np.array_equal(total, sum(xs.values())) and server.evidence == {} and not server.culprits
+    # A server that frames an honest dealer with its real shares and signatures, holders re-ordered
+    answers = {h: {"b": {dealer: share}} for h, share in _honest_shares(server, dealer).items()}
+    good = server._good_shares(dealer, "b", answers)
+    chosen = {h: good[h] for h in sorted(good)[:server.threshold]}
     framed = {"round_id": server.round_id.hex(), "dealer": dealer, "part": "b", "threshold": server.threshold,
-              "holders": server.holders[dealer][::-1], "dealing": server.dealings[dealer].hex(),
-              "shares": {str(h): v.hex() for h, v in good.items()},
-              "commits": {str(h): server.commits[dealer][h].hex() for h in good}}
+              "holders": server.holders[dealer][::-1], "dealing": server.dealings[dealer][0].hex(),
+              "seed_digest": server.dealings[dealer][1].hex(), "s_public": bytes(server.keys[dealer]["s"]).hex(),
+              "shares": {str(h): v.hex() for h, v in chosen.items()},
+              "commits": {str(h): server.commits[dealer][h].hex() for h in chosen}}
     assert not verify_blame(framed, keys[dealer])
     framed["holders"] = server.holders[dealer]
-    assert not verify_blame(framed, keys[dealer])  # its true order: the shares are consistent
+    assert not verify_blame(framed, keys[dealer])  # its true order: the shares rebuild the signed seed
+
+
+def _honest_shares(server, dealer) -> dict:
+    """The dealer's b shares as its holders revealed them (the round's unmask answers, kept by the test)."""
+    return {h: answer["b"][dealer] for h, answer in server.test_answers.items() if dealer in answer["b"]}
 
 
 def test_a_dealer_that_does_not_sign_its_dealing_is_left_out_and_named():
@@ -265,7 +291,7 @@ def four_owners(tmp_path, monkeypatch):
 def test_a_spoiler_is_named_in_the_round_record_and_left_out_of_the_rest_of_the_run(four_owners, tmp_path,
                                                                                      monkeypatch):
     """One owner's service deals random shares of its self mask (each encrypted, committed and
-    signed): round 1's sum fails the bound, is abandoned, and the dealer is named in the round's
+    signed): round 1 is abandoned before its sum is applied, and the dealer is named in the round's
     record with evidence that checks against its roster key; in round 2 it is left out at identify,
     and the three honest owners' round is summed: they paid for one spoiled round, not one a round."""
     import json
@@ -298,9 +324,9 @@ def test_a_spoiler_is_named_in_the_round_record_and_left_out_of_the_rest_of_the_
     rounds = SecureRounds(_Grid(m.contexts, lambda kind, node, reply: reply), side, launch)
     moved = rounds.one_round(1, m.arrays)
     first = rounds.records[0]
-    assert "above the" in first["abandoned"] and set(first["evidence"]) == {str(spoiler)}, first
+    assert "other than those they signed" in first["abandoned"] and set(first["evidence"]) == {str(spoiler)}, first
     assert secagg.verify_blame(first["evidence"][str(spoiler)], m.roster.key(spoiler))
-    assert "no one polynomial" in first["culprits"][str(spoiler)]
+    assert "other than the one it signed" in first["culprits"][str(spoiler)]
     saved = json.loads((tmp_path / "secure-aggregation.json").read_text())[0]["evidence"][str(spoiler)]
     assert secagg.verify_blame(saved, m.roster.key(spoiler))  # as a reader of the file checks it
     rounds.one_round(2, moved)

@@ -91,7 +91,8 @@ def up_to_shares(contexts, server_round, flat=None, flats=None):
 
 def dealt(reply) -> dict:
     return {"shares": secure_sum.read_map(reply["secagg"], "shares"),
-            "commits": secure_sum.read_map(reply["secagg"], "commits"), "dealing": reply["secagg"]["dealing"]}
+            "commits": secure_sum.read_map(reply["secagg"], "commits"), "dealing": reply["secagg"]["dealing"],
+            "digest": reply["secagg"]["digest"]}
 
 
 def finish_round(contexts, base, server, nodes=IDS):

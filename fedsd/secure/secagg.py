@@ -19,7 +19,9 @@ graph is the 2017 protocol. The stages, as the papers number their rounds:
      self-mask seed b (16 bytes from the operating system), splits b and its secret s key t-of-k
      with Shamir's scheme, and sends each neighbour its two shares, encrypted with AES-GCM under
      a key HKDF derives from X25519(c_i, c_j), bound to the round and to both ids, with a signed
-     commitment (SHA-256) to each share.
+     commitment (SHA-256) to each share, and signs its dealing: its holders in order, t, b's
+     SHA-256 and its s key's public half (fedsd's addition: t shares that rebuild another secret
+     are then evidence against their dealer, `verify_blame`).
   2. Masked input (`masked_input`): given the ciphertexts and commitments addressed to it, it
      checks each share against its dealer's commitment and sends y = x + PRG(HKDF(b)) +
      Σ_j ±PRG(s_ij) mod 2^64 over the neighbours j that sent it shares; s_ij = HKDF(X25519(s_i,
@@ -167,47 +169,49 @@ def combine_secret(shares: dict[int, bytes], holders: list[int], threshold: int)
                     for i in range(0, len(shares[chosen[0]]), CHUNK))
 
 
-def _combine(points: list[tuple[int, bytes]]) -> bytes:
-    return b"".join(Shamir.combine([(x, share[i:i + CHUNK]) for x, share in points])
-                    for i in range(0, len(points[0][1]), CHUNK))
+def seed_digest(round_id: bytes, dealer: int, seed: bytes) -> bytes:
+    """SHA-256 of a dealer's self-mask seed b, bound to the round and the dealer: what its signed
+    dealing commits b to (b has 128 bits of entropy; its digest tells the server nothing of it)."""
+    return hashlib.sha256(_info(round_id, "self-seed", dealer) + bytes(seed)).digest()
 
 
-def consistent(shares: dict[int, bytes], holders: list[int], threshold: int) -> bool:
-    """Whether shares (holder → share) lie on one polynomial of degree < t: each share past the
-    first t, put in place of the t-th, rebuilds the same secret. (Two polynomials of degree < t
-    through the same t − 1 points, none at x = 0, differ at 0 wherever they differ at all.) With
-    t shares or fewer there is nothing to compare: True."""
-    position = {h: k + 1 for k, h in enumerate(holders)}
-    points = [(position[h], bytes(shares[h])) for h in sorted(shares)]
-    if len(points) <= threshold:
-        return True
-    base = points[:threshold]
-    secret = _combine(base)
-    return all(_combine(base[:threshold - 1] + [p]) == secret for p in points[threshold:])
+def _rebuilt_mismatch(part: str, secret: bytes, round_id: bytes, dealer: int, committed: bytes) -> bool:
+    """Whether a secret rebuilt from t shares is not the one the dealer signed for: b's digest, or
+    the public half of s (the s key it advertised)."""
+    if part == "b":
+        return seed_digest(round_id, dealer, secret) != committed
+    return _raw(X25519PrivateKey.from_private_bytes(secret).public_key()) != committed
+
+
+MAX_EVIDENCE_HOLDERS = 1024  # far above the 128 neighbours a client shares with; bounds a check's cost
 
 
 def verify_blame(evidence: dict, dealer_key: bytes) -> bool:
-    """Whether `evidence` (SecAggServer.blame's) proves its dealer dealt shares of one secret that
-    lie on no one polynomial: its signed dealing (holders, t), each share's commitment signed by
-    the dealer (`dealer_key`, its roster key) and matching the share, and the shares inconsistent.
-    Anyone holding the roster can check it; a share, commitment or order changed fails."""
+    """Whether `evidence` (what SecAggServer.finish found) proves that its dealer's t shares of b
+    or of s, each committed to and signed by it, rebuild a secret other than the one its signed
+    dealing names (b's digest, s's public key). Anyone holding the roster checks it with one
+    rebuilding of t ≤ 1,024 shares; a changed share, commitment, order, t or secret fails."""
     try:
         rid, dealer, part = bytes.fromhex(evidence["round_id"]), int(evidence["dealer"]), evidence["part"]
         holders, t = [int(h) for h in evidence["holders"]], int(evidence["threshold"])
-        if part not in ("b", "s") or not 1 <= t <= len(holders) or len(set(holders)) != len(holders):
+        committed = {"b": bytes.fromhex(evidence["seed_digest"]), "s": bytes.fromhex(evidence["s_public"])}
+        size = {"b": SELF_SEED_BYTES, "s": SEED_BYTES}.get(part)
+        if size is None or not len(holders) <= MAX_EVIDENCE_HOLDERS or len(set(holders)) != len(holders) or \
+                not minimum_threshold(len(holders)) <= t <= len(holders) or len(evidence["shares"]) != t:
             return False
-        if not verify(dealer_key, bytes.fromhex(evidence["dealing"]), _dealing_message(rid, dealer, holders, t)):
+        if not verify(dealer_key, bytes.fromhex(evidence["dealing"]),
+                      _dealing_message(rid, dealer, holders, t, committed["b"], committed["s"])):
             return False
         shares = {}
         for holder, share in evidence["shares"].items():
-            holder, share, commit = int(holder), bytes.fromhex(share), bytes.fromhex(evidence["commits"][holder])
-            if holder not in holders or len(commit) != 64 + SIGNATURE_BYTES or not verify(
+            holder, share, commit = int(holder), bytes.fromhex(share), bytes.fromhex(evidence["commits"][str(holder)])
+            if holder not in holders or len(share) != size or len(commit) != 64 + SIGNATURE_BYTES or not verify(
                     dealer_key, commit[64:], _commit_message(rid, dealer, holder, commit[:32], commit[32:64])):
                 return False
             if _commitment(rid, dealer, holder, part, share) != (commit[:32] if part == "b" else commit[32:64]):
                 return False
             shares[holder] = share
-        return len(shares) > t and len({len(v) for v in shares.values()}) == 1 and not consistent(shares, holders, t)
+        return _rebuilt_mismatch(part, combine_secret(shares, holders, t), rid, dealer, committed[part])
     except (KeyError, TypeError, ValueError, AttributeError):
         return False
 
@@ -242,12 +246,14 @@ def _commit_message(round_id: bytes, dealer: int, holder: int, b_digest: bytes, 
     return _info(round_id, "commitments", dealer, holder) + b"|" + bytes(b_digest) + bytes(s_digest)
 
 
-def _dealing_message(round_id: bytes, dealer: int, holders: list[int], threshold: int) -> bytes:
-    """What a dealer signs of its dealing: who holds its shares, in the order that gives each its
-    x (position + 1), and t. With its signed commitments it makes shares that lie on no one
-    polynomial evidence anyone with the roster can check (`verify_blame`): the server cannot
-    frame an honest dealer by listing its holders in another order."""
-    return _info(round_id, "dealing", dealer, threshold, *holders)
+def _dealing_message(round_id: bytes, dealer: int, holders: list[int], threshold: int, b_digest: bytes,
+                     s_public: bytes) -> bytes:
+    """What a dealer signs of its dealing (fedsd's addition to stage 1): who holds its shares, in
+    the order that gives each its x (position + 1), t, its self-mask seed's digest and its s key's
+    public half. With its signed commitments, t shares that rebuild another secret are evidence
+    anyone with the roster can check (`verify_blame`); the server cannot frame an honest dealer by
+    listing its holders in another order."""
+    return _info(round_id, "dealing", dealer, threshold, *holders) + b"|" + bytes(b_digest) + bytes(s_public)
 
 
 def _view_message(round_id: bytes, survivors: list[int], dropped: list[int]) -> bytes:
@@ -434,8 +440,10 @@ class SecAggClient:
             hb = _commitment(self.round_id, self.me, j, "b", b_shares[j])
             hs = _commitment(self.round_id, self.me, j, "s", s_shares[j])
             commits[j] = hb + hs + self.identity.sign(_commit_message(self.round_id, self.me, j, hb, hs))
-        dealing = self.identity.sign(_dealing_message(self.round_id, self.me, holders, self.threshold))
-        return {"shares": out, "commits": commits, "dealing": dealing}
+        digest = seed_digest(self.round_id, self.me, self._b)
+        dealing = self.identity.sign(_dealing_message(self.round_id, self.me, holders, self.threshold, digest,
+                                                      _raw(self._s.public_key())))
+        return {"shares": out, "commits": commits, "dealing": dealing, "digest": digest}
 
     def masked_input(self, ciphertexts: object, commits: object, vector: np.ndarray) -> np.ndarray:
         """Stage 2: the shares sent to me (sender id → ciphertext) with their dealers' signed
@@ -561,8 +569,8 @@ class SecAggServer:
         self.commits: dict[int, dict[int, bytes]] = {}  # dealer → holder → signed commitment
         self.masked: dict[int, np.ndarray] = {}
         self.holders: dict[int, list[int]] = {}  # who holds shares of each client's secrets
-        self.dealings: dict[int, bytes] = {}  # dealer → its signature of its holders and t
-        self.answers: dict[int, dict] = {}  # the unmask answers the sum was rebuilt from
+        self.dealings: dict[int, tuple[bytes, bytes]] = {}  # dealer → its signed dealing, its b's digest
+        self.evidence: dict[int, dict] = {}  # dealer → proof that its shares rebuild another secret
         self.culprits: dict[int, str] = {}
         self.bytes_in = self.bytes_out = 0
 
@@ -584,17 +592,17 @@ class SecAggServer:
         self.inbox, shares = {}, dict(shares)
         for sender, dealt in list(shares.items()):
             holders = sorted(dealt["shares"])
-            key = self.keys.get(sender, {}).get("v", b"")
-            if not verify(key, bytes(dealt.get("dealing") or b""),
-                          _dealing_message(self.round_id, sender, holders, self.threshold)):
-                # without it, shares on no one polynomial could not be laid at its door: left out
+            key, digest = self.keys.get(sender, {}), dealt.get("digest")
+            if not isinstance(digest, bytes) or len(digest) != 32 or not verify(
+                    key.get("v", b""), bytes(dealt.get("dealing") or b""),
+                    _dealing_message(self.round_id, sender, holders, self.threshold, digest, key.get("s", b""))):
+                # without it, shares of another secret could not be laid at its door: left out
                 self.culprits[sender] = "a dealing (its holders and t) it did not sign"
                 del shares[sender]
                 continue
             self.holders[sender] = holders
             self.commits[sender] = dict(dealt["commits"])
-            if isinstance(dealt.get("dealing"), bytes):
-                self.dealings[sender] = dealt["dealing"]
+            self.dealings[sender] = (dealt["dealing"], digest)
             for receiver, ciphertext in dealt["shares"].items():
                 self.inbox.setdefault(receiver, {})[sender] = ciphertext
                 self.bytes_in += len(ciphertext) + len(dealt["commits"].get(receiver, b""))
@@ -628,12 +636,17 @@ class SecAggServer:
         """One client's b or s from the shares its holders sent, each checked against the
         dealer's commitment (a holder that sent another share is named, and its share set
         aside, as is a share from a holder the dealer did not deal to). Fewer than t good shares
-        abandon the round. (A dealer whose shares lie on no one polynomial leaves its mask in the
-        sum, which the server's bound on an honest sum refuses; checking two sets of t here would
-        double the rebuilding, the protocol's largest cost.)"""
+        abandon the round. The secret rebuilt is checked against the dealer's signed dealing (b's
+        digest, s's public key): another one is the dealer's doing, recorded with its evidence
+        (`_blame`), and `finish` abandons the round."""
         good = self._good_shares(dealer, part, answers)
         self._enough(len(good), f"sent a good share of client {dealer}'s {'self mask' if part == 'b' else 'key'}")
-        return combine_secret(good, self.holders[dealer], self.threshold)
+        chosen = {h: good[h] for h in sorted(good)[:self.threshold]}
+        secret = combine_secret(chosen, self.holders[dealer], self.threshold)
+        committed = self.dealings[dealer][1] if part == "b" else bytes(self.keys[dealer]["s"])
+        if _rebuilt_mismatch(part, secret, self.round_id, dealer, committed):
+            self._blame(dealer, part, chosen)
+        return secret
 
     def _good_shares(self, dealer: int, part: str, answers: dict[int, dict]) -> dict[int, bytes]:
         """The shares of `dealer`'s b or s its holders sent that match its commitments; a holder
@@ -653,32 +666,23 @@ class SecAggServer:
                 self.culprits[holder] = f"sent a share of client {dealer}'s {part} other than the one committed to"
         return good
 
-    def blame(self) -> dict[int, dict]:
-        """After a round whose sum failed the honest bound: each dealer whose committed shares of a
-        secret the sum was rebuilt with lie on no one polynomial (its mask was not removed, and
-        the sum was noise), with the evidence `verify_blame` checks, and named in `culprits`.
-        Run only then: it costs one rebuilding a share past the first t, per dealer. A dealer
-        whose holders sent t good shares or fewer cannot be told apart (nothing to compare)."""
-        found, answers = {}, self.answers
-        for part, dealers in (("b", sorted(self.masked)), ("s", sorted(set(self.holders) - set(self.masked)))):
-            for dealer in dealers:
-                good = self._good_shares(dealer, part, answers)
-                if dealer not in self.dealings or consistent(good, self.holders[dealer], self.threshold):
-                    continue
-                found[dealer] = {"round_id": self.round_id.hex(), "dealer": dealer, "part": part,
-                                 "threshold": self.threshold, "holders": self.holders[dealer],
-                                 "dealing": self.dealings[dealer].hex(),
-                                 "shares": {str(h): v.hex() for h, v in good.items()},
-                                 "commits": {str(h): self.commits[dealer][h].hex() for h in good}}
-                self.culprits[dealer] = (f"dealt shares of its {'self mask' if part == 'b' else 'key'} that lie on no "
-                                         f"one polynomial (its signed commitments and {len(good)} shares, past t = "
-                                         f"{self.threshold}: checkable evidence in secure-aggregation.json)")
-        return found
+    def _blame(self, dealer: int, part: str, chosen: dict[int, bytes]) -> None:
+        """`dealer`'s t committed shares rebuild a secret other than the one its dealing signed:
+        named in `culprits`, with the evidence `verify_blame` checks (the round is then abandoned
+        by `finish`: its mask cannot be removed)."""
+        self.evidence[dealer] = {
+            "round_id": self.round_id.hex(), "dealer": dealer, "part": part, "threshold": self.threshold,
+            "holders": self.holders[dealer], "dealing": self.dealings[dealer][0].hex(),
+            "seed_digest": self.dealings[dealer][1].hex(), "s_public": bytes(self.keys[dealer]["s"]).hex(),
+            "shares": {str(h): v.hex() for h, v in chosen.items()},
+            "commits": {str(h): self.commits[dealer][h].hex() for h in chosen}}
+        self.culprits[dealer] = (f"dealt shares of its {'self mask' if part == 'b' else 'key'} that rebuild a "
+                                 f"secret other than the one it signed (checkable evidence in "
+                                 f"secure-aggregation.json)")
 
     def finish(self, answers: dict[int, dict]) -> np.ndarray:
         """The sum of the survivors' vectors, from the unmask answers of at least t survivors."""
         self._enough(len(answers), "answered the unmask request")
-        self.answers = answers
         total = np.zeros(self.length, dtype=np.uint64)
         for vector in self.masked.values():
             total += vector
@@ -695,6 +699,10 @@ class SecAggServer:
                     mask = expand_mask(pair, self.length)
                     total = total - mask if pairwise_sign(j, d) > 0 else total + mask
         self.bytes_in += sum(SELF_SEED_BYTES * len(a["b"]) + SEED_BYTES * len(a["s"]) for a in answers.values())
+        if self.evidence:
+            raise RoundAbandoned(f"secure aggregation: clients {sorted(self.evidence)} dealt shares that rebuild "
+                                 f"secrets other than those they signed; their masks cannot be removed, the round is "
+                                 f"abandoned and nothing was applied", self.culprits)
         return total
 
     def _enough(self, count: int, what: str) -> None:

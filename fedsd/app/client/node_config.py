@@ -210,6 +210,13 @@ def renamed_keys(node_config: Mapping) -> dict:
     return out
 
 
+def _check_counts(node: NodeConfig) -> None:
+    if node.max_local_steps < 1:
+        raise NodeConfigError(f"node-config max-local-steps={node.max_local_steps}: must be ≥ 1")
+    if node.min_evaluation_samples < 1:
+        raise NodeConfigError(f"node-config min-evaluation-samples={node.min_evaluation_samples}: must be ≥ 1")
+
+
 def parse(node_config: Mapping) -> NodeConfig:
     """The node config checked as a whole: unknown keys, numbers that are not numbers or out of
     range, a `data` that does not exist, each refused with ConfigError naming the key and what
@@ -244,10 +251,7 @@ def parse(node_config: Mapping) -> NodeConfig:
                               "protects only against a server that follows the protocol (it can substitute keys and "
                               "read this node's update); name the federation's roster (secagg-roster=PATH) or say "
                               "secagg-trust=honest-but-curious")
-    if node.max_local_steps < 1:
-        raise NodeConfigError(f"node-config max-local-steps={node.max_local_steps}: must be ≥ 1")
-    if node.min_evaluation_samples < 1:
-        raise NodeConfigError(f"node-config min-evaluation-samples={node.min_evaluation_samples}: must be ≥ 1")
+    _check_counts(node)
     if node.service:
         owners = sorted(k for k in node_config if k not in SUPERNODE_WITH_SERVICE)
         if owners:

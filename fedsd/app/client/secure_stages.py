@@ -152,7 +152,7 @@ class Owner:
             if not isinstance(barred, dict):
                 raise secagg.ProtocolError(f"{BARRED} in the state folder does not parse")
             known = {int(k): v for k, v in dict(barred.get(name, {})).items()}
-            found = _checked_evidence(evidence, key, self.roster)
+            found = _checked_evidence(evidence, key, self.roster, known)
             if set(found) - set(known):
                 barred[name] = {str(k): v for k, v in {**known, **found}.items()}
                 state.write_json(BARRED, barred)
@@ -164,10 +164,12 @@ class Owner:
                                        f"(culprit: {spoilers[0]})")
 
 
-def _checked_evidence(evidence: object, key: tuple, roster) -> dict[int, int]:
-    """The spoilers the server's evidence (a JSON list of SecAggServer.blame's records) proves,
-    by protocol id → round, each checked against the roster's key of its dealer and for a round
-    of this run and experiment before this one; evidence that does not check is passed over."""
+def _checked_evidence(evidence: object, key: tuple, roster, known: dict) -> dict[int, int]:
+    """The spoilers the server's evidence (a JSON list of SecAggServer.evidence's records) proves,
+    by protocol id → round: one item per roster member not `known` already, each for a round of
+    this run and experiment before this one, its holders on the roster, checked against the
+    roster's key of its dealer (one rebuilding of t shares each, t at most the roster's size).
+    Evidence that does not check is passed over."""
     import json
 
     if not isinstance(evidence, str) or not evidence or len(evidence) > 1 << 22:
@@ -177,13 +179,15 @@ def _checked_evidence(evidence: object, key: tuple, roster) -> dict[int, int]:
     except ValueError:
         return {}
     found = {}
-    for item in items if isinstance(items, list) else []:
+    for item in (items if isinstance(items, list) else [])[:len(roster)]:
         if not isinstance(item, dict) or not isinstance(item.get("round"), int) or not 1 <= item["round"] < key[3]:
             continue
-        dealer = item.get("dealer")
-        public = roster.key(dealer) if isinstance(dealer, int) else None
-        if public is not None and item.get("round_id") == secure_sum.round_id(key[1], key[2], item["round"]).hex() \
-                and secagg.verify_blame(item, public):
+        dealer, holders = item.get("dealer"), item.get("holders")
+        if not isinstance(dealer, int) or dealer in known or dealer in found or dealer not in roster or \
+                not isinstance(holders, list) or not all(isinstance(h, int) and h in roster for h in holders):
+            continue
+        if item.get("round_id") == secure_sum.round_id(key[1], key[2], item["round"]).hex() and \
+                secagg.verify_blame(item, roster.key(dealer)):
             found[dealer] = item["round"]
     return found
 
@@ -301,7 +305,7 @@ def share_reply(content: RecordDict, context: Context) -> RecordDict:
         dealt = client.share_keys({j: {f: fields[f][j] for f in KEY_FIELDS} for j in fields["c"]})
     except (BadMessage, secagg.ProtocolError, ConfigError) as e:
         raise _refused(e) from None
-    out = ConfigRecord({"dealing": dealt["dealing"]})
+    out = ConfigRecord({"dealing": dealt["dealing"], "digest": dealt["digest"]})
     write_map(out, "shares", dealt["shares"])
     write_map(out, "commits", dealt["commits"])
     return RecordDict({secure_sum.RECORD: out})

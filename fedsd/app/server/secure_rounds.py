@@ -146,10 +146,11 @@ def _keys(record) -> dict:
 
 
 def _dealt(record) -> dict:
-    dealing = record["dealing"]
-    if not isinstance(dealing, bytes):
-        raise BadMessage("a signature of the dealing was expected")
-    return {"shares": read_map(record, "shares"), "commits": read_map(record, "commits"), "dealing": dealing}
+    dealing, digest = record["dealing"], record["digest"]
+    if not isinstance(dealing, bytes) or not isinstance(digest, bytes):
+        raise BadMessage("a signature of the dealing and the self-mask seed's digest were expected")
+    return {"shares": read_map(record, "shares"), "commits": read_map(record, "commits"), "dealing": dealing,
+            "digest": digest}
 
 
 def _masked(length: int):
@@ -300,7 +301,8 @@ def reported(content: RecordDict) -> dict | None:
         return None
     out = {}
     for key, value in metrics.items():
-        if not isinstance(key, str) or isinstance(value, (list, bool)) or not isinstance(value, (int, float)):
+        if not isinstance(key, str) or isinstance(value, (list, bool)) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value):
             return None
         out[key] = value
     return out
@@ -416,22 +418,10 @@ class SecureRounds:
                 total, replies = protocol(exchange, server, base, train, json.dumps(self.evidence) if self.evidence
                                           else "")
             finally:
+                self._bar(server, record, server_round)
                 exchange.named.update({str(k): v for k, v in server.culprits.items()})
-            try:
-                checked = self._checked(arrays, total, server, server_round)
-            except RoundAbandoned:
-                self._blame(server, record, server_round)
-                exchange.named.update({str(k): v for k, v in server.culprits.items()})
-                raise
-            if self.distributed:
-                arrays, applied = checked
-                record.update(applied)
-                self._reports(server_round, replies, sorted(server.masked))
-            else:
-                record.update(zip(("mean_update_norm", "honest_bound"), checked))
-                arrays = secure_sum.apply_sum(arrays, total, len(server.masked))
-                self._reports(server_round, replies)
-            record.update(survivors=sorted(server.masked), abandoned=None)
+            checked = self._checked(arrays, total, server, server_round)
+            arrays = self._applied(arrays, checked, total, server, record, replies)
             if self.out is not None:
                 np.save(self.out / f"secagg-sum-{server_round}.npy", total)
         except RoundAbandoned as e:
@@ -455,6 +445,21 @@ class SecureRounds:
             raise NoClientCanTrain(stop)
         return arrays
 
+    def _applied(self, arrays, checked, total, server: SecAggServer, record: dict, replies) -> ArrayRecord:
+        """The checked sum applied: under distributed noise the server's step, else the mean
+        update; the survivors' reports kept as a plain round keeps them."""
+        server_round = record["round"]
+        if self.distributed:
+            arrays, applied = checked
+            record.update(applied)
+            self._reports(server_round, replies, sorted(server.masked))
+        else:
+            record.update(zip(("mean_update_norm", "honest_bound"), checked))
+            arrays = secure_sum.apply_sum(arrays, total, len(server.masked))
+            self._reports(server_round, replies, sorted(server.masked))
+        record.update(survivors=sorted(server.masked), abandoned=None)
+        return arrays
+
     def _checked(self, arrays, total, server: SecAggServer, server_round: int) -> tuple:
         """The round's sum checked against the bound on an honest one: under distributed noise the
         stepped model and what was applied, else the mean update's norm and its bound
@@ -463,18 +468,19 @@ class SecureRounds:
             return self._step(arrays, total, len(server.masked), server, server_round)
         return self._check_sum(total, len(server.masked), server)
 
-    def _blame(self, server: SecAggServer, record: dict, server_round: int) -> None:
-        """A sum that failed the bound: each dealer whose shares rebuild no one secret, named with
-        its evidence (fedsd.secure.secagg.verify_blame checks it) in the round's record, and left
-        out of every later round of this run, so that honest owners pay for one such round at
-        most per member. An input outside the bound is not found so (docs/algorithms.md)."""
-        evidence = {dealer: {**item, "round": server_round} for dealer, item in server.blame().items()}
-        if evidence:
+    def _bar(self, server: SecAggServer, record: dict, server_round: int) -> None:
+        """Each dealer whose t committed shares rebuilt a secret other than the one it signed
+        (SecAggServer.evidence, which fedsd.secure.secagg.verify_blame checks) is named in the
+        round's record with its evidence and left out of every later round of this run; the
+        evidence goes to every owner at each later advertise. Honest owners so pay for one such
+        round at most per member. An input outside the bound is not found so (docs/algorithms.md)."""
+        if server.evidence:
+            evidence = {dealer: {**item, "round": server_round} for dealer, item in server.evidence.items()}
             record["evidence"] = {str(k): v for k, v in evidence.items()}
             self.evidence.extend(evidence.values())
             for dealer in evidence:
-                self.barred[dealer] = (f"spoiled round {server_round} (shares on no one polynomial, evidence in "
-                                       f"secure-aggregation.json): left out of the rest of the run")
+                self.barred[dealer] = (f"spoiled round {server_round} (shares that rebuild another secret than it "
+                                       f"signed, evidence in secure-aggregation.json): left out of the rest of the run")
 
     def _step(self, arrays: ArrayRecord, total: np.ndarray, count: int, server: SecAggServer,
               server_round: int) -> tuple[ArrayRecord, dict]:
@@ -516,13 +522,13 @@ class SecureRounds:
                                  f"applied", server.culprits)
         return norm, bound
 
-    def _reports(self, server_round: int, replies: list[RecordDict], ids: list[int] | None = None) -> None:
-        """Each summed client's report, by its partition id; under distributed noise, where a
-        reply names no partition (only ε), by its protocol id (`ids`, in the replies' order)."""
-        strategy = self.side.strategy
+    def _reports(self, server_round: int, replies: list[RecordDict], ids: list[int]) -> None:
+        """Each summed client's report, by its protocol id (`ids`, in the replies' order: never an
+        id a member could claim), its ε taken within [0, the run's ε] (a member's 1e9 or inf is
+        not the run's result)."""
+        strategy, most = self.side.strategy, float(self.side.cfg.epsilon)
         for k, content in enumerate(replies):
             report = reported(content) or {}  # protocol() left out a masked input without one
-            pid = int(report.get("partition-id", -1)) if ids is None else ids[k]
-            strategy.round_clients.setdefault(server_round, {})[pid] = report
+            strategy.round_clients.setdefault(server_round, {})[ids[k]] = report
             if "epsilon" in report:
-                strategy.client_epsilon[pid] = float(report["epsilon"])
+                strategy.client_epsilon[ids[k]] = min(max(float(report["epsilon"]), 0.0), most)
