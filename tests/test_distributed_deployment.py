@@ -283,6 +283,7 @@ def test_the_server_refuses_a_run_that_cannot_be_distributed_before_any_round():
     cfg, fed = _settings()
     cfg = client_config(cfg, FedConfig(num_clients=3, rounds=ROUNDS))
     for change, why in ((dict(local_epochs=2), "local-epochs"), (dict(sample_rate=0.0), "sample-rate"),
+                        (dict(client_data="partition"), "client-data=partition: noise=distributed in a deployment"),
                         (dict(privacy_unit="client"), "privacy-unit=client trains each client's update without")):
         with pytest.raises(ConfigError, match=why):
             distributed_plan(cfg, FedConfig(**{**fed.__dict__, **change}), 10)

@@ -317,6 +317,10 @@ def distributed_plan(cfg, fed, num_classes: int):
     from fedsd.models.networks import model_for
 
     honest = fed.honest_clients or fed.num_clients
+    if fed.client_data != "own":  # every owner would refuse it at its first stage: said before round 1
+        raise ConfigError(f"client-data={fed.client_data}: noise=distributed in a deployment draws each "
+                          f"owner's batch and noise from its own data and its own secret stream; set client-data=own "
+                          f"(each SuperNode's owner names its data in its node config)")
     if fed.privacy_unit == "client":
         return client_level_plan(cfg, fed, num_classes, honest)
     if fed.local_epochs != 1:
