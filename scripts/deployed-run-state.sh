@@ -11,8 +11,8 @@
 # DIR/roster: the owners' public keys; DIR/out: the run's folder (the server's checkpoint, records),
 # without the per-round sums (secagg-sum-N.npy, 0.3 MB a round); DIR/rounds.jsonl: the rounds so
 # far. An owner's identity key (identity.key), its train state (*/client-K.pt), its kept reply
-# (*-last-reply.pt), its joined rounds and pinned task stay in W: a key in git is anyone's
-# (issue 86), so save refuses a DIR that would hold one. The owners' data is not kept: the command
+# (*-last-reply.pt), its joined rounds and pinned task stay in W: a key in git is anyone's,
+# so save refuses a DIR that would hold one. The owners' data is not kept: the command
 # cuts the same shards again from the seed, and each ledger is named by a hash of its data's
 # content: a restore over an owner's folder holding another ledger is refused, and after the first
 # resumed round each owner's folder must still hold the saved ledger alone (`ls W/deployment/nodes/

@@ -1,4 +1,4 @@
-"""The owner's data service shares its connection slots by peer uid (issue 86): one allowed user
+"""The owner's data service shares its connection slots by peer uid: one allowed user
 with many processes, each holding half frames, holds at most its own share of the 128, and a
 request from another allowed user is answered at once, tried against a real `fedsd data-service`
 process with 16 processes of an unprivileged uid holding 128 half frames."""

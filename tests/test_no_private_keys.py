@@ -1,4 +1,4 @@
-"""No tracked file holds a private key (issue 86): anyone with the repository could sign with it.
+"""No tracked file holds a private key: anyone with the repository could sign with it.
 
 Three forms: an owner's identity file (fedsd.secure.identity: `identity.key`, an Ed25519 private
 key as 32 raw bytes), any other file of 32 bytes (they load as such a key, whatever the file is

@@ -1,4 +1,4 @@
-"""A restored copy of an owner's state folder no longer rolls its ledger back (issue 86, item 2).
+"""A restored copy of an owner's state folder no longer rolls its ledger back.
 
 A review against real services copied an owner's state folder mid-run and restored it three
 times: 10 masked inputs were released for a 4-round run at ε = max-epsilon, dp_accounting gave

@@ -1,4 +1,4 @@
-"""Review of 46b3566 (issue 86) playing the attacker. Each test failed while its attack worked, and passes
+"""Review of 46b3566 playing the attacker. Each test failed while its attack worked, and passes
 since the fix (the docstring says what the attack did)."""
 import json
 import os
