@@ -456,11 +456,10 @@ class SecureRounds:
         if self.distributed:
             arrays, applied = checked
             record.update(applied)
-            self._reports(server_round, replies, sorted(server.masked))
         else:
             record.update(zip(("mean_update_norm", "honest_bound"), checked))
             arrays = secure_sum.apply_sum(arrays, total, len(server.masked))
-            self._reports(server_round, replies, sorted(server.masked))
+        self._reports(server_round, replies, sorted(server.masked))
         record.update(survivors=sorted(server.masked), abandoned=None)
         return arrays
 
