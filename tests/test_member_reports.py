@@ -369,7 +369,7 @@ def test_owners_that_cannot_pay_say_so_before_anyone_is_charged(members, tmp_pat
     launch = SimpleNamespace(fed=fed, experiment_id=EXPERIMENT, round=0, out=tmp_path)
     rounds = SecureRounds(RefusalsGrid(m.contexts), side, launch)
     with pytest.raises(NoClientCanTrain, match=r"2 of 3 owners refused .* fewer than the threshold of 3, so the run "
-                                               r"stops: 2 refused: run asks ε=3, this client allows at most 0.5"):
+                                               r"stops: 2 refused: run asks ε=3, this client allows at most 0.5$"):
         rounds.one_round(1, m.arrays)
     record = rounds.records[0]
     assert record["abandoned"] and "masked" not in record["stages"], record  # abandoned before any masked input
@@ -394,5 +394,6 @@ class RefusalsGrid(_Grid):
             try:
                 replies += self.inner.send_and_receive([m], timeout=timeout)
             except StageRefused as e:
-                replies.append(Message(Error(code=0, reason=f"StageRefused: {e}"), reply_to=m))
+                replies.append(Message(Error(code=0, reason=f"<class '{type(e).__module__}.StageRefused'>:<'{e}'>"),
+                                       reply_to=m))  # Flower's form of a ClientApp's exception
         return replies

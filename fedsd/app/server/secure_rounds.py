@@ -262,8 +262,8 @@ def refusals(exchange: Exchange, stage: str = "") -> dict[str, int]:
         if stage and name != stage:
             continue
         for why in record["failed"].values():
-            if REFUSED in why:
-                reason = why.split(REFUSED, 1)[1]
+            if REFUSED in why:  # Flower wraps a ClientApp's exception as <class …>:<'text'>
+                reason = why.split(REFUSED, 1)[1].removesuffix("'>").removesuffix("'")
                 counts[reason] = counts.get(reason, 0) + 1
     return counts
 
