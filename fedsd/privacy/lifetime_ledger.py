@@ -71,7 +71,9 @@ def opened(root: "Path | StateFolder", fingerprint: str, max_epsilon: float, max
                   else PrivacyFilter(max_epsilon, max_delta))
         with nullcontext() if records is None else records.guard(fingerprint, ledger, folder, accept):
             yield ledger
-        folder.write_atomic(name, (json.dumps(ledger.state_dict(), indent=2, default=_jsonable) + "\n").encode())
+            # the ledger first, the record raised after it: a process killed between the two leaves the record
+            # behind (the next charge raises it), never the folder behind its record (refused as restored)
+            folder.write_atomic(name, (json.dumps(ledger.state_dict(), indent=2, default=_jsonable) + "\n").encode())
 
 
 def peeked(root: "Path | StateFolder", fingerprint: str, max_epsilon: float, max_delta: float) -> PrivacyFilter:

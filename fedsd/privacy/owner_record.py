@@ -12,8 +12,9 @@ which a copy of the state folder does not carry. It is opened as a state folder 
 - `spent-<fingerprint>.json` for each data set: for each state folder that charged it (by its
   id, `state-id` in the folder, made on its first charge, join or service start, so that a copy
   carries it), how many charges its ledger holds, their steps and their RDP curve at the
-  ledger's orders; raised at every charge, under the ledger's lock, before the ledger is written
-  and anything released (`Records.guard`);
+  ledger's orders; raised at every charge, under the ledger's lock, after the ledger is written
+  and before anything is released (`Records.guard`: a process killed between the two leaves the
+  record behind, which the next charge raises; a restore in that window re-spends one charge);
 - `joined-<state id>.json` for each state folder: the last round it joined for each run and
   experiment.
 
@@ -160,7 +161,7 @@ class Records:
     def guard(self, fingerprint: str, ledger: PrivacyFilter, state: StateFolder, accept: bool = False):
         """Held around a charge, under the ledger's lock: the ledger checked against its record
         (StateRolledBack where it is behind; with `accept`, raised to it), and once the block
-        ends without an exception, the record raised to the ledger (before the ledger is written)."""
+        ends without an exception (the ledger written in it), the record raised to the ledger."""
         with self.folder.lock(spent_name(fingerprint)[:-len(".json")] + ".lock"):
             kept = self.spent(fingerprint)
             record = expected(kept, state_id(state, make=False), bool(ledger.entries))
