@@ -404,6 +404,33 @@ def test_isolated_clients_train_on_their_own_data_and_cannot_read_each_others(tm
     assert processes_mentioning(str(work)) == []
 
 
+def test_a_secure_distributed_noise_trial_runs_from_one_command(tmp_path):
+    """deploy/README.md's first example, smaller: `scripts/deploy-local.sh --secure-aggregation
+    --noise distributed --isolate --client-data DIR`. It made no identity or roster, so every owner
+    refused every round, and it printed "trained none" and exited 0. Now each owner makes its
+    identity as its own uid, one roster lists them, the sample rate comes from the records handed
+    out (said), every round is summed by all three and each owner's ledger is charged once a round."""
+    data, work, out = isolated_client_data(tmp_path, 3, 900), tmp_path / "work", tmp_path / "out"
+    proc = subprocess.run([str(ROOT / "scripts" / "deploy-local.sh"), "--clients", "3", "--rounds", "2",
+                           "--secure-aggregation", "--noise", "distributed", "--isolate", "--client-data", str(data),
+                           "--batch-size", "90", "--node-config", "max-epsilon=10", "--work", str(work),
+                           "--out", str(out)],
+                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "sample-rate=0.1: batch-size 90 over the 900 training records" in proc.stdout
+    roster = (work / "shared" / "roster").read_text().splitlines()
+    assert [line.split()[0] for line in roster if not line.startswith("#")] == ["owner-0", "owner-1", "owner-2"]
+    record = json.loads((out / "secure-aggregation.json").read_text())
+    assert [len(r["survivors"]) for r in record] == [3, 3] and not any(r.get("abandoned") for r in record)
+    result = json.loads((out / "result.json").read_text())
+    assert [len(r["trained"]) for r in result["rounds"]] == [3, 3]
+    for k in range(3):
+        ledger = json.loads(next((work / "nodes" / str(k) / "state").glob("ledger-*.json")).read_text())
+        charges = [e for e in ledger["entries"] if e.get("run")]
+        assert [e["round"] for e in charges] == [1, 2], ledger
+    assert processes_mentioning(str(work)) == []
+
+
 def test_bench_deploy_times_the_three_rounds_of_one_computation(tmp_path, capsys):
     """`fedsd bench deploy`: the simulated round, the deployed round (real SuperLink and
     SuperNodes, TLS, node auth, own data, warm workers) and Flower's floor, in one JSON; the

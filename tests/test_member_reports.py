@@ -397,3 +397,42 @@ class RefusalsGrid(_Grid):
                 replies.append(Message(Error(code=0, reason=f"<class '{type(e).__module__}.StageRefused'>:<'{e}'>"),
                                        reply_to=m))  # Flower's form of a ClientApp's exception
         return replies
+
+
+@pytest.mark.slow  # two rounds of four owners (real data, real ledgers)
+def test_a_round_after_the_first_asks_who_a_node_is_only_of_a_node_it_lost(four_owners, tmp_path):
+    """Identify was an exchange with every node every round (3-5 s of a deployed round's 30). Now
+    what a node told, checked, is kept for the run: round 2 asks it of no node that took part in
+    round 1's advertise stage, and again of one that did not (its SuperNode may have come back
+    with another owner's service); both rounds are summed by those in them."""
+    from flwr.app import RecordDict
+
+    from fedsd.app.server.secure_rounds import SecureRounds
+    from fedsd.settings.federation import FedConfig, client_config
+
+    m, asked = four_owners, []
+    late = m.nodes[3]
+
+    def tamper(kind, node, reply):  # round 1: the last owner's advertise reply lost on the way
+        return RecordDict() if kind == "query.secagg_advertise" and node == late and len(rounds.records) == 0 \
+            else reply
+
+    class Counting(_Grid):
+        def send_and_receive(self, messages, *, timeout=None):
+            messages = list(messages)
+            asked.extend((int(msg.metadata.group_id), msg.metadata.message_type, msg.metadata.dst_node_id)
+                         for msg in messages)
+            return super().send_and_receive(messages, timeout=timeout)
+
+    fed = FedConfig(num_clients=4, rounds=2, client_data="own", secure_aggregation=True, secagg_roster=str(m.path))
+    side = SimpleNamespace(strategy=SimpleNamespace(settings=dict(m.flat), round_clients={}, client_epsilon={}),
+                           cfg=client_config(m.cfg, m.fed))
+    launch = SimpleNamespace(fed=fed, experiment_id=EXPERIMENT, round=0, out=tmp_path)
+    rounds = SecureRounds(Counting(m.contexts, tamper), side, launch)
+    rounds.one_round(2, rounds.one_round(1, m.arrays))
+    identify = lambda r: sorted(n for rnd, kind, n in asked if rnd == r and kind == "query.secagg_identify")  # noqa: E731
+    assert identify(1) == sorted(m.nodes) and identify(2) == [late]
+    first, second = rounds.records
+    assert sorted(first["survivors"]) == sorted(m.ids[n] for n in m.nodes[:3])
+    assert sorted(second["survivors"]) == sorted(m.ids[n] for n in m.nodes)
+    assert len(second["stages"]["identify"]["asked"]) == 1 and len(first["stages"]["identify"]["asked"]) == 4

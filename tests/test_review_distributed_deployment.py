@@ -98,6 +98,30 @@ def test_the_pad_is_the_runs_public_bound_whatever_the_owners_records_and_expect
         assert sum_bound.poisson_tail(rate * records * 1.001, sum_bound.TAIL) > rows or rate == 0.05  # the largest
 
 
+def test_a_step_is_padded_to_the_runs_public_most_records_of_an_owner_not_to_the_federations_batch():
+    """Padded to the federation's E alone, each of the features recipe's ten owners (6,000 records,
+    q = 8192 / 60000) computed 8.7k rows a step for a batch of about 820: ten times the work of
+    its simulated client. With the run's public secagg-max-records M the pad is the Poisson tail of
+    q × M (never above E's): the same for any owner up to M records, and an owner with more draws
+    at a lower rate within it."""
+    import math
+
+    from fedsd.app.client.secure_stages import owner_rate, padded_rows
+    from fedsd.secure import sum_bound
+    from fedsd.secure.distributed_noise import calibrate
+
+    q = 8192 / 60000
+    plan = calibrate(3.0, 1e-5, 0.1, q, 8192.0, 400, 10, 39700)
+    whole = padded_rows(plan, 4, 60_000)
+    assert whole == padded_rows(plan) == math.ceil(sum_bound.poisson_tail(8192.0, sum_bound.TAIL))  # M ≥ N: E's
+    rows = padded_rows(plan, 4, 6000)
+    assert rows == math.ceil(sum_bound.poisson_tail(q * 6000, sum_bound.TAIL)) and rows < whole / 8
+    assert padded_rows(plan, 4, 0) == padded_rows(plan, 4, 1)  # a server's nonsense M: the least pad, no error
+    assert [owner_rate(plan, n, rows) for n in (100, 3000, 6000)] == [q] * 3  # up to M: the plan's q, same rows
+    larger = owner_rate(plan, 20_000, rows)
+    assert larger < q and sum_bound.poisson_tail(larger * 20_000, sum_bound.TAIL) <= rows  # spends less, same rows
+
+
 def _restarted():
     """The owner's service started again: nothing it held in memory is left (its trainers, its
     sessions, its calibrations); its state folder is read anew."""

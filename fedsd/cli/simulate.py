@@ -17,7 +17,7 @@ from fedsd.settings.federation import FedConfig
 from fedsd.files.results import check_out_dir
 from fedsd.runtime import quiet_ray
 from fedsd.settings.declared import add_options, from_args, settings_of
-from fedsd.training.summary import run_summary
+from fedsd.training.summary import nothing_trained, run_summary
 from fedsd.cli import dry_run
 from fedsd.cli.recipes import add_recipe_option, blamed_on, with_recipe
 from fedsd.cli.train import add_train_options, config_from_args
@@ -259,4 +259,8 @@ def _simulate(args) -> int:
     result, _ = simulate(config_from_args(args), fed, args.out, overwrite=args.overwrite, progress=not args.quiet,
                       verbose=args.verbose, ray_address=args.ray_address, log_dir=args.log_dir)
     print(run_summary(result, fed.resume_dir or args.out))
+    why = nothing_trained(result, fed.resume_dir or args.out)
+    if why:
+        print(f"fedsd simulate: error: {why}", file=sys.stderr)
+        return 1
     return 0

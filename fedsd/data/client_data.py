@@ -414,6 +414,21 @@ def describe(path: Path) -> FoundTask:
     return FoundTask(tuple(p.name for p in folders), channels, tuple(sorted(sizes)))
 
 
+def training_records(path: Path) -> int:
+    """How many training images a holder's data holds (an .npz's x_train from its header, or an
+    image folder's files under train/ or its class folders), without decoding any; DataError
+    when it holds none that can be counted."""
+    path = data_file(Path(path))
+    try:
+        if path.is_file():
+            return int(_npz_shape(path, "x_train")[0])
+        root = split_roots(path)["train"]
+        return sum(1 for folder in root.iterdir() if folder.is_dir()
+                   for f in folder.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+    except (KeyError, ValueError, OSError, IndexError, zipfile.BadZipFile) as e:
+        raise DataError(f"data={path}: no training images to count ({type(e).__name__})") from None
+
+
 def _npz_shape(path: Path, key: str) -> tuple[int, ...]:
     """The shape of array `key` in an .npz, from its header alone (KeyError when it has none)."""
     with zipfile.ZipFile(path) as archive, archive.open(f"{key}.npy") as f:

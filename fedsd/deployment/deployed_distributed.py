@@ -23,6 +23,7 @@ from pathlib import Path
 from fedsd.app.server import checkpoint
 from fedsd.cli.secure_simulation import FEATURES_RECIPE, FEATURES_ROUNDS
 from fedsd.cli.split_data import write_client_folders
+from fedsd.data.client_data import training_records
 from fedsd.deployment.local_deployment import LocalDeployment, add_node_arguments, node_start, stop_on_sigterm
 from fedsd.errors import OutputExistsError
 from fedsd.files.results import check_out_dir, write_json
@@ -39,14 +40,18 @@ CLIENT_RECIPE = {"dataset": "fmnist", "method": "dpsgd", "epsilon": 3.0, "batch-
 CLIENT_LIFETIME = 10.0  # each owner's max-epsilon there: each record's ε is the run's at z_e / 2 (above 3)
 
 
-def run_config(rounds: int, seed: int, clients: int, roster: Path, out: Path, unit: str = "record") -> dict:
-    """The features recipe of results/table-distributed.md as a deployment's run config; with
-    unit client, README's whole-client recipe (every owner every round, q = 1)."""
+def run_config(rounds: int, seed: int, clients: int, roster: Path, out: Path, unit: str = "record",
+               most: int = RECORDS) -> dict:
+    """The features recipe of results/table-distributed.md as a deployment's run config (`most`:
+    the largest owner's records, public to the operator who handed them out: each owner's step
+    is padded to q times that many); with unit client, README's whole-client recipe (every owner
+    every round, q = 1)."""
     if unit == "client":
         recipe = dict(CLIENT_RECIPE)
     else:
         recipe = {k.replace("_", "-"): v for k, v in FEATURES_RECIPE.items()}
         recipe["sample-rate"] = FEATURES_RECIPE["batch_size"] / RECORDS
+        recipe["secagg-max-records"] = most
     return {**recipe, "seed": seed, "num-clients": clients, "num-server-rounds": rounds, "client-data": "own",
             "secure-aggregation": True, "noise": "distributed", "honest-clients": clients,
             "secagg-roster": str(roster), "out-dir": str(out)}
@@ -130,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             roster_of(deployment)
             deployment.start()
             ready = time.perf_counter() - started
-            config = run_config(args.rounds, args.seed, args.clients, roster, out, args.privacy_unit)
+            most = max(training_records(data / f"client-{k}") for k in range(args.clients))
+            config = run_config(args.rounds, args.seed, args.clients, roster, out, args.privacy_unit, most)
             resumed = checkpoint.path_in(out).is_file() and not (out / "result.json").is_file()
             deployment.run({"resume-dir": str(out)} if resumed else config, timeout=args.timeout,
                            echo=echo_to(work / "rounds.jsonl"))

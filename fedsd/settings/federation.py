@@ -75,11 +75,14 @@ class FedConfig:
     secagg_threshold: int = setting(0, "--secure-aggregation: the shares needed to unmask (each client's neighbours); "
                                     "0 = more than two thirds. An owner with secagg-max-colluders f refuses a "
                                     "threshold at or below (neighbours + f) / 2", cli=False)
-    secagg_max_records: int = setting(60_000, "--secure-aggregation with local noise: the most training records a "
-                                      "client is taken to hold when the server bounds an honest update from the "
-                                      "run's public numbers alone (no client's report moves the bound); an owner "
-                                      "scales an update above that bound down to it before it enters the sum",
-                                      cli=False)
+    secagg_max_records: int = setting(60_000, "--secure-aggregation: the most training records a client is taken "
+                                      "to hold, a public number. With local noise, the server bounds an honest "
+                                      "update from the run's public numbers alone (no client's report moves the "
+                                      "bound); an owner scales an update above that bound down to it before it "
+                                      "enters the sum. With distributed noise at record level, an owner's step is "
+                                      "padded to the Poisson bound of q × this many records (at most the "
+                                      "federation's batch), whatever it holds; an owner with more draws at a lower "
+                                      "rate (spending less)", cli=False)
     secagg_roster: str = setting("", "--secure-aggregation in a deployment: the server's copy of the owners' roster "
                                  "(public keys); a node whose identity is not on it is left out of every round and "
                                  "named. Each owner checks its own copy; this one only keeps strangers out early",

@@ -5,6 +5,7 @@ owner's refusal, a failure of its own, a missed deadline, a spent budget), the b
 owners set, and the files any client skipped."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from fedsd.models.pretrained import start_line
@@ -136,6 +137,31 @@ def not_trained(rounds: list[dict]) -> list[str]:
         which = f"round {numbers[0]}" if len(numbers) == 1 else f"rounds {_ranges(numbers)}"
         lines.append(f"client {client} in {which}: {why}")
     return lines
+
+
+def nothing_trained(result: dict, out) -> str | None:
+    """Why a federation's finished run trained nothing (no round in which a client's update was
+    applied), with each distinct reason and how many times it was given; None when one was. What
+    a command that ran it says before it exits non-zero: its model is the initial one."""
+    rounds = result.get("rounds") or []
+    if not result.get("num_clients") or any(r.get("trained") for r in rounds):
+        return None
+    reasons: dict[str, int] = {}
+    for r in rounds:
+        for client in sorted({str(c) for c in [*r.get("refused", {}), *r.get("rejected", {}),
+                                               *(m["client"] for m in r.get("missed", []))] if c is not None}):
+            why = outcome(r, client)
+            if why:
+                reasons[why] = reasons.get(why, 0) + 1
+    record = Path(out) / "secure-aggregation.json"
+    if record.is_file():  # a secure round abandoned says why in the protocol's record
+        for r in json.loads(record.read_text()):
+            if r.get("abandoned"):
+                why = f"secure aggregation abandoned the round: {r['abandoned']}"
+                reasons[why] = reasons.get(why, 0) + 1
+    said = "; ".join(f"{why} ({n}×)" if n > 1 else why for why, n in reasons.items())
+    return f"no client trained in any of the {len(rounds)} rounds, so the model is the initial one" + (
+        f": {said}" if said else "")
 
 
 def _ranges(numbers: list[int]) -> str:

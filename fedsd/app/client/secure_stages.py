@@ -526,7 +526,7 @@ def _before_charge(side, plan, arrays):
         raise _refused(f"the round's model is not this run's network: {mismatch}")
     if client:  # local_update loads the student into it, on the data's device
         return student, net, 0
-    return student, None, padded_rows(plan, row_bytes(trainer.data.x_train))
+    return student, None, padded_rows(plan, row_bytes(trainer.data.x_train), side.fed.secagg_max_records)
 
 
 def model_mismatch(own: dict, sent: dict) -> str:
@@ -644,16 +644,22 @@ def admitted_plan(side, plan) -> dict | None:
     return None
 
 
-def padded_rows(plan, bytes_a_row: int = 4) -> int:
+def padded_rows(plan, bytes_a_row: int = 4, max_records: int | None = None) -> int:
     """The rows an owner's per-sample work covers whatever its Poisson batch: the run's public
-    bound on any client's batch, from its expected batch E = batch-size (which every owner checks
-    the plan against), never the owner's own. A time that followed the owner's own bound would
-    tell how many records it holds (a review measured +171 ms for 2,000 records against 200 with
-    E = 1, where padding fell back to each owner's own). A plan whose bound would not fit
-    MAX_PADDED_BYTES is refused before the charge, by the plan's numbers alone."""
+    bound on any client's batch, the Poisson tail of q × `max_records` (the run's
+    secagg-max-records) or of its expected batch E = batch-size (which every owner checks the plan
+    against), the smaller; never from the owner's own records. A time that followed the owner's
+    own bound would tell how many records it holds (a review measured +171 ms for 2,000 records
+    against 200 with E = 1, where padding fell back to each owner's own). An owner holding more
+    than `max_records` draws at a lower rate to stay within the rows (owner_rate): a server that
+    understates it costs that owner's records their share of the step, never privacy. Padded to
+    E alone, each of ten owners of the features recipe computed ten times its batch. A plan whose
+    bound would not fit MAX_PADDED_BYTES is refused before the charge, by the plan's numbers alone."""
     from fedsd.secure import sum_bound
 
-    planned = sum_bound.poisson_tail(plan.expected_batch, sum_bound.TAIL)
+    expected = plan.expected_batch if max_records is None else min(plan.expected_batch,
+                                                                   plan.sample_rate * max(1, max_records))
+    planned = sum_bound.poisson_tail(expected, sum_bound.TAIL)
     if not planned * bytes_a_row <= MAX_PADDED_BYTES:  # refused before the charge (it would fail after it)
         raise _refused(f"distributed noise: the plan's expected batch {plan.expected_batch:.4g} pads each step past "
                        f"the {MAX_PADDED_BYTES >> 30} GiB of inputs an owner computes a step on")

@@ -2,9 +2,10 @@
 coordinates SecAgg+'s stages (fedsd.secure.secagg) over Flower's Message API and learns only the
 sum of the clients' updates.
 
-Each round: every connected node is asked who it is (the identify stage: its protocol id, its
-identity's key; with the server's copy of the roster, run config `secagg-roster`, a stranger is
-left out and named); the identified nodes are the cohort; stage messages
+Each round: every connected node not yet known is asked who it is (the identify stage: its protocol
+id, its identity's key; with the server's copy of the roster, run config `secagg-roster`, a
+stranger is left out and named; what a node told is kept for the run and asked again only of a
+node that missed the previous round's advertise stage); the identified nodes are the cohort; stage messages
 (fedsd.app.secure_sum.MESSAGE_TYPES) go to the nodes still in, each through its ClientApp to its
 owner's data service, which answers. A node that does not answer a stage, or answers with
 anything but what the stage carries, is dropped; a refusal that names a culprit is kept. Below
@@ -177,18 +178,46 @@ def _unmask_answer(record) -> dict:
 
 
 def identify(exchange: Exchange, base: dict, roster: Roster | None, round_id: bytes,
-             barred: dict[int, str] | None = None) -> dict[int, dict]:
+             barred: dict[int, str] | None = None, known: dict[int, dict] | None = None) -> dict[int, dict]:
     """Before stage 0: each node's protocol id and identity. A node that tells an identity key
     without its signature for this round and node (a member telling another owner's) is left out
     and named by its node; with the server's copy of the roster a node whose key is not on it,
-    or whose id is not its key's, is left out and named."""
-    told = _parsed(exchange.ask("identify", {c: _stage_record(base) for c in exchange.nodes}), _identity)
+    or whose id is not its key's, is left out and named. `known` (node → what it told, checked
+    in an earlier round of this run; updated here): those nodes are not asked again, so a round
+    after the first has no identify exchange unless a node is new (SecureRounds.forget). Only the
+    server relies on this stage: every owner checks its neighbours' signed keys against its own
+    roster at share-keys, whatever the server told it of who is who."""
+    known = {} if known is None else known
+    told = _told(exchange, base, roster, round_id, [c for c, node in exchange.nodes.items() if node not in known])
+    fresh = {exchange.nodes[client]: who for client, who in told.items()}
+    ids, out = {}, {}
+    for node in sorted(exchange.nodes.values(), key=lambda node: (node not in known, node)):  # the known first
+        who = known.get(node) or fresh.get(node)
+        if who is None:
+            continue
+        if who["id"] in (barred or {}):  # named with checkable evidence earlier in this run: never again in it
+            exchange.named[str(who["id"])] = barred[who["id"]]
+            continue
+        if who["id"] in ids:
+            exchange.named[str(who["id"])] = f"nodes {ids[who['id']]} and {node} told one id"
+            continue
+        ids[who["id"]], out[who["id"]] = node, who
+        known.setdefault(node, who)
+    exchange.identified(ids)
+    return out
+
+
+def _told(exchange: Exchange, base: dict, roster: Roster | None, round_id: bytes, asked: list[int]) -> dict:
+    """What the `asked` nodes told at identify that passes the checks (placeholder id → what it told)."""
+    if not asked:
+        return {}
+    told = _parsed(exchange.ask("identify", {c: _stage_record(base) for c in asked}), _identity)
     if roster is None and any(who["v"] for who in told.values()):
         # Without the server's copy a keyless node could tell an owner's id first and take its place
         raise ConfigError("secagg-roster: the owners take part under a roster (their nodes told roster identities) "
                           "but this run has no copy of it; give the server the owners' roster file "
                           "(--run-config \"secagg-roster='PATH'\")")
-    ids, out = {}, {}
+    out = {}
     for client, who in told.items():
         node = exchange.nodes[client]
         if who["v"] and not verify(who["v"], who["sig"], identify_message(round_id, node)):
@@ -202,14 +231,7 @@ def identify(exchange: Exchange, base: dict, roster: Roster | None, round_id: by
             log(WARNING, "secure aggregation round %d: left out %s", exchange.server_round,
                 exchange.named[str(who["id"])])
             continue
-        if who["id"] in (barred or {}):  # named with checkable evidence earlier in this run: never again in it
-            exchange.named[str(who["id"])] = barred[who["id"]]
-            continue
-        if who["id"] in ids:
-            exchange.named[str(who["id"])] = f"nodes {ids[who['id']]} and {node} told one id"
-            continue
-        ids[who["id"]], out[who["id"]] = node, who
-    exchange.identified(ids)
+        out[client] = who
     return out
 
 
@@ -372,6 +394,7 @@ class SecureRounds:
         self.out = Path(launch.out) if launch.out is not None else None
         self.records: list[dict] = []
         self.barred: dict[int, str] = {}  # protocol id → the round it spoiled, with checkable evidence
+        self.known: dict[int, dict] = {}  # node → what it told at identify, checked (`identify`, `forget`)
         self.evidence: list[dict] = []  # what proves it, sent to every owner at each later advertise
 
     def run(self, arrays: ArrayRecord) -> ArrayRecord:
@@ -404,7 +427,7 @@ class SecureRounds:
         record = dict(round=server_round)
         try:
             rid = secure_sum.round_id(self.grid.run.run_id, experiment, server_round)
-            identities = identify(exchange, base, self.roster, rid, self.barred)
+            identities = identify(exchange, base, self.roster, rid, self.barred, self.known)
             cohort = sorted(exchange.nodes)
             plain = sorted(exchange.nodes[c] for c, who in identities.items() if not who["authenticated"])
             n = len(cohort)
@@ -433,6 +456,7 @@ class SecureRounds:
             record.update(survivors=[], abandoned=str(e))
             for reason, count in refusals(exchange).items():  # each distinct reason once, with its count
                 log(WARNING, "secure aggregation round %d: %d client(s) refused: %s", server_round, count, reason)
+        self.forget(exchange)
         record.update(culprits=exchange.named, stages=exchange.stages, seconds=time.perf_counter() - started,
                       bytes_sent=sum(s["bytes_sent"] for s in exchange.stages.values()),
                       bytes_received=sum(s["bytes_received"] for s in exchange.stages.values()))
@@ -448,6 +472,14 @@ class SecureRounds:
         if stop:
             raise NoClientCanTrain(stop)
         return arrays
+
+    def forget(self, exchange: Exchange) -> None:
+        """A node that did not answer this round's advertise stage is asked who it is again in the
+        next round (its SuperNode may have come back with another owner's service behind it)."""
+        answered = set(exchange.stages.get("advertise", {}).get("answered", []))
+        if "advertise" in exchange.stages:
+            for node in [node for node in self.known if exchange.ids.get(node) not in answered]:
+                del self.known[node]
 
     def _applied(self, arrays, checked, total, server: SecAggServer, record: dict, replies) -> ArrayRecord:
         """The checked sum applied: under distributed noise the server's step, else the mean
