@@ -24,6 +24,7 @@ from fedsd.app.server import checkpoint
 from fedsd.cli.secure_simulation import FEATURES_RECIPE, FEATURES_ROUNDS
 from fedsd.cli.split_data import write_client_folders
 from fedsd.data.client_data import training_records
+from fedsd.deployment.stage_links import stage_links, table
 from fedsd.deployment.local_deployment import LocalDeployment, add_node_arguments, node_start, stop_on_sigterm
 from fedsd.errors import OutputExistsError
 from fedsd.files.results import check_out_dir, write_json
@@ -149,11 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if (work / "rounds.jsonl").is_file():  # none when the run ended before its first round (its logs say why)
         (out / "rounds.jsonl").write_text((work / "rounds.jsonl").read_text())
+    if (out / "secure-aggregation.json").is_file():  # where each stage's time went, link by link
+        links = stage_links(work / "deployment" / "logs", out / "secure-aggregation.json")
+        write_json(out / "stage-links.json", links)
+        print("each stage's median seconds over rounds 2…, by link (fedsd/deployment/stage_links.py):\n" + table(links))
     write_json(out / "deployment.json", dict(
         command="python -m fedsd.deployment.deployed_distributed " + " ".join(argv or sys.argv[1:]),
         run_config=config, resumed=resumed, startup_seconds=round(ready, 1),
         total_seconds=round(time.perf_counter() - started, 1), supernodes=args.clients, clientapps=args.clientapps,
-        pull_interval=deployment.pull_interval,
+        pull_interval=deployment.pull_interval, superlink_state="file" if deployment.durable_superlink else "memory",
         node_threads=deployment.node_threads))
     return 0
 

@@ -70,13 +70,16 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pull-interval", type=seconds, default=None, metavar="S",
                    help=f"with warm ClientApps: the longest a SuperNode waits before it asks the SuperLink again "
                         f"after finding no message (default {PULL_SECONDS:g}; 3 is Flower's own)")
+    p.add_argument("--superlink-state", choices=["memory", "file"], default="memory",
+                   help="memory (default): Flower's in-memory SuperLink state (the SuperLink starts once a "
+                        "command); file: its SQLite database in the work folder")
 
 
 def node_start(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     """LocalDeployment's keywords for add_node_arguments' options."""
     if args.clientapps == "cold" and args.pull_interval is not None:
         p.error("--pull-interval: only with --clientapps warm (cold is Flower's own SuperNode, which waits 3 s)")
-    return dict(warm_clientapps=args.clientapps == "warm",
+    return dict(warm_clientapps=args.clientapps == "warm", durable_superlink=args.superlink_state == "file",
                 pull_interval=PULL_SECONDS if args.pull_interval is None else args.pull_interval)
 
 
@@ -267,8 +270,14 @@ class LocalDeployment:
 
     def __init__(self, work: Path, num_clients: int, env: dict | None = None, client_data: Path | None = None,
                  node_config: str | list[str] = "", isolate: bool = False, warm_clientapps: bool = True,
-                 pull_interval: float | None = PULL_SECONDS):
+                 pull_interval: float | None = PULL_SECONDS, durable_superlink: bool = True):
         self.work = Path(work).absolute()
+        # The SuperLink's state in work/superlink.db, so that a SuperLink started again within this
+        # deployment (the resume test, the soak) still knows the registered nodes; False: Flower's
+        # in-memory state (its default), for a deployment whose SuperLink starts once (`start`
+        # empties the database anyway): each of the nodes' requests then costs no SQL
+        # (results/deploy-distributed.md, "Where a stage's time goes").
+        self.durable_superlink = durable_superlink
         # each SuperNode's ClientApp tasks forked from a warm process (fedsd/deployment/warm_supernode.py),
         # its pull loop's sleeps capped at pull_interval seconds (None: Flower's 3 s); cold: Flower's command
         self.warm_clientapps = warm_clientapps
@@ -381,7 +390,8 @@ class LocalDeployment:
         self.superlink = self._start("superlink", [
             "flower-superlink", "--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile", str(certs / "server.pem"),
             "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth", "--host", self.host,
-            "--port", str(self.port), "--database", str(self.work / "superlink.db"),
+            "--port", str(self.port),
+            "--database", str(self.work / "superlink.db") if self.durable_superlink else ":flwr-in-memory:",
             "--disable-runtime-dependency-installation"])
         deadline = time.monotonic() + timeout
         while not self._tls_ready():

@@ -595,6 +595,7 @@ class DataService:
                         self.busy += 1
                     try:
                         send_json(conn, TAKEN)
+                        log.info("took a %s message", header.get("kind"))  # its time: fedsd.deployment.stage_links
                         reply = self._reply(header, content)
                     except (EOFError, OSError):
                         return  # the ClientApp went away (its SuperNode stopping)

@@ -72,7 +72,7 @@ class Exchange:
         self.ids = {node: client for client, node in self.nodes.items()}
 
     def ask(self, stage: str, contents: dict[int, RecordDict]) -> dict[int, RecordDict]:
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         kind = secure_sum.MESSAGE_TYPES[stage]
         messages = [Message(content=content, dst_node_id=self.nodes[client], message_type=kind,
                             group_id=str(self.server_round)) for client, content in contents.items()]
@@ -94,7 +94,8 @@ class Exchange:
                                                                                         failed.items()},
                                   bytes_sent=sum(_size(c) for c in contents.values()),
                                   bytes_received=sum(_size(c) for c in good.values()),
-                                  seconds=time.perf_counter() - started)
+                                  seconds=time.perf_counter() - started, started_at=started_at,
+                                  ended_at=time.time())  # wall clock: fedsd.deployment.stage_links
         for client, why in failed.items():
             log(WARNING, "secure aggregation round %d, %s: client %d dropped: %s", self.server_round, stage, client,
                 why)
