@@ -415,3 +415,41 @@ def test_a_resumed_run_steps_with_the_server_optimizers_momentum_as_an_uninterru
     moved = [k for k in whole if not np.array_equal(whole[k].numpy(), start[k].numpy())]
     assert moved and all(np.array_equal(resumed[k].numpy(), whole[k].numpy()) for k in whole), \
         [k for k in whole if not np.array_equal(resumed[k].numpy(), whole[k].numpy())]
+
+
+@pytest.mark.slow  # three owners' masked inputs (real data, real ledgers)
+def test_an_owners_draw_rate_is_set_from_public_numbers_never_from_the_records_it_holds(federation, monkeypatch):
+    """A review of the padding to q × secagg-max-records: owner_rate took the owner's own record
+    count, so at a server's M below it each record moved the rate the others were drawn at (19,
+    20, 21 records: 0.489, 0.465, 0.442), and ε 5.25-5.62 was spent where 3.72 was charged. The
+    rate is now set from the owner's max-records, else the run's M: owners of 100, 60 and 61
+    records draw at one rate. An owner whose own max-records is below its records is refused
+    before its charge, its reason naming no count."""
+    import json
+
+    from fedsd.app.client.secure_stages import StageRefused, owner_rate, padded_rows
+    from fedsd.secure import distributed_step
+
+    f = federation
+    fewer_records(f.tmp_path, 1, 60)
+    fewer_records(f.tmp_path, 2, 61)
+    f.flat["secagg-max-records"] = 30  # the server's M, below every owner's records
+    rates, real = [], distributed_step.contribution
+
+    def spy(*args, **kwargs):
+        rates.append(kwargs["draw_rate"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(distributed_step, "contribution", spy)
+    moved = f.rounds.one_round(1, f.arrays)
+    rows = padded_rows(f.plan, 4 * 28 * 28, 30)
+    # the same for 100, 60 and 61 records: q, as a rate set from M covers a batch of M's records (the
+    # owner's own count gave 100 records a lower rate than 60)
+    assert rates == [owner_rate(f.plan, 30, rows)] * 3 == [Q] * 3 and owner_rate(f.plan, 100, rows) < Q
+    f.contexts[IDS[0]].node_config["max-records"] = 80  # owner 0 holds 100
+    ledger = lambda: PrivacyFilter.from_state_dict(json.loads(next(  # noqa: E731
+        (f.tmp_path / "state-0").glob("ledger-*.json")).read_text()), 3.0, 1e-5).entries
+    assert len(ledger()) == 1
+    with pytest.raises(StageRefused, match=r"max-records does not fit its data \(its owner's log says how\)$"):
+        f.rounds.one_round(2, moved)  # this grid raises an owner's refusal where Flower's would carry it back
+    assert len(ledger()) == 1  # refused before its charge

@@ -194,6 +194,8 @@ def _distributed_defaults(args: argparse.Namespace, values: dict, fed: FedConfig
                  f"(--local-steps sets another)")
         return
     sizes = [training_records(f) for f in folders]
+    if not sum(sizes):
+        raise ConfigError(f"--client-data: the client folders in {args.client_folders} hold no training records")
     if not fed.sample_rate:
         batch = from_flat(values)[0].resolved().batch_size  # the method's batch size where none is given
         values["sample-rate"] = min(1.0, batch / sum(sizes))

@@ -34,8 +34,11 @@ def owner_events(logs: Path) -> list[tuple[float, str, str]]:
         service = log.stem
         for line in log.read_text(errors="replace").splitlines():
             m = LINE.match(line)
-            if m:
-                at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            try:
+                at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() if m else None
+            except ValueError:  # a line that looks like one and is not a time
+                at = None
+            if at is not None:
                 events.append((at, m.group(2), m.group(3), service))
     return events
 

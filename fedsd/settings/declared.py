@@ -178,7 +178,7 @@ def from_flat(flat: dict, *classes) -> tuple:
             elif value is not None:
                 try:
                     value = s.type(value)
-                except (TypeError, ValueError):
+                except (TypeError, ValueError, OverflowError):  # int(inf) overflows
                     raise ConfigError(f"{s.key}: expects {s.type.__name__}, got {value!r}") from None
                 if s.type is float and not math.isfinite(value):  # nan and inf are no setting's value
                     raise ConfigError(f"{s.key}: expects a finite number, got {value!r}")

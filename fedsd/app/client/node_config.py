@@ -98,6 +98,11 @@ class NodeConfig:
     secagg_min_clients: int = setting(2, "secure aggregation: the fewest clients a round's cohort, and its survivors, "
                                          "may have for this node to take part (its assumption of how many honest "
                                          "clients hide its input in the sum); a smaller cohort is refused")
+    max_records: int = setting(0, "distributed noise at record level: a bound on this owner's training records, its "
+                                  "own number; its step's draw rate is set from it (or, at 0, from the run's "
+                                  "secagg-max-records), never from the records it holds, so that no record changes "
+                                  "the rate the others are drawn at. Data with more records than it is refused "
+                                  "before anything is charged")
     secagg_max_colluders: int = setting(0, "secure aggregation: f, the most of a round's clients this owner allows "
                                            "to be the server's own; this node reveals its shares only when at least "
                                            "secagg-min-clients + f clients survive, so that secagg-min-clients "
@@ -215,6 +220,9 @@ def _check_counts(node: NodeConfig) -> None:
         raise NodeConfigError(f"node-config max-local-steps={node.max_local_steps}: must be ≥ 1")
     if node.min_evaluation_samples < 1:
         raise NodeConfigError(f"node-config min-evaluation-samples={node.min_evaluation_samples}: must be ≥ 1")
+    if node.max_records < 0:
+        raise NodeConfigError(f"node-config max-records={node.max_records}: must be ≥ 0 (0: the run's "
+                              f"secagg-max-records)")
 
 
 def parse(node_config: Mapping) -> NodeConfig:

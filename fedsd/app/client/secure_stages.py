@@ -481,6 +481,7 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
                            "any plan now would be taken as the first")
         # What can fail without the data, before the charge: the model read and loaded, the padding sized.
         student, net, pad = _before_charge(side, plan, content["arrays"])
+        bound = records_bound(side, len(trainer.data.x_train)) if net is None else 0
         _charge(side, context, plan, state)
         if offered is not None:  # pinned once the first round is charged: every later round must name it
             side.node.state().write_json(pinned_plan_name(side), offered)
@@ -493,7 +494,7 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
             else:
                 vector, state, _ = step_part(trainer, state, student, epoch, plan, key=None, honest=plan.honest,
                                              least_noise=own.noise_multiplier, pad_to=pad,
-                                             draw_rate=owner_rate(plan, len(trainer.data.x_train), pad))
+                                             draw_rate=owner_rate(plan, bound, pad))
         except Exception:  # charged and nothing released: the round still counts as taken part in
             local.save_train_state(side.state_file, dataclasses.replace(state, steps=state.steps + 1), trainer.plan)
             raise
@@ -652,7 +653,7 @@ def padded_rows(plan, bytes_a_row: int = 4, max_records: int | None = None) -> i
     own bound would tell how many records it holds (a review measured +171 ms for 2,000 records
     against 200 with E = 1, where padding fell back to each owner's own). An owner holding more
     than `max_records` draws at a lower rate to stay within the rows (owner_rate): a server that
-    understates it costs that owner's records their share of the step, never privacy. Padded to
+    understates it costs that owner's records their share of the step (records_bound). Padded to
     E alone, each of ten owners of the features recipe computed ten times its batch. A plan whose
     bound would not fit MAX_PADDED_BYTES is refused before the charge, by the plan's numbers alone."""
     from fedsd.secure import sum_bound
@@ -666,8 +667,27 @@ def padded_rows(plan, bytes_a_row: int = 4, max_records: int | None = None) -> i
     return math.ceil(planned)
 
 
+def records_bound(side, own_records: int) -> int:
+    """The count an owner's draw rate is set from (owner_rate): its node config's max-records, else
+    the run's public secagg-max-records; never the records it holds. A rate set from the owner's
+    own count moved with each record (at a server's M just under it, an owner of 19, 20 or 21
+    records drew at 0.489, 0.465, 0.442), so a record changed the others' rate: a review computed
+    ε 5.25-5.62 spent where 3.72 was charged (q = 0.5, 20 rounds, small owners). An owner whose
+    own max-records is below its records is refused before the charge (its own setting, which
+    nothing the server sends moves; the reason names no count). An owner without one, holding
+    more than the run's M, draws at the rate a batch of M's records fits, and its step covers its
+    whole batch where that passes the padded rows: its time can then tell that it holds more than
+    the server's M; its owner's max-records closes that (deploy/README.md)."""
+    own = side.node.max_records
+    if own and own_records > own:
+        log.warning("max-records=%d is below the %d training records of this owner's data: refused", own, own_records)
+        raise _refused("this owner's max-records does not fit its data (its owner's log says how)")
+    return own or max(1, side.fed.secagg_max_records)
+
+
 def owner_rate(plan, own_records: int, rows: int) -> float:
-    """The rate this owner draws its records at: the plan's q, unless its own Poisson batch at q
+    """The rate this owner draws its records at, for a count of `own_records` (records_bound's, not
+    the records it holds): the plan's q, unless a Poisson batch at q of that count
     could pass the padded `rows` (its records above the federation's B / q: a plan that
     understates E); then the largest rate whose batch stays within them but once in 1e9. Drawing
     at a lower rate than the ledger charges only spends less (a subsampled mechanism's Rényi

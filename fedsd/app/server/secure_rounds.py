@@ -475,11 +475,14 @@ class SecureRounds:
         return arrays
 
     def forget(self, exchange: Exchange) -> None:
-        """A node that did not answer this round's advertise stage is asked who it is again in the
-        next round (its SuperNode may have come back with another owner's service behind it)."""
+        """A node that did not answer this round's advertise stage, or that its neighbours named, is
+        asked who it is again in the next round (its SuperNode may have come back with another
+        owner's service behind it)."""
         answered = set(exchange.stages.get("advertise", {}).get("answered", []))
+        named = {str(culprit) for culprit in exchange.named}  # named by its neighbours: asked again too
         if "advertise" in exchange.stages:
-            for node in [node for node in self.known if exchange.ids.get(node) not in answered]:
+            for node in [node for node in self.known if exchange.ids.get(node) not in answered
+                         or str(exchange.ids.get(node)) in named]:
                 del self.known[node]
 
     def _applied(self, arrays, checked, total, server: SecAggServer, record: dict, replies) -> ArrayRecord:
