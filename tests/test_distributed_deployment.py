@@ -420,36 +420,57 @@ def test_a_resumed_run_steps_with_the_server_optimizers_momentum_as_an_uninterru
 @pytest.mark.slow  # three owners' masked inputs (real data, real ledgers)
 def test_an_owners_draw_rate_is_set_from_public_numbers_never_from_the_records_it_holds(federation, monkeypatch):
     """A review of the padding to q × secagg-max-records: owner_rate took the owner's own record
-    count, so at a server's M below it each record moved the rate the others were drawn at (19,
-    20, 21 records: 0.489, 0.465, 0.442), and ε 5.25-5.62 was spent where 3.72 was charged. The
-    rate is now set from the owner's max-records, else the run's M: owners of 100, 60 and 61
-    records draw at one rate. An owner whose own max-records is below its records is refused
-    before its charge, its reason naming no count."""
-    import json
-
+    count, so each record moved the rate the others were drawn at (19, 20, 21 records: 0.489,
+    0.465, 0.442), and ε 5.25-5.62 was spent where 3.72 was charged. The rate is now set from the
+    owner's own max-records K, else the run's M, which can only lower it: owners of 100, 60 and 61
+    records draw at one rate. With K an owner's step is padded to q × K rows; data above its K is
+    refused before the charge, the reason naming no count."""
     from fedsd.app.client.secure_stages import StageRefused, owner_rate, padded_rows
     from fedsd.secure import distributed_step
+    from fedsd.training.loop import DPTrainer
 
     f = federation
     fewer_records(f.tmp_path, 1, 60)
     fewer_records(f.tmp_path, 2, 61)
-    f.flat["secagg-max-records"] = 30  # the server's M, below every owner's records
-    rates, real = [], distributed_step.contribution
+    f.flat["secagg-max-records"] = 10_000  # the server's M
+    rates, rows, real, real_batch = [], [], distributed_step.contribution, DPTrainer.train_on_batch
 
     def spy(*args, **kwargs):
         rates.append(kwargs["draw_rate"])
         return real(*args, **kwargs)
 
+    def batch(self, x, y, *args, **kwargs):
+        rows.append(len(y))
+        return real_batch(self, x, y, *args, **kwargs)
+
     monkeypatch.setattr(distributed_step, "contribution", spy)
+    monkeypatch.setattr(DPTrainer, "train_on_batch", batch)
     moved = f.rounds.one_round(1, f.arrays)
-    rows = padded_rows(f.plan, 4 * 28 * 28, 30)
-    # the same for 100, 60 and 61 records: q, as a rate set from M covers a batch of M's records (the
-    # owner's own count gave 100 records a lower rate than 60)
-    assert rates == [owner_rate(f.plan, 30, rows)] * 3 == [Q] * 3 and owner_rate(f.plan, 100, rows) < Q
-    f.contexts[IDS[0]].node_config["max-records"] = 80  # owner 0 holds 100
-    ledger = lambda: PrivacyFilter.from_state_dict(json.loads(next(  # noqa: E731
-        (f.tmp_path / "state-0").glob("ledger-*.json")).read_text()), 3.0, 1e-5).entries
-    assert len(ledger()) == 1
-    with pytest.raises(StageRefused, match=r"max-records does not fit its data \(its owner's log says how\)$"):
-        f.rounds.one_round(2, moved)  # this grid raises an owner's refusal where Flower's would carry it back
-    assert len(ledger()) == 1  # refused before its charge
+    pad = padded_rows(f.plan, 4 * 28 * 28)  # no owner set K: the federation's E
+    assert rows == [pad] * 3
+    assert rates == [owner_rate(f.plan, 10_000, pad)] * 3 and rates[0] < Q  # one rate for 100, 60 and 61 records
+    assert owner_rate(f.plan, 100, pad) == Q  # (the owner's own count gave q)
+    for k in range(3):
+        f.contexts[IDS[k]].node_config["max-records"] = 200
+    rates.clear(), rows.clear()
+    moved = f.rounds.one_round(2, moved)
+    own_pad = padded_rows(f.plan, 4 * 28 * 28, 200)
+    assert own_pad < pad and rows == [own_pad] * 3 and rates == [owner_rate(f.plan, 200, own_pad)] * 3
+    assert len(ledger_entries(f.tmp_path, 0)) == 2
+    # data above the owner's own K: refused (at advertise, and again at the masked stage before its charge)
+    from fedsd.app.client.secure_stages import records_bound
+
+    side = SimpleNamespace(node=SimpleNamespace(max_records=80), fed=SimpleNamespace(secagg_max_records=10_000))
+    with pytest.raises(StageRefused) as refused:
+        records_bound(side, 100)
+    assert str(refused.value) == ("secure aggregation refused: this owner's max-records does not fit its data (its "
+                                  "owner's log says how)")
+    assert records_bound(side, 80) == 80 and records_bound(SimpleNamespace(node=SimpleNamespace(max_records=0),
+                                                                           fed=side.fed), 10**6) == 10_000
+
+
+def ledger_entries(tmp_path, k: int) -> list:
+    import json
+
+    return PrivacyFilter.from_state_dict(json.loads(next((tmp_path / f"state-{k}").glob("ledger-*.json")).read_text()),
+                                         3.0, 1e-5).entries

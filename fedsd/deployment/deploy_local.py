@@ -202,10 +202,14 @@ def _distributed_defaults(args: argparse.Namespace, values: dict, fed: FedConfig
         echo(f"deploy-local: sample-rate={values['sample-rate']:.6g}: batch-size {batch} over the {sum(sizes)} "
              f"training records of the {fed.num_clients} client folders in {args.client_folders} (each owner draws "
              f"its records at this rate; --run-config sample-rate=… sets another)")
-    if "secagg-max-records" not in values:
-        values["secagg-max-records"] = max(sizes)
-        echo(f"deploy-local: secagg-max-records={max(sizes)}: the largest owner's records; each owner pads its "
-             f"step to q times that many, whatever it holds (--run-config secagg-max-records=… sets another)")
+    given = node_configs(args)
+    bounds = {k: n for k, n in enumerate(sizes) if "max-records=" not in given[k]}
+    args.node_config_for += [(str(k), f"max-records={n}") for k, n in bounds.items()]
+    if bounds:
+        echo(f"deploy-local: max-records={','.join(str(n) for n in bounds.values())} for client(s) "
+             f"{','.join(map(str, bounds))}: each owner's bound on its records, its folder's count; its step is "
+             f"padded to q times that many and its draw rate set from it, whatever it holds "
+             f"(--node-config-for K 'max-records=…' sets another)")
 
 
 def _pairs(text: str, option: str) -> dict[str, str]:

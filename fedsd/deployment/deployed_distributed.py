@@ -41,18 +41,14 @@ CLIENT_RECIPE = {"dataset": "fmnist", "method": "dpsgd", "epsilon": 3.0, "batch-
 CLIENT_LIFETIME = 10.0  # each owner's max-epsilon there: each record's ε is the run's at z_e / 2 (above 3)
 
 
-def run_config(rounds: int, seed: int, clients: int, roster: Path, out: Path, unit: str = "record",
-               most: int = RECORDS) -> dict:
-    """The features recipe of results/table-distributed.md as a deployment's run config (`most`:
-    the largest owner's records, public to the operator who handed them out: each owner's step
-    is padded to q times that many); with unit client, README's whole-client recipe (every owner
-    every round, q = 1)."""
+def run_config(rounds: int, seed: int, clients: int, roster: Path, out: Path, unit: str = "record") -> dict:
+    """The features recipe of results/table-distributed.md as a deployment's run config; with
+    unit client, README's whole-client recipe (every owner every round, q = 1)."""
     if unit == "client":
         recipe = dict(CLIENT_RECIPE)
     else:
         recipe = {k.replace("_", "-"): v for k, v in FEATURES_RECIPE.items()}
         recipe["sample-rate"] = FEATURES_RECIPE["batch_size"] / RECORDS
-        recipe["secagg-max-records"] = most
     return {**recipe, "seed": seed, "num-clients": clients, "num-server-rounds": rounds, "client-data": "own",
             "secure-aggregation": True, "noise": "distributed", "honest-clients": clients,
             "secagg-roster": str(roster), "out-dir": str(out)}
@@ -132,12 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         with LocalDeployment(work / "deployment", args.clients, client_data=data, isolate=True,
                              **nodes) as deployment:
             roster = deployment.shared_dir() / "roster"
-            deployment.node_config = [owners.format(t=args.clients, roster=roster)] * args.clients
+            # each owner's bound on its records, its folder's count: its step padded to q times that
+            bounds = [f" max-records={training_records(data / f'client-{k}')}" if args.privacy_unit == "record"
+                      else "" for k in range(args.clients)]
+            deployment.node_config = [owners.format(t=args.clients, roster=roster) + b for b in bounds]
             roster_of(deployment)
             deployment.start()
             ready = time.perf_counter() - started
-            most = max(training_records(data / f"client-{k}") for k in range(args.clients))
-            config = run_config(args.rounds, args.seed, args.clients, roster, out, args.privacy_unit, most)
+            config = run_config(args.rounds, args.seed, args.clients, roster, out, args.privacy_unit)
             resumed = checkpoint.path_in(out).is_file() and not (out / "result.json").is_file()
             deployment.run({"resume-dir": str(out)} if resumed else config, timeout=args.timeout,
                            echo=echo_to(work / "rounds.jsonl"))

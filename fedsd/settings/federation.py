@@ -79,10 +79,10 @@ class FedConfig:
                                       "to hold, a public number. With local noise, the server bounds an honest "
                                       "update from the run's public numbers alone (no client's report moves the "
                                       "bound); an owner scales an update above that bound down to it before it "
-                                      "enters the sum. With distributed noise at record level, an owner's step is "
-                                      "padded to the Poisson bound of q × this many records (at most the "
-                                      "federation's batch), whatever it holds; an owner with more draws at a lower "
-                                      "rate (spending less)", cli=False)
+                                      "enters the sum. With distributed noise at record level, an owner without "
+                                      "its own max-records draws at the rate whose batch of this many records "
+                                      "fits its padded step, at most q (spending less), whatever it holds",
+                                      cli=False)
     secagg_roster: str = setting("", "--secure-aggregation in a deployment: the server's copy of the owners' roster "
                                  "(public keys); a node whose identity is not on it is left out of every round and "
                                  "named. Each owner checks its own copy; this one only keeps strangers out early",

@@ -239,6 +239,8 @@ def admitted_at_advertise(content: RecordDict, context: Context, owner: Owner) -
     round_content = RecordDict({"config": config})
     if config.get("noise") == "distributed":
         plan, side, _, _ = _checked_plan(round_content, context, owner)
+        if side.fed.privacy_unit != "client":  # what the masked stage refuses before its charge, said here
+            records_bound(side, len(side.trainer.data.x_train))
         _charge(side, context, plan, local.carried_state(side, context), dry_run=True)
         return
     try:
@@ -527,7 +529,7 @@ def _before_charge(side, plan, arrays):
         raise _refused(f"the round's model is not this run's network: {mismatch}")
     if client:  # local_update loads the student into it, on the data's device
         return student, net, 0
-    return student, None, padded_rows(plan, row_bytes(trainer.data.x_train), side.fed.secagg_max_records)
+    return student, None, padded_rows(plan, row_bytes(trainer.data.x_train), side.node.max_records or None)
 
 
 def model_mismatch(own: dict, sent: dict) -> str:
@@ -646,16 +648,17 @@ def admitted_plan(side, plan) -> dict | None:
 
 
 def padded_rows(plan, bytes_a_row: int = 4, max_records: int | None = None) -> int:
-    """The rows an owner's per-sample work covers whatever its Poisson batch: the run's public
-    bound on any client's batch, the Poisson tail of q × `max_records` (the run's
-    secagg-max-records) or of its expected batch E = batch-size (which every owner checks the plan
-    against), the smaller; never from the owner's own records. A time that followed the owner's
-    own bound would tell how many records it holds (a review measured +171 ms for 2,000 records
-    against 200 with E = 1, where padding fell back to each owner's own). An owner holding more
-    than `max_records` draws at a lower rate to stay within the rows (owner_rate): a server that
-    understates it costs that owner's records their share of the step (records_bound). Padded to
-    E alone, each of ten owners of the features recipe computed ten times its batch. A plan whose
-    bound would not fit MAX_PADDED_BYTES is refused before the charge, by the plan's numbers alone."""
+    """The rows an owner's per-sample work covers whatever its Poisson batch: a bound on any batch
+    from numbers that are not its data, the Poisson tail of the plan's expected batch E =
+    batch-size (the federation's, which every owner checks the plan against), or, where the owner
+    set `max-records` K (its own bound on its records, `max_records` here), of q × K when that is
+    smaller; never of the records it holds. A time that followed the owner's own bound would tell
+    how many records it holds (a review measured +171 ms for 2,000 records against 200 with E = 1,
+    where padding fell back to each owner's own). Padded to E, each of the features recipe's ten
+    owners computed 8.7k rows for a batch of ~820; with its K it computes ~990. The server's
+    secagg-max-records never lowers it: a review found that, set to 1, it left 16 rows, and an
+    owner's batch above them (never cut) told its size by its time. A plan whose bound would not
+    fit MAX_PADDED_BYTES is refused before the charge, by the plan's numbers alone."""
     from fedsd.secure import sum_bound
 
     expected = plan.expected_batch if max_records is None else min(plan.expected_batch,
@@ -674,15 +677,16 @@ def records_bound(side, own_records: int) -> int:
     records drew at 0.489, 0.465, 0.442), so a record changed the others' rate: a review computed
     ε 5.25-5.62 spent where 3.72 was charged (q = 0.5, 20 rounds, small owners). An owner whose
     own max-records is below its records is refused before the charge (its own setting, which
-    nothing the server sends moves; the reason names no count). An owner without one, holding
-    more than the run's M, draws at the rate a batch of M's records fits, and its step covers its
-    whole batch where that passes the padded rows: its time can then tell that it holds more than
-    the server's M; its owner's max-records closes that (deploy/README.md)."""
+    nothing the server sends moves; the reason names no count: that it was refused is the one
+    bit the server learns, the same in every round). An owner without one is padded to the
+    federation's E (padded_rows) and draws at the rate a batch of M's records fits within it, at
+    most q: a server's M only lowers its rate; its batch passes the pad only if it holds more than
+    the federation's whole E / q records (deploy/README.md)."""
     own = side.node.max_records
     if own and own_records > own:
         log.warning("max-records=%d is below the %d training records of this owner's data: refused", own, own_records)
         raise _refused("this owner's max-records does not fit its data (its owner's log says how)")
-    return own or max(1, side.fed.secagg_max_records)
+    return own or max(1, side.fed.secagg_max_records)  # the server's M only ever lowers the rate (the pad is E's)
 
 
 def owner_rate(plan, own_records: int, rows: int) -> float:
