@@ -73,9 +73,7 @@ def with_roster(deployment: LocalDeployment, run_config: dict) -> dict:
     deployment.node_config = [c + f" secagg-roster='{path}'" + (
         f" secagg-min-clients={t}" if t >= 2 and "secagg-min-clients=" not in c else "")
         for c in deployment.node_config]
-    lines = deployment.identities()
-    deployment.write_shared("roster", "# the federation's owners, one identity each (made by the owner's own uid)\n"
-                            + "".join(f"owner-{k} {lines[k]}\n" for k in sorted(lines)))
+    deployment.write_roster()
     return {**run_config, "secagg-roster": str(path)}
 
 

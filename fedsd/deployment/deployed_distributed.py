@@ -61,13 +61,6 @@ def split(data: Path, clients: int, partition: str, alpha: float, seed: int) -> 
         write_client_folders(TrainConfig(dataset="fmnist", seed=seed), fed, data, "npz", echo=print)
 
 
-def roster_of(deployment: LocalDeployment) -> Path:
-    """Each owner's identity (made by its own uid, kept from one start to the next) on one roster."""
-    lines = deployment.identities()
-    text = "# the federation\n" + "".join(f"owner-{k} {lines[k]}\n" for k in sorted(lines))
-    return deployment.write_shared("roster", text)
-
-
 def echo_to(path: Path):
     last = [time.perf_counter()]
 
@@ -132,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             bounds = [f" max-records={training_records(data / f'client-{k}')}" if args.privacy_unit == "record"
                       else "" for k in range(args.clients)]
             deployment.node_config = [owners.format(t=args.clients, roster=roster) + b for b in bounds]
-            roster_of(deployment)
+            deployment.write_roster()
             deployment.start()
             ready = time.perf_counter() - started
             config = run_config(args.rounds, args.seed, args.clients, roster, out, args.privacy_unit)

@@ -522,6 +522,13 @@ class LocalDeployment:
             lines[k] = proc.stdout.strip().splitlines()[-1]
         return lines
 
+    def write_roster(self) -> Path:
+        """Each owner's identity (`identities`: made by its own uid, kept from one start to the
+        next) on one roster, shared_dir()/roster; returns its path."""
+        lines = self.identities()
+        return self.write_shared("roster", "# the federation's owners, one identity each (made by the owner's own "
+                                 "uid)\n" + "".join(f"owner-{k} {lines[k]}\n" for k in sorted(lines)))
+
     def shared_dir(self) -> Path:
         """work/shared: files every client may read and none may write (a federation's roster),
         this (root's) process's, in every client's view under --isolate."""
