@@ -173,6 +173,11 @@ def _checked(cfg: TrainConfig, settings: AuditConfig, out, overwrite: bool) -> T
         # the data, is a second mechanism the audit would not see.
         raise ConfigError(f"--feature-norm {cfg.feature_norm}: fedsd audit measures DP-SGD's steps alone; audit "
                           "ScatterNet features with --feature-norm group")
+    if cfg.clip_quantile:
+        # Its canaries are measured at a fixed clip; the estimate's counts are a second release per
+        # step, which the accountant composes (fedsd.clipping.adaptive) but the canaries do not see.
+        raise ConfigError("--clip-quantile: fedsd audit measures DP-SGD at a fixed clip; audit with --clip-quantile 0 "
+                          "(the count's cost is in the accountant's ε, Theorem 1)")
     return cfg
 
 

@@ -38,4 +38,10 @@ class BookKeeping(Clipper):
     def backward(self, per_sample_loss):
         loss = per_sample_loss.mean()
         self.engine.backward(loss, len(per_sample_loss), zero_nonfinite=self.zero_nonfinite)
+        if self.counting:
+            self.count(self.engine.norms)
         return loss
+
+    def set_clip(self, clip: float) -> None:
+        super().set_clip(clip)
+        self.engine.max_grad_norm = self.clip

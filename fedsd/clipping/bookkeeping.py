@@ -138,6 +138,7 @@ class BookKeepingEngine:
         self.kernel = kernel
         self.conv_ways = dict(conv_ways) if conv_ways is not None else None
         self.taken: dict[int, str] = {}  # the way each conv layer took in the last step (benchmarks)
+        self.norms: torch.Tensor | None = None  # each sample's gradient norm in the last backward pass
         # Watches, never changes: observer(layer, part) is entered around each layer's per-sample
         # norms ("norms") and its part of the clipped sum ("clip-sum"), a context manager (`fedsd
         # bench step --layers` times them), and observer((layer, ...), "norms") around the kernel
@@ -252,8 +253,9 @@ class BookKeepingEngine:
             # Scale back from the mean's gradients to each sample's own (×n), in the norms and in
             # the weights of the sum, rather than in every output gradient.
             coeff = clip_factor(norms2.sqrt() * batch_size, self.max_grad_norm) * batch_size
+        self.norms = norms2.sqrt() * batch_size
         if zero_nonfinite:
-            bad = ~torch.isfinite(norms2.sqrt() * batch_size)
+            bad = ~torch.isfinite(self.norms)
             coeff = torch.where(bad, torch.zeros((), dtype=coeff.dtype, device=coeff.device), coeff)
             # The pass's layers are summed already (a bad sample added +0.0): nothing of theirs to zero.
             kept = [(layer, a, g, needs) if isinstance(needs, _FusedConv)

@@ -39,6 +39,26 @@ class Clipper:
         # the gradient of each sample whose gradient is not finite, in the same work either way,
         # so that neither the update nor the time taken says whether a sample overflowed.
         self.zero_nonfinite = False
+        # The clip norm now: the run's --clip, moved after each step by adaptive clipping
+        # (fedsd.clipping.adaptive, set_clip). While `counting`, each backward pass adds its samples'
+        # Σ_i (b_i − ½) (b_i = 1 where a sample's gradient norm is at most the clip) to `counted`.
+        self.clip = cfg.clip
+        self.counting = False
+        self.counted = torch.zeros((), dtype=torch.float64)
+
+    def set_clip(self, clip: float) -> None:
+        """Clip at `clip` from the next step on, in the clipper and in the optimizer's noise
+        (std σ·C); a clipper that clips elsewhere (an engine, Opacus' module) passes it on."""
+        self.clip = float(clip)
+        if self.optimizer is not None:
+            self.optimizer.max_grad_norm = self.clip
+
+    def count(self, norms: torch.Tensor) -> None:
+        """Adaptive clipping: add this part of the batch's centred count of norms at most the clip."""
+        if self.counting:
+            from fedsd.clipping.adaptive import centred_count
+
+            self.counted = self.counted + centred_count(norms.detach(), self.clip).cpu()
 
     def take(self, route) -> None:
         """What the run's route (fedsd.clipping.routes.Route) says about this clipper beyond its mode and
@@ -87,7 +107,7 @@ class Clipper:
         join the batch where this clipper clips, so Opacus noises and averages them with it:
         here, clipped by the clipper's own factor into the clipped sum (clippers that give Opacus
         per-sample gradients add them as rows instead)."""
-        canaries.parameter.grad = canaries.clipped_sum(lambda norms: clip_factor(norms, self.cfg.clip))
+        canaries.parameter.grad = canaries.clipped_sum(lambda norms: clip_factor(norms, self.clip))
 
 
 CLIPPERS: dict[str, type[Clipper]] = {}  # --grad-sample-mode → its clipper

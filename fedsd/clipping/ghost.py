@@ -23,6 +23,10 @@ class GhostClipping(Clipper):
         self.module = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="mean",
                                                            max_grad_norm=cfg.clip, use_ghost_clipping=True)
 
+    def set_clip(self, clip: float) -> None:
+        super().set_clip(clip)
+        self.module.max_grad_norm = self.clip
+
     def backward(self, per_sample_loss):
         loss = per_sample_loss.mean()
         with warnings.catch_warnings():
@@ -31,6 +35,7 @@ class GhostClipping(Clipper):
             loss.backward(retain_graph=True)
             self.optimizer.zero_grad()
             coeff = self.module.get_clipping_coef()
+            self.count(self.module.per_sample_gradient_norms)
             self.module.disable_hooks()
             (coeff.to(per_sample_loss.device) * per_sample_loss).sum().backward()
             self.module.enable_hooks()

@@ -35,6 +35,10 @@ class PerSampleGradients(Clipper):
             loss.backward()
         if self.zero_nonfinite:
             self._zero_nonfinite_rows()
+        if self.counting:  # the norms Opacus' DPOptimizer clips by (its clip_and_accumulate), once more
+            rows = [p.grad_sample.flatten(1) for p in self.model.parameters()
+                    if getattr(p, "grad_sample", None) is not None]
+            self.count(torch.stack([r.norm(2, dim=1) for r in rows], dim=1).norm(2, dim=1))
         return loss
 
     def _zero_nonfinite_rows(self) -> None:

@@ -5,6 +5,7 @@ at once, one progress bar for the whole table), the table files made from the ru
 - `--table fed`: the federated table (simulations; federated_table.py);
 - `--table readings`: every reading of the papers, on validation (readings.py);
 - `--table features`: DP-SGD on ScatterNet features, ε = 3 (features_table.py);
+- `--table adaptive`: adaptive clipping started 10× and 0.1× off the tuned C (adaptive_table.py);
 - `--table distributed`: the features and CNN recipes as a 10-client federation with distributed
   noise under secure aggregation (distributed_table.py).
 
@@ -26,17 +27,18 @@ from fedsd.experiments.federated_table import FED_METHODS, FED_PARTITIONS, FED_T
 from fedsd.experiments.paper_tables import TABLE1_METHODS, TABLE1_VARIANTS, table1_cells, table2_cells, table_cells, write_tables
 from fedsd.experiments.readings import confirm_runs, dropped, screen_rows, screen_runs, write_readings
 
-HELP = "the papers' Table 1 / Table 2, the federated, readings, features and distributed tables, resumable"
+HELP = "the papers' Table 1 / Table 2, the federated, readings, features, distributed and adaptive tables, resumable"
 
 
 def reproduce_parser() -> argparse.ArgumentParser:
     p = Parser(prog="fedsd reproduce", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--table", choices=["1", "2", "fed", "readings", "features", "distributed"], default="1",
+    p.add_argument("--table", choices=["1", "2", "fed", "readings", "features", "distributed", "adaptive"], default="1",
                    help="1, 2: the papers' tables (central runs); fed: the federated table (simulations); "
                         "readings: every reading of the papers on validation (fedsd/experiments/readings.py); "
                         "features: DP-SGD on ScatterNet features, ε = 3 (fedsd/experiments/features_table.py); "
                         "distributed: the features and CNN recipes as a federation with distributed noise under "
-                        "secure aggregation (fedsd/experiments/distributed_table.py)")
+                        "secure aggregation (fedsd/experiments/distributed_table.py); adaptive: adaptive clipping "
+                        "started 10× and 0.1× off the tuned C (fedsd/experiments/adaptive_table.py)")
     p.add_argument("--datasets", nargs="+", choices=DATASETS, default=None,
                    help="Table 1 (default: all); Table 2 and the federated table are FMNIST's")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=None, help="default: the table's")
@@ -67,7 +69,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     out = Path(args.out)
     threads = args.threads or threads_per_job(args.device, args.jobs)
     table = {"features": features_table, "readings": readings_table, "fed": federated_table,
-             "distributed": distributed_table}.get(args.table, paper_table)
+             "distributed": distributed_table, "adaptive": adaptive_table}.get(args.table, paper_table)
     print(f"wrote {table(args, out, threads)}")
     return 0
 
@@ -86,7 +88,9 @@ def check_reproduce_args(args: argparse.Namespace) -> None:
            "readings": (("datasets", "methods", "variant", "seeds", "epochs", "subset"),
                         "the readings table has its own settings, runs and seeds"),
            "distributed": (("datasets", "methods", "variant", "seeds", "epochs", "subset"),
-                           "the distributed table has its own settings, runs and seeds")}
+                           "the distributed table has its own settings, runs and seeds"),
+           "adaptive": (("datasets", "methods", "variant", "epochs", "subset"),
+                        "the adaptive clipping table has its own settings")}
     for name in own.get(args.table, ((), ""))[0]:
         if getattr(args, name):
             raise ConfigError(f"--{name}: {own[args.table][1]}; leave it out")
@@ -97,6 +101,12 @@ def check_reproduce_args(args: argparse.Namespace) -> None:
 def features_table(args: argparse.Namespace, out: Path, threads: int) -> str:
     return str(reproduce_features(args.datasets, args.seeds or 3, args.jobs, threads, args.device, args.data_dir, out,
                                   args.quiet))
+
+
+def adaptive_table(args: argparse.Namespace, out: Path, threads: int) -> str:
+    from fedsd.experiments.adaptive_table import reproduce_adaptive
+
+    return str(reproduce_adaptive(args.seeds or 3, args.jobs, threads, args.device, args.data_dir, out, args.quiet))
 
 
 def distributed_table(args: argparse.Namespace, out: Path, threads: int) -> str:

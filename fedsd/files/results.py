@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import shutil
+import statistics
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -165,7 +166,7 @@ def save_model(path: Path, weights: dict[str, torch.Tensor]) -> None:
 
 def plot_curve(path: Path, points: list[dict], x_key: str, title: str) -> None:
     """Test accuracy, test loss and the ε spent so far against epoch (or round), one panel each,
-    ticked at whole epochs or rounds."""
+    ticked at whole epochs or rounds; with adaptive clipping, the clip too."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,7 +179,11 @@ def plot_curve(path: Path, points: list[dict], x_key: str, title: str) -> None:
                                     for p in points]),
               ("test loss", [p["test_loss"] if p.get("test_loss") is not None else float("nan") for p in points]),
               ("ε spent" + (" (largest client's)" if x_key == "round" else ""), spent)]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    if any("clip" in p or p.get("client_clip") for p in points):  # adaptive clipping: where the estimate stood
+        panels.append(("clip C (adaptive" + (", clients' median)" if x_key == "round" else ")"), [
+            p["clip"] if "clip" in p else statistics.median(p["client_clip"].values()) if p.get("client_clip")
+            else float("nan") for p in points]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
     for ax, (label, ys) in zip(axes, panels):
         ax.plot(xs, ys, marker="o", ms=3)
         ax.set_xlabel(x_key)

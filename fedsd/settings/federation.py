@@ -171,6 +171,11 @@ def client_config(cfg: TrainConfig, fed: FedConfig) -> TrainConfig:
         # One shared normalisation needs the statistics aggregated before round 1 (not built).
         raise ConfigError(f"--feature-norm {cfg.feature_norm}: central runs only; a federation normalises "
                           "the features per sample (--feature-norm group)")
+    if cfg.clip_quantile and fed.secure_aggregation:
+        # Each owner's count would have to join the secure sum, its noise distributed as the
+        # update's; until then an owner's clip estimate would be one more number beside its masked vector.
+        raise ConfigError("--clip-quantile: adaptive clipping is not built under --secure-aggregation yet; give a "
+                          "fixed --clip (--clip-quantile 0)")
     return dataclasses.replace(cfg, epochs=fed.planned_rounds * fed.local_epochs).resolved()
 
 

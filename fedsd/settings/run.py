@@ -112,6 +112,13 @@ class RunConfig:
                                "size; at another B, times (B / B_paper)" + (f"^{LR_BATCH_EXPONENT:g}" if LR_BATCH_EXPONENT != 1
                                else "") + " (chosen on validation)")
     clip: float | None = setting(None, "per-sample clipping norm C", default_text=_paper_text("clip"))
+    clip_quantile: float = setting(0.0, "adaptive clipping (Andrew et al. 2021): --clip is where the clip starts, and "
+                                   "it follows this quantile of the per-sample gradient norms, each step's noised "
+                                   "count of the norms below it composed into the run's ε; 0: C stays --clip")
+    clip_lr: float = setting(0.2, "--clip-quantile: the clip's geometric learning rate η (the paper's 0.2)")
+    clip_count_noise: float = setting(0.0, "--clip-quantile: the std σ_b of the noise on each step's count (0: B/20, "
+                                      "the paper's); the gradient's noise multiplier is lowered so that the two "
+                                      "spend the run's ε (the paper's Theorem 1)")
     momentum: float | None = setting(None, "SGD momentum",
                                      default_text="chosen per data set on validation: 0.9 for MNIST, FMNIST and CIFAR-10")
     accountant: str = setting("rdp", "Opacus accountant that calibrates σ and reports ε", choices=ACCOUNTANTS)
@@ -464,6 +471,11 @@ def validate(c: TrainConfig, num_train: int) -> None:
            f"must not exceed the {num_train} training samples it samples from", c.batch_size)
     check_setting(math.isfinite(c.lr) and c.lr > 0, "--lr", "must be a finite number > 0", c.lr)
     check_setting(math.isfinite(c.clip) and c.clip > 0, "--clip", "must be a finite number > 0", c.clip)
+    check_setting(c.clip_quantile == 0 or 0 < c.clip_quantile < 1, "--clip-quantile",
+                  "must be in (0, 1), or 0 for a fixed clip", c.clip_quantile)
+    check_setting(math.isfinite(c.clip_lr) and c.clip_lr > 0, "--clip-lr", "must be a finite number > 0", c.clip_lr)
+    check_setting(math.isfinite(c.clip_count_noise) and c.clip_count_noise >= 0, "--clip-count-noise",
+                  "must be a finite number > 0 (0: B/20)", c.clip_count_noise)
     check_setting(0 <= c.momentum < 1, "--momentum", "must be in [0, 1)", c.momentum)
     check_setting(c.threads >= 0, "--threads", "must be >= 0", c.threads)
     check_setting(c.max_physical_batch_size >= 0, "--max-physical-batch-size", "must be >= 0 (0: what fits)",

@@ -191,6 +191,8 @@ class CentralRun:
         accuracy, loss = evaluate(net, tensors.x_test, tensors.y_test)
         record = dict(epoch=epoch, test_accuracy=accuracy, test_loss=loss, epsilon=metrics["epsilon"],
                       train_loss=metrics["train_loss"], seconds=metrics["seconds"])
+        if "clip" in metrics:  # adaptive clipping: the estimate after this epoch
+            record["clip"] = metrics["clip"]
         if self.cfg.validation:
             record["validation_accuracy"] = evaluate(net, *self.validation)[0]
         self.epochs.append(record)

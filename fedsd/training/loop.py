@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedsd.clipping import routes
+from fedsd.clipping import adaptive, routes
 from fedsd.training.callbacks import ProximalTerm, StepCallback
 from fedsd.training.compiled import CompiledForward, student_forward, teacher_forward
 from fedsd.clipping import CLIPPERS
@@ -92,6 +92,7 @@ class TrainState:
     local_model: Weights | None = None  # the end-of-round student, for teacher=local-previous
     momentum: list[torch.Tensor] | None = None  # SGD momentum buffers, when momentum > 0
     teacher_average: Weights | None = None  # teacher=global-ema: the average of the global models received
+    clip: float | None = None  # --clip-quantile: the clip estimate now (fedsd.clipping.adaptive); None: --clip
 
     def state_dict(self, plan: PrivacyPlan) -> dict:
         """One flat form for every store: names to tensors or plain values, with the mechanism
@@ -102,6 +103,8 @@ class TrainState:
             flat["rng_state"] = self.rng_state
         if self.secret is not None:  # secret draws, never the key: each call draws a fresh one
             flat["secret"] = 1
+        if self.clip is not None:
+            flat["clip"] = float(self.clip)
         flat.update({f"local_model/{k}": v.detach().cpu() for k, v in (self.local_model or {}).items()})
         flat.update({f"momentum/{i}": v.detach().cpu() for i, v in enumerate(self.momentum or [])})
         flat.update({f"teacher_average/{k}": v.detach().cpu() for k, v in (self.teacher_average or {}).items()})
@@ -122,7 +125,7 @@ class TrainState:
         average = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith("teacher_average/")}
         return cls(history=json.loads(flat["history"]), rng_state=flat.get("rng_state"),
                    secret=SecretStream.fresh() if "secret" in flat or "secret/key" in flat else None,
-                   steps=int(flat["steps"]),
+                   steps=int(flat["steps"]), clip=float(flat["clip"]) if "clip" in flat else None,
                    local_model=local_model or None, momentum=momentum or None, teacher_average=average or None)
 
 
@@ -256,6 +259,10 @@ class DPTrainer:
         # The clipping route: it computes the clipped per-sample gradient sum and owns the Opacus
         # optimizer that adds the noise and averages (fedsd.clipping).
         self.clipper = CLIPPERS[mode](self.model, cfg, mode)
+        # --clip-quantile: the clip follows a quantile of the per-sample gradient norms, each step's
+        # noised count of those below it released beside the gradient (fedsd.clipping.adaptive)
+        self.adaptive = adaptive.QuantileClip.of(cfg)
+        self.clipper.counting = self.adaptive is not None
         if self.route is not None:
             self.clipper.take(self.route)
         # Compiled where that changes no bit (fedsd.training.compiled): the teacher's forward, and
@@ -290,7 +297,9 @@ class DPTrainer:
         self.plan, self.client = plan, client
         self.num_train = len(data.y_train)
         self.steps_per_epoch = steps_per_epoch(self.num_train, self.cfg.batch_size)
-        self.optimizer.noise_multiplier = plan.noise_multiplier
+        # With adaptive clipping the gradient takes σ_Δ, the count the rest of the plan's z (Theorem 1)
+        self.optimizer.noise_multiplier = (self.adaptive.gradient_noise_multiplier(plan.noise_multiplier)
+                                           if self.adaptive is not None else plan.noise_multiplier)
         return self
 
     # -- one call: some epochs from a given global model -------------------------------------
@@ -315,7 +324,7 @@ class DPTrainer:
 
         model = with_release(cfg, {k: dict(v) for k, v in model.items()})
         self.load_student(model["student"])
-        self._restore_momentum(state.momentum)
+        self._restore_carried(state)
         if teacher is not None or self.method.self_distilling:
             self.load_teacher(teacher if teacher is not None else model["student"])
         callbacks = [*self.method.step_callbacks(cfg, model, state.steps, self.device),
@@ -351,6 +360,8 @@ class DPTrainer:
         metrics = dict(num_examples=self.num_train, train_loss=loss_sum / max(steps_run, 1), steps=steps_run,
                        epsilon=accountant.epsilon(self.plan.delta), noise_multiplier=self.plan.noise_multiplier,
                        seconds=time.perf_counter() - started)
+        if self.adaptive is not None:  # a release: post-processing of the noised counts
+            state.clip = metrics["clip"] = self.clipper.clip
         return model, state, metrics
 
     def _start_draws(self, state: TrainState) -> None:
@@ -425,6 +436,7 @@ class DPTrainer:
         update=False, the private gradient is left in each p.grad and the weights unchanged).
         `weight`: 0 or 1 a row (a padded batch's rows of 0 add nothing to the clipped sum)."""
         self.optimizer.zero_grad(set_to_none=True)
+        self.clipper.counted = torch.zeros((), dtype=torch.float64)
         if not len(y):
             self.clipper.empty_batch()
             self._optimizer_step(callbacks, update)
@@ -506,8 +518,20 @@ class DPTrainer:
                 callback.after_noise(self)
             if update:
                 self.optimizer.original_optimizer.step()
+                if self.adaptive is not None:
+                    self._adapt_clip()
         for callback in callbacks:
             callback.after_step(self)
+
+    def _adapt_clip(self) -> None:
+        """Adaptive clipping: release the step's centred count with its noise σ_b (from the call's
+        secret stream or generator, as the gradient's), and move the clip by it."""
+        sigma_b = self.adaptive.count_noise
+        if self.secret is not None:
+            noise = float(self.secret.gaussian_like(torch.zeros(1, dtype=torch.float64), sigma_b))
+        else:
+            noise = float(torch.normal(0.0, sigma_b, (1,), generator=self.generator, device=self.device))
+        self.clipper.set_clip(self.adaptive.next_clip(self.clipper.clip, float(self.clipper.counted) + noise))
 
     def _momentum(self) -> list[torch.Tensor] | None:
         if not self.cfg.momentum:
@@ -515,12 +539,13 @@ class DPTrainer:
         state = self.optimizer.original_optimizer.state
         return [state[p]["momentum_buffer"].clone() for p in self.trainable()]
 
-    def _restore_momentum(self, buffers: list[torch.Tensor] | None) -> None:
+    def _restore_carried(self, carried: TrainState) -> None:
         """The trainer is shared between rounds (and, in a worker, between clients): momentum
-        buffers belong to the carried state, never to the trainer."""
+        buffers and the clip estimate belong to the carried state, never to the trainer."""
         state = self.optimizer.original_optimizer.state
         state.clear()
-        if buffers is not None:
-            for p, buf in zip(self.trainable(), buffers):
+        if carried.momentum is not None:
+            for p, buf in zip(self.trainable(), carried.momentum):
                 state[p]["momentum_buffer"] = buf.clone().to(p.device)
+        self.clipper.set_clip(carried.clip if carried.clip is not None else self.cfg.clip)
 

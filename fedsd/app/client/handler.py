@@ -730,6 +730,8 @@ def train_round(side: ClientSide, state: TrainState | None, content: RecordDict,
              "steps": metrics["steps"]}
     if not side.own_data:  # an exact function of the records, unnoised: a simulation's diagnostic only
         reply["train-loss"] = metrics["train_loss"]
+    if "clip" in metrics:  # adaptive clipping: the estimate, a function of the noised counts only
+        reply["clip"] = metrics["clip"]
     arrays = model_to_record(model)
     if state_file is not None:
         keep_reply(state_file, request, arrays, reply, summed=into_sum)

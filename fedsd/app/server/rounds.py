@@ -80,6 +80,9 @@ class RoundBook:
             skipped_files={str(k): r["skipped-files"] for k, r in reports.items() if "skipped-files" in r},
             service={str(k): r["service"] for k, r in reports.items() if "service" in r},
             missed=s.missed.get(server_round, [])))
+        clips = {str(k): r["clip"] for k, r in reports.items() if "clip" in r}
+        if clips:  # adaptive clipping: each client's clip estimate after the round
+            self.rounds[-1]["client_clip"] = clips
         if validation is not None:  # a simulation's --validation split, for choosing settings
             self.rounds[-1]["validation_accuracy"] = validation
         if self.out is not None:

@@ -1,0 +1,150 @@
+"""Adaptive clipping for records (fedsd.clipping.adaptive: Andrew et al. 2021): the clip follows a
+quantile of the per-sample gradient norms, its count's cost composed into the run's ε."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from fedsd.clipping.adaptive import QuantileClip, centred_count
+from fedsd.errors import ConfigError
+from fedsd.privacy.accounting import RDP_ORDERS, AccountantHistory, plan
+from fedsd.settings.run import TrainConfig
+from tests.conftest import require
+
+
+def test_the_count_is_centred_and_a_sample_whose_gradient_is_not_finite_counts_below():
+    norms = torch.tensor([0.5, 1.0, 1.5, float("nan"), float("inf"), 3.0])
+    # below: 0.5, 1.0 (at the clip), nan and inf (joined the sum as zero); above: 1.5, 3.0
+    assert float(centred_count(norms, 1.0)) == 4 - 0.5 * 6
+
+
+def test_the_rule_settles_at_the_quantile_from_ten_times_above_and_below():
+    """The geometric update (the paper's Algorithm 1) with its noised count, on norms from a fixed
+    distribution: from 10× and 0.1× its true quantile, the clip ends within 10 % of it."""
+    g = torch.Generator().manual_seed(0)
+    norms = torch.empty(200_000).log_normal_(0.0, 1.0, generator=g)
+    true = float(norms.quantile(0.3))
+    rule = QuantileClip(quantile=0.3, lr=0.2, count_noise=256 / 20, expected_batch=256)
+    for start in (10 * true, 0.1 * true):
+        clip = start
+        for _ in range(600):
+            batch = norms[torch.randint(len(norms), (256,), generator=g)]
+            noise = float(torch.normal(0.0, rule.count_noise, (1,), generator=g))
+            clip = rule.next_clip(clip, float(centred_count(batch, clip)) + noise)
+        assert abs(clip / true - 1) < 0.10, (start, clip, true)
+
+
+def test_the_gradient_and_the_count_spend_what_dp_accounting_composes_for_them():
+    """Theorem 1: the gradient at σ_Δ and the centred count at σ_b on one Poisson sample spend
+    what the run's accountant counts for the plan's z; dp_accounting's composition of the two
+    mechanisms (its own code) says the same. Without the lowered σ_Δ (both at z), it says more."""
+    from dp_accounting import ComposedDpEvent, GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
+    from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
+
+    planned = plan(3.0, 1e-5, 60_000, 256, 10)
+    z, q, steps = planned.noise_multiplier, planned.sample_rate, planned.planned_steps
+    rule = QuantileClip.of(TrainConfig(clip=0.1, clip_quantile=0.5, batch_size=256))
+    assert rule.count_noise == 256 / 20  # the paper's m/20
+
+    def composed(gradient_sigma: float) -> float:
+        accountant = RdpAccountant(RDP_ORDERS)
+        accountant.compose(SelfComposedDpEvent(PoissonSampledDpEvent(q, ComposedDpEvent(
+            [GaussianDpEvent(gradient_sigma), GaussianDpEvent(2 * rule.count_noise)])), steps))
+        return accountant.get_epsilon(1e-5)
+
+    ours = AccountantHistory("rdp", [[z, q, steps]]).epsilon(1e-5)
+    assert ours <= 3.0
+    assert composed(rule.gradient_noise_multiplier(z)) == pytest.approx(ours, rel=1e-5)
+    assert composed(z) > ours * 1.001  # the count's cost, had the gradient kept all of z
+
+
+def test_bad_values_are_refused_naming_the_flag():
+    from fedsd.settings.run import validate
+
+    base = TrainConfig(dataset="fmnist", clip=0.1).resolved()
+    for changes, flag in [(dict(clip_quantile=1.0), "--clip-quantile"), (dict(clip_quantile=-0.2), "--clip-quantile"),
+                          (dict(clip_quantile=0.5, clip_lr=-1.0), "--clip-lr"),
+                          (dict(clip_quantile=0.5, clip_lr=float("nan")), "--clip-lr"),
+                          (dict(clip_quantile=0.5, clip_count_noise=-1.0), "--clip-count-noise")]:
+        with pytest.raises(ConfigError, match=flag):
+            validate(dataclasses.replace(base, **changes), 60_000)
+    # a count noise that would leave the gradient nothing of z: refused, named, before any step
+    with pytest.raises(ConfigError, match="--clip-count-noise"):
+        QuantileClip(0.5, 0.2, count_noise=0.4, expected_batch=256).gradient_noise_multiplier(1.0)
+
+
+def test_secure_aggregation_refuses_it_until_the_count_joins_the_secure_sum():
+    from fedsd.settings.federation import FedConfig, client_config
+
+    cfg = TrainConfig(dataset="fmnist", clip_quantile=0.5)
+    with pytest.raises(ConfigError, match="--clip-quantile"):
+        client_config(cfg, FedConfig(secure_aggregation=True))
+    assert client_config(cfg, FedConfig()).clip_quantile == 0.5
+
+
+def _trainer(mode: str, clip: float, **changes):
+    from fedsd.data import datasets as data_lib
+    from fedsd.training.loop import DPTrainer
+
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, epochs=4, batch_size=100, subset=800, clip=clip,
+                      clip_quantile=0.1, grad_sample_mode=mode, memory_format="contiguous", threads=1,
+                      **changes).resolved()
+    images = data_lib.load("fmnist")
+    tensors = data_lib.prepare(images, data_lib.stratified_subset(images.y_train, 800, 0))
+    return DPTrainer(cfg, tensors, plan(cfg.epsilon, cfg.delta, 800, 100, 4))
+
+
+@pytest.mark.slow
+def test_every_clipping_route_moves_the_clip_alike_and_a_resumed_call_goes_on_from_it():
+    """bk, ghost and Opacus' per-sample routes count the same norms: one clip trajectory. Two calls
+    of one epoch (the clip carried in the state) end where one call of two does."""
+    require("fmnist")
+    from fedsd.training.loop import initial_model
+
+    clips, weights = {}, {}
+    for mode in ("bk", "ghost", "hooks", "functorch"):
+        trainer = _trainer(mode, clip=100.0, lr=0.001)
+        model, state, metrics = trainer.local_update(initial_model(trainer.cfg, 10), None, [1, 2])
+        clips[mode], weights[mode] = metrics["clip"], model["student"]
+        assert state.clip == metrics["clip"]
+    # every norm below it: ×e^{−η(1−γ)} a step (16 steps), less what the noise takes
+    assert clips["bk"] < 100 * math.exp(-0.2 * 0.9 * 12), clips
+    for mode in ("ghost", "hooks", "functorch"):
+        assert clips[mode] == pytest.approx(clips["bk"], rel=1e-4), clips
+    trainer = _trainer("bk", clip=100.0, lr=0.001)
+    model, state, _ = trainer.local_update(initial_model(trainer.cfg, 10), None, [1])
+    restored = type(state).from_state_dict(state.state_dict(trainer.plan), trainer.plan)
+    model, state, metrics = trainer.local_update(model, restored, [2])
+    assert metrics["clip"] == clips["bk"]
+    assert all(torch.equal(model["student"][k], weights["bk"][k]) for k in model["student"])
+
+
+@pytest.mark.slow
+def test_from_a_tenth_of_the_tuned_clip_it_rises_and_secret_draws_noise_the_count_too():
+    require("fmnist")
+    from fedsd.privacy.secret_random import SecretStream
+    from fedsd.training.loop import TrainState, initial_model
+
+    trainer = _trainer("bk", clip=0.001)
+    _, _, seeded = trainer.local_update(initial_model(trainer.cfg, 10), None, [1, 2])
+    assert seeded["clip"] > 0.001 * math.exp(0.2 * 0.1 * 14)  # every norm above it: ×e^{ηγ} a step, less noise
+    secret = [trainer.local_update(initial_model(trainer.cfg, 10), TrainState(secret=SecretStream.fresh()), [1])[2]
+              for _ in range(2)]
+    assert secret[0]["clip"] != secret[1]["clip"]  # the count's noise from each call's own secret stream
+    # the gradient's noise multiplier is the lowered σ_Δ; the accountant's, the plan's z
+    assert trainer.optimizer.noise_multiplier > trainer.plan.noise_multiplier == seeded["noise_multiplier"]
+
+
+@pytest.mark.slow
+def test_a_central_run_records_the_clip_each_epoch_and_plots_it(tmp_path):
+    require("fmnist")
+    from fedsd.training.central import train
+
+    result, _ = train(TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, epochs=2, batch_size=100, subset=600,
+                                  clip=100.0, lr=0.001, clip_quantile=0.5, threads=1), out=tmp_path / "run",
+                      progress=False)
+    clips = [e["clip"] for e in result["epochs"]]
+    assert clips[0] < 100 * math.exp(-0.2 * 0.5 * 4) and clips[1] < clips[0]
+    assert result["config"]["clip_quantile"] == 0.5
+    assert (tmp_path / "run" / "curve.png").stat().st_size > 0
