@@ -148,3 +148,22 @@ def test_a_central_run_records_the_clip_each_epoch_and_plots_it(tmp_path):
     assert clips[0] < 100 * math.exp(-0.2 * 0.5 * 4) and clips[1] < clips[0]
     assert result["config"]["clip_quantile"] == 0.5
     assert (tmp_path / "run" / "curve.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_client_carries_its_clip_from_round_to_round_as_a_central_run_from_epoch_to_epoch(tmp_path):
+    """--clients 1 --rounds 2 gives the weights and the clip of `fedsd train --epochs 2`: the
+    estimate lives in the client's state between rounds, and each round records it."""
+    require("fmnist")
+    from fedsd.cli.simulate import simulate
+    from fedsd.settings.federation import FedConfig
+    from fedsd.training.central import train
+
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=100, subset=600, clip=100.0, lr=0.001,
+                      clip_quantile=0.5, seed=2, threads=1)
+    fed, fed_weights = simulate(cfg, FedConfig(num_clients=1, rounds=2, local_epochs=1), out=tmp_path / "fed",
+                                progress=False)
+    central, weights = train(dataclasses.replace(cfg, epochs=2), progress=False)
+    assert [r["client_clip"]["0"] for r in fed["rounds"]] == [e["clip"] for e in central["epochs"]]
+    assert max((fed_weights[k] - weights[k]).abs().max().item() for k in weights) <= 1e-6
+    assert (tmp_path / "fed" / "curve.png").stat().st_size > 0
