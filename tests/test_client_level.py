@@ -99,3 +99,83 @@ def test_client_level_options_are_checked_before_any_work():
     with pytest.raises(ConfigError, match="--local-epochs 3"):  # record level keeps one step a round
         check_options(TrainConfig(method="dpsgd"), FedConfig(noise="distributed", secure_aggregation=True,
                                                                local_epochs=3))
+
+
+def _adaptive(clients=10, rounds=20, dim=5_000, clip=0.5, quantile=0.5, **fed):
+    plan = cl.calibrate(3.0, 1e-5, clip, clients, rounds, clients, dim + 1)
+    settings = FedConfig(num_clients=clients, rounds=rounds, secure_aggregation=True, noise="distributed",
+                         privacy_unit="client", update_clip=clip, update_clip_quantile=quantile, **fed)
+    settings.validate()
+    return plan, cl.AdaptiveUpdateClip.of(settings, clients, plan.noise_multiplier)
+
+
+def test_an_adaptive_clip_puts_each_clients_bit_inside_its_vector_within_the_plans_bound():
+    """--update-clip-quantile: a client's vector is its update clipped to S and one coordinate
+    (b − ½)·λ; the whole stays within the round plan's clip S' = √(S² + λ²/4), so the plan's ε
+    covers the update and the count at once, whatever S the server sends (a Skellam plan's ε does
+    not depend on its clip); the count's noise is σ_b (λ·σ_b = z·S')."""
+    plan, adaptive = _adaptive()
+    z, sigma_b = plan.noise_multiplier, adaptive.rule.count_noise
+    assert sigma_b == max(10 / 20, z)  # the paper's m/20, raised to z in a small federation
+    rng = np.random.default_rng(0)
+    for update_clip in (0.5, 0.05, 5.0):
+        round_plan = cl.round_plan(plan, adaptive, update_clip)
+        lam = adaptive.count_scale(update_clip)
+        assert round_plan.clip ** 2 == pytest.approx(update_clip ** 2 + lam ** 2 / 4, rel=1e-12)
+        assert lam * sigma_b == pytest.approx(z * round_plan.clip, rel=1e-12)
+        assert round_plan.epsilon(20, 1e-5) == plan.epsilon(20, 1e-5)
+        for scale in (1e-4, 1.0, 100.0, float("nan")):
+            update = rng.normal(size=5_000) * scale
+            v = adaptive.vector(update, update_clip)
+            assert len(v) == plan.dim and np.linalg.norm(v) <= round_plan.clip * (1 + 1e-12)
+            below = not np.isfinite(scale) or np.linalg.norm(update) <= update_clip
+            assert v[-1] == (lam / 2 if below else -lam / 2)
+
+
+def test_the_server_reads_only_the_noised_count_off_the_secure_sum_and_moves_the_clip_by_it():
+    """Ten clients, four of whose updates are below S: the unmasked sum's last coordinate over λ is
+    the centred count Σ(b − ½) = −1 plus noise of std σ_b (the honest sum's, t = n), and the next S
+    follows the paper's rule from it."""
+    plan, adaptive = _adaptive()
+    update_clip, rng = 0.5, np.random.default_rng(3)
+    updates = {k: rng.normal(size=5_000) / np.sqrt(5_000) * (0.3 if k < 4 else 3.0) for k in range(10)}
+    round_plan = cl.round_plan(plan, adaptive, update_clip)
+    vectors = {k: (lambda u=u, k=k: cl.adaptive_contribution(u, round_plan, plan, bytes([k]) * 16, adaptive,
+                                                             update_clip)) for k, u in updates.items()}
+    total, _ = secure_round(b"adaptive-client-level", vectors, plan.dim, min_cohort=10)
+    noisy_sum = dn.decode(total, round_plan)
+    count = noisy_sum[-1] / adaptive.count_scale(update_clip)
+    assert abs(count - (4 - 5)) < 4 * adaptive.rule.count_noise * 1.01
+    assert adaptive.next_clip(update_clip, noisy_sum) == pytest.approx(
+        update_clip * math.exp(-0.2 * (count / 10 + 0.5 - 0.5)), rel=1e-12)
+    updates_part = sum(cl.clipped_update(u, update_clip) for u in updates.values())
+    assert np.std(noisy_sum[:-1] - updates_part) == pytest.approx(
+        math.sqrt(plan.variance) / round_plan.scale, rel=0.05)  # the update's noise: z·S' (times Δ2's rounding)
+
+
+def test_a_round_plan_whose_clip_is_not_the_clients_own_S_prime_is_refused():
+    """A server that sends S with a smaller S' (the bit's λ outside the bound the noise covers) or a
+    larger one is refused before anything is drawn."""
+    import dataclasses
+
+    plan, adaptive = _adaptive()
+    own = cl.round_plan(plan, adaptive, 0.5)
+    for clip in (own.clip * 0.9, own.clip * 1.1, 0.5):
+        with pytest.raises(ValueError, match="clip"):
+            cl.adaptive_contribution(np.ones(5_000), dataclasses.replace(own, clip=clip), plan, bytes(16), adaptive,
+                                     0.5)
+
+
+def test_adaptive_client_level_options_are_refused_naming_the_flag():
+    base = dict(secure_aggregation=True, noise="distributed", privacy_unit="client")
+    for changes, flag in [(dict(update_clip_quantile=1.5), "--update-clip-quantile"),
+                          (dict(update_clip_quantile=0.5, update_clip_lr=0.0), "--update-clip-lr"),
+                          (dict(update_clip_quantile=0.5, update_clip_count_noise=-1.0), "--update-clip-count-noise")]:
+        with pytest.raises(ConfigError, match=flag):
+            FedConfig(**base, **changes).validate()
+    with pytest.raises(ConfigError, match="--update-clip-quantile"):  # records have --clip-quantile
+        FedConfig(update_clip_quantile=0.5).validate()
+    with pytest.raises(ConfigError, match="--update-clip-count-noise"):  # σ_b ≤ z/2 leaves the update nothing
+        _adaptive(update_clip_count_noise=0.01)
+    with pytest.raises(ConfigError, match="--clip-quantile"):
+        check_options(TrainConfig(method="dpsgd", clip_quantile=0.5), FedConfig(**base))

@@ -1,6 +1,9 @@
 """The in-process federation with secure aggregation and distributed noise
 (fedsd/cli/secure_simulation.py), on a small real subset: it spends exactly its ε,
 resumes to the weights of a run never stopped, and self-distils from the model one step old."""
+import dataclasses
+import math
+
 import pytest
 import torch
 
@@ -69,3 +72,24 @@ def test_client_level_rounds_are_fedavg_of_clipped_updates_and_spend_the_clients
     assert result["privacy_unit"] == "client" and result["sample_rate"] == 1.0 and result["steps"] == 2
     assert 2.99 < result["epsilon_spent"] <= 3.0 and result["record_epsilon"] > 2 * result["epsilon_spent"]
     assert result["noise"]["clip"] == 2.0 and result["noise"]["expected_batch"] == 3.0
+
+
+def test_client_level_adaptive_clipping_moves_the_clip_from_the_secure_sum_alone(tmp_path):
+    """--update-clip-quantile under secure aggregation: the clip starts far below every update's
+    norm and rises round by round (all bits 0, noised); ε is the fixed clip's, the plan one
+    coordinate longer; the clip of each round is in result.json."""
+    require("fmnist")
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", subset=3000, batch_size=50, lr=0.05, momentum=0.9,
+                      epsilon=3.0, threads=1, seed=3).resolved()
+    fed = FedConfig(num_clients=40, rounds=6, secure_aggregation=True, noise="distributed", privacy_unit="client",
+                    update_clip=0.01, update_clip_quantile=0.5, update_clip_lr=1.0, local_epochs=1)
+    result, _ = simulate_secure(cfg, fed, tmp_path / "run", progress=False)
+    clips = [r["clip"] for r in result["rounds"]]
+    # Every update's norm is above 0.01: ×e^{−η(b̄ − γ)} a round with b̄ = 0 plus noise of std σ_b / 40
+    # (σ_b = z, above 40/20): 5 moves up, 4 of the noise's std spared
+    rule = result["adaptive_update_clip"]
+    assert rule["count_noise"] == pytest.approx(result["noise"]["noise_multiplier"]) and rule["clients"] == 40
+    assert clips[0] == 0.01 and clips[-1] > 0.01 * math.exp(0.5 * 5 - 4 * math.sqrt(5) * rule["count_noise"] / 40), clips
+    fixed, _ = simulate_secure(cfg, dataclasses.replace(fed, update_clip_quantile=0.0), progress=False)
+    assert result["epsilon_spent"] == pytest.approx(fixed["epsilon_spent"], rel=1e-3)
+    assert result["noise"]["dim"] == fixed["noise"]["dim"] + 1

@@ -71,6 +71,9 @@ def check_options(cfg: TrainConfig, fed: FedConfig) -> None:
                           "--server-dp-noise (the server's step is the optimizer's, on the secure sum)")
     if cfg.method not in DISTRIBUTED_METHODS:
         raise ConfigError(f"--method {cfg.method}: --noise distributed runs {', '.join(DISTRIBUTED_METHODS)}")
+    if cfg.clip_quantile:
+        raise ConfigError("--clip-quantile: adaptive clipping of records is not built under --secure-aggregation yet "
+                          "(each step's count would join the secure sum); at client level, --update-clip-quantile")
     if fed.privacy_unit == "client" and cfg.method != "dpsgd":
         raise ConfigError(f"--method {cfg.method}: --privacy-unit client trains each client without noise and "
                           f"without a teacher (--method dpsgd); self-distillation is record-level")
@@ -103,9 +106,12 @@ class SecureFederation:
         self.states: list[TrainState | None] = [None] * len(shards)
         self.rounds: list[dict] = []
         self.num_train, self.seconds_before = n, 0.0
+        self.adaptive, self.update_clip = None, fed.update_clip  # --update-clip-quantile: S now
         if fed.privacy_unit == "client":  # every client every round, its clipped update; the server's mean
+            adapting = fed.update_clip_quantile > 0  # one coordinate more: each client's bit (client_level.AdaptiveUpdateClip)
             self.noise = client_level.calibrate(cfg.epsilon, cfg.delta, fed.update_clip, len(shards), fed.rounds,
-                                                honest_count(fed), dim)
+                                                honest_count(fed), dim + adapting)
+            self.adaptive = client_level.AdaptiveUpdateClip.of(fed, len(shards), self.noise.noise_multiplier)
             self.server, self.plan = ServerOptimizer(self.net, 1.0, 0.0), None
         else:
             self.noise = distributed_noise.calibrate(cfg.epsilon, cfg.delta, cfg.clip, self.sample_rate,
@@ -135,15 +141,19 @@ class SecureFederation:
             return vector
 
         vectors = {k: client(k) for k in range(len(self.shards))}
+        plan = client_level.round_plan(self.noise, self.adaptive, self.update_clip)
         if self.plain:  # the benchmark's baseline (fedsd/benchmarks/secagg_cost.py)
-            total, cost = plain_round(vectors, self.noise.dim)
+            total, cost = plain_round(vectors, plan.dim)
         else:  # every client must survive (a simulation has no dropouts), so every share is in the sum
-            total, cost = secure_round(f"{self.cfg.seed}:{r}".encode(), vectors, self.noise.dim,
+            total, cost = secure_round(f"{self.cfg.seed}:{r}".encode(), vectors, plan.dim,
                                        min_cohort=len(self.shards))
-        self.model = dict(self.model, student=self.server.step(student, distributed_noise.decode(total, self.noise),
-                                                               self.noise))
+        noisy_sum = distributed_noise.decode(total, plan)
         record = dict(round=r, train_loss=float(np.mean(list(losses.values()))),
                       epsilon=self.noise.epsilon(r, self.cfg.delta), seconds=time.perf_counter() - started, **cost)
+        if self.adaptive is not None:  # the round's S; the next from the sum's count (its last coordinate)
+            record["clip"], self.update_clip = self.update_clip, self.adaptive.next_clip(self.update_clip, noisy_sum)
+            noisy_sum = noisy_sum[:-1]
+        self.model = dict(self.model, student=self.server.step(student, noisy_sum, plan))
         if r == self.fed.rounds or r % max(1, self.fed.rounds // EVALUATIONS) == 0:
             self.net.load_state_dict(released(self.model))
             record["test_accuracy"], record["test_loss"] = evaluate(self.net, *self.test)
@@ -159,6 +169,9 @@ class SecureFederation:
         update, losses[k] = client_level.local_update(self.net, self.shards[k], student, self.fed.local_epochs,
                                                       self.cfg.batch_size, self.cfg.lr, self.cfg.momentum, generator,
                                                       steps=self.fed.local_steps)
+        if self.adaptive is not None:
+            plan = client_level.round_plan(self.noise, self.adaptive, self.update_clip)  # the server's, this round
+            return client_level.adaptive_contribution(update, plan, self.own, key, self.adaptive, self.update_clip)
         return client_level.update_contribution(update, self.noise, self.own, key)
 
     # -- the folder -----------------------------------------------------------------------
@@ -167,13 +180,14 @@ class SecureFederation:
         return dict(settings=dict(config=self.cfg.to_dict(), fed=dataclasses.asdict(self.fed)),
                     noise=self.noise.to_dict(), model=self.model, server=self.server.state_dict(),
                     states=[s.state_dict(plan) if s is not None else None for s in self.states], rounds=self.rounds,
-                    seconds=self.seconds_before)
+                    seconds=self.seconds_before, update_clip=self.update_clip)
 
     def load(self, saved: dict) -> None:
         if saved["noise"] != self.noise.to_dict():
             raise ResumeError(f"--resume: the run was planned with {saved['noise']}; this code plans "
                               f"{self.noise.to_dict()}")
         self.model, self.rounds, self.seconds_before = saved["model"], saved["rounds"], saved["seconds"]
+        self.update_clip = saved.get("update_clip", self.fed.update_clip)
         self.server.load_state_dict(saved["server"])
         self.states = [TrainState.from_state_dict(s, self.plan) if s is not None else None
                        for s in saved["states"]]
@@ -188,6 +202,14 @@ class SecureFederation:
             return {}
         return dict(record_epsilon=client_level.record_epsilon(self.noise, len(self.rounds), self.cfg.delta))
 
+    def adaptive_rule(self) -> dict:
+        """--update-clip-quantile: the rule the clip followed (each round's clip is in its record)."""
+        if self.adaptive is None:
+            return {}
+        rule = self.adaptive.rule
+        return dict(adaptive_update_clip=dict(quantile=rule.quantile, lr=rule.lr, count_noise=rule.count_noise,
+                                              clients=rule.expected_batch))
+
     def result(self, seconds: float) -> RunResult:
         """The run's result.json, a federation's RunResult (its rounds), with the noise plan and
         the protocol's cost beside it."""
@@ -199,7 +221,8 @@ class SecureFederation:
             sample_rate=self.noise.sample_rate, steps=len(self.rounds), num_train=self.num_train,
             num_clients=self.fed.num_clients, shard_sizes=[len(s.y_train) for s in self.shards],
             federation=dataclasses.asdict(self.fed), rounds=self.rounds,
-            extra=dict(privacy_unit=self.fed.privacy_unit, **self.record_level(), noise=self.noise.to_dict(), gaussian_equivalent=self.noise.gaussian_equivalent(),
+            extra=dict(privacy_unit=self.fed.privacy_unit, **self.record_level(), **self.adaptive_rule(),
+                       noise=self.noise.to_dict(), gaussian_equivalent=self.noise.gaussian_equivalent(),
                        secure_aggregation=dict(bytes_to_server_per_round=last["bytes_to_server"],
                                                bytes_from_server_per_round=last["bytes_from_server"],
                                                protocol_seconds_per_round=float(np.mean(per_round)),
@@ -219,7 +242,10 @@ def plan_line(cfg: TrainConfig, fed: FedConfig, run: SecureFederation) -> str:
     if fed.privacy_unit == "client":
         return (f"{head}, each client protected whole (t = {honest_count(fed)}): {fed.rounds} rounds of "
                 f"{local_work(fed)} without noise at B = {cfg.batch_size}, lr {cfg.lr:g}, momentum "
-                f"{cfg.momentum:g}, each update clipped to {fed.update_clip:g}, σ={run.noise.noise_multiplier:.3f} "
+                f"{cfg.momentum:g}, each update clipped to {fed.update_clip:g}"
+                + (f" and then to the {fed.update_clip_quantile:g} quantile of the update norms (σ_b = "
+                   f"{run.adaptive.rule.count_noise:.3g} on the count)" if run.adaptive else "")
+                + f", σ={run.noise.noise_multiplier:.3f} "
                 f"(the honest sum's noise over the clip), client-level ε={cfg.epsilon:g}")
     epochs = fed.rounds / steps_per_epoch(run.num_train, cfg.batch_size)
     return (f"{head} (t = {honest_count(fed)}): {fed.rounds} rounds of one step, {epochs:g} epochs at B = "

@@ -42,6 +42,7 @@ class QuantileClip:
     lr: float
     count_noise: float
     expected_batch: float
+    flag: str = "--clip-count-noise"  # the setting σ_b came from, named where it does not fit
 
     @classmethod
     def of(cls, cfg) -> "QuantileClip | None":
@@ -57,9 +58,8 @@ class QuantileClip:
         if z == 0:
             return 0.0
         if not 2 * self.count_noise > z:
-            raise ConfigError(f"--clip-count-noise: {self.count_noise:g} leaves nothing of the run's noise multiplier "
-                              f"z = {z:.4g} for the gradient; it must be above z/2 = {z / 2:.4g} (the paper's B/20 "
-                              f"= {self.expected_batch * COUNT_NOISE_PER_RECORD:g} by default)")
+            raise ConfigError(f"{self.flag}: {self.count_noise:g} leaves nothing of the run's noise multiplier "
+                              f"z = {z:.4g} for the gradient; it must be above z/2 = {z / 2:.4g}")
         return (z ** -2 - (2 * self.count_noise) ** -2) ** -0.5
 
     def next_clip(self, clip: float, released_count: float) -> float:

@@ -21,11 +21,14 @@ update from S·u to −S·u: each record gets the guarantee at sensitivity 2S (`
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from fedsd.clipping.adaptive import COUNT_NOISE_PER_RECORD, QuantileClip
 from fedsd.secure import distributed_noise as noise
 from fedsd.data.datasets import TensorData
 from fedsd.secure.distributed_step import trainable
@@ -99,6 +102,68 @@ def update_contribution(update: np.ndarray, plan: noise.NoisePlan, own: noise.No
     server's) that `check_plan` found to be its own or noisier, with a t no larger than its own."""
     check_plan(plan, own)
     return noise.encode(clipped_update(update, own.clip), plan, noise.generator(key))
+
+
+@dataclass(frozen=True)
+class AdaptiveUpdateClip:
+    """--update-clip-quantile: adaptive clipping of the clients' updates (Andrew et al. 2021, the
+    setting it was made for) with every client's bit inside its masked vector.
+
+    Client k's vector is (its update clipped to S, (b_k − ½)·λ), b_k = 1 where its update's norm
+    is at most S: one coordinate more, within the secure sum and the distributed noise like the
+    others, so nothing per client is seen beside its masked vector. The vector's L2 norm is at most
+    S' = √(S² + λ²/4), and the noise plan is the run's at clip S' over d + 1 coordinates: the
+    zero-out neighbour's vector is zero in every coordinate, the count's too, so the sensitivity is
+    S' and the plan's ε covers the update and the count at once (Theorem 1's joint mechanism; a
+    Skellam plan's ε does not depend on its clip, which only scales it: fedsd.secure.distributed_noise).
+    λ = z·S'/σ_b puts noise σ_b on the count (z the plan's multiplier), and S' = S / √(1 − (z/2σ_b)²)
+    keeps S² + λ²/4 = S'². The server reads the count off the unmasked sum's last coordinate and
+    moves S by the paper's geometric rule (fedsd.clipping.adaptive.QuantileClip.next_clip); every
+    client computes S' and λ from S and public numbers, so a server's S moves utility, not ε."""
+
+    rule: QuantileClip
+    noise_multiplier: float  # z, the plan's
+
+    @classmethod
+    def of(cls, fed, clients: int, noise_multiplier: float) -> "AdaptiveUpdateClip | None":
+        if not fed.update_clip_quantile:
+            return None
+        sigma_b = fed.update_clip_count_noise or max(clients * COUNT_NOISE_PER_RECORD, noise_multiplier)
+        rule = QuantileClip(fed.update_clip_quantile, fed.update_clip_lr, sigma_b, float(clients),
+                            flag="--update-clip-count-noise")
+        rule.gradient_noise_multiplier(noise_multiplier)  # ConfigError, naming the flag, where σ_b ≤ z/2
+        return cls(rule, noise_multiplier)
+
+    def vector_clip(self, update_clip: float) -> float:
+        """S': the L2 bound of a client's whole vector at update clip S."""
+        return update_clip / math.sqrt(1 - (self.noise_multiplier / (2 * self.rule.count_noise)) ** 2)
+
+    def count_scale(self, update_clip: float) -> float:
+        """λ: the bit's scale in the vector at update clip S."""
+        return self.noise_multiplier * self.vector_clip(update_clip) / self.rule.count_noise
+
+    def vector(self, update: np.ndarray, update_clip: float) -> np.ndarray:
+        """The update clipped to S, with its centred bit (a non-finite update: zeros, counted below)."""
+        norm = float(np.linalg.norm(update))
+        below = not math.isfinite(norm) or norm <= update_clip
+        return np.append(clipped_update(update, update_clip), (below - 0.5) * self.count_scale(update_clip))
+
+    def next_clip(self, update_clip: float, noisy_sum: np.ndarray) -> float:
+        """S after a round whose unmasked, decoded sum is `noisy_sum` (the count its last coordinate)."""
+        return self.rule.next_clip(update_clip, float(noisy_sum[-1]) / self.count_scale(update_clip))
+
+
+def round_plan(plan: noise.NoisePlan, adaptive: AdaptiveUpdateClip | None, update_clip: float) -> noise.NoisePlan:
+    """The plan of a round at update clip S: the run's, at clip S' where the clip adapts."""
+    return plan if adaptive is None else dataclasses.replace(plan, clip=adaptive.vector_clip(update_clip))
+
+
+def adaptive_contribution(update: np.ndarray, plan: noise.NoisePlan, own: noise.NoisePlan, key: bytes,
+                          adaptive: AdaptiveUpdateClip, update_clip: float) -> np.ndarray:
+    """`update_contribution` with the clip adapting: the vector (update clipped to S, its bit),
+    under a round plan that `check_plan` found to be the client's own at S' = `vector_clip(S)`."""
+    check_plan(plan, round_plan(own, adaptive, update_clip))
+    return noise.encode(adaptive.vector(update, update_clip), plan, noise.generator(key))
 
 
 def record_epsilon(plan: noise.NoisePlan, rounds: int, delta: float) -> float:

@@ -88,6 +88,15 @@ class FedConfig:
                                  "named. Each owner checks its own copy; this one only keeps strangers out early",
                                  cli=False)
     update_clip: float = setting(0.1, "--privacy-unit client: the L2 norm S each client clips its model update to")
+    update_clip_quantile: float = setting(0.0, "--privacy-unit client: adaptive clipping of the updates (Andrew et "
+                                          "al. 2021): --update-clip is where S starts, and it follows this quantile "
+                                          "of the clients' update norms, each client's below-S bit inside its "
+                                          "masked vector; 0: S stays --update-clip")
+    update_clip_lr: float = setting(0.2, "--update-clip-quantile: the clip's geometric learning rate η (the paper's)")
+    update_clip_count_noise: float = setting(0.0, "--update-clip-quantile: the std σ_b of the noise on each round's "
+                                             "count of clients below S (0: clients/20, the paper's, raised to the "
+                                             "run's noise multiplier z where below it); the update's noise is "
+                                             "raised so that the two spend the run's ε")
     local_steps: int = setting(0, "--privacy-unit client: each client's SGD steps a round, each on --batch-size of "
                                "its records drawn with replacement, so that its work does not depend on how many "
                                "it holds (an owner's service requires it); 0 = --local-epochs passes over them")
@@ -139,6 +148,14 @@ class FedConfig:
               self.sample_rate)
         check(math.isfinite(self.update_clip) and self.update_clip > 0, "--update-clip", "must be > 0",
               self.update_clip)
+        check(self.update_clip_quantile == 0 or 0 < self.update_clip_quantile < 1, "--update-clip-quantile",
+              "must be in (0, 1), or 0 for a fixed clip", self.update_clip_quantile)
+        check(self.update_clip_quantile == 0 or self.privacy_unit == "client", "--update-clip-quantile",
+              "applies to --privacy-unit client (records: --clip-quantile)", self.update_clip_quantile)
+        check(math.isfinite(self.update_clip_lr) and self.update_clip_lr > 0, "--update-clip-lr",
+              "must be a finite number > 0", self.update_clip_lr)
+        check(math.isfinite(self.update_clip_count_noise) and self.update_clip_count_noise >= 0,
+              "--update-clip-count-noise", "must be a finite number > 0 (0: clients/20)", self.update_clip_count_noise)
         check(self.secagg_max_records >= 1, "secagg-max-records", "must be >= 1", self.secagg_max_records)
         check(self.local_steps >= 0, "--local-steps", "must be >= 0 (0: --local-epochs passes)", self.local_steps)
         check(self.local_steps == 0 or self.privacy_unit == "client", "--local-steps", "applies to --privacy-unit "
