@@ -120,13 +120,14 @@ def test_an_adaptive_clip_puts_each_clients_bit_inside_its_vector_within_the_pla
     rng = np.random.default_rng(0)
     for update_clip in (0.5, 0.05, 5.0):
         round_plan = cl.round_plan(plan, adaptive, update_clip)
-        lam = adaptive.count_scale(update_clip)
+        lam = adaptive.count_scale_within(round_plan.clip)
+        assert adaptive.update_clip_within(round_plan.clip) == pytest.approx(update_clip, rel=1e-12)
         assert round_plan.clip ** 2 == pytest.approx(update_clip ** 2 + lam ** 2 / 4, rel=1e-12)
         assert lam * sigma_b == pytest.approx(z * round_plan.clip, rel=1e-12)
         assert round_plan.epsilon(20, 1e-5) == plan.epsilon(20, 1e-5)
         for scale in (1e-4, 1.0, 100.0, float("nan")):
             update = rng.normal(size=5_000) * scale
-            v = adaptive.vector(update, update_clip)
+            v = adaptive.vector(update, round_plan.clip)
             assert len(v) == plan.dim and np.linalg.norm(v) <= round_plan.clip * (1 + 1e-12)
             below = not np.isfinite(scale) or np.linalg.norm(update) <= update_clip
             assert v[-1] == (lam / 2 if below else -lam / 2)
@@ -140,11 +141,11 @@ def test_the_server_reads_only_the_noised_count_off_the_secure_sum_and_moves_the
     update_clip, rng = 0.5, np.random.default_rng(3)
     updates = {k: rng.normal(size=5_000) / np.sqrt(5_000) * (0.3 if k < 4 else 3.0) for k in range(10)}
     round_plan = cl.round_plan(plan, adaptive, update_clip)
-    vectors = {k: (lambda u=u, k=k: cl.adaptive_contribution(u, round_plan, plan, bytes([k]) * 16, adaptive,
-                                                             update_clip)) for k, u in updates.items()}
+    vectors = {k: (lambda u=u, k=k: cl.adaptive_contribution(u, round_plan, plan, bytes([k]) * 16, adaptive))
+               for k, u in updates.items()}
     total, _ = secure_round(b"adaptive-client-level", vectors, plan.dim, min_cohort=10)
     noisy_sum = dn.decode(total, round_plan)
-    count = noisy_sum[-1] / adaptive.count_scale(update_clip)
+    count = noisy_sum[-1] / adaptive.count_scale_within(round_plan.clip)
     assert abs(count - (4 - 5)) < 4 * adaptive.rule.count_noise * 1.01
     assert adaptive.next_clip(update_clip, noisy_sum) == pytest.approx(
         update_clip * math.exp(-0.2 * (count / 10 + 0.5 - 0.5)), rel=1e-12)
@@ -153,17 +154,21 @@ def test_the_server_reads_only_the_noised_count_off_the_secure_sum_and_moves_the
         math.sqrt(plan.variance) / round_plan.scale, rel=0.05)  # the update's noise: z·S' (times Δ2's rounding)
 
 
-def test_a_round_plan_whose_clip_is_not_the_clients_own_S_prime_is_refused():
-    """A server that sends S with a smaller S' (the bit's λ outside the bound the noise covers) or a
-    larger one is refused before anything is drawn."""
+def test_a_round_plan_is_the_clients_own_but_for_its_clip_which_the_vector_fits_whatever_it_is():
+    """The server moves S, sending S' as the round plan's clip: any S' the client accepts (its ε
+    does not depend on it), deriving S and λ with its own numbers, so its vector stays within S';
+    every other field must be its own (less noise, another d: refused), and an S' below 1/√d too."""
     import dataclasses
 
     plan, adaptive = _adaptive()
-    own = cl.round_plan(plan, adaptive, 0.5)
-    for clip in (own.clip * 0.9, own.clip * 1.1, 0.5):
-        with pytest.raises(ValueError, match="clip"):
-            cl.adaptive_contribution(np.ones(5_000), dataclasses.replace(own, clip=clip), plan, bytes(16), adaptive,
-                                     0.5)
+    for clip in (0.02, 0.7, 30.0):
+        cl.adaptive_contribution(np.ones(5_000) * 10, dataclasses.replace(plan, clip=clip), plan, bytes(16), adaptive)
+        v = adaptive.vector(np.ones(5_000) * 10, clip)
+        assert np.linalg.norm(v) == pytest.approx(clip, rel=1e-12) and v[-1] < 0  # clipped to S, bit 0
+    for field, value in (("noise_multiplier", plan.noise_multiplier / 2), ("dim", 5_000), ("clip", 1e-3)):
+        with pytest.raises(ValueError, match=field.split("_")[0]):
+            cl.adaptive_contribution(np.ones(5_000), dataclasses.replace(plan, **{field: value}), plan, bytes(16),
+                                     adaptive)
 
 
 def test_adaptive_client_level_options_are_refused_naming_the_flag():

@@ -198,3 +198,45 @@ def test_each_share_is_sized_by_the_plans_t(federation):
     std = kept.view(np.int64).astype(np.float64).std()  # the clipped update is ≤ γS in all: the noise's
     ratio = std / np.sqrt(f.plan.variance / 2)
     assert 0.97 < ratio < 1.03, ratio  # μ / 3 would be 0.82
+
+
+@pytest.fixture
+def adaptive_federation(owners):
+    contexts, flat, arrays, tmp_path = owners
+    for context in contexts.values():
+        context.node_config.update({"secagg-trust": "honest-but-curious", "max-epsilon": LIFETIME})
+    cfg, fed = _settings()
+    fed = FedConfig(**{**fed.__dict__, "update_clip_quantile": 0.5, "update_clip_lr": 1.0})
+    flat = {**flat, "method": "dpsgd", "noise": "distributed", "secure-aggregation": True, "epsilon": EPSILON,
+            "privacy-unit": "client", "update-clip": CLIP, "honest-clients": 3, "lr": 0.1, "momentum": 0.0,
+            "local-steps": STEPS, "update-clip-quantile": 0.5, "update-clip-lr": 1.0}
+    return server_side(contexts, flat, arrays, tmp_path, cfg, fed)
+
+
+@pytest.mark.slow  # three owners' local training, two rounds (real data, real ledgers)
+def test_an_adaptive_update_clip_moves_from_the_secure_sum_with_nothing_per_owner_beside_the_masked_vector(
+        adaptive_federation):
+    """--update-clip-quantile deployed: each round's plan is one coordinate longer and its clip is
+    the server's S' for the S it moved; every owner accepts the moved plan (pinned at the run's S),
+    sends its masked vector and nothing else of its own (every field of its reply read), and its
+    ledger charges each round once, the same Skellam step as with S fixed: the count's cost is in it."""
+    f = adaptive_federation
+    assert f.plan.dim == f.rounds.noise.dim and f.rounds.adaptive is not None
+    clips, arrays = [], f.arrays
+    for r in (1, 2):
+        clips.append(f.rounds.optimizer.update_clip)
+        arrays = f.rounds.one_round(r, arrays)
+        record = f.rounds.records[-1]
+        assert record["abandoned"] is None and sorted(record["survivors"]) == list(IDS), record
+        assert record["update_clip"] == clips[-1]
+        metrics = [dict(f.replies[n]["metrics"]) for n in IDS]
+        expect = {"epsilon": f.plan.epsilon(r, DELTA), "record-epsilon": client_level.record_epsilon(f.plan, r, DELTA)}
+        assert metrics == [expect] * 3, metrics  # the fixed clip's public numbers: no bit, no norm, no clip
+        assert all(set(f.replies[n]["secagg"].keys()) == {"masked"} for n in IDS)
+        assert all(len(f.replies[n]["secagg"]["masked"].numpy()) == f.plan.dim for n in IDS)
+    assert clips[0] == CLIP and f.rounds.optimizer.update_clip not in clips  # moved after each round
+    z_e = f.plan.gaussian_equivalent()
+    for k in range(3):
+        saved = json.loads(next((f.tmp_path / f"state-{k}").glob("ledger-*.json")).read_text())
+        assert [(e["mechanism"], e["noise_multiplier"], e["round"]) for e in saved["entries"]] == \
+            [(SKELLAM, z_e / 2, 1), (SKELLAM, z_e / 2, 2)]

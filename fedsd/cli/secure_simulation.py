@@ -171,7 +171,7 @@ class SecureFederation:
                                                       steps=self.fed.local_steps)
         if self.adaptive is not None:
             plan = client_level.round_plan(self.noise, self.adaptive, self.update_clip)  # the server's, this round
-            return client_level.adaptive_contribution(update, plan, self.own, key, self.adaptive, self.update_clip)
+            return client_level.adaptive_contribution(update, plan, self.own, key, self.adaptive)
         return client_level.update_contribution(update, self.noise, self.own, key)
 
     # -- the folder -----------------------------------------------------------------------

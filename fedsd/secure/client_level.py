@@ -118,8 +118,9 @@ class AdaptiveUpdateClip:
     Skellam plan's ε does not depend on its clip, which only scales it: fedsd.secure.distributed_noise).
     λ = z·S'/σ_b puts noise σ_b on the count (z the plan's multiplier), and S' = S / √(1 − (z/2σ_b)²)
     keeps S² + λ²/4 = S'². The server reads the count off the unmasked sum's last coordinate and
-    moves S by the paper's geometric rule (fedsd.clipping.adaptive.QuantileClip.next_clip); every
-    client computes S' and λ from S and public numbers, so a server's S moves utility, not ε."""
+    moves S by the paper's geometric rule (fedsd.clipping.adaptive.QuantileClip.next_clip), sending
+    each round's S' as the plan's clip; every client derives S and λ from S' with its own z and σ_b,
+    so a server's S' moves utility, not ε (as its update-clip does with the clip fixed)."""
 
     rule: QuantileClip
     noise_multiplier: float  # z, the plan's
@@ -136,21 +137,31 @@ class AdaptiveUpdateClip:
 
     def vector_clip(self, update_clip: float) -> float:
         """S': the L2 bound of a client's whole vector at update clip S."""
-        return update_clip / math.sqrt(1 - (self.noise_multiplier / (2 * self.rule.count_noise)) ** 2)
+        return update_clip / self._shrink()
 
-    def count_scale(self, update_clip: float) -> float:
-        """λ: the bit's scale in the vector at update clip S."""
-        return self.noise_multiplier * self.vector_clip(update_clip) / self.rule.count_noise
+    def update_clip_within(self, vector_clip: float) -> float:
+        """S, the update's clip inside a vector bound S'."""
+        return vector_clip * self._shrink()
 
-    def vector(self, update: np.ndarray, update_clip: float) -> np.ndarray:
-        """The update clipped to S, with its centred bit (a non-finite update: zeros, counted below)."""
+    def count_scale_within(self, vector_clip: float) -> float:
+        """λ, the bit's scale inside a vector bound S'."""
+        return self.noise_multiplier * vector_clip / self.rule.count_noise
+
+    def _shrink(self) -> float:
+        return math.sqrt(1 - (self.noise_multiplier / (2 * self.rule.count_noise)) ** 2)
+
+    def vector(self, update: np.ndarray, vector_clip: float) -> np.ndarray:
+        """Within the bound S': the update clipped to S, with its centred bit (a non-finite update:
+        zeros, counted below). Its norm is √(S² + λ²/4) = S'."""
+        update_clip = self.update_clip_within(vector_clip)
         norm = float(np.linalg.norm(update))
         below = not math.isfinite(norm) or norm <= update_clip
-        return np.append(clipped_update(update, update_clip), (below - 0.5) * self.count_scale(update_clip))
+        return np.append(clipped_update(update, update_clip), (below - 0.5) * self.count_scale_within(vector_clip))
 
     def next_clip(self, update_clip: float, noisy_sum: np.ndarray) -> float:
-        """S after a round whose unmasked, decoded sum is `noisy_sum` (the count its last coordinate)."""
-        return self.rule.next_clip(update_clip, float(noisy_sum[-1]) / self.count_scale(update_clip))
+        """S after a round at S whose unmasked, decoded sum is `noisy_sum` (the count its last coordinate)."""
+        count = float(noisy_sum[-1]) / self.count_scale_within(self.vector_clip(update_clip))
+        return self.rule.next_clip(update_clip, count)
 
 
 def round_plan(plan: noise.NoisePlan, adaptive: AdaptiveUpdateClip | None, update_clip: float) -> noise.NoisePlan:
@@ -159,11 +170,15 @@ def round_plan(plan: noise.NoisePlan, adaptive: AdaptiveUpdateClip | None, updat
 
 
 def adaptive_contribution(update: np.ndarray, plan: noise.NoisePlan, own: noise.NoisePlan, key: bytes,
-                          adaptive: AdaptiveUpdateClip, update_clip: float) -> np.ndarray:
-    """`update_contribution` with the clip adapting: the vector (update clipped to S, its bit),
-    under a round plan that `check_plan` found to be the client's own at S' = `vector_clip(S)`."""
-    check_plan(plan, round_plan(own, adaptive, update_clip))
-    return noise.encode(adaptive.vector(update, update_clip), plan, noise.generator(key))
+                          adaptive: AdaptiveUpdateClip) -> np.ndarray:
+    """`update_contribution` with the clip adapting: the vector (update clipped to S, its bit)
+    within the round plan's clip S', which is the server's to choose (it moves S by the count it
+    read; a Skellam plan's ε does not depend on its clip, and the client derives S and λ from S'
+    with its own numbers, so the vector stays within S'), under a plan `check_plan` finds to be
+    the client's own in every other field (z at least its own) and whose clip float32 clips
+    within the sensitivity (fedsd.secure.distributed_noise.least_clip)."""
+    check_plan(plan, dataclasses.replace(own, clip=plan.clip))
+    return noise.encode(adaptive.vector(update, plan.clip), plan, noise.generator(key))
 
 
 def record_epsilon(plan: noise.NoisePlan, rounds: int, delta: float) -> float:

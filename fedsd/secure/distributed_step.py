@@ -107,6 +107,9 @@ class ServerOptimizer:
         self.net = net
         self.params = trainable(net)
         self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum)
+        # --update-clip-quantile in a deployment: the clients' update clip S now, which the server
+        # moves after each round (fedsd.secure.client_level.AdaptiveUpdateClip), checkpointed with the momentum
+        self.update_clip: float | None = None
 
     def step(self, weights: Weights, noisy_sum: np.ndarray, plan: noise.NoisePlan) -> Weights:
         self.net.load_state_dict(weights)
@@ -121,9 +124,13 @@ class ServerOptimizer:
         return {k: v.detach().clone() for k, v in self.net.state_dict().items()}
 
     def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+        state = self.optimizer.state_dict()
+        return state if self.update_clip is None else {**state, "update_clip": self.update_clip}
 
     def load_state_dict(self, saved: dict) -> None:
+        saved = dict(saved)
+        if "update_clip" in saved:
+            self.update_clip = float(saved.pop("update_clip"))
         self.optimizer.load_state_dict(saved)
 
 

@@ -413,8 +413,12 @@ def _checked_plan(content: RecordDict, context: Context, owner: Owner):
                              f"(secagg-min-clients): the other owners' shares, sized by the plan's t, would "
                              f"hold less noise than its t counts on")
         if fed.privacy_unit == "client":  # S, q = 1, n and d this owner's; z at least its own
+            adapting = fed.update_clip_quantile > 0  # its bit rides in one coordinate more
             own = client_level.calibrated(cfg.epsilon, cfg.delta, fed.update_clip, fed.num_clients, fed.rounds, t,
-                                          dimension(trainer.model))
+                                          dimension(trainer.model) + adapting)
+            if adapting:  # the round's S' is the server's (it moves S; ε does not depend on it), the rest its own
+                client_level.AdaptiveUpdateClip.of(fed, fed.num_clients, own.noise_multiplier)  # σ_b > z/2, else refused
+                own = dataclasses.replace(own, clip=plan.clip)
             client_level.check_plan(plan, own)
         else:
             if plan.expected_batch != float(cfg.batch_size):  # E is the run's public B, never the server's word
@@ -561,7 +565,11 @@ def client_update(trainer, net, state, student, plan, own, fed):
     key, seed = state.secret.random_bytes(16), int.from_bytes(state.secret.random_bytes(8), "little")
     update, _ = client_level.local_update(net, trainer.data, student, fed.local_epochs, cfg.batch_size, cfg.lr,
                                           cfg.momentum, torch.Generator().manual_seed(seed), steps=fed.local_steps)
-    vector = client_level.update_contribution(update, plan, own, key)
+    adaptive = client_level.AdaptiveUpdateClip.of(fed, fed.num_clients, own.noise_multiplier)
+    if adaptive is not None:  # the update clipped to S within the round's S', its below-S bit beside it, masked
+        vector = client_level.adaptive_contribution(update, plan, own, key, adaptive)
+    else:
+        vector = client_level.update_contribution(update, plan, own, key)
     history = state.history + [[plan.gaussian_equivalent() / 2, 1.0, 1]]
     return vector, dataclasses.replace(state, history=history, steps=state.steps + 1)
 
@@ -625,7 +633,9 @@ def admitted_plan(side, plan) -> dict | None:
     each setting that changed: the ledger admitted the pinned plan, not this one."""
     from fedsd.secure import distributed_noise
 
-    cfg = side.trainer.cfg
+    cfg, fed = side.trainer.cfg, side.fed
+    if fed.privacy_unit == "client" and fed.update_clip_quantile > 0:  # S' moves each round: pinned as the run's S
+        plan = dataclasses.replace(plan, clip=fed.update_clip)
     offered = {"epsilon": cfg.epsilon, "delta": cfg.delta, "num-server-rounds": side.fed.rounds,
                "privacy-unit": side.fed.privacy_unit, **distributed_noise.to_settings(plan, side.fed.rounds)}
     try:

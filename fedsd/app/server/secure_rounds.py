@@ -377,9 +377,14 @@ def client_level_plan(cfg, fed, num_classes: int, honest: int):
     if not 1 <= honest <= fed.num_clients:
         raise ConfigError(f"honest-clients={fed.honest_clients}: t must be in [1, num-clients={fed.num_clients}]")
     net = model_for(cfg, num_classes)
+    adapting = fed.update_clip_quantile > 0  # each client's bit: one coordinate more (client_level.AdaptiveUpdateClip)
     plan = client_level.calibrated(cfg.epsilon, cfg.delta, fed.update_clip, fed.num_clients, fed.rounds, honest,
-                                   dimension(net))
-    return plan, ServerOptimizer(net, 1.0, 0.0)
+                                   dimension(net) + adapting)
+    optimizer = ServerOptimizer(net, 1.0, 0.0)
+    if adapting:
+        client_level.AdaptiveUpdateClip.of(fed, fed.num_clients, plan.noise_multiplier)  # σ_b refused before round 1
+        optimizer.update_clip = fed.update_clip
+    return plan, optimizer
 
 
 class SecureRounds:
@@ -389,8 +394,12 @@ class SecureRounds:
     def __init__(self, grid: Grid, side, launch):
         self.grid, self.side, self.launch = grid, side, launch
         self.distributed = launch.fed.noise == "distributed"
+        self.adaptive = None  # --update-clip-quantile: the rule that moves S (fedsd.secure.client_level)
         if self.distributed:  # the round's plan, and the server's half of each step (fedsd.secure.distributed_step)
             self.noise, self.optimizer = distributed_plan(side.cfg, launch.fed, side.num_classes)
+            if self.optimizer.update_clip is not None:
+                self.adaptive = client_level.AdaptiveUpdateClip.of(launch.fed, launch.fed.num_clients,
+                                                                   self.noise.noise_multiplier)
         self.roster = read_roster(launch.fed.secagg_roster) if launch.fed.secagg_roster else None
         self.out = Path(launch.out) if launch.out is not None else None
         self.records: list[dict] = []
@@ -433,13 +442,13 @@ class SecureRounds:
             plain = sorted(exchange.nodes[c] for c, who in identities.items() if not who["authenticated"])
             n = len(cohort)
             threshold = min(n, max(minimum_threshold(n), fed.secagg_threshold)) if n else 1
-            length = self.noise.dim if self.distributed else secure_sum.vector_length(arrays)
+            length = self.round_plan().dim if self.distributed else secure_sum.vector_length(arrays)
             server = SecAggServer(rid, cohort, length, threshold=threshold)
             record.update(cohort=cohort, threshold=server.threshold, nodes_without_roster=plain)
             if plain:
                 log(WARNING, "secure aggregation round %d: %d nodes take part without a roster: they are protected "
                     "only against a server that follows the protocol", server_round, len(plain))
-            plan = distributed_noise.to_settings(self.noise, fed.rounds) if self.distributed else {}
+            plan = distributed_noise.to_settings(self.round_plan(), fed.rounds) if self.distributed else {}
             train = RecordDict({"arrays": arrays, "config": ConfigRecord({**self.side.strategy.settings, **base,
                                                                           **plan})})
             try:
@@ -473,6 +482,10 @@ class SecureRounds:
         if stop:
             raise NoClientCanTrain(stop)
         return arrays
+
+    def round_plan(self):
+        """This round's noise plan: the run's, at clip S' of the update clip S now where S adapts."""
+        return client_level.round_plan(self.noise, self.adaptive, self.optimizer.update_clip)
 
     def forget(self, exchange: Exchange) -> None:
         """A node that did not answer this round's advertise stage, or that its neighbours named, is
@@ -528,7 +541,7 @@ class SecureRounds:
         (fedsd.secure.distributed_step.ServerOptimizer). Refused, nothing applied, when fewer survivors than
         the plan's t sent their shares (the sum would hold less noise than planned), or when the
         sum is above what honest clients send but once in 1e9 rounds (fedsd.secure.sum_bound)."""
-        plan = self.noise
+        plan = self.round_plan()
         if count < plan.honest:
             raise RoundAbandoned(f"distributed noise: {count} clients' shares in the sum, below the plan's t = "
                                  f"{plan.honest}: less noise than planned; nothing was applied", server.culprits)
@@ -541,9 +554,12 @@ class SecureRounds:
             raise RoundAbandoned(f"secure aggregation: the decoded sum has norm {norm:.4g} (quantisation units), above "
                                  f"the {bound:.4g} honest clients stay below (but once in 1e9 rounds); nothing was "
                                  f"applied", server.culprits)
-        model = record_to_model(arrays)
-        model["student"] = self.optimizer.step(model["student"], distributed_noise.decode(total, plan), plan)
+        model, noisy_sum = record_to_model(arrays), distributed_noise.decode(total, plan)
         applied = dict(sum_norm=norm, honest_bound=bound, epsilon=plan.epsilon(server_round, self.side.cfg.delta))
+        if self.adaptive is not None:  # S this round; the next from the noised count, the sum's last coordinate
+            applied["update_clip"] = clip = self.optimizer.update_clip
+            self.optimizer.update_clip, noisy_sum = self.adaptive.next_clip(clip, noisy_sum), noisy_sum[:-1]
+        model["student"] = self.optimizer.step(model["student"], noisy_sum, plan)
         if self.launch.fed.privacy_unit == "client":  # each single record's, at sensitivity 2S
             applied["record_epsilon"] = client_level.record_epsilon(plan, server_round, self.side.cfg.delta)
         return model_to_record(model), applied
