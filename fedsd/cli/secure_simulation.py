@@ -150,8 +150,8 @@ class SecureFederation:
         noisy_sum = distributed_noise.decode(total, plan)
         record = dict(round=r, train_loss=float(np.mean(list(losses.values()))),
                       epsilon=self.noise.epsilon(r, self.cfg.delta), seconds=time.perf_counter() - started, **cost)
-        if self.adaptive is not None:  # the round's S; the next from the sum's count (its last coordinate)
-            record["clip"], self.update_clip = self.update_clip, self.adaptive.next_clip(self.update_clip, noisy_sum)
+        if self.adaptive is not None:  # S after the round, from the sum's count (its last coordinate)
+            record["clip"] = self.update_clip = self.adaptive.next_clip(self.update_clip, noisy_sum)
             noisy_sum = noisy_sum[:-1]
         self.model = dict(self.model, student=self.server.step(student, noisy_sum, plan))
         if r == self.fed.rounds or r % max(1, self.fed.rounds // EVALUATIONS) == 0:

@@ -83,6 +83,8 @@ class RoundBook:
         clips = {str(k): r["clip"] for k, r in reports.items() if "clip" in r}
         if clips:  # adaptive clipping: each client's clip estimate after the round
             self.rounds[-1]["client_clip"] = clips
+        if getattr(self.server_optimizer, "update_clip", None) is not None:  # the clients' update clip S after it
+            self.rounds[-1]["clip"] = self.server_optimizer.update_clip
         if validation is not None:  # a simulation's --validation split, for choosing settings
             self.rounds[-1]["validation_accuracy"] = validation
         if self.out is not None:
