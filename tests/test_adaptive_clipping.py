@@ -25,7 +25,7 @@ def test_the_rule_settles_at_the_quantile_from_ten_times_above_and_below():
     g = torch.Generator().manual_seed(0)
     norms = torch.empty(200_000).log_normal_(0.0, 1.0, generator=g)
     true = float(norms.quantile(0.3))
-    rule = QuantileClip(quantile=0.3, lr=0.2, count_noise=256 / 20, expected_batch=256)
+    rule = QuantileClip(quantile=0.3, lr=0.2, count_noise=256 / 20, expected_batch=256, start=true)
     for start in (10 * true, 0.1 * true):
         clip = start
         for _ in range(600):
@@ -71,7 +71,7 @@ def test_bad_values_are_refused_naming_the_flag():
             validate(dataclasses.replace(base, **changes), 60_000)
     # a count noise that would leave the gradient nothing of z: refused, named, before any step
     with pytest.raises(ConfigError, match="--clip-count-noise"):
-        QuantileClip(0.5, 0.2, count_noise=0.4, expected_batch=256).gradient_noise_multiplier(1.0)
+        QuantileClip(0.5, 0.2, count_noise=0.4, expected_batch=256, start=0.1).gradient_noise_multiplier(1.0)
 
 
 def test_secure_aggregation_refuses_it_until_the_count_joins_the_secure_sum():
@@ -167,3 +167,60 @@ def test_a_client_carries_its_clip_from_round_to_round_as_a_central_run_from_epo
     assert [r["client_clip"]["0"] for r in fed["rounds"]] == [e["clip"] for e in central["epochs"]]
     assert max((fed_weights[k] - weights[k]).abs().max().item() for k in weights) <= 1e-6
     assert (tmp_path / "fed" / "curve.png").stat().st_size > 0
+
+
+def test_a_hostile_rate_count_noise_or_start_cannot_overflow_the_clip_or_push_it_below_float32s_reach():
+    """A review playing the attacker overflowed the update with --clip-lr 1e4 (or a count noise of
+    1e12) after the owner's charge, and drove the clip to 1e-44, where float32 rounds a clipped
+    norm 1.49× past it: the rate is refused above 10, the fraction taken in [−1, 2], the clip kept
+    within [start / 1e6, start × 1e6] and at or above 1e-4, and the start within [1e-4, 1e6]."""
+    from fedsd.clipping.adaptive import LEAST_CLIP, SPAN
+    from fedsd.settings.run import validate
+
+    base = TrainConfig(dataset="fmnist", clip=0.1, clip_quantile=0.5).resolved()
+    for changes, flag in [(dict(clip_lr=1e4), "--clip-lr"), (dict(clip=1e-44), "--clip"), (dict(clip=1e300), "--clip")]:
+        with pytest.raises(ConfigError, match=flag):
+            validate(dataclasses.replace(base, **changes), 60_000)
+    rule = QuantileClip(0.5, 10.0, count_noise=1e12, expected_batch=256, start=0.1)
+    clip = 0.1
+    for released in (1e300, -1e300, float("nan"), 1e300, 1e300, 1e300, 1e300, 1e300, 1e300, 1e300):
+        clip = rule.next_clip(clip, released)
+        assert math.isfinite(clip) and max(0.1 / SPAN, LEAST_CLIP) <= clip <= 0.1 * SPAN
+    assert clip == max(0.1 / SPAN, LEAST_CLIP)  # every fraction 1 (or none, NaN): down to the floor
+
+
+@pytest.mark.slow
+def test_an_owners_round_that_fails_after_its_charge_counts_as_spent_so_retries_cannot_drain_its_ledger(tmp_path,
+                                                                                                     monkeypatch):
+    """A server whose settings make an own-data owner's steps fail after its ledger was charged
+    (a review playing the attacker did so with --clip-lr 1e4), asked again and again for the same
+    round, drained the owner's lifetime ledger (each attempt charged anew, its state never
+    advanced). Now the failed round is on disk as spent: the retries stop at the run's own ε."""
+    require("fmnist")
+    from flwr.app import ConfigRecord, Context, RecordDict
+
+    from fedsd.app.client import handler as local
+    from fedsd.app.records import model_to_record
+    from fedsd.cli.split_data import write_client_folders
+    from fedsd.settings.federation import FedConfig, client_config, to_flat
+    from fedsd.training.loop import DPTrainer, initial_model
+
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", batch_size=32, subset=300, threads=1, clip=1.0, epsilon=3.0,
+                      grad_sample_mode="bk", memory_format="contiguous")
+    fed = FedConfig(num_clients=2, rounds=3, client_data="own")
+    write_client_folders(cfg, fed, tmp_path / "data", "npz", echo=lambda line: None)
+    flat = {**to_flat(cfg, fed), "experiment-id": "x"}
+    context = Context(run_id=1, node_id=1, node_config={
+        "partition-id": 0, "num-partitions": 2, "data": str(tmp_path / "data" / "client-0"), "max-epsilon": 100.0,
+        "state-dir": str(tmp_path / "state")}, state=RecordDict(), run_config={})
+    message = RecordDict({"arrays": model_to_record(initial_model(client_config(cfg, fed), 10)),
+                          "config": ConfigRecord({**flat, "server-round": 1})})
+    monkeypatch.setattr(DPTrainer, "local_update", lambda *a, **k: (_ for _ in ()).throw(OverflowError("hostile")))
+    for _ in range(6):
+        try:
+            local.train_reply(message, context)
+        except OverflowError:
+            pass
+    side = local.client_side(message, context, plain_release=True)
+    with local.peeked_ledger(side.node, side.fingerprint) as ledger:
+        assert len(ledger.entries) == 3 and ledger.epsilon() <= 3.0 * 1.001, ledger.entries

@@ -106,7 +106,7 @@ def _adaptive(clients=10, rounds=20, dim=5_000, clip=0.5, quantile=0.5, **fed):
     settings = FedConfig(num_clients=clients, rounds=rounds, secure_aggregation=True, noise="distributed",
                          privacy_unit="client", update_clip=clip, update_clip_quantile=quantile, **fed)
     settings.validate()
-    return plan, cl.AdaptiveUpdateClip.of(settings, clients, plan.noise_multiplier)
+    return plan, cl.AdaptiveUpdateClip.of(settings, plan)
 
 
 def test_an_adaptive_clip_puts_each_clients_bit_inside_its_vector_within_the_plans_bound():

@@ -240,3 +240,26 @@ def test_an_adaptive_update_clip_moves_from_the_secure_sum_with_nothing_per_owne
         saved = json.loads(next((f.tmp_path / f"state-{k}").glob("ledger-*.json")).read_text())
         assert [(e["mechanism"], e["noise_multiplier"], e["round"]) for e in saved["entries"]] == \
             [(SKELLAM, z_e / 2, 1), (SKELLAM, z_e / 2, 2)]
+
+
+@pytest.mark.parametrize("clip", [1.7e308, float("inf"), 1e-9])
+def test_an_adaptive_round_plan_whose_clip_leaves_no_finite_bit_is_refused_before_the_charge(
+        adaptive_federation, monkeypatch, clip):
+    """S' is the server's each round, but one whose λ overflows (1.7e308: a review playing the
+    attacker had it pass every check, the owner charged, then fail), or that is not a number or
+    below 1/√d, is refused before anything is drawn, the ledger's bytes unchanged."""
+    import dataclasses
+
+    from fedsd.app.client import handler as local
+
+    f = adaptive_federation
+    monkeypatch.setattr(client_level, "local_update", lambda *a, **k: pytest.fail("trained"))
+    monkeypatch.setattr(local.SecretStream, "fresh", staticmethod(lambda: pytest.fail("drew a secret key")))
+    flat = {**f.flat, **dn.to_settings(dataclasses.replace(f.rounds.round_plan(), clip=clip), ROUNDS)}
+    before = privacy_files(f.tmp_path)
+    with pytest.raises(service.StageRefused, match="clip"):
+        base, server = up_to_shares(f.contexts, 1, flat)
+        before = privacy_files(f.tmp_path)
+        service.masked_reply(masked_message(base, flat, f.arrays, server.shares_for(IDS[0])), f.contexts[IDS[0]])
+    assert privacy_files(f.tmp_path) == before
+    assert not list(f.tmp_path.glob("state-*/ledger-*.json"))

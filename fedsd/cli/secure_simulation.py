@@ -111,7 +111,7 @@ class SecureFederation:
             adapting = fed.update_clip_quantile > 0  # one coordinate more: each client's bit (client_level.AdaptiveUpdateClip)
             self.noise = client_level.calibrate(cfg.epsilon, cfg.delta, fed.update_clip, len(shards), fed.rounds,
                                                 honest_count(fed), dim + adapting)
-            self.adaptive = client_level.AdaptiveUpdateClip.of(fed, len(shards), self.noise.noise_multiplier)
+            self.adaptive = client_level.AdaptiveUpdateClip.of(fed, self.noise)
             self.server, self.plan = ServerOptimizer(self.net, 1.0, 0.0), None
         else:
             self.noise = distributed_noise.calibrate(cfg.epsilon, cfg.delta, cfg.clip, self.sample_rate,

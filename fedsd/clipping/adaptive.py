@@ -32,6 +32,17 @@ from fedsd.errors import ConfigError
 # number of contributions a step: here the expected batch size B).
 DEFAULT_LR = 0.2
 COUNT_NOISE_PER_RECORD = 1 / 20
+# Bounds on what a server's settings can make of the clip (a review playing the attacker overflowed
+# the update with --clip-lr 1e4, and drove the clip to float32's subnormals): a step moves the clip
+# by at most e^(2 MAX_LR) (the rate is refused above it, the noised fraction below the clip is taken
+# in [−1, 2], post-processing), and the clip stays within [start / SPAN, start × SPAN], at or above the least
+# one (LEAST_CLIP for records, a plan's 1/√d for whole clients), and the start at most MAX_START.
+MAX_LR = 10.0
+SPAN = 1e6
+MAX_START = 1e6
+# Records: a clip factor C / ‖g‖ rounds to float32's subnormals once ‖g‖ / C exceeds 2^126; its
+# rounding then adds up to 2^-149 ‖g‖ ≤ 4.8e-7 to a clipped norm, 0.5 % of C = 1e-4 (and less above).
+LEAST_CLIP = 1e-4
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,8 @@ class QuantileClip:
     lr: float
     count_noise: float
     expected_batch: float
+    start: float  # the clip it starts from (--clip, --update-clip)
+    least: float = LEAST_CLIP
     flag: str = "--clip-count-noise"  # the setting σ_b came from, named where it does not fit
 
     @classmethod
@@ -50,7 +63,7 @@ class QuantileClip:
         if not cfg.clip_quantile:
             return None
         return cls(cfg.clip_quantile, cfg.clip_lr, cfg.clip_count_noise or cfg.batch_size * COUNT_NOISE_PER_RECORD,
-                   float(cfg.batch_size))
+                   float(cfg.batch_size), float(cfg.clip))
 
     def gradient_noise_multiplier(self, z: float) -> float:
         """σ_Δ, the gradient's noise multiplier that, with the count's σ_b, spends what one Gaussian
@@ -63,9 +76,13 @@ class QuantileClip:
         return (z ** -2 - (2 * self.count_noise) ** -2) ** -0.5
 
     def next_clip(self, clip: float, released_count: float) -> float:
-        """The clip after a step whose centred count was released as `released_count` (noised)."""
-        below = released_count / self.expected_batch + 0.5
-        return clip * math.exp(-self.lr * (below - self.quantile))
+        """The clip after a step whose centred count was released as `released_count` (noised):
+        the noised fraction below taken in [−1, 2] (far outside what the paper's noise, 1/20 of
+        it, moves it to; a noise a server sets at 1e12 no further) and the clip kept within its
+        bounds: post-processing."""
+        below = min(2.0, max(-1.0, released_count / self.expected_batch + 0.5))
+        moved = clip * math.exp(-min(self.lr, MAX_LR) * (below - self.quantile))
+        return min(max(moved, self.start / SPAN, self.least), self.start * SPAN)
 
 
 def centred_count(norms: torch.Tensor, clip: float) -> torch.Tensor:

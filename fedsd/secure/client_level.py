@@ -126,14 +126,26 @@ class AdaptiveUpdateClip:
     noise_multiplier: float  # z, the plan's
 
     @classmethod
-    def of(cls, fed, clients: int, noise_multiplier: float) -> "AdaptiveUpdateClip | None":
+    def of(cls, fed, plan: noise.NoisePlan) -> "AdaptiveUpdateClip | None":
+        """The rule a run's settings ask for under the client-level `plan` (its z; its n, the
+        expected batch; its d, whose 1/√d is the least clip); None: S fixed. ConfigError, naming
+        the flag, where σ_b ≤ z/2."""
         if not fed.update_clip_quantile:
             return None
-        sigma_b = fed.update_clip_count_noise or max(clients * COUNT_NOISE_PER_RECORD, noise_multiplier)
-        rule = QuantileClip(fed.update_clip_quantile, fed.update_clip_lr, sigma_b, float(clients),
-                            flag="--update-clip-count-noise")
-        rule.gradient_noise_multiplier(noise_multiplier)  # ConfigError, naming the flag, where σ_b ≤ z/2
-        return cls(rule, noise_multiplier)
+        z, clients = plan.noise_multiplier, plan.expected_batch
+        sigma_b = fed.update_clip_count_noise or max(clients * COUNT_NOISE_PER_RECORD, z)
+        rule = QuantileClip(fed.update_clip_quantile, fed.update_clip_lr, sigma_b, float(clients), fed.update_clip,
+                            least=noise.least_clip(plan.dim), flag="--update-clip-count-noise")
+        rule.gradient_noise_multiplier(z)
+        return cls(rule, z)
+
+    def check_vector_clip(self, vector_clip: float) -> None:
+        """A round plan's clip S' (the server's) refused unless S and λ within it are numbers (a
+        review playing the attacker sent 1.7e308, whose λ overflowed after the owner's charge)."""
+        if not (math.isfinite(vector_clip) and math.isfinite(self.count_scale_within(vector_clip))
+                and self.update_clip_within(vector_clip) > 0):
+            raise ValueError(f"client-level noise: the plan's clip {vector_clip!r} leaves no finite update clip and "
+                             f"bit scale within it")
 
     def vector_clip(self, update_clip: float) -> float:
         """S': the L2 bound of a client's whole vector at update clip S."""
@@ -178,6 +190,7 @@ def adaptive_contribution(update: np.ndarray, plan: noise.NoisePlan, own: noise.
     the client's own in every other field (z at least its own) and whose clip float32 clips
     within the sensitivity (fedsd.secure.distributed_noise.least_clip)."""
     check_plan(plan, dataclasses.replace(own, clip=plan.clip))
+    adaptive.check_vector_clip(plan.clip)
     return noise.encode(adaptive.vector(update, plan.clip), plan, noise.generator(key))
 
 

@@ -152,8 +152,10 @@ class FedConfig:
               "must be in (0, 1), or 0 for a fixed clip", self.update_clip_quantile)
         check(self.update_clip_quantile == 0 or self.privacy_unit == "client", "--update-clip-quantile",
               "applies to --privacy-unit client (records: --clip-quantile)", self.update_clip_quantile)
-        check(math.isfinite(self.update_clip_lr) and self.update_clip_lr > 0, "--update-clip-lr",
-              "must be a finite number > 0", self.update_clip_lr)
+        check(math.isfinite(self.update_clip_lr) and 0 < self.update_clip_lr <= 10, "--update-clip-lr",
+              "must be in (0, 10]", self.update_clip_lr)
+        check(not self.update_clip_quantile or self.update_clip <= 1e6, "--update-clip",
+              "with --update-clip-quantile, the clip's start must be at most 1e6", self.update_clip)
         check(math.isfinite(self.update_clip_count_noise) and self.update_clip_count_noise >= 0,
               "--update-clip-count-noise", "must be a finite number > 0 (0: clients/20)", self.update_clip_count_noise)
         check(self.secagg_max_records >= 1, "secagg-max-records", "must be >= 1", self.secagg_max_records)

@@ -473,7 +473,9 @@ def validate(c: TrainConfig, num_train: int) -> None:
     check_setting(math.isfinite(c.clip) and c.clip > 0, "--clip", "must be a finite number > 0", c.clip)
     check_setting(c.clip_quantile == 0 or 0 < c.clip_quantile < 1, "--clip-quantile",
                   "must be in (0, 1), or 0 for a fixed clip", c.clip_quantile)
-    check_setting(math.isfinite(c.clip_lr) and c.clip_lr > 0, "--clip-lr", "must be a finite number > 0", c.clip_lr)
+    check_setting(math.isfinite(c.clip_lr) and 0 < c.clip_lr <= 10, "--clip-lr", "must be in (0, 10]", c.clip_lr)
+    check_setting(not c.clip_quantile or 1e-4 <= c.clip <= 1e6, "--clip", "with --clip-quantile, the clip's start "
+                  "must be in [1e-4, 1e6] (fedsd.clipping.adaptive: the bounds float32 clips within)", c.clip)
     check_setting(math.isfinite(c.clip_count_noise) and c.clip_count_noise >= 0, "--clip-count-noise",
                   "must be a finite number > 0 (0: B/20)", c.clip_count_noise)
     check_setting(0 <= c.momentum < 1, "--momentum", "must be in [0, 1)", c.momentum)

@@ -697,6 +697,16 @@ def secret_start() -> TrainState:
     return TrainState(secret=SecretStream.fresh())
 
 
+def charged_only(state: TrainState | None, trainer, epochs: int) -> TrainState:
+    """`state` with a round's steps counted as spent (its accountant's history and its steps), the
+    round having trained nothing that left the client."""
+    if state is None:
+        state = TrainState(trainer.plan.history_before_training())
+    steps = epochs * trainer.steps_per_epoch
+    history = state.history + [[trainer.plan.noise_multiplier, trainer.plan.sample_rate, steps]]
+    return dataclasses.replace(state, history=history, steps=state.steps + steps)
+
+
 def train_round(side: ClientSide, state: TrainState | None, content: RecordDict, context: Context, request: str,
                 base: dict, into_sum: bool = False) -> RecordDict:
     """The admitted round: train, keep the state that charged it on disk, then release."""
@@ -710,9 +720,9 @@ def train_round(side: ClientSide, state: TrainState | None, content: RecordDict,
                                                                          rng_state=None)
     teacher, state = round_teacher(fed, state, model["student"])
     proximal_mu = fed.proximal_mu if fed.strategy == "fedprox" else 0.0  # FedProx's μ, the run config's key
+    epochs = round_epochs(side.server_round, fed.local_epochs)
     try:
-        model, state, metrics = trainer.local_update(model, state, round_epochs(side.server_round, fed.local_epochs),
-                                                     teacher=teacher, proximal_mu=proximal_mu)
+        model, state, metrics = trainer.local_update(model, state, epochs, teacher=teacher, proximal_mu=proximal_mu)
     except TrainingDiverged as e:  # nothing of the round is released; the server stops the run with the reason
         # A client with its own data says only that: the loss at which it stopped is a number
         # computed from its records, which no noise covers.
@@ -721,6 +731,13 @@ def train_round(side: ClientSide, state: TrainState | None, content: RecordDict,
         return RecordDict({"metrics": MetricRecord({**base, "skipped": 1, "diverged": 1,
                                                     "epsilon": spent_so_far(state, trainer.plan)}),
                            "divergence": ConfigRecord({"reason": reason})})
+    except Exception:
+        # Charged (admit) and nothing released: the round still counts as taken part in, on disk,
+        # so that a server that makes every attempt fail (a review playing the attacker crashed the
+        # steps with its settings) spends at most the run's own budget, never the owner's whole ledger.
+        if side.state_file is not None:
+            save_train_state(side.state_file, charged_only(state, trainer, len(epochs)), trainer.plan)
+        raise
     if not side.own_data:
         save_state(context.state, state, trainer.plan)
     state_file = side.state_file

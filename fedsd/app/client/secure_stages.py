@@ -417,7 +417,7 @@ def _checked_plan(content: RecordDict, context: Context, owner: Owner):
             own = client_level.calibrated(cfg.epsilon, cfg.delta, fed.update_clip, fed.num_clients, fed.rounds, t,
                                           dimension(trainer.model) + adapting)
             if adapting:  # the round's S' is the server's (it moves S; ε does not depend on it), the rest its own
-                client_level.AdaptiveUpdateClip.of(fed, fed.num_clients, own.noise_multiplier)  # σ_b > z/2, else refused
+                client_level.AdaptiveUpdateClip.of(fed, own).check_vector_clip(plan.clip)  # and σ_b > z/2
                 own = dataclasses.replace(own, clip=plan.clip)
             client_level.check_plan(plan, own)
         else:
@@ -565,7 +565,7 @@ def client_update(trainer, net, state, student, plan, own, fed):
     key, seed = state.secret.random_bytes(16), int.from_bytes(state.secret.random_bytes(8), "little")
     update, _ = client_level.local_update(net, trainer.data, student, fed.local_epochs, cfg.batch_size, cfg.lr,
                                           cfg.momentum, torch.Generator().manual_seed(seed), steps=fed.local_steps)
-    adaptive = client_level.AdaptiveUpdateClip.of(fed, fed.num_clients, own.noise_multiplier)
+    adaptive = client_level.AdaptiveUpdateClip.of(fed, own)
     if adaptive is not None:  # the update clipped to S within the round's S', its below-S bit beside it, masked
         vector = client_level.adaptive_contribution(update, plan, own, key, adaptive)
     else:

@@ -382,7 +382,7 @@ def client_level_plan(cfg, fed, num_classes: int, honest: int):
                                    dimension(net) + adapting)
     optimizer = ServerOptimizer(net, 1.0, 0.0)
     if adapting:
-        client_level.AdaptiveUpdateClip.of(fed, fed.num_clients, plan.noise_multiplier)  # σ_b refused before round 1
+        client_level.AdaptiveUpdateClip.of(fed, plan)  # σ_b refused before round 1
         optimizer.update_clip = fed.update_clip
     return plan, optimizer
 
@@ -398,8 +398,7 @@ class SecureRounds:
         if self.distributed:  # the round's plan, and the server's half of each step (fedsd.secure.distributed_step)
             self.noise, self.optimizer = distributed_plan(side.cfg, launch.fed, side.num_classes)
             if self.optimizer.update_clip is not None:
-                self.adaptive = client_level.AdaptiveUpdateClip.of(launch.fed, launch.fed.num_clients,
-                                                                   self.noise.noise_multiplier)
+                self.adaptive = client_level.AdaptiveUpdateClip.of(launch.fed, self.noise)
         self.roster = read_roster(launch.fed.secagg_roster) if launch.fed.secagg_roster else None
         self.out = Path(launch.out) if launch.out is not None else None
         self.records: list[dict] = []
