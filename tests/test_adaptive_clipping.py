@@ -59,7 +59,8 @@ def test_the_gradient_and_the_count_spend_what_dp_accounting_composes_for_them()
     assert composed(z) > ours * 1.001  # the count's cost, had the gradient kept all of z
 
 
-def test_bad_values_are_refused_naming_the_flag():
+def test_bad_values_are_refused_naming_the_flag(tmp_path, monkeypatch, capsys):
+    from fedsd.cli.main import main
     from fedsd.settings.run import validate
 
     base = TrainConfig(dataset="fmnist", clip=0.1).resolved()
@@ -72,6 +73,11 @@ def test_bad_values_are_refused_naming_the_flag():
     # a count noise that would leave the gradient nothing of z: refused, named, before any step
     with pytest.raises(ConfigError, match="--clip-count-noise"):
         QuantileClip(0.5, 0.2, count_noise=0.4, expected_batch=256, start=0.1).gradient_noise_multiplier(1.0)
+    require("fmnist")  # and `fedsd train` says so before any work, its dry run too
+    monkeypatch.setenv("FEDSD_DRY_RUN", "1")
+    assert main(["train", "--clip-quantile", "0.7", "--clip-count-noise", "0.1", "--epochs", "1", "--epsilon", "3",
+                 "--out", str(tmp_path / "run")]) != 0
+    assert "--clip-count-noise: 0.1 leaves nothing" in capsys.readouterr().err and not (tmp_path / "run").exists()
 
 
 def test_secure_aggregation_refuses_it_until_the_count_joins_the_secure_sum():

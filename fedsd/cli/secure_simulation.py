@@ -243,7 +243,7 @@ def plan_line(cfg: TrainConfig, fed: FedConfig, run: SecureFederation) -> str:
         return (f"{head}, each client protected whole (t = {honest_count(fed)}): {fed.rounds} rounds of "
                 f"{local_work(fed)} without noise at B = {cfg.batch_size}, lr {cfg.lr:g}, momentum "
                 f"{cfg.momentum:g}, each update clipped to {fed.update_clip:g}"
-                + (f" and then to the {fed.update_clip_quantile:g} quantile of the update norms (σ_b = "
+                + (f" at first, then to the {fed.update_clip_quantile:g} quantile of the update norms (σ_b = "
                    f"{run.adaptive.rule.count_noise:.3g} on the count)" if run.adaptive else "")
                 + f", σ={run.noise.noise_multiplier:.3f} "
                 f"(the honest sum's noise over the clip), client-level ε={cfg.epsilon:g}")

@@ -85,11 +85,24 @@ def _train(args, recipe) -> int:
                           f"epochs at B = {cfg.batch_size}, lr {cfg.lr:g}, momentum {cfg.momentum:g}, "
                           f"σ={plan.noise_multiplier:.3f}, q={plan.sample_rate:.4g} (ε={cfg.epsilon:g}) into {args.out}"
                           + (f"; {start_line(start_report(cfg, inputs.data.num_classes))}"
-                             if start_report(cfg, inputs.data.num_classes) else ""))
+                             if start_report(cfg, inputs.data.num_classes) else "") + adaptive_line(cfg, plan))
     result, _ = train(config_from_args(args), args.out, overwrite=args.overwrite, progress=not args.quiet,
                       log_dir=args.log_dir)
     print(run_summary(result, args.out))
     return 0
+
+
+def adaptive_line(cfg, plan) -> str:
+    """--clip-quantile, as a dry run says it (its count's noise refused here where it leaves the
+    gradient nothing of σ, as the run would refuse it before its first step)."""
+    from fedsd.clipping.adaptive import QuantileClip
+
+    rule = QuantileClip.of(cfg)
+    if rule is None:
+        return ""
+    return (f"; the clip starts at {cfg.clip:g} and follows the {rule.quantile:g} quantile of the per-sample norms "
+            f"(rate {rule.lr:g}, σ_b = {rule.count_noise:g} on each step's count, the gradient's noise multiplier "
+            f"{rule.gradient_noise_multiplier(plan.noise_multiplier):.4f} for the plan's σ)")
 
 
 def add_train_parser(sub) -> None:
