@@ -223,3 +223,44 @@ def test_a_finished_deployed_run_is_a_row_beside_the_simulated_ones(tmp_path):
     text = "\n".join(deployed_markdown([row]))
     assert "| features | iid | 10 | 0 | 89.12 | -0.48 | -0.38 |  | 3.000 | 4.221 | 31.0 |" in text
     assert "python -m fedsd.deployment.deployed_distributed --partition iid --work W --out O" in text
+
+
+def test_the_kept_adaptive_table_is_the_one_its_runs_give(tmp_path):
+    """results/table-adaptive.{json,md} (adaptive clipping from 10× and 0.1× off the tuned C), as
+    `fedsd reproduce --table adaptive` writes them from the kept runs."""
+    from fedsd.experiments.adaptive_table import TABLE_NAME, write_table
+
+    if not (RESULTS / f"{TABLE_NAME}.json").exists():
+        pytest.skip("the adaptive clipping table has not been written yet")
+    write_table(RESULTS, to=tmp_path)
+    assert json.loads((tmp_path / f"{TABLE_NAME}.json").read_text()) == \
+        json.loads((RESULTS / f"{TABLE_NAME}.json").read_text())
+    assert (tmp_path / f"{TABLE_NAME}.md").read_text() == (RESULTS / f"{TABLE_NAME}.md").read_text()
+
+
+def test_the_adaptive_screen_chooses_the_best_worse_of_two_starts_and_a_diverged_run_scores_zero(tmp_path,
+                                                                                                 monkeypatch):
+    """The quantile is chosen on validation by the worse of its two starts (a user does not know on
+    which side of the tuned C they start); a diverged run scores 0; a tie keeps the quantile nearer
+    0.5; none is chosen while a screen run is missing."""
+    from fedsd.experiments import adaptive_table as at
+
+    def put(q, start, accuracy):
+        run = tmp_path / "runs" / "adaptive" / at.AdaptiveRun("r", q, start, 0, at.VALIDATION).name
+        run.mkdir(parents=True)
+        if accuracy is None:
+            (run / "diverged.json").write_text("{}")
+        else:
+            (run / "result.json").write_text(json.dumps({"validation_accuracy": accuracy}))
+
+    monkeypatch.setattr(at, "_result", lambda out, run: type("Result", (), json.loads(
+        (out / "runs" / "adaptive" / run.name / "result.json").read_text()))()
+        if (out / "runs" / "adaptive" / run.name / "result.json").exists() else None)
+    scores = {0.3: (0.80, 0.70), 0.5: (0.90, 0.75), 0.7: (0.95, 0.75), 0.9: (0.99, None)}
+    for q, (high, low) in scores.items():
+        put(q, 10.0, high)
+        if q != 0.9:
+            put(q, 0.1, low)
+    assert at.chosen_quantile(tmp_path, "r") is None  # 0.9 from 0.1× not run yet
+    put(0.9, 0.1, None)
+    assert at.chosen_quantile(tmp_path, "r") == 0.5  # 0.5 and 0.7 tie at 75: the nearer the middle

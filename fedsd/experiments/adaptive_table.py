@@ -172,8 +172,10 @@ def markdown(t: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_table(out: Path, seeds: int = SEEDS) -> Path:
+def write_table(out: Path, seeds: int = SEEDS, to: Path | None = None) -> Path:
+    """The table files from the runs under `out` (into `to`, default `out`)."""
+    to = Path(to) if to is not None else out
     t = table(out, seeds)
-    write_json(out / f"{TABLE_NAME}.json", t)
-    (out / f"{TABLE_NAME}.md").write_text(markdown(t))
-    return out / f"{TABLE_NAME}.md"
+    write_json(to / f"{TABLE_NAME}.json", t)
+    (to / f"{TABLE_NAME}.md").write_text(markdown(t))
+    return to / f"{TABLE_NAME}.md"
