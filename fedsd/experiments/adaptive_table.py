@@ -75,6 +75,13 @@ def _validation_score(out: Path, run: AdaptiveRun) -> float | None:
     return None if result is None else 100 * result.validation_accuracy
 
 
+def _screen_cell(out: Path, run: AdaptiveRun) -> float | str | None:
+    """A screen run as the table shows it: its validation accuracy (%), "diverged", or None (not run)."""
+    if (out / "runs" / "adaptive" / run.name / DIVERGED).exists():
+        return "diverged"
+    return _validation_score(out, run)
+
+
 def chosen_quantile(out: Path, recipe: str) -> float | None:
     """The screen's quantile for `recipe` (the best worse-of-two-starts validation accuracy; a tie
     keeps the quantile nearer 0.5); None while any of its screen runs is missing."""
@@ -127,9 +134,9 @@ def table(out: Path, seeds: int = SEEDS) -> dict:
     rows = []
     for recipe in RECIPES:
         q = chosen_quantile(out, recipe)
-        screen = {f"q{qq:g}-from{s:g}x": _validation_score(out, AdaptiveRun(recipe, qq, s, SCREEN_SEED, VALIDATION))
+        screen = {f"q{qq:g}-from{s:g}x": _screen_cell(out, AdaptiveRun(recipe, qq, s, SCREEN_SEED, VALIDATION))
                   for qq in QUANTILES for s in STARTS}
-        screen["fixed"] = _validation_score(out, AdaptiveRun(recipe, FIXED, seed=SCREEN_SEED, validation=VALIDATION))
+        screen["fixed"] = _screen_cell(out, AdaptiveRun(recipe, FIXED, seed=SCREEN_SEED, validation=VALIDATION))
         fixed = _arm(out, recipe, FIXED, 1.0, seeds)
         arms = [fixed] + ([_arm(out, recipe, q, s, seeds) for s in STARTS] if q is not None else [])
         for arm in arms[1:]:
@@ -167,7 +174,7 @@ def markdown(t: dict) -> str:
               "| recipe | " + " | ".join(t["rows"][0]["screen_validation_accuracy"]) + " |",
               "|---|" + "---|" * len(t["rows"][0]["screen_validation_accuracy"])]
     for row in t["rows"]:
-        lines.append(f"| {row['recipe']} | " + " | ".join("–" if v is None else f"{v:.2f}"
+        lines.append(f"| {row['recipe']} | " + " | ".join("–" if v is None else v if isinstance(v, str) else f"{v:.2f}"
                                                          for v in row["screen_validation_accuracy"].values()) + " |")
     return "\n".join(lines) + "\n"
 
