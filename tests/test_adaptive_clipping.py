@@ -230,3 +230,44 @@ def test_an_owners_round_that_fails_after_its_charge_counts_as_spent_so_retries_
     side = local.client_side(message, context, plain_release=True)
     with local.peeked_ledger(side.node, side.fingerprint) as ledger:
         assert len(ledger.entries) == 3 and ledger.epsilon() <= 3.0 * 1.001, ledger.entries
+
+
+@pytest.mark.slow
+def test_a_normalized_step_is_the_private_gradient_over_the_steps_clip():
+    """--clip-normalize: the same draws, the same clipped sum and noise, and a step 1/C as long:
+    the private gradient in units of the clip (post-processing), so that --lr is per unit of clip."""
+    require("fmnist")
+    from fedsd.training.loop import initial_model
+
+    steps = {}
+    for normalize in (False, True):
+        trainer = _trainer("bk", clip=0.5, lr=0.01, momentum=0.0, clip_normalize=normalize)
+        start = initial_model(trainer.cfg, 10)
+        model, _, metrics = trainer.local_update(start, None, [1])
+        steps[normalize] = {k: model["student"][k] - start["student"][k] for k in start["student"]}
+        assert metrics["clip"] != 0.5
+    # one epoch of 8 steps, each at its own clip: compare the first step's size alone
+    trainer = _trainer("bk", clip=0.5, lr=0.01, momentum=0.0, clip_normalize=True)
+    plain = _trainer("bk", clip=0.5, lr=0.01, momentum=0.0)
+    for t in (trainer, plain):
+        t.load_student(initial_model(t.cfg, 10)["student"])
+        t.generator.manual_seed(0)
+        t.clipper.set_clip(0.5)
+    from fedsd.methods import method_of
+
+    objective = method_of(trainer.cfg).epoch_loss(trainer.cfg, 1)
+    x, y = trainer.data.x_train[:100], trainer.data.y_train[:100]
+    before = {k: v.clone() for k, v in trainer.student_weights().items()}
+    trainer.train_on_batch(x, y, objective)
+    plain.train_on_batch(x, y, objective)
+    for k in before:
+        moved, moved_plain = trainer.student_weights()[k] - before[k], plain.student_weights()[k] - before[k]
+        assert torch.allclose(moved, moved_plain / 0.5, rtol=1e-4, atol=1e-7), k
+    assert not all(torch.equal(steps[True][k], steps[False][k]) for k in steps[True])
+
+
+def test_clip_normalize_applies_to_an_adaptive_clip_only():
+    from fedsd.settings.run import validate
+
+    with pytest.raises(ConfigError, match="--clip-normalize"):
+        validate(TrainConfig(dataset="fmnist", clip_normalize=True).resolved(), 60_000)

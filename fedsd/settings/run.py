@@ -116,6 +116,10 @@ class RunConfig:
                                    "it follows this quantile of the per-sample gradient norms, each step's noised "
                                    "count of the norms below it composed into the run's ε; 0: C stays --clip")
     clip_lr: float = setting(0.2, "--clip-quantile: the clip's geometric learning rate η (the paper's 0.2)")
+    clip_normalize: bool = setting(False, "--clip-quantile: take each step in units of the clip, the private "
+                                   "gradient divided by the clip of the step, so that --lr is the step per unit of "
+                                   "clip (a fixed-clip recipe's lr × C) and the clip moves which samples are clipped, "
+                                   "not the step's size (post-processing)")
     clip_count_noise: float = setting(0.0, "--clip-quantile: the std σ_b of the noise on each step's count (0: B/20, "
                                       "the paper's); the gradient's noise multiplier is lowered so that the two "
                                       "spend the run's ε (the paper's Theorem 1)")
@@ -476,6 +480,8 @@ def validate(c: TrainConfig, num_train: int) -> None:
     check_setting(math.isfinite(c.clip_lr) and 0 < c.clip_lr <= 10, "--clip-lr", "must be in (0, 10]", c.clip_lr)
     check_setting(not c.clip_quantile or 1e-4 <= c.clip <= 1e6, "--clip", "with --clip-quantile, the clip's start "
                   "must be in [1e-4, 1e6] (fedsd.clipping.adaptive: the bounds float32 clips within)", c.clip)
+    check_setting(not c.clip_normalize or bool(c.clip_quantile), "--clip-normalize", "applies to --clip-quantile",
+                  c.clip_normalize)
     check_setting(math.isfinite(c.clip_count_noise) and c.clip_count_noise >= 0, "--clip-count-noise",
                   "must be a finite number > 0 (0: B/20)", c.clip_count_noise)
     check_setting(0 <= c.momentum < 1, "--momentum", "must be in [0, 1)", c.momentum)

@@ -514,6 +514,10 @@ class DPTrainer:
         for callback in callbacks:
             callback.before_noise(self)
         if self.optimizer.pre_step():  # clip, noise, average: the private gradient
+            if self.cfg.clip_normalize:  # in units of the step's clip (post-processing of the private gradient)
+                for p in self.trainable():
+                    if p.grad is not None:
+                        p.grad.div_(self.clipper.clip)
             for callback in callbacks:
                 callback.after_noise(self)
             if update:
