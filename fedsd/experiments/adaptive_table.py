@@ -32,6 +32,10 @@ SCREEN_SEED = 0
 SEEDS = 3
 QUANTILES = (0.3, 0.5, 0.7, 0.9)  # the tuned C = 0.1 sits near the 0.5–0.75 quantile late in both recipes
 STARTS = (10.0, 0.1)  # the clip's start, times the recipe's tuned C
+# Andrew et al.'s rule as it is (the step lr · C follows the clip), and with --clip-normalize (the
+# step per unit of clip, at the recipe's lr × C): the first screen's runs showed the papers' lr,
+# tuned at C = 0.1, does not survive a clip that grows.
+NORMALIZED = (False, True)
 FIXED = None  # a run at the tuned C, not adapted
 
 
@@ -42,10 +46,12 @@ class AdaptiveRun:
     start: float = 1.0  # times the tuned C
     seed: int = 0
     validation: int = 0
+    normalized: bool = False  # --clip-normalize, at the recipe's lr × C per unit of clip
 
     @property
     def name(self) -> str:
         arm = "fixed" if self.quantile is None else f"q{self.quantile:g}-from{self.start:g}x"
+        arm += "-normalized" if self.normalized else ""
         return f"{self.recipe}-{arm}{'-val' if self.validation else ''}-seed{self.seed}"
 
     def config(self, threads: int, device: str, data_dir) -> dict:
@@ -53,12 +59,15 @@ class AdaptiveRun:
 
         values = {name: value for name, (_, value) in read_recipe(recipe_path(self.recipe)).values.items()}
         adapted = {} if self.quantile is None else dict(clip=values["clip"] * self.start, clip_quantile=self.quantile)
+        if self.normalized:  # the step per unit of clip: the recipe's lr at its tuned C
+            adapted.update(clip_normalize=True, lr=values["lr"] * values["clip"])
         return {**values, **adapted, "epsilon": EPSILON, "seed": self.seed, "validation": self.validation,
                 "threads": threads, "device": device, "data_dir": data_dir}
 
 
 def screen_runs() -> list[AdaptiveRun]:
-    return [AdaptiveRun(r, q, s, SCREEN_SEED, VALIDATION) for r in RECIPES for q in QUANTILES for s in STARTS] + \
+    return [AdaptiveRun(r, q, s, SCREEN_SEED, VALIDATION, normalized) for normalized in NORMALIZED for r in RECIPES
+            for q in QUANTILES for s in STARTS] + \
            [AdaptiveRun(r, FIXED, seed=SCREEN_SEED, validation=VALIDATION) for r in RECIPES]
 
 
@@ -82,12 +91,12 @@ def _screen_cell(out: Path, run: AdaptiveRun) -> float | str | None:
     return _validation_score(out, run)
 
 
-def chosen_quantile(out: Path, recipe: str) -> float | None:
+def chosen_quantile(out: Path, recipe: str, normalized: bool = False) -> float | None:
     """The screen's quantile for `recipe` (the best worse-of-two-starts validation accuracy; a tie
     keeps the quantile nearer 0.5); None while any of its screen runs is missing."""
     scores = {}
     for q in QUANTILES:
-        each = [_validation_score(out, AdaptiveRun(recipe, q, s, SCREEN_SEED, VALIDATION)) for s in STARTS]
+        each = [_validation_score(out, AdaptiveRun(recipe, q, s, SCREEN_SEED, VALIDATION, normalized)) for s in STARTS]
         if None in each:
             return None
         scores[q] = min(each)
@@ -97,9 +106,10 @@ def chosen_quantile(out: Path, recipe: str) -> float | None:
 def confirmation_runs(out: Path, seeds: int = SEEDS) -> list[AdaptiveRun]:
     runs = []
     for recipe in RECIPES:
-        q = chosen_quantile(out, recipe)
-        if q is not None:
-            runs += [AdaptiveRun(recipe, q, s, seed) for s in STARTS for seed in range(seeds)]
+        for normalized in NORMALIZED:
+            q = chosen_quantile(out, recipe, normalized)
+            if q is not None:
+                runs += [AdaptiveRun(recipe, q, s, seed, normalized=normalized) for s in STARTS for seed in range(seeds)]
         runs += [AdaptiveRun(recipe, FIXED, seed=seed) for seed in range(seeds)]
     return runs
 
@@ -119,11 +129,13 @@ def reproduce_adaptive(seeds: int, jobs: int, threads: int, device: str, data_di
     return write_table(out, seeds)
 
 
-def _arm(out: Path, recipe: str, quantile: float | None, start: float, seeds: int) -> dict:
-    results = {seed: _result(out, AdaptiveRun(recipe, quantile, start, seed)) for seed in range(seeds)}
+def _arm(out: Path, recipe: str, quantile: float | None, start: float, seeds: int, normalized: bool = False) -> dict:
+    results = {seed: _result(out, AdaptiveRun(recipe, quantile, start, seed, normalized=normalized))
+               for seed in range(seeds)}
     done = {seed: r for seed, r in results.items() if r is not None}
     accuracies = [100 * r.test_accuracy for r in done.values()]
-    return dict(quantile=quantile, start_times_tuned=None if quantile is None else start, seeds=list(done),
+    return dict(quantile=quantile, start_times_tuned=None if quantile is None else start, normalized=normalized,
+                seeds=list(done),
                 accuracies=accuracies, mean=statistics.mean(accuracies) if accuracies else None,
                 standard_error=statistics.stdev(accuracies) / len(accuracies) ** 0.5 if len(accuracies) > 1 else None,
                 epsilon_spent=max((r.epsilon_spent for r in done.values()), default=None),
@@ -133,15 +145,20 @@ def _arm(out: Path, recipe: str, quantile: float | None, start: float, seeds: in
 def table(out: Path, seeds: int = SEEDS) -> dict:
     rows = []
     for recipe in RECIPES:
-        q = chosen_quantile(out, recipe)
-        screen = {f"q{qq:g}-from{s:g}x": _screen_cell(out, AdaptiveRun(recipe, qq, s, SCREEN_SEED, VALIDATION))
-                  for qq in QUANTILES for s in STARTS}
+        chosen = {normalized: chosen_quantile(out, recipe, normalized) for normalized in NORMALIZED}
+        screen = {}
+        for normalized in NORMALIZED:
+            screen.update({f"q{qq:g}-from{s:g}x" + ("-normalized" if normalized else ""): _screen_cell(
+                out, AdaptiveRun(recipe, qq, s, SCREEN_SEED, VALIDATION, normalized))
+                for qq in QUANTILES for s in STARTS})
         screen["fixed"] = _screen_cell(out, AdaptiveRun(recipe, FIXED, seed=SCREEN_SEED, validation=VALIDATION))
         fixed = _arm(out, recipe, FIXED, 1.0, seeds)
-        arms = [fixed] + ([_arm(out, recipe, q, s, seeds) for s in STARTS] if q is not None else [])
+        arms = [fixed] + [_arm(out, recipe, q, s, seeds, normalized) for normalized, q in chosen.items()
+                          if q is not None for s in STARTS]
         for arm in arms[1:]:
             arm["against_fixed"] = paired_difference(arm, fixed)
-        rows.append(dict(recipe=recipe, chosen_quantile=q, screen_validation_accuracy=screen, arms=arms))
+        rows.append(dict(recipe=recipe, chosen_quantile={("normalized" if n else "plain"): q for n, q in chosen.items()},
+                         screen_validation_accuracy=screen, arms=arms))
     return dict(question="does --clip-quantile, started 10× or 0.1× off the tuned C, reach the tuned fixed C's "
                          "accuracy?", epsilon=EPSILON, delta=1e-5, seeds=seeds, rows=rows)
 
@@ -163,19 +180,29 @@ def markdown(t: dict) -> str:
              "|---|---|---|---|---|---|"]
     for row in t["rows"]:
         for arm in row["arms"]:
-            clip = "tuned C = 0.1, fixed" if arm["quantile"] is None else f"from {arm['start_times_tuned']:g}× C"
+            clip = "tuned C = 0.1, fixed" if arm["quantile"] is None else f"from {arm['start_times_tuned']:g}× C" + (
+                ", normalized step" if arm["normalized"] else "")
             diff = arm.get("against_fixed")
             diff_text = (f"{diff['mean']:+.2f} ± {diff['se']:.2f}" if diff and diff["se"] is not None
                          else f"{diff['mean']:+.2f}" if diff else "–")
             final = ", ".join(f"{c:.3g}" for c in arm["final_clip"] or [] if c is not None) or "–"
-            lines.append(f"| {row['recipe']} | {clip} | {row['chosen_quantile'] if arm['quantile'] else '–'} | "
+            lines.append(f"| {row['recipe']} | {clip} | {arm['quantile'] if arm['quantile'] else '–'} | "
                          f"{_cell(arm)} | {diff_text} | {final} |")
-    lines += ["", "The screen (validation accuracy, %, seed 0):", "",
-              "| recipe | " + " | ".join(t["rows"][0]["screen_validation_accuracy"]) + " |",
-              "|---|" + "---|" * len(t["rows"][0]["screen_validation_accuracy"])]
+    lines += ["", "The screen (validation accuracy, %, seed 0; normalized: `--clip-normalize` at the recipe's lr × C):",
+              "", "| recipe | run | " + " | ".join(f"γ = {q:g}" for q in QUANTILES) + " |",
+              "|---|---|" + "---|" * len(QUANTILES)]
     for row in t["rows"]:
-        lines.append(f"| {row['recipe']} | " + " | ".join("–" if v is None else v if isinstance(v, str) else f"{v:.2f}"
-                                                         for v in row["screen_validation_accuracy"].values()) + " |")
+        cells = row["screen_validation_accuracy"]
+        for normalized in NORMALIZED:
+            for s in STARTS:
+                tail = "-normalized" if normalized else ""
+                shown = [cells[f"q{q:g}-from{s:g}x{tail}"] for q in QUANTILES]
+                lines.append(f"| {row['recipe']} | from {s:g}× C{', normalized' if normalized else ''} | " + " | ".join(
+                    "–" if v is None else v if isinstance(v, str) else f"{v:.2f}" for v in shown) + " |")
+
+    lines += ["", "At the tuned fixed C, on validation: " + ", ".join(
+        f"{row['recipe']} " + ("–" if row["screen_validation_accuracy"]["fixed"] is None
+                               else f"{row['screen_validation_accuracy']['fixed']:.2f}") for row in t["rows"]) + "."]
     return "\n".join(lines) + "\n"
 
 
