@@ -46,25 +46,28 @@ def test_members_reports_cannot_loosen_the_bound_and_a_reply_without_metrics_end
     0.194 to 2.2e12), nobody named. A masked reply without a metrics record raised StopIteration in
     the server, after every owner was charged, and ended the run. Now the bound is the run's
     public numbers alone, the owner's masked reply carries its partition id and the run's ε alone, and a reply
-    without metrics leaves that client out."""
+    without metrics leaves that client out. The clients summed in the round outside the bound do not
+    sit together again: the next round asks nothing of anyone (no owner pays for it) and the run
+    stops, saying why."""
     from fedsd.app.server.secure_rounds import SecureRounds
     from fedsd.settings.federation import FedConfig, client_config
     from fedsd.settings.run import TrainConfig
 
     m = members
     attack = {"round": 0}
-    seen = {}
+    seen, asked = {}, {}
 
     def tamper(kind, node, reply):
+        asked.setdefault(attack["round"], []).append(kind)
         if kind != "query.secagg_masked" or "metrics" not in reply:
             return reply
         seen.setdefault(attack["round"], {})[node] = dict(reply["metrics"])
-        if attack["round"] == 2 and node in IDS[:2]:  # two members report what loosens a median most
+        if attack["round"] == 3 and node in IDS[:2]:  # two members report what loosens a median most
             reply["metrics"] = MetricRecord({**dict(reply["metrics"]), "noise-multiplier": 1e18, "steps": 1_000_000,
                                              "num-examples": 1_000_000})
             if node == IDS[0]:
                 reply["secagg"]["masked"] = Array(reply["secagg"]["masked"].numpy() + np.uint64(1 << 62))
-        if attack["round"] == 3 and node == IDS[0]:
+        if attack["round"] == 2 and node == IDS[0]:
             del reply["metrics"]
         return reply
 
@@ -83,15 +86,23 @@ def test_members_reports_cannot_loosen_the_bound_and_a_reply_without_metrics_end
     assert all(set(metrics) == {"partition-id", "skipped", "epsilon"} for metrics in seen[1].values()), seen[1]
 
     attack["round"] = 2
-    after = rounds.one_round(2, moved)
-    assert "above the" in (rounds.records[1]["abandoned"] or ""), rounds.records[1]
-    assert all(np.array_equal(after[k].numpy(), moved[k].numpy()) for k in moved)
+    rounds.one_round(2, moved)  # no exception: that client is left out, the round is what the rest make of it
+    second = rounds.records[1]  # (here 2 of a threshold of 3: abandoned before anything was unmasked)
+    assert m.ids[IDS[0]] not in second["survivors"]
+    assert "without a metrics record" in second["stages"]["masked"]["failed"][str(m.ids[IDS[0]])]
 
     attack["round"] = 3
-    rounds.one_round(3, after)  # no exception: that client is left out, the round is what the rest make of it
-    third = rounds.records[2]
-    assert m.ids[IDS[0]] not in (third["survivors"] or [])
-    assert "without a metrics record" in third["stages"]["masked"]["failed"][str(m.ids[IDS[0]])]
+    after = rounds.one_round(3, moved)
+    assert "above the" in (rounds.records[2]["abandoned"] or ""), rounds.records[2]
+    assert all(np.array_equal(after[k].numpy(), moved[k].numpy()) for k in moved)
+    assert rounds.records[2]["summed_outside_bound"] == sorted(m.ids[n] for n in IDS[:3])
+
+    attack["round"] = 4
+    from fedsd.app.server.strategy import NoClientCanTrain
+
+    with pytest.raises(NoClientCanTrain, match="the sum of round 3 fell outside the bound.*the run stops"):
+        rounds.one_round(4, after)
+    assert 4 not in asked  # no owner was asked anything in round 4, so none was charged for it
 
 
 def test_owners_under_a_roster_need_the_servers_copy_at_identify(monkeypatch):

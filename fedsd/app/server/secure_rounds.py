@@ -44,6 +44,12 @@ from fedsd.app.server.strategy import NoClientCanTrain
 
 
 
+class SumOutsideBound(RoundAbandoned):
+    """The decoded sum is above what the round's clients could send honestly: one of those summed
+    sent an input outside the bound (or a mask other than its signed seed), and nothing short of
+    a proof on each input says which (docs/algorithms.md, "Spoilers named")."""
+
+
 def _size(content: RecordDict) -> int:
     return recorddict_to_proto(content).ByteSize()
 
@@ -405,6 +411,7 @@ class SecureRounds:
         self.barred: dict[int, str] = {}  # protocol id → the round it spoiled, with checkable evidence
         self.known: dict[int, dict] = {}  # node → what it told at identify, checked (`identify`, `forget`)
         self.evidence: list[dict] = []  # what proves it, sent to every owner at each later advertise
+        self.outside: list[tuple[int, frozenset]] = []  # (round, the clients summed) of each sum outside the bound
 
     def run(self, arrays: ArrayRecord) -> ArrayRecord:
         fed = self.launch.fed
@@ -436,7 +443,7 @@ class SecureRounds:
         record = dict(round=server_round)
         try:
             rid = secure_sum.round_id(self.grid.run.run_id, experiment, server_round)
-            identities = identify(exchange, base, self.roster, rid, self.barred, self.known)
+            identities = self._seated(exchange, identify(exchange, base, self.roster, rid, self.barred, self.known))
             cohort = sorted(exchange.nodes)
             plain = sorted(exchange.nodes[c] for c, who in identities.items() if not who["authenticated"])
             n = len(cohort)
@@ -456,7 +463,12 @@ class SecureRounds:
             finally:
                 self._bar(server, record, server_round)
                 exchange.named.update({str(k): v for k, v in server.culprits.items()})
-            checked = self._checked(arrays, total, server, server_round)
+            try:
+                checked = self._checked(arrays, total, server, server_round)
+            except SumOutsideBound:  # one of those summed sent it; who, no one can say: none of them meet again
+                self.outside.append((server_round, frozenset(server.masked)))
+                record["summed_outside_bound"] = sorted(server.masked)
+                raise
             arrays = self._applied(arrays, checked, total, server, record, replies)
             if self.out is not None:
                 np.save(self.out / f"secagg-sum-{server_round}.npy", total)
@@ -481,6 +493,33 @@ class SecureRounds:
         if stop:
             raise NoClientCanTrain(stop)
         return arrays
+
+    def _seated(self, exchange: Exchange, identities: dict[int, dict]) -> dict[int, dict]:
+        """The clients this round seats: no two summed in one round whose sum fell outside the bound
+        (SumOutsideBound) sit in one round again, the lowest id of each such round kept. One of them
+        sent that input, so every later round an honest owner pays for beside a spoiler holds a
+        spoiler not in any earlier such round of its own: at most one spoiled round per member. The
+        run stops when fewer than a round needs are left (with every client in that round, at once)."""
+        if not self.outside:
+            return identities
+        kept: list[int] = []
+        for client in sorted(identities):
+            met = [r for r, summed in self.outside if client in summed and any(k in summed for k in kept)]
+            if met:
+                exchange.named[str(client)] = (f"summed in round {met[0]}, whose sum fell outside the bound, with "
+                                               f"a client this round seats: not seated with it again")
+            else:
+                kept.append(client)
+        least = self.round_plan().honest if self.distributed else 2
+        if len(kept) < least:
+            raise NoClientCanTrain(
+                f"round {exchange.server_round}: the sum of round {self.outside[-1][0]} fell outside the bound, so one "
+                f"of the clients summed in it sent an input outside it; without a proof on each input no one can say "
+                f"which, and no two of them sit in one round again, which leaves {len(kept)} client(s) for a round "
+                f"that needs {least}: the run stops. Clients summed in that round: "
+                f"{', '.join(map(str, sorted(self.outside[-1][1])))} (secure-aggregation.json)")
+        exchange.identified({client: exchange.nodes[client] for client in kept})
+        return {client: identities[client] for client in kept}
 
     def round_plan(self):
         """This round's noise plan: the run's, at clip S' of the update clip S now where S adapts."""
@@ -524,7 +563,8 @@ class SecureRounds:
         (SecAggServer.evidence, which fedsd.secure.secagg.verify_blame checks) is named in the
         round's record with its evidence and left out of every later round of this run; the
         evidence goes to every owner at each later advertise. Honest owners so pay for one such
-        round at most per member. An input outside the bound is not found so (docs/algorithms.md)."""
+        round at most per member. An input outside the bound is not found so (docs/algorithms.md):
+        SumOutsideBound and `_seated` hold its cost to one round per member."""
         if server.evidence:
             evidence = {dealer: {**item, "round": server_round} for dealer, item in server.evidence.items()}
             record["evidence"] = {str(k): v for k, v in evidence.items()}
@@ -550,7 +590,7 @@ class SecureRounds:
                                                 dim=plan.dim, clients=count)
         norm = float(np.linalg.norm(total.view(np.int64).astype(np.float64)))
         if not norm <= bound:
-            raise RoundAbandoned(f"secure aggregation: the decoded sum has norm {norm:.4g} (quantisation units), above "
+            raise SumOutsideBound(f"secure aggregation: the decoded sum has norm {norm:.4g} (quantisation units), above "
                                  f"the {bound:.4g} honest clients stay below (but once in 1e9 rounds); nothing was "
                                  f"applied", server.culprits)
         model, noisy_sum = record_to_model(arrays), distributed_noise.decode(total, plan)
@@ -571,7 +611,7 @@ class SecureRounds:
         bound = local_noise_bound(self.side.cfg, self.launch.fed, len(total))
         norm = float(np.linalg.norm(mean))
         if not norm <= bound:
-            raise RoundAbandoned(f"secure aggregation: the survivors' mean update has norm {norm:.4g}, above the "
+            raise SumOutsideBound(f"secure aggregation: the survivors' mean update has norm {norm:.4g}, above the "
                                  f"{bound:.4g} honest clients stay below (but once in 1e9 rounds); nothing was "
                                  f"applied", server.culprits)
         return norm, bound
