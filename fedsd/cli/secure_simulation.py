@@ -92,12 +92,15 @@ class SecureFederation:
     optimizer; `take_round` runs one, `save` checkpoints, `finish` writes the result."""
 
     def __init__(self, cfg: TrainConfig, fed: FedConfig, out: Path | None, plain: bool = False):
-        self.cfg, self.fed, self.out, self.plain = cfg, fed, out, plain
+        self.cfg, self.fed, self.out = cfg, fed, out
+        self.plain = plain or fed.secure_sum == "plain"  # the same sum, added in the clear (--secure-sum plain)
         images, indices, shards = cut_shards(cfg, fed)
         n = len(indices)
         self.sample_rate = min(1.0, cfg.batch_size / n)
         whole = data_lib.prepare(images, indices, "cpu", input_stats(cfg), cfg.features)
         self.test, self.data_source = (whole.x_test, whole.y_test), images.source
+        self.validation = data_lib.validation_split(images, cfg.validation, input_stats(cfg), cfg.features) \
+            if cfg.validation else None  # --validation: the held-out samples, scored where the test set is
         self.shards = [data_lib.TensorData(whole.x_train[s], whole.y_train[s], whole.x_test[:0], whole.y_test[:0],
                                            whole.num_classes) for s in shards]
         self.net = model_for(cfg, whole.num_classes)
@@ -157,6 +160,8 @@ class SecureFederation:
         if r == self.fed.rounds or r % max(1, self.fed.rounds // EVALUATIONS) == 0:
             self.net.load_state_dict(released(self.model))
             record["test_accuracy"], record["test_loss"] = evaluate(self.net, *self.test)
+            if self.validation is not None:
+                record["validation_accuracy"] = evaluate(self.net, *self.validation)[0]
             self.net.train()
         self.rounds.append(record)
         return record
@@ -218,6 +223,7 @@ class SecureFederation:
         return RunResult.of_run(
             self.cfg, epsilon_spent=last["epsilon"], test_accuracy=last["test_accuracy"], wall_seconds=seconds,
             device="cpu", data_source=self.data_source, noise_multiplier=self.noise.noise_multiplier,
+            validation_accuracy=last.get("validation_accuracy"),
             sample_rate=self.noise.sample_rate, steps=len(self.rounds), num_train=self.num_train,
             num_clients=self.fed.num_clients, shard_sizes=[len(s.y_train) for s in self.shards],
             federation=dataclasses.asdict(self.fed), rounds=self.rounds,
@@ -239,6 +245,8 @@ def local_work(fed) -> str:
 def plan_line(cfg: TrainConfig, fed: FedConfig, run: SecureFederation) -> str:
     """What the run will do, as a dry run says it."""
     head = f"simulate {fed.num_clients} clients ({fed.partition}) with secure aggregation and distributed noise"
+    if run.plain:
+        head += " (the sum added in the clear, the protocol's bit for bit: --secure-sum plain)"
     if fed.privacy_unit == "client":
         return (f"{head}, each client protected whole (t = {honest_count(fed)}): {fed.rounds} rounds of "
                 f"{local_work(fed)} without noise at B = {cfg.batch_size}, lr {cfg.lr:g}, momentum "

@@ -21,6 +21,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedsd.experiments import adaptive_clients
 from fedsd.cli.sweep_runs import DIVERGED, finished_with, paired_difference, run_jobs
 from fedsd.files.results import RunResult, write_json
 
@@ -126,6 +127,7 @@ def reproduce_adaptive(seeds: int, jobs: int, threads: int, device: str, data_di
     """The screen, then the confirmation of what it chose, then the table files from every run on disk."""
     _run(screen_runs(), out, jobs, threads, device, data_dir, "adaptive clipping: screen", quiet)
     _run(confirmation_runs(out, seeds), out, jobs, threads, device, data_dir, "adaptive clipping: test", quiet)
+    adaptive_clients.run_stages(out, seeds, jobs, threads, quiet)
     return write_table(out, seeds)
 
 
@@ -160,7 +162,8 @@ def table(out: Path, seeds: int = SEEDS) -> dict:
         rows.append(dict(recipe=recipe, chosen_quantile={("normalized" if n else "plain"): q for n, q in chosen.items()},
                          screen_validation_accuracy=screen, arms=arms))
     return dict(question="does --clip-quantile, started 10× or 0.1× off the tuned C, reach the tuned fixed C's "
-                         "accuracy?", epsilon=EPSILON, delta=1e-5, seeds=seeds, rows=rows)
+                         "accuracy?", epsilon=EPSILON, delta=1e-5, seeds=seeds, rows=rows,
+                whole_clients=adaptive_clients.row(out, seeds))
 
 
 def _cell(arm: dict) -> str:
@@ -203,6 +206,8 @@ def markdown(t: dict) -> str:
     lines += ["", "At the tuned fixed C, on validation: " + ", ".join(
         f"{row['recipe']} " + ("–" if row["screen_validation_accuracy"]["fixed"] is None
                                else f"{row['screen_validation_accuracy']['fixed']:.2f}") for row in t["rows"]) + "."]
+    if "whole_clients" in t:
+        lines += adaptive_clients.markdown(t["whole_clients"])
     return "\n".join(lines) + "\n"
 
 

@@ -253,6 +253,9 @@ def main(grid: Grid, context: Context) -> None:
     folder's absolute path included."""
     try:
         cfg, fed = from_flat(dict(context.run_config))
+        if fed.secure_sum != "protocol":  # the clients' vectors in the clear: only one process's simulation
+            raise ConfigError("--secure-sum plain: a Flower run always runs the secure-aggregation protocol (plain "
+                              "adds the clients' vectors in the clear: fedsd simulate's in-process shortcut)")
         fed = one_client_per_node(grid, fed)
         if fed.resume_dir:  # the checkpoint's settings and folder; the run config's others are not used
             out = Path(fed.resume_dir).absolute()
