@@ -246,6 +246,34 @@ def test_f_members_silent_at_unmask_cannot_abandon_a_round_the_honest_owners_pai
         pytest.fail(f"{len(charged)} honest owners were charged for a round that {f} members abandoned: {e}")
 
 
+def test_f_members_silent_after_the_shares_cannot_abandon_a_round_the_honest_owners_paid_for():
+    """A later review: 7 owners, each with t = 4 and F = 2, and the honest server's threshold 5,
+    which every owner accepted (2·5 > 7 + 2, 5 ≤ 7 − 2). Two members deal their shares, then send
+    no masked input: 5 survivors, and each honest owner goes on only with t + F = 6, so the round
+    was abandoned after all five were charged, every round, nobody named. An owner now refuses at
+    stage 0, before any cost, fewer than t + 2F neighbours."""
+    rid, n, t, f = b"review-silent-after-shares", 7, 4, 2
+    ids = [Identity() for _ in range(n)]
+    roster = Roster.of({f"m{k}": i.public for k, i in enumerate(ids)})
+    clients = {i.id: SecAggClient(i.id, rid, min_cohort=t, max_colluders=f, identity=i, roster=roster)
+               for i in ids}
+    members = sorted(clients)[:f]
+    server = SecAggServer(rid, list(clients), D)
+    try:
+        server.collect_keys({i: c.advertise(**server.setup(i)) for i, c in clients.items()})
+    except ProtocolError:
+        return  # refused at stage 0, before anything is drawn or charged
+    server.collect_shares({i: c.share_keys(server.keys_for(i)) for i, c in clients.items()})
+    charged = [i for i in clients if i not in members]
+    server.collect_masked({i: clients[i].masked_input(*server.shares_for(i).values(), np.full(D, 1, dtype=np.uint64))
+                           for i in charged})  # each honest owner trained and was charged for this
+    try:
+        signatures = server.route_confirmations({i: clients[i].confirm(**server.unmask_request(i)) for i in charged})
+        server.finish({i: clients[i].unmask(signatures[i]) for i in charged})
+    except (ProtocolError, RoundAbandoned) as e:
+        pytest.fail(f"{len(charged)} honest owners were charged for a round that {f} members abandoned: {e}")
+
+
 # -- 6. the identify stage -----------------------------------------------------------------------
 def test_a_member_that_tells_an_honest_owners_identity_does_not_take_its_place(monkeypatch):
     """LOW-MEDIUM (availability, and blame). The identify reply is an id and a public key, both

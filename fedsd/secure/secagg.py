@@ -374,6 +374,11 @@ class SecAggClient:
             raise ProtocolError(f"threshold: {threshold} is above {len(neighbours)} neighbours − {self.max_colluders} "
                                 f"of the server's, who could abandon the round after this owner is charged "
                                 f"(an owner that allows f needs more than 3f neighbours)")
+        if len(neighbours) - self.max_colluders < self.min_cohort + self.max_colluders:
+            # It unmasks only with t + f neighbours: f silent members would leave fewer, after the charge.
+            raise ProtocolError(f"neighbours: {len(neighbours)}, below this owner's {self.min_cohort} honest ones and "
+                                f"twice {self.max_colluders} of the server's: that many silent after the masked input "
+                                f"would leave fewer than it unmasks with, after this owner is charged")
         self.cohort, self.neighbours, self.threshold, self.context = cohort, neighbours, threshold, bytes(context)
         self._c, self._s = X25519PrivateKey.generate(), X25519PrivateKey.generate()
         c, s, v = _raw(self._c.public_key()), _raw(self._s.public_key()), self.identity.public

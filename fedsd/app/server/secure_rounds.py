@@ -20,9 +20,11 @@ way, seconds, culprits, the mean update's norm and its bound) goes to
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
+import secrets
 import time
 from logging import INFO, WARNING
 from pathlib import Path
@@ -412,6 +414,7 @@ class SecureRounds:
         self.known: dict[int, dict] = {}  # node → what it told at identify, checked (`identify`, `forget`)
         self.evidence: list[dict] = []  # what proves it, sent to every owner at each later advertise
         self.outside: list[tuple[int, frozenset]] = []  # (round, the clients summed) of each sum outside the bound
+        self._seat_key = secrets.token_bytes(16)  # the order `_seated` keeps clients in, no member's to choose
 
     def run(self, arrays: ArrayRecord) -> ArrayRecord:
         fed = self.launch.fed
@@ -443,7 +446,8 @@ class SecureRounds:
         record = dict(round=server_round)
         try:
             rid = secure_sum.round_id(self.grid.run.run_id, experiment, server_round)
-            identities = self._seated(exchange, identify(exchange, base, self.roster, rid, self.barred, self.known))
+            identities = self._seated(exchange, identify(exchange, base, self.roster, rid, self.barred, self.known),
+                                      record)
             cohort = sorted(exchange.nodes)
             plain = sorted(exchange.nodes[c] for c, who in identities.items() if not who["authenticated"])
             n = len(cohort)
@@ -494,30 +498,35 @@ class SecureRounds:
             raise NoClientCanTrain(stop)
         return arrays
 
-    def _seated(self, exchange: Exchange, identities: dict[int, dict]) -> dict[int, dict]:
+    def _seated(self, exchange: Exchange, identities: dict[int, dict], record: dict) -> dict[int, dict]:
         """The clients this round seats: no two summed in one round whose sum fell outside the bound
-        (SumOutsideBound) sit in one round again, the lowest id of each such round kept. One of them
-        sent that input, so every later round an honest owner pays for beside a spoiler holds a
-        spoiler not in any earlier such round of its own: at most one spoiled round per member. The
-        run stops when fewer than a round needs are left (with every client in that round, at once)."""
+        (SumOutsideBound) sit in one round again. One of them sent that input, so every later round
+        an honest owner pays for beside a spoiler holds a spoiler not in any earlier such round of
+        its own: at most one spoiled round per member. Who is kept follows an order drawn from the
+        server's secret (`_seat_key`), so a member cannot grind its key into the seat. Those left
+        out are in the round's `not_seated`; the run stops, before anyone is charged, when fewer
+        than a round needs are left (with every client in that round, at once)."""
         if not self.outside:
             return identities
         kept: list[int] = []
-        for client in sorted(identities):
+        order = sorted(identities, key=lambda c: hashlib.sha256(self._seat_key + str(c).encode()).digest())
+        for client in order:
             met = [r for r, summed in self.outside if client in summed and any(k in summed for k in kept)]
             if met:
-                exchange.named[str(client)] = (f"summed in round {met[0]}, whose sum fell outside the bound, with "
-                                               f"a client this round seats: not seated with it again")
+                record.setdefault("not_seated", {})[str(client)] = (
+                    f"summed in round {met[0]}, whose sum fell outside the bound, with a client this round seats")
             else:
                 kept.append(client)
         least = self.round_plan().honest if self.distributed else 2
         if len(kept) < least:
+            rounds = ", ".join(str(r) for r, _ in self.outside)
             raise NoClientCanTrain(
-                f"round {exchange.server_round}: the sum of round {self.outside[-1][0]} fell outside the bound, so one "
-                f"of the clients summed in it sent an input outside it; without a proof on each input no one can say "
+                f"round {exchange.server_round}: the sum of round(s) {rounds} fell outside the bound, so one of the "
+                f"clients summed in each sent an input outside it; without a proof on each input no one can say "
                 f"which, and no two of them sit in one round again, which leaves {len(kept)} client(s) for a round "
-                f"that needs {least}: the run stops. Clients summed in that round: "
-                f"{', '.join(map(str, sorted(self.outside[-1][1])))} (secure-aggregation.json)")
+                f"that needs {least}: the run stops (the clients summed in each: summed_outside_bound in "
+                f"secure-aggregation.json)")
+        kept.sort()
         exchange.identified({client: exchange.nodes[client] for client in kept})
         return {client: identities[client] for client in kept}
 
