@@ -127,3 +127,35 @@ def test_the_plain_sum_is_refused_outside_the_in_process_simulation():
         FedConfig(secure_sum="plain").validate()
     with pytest.raises(ConfigError, match="--secure-sum: unknown value"):
         FedConfig(secure_sum="clear", secure_aggregation=True, noise="distributed").validate()
+
+
+def test_a_normalized_update_clip_steps_by_the_server_lr_per_unit_of_clip():
+    """--update-clip-normalize: the server applies --server-lr × the round's mean over its clip S
+    (post-processing: the same sums, the same clip and ε). At --server-lr S₀ the first round is
+    plain FedAvg's; the second steps by S₀/S₁ of plain FedAvg's step from the same model."""
+    require("fmnist")
+    cfg, fed = settings(rounds=2)
+    fed = dataclasses.replace(fed, num_clients=5, privacy_unit="client", update_clip=0.5, local_steps=2,
+                              update_clip_quantile=0.5, update_clip_lr=1.0, secure_sum="plain")
+    plain, normalized = (SecureFederation(cfg, f, None) for f in (
+        fed, dataclasses.replace(fed, update_clip_normalize=True, server_lr=0.5)))
+    before = {k: v.clone() for k, v in plain.model["student"].items()}
+    first = [run.take_round(1) for run in (plain, normalized)]
+    assert first[0]["clip"] == first[1]["clip"] != 0.5 and first[0]["epsilon"] == first[1]["epsilon"]
+    for k, v in plain.model["student"].items():
+        torch.testing.assert_close(v, normalized.model["student"][k], rtol=1e-5, atol=1e-7)
+    start = {k: v.clone() for k, v in normalized.model["student"].items()}
+    plain.model = dict(plain.model, student={k: v.clone() for k, v in start.items()})
+    plain.states = [None if s is None else s for s in normalized.states]
+    steps = []
+    for run in (plain, normalized):
+        run.take_round(2)
+        steps.append(torch.cat([(run.model["student"][k] - start[k]).flatten().double() for k in start
+                                if start[k].is_floating_point()]))
+    ratio = float(steps[1].norm() / steps[0].norm())
+    assert ratio == pytest.approx(0.5 / first[0]["clip"], rel=1e-4), ratio
+    assert any(not torch.equal(before[k], start[k]) for k in before)
+    from fedsd.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--update-clip-normalize"):
+        dataclasses.replace(fed, update_clip_quantile=0.0, update_clip_normalize=True).validate()

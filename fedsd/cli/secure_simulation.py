@@ -115,7 +115,8 @@ class SecureFederation:
             self.noise = client_level.calibrate(cfg.epsilon, cfg.delta, fed.update_clip, len(shards), fed.rounds,
                                                 honest_count(fed), dim + adapting)
             self.adaptive = client_level.AdaptiveUpdateClip.of(fed, self.noise)
-            self.server, self.plan = ServerOptimizer(self.net, 1.0, 0.0), None
+            server_lr = fed.server_lr if fed.update_clip_normalize else 1.0  # per unit of clip, or FedAvg's 1
+            self.server, self.plan = ServerOptimizer(self.net, server_lr, 0.0), None
         else:
             self.noise = distributed_noise.calibrate(cfg.epsilon, cfg.delta, cfg.clip, self.sample_rate,
                                                      self.sample_rate * n, fed.rounds, honest_count(fed), dim)
@@ -151,12 +152,13 @@ class SecureFederation:
             total, cost = secure_round(f"{self.cfg.seed}:{r}".encode(), vectors, plan.dim,
                                        min_cohort=len(self.shards))
         noisy_sum = distributed_noise.decode(total, plan)
+        unit = self.update_clip if self.fed.update_clip_normalize else 1.0  # this round's S (--update-clip-normalize)
         record = dict(round=r, train_loss=float(np.mean(list(losses.values()))),
                       epsilon=self.noise.epsilon(r, self.cfg.delta), seconds=time.perf_counter() - started, **cost)
         if self.adaptive is not None:  # S after the round, from the sum's count (its last coordinate)
             record["clip"] = self.update_clip = self.adaptive.next_clip(self.update_clip, noisy_sum)
             noisy_sum = noisy_sum[:-1]
-        self.model = dict(self.model, student=self.server.step(student, noisy_sum, plan))
+        self.model = dict(self.model, student=self.server.step(student, noisy_sum, plan, unit))
         if r == self.fed.rounds or r % max(1, self.fed.rounds // EVALUATIONS) == 0:
             self.net.load_state_dict(released(self.model))
             record["test_accuracy"], record["test_loss"] = evaluate(self.net, *self.test)
@@ -253,6 +255,8 @@ def plan_line(cfg: TrainConfig, fed: FedConfig, run: SecureFederation) -> str:
                 f"{cfg.momentum:g}, each update clipped to {fed.update_clip:g}"
                 + (f" at first, then to the {fed.update_clip_quantile:g} quantile of the update norms (σ_b = "
                    f"{run.adaptive.rule.count_noise:.3g} on the count)" if run.adaptive else "")
+                + (f", each round's mean update in units of S at server lr {fed.server_lr:g}"
+                   if fed.update_clip_normalize else "")
                 + f", σ={run.noise.noise_multiplier:.3f} "
                 f"(the honest sum's noise over the clip), client-level ε={cfg.epsilon:g}")
     epochs = fed.rounds / steps_per_epoch(run.num_train, cfg.batch_size)

@@ -125,6 +125,7 @@ def _run(runs: list[AdaptiveRun], out: Path, jobs: int, threads: int, device: st
 def reproduce_adaptive(seeds: int, jobs: int, threads: int, device: str, data_dir, out: Path,
                        quiet: bool = False) -> Path:
     """The screen, then the confirmation of what it chose, then the table files from every run on disk."""
+    adaptive_clients.check_done(out, seeds)  # a dry run says what the whole-client stages still need
     _run(screen_runs(), out, jobs, threads, device, data_dir, "adaptive clipping: screen", quiet)
     _run(confirmation_runs(out, seeds), out, jobs, threads, device, data_dir, "adaptive clipping: test", quiet)
     adaptive_clients.run_stages(out, seeds, jobs, threads, quiet)

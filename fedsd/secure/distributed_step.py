@@ -111,9 +111,11 @@ class ServerOptimizer:
         # moves after each round (fedsd.secure.client_level.AdaptiveUpdateClip), checkpointed with the momentum
         self.update_clip: float | None = None
 
-    def step(self, weights: Weights, noisy_sum: np.ndarray, plan: noise.NoisePlan) -> Weights:
+    def step(self, weights: Weights, noisy_sum: np.ndarray, plan: noise.NoisePlan, unit: float = 1.0) -> Weights:
+        """One step on the noisy sum over the plan's expected batch, over `unit` too (the round's
+        update clip, with --update-clip-normalize: the mean in units of the clip)."""
         self.net.load_state_dict(weights)
-        flat = torch.from_numpy(noisy_sum / plan.expected_batch)
+        flat = torch.from_numpy(noisy_sum / plan.expected_batch / unit)
         offset = 0
         for p in self.params:
             p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)

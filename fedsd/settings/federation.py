@@ -50,7 +50,8 @@ class FedConfig:
     teacher_ema_decay: float = setting(0.9, "teacher=global-ema: the average's decay per round")
     strategy: str = setting("fedavg", "server aggregation", choices=STRATEGIES)
     proximal_mu: float = setting(0.01, "FedProx: weight μ of the pull towards the global model")
-    server_lr: float = setting(0.1, "FedAdam: the server's learning rate η")
+    server_lr: float = setting(0.1, "FedAdam: the server's learning rate η; with --update-clip-normalize, the "
+                               "server's step per unit of clip")
     federated_evaluation: bool = setting(False, "clients also evaluate each round's global model on their own "
                                          "test split and the server averages (weighted by count); a custom "
                                          "task, which has no public test split, always does. Releases each "
@@ -105,6 +106,10 @@ class FedConfig:
                                              "count of clients below S (0: clients/20, the paper's, raised to the "
                                              "run's noise multiplier z where below it); the update's noise is "
                                              "raised so that the two spend the run's ε")
+    update_clip_normalize: bool = setting(False, "--update-clip-quantile: the server steps by --server-lr times each "
+                                          "round's mean update over that round's clip S (post-processing), so "
+                                          "that a clip that moves changes which updates are clipped, not the "
+                                          "step's size (at --server-lr S the step is plain FedAvg's at clip S)")
     local_steps: int = setting(0, "--privacy-unit client: each client's SGD steps a round, each on --batch-size of "
                                "its records drawn with replacement, so that its work does not depend on how many "
                                "it holds (an owner's service requires it); 0 = --local-epochs passes over them")
@@ -167,6 +172,8 @@ class FedConfig:
               "must be in (0, 10]", self.update_clip_lr)
         check(not self.update_clip_quantile or self.update_clip <= 1e6, "--update-clip",
               "with --update-clip-quantile, the clip's start must be at most 1e6", self.update_clip)
+        check(not self.update_clip_normalize or self.update_clip_quantile > 0, "--update-clip-normalize",
+              "applies to --update-clip-quantile", self.update_clip_normalize)
         check(math.isfinite(self.update_clip_count_noise) and self.update_clip_count_noise >= 0,
               "--update-clip-count-noise", "must be a finite number > 0 (0: clients/20)", self.update_clip_count_noise)
         check(self.secagg_max_records >= 1, "secagg-max-records", "must be >= 1", self.secagg_max_records)

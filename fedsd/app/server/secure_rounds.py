@@ -388,7 +388,7 @@ def client_level_plan(cfg, fed, num_classes: int, honest: int):
     adapting = fed.update_clip_quantile > 0  # each client's bit: one coordinate more (client_level.AdaptiveUpdateClip)
     plan = client_level.calibrated(cfg.epsilon, cfg.delta, fed.update_clip, fed.num_clients, fed.rounds, honest,
                                    dimension(net) + adapting)
-    optimizer = ServerOptimizer(net, 1.0, 0.0)
+    optimizer = ServerOptimizer(net, fed.server_lr if fed.update_clip_normalize else 1.0, 0.0)
     if adapting:
         client_level.AdaptiveUpdateClip.of(fed, plan)  # σ_b refused before round 1
         optimizer.update_clip = fed.update_clip
@@ -607,7 +607,8 @@ class SecureRounds:
         if self.adaptive is not None:  # S this round; the next from the noised count, the sum's last coordinate
             applied["update_clip"] = clip = self.optimizer.update_clip
             self.optimizer.update_clip, noisy_sum = self.adaptive.next_clip(clip, noisy_sum), noisy_sum[:-1]
-        model["student"] = self.optimizer.step(model["student"], noisy_sum, plan)
+        unit = applied["update_clip"] if self.launch.fed.update_clip_normalize else 1.0  # in units of this round's S
+        model["student"] = self.optimizer.step(model["student"], noisy_sum, plan, unit)
         if self.launch.fed.privacy_unit == "client":  # each single record's, at sensitivity 2S
             applied["record_epsilon"] = client_level.record_epsilon(plan, server_round, self.side.cfg.delta)
         return model_to_record(model), applied
