@@ -263,3 +263,25 @@ def test_an_adaptive_round_plan_whose_clip_leaves_no_finite_bit_is_refused_befor
         service.masked_reply(masked_message(base, flat, f.arrays, server.shares_for(IDS[0])), f.contexts[IDS[0]])
     assert privacy_files(f.tmp_path) == before
     assert not list(f.tmp_path.glob("state-*/ledger-*.json"))
+
+
+def test_a_deployed_normalized_update_clip_steps_per_unit_of_the_rounds_clip(adaptive_federation):
+    """update-clip-normalize deployed: the server steps by server-lr × the decoded mean over the
+    round's S (SecureRounds._step), as the simulation does: at server-lr S the step is the plain
+    one, and after the clip moved, S₀ / S₁ of the plain step from the same model and sum."""
+    import dataclasses
+
+    from fedsd.app.server.secure_rounds import SecureRounds
+
+    f = adaptive_federation
+    normalized = SecureRounds(f.rounds.grid, f.rounds.side, SimpleNamespace(**{**vars(f.rounds.launch), "fed": (
+        dataclasses.replace(f.fed, update_clip_normalize=True, server_lr=CLIP))}))
+    rng = np.random.default_rng(0)
+    total = dn.encode(rng.normal(0, 0.01, f.plan.dim), f.plan, dn.generator(bytes(16)))  # a sum in the plan's units
+    steps = []
+    for rounds in (f.rounds, normalized):
+        rounds.optimizer.update_clip = 2 * CLIP  # the clip has moved: S₁ = 2 S₀
+        moved, _ = rounds._step(f.arrays, total.copy(), 3, SimpleNamespace(culprits={}), 1)
+        before, after = record_to_model(f.arrays)["student"], record_to_model(moved)["student"]
+        steps.append(torch.cat([(after[k] - before[k]).flatten().double() for k in before]))
+    assert float(steps[1].norm() / steps[0].norm()) == pytest.approx(CLIP / (2 * CLIP), rel=1e-4)
