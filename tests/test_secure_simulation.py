@@ -159,3 +159,22 @@ def test_a_normalized_update_clip_steps_by_the_server_lr_per_unit_of_clip():
 
     with pytest.raises(ConfigError, match="--update-clip-normalize"):
         dataclasses.replace(fed, update_clip_quantile=0.0, update_clip_normalize=True).validate()
+
+
+def test_more_clients_than_an_owner_shares_with_are_refused_before_any_work_unless_the_sum_is_plain(tmp_path):
+    """A study at 300 clients died in round 1 with a traceback (a neighbourhood above the 128 a
+    client shares with), after the progress bar had started: now a clear refusal naming the way
+    on, before anything is read or written; with --secure-sum plain the same run passes its checks."""
+    from fedsd.cli import dry_run
+    from fedsd.errors import ConfigError
+
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", batch_size=32, lr=0.05, epsilon=3.0, threads=1).resolved()
+    fed = FedConfig(num_clients=300, rounds=2, secure_aggregation=True, noise="distributed", privacy_unit="client",
+                    update_clip=0.2)
+    with pytest.raises(ConfigError, match="--clients 300: .*--secure-sum plain"):
+        simulate_secure(cfg, fed, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+    require("fmnist")
+    with pytest.raises(dry_run.DryRun, match="300 clients"), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FEDSD_DRY_RUN", "1")
+        simulate_secure(cfg, dataclasses.replace(fed, secure_sum="plain"), tmp_path / "run", progress=False)

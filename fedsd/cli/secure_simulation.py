@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from fedsd.secure import client_level
 from fedsd.data import datasets as data_lib
 from fedsd.secure import distributed_noise
+from fedsd.secure.secagg import SecAggClient
 from fedsd.data.client_data import input_stats, with_custom_task, task_for
 from fedsd.settings.run import TrainConfig
 from fedsd.secure.distributed_step import DISTRIBUTED_METHODS, ServerOptimizer, contribution, dimension, plain_round, secure_round, seeded_key
@@ -77,6 +78,11 @@ def check_options(cfg: TrainConfig, fed: FedConfig) -> None:
     if fed.privacy_unit == "client" and cfg.method != "dpsgd":
         raise ConfigError(f"--method {cfg.method}: --privacy-unit client trains each client without noise and "
                           f"without a teacher (--method dpsgd); self-distillation is record-level")
+    neighbours = SecAggClient.__dataclass_fields__["max_neighbours"].default
+    if fed.secure_sum == "protocol" and fed.num_clients > neighbours:
+        raise ConfigError(f"--clients {fed.num_clients}: a simulated round runs the protocol on the complete graph, "
+                          f"and a client shares with at most {neighbours} neighbours; for a study at this size add "
+                          f"--secure-sum plain (the same sum, added in the clear)")
     if not 0 <= fed.honest_clients <= fed.num_clients:
         raise ConfigError(f"--honest-clients {fed.honest_clients}: must be in [0, --clients {fed.num_clients}] "
                           f"(0: all of them)")
