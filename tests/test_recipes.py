@@ -98,6 +98,16 @@ def test_features_recipes_are_their_committed_runs(name, run):
     assert set(differing(ours.resolved(), committed.resolved())) <= MACHINE
 
 
+def test_the_adaptive_recipe_is_its_tables_committed_run():
+    """features-fmnist-adaptive: the adaptive table's normalized arm from 10× C (a quantile in place
+    of a tuned C), its committed seed-0 run's settings but the machine's."""
+    run = ROOT / "results/runs/adaptive/features-fmnist-q0.7-from10x-normalized-seed0/result.json"
+    committed = TrainConfig.from_dict(json.loads(run.read_text())["config"])
+    ours = config_from_args(recipe_args("train", "--recipe", "features-fmnist-adaptive", "--seed", "0", "--out", "x"))
+    assert set(differing(ours.resolved(), committed.resolved())) <= MACHINE
+    assert ours.clip_quantile == 0.7 and ours.clip_normalize
+
+
 @pytest.mark.parametrize("name", [n for n in RECIPES if n.startswith("table1-")])
 @pytest.mark.parametrize("epsilon", ["1", "2", "3"])
 def test_table1_recipes_are_the_tables_runs_at_each_epsilon(name, epsilon):

@@ -96,7 +96,7 @@ def read_recipe(path: Path) -> Recipe:
 
 
 def every_recipe() -> list[Recipe]:
-    return [read_recipe(p) for p in sorted(recipes_dir().glob("*.toml"))]
+    return [read_recipe(p) for p in sorted(recipes_dir().glob("*.toml"), key=lambda p: p.stem)]  # by name
 
 
 def with_recipe(args: argparse.Namespace, command: str) -> Recipe | None:
