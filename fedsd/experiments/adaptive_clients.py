@@ -213,7 +213,7 @@ def markdown(r: dict) -> list[str]:
     """The row's lines in table-adaptive.md."""
     lines = ["", "## Whole clients: the update clip S, started 10× and 0.1× off the tuned S", "",
              "The README's whole-client recipe (Fashion-MNIST, 100 IID clients, 30 rounds of one local epoch, B = 32, "
-             "lr 0.05, client-level ε = 3) under secure aggregation with distributed noise, the sum added in the clear "
+             "lr 0.05, no momentum, client-level ε = 3) under secure aggregation with distributed noise, the sum added in the clear "
              f"(`--secure-sum plain`, the protocol's bit for bit); the clip's rate η = {r['clip_lr']:g}. S tuned on "
              f"validation among {', '.join(f'{s:g}' for s in CLIPS)}; the quantile chosen as above for "
              "`--update-clip-normalize` at `--server-lr` the tuned S (the rule as it stands ended near chance in "
