@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from fedsd.secure import client_level
 from fedsd.data import datasets as data_lib
 from fedsd.secure import distributed_noise
-from fedsd.secure.secagg import SecAggClient
+from fedsd.secure.secagg import MAX_NEIGHBOURS
 from fedsd.data.client_data import input_stats, with_custom_task, task_for
 from fedsd.settings.run import TrainConfig
 from fedsd.secure.distributed_step import DISTRIBUTED_METHODS, ServerOptimizer, contribution, dimension, plain_round, secure_round, seeded_key
@@ -78,7 +78,7 @@ def check_options(cfg: TrainConfig, fed: FedConfig) -> None:
     if fed.privacy_unit == "client" and cfg.method != "dpsgd":
         raise ConfigError(f"--method {cfg.method}: --privacy-unit client trains each client without noise and "
                           f"without a teacher (--method dpsgd); self-distillation is record-level")
-    neighbours = SecAggClient.__dataclass_fields__["max_neighbours"].default
+    neighbours = MAX_NEIGHBOURS
     if fed.secure_sum == "protocol" and fed.num_clients > neighbours:
         raise ConfigError(f"--clients {fed.num_clients}: a simulated round runs the protocol on the complete graph, "
                           f"and a client shares with at most {neighbours} neighbours; for a study at this size add "
@@ -121,8 +121,7 @@ class SecureFederation:
             self.noise = client_level.calibrate(cfg.epsilon, cfg.delta, fed.update_clip, len(shards), fed.rounds,
                                                 honest_count(fed), dim + adapting)
             self.adaptive = client_level.AdaptiveUpdateClip.of(fed, self.noise)
-            server_lr = fed.server_lr if fed.update_clip_normalize else 1.0  # per unit of clip, or FedAvg's 1
-            self.server, self.plan = ServerOptimizer(self.net, server_lr, 0.0), None
+            self.server, self.plan = ServerOptimizer(self.net, client_level.server_lr(fed), 0.0), None
         else:
             self.noise = distributed_noise.calibrate(cfg.epsilon, cfg.delta, cfg.clip, self.sample_rate,
                                                      self.sample_rate * n, fed.rounds, honest_count(fed), dim)

@@ -210,3 +210,9 @@ def calibrated(epsilon: float, delta: float, clip: float, clients: int, rounds: 
                dim: int) -> noise.NoisePlan:
     """`calibrate`, kept in memory (an owner's service calibrates once a run, not once a round)."""
     return noise.calibrated(epsilon, delta, clip, 1.0, float(clients), rounds, honest, dim)
+
+
+def server_lr(fed) -> float:
+    """The server's learning rate at client level: FedAvg's 1 on the mean update, or, with
+    --update-clip-normalize, --server-lr per unit of the round's clip."""
+    return fed.server_lr if fed.update_clip_normalize else 1.0

@@ -260,6 +260,10 @@ def _view_message(round_id: bytes, survivors: list[int], dropped: list[int]) -> 
     return _info(round_id, "view", *survivors, "|", *dropped)
 
 
+# The largest neighbourhood a client shares with (Shamir's cost grows as its square).
+MAX_NEIGHBOURS = 128
+
+
 @dataclass
 class SecAggClient:
     """One client's state in one round. `min_cohort`: the fewest clients the owner lets a round
@@ -273,7 +277,7 @@ class SecAggClient:
     round_id: bytes
     min_cohort: int = 2
     max_colluders: int = 0  # f: the most of a round's clients the owner allows to be the server's
-    max_neighbours: int = 128  # the largest neighbourhood it shares with (Shamir's cost grows as its square)
+    max_neighbours: int = MAX_NEIGHBOURS
     identity: Identity | None = None
     roster: Roster | None = None
     stage: int = 0

@@ -388,7 +388,7 @@ def client_level_plan(cfg, fed, num_classes: int, honest: int):
     adapting = fed.update_clip_quantile > 0  # each client's bit: one coordinate more (client_level.AdaptiveUpdateClip)
     plan = client_level.calibrated(cfg.epsilon, cfg.delta, fed.update_clip, fed.num_clients, fed.rounds, honest,
                                    dimension(net) + adapting)
-    optimizer = ServerOptimizer(net, fed.server_lr if fed.update_clip_normalize else 1.0, 0.0)
+    optimizer = ServerOptimizer(net, client_level.server_lr(fed), 0.0)
     if adapting:
         client_level.AdaptiveUpdateClip.of(fed, plan)  # σ_b refused before round 1
         optimizer.update_clip = fed.update_clip
