@@ -501,7 +501,7 @@ def test_a_small_soak_with_churn_finishes_under_the_independent_privacy_check(tm
     assert report["privacy_check"]["passed"] and report["charged_again_unexplained"] == [], report
     assert len(report["absences"]) == 2
     for absence in report["absences"]:
-        assert absence["missed_rounds"] and absence["trained_again"] is not None, absence
+        assert absence["missed_rounds"] and absence["trained_again"] is not None, json.dumps(report)
     assert report["accuracy_gap_points"] <= 15.0, report
     assert report["passed"] == (report["accuracy_gap_points"] <= 3.0)
     for client in report["privacy_check"]["clients"].values():

@@ -16,7 +16,8 @@ reply kept: "aggregation").
 
 Churn (`--churn K`): K seeded absences, one client at a time, each taking a SuperNode (with its
 warm worker) away once a round is checkpointed and bringing it back, its state folder intact,
-after a seeded 1 to MAX_AWAY whole rounds have been sent out without it. The report says which
+after a seeded 1 to MAX_AWAY whole rounds have been sent out without it (the server held, at most
+HOLD_SECONDS, until it is online again: its boot is not to race the run's last rounds). The report says which
 rounds the server recorded each absent client as missing and the first it trained in again; a
 returning client goes on with its ledger (the independent check), and a round charged twice is
 a failure unless a fault stopped that client's node or worker in that round.
@@ -79,6 +80,7 @@ class Absence:
 
 
 MAX_AWAY = 3  # whole rounds a client may be away
+HOLD_SECONDS = 40.0  # at most, the server held while a client away comes back online
 
 
 def max_absences(rounds: int) -> int:
@@ -160,15 +162,19 @@ def _pids(pattern: str) -> list[int]:
     return [int(p) for p in proc.stdout.split()]
 
 
-def _kill(pids: list[int]) -> None:
+def _signal(pids: list[int], name: str) -> None:
     import os
     import signal
 
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, getattr(signal, name))
         except ProcessLookupError:
             pass
+
+
+def _kill(pids: list[int]) -> None:
+    _signal(pids, "SIGKILL")
 
 
 def _mtime(paths) -> int:
@@ -367,10 +373,31 @@ class FaultLoop:
             away.left_at = self._elapsed()
             self.echo(f"soak: client {away.client} taken away after round {done}, for {away.rounds} round(s)")
         elif away is not None and (done >= away.away.stop - 1 or _sent_without(d.work, away, self.clients)):
-            self.sup.start_again(away.client, "back from churn")
             away.back_at = self._elapsed()
             self.echo(f"soak: client {away.client} on its way back, after rounds {away.away.start}-{away.away.stop - 1}")
             self.away = None
+            self._bring_back(away)
+
+    def _bring_back(self, away: Absence) -> None:
+        """Start the client's SuperNode again with the server held (SIGSTOP) until the SuperLink
+        has it online, at most HOLD_SECONDS. An absence is to show its client training again on
+        its own state; a machine's boot (seconds here, and more on a busy 2-core machine) can
+        outlast the run's short last rounds, so left to race it the client could miss them all.
+        The hold stays well inside Flower's ServerApp heartbeat patience (2 × 30 s)."""
+        server = self.sup.server_pids()
+        _signal(server, "SIGSTOP")
+        try:
+            self.sup.start_again(away.client, "back from churn")
+            deadline = time.monotonic() + HOLD_SECONDS
+            while time.monotonic() < deadline:
+                self.sup.step()
+                if away.client in self.d.supernodes and \
+                        self.d.node_statuses().get(self.d.node_ids.get(away.client)) == "online":
+                    return
+                time.sleep(0.5)
+            self.echo(f"soak: client {away.client} not online after {HOLD_SECONDS:.0f} s; the server goes on")
+        finally:
+            _signal(server, "SIGCONT")
 
     def _fault(self, done: int) -> None:
         """Land the next fault when it is due: its aimed phase found, its round over (it lands at
@@ -510,10 +537,13 @@ class Supervisor:
             return True
         return bool(_pids(f"flower-superexec .*--parent-pid {superlink.pid}( |$)"))
 
-    def _kill_server(self) -> None:
+    def server_pids(self) -> list[int]:
         # this deployment's ServerApp only: it is started with its SuperLink's address (a bare
-        # "flwr-serverapp" would kill every other deployment's on the machine too)
-        _kill(_pids(f"flwr-serverapp .*--runtime-api-address {self.d.address}( |$)"))
+        # "flwr-serverapp" would match every other deployment's on the machine too)
+        return _pids(f"flwr-serverapp .*--runtime-api-address {self.d.address}( |$)")
+
+    def _kill_server(self) -> None:
+        _kill(self.server_pids())
         if self.run is not None:
             self.d.stop(self.run, grace=0)
             self.run = None
