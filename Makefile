@@ -33,15 +33,21 @@ run: data
 	    --batch-size 256 --lr 3 --out $(RUN_OUT) --overwrite
 
 # Tiers: test-fast is unit tests and in-process Flower messages (a few minutes); test-slow is
-# every test that trains for real or starts Ray or Flower processes; test is both.
+# every test that trains for real or starts Ray or Flower processes; test is both. One pytest
+# worker a core (pytest-xdist; each worker's torch takes its share of the cores, tests/conftest.py),
+# idle workers taking tests from busy ones: the slow tier's deployments mostly wait on Flower's
+# polls. TEST_WORKERS=0 runs them in this process, one after another.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
+PYTEST = $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
+
 test: data
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: data
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 test-slow: data
-	$(PY) -m pytest -q -m slow
+	$(PYTEST) -m slow
 
 # The deployment tests against Flower's next release (flwr-nightly), in an environment of its
 # own, not part of `make test`: .venv-next holds flwr-nightly and fedsd itself, and sees the

@@ -11,6 +11,19 @@ warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs one worker a core), each worker and what it starts
+    takes its share of the cores: torch's default of every core in each would oversubscribe them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        share = str(max(1, (os.cpu_count() or 1) // workers))
+        os.environ.setdefault("OMP_NUM_THREADS", share)
+        os.environ.setdefault("MKL_NUM_THREADS", share)
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def owner_records_of_the_session(tmp_path_factory):
     """The owners' records (fedsd.privacy.owner_record, kept outside their state folders) of these
