@@ -197,7 +197,7 @@ def test_a_run_on_backbone_features_trains_the_head_and_writes_its_sha256(weight
 def test_a_federation_started_from_the_weights_trains(weights_file):
     require("mnist")
     from fedsd.settings.federation import FedConfig
-    from fedsd.cli.simulate import simulate
+    from fedsd.simulation.engine import simulate
 
     state = torch.load(weights_file)
     cfg = TrainConfig(dataset="mnist", method="dpsgd", epsilon=3, batch_size=200, lr=0.5, subset=4000, seed=0,

@@ -44,9 +44,9 @@ from fedsd.benchmarks import layer_times
 from fedsd.runtime import inductor_cache_by_isa
 from fedsd.benchmarks.distill_share import measure, summary
 from fedsd.benchmarks.soak import plan_churn, plan_faults, soak
-from fedsd.cli import dry_run
-from fedsd.cli.simulate import simulate
-from fedsd.cli.split_data import write_client_folders
+from fedsd import dry_run
+from fedsd.simulation.engine import simulate
+from fedsd.simulation.client_folders import write_client_folders
 from fedsd.deployment.local_deployment import FLOOR_APP, LocalDeployment
 from fedsd.app.simulated_shards import build_federation
 
