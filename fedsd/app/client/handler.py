@@ -470,7 +470,7 @@ def refusal(metrics: dict, reason: str) -> RecordDict:
                        "refusal": ConfigRecord({"reason": reason})})
 
 
-def told_the_server(reason: str, node_config) -> str:
+def hide_owner_paths(reason: str, node_config) -> str:
     """A reason as it may leave this machine: files named relative to the node's data folder,
     its state folder as `state-dir` and its roster as `secagg-roster`, never the owner's absolute
     paths (also where the node config no longer parses: its paths as the owner wrote them)."""
@@ -568,7 +568,7 @@ def evaluate_reply(content: RecordDict, context: Context) -> RecordDict:
         partition_id = node_configs.parse_partition_id(context.node_config)
         if partition_id is None:
             raise
-        return evaluation_refusal(partition_id, told_the_server(str(e), context.node_config))
+        return evaluation_refusal(partition_id, hide_owner_paths(str(e), context.node_config))
     trainer, federation, partition_id = side.trainer, side.federation, side.node.partition_id
     x_test, y_test = trainer.data.x_test, trainer.data.y_test  # its own test split, or in a simulation
     if federation is not None:  # its share of the public one
@@ -596,7 +596,7 @@ def train_reply(content: RecordDict, context: Context, into_sum: bool = False) -
         if partition_id is None:
             raise  # without its number the server could not say who refused: a failed reply instead
         return refusal({"num-examples": 0, "partition-id": partition_id, "epsilon": 0.0},
-                       told_the_server(str(e), context.node_config))
+                       hide_owner_paths(str(e), context.node_config))
     with state_lock(side):  # one round of this client's state at a time, whichever process answers it
         return locked_train_reply(side, content, context, into_sum)
 

@@ -537,13 +537,13 @@ class DataService:
 
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck service's stacks, on request
         tune_process()
-        from fedsd.app.client import handler as local  # torch, Opacus, fedsd: once, for every round to come
+        from fedsd.app.client import handler  # torch, Opacus, fedsd: once, for every round to come
 
-        self.handlers = dict(local.HANDLERS)
+        self.handlers = dict(handler.HANDLERS)
         if self.node is not None:
-            from fedsd.app.client import secure_stages as secure_aggregation
+            from fedsd.app.client import secure_stages
 
-            self.handlers.update(secure_aggregation.HANDLERS)
+            self.handlers.update(secure_stages.HANDLERS)
         if self.node is not None:
             from fedsd import __version__
 
