@@ -146,7 +146,7 @@ def test_the_frozen_blocks_output_is_computed_once_and_cached(weights_file, tmp_
 
 
 def test_a_node_refuses_a_run_from_other_weights():
-    from fedsd.app.client.handler import check_init_weights
+    from fedsd.app.client.owner_checks import check_init_weights
     from fedsd.app.client.node_config import NodeConfigError, parse
 
     node = parse({"partition-id": 0, "init-weights-sha256": "AB" * 32})

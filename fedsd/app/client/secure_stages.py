@@ -77,7 +77,7 @@ class Owner:
     identity, its roster (None without one) and its id."""
 
     def __init__(self, node: node_configs.NodeConfig, context: Context):
-        from fedsd.app.client.handler import STATE_REFUSED
+        from fedsd.app.client.owner_checks import STATE_REFUSED
 
         self.node = node
         self.roster = read_roster(node.secagg_roster) if node.secagg_roster else None
@@ -758,7 +758,7 @@ def kept_input_name(owner: Owner, key: tuple) -> str:
 
 def kept_input_path(owner: Owner, key: tuple):
     """state-dir/secagg/<run>-<experiment>-<round>-<id>.npy: one file per round and owner id."""
-    from fedsd.app.client.handler import private_state_folder
+    from fedsd.app.client.owner_checks import private_state_folder
 
     return private_state_folder(owner.node, "secagg") / kept_input_name(owner, key).split("/", 1)[1]
 
