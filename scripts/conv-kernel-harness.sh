@@ -8,7 +8,10 @@ set -euo pipefail
 march=${1:-native}; shift || true
 dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
 here=${FEDSD_SOURCE_TREE:-$(cd "$(dirname "$0")/.." && pwd)}  # another checkout's kernel: FEDSD_SOURCE_TREE=DIR
-(cd "$dir" && PYTHONPATH=$here python3 -c "from fedsd.clipping.conv_kernel import SOURCE; open('kernel.c', 'w').write(SOURCE)")
+if [ -f "$here/fedsd/clipping/conv_kernel.c" ]; then cp "$here/fedsd/clipping/conv_kernel.c" "$dir/kernel.c"
+else  # a checkout from before the C had a file of its own
+    (cd "$dir" && PYTHONPATH=$here python3 -c "from fedsd.clipping.conv_kernel import SOURCE; open('kernel.c', 'w').write(SOURCE)")
+fi
 cat > "$dir/harness.c" <<'C'
 #include <stdio.h>
 #include <stdlib.h>

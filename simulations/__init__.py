@@ -12,13 +12,13 @@ _MOVED = """
     simulations.cli                               -> fedsd.cli.main
     simulations.commands                          -> fedsd.cli
     simulations.commands.audit_command            -> fedsd.cli.audit
-    simulations.commands.dry_run                  -> fedsd.cli.dry_run
+    simulations.commands.dry_run                  -> fedsd.dry_run
     simulations.commands.ledger_command           -> fedsd.cli.ledger
-    simulations.commands.parsing                  -> fedsd.cli.parsing
+    simulations.commands.parsing                  -> fedsd.settings.command_line
     simulations.commands.pretrain                 -> fedsd.cli.pretrain
     simulations.commands.privacy_check            -> fedsd.cli.check_privacy
-    simulations.commands.runs                     -> fedsd.cli.sweep_runs
-    simulations.commands.secure_simulation        -> fedsd.cli.secure_simulation
+    simulations.commands.runs                     -> fedsd.simulation.sweeps
+    simulations.commands.secure_simulation        -> fedsd.simulation.secure_federation
     simulations.commands.simulate                 -> fedsd.cli.simulate
     simulations.commands.split_data               -> fedsd.cli.split_data
     simulations.commands.sweep                    -> fedsd.cli.sweep

@@ -161,7 +161,7 @@ def test_a_client_carries_its_clip_from_round_to_round_as_a_central_run_from_epo
     """--clients 1 --rounds 2 gives the weights and the clip of `fedsd train --epochs 2`: the
     estimate lives in the client's state between rounds, and each round records it."""
     require("fmnist")
-    from fedsd.cli.simulate import simulate
+    from fedsd.simulation.engine import simulate
     from fedsd.settings.federation import FedConfig
     from fedsd.training.central import train
 
@@ -207,7 +207,7 @@ def test_an_owners_round_that_fails_after_its_charge_counts_as_spent_so_retries_
 
     from fedsd.app.client import handler as local
     from fedsd.app.records import model_to_record
-    from fedsd.cli.split_data import write_client_folders
+    from fedsd.simulation.client_folders import write_client_folders
     from fedsd.settings.federation import FedConfig, client_config, to_flat
     from fedsd.training.loop import DPTrainer, initial_model
 

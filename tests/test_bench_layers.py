@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from fedsd.benchmarks import bench, layer_times
+from fedsd.benchmarks import layer_times, step_timing as bench
 from fedsd.clipping import conv_kernel
 from fedsd.cli.main import main
 from fedsd.models.networks import build_model

@@ -12,7 +12,7 @@ from fedsd.settings.run import TrainConfig
 from fedsd.secure.distributed_step import secure_round
 from fedsd.errors import ConfigError
 from fedsd.settings.federation import FedConfig
-from fedsd.cli.secure_simulation import check_options
+from fedsd.simulation.secure_federation import check_options
 
 
 def test_an_update_is_clipped_to_the_norm_a_small_one_is_left_alone_and_a_diverged_one_is_zero():

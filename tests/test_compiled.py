@@ -95,7 +95,7 @@ def test_the_students_runs_of_weightless_layers_compile_and_max_pooling_stays_ea
 def test_a_dp_step_with_its_compiled_parts_releases_the_eager_steps_weights_bit_for_bit():
     """Compiles for real (about 15 s): book-keeping on cifar-cnn, the teacher's forward and the
     four runs of weightless layers compiled, three Poisson-sized batches (one graph each part)."""
-    from fedsd.benchmarks import bench
+    from fedsd.benchmarks import step_timing as bench
     from fedsd.methods import method_of
     from fedsd.settings.run import TrainConfig
 

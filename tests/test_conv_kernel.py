@@ -2,6 +2,15 @@
 gives them one sample at a time, for the papers' six conv layers and shapes they do not have;
 the same bits at any number of threads; the PyTorch route where it does not apply or is not
 built, and book-keeping's clipped sums equal on both routes."""
+import ctypes
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +18,7 @@ from torch import nn
 from fedsd.clipping import conv_kernel
 from tests.conftest import bookkeeping_clipped_sum
 
+ROOT = Path(__file__).resolve().parents[1]
 needs_kernel = pytest.mark.skipif(not conv_kernel.available(), reason="no C compiler to build the conv kernel")
 
 LAYERS = {  # (in, out, kernel, stride, padding, dilation, input size)
@@ -374,3 +384,108 @@ def test_blocks_read_as_runs_give_the_bits_of_rows_read_one_by_one(march, blocks
     flat = [[r[0], r[1], *sum(r[2], ()), *g] for r, g in zip(got, grads)]
     assert all(torch.equal(a, b) for a, b in zip(*flat))
     assert 0 < (got[0][1] < 70).sum() < 70  # some clipped, some not
+
+
+# -- the C file: warnings, the ctypes signatures, the sanitizers -------------------------------------
+KERNEL_C = Path(conv_kernel.__file__).with_name(conv_kernel.KERNEL_C)
+C_TYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float, "int32_t": ctypes.c_int32}
+
+
+def c_prototypes(source: str) -> dict[str, tuple]:
+    """Every function the C exports (not static), as (return type, argument types) in ctypes'
+    terms, a pointer of any kind a c_void_p: read from the definitions' own text."""
+    text = re.sub(r"/\*.*?\*/", " ", source, flags=re.S)
+    found = {}
+    for ret, name, params in re.findall(r"^(void|int|int64_t|float)\s+(\w+)\s*\(([^)]*)\)\s*\{", text, flags=re.M):
+        args = []
+        for param in (p.strip() for p in params.split(",")):
+            if param in ("void", ""):
+                continue
+            args.append(ctypes.c_void_p if "*" in param else C_TYPES[param.replace("const ", "").split()[0]])
+        found[name] = (None if ret == "void" else C_TYPES[ret], args)
+    return found
+
+
+def signature_mismatches(source: str, table: dict) -> list[str]:
+    declared = c_prototypes(source)
+    wrong = [f"{name}: the C exports it, SIGNATURES lacks it" for name in declared.keys() - table.keys()]
+    wrong += [f"{name}: in SIGNATURES, not exported by the C" for name in table.keys() - declared.keys()]
+    wrong += [f"{name}: C {declared[name]}, SIGNATURES {table[name]}" for name in declared.keys() & table.keys()
+              if tuple(declared[name]) != tuple(table[name])]
+    return wrong
+
+
+def test_the_ctypes_signatures_are_the_c_prototypes():
+    source = KERNEL_C.read_text()
+    assert len(c_prototypes(source)) == 9  # every exported function was read
+    assert signature_mismatches(source, conv_kernel.SIGNATURES) == []
+    # the check can fail: one argument fewer, and a function the table does not have
+    shorter = {**conv_kernel.SIGNATURES, "block_sum": (None, conv_kernel.SIGNATURES["block_sum"][1][:-1])}
+    assert [m.split(":")[0] for m in signature_mismatches(source, shorter)] == ["block_sum"]
+    added = source + "\nint planted(float* x, int64_t n) { return (int)n + (int)x[0]; }\n"
+    assert signature_mismatches(added, conv_kernel.SIGNATURES) == ["planted: the C exports it, SIGNATURES lacks it"]
+
+
+def test_the_module_reads_its_c_file_and_a_bundles_copy_finds_the_installed_one(tmp_path):
+    """The C is the package's conv_kernel.c; a Flower app bundle carries only the .py files, and
+    its copy of the module (first on sys.path, as a ClientApp has it) reads the installed fedsd's."""
+    assert conv_kernel.SOURCE == KERNEL_C.read_text() and "void clipped_conv_sums(" in conv_kernel.SOURCE
+    for path in (ROOT / "fedsd").rglob("*.py"):
+        copy = tmp_path / "fab" / path.relative_to(ROOT)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_bytes(path.read_bytes())
+    code = ("from fedsd.clipping import conv_kernel as k; import sys; "
+            "print(k.__file__); sys.stdout.write(k.SOURCE)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / "fab")}, timeout=120)
+    where, _, source = run.stdout.partition("\n")
+    assert where.startswith(str(tmp_path / "fab")), run.stderr[-2000:]
+    assert source == KERNEL_C.read_text()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+@pytest.mark.parametrize("march,openmp", [("native", True), ("x86-64", False)])
+def test_the_c_compiles_without_a_warning(march, openmp, tmp_path):
+    if march == "x86-64" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 target")
+    done = subprocess.run(["cc", "-O3", f"-march={march}", *(["-fopenmp"] if openmp else []), "-Wall", "-Wextra",
+                           "-Werror", "-c", str(KERNEL_C), "-o", str(tmp_path / "kernel.o")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+SANITIZED = """
+import torch
+from fedsd.clipping import conv_kernel
+from tests.test_conv_kernel import LAYERS, _two_layers, autograd_per_sample, layer_and_gradients
+
+kernel = conv_kernel.compiled(flags=("-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                                     "-fno-omit-frame-pointer", "-g"))
+for spec in LAYERS.values():
+    conv, x, grad = layer_and_gradients(spec, n=5)
+    got, norms2 = conv_kernel.per_sample_grads(conv, x, grad, kernel=kernel)
+    assert torch.allclose(norms2, autograd_per_sample(conv, x, grad).flatten(1).pow(2).sum(1), rtol=1e-4)
+for n in (0, 1, 33):
+    convs, base2 = _two_layers(n)
+    sums = conv_kernel.clipped_sums(convs, base2, max(n, 1), 1.0, kernel=kernel)
+    assert all(torch.isfinite(s).all() for s in sums[0:1])
+print("sanitized run: clean")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_the_kernel_runs_clean_under_address_and_undefined_behaviour_sanitizers(tmp_path):
+    """The kernel's own checks (each layer's gradients and norms, the one pass at 0, 1 and 33
+    samples) on a build with AddressSanitizer and UBSan: any out-of-bounds read or write, or
+    undefined behaviour, stops the process with the sanitizer's report."""
+    asan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not Path(asan).is_file():
+        pytest.skip("the compiler has no AddressSanitizer runtime")
+    env = {**os.environ, "LD_PRELOAD": asan, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0",
+           "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1", "FEDSD_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", SANITIZED], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0 and "sanitized run: clean" in run.stdout, (run.stdout + run.stderr)[-4000:]
+    assert "runtime error" not in run.stderr and "AddressSanitizer" not in run.stderr, run.stderr[-4000:]

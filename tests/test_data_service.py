@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 
 def own_data(tmp_path):
-    from fedsd.cli.split_data import write_client_folders
+    from fedsd.simulation.client_folders import write_client_folders
 
     require("fmnist")
     cfg = TrainConfig(dataset="fmnist", method="dp3sd", batch_size=64, subset=600, threads=1)

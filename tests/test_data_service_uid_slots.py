@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsd.app.client import owner_service as data_service
+from fedsd.app.client import service_wire
 from tests.test_owner_slips import NOBODY, SYSTEM_PYTHON, run_of
 from tests.test_server_threat import own_npz, via_service
 
@@ -129,7 +129,7 @@ def test_one_uid_holding_half_frames_from_16_processes_leaves_another_uid_its_sl
             assert reply is not None and not isinstance(reply, Exception), f"no answer within 5 s: {reply!r}"
             assert "metrics" in reply
             assert seconds < 5.0
-            assert refused == 128 - data_service.MAX_CONNECTIONS // 2, refused
+            assert refused == 128 - service_wire.MAX_CONNECTIONS // 2, refused
         finally:
             for h in holders:
                 h.kill()
@@ -137,17 +137,17 @@ def test_one_uid_holding_half_frames_from_16_processes_leaves_another_uid_its_sl
                 h.wait()
         assert proc.poll() is None
         said = log.read_text()
-        assert f"(uid {NOBODY}): this user has {data_service.MAX_CONNECTIONS // 2} connections open" in said, said[-2000:]
+        assert f"(uid {NOBODY}): this user has {service_wire.MAX_CONNECTIONS // 2} connections open" in said, said[-2000:]
 
 
 def test_slots_give_each_uid_its_share_of_connections_and_bytes(monkeypatch):
     """Without processes: with 2 uids answered, one uid's many processes hold at most half the
     connections and half the bytes, and the other uid's are still taken; a lone uid (a warm
     worker's) has the whole; and what is closed or released is free again."""
-    monkeypatch.setattr(data_service, "MAX_CONNECTIONS", 16)
-    monkeypatch.setattr(data_service, "MAX_BYTES", 1000)
-    slots = data_service.Slots(users=2)
-    taken = [(pid, 7) for pid in range(100, 104) for _ in range(data_service.PEER_CONNECTIONS)]
+    monkeypatch.setattr(service_wire, "MAX_CONNECTIONS", 16)
+    monkeypatch.setattr(service_wire, "MAX_BYTES", 1000)
+    slots = service_wire.Slots(users=2)
+    taken = [(pid, 7) for pid in range(100, 104) for _ in range(service_wire.PEER_CONNECTIONS)]
     said = [slots.open(peer) for peer in taken]
     assert said[:8] == [None] * 8 and all("this user has 8 connections open" in w for w in said[8:]), said
     assert slots.open((200, 0)) is None and slots.total_connections == 9
@@ -155,12 +155,12 @@ def test_slots_give_each_uid_its_share_of_connections_and_bytes(monkeypatch):
         slots.close(peer)
     assert slots.open((100, 7)) is None and slots.uid_connections == {7: 1, 0: 1}
     with slots.reserve((100, 7), 300), slots.reserve((101, 7), 200):
-        with pytest.raises(data_service.Refused, match="over its share of 500"):
+        with pytest.raises(service_wire.Refused, match="over its share of 500"):
             with slots.reserve((102, 7), 1):
                 pass
         with slots.reserve((200, 0), 500):  # the other uid's share is whole
             assert slots.total_bytes == 1000
     assert slots.uid_bytes == {} and slots.bytes == {} and slots.total_bytes == 0
-    alone = data_service.Slots(users=1)
+    alone = service_wire.Slots(users=1)
     assert [alone.open((pid, 7)) for pid in range(2) for _ in range(8)] == [None] * 16
     assert "the service has 16 connections open" in alone.open((3, 7))  # its share is the whole

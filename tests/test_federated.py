@@ -17,7 +17,7 @@ from fedsd.training.central import train
 from fedsd.settings.run import TrainConfig
 from fedsd.settings.federation import FedConfig
 from fedsd.cli.main import main
-from fedsd.cli.simulate import simulate
+from fedsd.simulation.engine import simulate
 from tests.conftest import require
 
 pytestmark = pytest.mark.slow

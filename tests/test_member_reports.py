@@ -266,7 +266,7 @@ def four_owners(tmp_path, monkeypatch):
     from fedsd.app.client import node_config as node_configs
     from fedsd.app.client import secure_stages as service
     from fedsd.app.records import model_to_record
-    from fedsd.cli.split_data import write_client_folders
+    from fedsd.simulation.client_folders import write_client_folders
     from fedsd.secure.identity import Roster, load_identity
     from fedsd.settings.federation import FedConfig, client_config, to_flat
     from fedsd.settings.run import TrainConfig

@@ -10,7 +10,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedsd.app.client.handler import check_init_weights
+from fedsd.app.client.owner_checks import check_init_weights
 from fedsd.app.client.node_config import NodeConfigError, parse
 from fedsd.app.records import first_difference, model_to_record, with_frozen
 from fedsd.models.networks import build_model, with_pinned_weights

@@ -146,7 +146,7 @@ def test_the_frozen_blocks_output_is_computed_once_and_cached(weights_file, tmp_
 
 
 def test_a_node_refuses_a_run_from_other_weights():
-    from fedsd.app.client.handler import check_init_weights
+    from fedsd.app.client.owner_checks import check_init_weights
     from fedsd.app.client.node_config import NodeConfigError, parse
 
     node = parse({"partition-id": 0, "init-weights-sha256": "AB" * 32})
@@ -197,7 +197,7 @@ def test_a_run_on_backbone_features_trains_the_head_and_writes_its_sha256(weight
 def test_a_federation_started_from_the_weights_trains(weights_file):
     require("mnist")
     from fedsd.settings.federation import FedConfig
-    from fedsd.cli.simulate import simulate
+    from fedsd.simulation.engine import simulate
 
     state = torch.load(weights_file)
     cfg = TrainConfig(dataset="mnist", method="dpsgd", epsilon=3, batch_size=200, lr=0.5, subset=4000, seed=0,

@@ -7,7 +7,7 @@ import pytest
 
 from fedsd.errors import DataError
 from fedsd.cli.main import main
-from fedsd.cli.check_privacy import check_run, rdp_epsilon
+from fedsd.privacy.independent_check import check_run, rdp_epsilon
 
 CHARGE = dict(noise_multiplier=1.2, sample_rate=0.1, steps=10)
 
@@ -160,7 +160,7 @@ def test_a_skellam_charge_is_recomputed_at_the_integer_orders_the_ledger_uses(tm
     large z (a small ε, whose best order would be above 256) no higher order lowers it."""
     from dataclasses import replace
 
-    from fedsd.cli.check_privacy import ORDERS
+    from fedsd.privacy.independent_check import ORDERS
     from fedsd.privacy.accounting import SKELLAM, PrivacyFilter
     from fedsd.secure import client_level
     from opacus.accountants import RDPAccountant

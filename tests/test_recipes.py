@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsd.cli import recipes as recipes_cli
+from fedsd.settings import recipe_files
 from fedsd.cli.main import build_parser, main
 from fedsd.cli.train import config_from_args
 from fedsd.errors import ConfigError
@@ -32,7 +32,7 @@ MACHINE = {"device", "threads", "grad_sample_mode", "memory_format", "data_dir",
 def recipe_args(*argv: str):
     """The parsed command line with the recipe's values filled in (what cmd_train/cmd_simulate see)."""
     args = build_parser().parse_args(list(argv))
-    recipes_cli.with_recipe(args, argv[0])
+    recipe_files.with_recipe(args, argv[0])
     return args
 
 
@@ -53,7 +53,7 @@ def test_every_recipe_reads_validates_and_says_where_it_was_validated(name):
     path = ROOT / "recipes" / f"{name}.toml"
     app_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert set(tomllib.loads(path.read_text())) <= set(app_config)  # keys exactly as Flower's run config has them
-    recipe = recipes_cli.read_recipe(path)
+    recipe = recipe_files.read_recipe(path)
     assert recipe.about and recipe.validated
     results_file = recipe.validated.split(",")[0]
     assert (ROOT / results_file).is_file(), f"{name}: validated in {results_file}, which is not there"
@@ -70,7 +70,7 @@ def test_every_recipe_reads_validates_and_says_where_it_was_validated(name):
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_recipe_plans_its_run(name, tmp_path, monkeypatch, capsys):
     """The dry-run machinery: every check the command makes before its first step, on the data."""
-    recipe = recipes_cli.read_recipe(ROOT / "recipes" / f"{name}.toml")
+    recipe = recipe_files.read_recipe(ROOT / "recipes" / f"{name}.toml")
     require(recipe.values["dataset"][1])
     monkeypatch.setenv("FEDSD_DRY_RUN", "1")
     epsilon = [] if "epsilon" in recipe.values else ["--epsilon", "1"]
@@ -190,7 +190,7 @@ def test_a_missing_recipe_names_where_it_looked(tmp_path, capsys, monkeypatch):
     assert main(["train", "--recipe", str(tmp_path / "none.toml"), "--out", str(tmp_path / "r")]) == 2
     assert f"--recipe {tmp_path / 'none.toml'}: no such file" in capsys.readouterr().err
     # an install without the repository's recipes/ folder
-    monkeypatch.setattr(recipes_cli, "RECIPES_DIR", tmp_path / "site-packages" / "recipes")
+    monkeypatch.setattr(recipe_files, "RECIPES_DIR", tmp_path / "site-packages" / "recipes")
     assert main(["train", "--recipe", "features-fmnist", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert f"no recipes folder at {tmp_path / 'site-packages' / 'recipes'}" in err and "path of a .toml" in err, err

@@ -61,7 +61,7 @@ def test_sweep_chooses_on_validation_only(tmp_path, capsys):
 def test_a_setting_added_later_does_not_make_a_finished_run_stale(tmp_path):
     """A run made before a setting existed ran as that setting's default: it is not run again."""
     from fedsd.settings.run import TrainConfig
-    from fedsd.cli.sweep_runs import finished_with
+    from fedsd.simulation.sweeps import finished_with
 
     config = dict(dataset="fmnist", method="dpsgd", epsilon=3.0, seed=0)
     saved = TrainConfig(**config).resolved().to_dict()
@@ -260,7 +260,7 @@ def test_a_grid_sweeps_a_named_choice_and_refuses_one_not_offered():
 def test_the_federated_table_pairs_seeds_and_marks_differences_beyond_two_standard_errors():
     """vs dpsgd / dpema: seed-by-seed differences over the seeds both rows ran, their mean and
     standard error; 'beyond two standard errors' only with more than one seed."""
-    from fedsd.cli.sweep_runs import paired_difference
+    from fedsd.simulation.sweeps import paired_difference
 
     base = dict(seeds=[0, 1, 2], final=[80.0, 81.0, 79.0])
     steady = dict(seeds=[0, 1, 2], final=[81.0, 82.2, 79.8])  # +1.0, +1.2, +0.8

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, RecordDict
 
-from fedsd.app.client import owner_service as data_service
+from fedsd.app.client import owner_service as data_service, service_wire
 from tests.test_server_threat import own_npz
 
 pytestmark = pytest.mark.usefixtures("flower_task")
@@ -64,8 +64,8 @@ def test_messages_waiting_for_the_answer_lock_count_against_the_services_memory_
     it waits for the lock, so what waits is in the service's memory: past 3 MB, the rest must be
     refused at once, not held (else 128 connections × 128 MiB wait in memory)."""
     monkeypatch.setenv("FEDSD_TUNE_PROCESS", "0")
-    monkeypatch.setattr(data_service, "MAX_BYTES", 3 << 20)
-    monkeypatch.setattr(data_service, "PEER_BYTES", 1 << 30)
+    monkeypatch.setattr(service_wire, "MAX_BYTES", 3 << 20)
+    monkeypatch.setattr(service_wire, "PEER_BYTES", 1 << 30)
     address = tmp_path / "s.sock"
     service = Blocking(address)
     threading.Thread(target=service.serve, daemon=True).start()

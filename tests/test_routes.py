@@ -176,7 +176,7 @@ def test_route_from_on_the_command_line_is_refused_before_any_work(tmp_path, cap
 
 
 def test_a_rerun_of_a_runs_settings_in_its_folder_takes_its_recorded_route(tmp_path):
-    from fedsd.cli.sweep_runs import with_recorded_route
+    from fedsd.simulation.sweeps import with_recorded_route
 
     recorded = routes.Route("bk", "channels-last", {0: "patches", 1: "ghost"}, chosen_by="rule",
                             made_for=dict(model="mnist-cnn", threads=1, input=[1, 28, 28]))

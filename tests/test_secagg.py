@@ -150,7 +150,7 @@ def test_distributed_noise_options_are_checked_before_any_work():
     from fedsd.settings.run import TrainConfig
     from fedsd.errors import ConfigError
     from fedsd.settings.federation import FedConfig
-    from fedsd.cli.secure_simulation import check_options
+    from fedsd.simulation.secure_federation import check_options
 
     cfg = TrainConfig(dataset="fmnist")
     with pytest.raises(ConfigError, match="needs --secure-aggregation"):

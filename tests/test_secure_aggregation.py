@@ -25,7 +25,7 @@ EXPERIMENT = "secagg-test"
 def owners(tmp_path, monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
 
-    from fedsd.cli.split_data import write_client_folders
+    from fedsd.simulation.client_folders import write_client_folders
 
     for name, value in (("_run_id", 7), ("_node_id", 1), ("_task_id", 1)):  # as a ServerApp's process has them
         monkeypatch.setattr(TaskIdentity, name, value)

@@ -1,5 +1,5 @@
 """The in-process federation with secure aggregation and distributed noise
-(fedsd/cli/secure_simulation.py), on a small real subset: it spends exactly its ε,
+(fedsd/simulation/secure_federation.py), on a small real subset: it spends exactly its ε,
 resumes to the weights of a run never stopped, and self-distils from the model one step old."""
 import dataclasses
 import math
@@ -9,7 +9,7 @@ import torch
 
 from fedsd.settings.run import TrainConfig
 from fedsd.settings.federation import FedConfig
-from fedsd.cli.secure_simulation import SecureFederation, simulate_secure
+from fedsd.simulation.secure_federation import SecureFederation, simulate_secure
 from tests.conftest import require
 
 pytestmark = pytest.mark.slow
@@ -165,7 +165,7 @@ def test_more_clients_than_an_owner_shares_with_are_refused_before_any_work_unle
     """A study at 300 clients died in round 1 with a traceback (a neighbourhood above the 128 a
     client shares with), after the progress bar had started: now a clear refusal naming the way
     on, before anything is read or written; with --secure-sum plain the same run passes its checks."""
-    from fedsd.cli import dry_run
+    from fedsd import dry_run
     from fedsd.errors import ConfigError
 
     cfg = TrainConfig(dataset="fmnist", method="dpsgd", batch_size=32, lr=0.05, epsilon=3.0, threads=1).resolved()

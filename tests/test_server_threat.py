@@ -14,7 +14,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-from fedsd.app.client import handler as local
+from fedsd.app.client import handler as local, owner_checks
 from fedsd.app.client.client_app import app
 from fedsd.app.client.node_config import NodeConfigError, parse, private_folder
 from fedsd.data import datasets as data_lib
@@ -427,7 +427,7 @@ def test_a_state_folder_others_can_write_to_is_refused(own_npz, tmp_path, caplog
         private_folder(shared / "state")
     cfg, fed, flat = one_step_run()
     reply = ask(flat, node(own_npz, shared / "state"), initial_model(client_config(cfg, fed), 10))
-    assert reply["metrics"]["refused"] == 1 and reply["refusal"]["reason"] == local.STATE_REFUSED
+    assert reply["metrics"]["refused"] == 1 and reply["refusal"]["reason"] == owner_checks.STATE_REFUSED
     assert str(tmp_path) not in reply["refusal"]["reason"] and "can be written by other users" in caplog.text
     sticky = tmp_path / "sticky"
     sticky.mkdir()
@@ -446,7 +446,7 @@ def test_an_owners_own_state_folder_others_can_write_is_refused_not_repaired(own
     state.chmod(0o777)  # the owner's own folder, opened to everyone
     cfg, fed, flat = one_step_run()
     reply = ask(flat, node(own_npz, state), initial_model(client_config(cfg, fed), 10))
-    assert reply["metrics"]["refused"] == 1 and reply["refusal"]["reason"] == local.STATE_REFUSED
+    assert reply["metrics"]["refused"] == 1 and reply["refusal"]["reason"] == owner_checks.STATE_REFUSED
     assert stat.S_IMODE(state.stat().st_mode) == 0o777 and not list(state.iterdir())  # refused, not chmodded
 
 
@@ -481,7 +481,7 @@ def test_a_planted_link_inside_the_state_folder_is_refused_not_followed(own_npz,
     (state / "attack").symlink_to(attacker)
     cfg, fed, flat = one_step_run(experiment="attack")
     reply = ask(flat, node(own_npz, state), initial_model(client_config(cfg, fed), 10))
-    assert reply["metrics"]["refused"] == 1 and reply["refusal"]["reason"] == local.STATE_REFUSED
+    assert reply["metrics"]["refused"] == 1 and reply["refusal"]["reason"] == owner_checks.STATE_REFUSED
     assert sorted(p.name for p in attacker.iterdir()) == ["client-0.pt"]
     assert not list(state.glob("ledger-*"))  # refused before it was charged
 

@@ -12,7 +12,7 @@ in plain PyTorch (conv k8 s2 p3 to 14 × 14, ReLU, max_pool2d(2, 1), a second co
 linear layers), channels-last, torch.compile'd,
 one forward and backward on a batch of 1600, its gradients against eager PyTorch's on the same
 weights. A crash or different gradients skip the test with the reason (torch's bug, not
-fedsd's: `fedsd bench step` leaves the compiled candidate out then, fedsd/benchmarks/bench.py
+fedsd's: `fedsd bench step` leaves the compiled candidate out then, fedsd/benchmarks/step_timing.py
 compiled_differs); the same gradients pass it.
 """
 import os

@@ -22,9 +22,9 @@ import torch
 
 from fedsd.settings.run import TrainConfig
 from fedsd.settings.federation import FedConfig
-from fedsd.cli.secure_simulation import FEATURES_RECIPE as RECIPE
-from fedsd.cli.secure_simulation import FEATURES_ROUNDS as ROUNDS
-from fedsd.cli.secure_simulation import SecureFederation
+from fedsd.simulation.secure_federation import FEATURES_RECIPE as RECIPE
+from fedsd.simulation.secure_federation import FEATURES_ROUNDS as ROUNDS
+from fedsd.simulation.secure_federation import SecureFederation
 
 
 def measure(clients: int, blocks: int, rounds: int) -> dict:

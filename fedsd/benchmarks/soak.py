@@ -2,7 +2,7 @@
 node authentication, each client with its own state folder and its owner's max-epsilon, the
 ServerApp) under K seeded faults, each a SIGKILL of one part, restarted after a seeded delay as
 a supervisor would (the SuperLink on its database, the server with resume-dir); then the
-independent privacy check (fedsd/cli/check_privacy.py: Opacus' RDP accountant over each
+independent privacy check (fedsd/privacy/independent_check.py: Opacus' RDP accountant over each
 client's ledger and the rounds the server aggregated) and the accuracy against the same seed's
 run without faults.
 
@@ -36,8 +36,8 @@ from fedsd.files.atomic import write_json
 from fedsd.settings.run import TrainConfig
 from fedsd.errors import ConfigError
 from fedsd.settings.federation import FedConfig
-from fedsd.cli.check_privacy import check_run, deployment_state_dirs
-from fedsd.cli.split_data import write_client_folders
+from fedsd.privacy.independent_check import check_run, deployment_state_dirs
+from fedsd.simulation.client_folders import write_client_folders
 from fedsd.deployment.local_deployment import LocalDeployment
 
 KINDS = ("supernode", "worker", "superlink", "serverapp")

@@ -39,7 +39,7 @@ from fedsd.settings.declared import add_options, from_args, setting
 from fedsd.training.loop import DPTrainer, evaluate, initial_model, planned_trainer
 from fedsd.training.seeds import derive_seed
 from fedsd.methods import released
-from fedsd.cli import dry_run
+from fedsd import dry_run
 from fedsd.app.simulated_shards import build_federation
 
 SEED_AUDIT = 3  # canaries: inclusion and participation (fedsd.training.loop's purposes 0–2)

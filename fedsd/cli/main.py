@@ -27,12 +27,12 @@ import warnings
 from fedsd import __version__
 from fedsd.errors import FedsdNote, UserError
 from fedsd.benchmarks.bench import add_bench_parser
-from fedsd.cli import dry_run
+from fedsd import dry_run
 from fedsd.cli.audit import add_audit_parser
 from fedsd.cli.check_privacy import add_check_parser
 from fedsd.cli.data_service import add_data_service_parser
 from fedsd.cli.ledger import add_ledger_parser
-from fedsd.cli.parsing import Parser
+from fedsd.settings.command_line import Parser
 from fedsd.cli.pretrain import add_pretrain_parser
 from fedsd.cli.recipes import add_recipes_parser
 from fedsd.cli.simulate import add_simulate_parser

@@ -30,7 +30,7 @@ from fedsd.models.networks import build_model, image_shape_of
 from fedsd.models.pretrained import sha256_of
 from fedsd.settings.declared import add_options, from_args
 from fedsd.training.loop import evaluate
-from fedsd.cli import dry_run
+from fedsd import dry_run
 
 
 def add_pretrain_parser(sub) -> None:

@@ -22,7 +22,7 @@ from fedsd.errors import ConfigError
 from fedsd.data.datasets import DATASETS
 from fedsd.settings.declared import settings_of
 
-from fedsd.cli.sweep_runs import DIVERGED, finished_with, run_jobs, threads_per_job
+from fedsd.simulation.sweeps import DIVERGED, finished_with, run_jobs, threads_per_job
 from fedsd.files.results import RunResult, write_json
 
 SWEEPABLE = {s.name: s for s in settings_of(TrainConfig)

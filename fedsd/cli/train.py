@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from fedsd.cli import dry_run
-from fedsd.cli.recipes import add_recipe_option, blamed_on, with_recipe
+from fedsd import dry_run
+from fedsd.settings.recipe_files import add_recipe_option, blamed_on, with_recipe
 from fedsd.errors import ConfigError
 from fedsd.models.networks import start_report
 from fedsd.models.pretrained import start_line

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from fedsd.app.server import checkpoint
-from fedsd.cli.secure_simulation import FEATURES_RECIPE, FEATURES_ROUNDS
-from fedsd.cli.split_data import write_client_folders
+from fedsd.simulation.secure_federation import FEATURES_RECIPE, FEATURES_ROUNDS
+from fedsd.simulation.client_folders import write_client_folders
 from fedsd.data.client_data import training_records
 from fedsd.deployment.stage_links import stage_links, table
 from fedsd.deployment.local_deployment import LocalDeployment, add_node_arguments, node_start, stop_on_sigterm

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
-from fedsd.cli.sweep_runs import paired_difference
+from fedsd.simulation.sweeps import paired_difference
 from fedsd.files.results import RunResult
 
 RECIPE = "whole-clients"
@@ -134,7 +134,7 @@ def stages(out: Path, seeds: int = SEEDS) -> list[list[ClientRun]]:
 def check_done(out: Path, seeds: int) -> None:
     """Under a dry run, stop saying how many of the stages' runs (as far as the finished ones tell)
     are still to run; otherwise nothing."""
-    from fedsd.cli import dry_run
+    from fedsd import dry_run
 
     runs = [r for stage in stages(out, seeds) for r in stage]
     todo = [r for r in runs if _result(out, r) is None]
@@ -144,7 +144,7 @@ def check_done(out: Path, seeds: int) -> None:
 
 def _run_one(cfg: dict, fed: dict, out: str) -> dict:
     """One run in a worker process (spawned: its own torch, its own threads); resumed where it stopped."""
-    from fedsd.cli.secure_simulation import CHECKPOINT, simulate_secure
+    from fedsd.simulation.secure_federation import CHECKPOINT, simulate_secure
     from fedsd.settings.federation import FedConfig
     from fedsd.settings.run import TrainConfig
 

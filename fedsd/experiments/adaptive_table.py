@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedsd.experiments import adaptive_clients
-from fedsd.cli.sweep_runs import DIVERGED, finished_with, paired_difference, run_jobs
+from fedsd.simulation.sweeps import DIVERGED, finished_with, paired_difference, run_jobs
 from fedsd.files.results import RunResult, write_json
 
 TABLE_NAME = "table-adaptive"
@@ -56,7 +56,7 @@ class AdaptiveRun:
         return f"{self.recipe}-{arm}{'-val' if self.validation else ''}-seed{self.seed}"
 
     def config(self, threads: int, device: str, data_dir) -> dict:
-        from fedsd.cli.recipes import read_recipe, recipe_path
+        from fedsd.settings.recipe_files import read_recipe, recipe_path
 
         values = {name: value for name, (_, value) in read_recipe(recipe_path(self.recipe)).values.items()}
         adapted = {} if self.quantile is None else dict(clip=values["clip"] * self.start, clip_quantile=self.quantile)

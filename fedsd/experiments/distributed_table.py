@@ -25,8 +25,8 @@ from pathlib import Path
 from fedsd.settings.run import TrainConfig
 from fedsd.settings.federation import FedConfig
 from fedsd.files.results import write_json
-from fedsd.cli import dry_run
-from fedsd.cli.secure_simulation import FEATURES_RECIPE, FEATURES_ROUNDS
+from fedsd import dry_run
+from fedsd.simulation.secure_federation import FEATURES_RECIPE, FEATURES_ROUNDS
 
 TABLE_NAME = "table-distributed"
 SEEDS = (0, 1, 2)
@@ -90,7 +90,7 @@ def runs() -> list[tuple[str, TrainConfig, FedConfig]]:
 def run_all(out: Path, progress: bool = True, only: list[str] = ()) -> None:
     """Every run not finished yet; with `only`, those whose names hold one of its parts, in
     that order (queues on several cores, e.g. "t10-seed0" and "t5-seed0")."""
-    from fedsd.cli.secure_simulation import CHECKPOINT, RESULT, simulate_secure
+    from fedsd.simulation.secure_federation import CHECKPOINT, RESULT, simulate_secure
 
     chosen = [r for part in only for r in runs() if part in r[0]] if only else runs()
     todo = [r for r in chosen if not (out / "runs" / "distributed" / r[0] / RESULT).is_file()]

@@ -45,7 +45,7 @@ from pathlib import Path
 from fedsd.settings.run import TrainConfig
 from fedsd.settings.federation import FedConfig, client_config
 from fedsd.files.results import RunResult, write_json
-from fedsd.cli.sweep_runs import DIVERGED, finished_with, paired_difference, run_jobs
+from fedsd.simulation.sweeps import DIVERGED, finished_with, paired_difference, run_jobs
 from fedsd.experiments.federated_table import FED_PARTITIONS, FED_SHAPE, FED_TABLE, flawed, run_federation, run_state
 from fedsd.experiments.distributed_table import beside as distributed_beside
 from fedsd.experiments.readings import READINGS, chosen_readings, screen_rows

@@ -24,9 +24,9 @@ from fedsd.errors import ConfigError, TrainingDiverged
 from fedsd.settings.federation import FedConfig, client_config
 from fedsd.files.results import RunResult, write_json
 
-from fedsd.cli.sweep_runs import DIVERGED, NOT_SETTINGS, paired_difference, plot_curves, seed_files, seeds_run
-from fedsd.cli import dry_run
-from fedsd.cli.simulate import simulate
+from fedsd.simulation.sweeps import DIVERGED, NOT_SETTINGS, paired_difference, plot_curves, seed_files, seeds_run
+from fedsd import dry_run
+from fedsd.simulation.engine import simulate
 from fedsd.experiments.distributed_table import beside as distributed_beside
 from fedsd.app.simulated_shards import build_federation
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fedsd.data.datasets import DATASET_TITLES, DATASETS
 from fedsd.files.results import write_json
-from fedsd.cli.sweep_runs import paired_difference, plot_curves, seed_files, seeds_run
+from fedsd.simulation.sweeps import paired_difference, plot_curves, seed_files, seeds_run
 from fedsd.experiments.readings import confirm_rows, confirm_runs, screen_rows, screen_runs
 
 # Table 1 of DP3SD (test accuracy, %), ε = 1, 2, 3 (docs/algorithms.md); its dpdsd row is

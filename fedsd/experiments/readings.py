@@ -24,7 +24,7 @@ from pathlib import Path
 
 from fedsd.settings.run import PAPER, default_epochs
 from fedsd.files.results import RunResult, write_json
-from fedsd.cli.sweep_runs import finished_with, paired_difference
+from fedsd.simulation.sweeps import finished_with, paired_difference
 
 VALIDATION = 10_000
 SCREEN_LENGTHS = (15, 30, 60)

@@ -20,8 +20,8 @@ from pathlib import Path
 from fedsd.settings.run import METHODS
 from fedsd.data.datasets import DATASETS
 from fedsd.errors import ConfigError
-from fedsd.cli.parsing import Parser
-from fedsd.cli.sweep_runs import finished_with, run_jobs, threads_per_job
+from fedsd.settings.command_line import Parser
+from fedsd.simulation.sweeps import finished_with, run_jobs, threads_per_job
 from fedsd.experiments.features_table import reproduce_features
 from fedsd.experiments.federated_table import FED_METHODS, FED_PARTITIONS, FED_TABLE_NAME, reproduce_fed
 from fedsd.experiments.paper_tables import TABLE1_METHODS, TABLE1_VARIANTS, table1_cells, table2_cells, table_cells, write_tables

@@ -20,7 +20,7 @@ for entry in plan:
     cfg = f"/tmp/{entry['name']}.json"
     json.dump(entry["config"], open(cfg, "w"))
     t0 = time.time()
-    code = ("import json; from fedsd.cli.sweep_runs import _run_one; "
+    code = ("import json; from fedsd.simulation.sweeps import _run_one; "
             f"r = _run_one(json.load(open('{cfg}')), '{run_out}'); print('RESULT', r.get('test_accuracy'), r.get('diverged', ''))")
     try:
         p = subprocess.run([sys.executable, "-c", code], timeout=left, capture_output=True, text=True)

@@ -26,7 +26,7 @@ from flwr.common import log
 from flwr.clientapp import ClientApp
 
 from fedsd.app.client import node_config as node_configs
-from fedsd.app.client import owner_service as data_service
+from fedsd.app.client import owner_service
 from fedsd.app import secure_sum
 
 app = ClientApp()
@@ -55,17 +55,17 @@ def reply_content(kind: str, content: RecordDict, context: Context) -> RecordDic
     except node_configs.NodeConfigError:
         node = None  # said to the server by the round itself (a refusal naming the key)
     if node is not None and node.service:  # never answered here: this process cannot read the data
-        return data_service.ask_service(node, kind, content, context)
-    if kind in data_service.SECAGG_KINDS:
+        return owner_service.ask_service(node, kind, content, context)
+    if kind in owner_service.SECAGG_KINDS:
         raise ValueError(SECAGG_NEEDS_SERVICE)
-    if node is not None and data_service.wanted(node):
+    if node is not None and owner_service.wanted(node):
         try:
-            return data_service.ask_worker(node, kind, content, context)
-        except data_service.ServiceUnavailable as e:  # not taken: answered here, at the cold start's cost
+            return owner_service.ask_worker(node, kind, content, context)
+        except owner_service.ServiceUnavailable as e:  # not taken: answered here, at the cold start's cost
             log(WARNING, "fedsd: %s; answering in the ClientApp's own process", e)
-    from fedsd.app.client import handler as local
+    from fedsd.app.client import handler
 
-    return local.HANDLERS[kind](content, context)
+    return handler.HANDLERS[kind](content, context)
 
 
 @app.train()

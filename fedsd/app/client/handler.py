@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import math
@@ -43,9 +42,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 
 from fedsd.data import datasets as data_lib
 from fedsd.privacy import lifetime_ledger as ledgers
@@ -57,22 +54,26 @@ from fedsd.data.features import inputs
 from fedsd.errors import (BudgetExhausted, BudgetRefused, ConfigError, DataError, LedgerSpent, StateRolledBack,
                           TrainingDiverged)
 from fedsd.settings.run import validate
-from fedsd.files.results import save_atomic, write_json
+from fedsd.files.results import write_json
 from fedsd.privacy.secret_random import SecretStream
 from fedsd.files.state_folder import read_nofollow
 from fedsd.settings.federation import FedConfig, client_config, from_flat, round_epochs, round_teacher
-from fedsd.training.loop import (DPTrainer, Model, TrainState, frozen_part, initial_model, load_train_state,
+from fedsd.training.loop import (DPTrainer, Model, TrainState, load_train_state,
                                  planned_trainer, save_train_state)
 from fedsd.methods import released
-from fedsd.models import pretrained
-from fedsd.models.networks import SCATTER_MODELS, TORCHVISION, feature_source, is_builtin
+from fedsd.models.networks import feature_source
 
 from fedsd.app.simulated_shards import Federation, build_federation
-from fedsd.app.records import (SPENT_EPSILON, first_difference, load_state, model_to_record, record_to_model,
+from fedsd.app.records import (SPENT_EPSILON, load_state, model_to_record, record_to_model,
                                save_state)
 
 from fedsd.app.client import node_config as node_configs
 from fedsd.app.client.node_config import NodeConfig, NodeConfigError
+from fedsd.app.client.owner_checks import (check_finite_model,
+                                          check_init_weights, check_model_allowed, check_sent_weights,
+                                          pin_task, private_state_folder)
+from fedsd.app.client.reply_store import (client_state_file, keep_reply, model_digest, replayed_reply,
+                                          request_digest)
 
 
 log = logging.getLogger("fedsd.client")
@@ -82,22 +83,6 @@ log = logging.getLogger("fedsd.client")
 # a count) would be a release no noise covers. Its owner's log has the reason in full.
 DATA_REFUSED = ("data: this client's own data does not fit the run's task (dataset, classes, channels, "
                 "image-size), or cannot be read; its owner's log says why")
-
-WEIGHTS_REFUSED = ("node-config init-weights: this node's own copy of the weights cannot be read as a weights file; "
-                   "its owner's log says why")
-
-STATE_REFUSED = ("node-config state-dir: this client's state folder is not its owner's alone (another user owns "
-                 "or can write to it or to a folder above it, or a link is on its way); its owner's log says which")
-
-
-def private_state_folder(node: NodeConfig, *parts: str) -> Path:
-    """node.state_folder for a node with its own data, its refusal said to the server without
-    the owner's paths (NodeConfigError, in full in the owner's log)."""
-    try:
-        return node.state_folder(*parts)
-    except NodeConfigError as e:
-        log.warning("refused a round: %s", e)
-        raise NodeConfigError(STATE_REFUSED) from None
 
 
 # Per worker process: the federation's data side and one DPTrainer, for the latest run only
@@ -127,54 +112,6 @@ def trainer_for(flat: dict, partition_id: int) -> tuple[Federation, DPTrainer]:
 
 
 SKIPPED_NAMED = 5  # unreadable files named in a reply (with skip-bad-files); the count is always there
-REPLY_FORMAT = 1  # of a client's kept last reply (last_reply_file)
-
-
-def client_state_file(node: NodeConfig, experiment_id: str, partition_id: int) -> Path | None:
-    """Where this client keeps its privacy state on its own disk (NodeConfig.state_root), one
-    file per experiment (the server's id for the run, kept across --resume) and client."""
-    if not experiment_id:
-        return None
-    return node.state_folder(experiment_id) / f"client-{partition_id}.pt"
-
-
-def last_reply_file(state_file: Path) -> Path:
-    """Where a client keeps the last reply it released, beside its privacy state."""
-    return state_file.with_name(f"{state_file.stem}-last-reply.pt")
-
-
-def request_digest(server_round: int, arrays: ArrayRecord) -> str:
-    """What a train request asks for: the round and the exact global model (model_digest). The
-    run is fixed by the folder the reply is kept in."""
-    return hashlib.sha256(f"round {server_round} {model_digest(arrays)}".encode()).hexdigest()
-
-
-def replayed_reply(state_file: Path | None, request: str) -> tuple[ArrayRecord, dict, bool] | None:
-    """The arrays and metrics this client already released for `request`, if it is the last
-    request it answered; else None. An unreadable file is no reply (the round is trained and
-    charged, the safe side)."""
-    path = None if state_file is None else last_reply_file(state_file)
-    if path is None or not state_file.is_file():
-        return None
-    try:
-        raw = read_nofollow(path)
-        if raw is None:
-            return None
-        kept = torch.load(io.BytesIO(raw), weights_only=True)
-    except Exception:  # noqa: BLE001  (a damaged file, or a link: train and charge instead)
-        return None
-    if not isinstance(kept, dict) or kept.get("format") != REPLY_FORMAT or kept.get("request") != request:
-        return None
-    return (ArrayRecord({k: Array(v.numpy()) for k, v in kept["arrays"].items()}), dict(kept["metrics"]),
-            bool(kept.get("summed", False)))
-
-
-def keep_reply(state_file: Path, request: str, arrays: ArrayRecord, metrics: dict, summed: bool = False) -> None:
-    """Keep the reply about to be released (after the state that charged it is on disk: a
-    client stopped between the two trains the round again and is charged again, never less)."""
-    save_atomic(last_reply_file(state_file), dict(
-        format=REPLY_FORMAT, request=request, metrics=metrics, summed=summed,
-        arrays={k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in arrays.items()}))
 
 
 def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedConfig, DPTrainer, HolderData]:
@@ -232,120 +169,6 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedCon
                           f"whose gradient is not finite out of the clipped sum, which this client's secret draws "
                           f"need; use bk, hooks, functorch or ew")
     return fed, _TRAINERS[key], held
-
-
-def pin_task(node: NodeConfig, task) -> None:
-    """Whether a node's data fits a task (its labels, its class folders) is a fact about its
-    records, which a refusal would tell the server. So the first task a node is asked to fit is
-    kept in its state folder (task.json), and a run of any other task is refused as a setting,
-    before a record is read: the server learns that one bit once, not one a query. The owner
-    can delete task.json to allow another task."""
-    path = private_state_folder(node) / "task.json"
-    wanted = {"classes": list(task.classes), "channels": task.channels, "image-size": task.image_size}
-    raw = read_nofollow(path)
-    if raw is None:
-        write_json(path, wanted)
-        return
-    kept = json.loads(raw)
-    if kept != wanted:
-        raise ConfigError(f"dataset, classes, channels, image-size: this client's data is kept for one task "
-                          f"({len(kept['classes'])} classes {','.join(kept['classes'])[:200]}, {kept['channels']} "
-                          f"channel(s), {kept['image-size']} pixels); its owner can delete state-dir/task.json to "
-                          f"allow another")
-
-
-def check_model_allowed(model: str, node: NodeConfig) -> None:
-    """A network named by the server is data, never code, on a node with its own data: a
-    built-in network or a torchvision one, or the one user's factory its owner names
-    (node-config allow-model). Refused (ConfigError) before anything is imported or read."""
-    if model is None or is_builtin(model) or model in SCATTER_MODELS or model.startswith(TORCHVISION) \
-            or model == node.allow_model:  # None: the data set's built-in network
-        return
-    raise ConfigError(f"model={model[:80]!r}: this client takes the built-in networks and torchvision:NAME; a "
-                      f"network of a user's own only where its owner's node config names it (allow-model=...)")
-
-
-def check_init_weights(flat: dict, node: NodeConfig) -> None:
-    """A node whose owner named the pretrained weights it trains from refuses a run that starts
-    from other weights, or from none (NodeConfigError naming the keys, before anything is read,
-    trained or charged). With node-config init-weights-sha256 alone, that is the sha256 the server
-    claims (init-weights-sha256 in the run config): a server that breaks the protocol can claim
-    it and send other weights. With node-config init-weights (the owner's own copy of the public
-    file), the file's sha256 must also be init-weights-sha256's, where set, and the run's; the run
-    then reads the weights from it (features=backbone included), never from a path the server
-    names, and every message's model is checked against it (check_sent_weights)."""
-    expected = node.init_weights_sha256.strip().lower()
-    told = str(flat.get("init-weights-sha256", "")).strip().lower()
-    if expected and told != expected:
-        raise NodeConfigError(f"init-weights-sha256={told[:64] or 'none'}: this node trains only from the weights its "
-                              f"owner named (node-config init-weights-sha256={expected[:64]}); other weights are refused")
-    if not node.init_weights:
-        return
-    try:
-        own = pretrained.read_weights(node.init_weights)[1]
-    except ConfigError as e:  # said in full to the owner alone: it names the owner's path
-        log.warning("refused a round: %s", e)
-        raise NodeConfigError(WEIGHTS_REFUSED) from None
-    if expected and own != expected:
-        raise NodeConfigError(f"node-config init-weights: the owner's file is not the one node-config "
-                              f"init-weights-sha256={expected[:64]} names (its sha256 differs); this node trains from "
-                              f"neither until its owner fixes its node config")
-    if told != own:
-        raise NodeConfigError(f"init-weights-sha256={told[:64] or 'none'}: not the sha256 of this node's own copy of "
-                              f"the weights (node-config init-weights); other weights are refused")
-    flat["init-weights"] = node.init_weights  # the owner's file, never a path the server names
-
-
-# Per process, for the latest run: the model a node builds from its own copy of the weights
-# (its frozen part and its whole initial student), keyed by the run's settings (the file's sha256 among them).
-_REFERENCES: dict[tuple, tuple[dict, dict]] = {}
-
-
-def own_reference(flat: dict, node: NodeConfig) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(the frozen blocks, the whole initial student) of the run's network, built from this
-    node's own weights file (flat's init-weights, set by check_init_weights) the way fedsd builds
-    the initial model: the same seed, the same head made new where the file's is of another shape."""
-    key = tuple(sorted(flat.items()))
-    if key not in _REFERENCES:
-        cfg, fed = from_flat(flat)
-        if node.owns_data:  # no code the server names is imported (check_model_allowed)
-            check_model_allowed(cfg.model, node)
-        cfg = client_config(cfg, fed)
-        num_classes = len(task_for(cfg).classes)
-        start = initial_model(cfg, num_classes)["student"]
-        _REFERENCES.clear()
-        _REFERENCES[key] = (frozen_part(cfg, num_classes), start)
-    return _REFERENCES[key]
-
-
-def check_sent_weights(arrays: ArrayRecord, flat: dict, node: NodeConfig, first_round: bool) -> None:
-    """With node-config init-weights: the global model a message carries must hold, bit for bit
-    as float32 (the wire format), what this node builds from its own copy of the weights: the
-    frozen blocks (every parameter and buffer of the blocks --train-layers freezes) in every
-    group, every round, train and evaluate alike; and in the first round's train message the
-    whole student (with --train-layers all and features=backbone nothing is frozen on the wire,
-    so that check is the only one). NodeConfigError naming the first tensor that differs, before
-    anything is read, trained or charged. A node without init-weights checks nothing here."""
-    if not node.init_weights:
-        return
-    frozen, start = own_reference(flat, node)
-    differs = (first_difference(arrays, start, ("student",)) if first_round else None) or \
-        first_difference(arrays, frozen)
-    if differs:
-        part = "initial model" if first_round else "frozen blocks"
-        raise NodeConfigError(f"model: the global model's {differs[:120]} is not what this node builds from its own "
-                              f"copy of the weights (node-config init-weights: the {part}, bit for bit); other "
-                              f"weights are refused")
-
-
-def check_finite_model(arrays: ArrayRecord) -> None:
-    """The model a server sends to a node with its own data holds finite weights (ConfigError
-    before any record is read): a non-finite weight would make the round's outcome a property of
-    the records rather than of the noise."""
-    for key in arrays:
-        a = arrays[key].numpy()
-        if a.dtype.kind == "f" and not np.isfinite(a.astype(np.float32)).all():  # as the network will hold them
-            raise ConfigError(f"model: the global model's {key[:80]} holds weights that are not finite")
 
 
 def shard_fingerprint(federation: Federation, partition_id: int) -> str:
@@ -470,7 +293,7 @@ def refusal(metrics: dict, reason: str) -> RecordDict:
                        "refusal": ConfigRecord({"reason": reason})})
 
 
-def told_the_server(reason: str, node_config) -> str:
+def hide_owner_paths(reason: str, node_config) -> str:
     """A reason as it may leave this machine: files named relative to the node's data folder,
     its state folder as `state-dir` and its roster as `secagg-roster`, never the owner's absolute
     paths (also where the node config no longer parses: its paths as the owner wrote them)."""
@@ -505,17 +328,6 @@ def state_lost(side: ClientSide, state) -> str | None:
     return (f"the server recorded ε = {recorded:.4f} spent by client {side.node.partition_id} in this experiment, "
             f"but its privacy state ({where}) holds ε = {own:.4f}: the state was lost or replaced, and the client "
             f"will not start its accounting again; restore the node's state-dir or start a new experiment")
-
-
-# -- federated evaluation ----------------------------------------------------------------------
-def model_digest(arrays: ArrayRecord) -> str:
-    """The exact model a message carries: every array's name, dtype, shape and bytes."""
-    digest = hashlib.sha256()
-    for key in sorted(arrays):
-        a = arrays[key].numpy()
-        digest.update(f"{key} {a.dtype} {a.shape}".encode())
-        digest.update(a.tobytes())
-    return digest.hexdigest()
 
 
 def evaluation_file(state_file: Path) -> Path:
@@ -568,7 +380,7 @@ def evaluate_reply(content: RecordDict, context: Context) -> RecordDict:
         partition_id = node_configs.parse_partition_id(context.node_config)
         if partition_id is None:
             raise
-        return evaluation_refusal(partition_id, told_the_server(str(e), context.node_config))
+        return evaluation_refusal(partition_id, hide_owner_paths(str(e), context.node_config))
     trainer, federation, partition_id = side.trainer, side.federation, side.node.partition_id
     x_test, y_test = trainer.data.x_test, trainer.data.y_test  # its own test split, or in a simulation
     if federation is not None:  # its share of the public one
@@ -596,7 +408,7 @@ def train_reply(content: RecordDict, context: Context, into_sum: bool = False) -
         if partition_id is None:
             raise  # without its number the server could not say who refused: a failed reply instead
         return refusal({"num-examples": 0, "partition-id": partition_id, "epsilon": 0.0},
-                       told_the_server(str(e), context.node_config))
+                       hide_owner_paths(str(e), context.node_config))
     with state_lock(side):  # one round of this client's state at a time, whichever process answers it
         return locked_train_reply(side, content, context, into_sum)
 

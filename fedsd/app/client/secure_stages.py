@@ -77,7 +77,7 @@ class Owner:
     identity, its roster (None without one) and its id."""
 
     def __init__(self, node: node_configs.NodeConfig, context: Context):
-        from fedsd.app.client.handler import STATE_REFUSED
+        from fedsd.app.client.owner_checks import STATE_REFUSED
 
         self.node = node
         self.roster = read_roster(node.secagg_roster) if node.secagg_roster else None
@@ -205,10 +205,10 @@ def _stage_fields(content: RecordDict, context: Context) -> tuple[tuple, ConfigR
     try:
         node = node_configs.parse(context.node_config)
     except ConfigError as e:  # in full in the owner's log; to the server without the owner's paths
-        from fedsd.app.client.handler import told_the_server
+        from fedsd.app.client.handler import hide_owner_paths
 
         log.warning("refused a round: %s", e)
-        raise ConfigError(told_the_server(str(e), context.node_config)) from None
+        raise ConfigError(hide_owner_paths(str(e), context.node_config)) from None
     owner = Owner(node, context)
     return (owner.node.state_dir, int(context.run_id), experiment, server_round), record, owner
 
@@ -230,7 +230,7 @@ def admitted_at_advertise(content: RecordDict, context: Context, owner: Owner) -
     threshold for want of budget is abandoned with nobody charged (it was charged to the owners
     that could, at the masked stage). The masked stage charges after the same checks. A refusal
     raises StageRefused (with "budget" alone where the ledger's figures would say more)."""
-    from fedsd.app.client import handler as local
+    from fedsd.app.client import handler
     from fedsd.errors import BudgetRefused, DataError, StateRolledBack
 
     config = content.get("config") if "config" in content else None
@@ -241,15 +241,15 @@ def admitted_at_advertise(content: RecordDict, context: Context, owner: Owner) -
         plan, side, _, _ = _checked_plan(round_content, context, owner)
         if side.fed.privacy_unit != "client":  # what the masked stage refuses before its charge, said here
             records_bound(side, len(side.trainer.data.x_train))
-        _charge(side, context, plan, local.carried_state(side, context), dry_run=True)
+        _charge(side, context, plan, handler.carried_state(side, context), dry_run=True)
         return
     try:
-        side = local.client_side(round_content, context, plain_release=False)
-        refused = local.admit(side, local.carried_state(side, context), context, {}, dry_run=True)
+        side = handler.client_side(round_content, context, plain_release=False)
+        refused = handler.admit(side, handler.carried_state(side, context), context, {}, dry_run=True)
     except (BudgetRefused, ConfigError, DataError, ValueError) as e:
-        raise _refused(local.told_the_server(str(e), context.node_config)) from None
+        raise _refused(handler.hide_owner_paths(str(e), context.node_config)) from None
     except StateRolledBack as e:
-        raise StageRefused(f"secure aggregation {local.state_refused(e)}") from None
+        raise StageRefused(f"secure aggregation {handler.state_refused(e)}") from None
     if refused is not None:
         raise _refused(refused["refusal"]["reason"] if "refusal" in refused else
                        "this client would not train this round (its run's budget is spent)")
@@ -345,10 +345,10 @@ def contribution(content: RecordDict, context: Context, owner: Owner | None = No
     """This client's uint64 vector for the round and its metrics: its training update (the model
     delta after one round of local DP training, which charges the owner's ledger as a train
     round does), in fixed point. A refused round raises StageRefused with its reason."""
-    from fedsd.app.client import handler as local
+    from fedsd.app.client import handler
 
     round_content = RecordDict({"arrays": content["arrays"], "config": content["config"]})
-    reply = local.train_reply(round_content, context, into_sum=True)
+    reply = handler.train_reply(round_content, context, into_sum=True)
     for record in ("refusal", "divergence"):
         if record in reply:
             raise _refused(reply[record]["reason"])
@@ -381,7 +381,7 @@ def _checked_plan(content: RecordDict, context: Context, owner: Owner):
     """The round's plan, checked against this owner's own calibration before anything is drawn
     (distributed_contribution); the client side, the owner's own plan and its t. A refusal
     raises StageRefused with a reason that tells the server none of the owner's paths."""
-    from fedsd.app.client import handler as local
+    from fedsd.app.client import handler
     from fedsd.secure import client_level, distributed_noise
     from fedsd.secure.distributed_step import DISTRIBUTED_METHODS, check_plan, dimension
     from fedsd.errors import BudgetRefused, DataError
@@ -390,7 +390,7 @@ def _checked_plan(content: RecordDict, context: Context, owner: Owner):
     try:
         plan, rounds = distributed_noise.from_settings(flat)
         sent = {"arrays": content["arrays"]} if "arrays" in content else {}  # none at stage 0 (admitted_at_advertise)
-        side = local.client_side(RecordDict({**sent, "config": ConfigRecord(flat)}), context, plain_release=False)
+        side = handler.client_side(RecordDict({**sent, "config": ConfigRecord(flat)}), context, plain_release=False)
         fed, trainer, cfg = side.fed, side.trainer, side.trainer.cfg
         if not side.own_data:
             raise ConfigError("noise=distributed in a deployment: a client with its own data (client-data=own), "
@@ -428,7 +428,7 @@ def _checked_plan(content: RecordDict, context: Context, owner: Owner):
                                                float(cfg.batch_size), fed.rounds, t, dimension(trainer.model))
             check_plan(trainer, plan, own.noise_multiplier)  # C, q and length this owner's; z at least its own
     except (BudgetRefused, ConfigError, DataError, ValueError) as e:
-        raise _refused(local.told_the_server(str(e), context.node_config)) from None
+        raise _refused(handler.hide_owner_paths(str(e), context.node_config)) from None
     return plan, side, own, t
 
 
@@ -470,17 +470,17 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
     run's public bound on any client's batch (padded_rows; an owner whose batch could pass it
     draws at a lower rate, owner_rate), so its time tells neither the batch nor its records. The metrics it releases are a function of the plan and of the rounds it
     took part in alone (`public_metrics`). A refusal raises StageRefused with its reason."""
-    from fedsd.app.client import handler as local
+    from fedsd.app.client import handler
     from fedsd.secure.distributed_step import contribution as step_part
 
     plan, side, own, t = _checked_plan(content, context, owner)
     cfg, trainer = side.trainer.cfg, side.trainer
-    with local.state_lock(side):
-        request = local.request_digest(side.server_round, content["arrays"])
-        if local.replayed_reply(side.state_file, request) is not None:
+    with handler.state_lock(side):
+        request = handler.request_digest(side.server_round, content["arrays"])
+        if handler.replayed_reply(side.state_file, request) is not None:
             raise _refused("this round's update went into a sum already; it goes into no other")
         offered = admitted_plan(side, plan)  # None: the plan this owner admitted; else its first round's
-        state = local.carried_state(side, context)
+        state = handler.carried_state(side, context)
         if offered is not None and state is not None and state.steps > 0:
             raise _refused("this owner's state holds rounds of this experiment but no plan it admitted (a state "
                            "folder restored without it, or written before plans were pinned): refused, since "
@@ -491,8 +491,8 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
         _charge(side, context, plan, state)
         if offered is not None:  # pinned once the first round is charged: every later round must name it
             side.node.state().write_json(pinned_plan_name(side), offered)
-        state = local.secret_start() if state is None else dataclasses.replace(
-            state, secret=local.SecretStream.fresh(), rng_state=None)
+        state = handler.secret_start() if state is None else dataclasses.replace(
+            state, secret=handler.SecretStream.fresh(), rng_state=None)
         epoch = max(1, math.ceil(side.server_round * plan.sample_rate))
         try:
             if net is not None:
@@ -502,10 +502,10 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
                                              least_noise=own.noise_multiplier, pad_to=pad,
                                              draw_rate=owner_rate(plan, bound, pad))
         except Exception:  # charged and nothing released: the round still counts as taken part in
-            local.save_train_state(side.state_file, dataclasses.replace(state, steps=state.steps + 1), trainer.plan)
+            handler.save_train_state(side.state_file, dataclasses.replace(state, steps=state.steps + 1), trainer.plan)
             raise
-        local.save_train_state(side.state_file, state, trainer.plan)  # the spent round on disk before the release
-        local.keep_reply(side.state_file, request, ArrayRecord({}), {}, summed=True)
+        handler.save_train_state(side.state_file, state, trainer.plan)  # the spent round on disk before the release
+        handler.keep_reply(side.state_file, request, ArrayRecord({}), {}, summed=True)
     return vector, MetricRecord(public_metrics(plan, state.steps, cfg.delta, net is not None))
 
 
@@ -582,7 +582,7 @@ def _charge(side, context: Context, plan, state, dry_run: bool = False) -> None:
     round this owner was charged for already in this experiment (the ledger keys its charges by
     experiment and round) is refused: answered again, with a fresh batch and fresh noise, the
     same step would be released twice and one of the run's planned rounds spent on it."""
-    from fedsd.app.client import handler as local
+    from fedsd.app.client import handler
     from fedsd.errors import BudgetRefused, StateRolledBack
     from fedsd.secure import client_level
 
@@ -601,14 +601,14 @@ def _charge(side, context: Context, plan, state, dry_run: bool = False) -> None:
                                 f"but its privacy state holds {done} rounds: the state was lost or replaced")
         if done + 1 > fed.rounds or plan.epsilon(done + 1, delta) > cfg.epsilon * (1 + 1e-9):
             raise BudgetRefused(f"the run's budget ε={cfg.epsilon:g} is spent ({done} rounds taken part in)")
-        opened = local.peeked_ledger if dry_run else local.lifetime_ledger
+        opened = handler.peeked_ledger if dry_run else handler.lifetime_ledger
         with opened(side.node, side.fingerprint) as ledger:
             if ledger is not None:
                 if any(e.get("run") == fed.experiment_id and e.get("round") == side.server_round
                        for e in ledger.entries):
                     raise BudgetRefused(f"round {side.server_round} of this experiment: this owner was charged for "
                                         f"it already (a resumed run asks it again); a round is answered once")
-                with local.ledger_refusals():  # "budget" to the server, the figures in the owner's log
+                with handler.ledger_refusals():  # "budget" to the server, the figures in the owner's log
                     if state is None:  # this owner's first round of the run: the whole plan must fit
                         ledger.check(whole, delta, z_e, plan.sample_rate, fed.rounds, mechanism=privacy.SKELLAM)
                     ledger.spend(z_e, plan.sample_rate, 1, run=fed.experiment_id, mechanism=privacy.SKELLAM,
@@ -616,7 +616,7 @@ def _charge(side, context: Context, plan, state, dry_run: bool = False) -> None:
     except BudgetRefused as e:
         raise _refused(e) from None
     except StateRolledBack as e:  # a restored, older state folder: the details in the owner's log alone
-        raise StageRefused(f"secure aggregation {local.state_refused(e)}") from None
+        raise StageRefused(f"secure aggregation {handler.state_refused(e)}") from None
 
 
 def pinned_plan_name(side) -> str:
@@ -758,7 +758,7 @@ def kept_input_name(owner: Owner, key: tuple) -> str:
 
 def kept_input_path(owner: Owner, key: tuple):
     """state-dir/secagg/<run>-<experiment>-<round>-<id>.npy: one file per round and owner id."""
-    from fedsd.app.client.handler import private_state_folder
+    from fedsd.app.client.owner_checks import private_state_folder
 
     return private_state_folder(owner.node, "secagg") / kept_input_name(owner, key).split("/", 1)[1]
 

@@ -68,7 +68,7 @@ def run_jobs(todo: list[tuple[dict, str]], total: int, jobs: int, desc: str, qui
 
     from fedsd.training.central import prepare_run
     from fedsd.settings.run import TrainConfig
-    from fedsd.cli import dry_run
+    from fedsd import dry_run
 
     for config, _ in todo:  # every run's settings and data checked before the first starts
         prepare_run(TrainConfig(**config))

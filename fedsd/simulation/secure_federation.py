@@ -39,7 +39,7 @@ from fedsd.models.networks import model_for
 from fedsd.privacy.accounting import PrivacyPlan, steps_per_epoch
 from fedsd.files.results import RunResult, check_out_dir, fresh_out_dir, save_atomic
 from fedsd.training.loop import TrainState, evaluate, initial_model, planned_trainer
-from fedsd.cli import dry_run
+from fedsd import dry_run
 from fedsd.app.simulated_shards import cut_shards
 
 CHECKPOINT, RESULT = "checkpoint.pt", "result.json"
