@@ -2,9 +2,12 @@
 no module name twice, no import circle among its modules, the rule of which room may import
 which, no function over 60 lines, and `fedsd --help` without this repository's experiments loaded."""
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fedsd",)
@@ -229,3 +232,28 @@ def test_a_long_function_is_found(tmp_path):
     (tmp_path / "fedsd" / "long.py").write_text(f"@staticmethod\ndef long():\n{body}")  # 62 lines with its decorator
     (tmp_path / "fedsd" / "short.py").write_text(f"def short():\n{body[:-len('    x59 = 59')-1]}")  # 60 lines
     assert long_functions(tmp_path) == ["fedsd/long.py:1 long: 62 lines"]
+
+
+ISSUE_NUMBER = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+
+
+def issue_numbers(files: dict[str, str]) -> list[str]:
+    """Each `issue N` in the given texts, as path:line: code and documents say what and why, in
+    their own words; a tracker's number means nothing to a reader without the tracker."""
+    return [f"{path}:{n}: {line.strip()[:100]}" for path, text in files.items()
+            for n, line in enumerate(text.splitlines(), 1) if ISSUE_NUMBER.search(line)]
+
+
+def test_no_issue_number_in_code_or_documents():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    texts = {}
+    for rel in tracked:
+        path = ROOT / rel
+        if path.suffix in (".py", ".md", ".toml", ".sh", ".txt", ".c", "") and path.is_file() and path.stat().st_size < 2_000_000:
+            texts[rel] = path.read_text(errors="replace")
+    assert len(texts) > 150  # the project's files were read
+    assert issue_numbers(texts) == []
+    planted = "# as iss" + "ue 71 said"  # (written apart, so that this file passes its own check)
+    assert issue_numbers({"a.py": f"x = 1\n{planted}\n"}) == [f"a.py:2: {planted}"]  # the check can fail

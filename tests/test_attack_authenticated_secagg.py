@@ -1,5 +1,5 @@
 """Attacks on secure aggregation by a server that breaks the protocol and by fellow members of
-the federation (issue 67), against the owners' data services' handlers (fedsd/app/client/
+the federation, against the owners' data services' handlers (fedsd/app/client/
 secure_aggregation.py, real state folders and ledgers) and the server's code. Each test failed
 on 77c4e03, where the attack worked (the docstring says what it did), and passes once the
 service or the server refuses it."""

@@ -1,4 +1,4 @@
-"""Client level in a deployment (issue 69, privacy-unit=client): the owners' data services'
+"""Client level in a deployment (privacy-unit=client): the owners' data services'
 handlers in this process, with real state folders and ledgers, driven by the server's
 SecureRounds. Each owner trains its local epochs without noise, clips its update to S, adds its
 Skellam share and masks; its ledger charges each round as the Skellam step it is for one of its

@@ -1,4 +1,4 @@
-"""Distributed noise in a deployment (issue 69): the owners' data services' handlers in this
+"""Distributed noise in a deployment: the owners' data services' handlers in this
 process, with real state folders and ledgers (tests.test_secure_aggregation's `owners`), driven
 by the server's SecureRounds. A round's decoded sum is the sum of what each service kept
 (secagg-keep-inputs) and moves the global model through the server's optimizer; a masked reply

@@ -1,5 +1,5 @@
 """The owner's data service keeps its promises under its owner's own slips and against another
-account on the same machine, tried against real `fedsd data-service` processes (issue 68): two
+account on the same machine, tried against real `fedsd data-service` processes: two
 services on one state folder, a restored state folder, a state-dir link re-pointed during the
 charge, a peer holding half frames, and a package planted in the working directory."""
 import dataclasses

@@ -1,4 +1,4 @@
-"""Names changed in fedsd 0.2 (issue 70: each word means one thing): an old node-config key still
+"""Names changed in fedsd 0.2 (each word means one thing): an old node-config key still
 works for one release, with a note naming its new name; an old import path fails naming its new place."""
 import re
 import subprocess

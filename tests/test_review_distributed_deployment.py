@@ -1,4 +1,4 @@
-"""Review of the deployed distributed-noise path (issue 69), as the attacker: a server that
+"""Review of the deployed distributed-noise path, as the attacker: a server that
 chooses every setting and plan. Each test fails while its attack works."""
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
@@ -231,7 +231,7 @@ def test_a_round_an_owner_was_charged_for_is_never_charged_again(federation):
     assert [(e["run"], e["round"]) for e in ledger["entries"]] == [(EXPERIMENT, 1), (EXPERIMENT, 2)]
 
 
-# A second review playing the attacker against the deployed distributed-noise path (issue 69).
+# A second review playing the attacker against the deployed distributed-noise path.
 
 def test_a_client_given_other_settings_fails_every_other_clients_check_at_share_keys():
     """The protocol alone (no data): three owners on one roster; the server tells client 3 other

@@ -1,4 +1,4 @@
-"""A review of issue 68's promises playing the attacker (the server through its ClientApp, another
+"""A review of the owners' promises playing the attacker (the server through its ClientApp, another
 local account, an owner's slip): each test here is an attack that worked against the code as
 merged, and checks the fix.
 

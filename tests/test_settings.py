@@ -110,7 +110,7 @@ def test_the_default_length_is_the_one_chosen_for_the_data_set_at_that_epsilon()
     assert EPOCHS_BY_EPSILON["cifar10"][1] < EPOCHS_BY_EPSILON["cifar10"][3]  # results/sweeps/cifar10-dpsgd-eps1-length
 
 
-# -- fedsd 0.1's method-setting names (issue 70: alpha and tau each mean one method's) ---------
+# -- fedsd 0.1's method-setting names (alpha and tau each mean one method's) ---------
 @pytest.mark.parametrize("method,old,new", [("dp3sd", "alpha", "dp3sd_alpha"), ("dpdsd", "alpha", "dpdsd_alpha"),
                                             ("dpkd", "alpha", "dpkd_alpha"), ("dpkd", "tau", "dpkd_tau"),
                                             ("dpdsd", "tau", "dpdsd_tau"), ("dp3sd", "tau_s", "dp3sd_tau_s")])

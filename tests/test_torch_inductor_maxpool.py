@@ -1,4 +1,4 @@
-"""A reproduction, without fedsd, of a crash seen on another machine (issue 71): under
+"""A reproduction, without fedsd, of a crash seen on another machine: under
 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 CPU, `fedsd bench step --model
 mnist-cnn --batch-size 1600 --device cpu` died in the compiled non-private step: inductor's
 generated max-pool backward called scatter_reduce_ with garbage indices ("index 1033187128 is

@@ -56,7 +56,7 @@ RULE = "isa-flops-2"
 # Ghost norms cost 2T²(d+p) flops a sample, per-sample gradients 2T·d·p (T output positions,
 # d = c·k·k inputs, p output channels). Calibrated by `fedsd bench routes --measure` at the
 # papers' batch sizes, 1 and 2 threads (results/perf.md):
-#   - avx512 and avx2 (the kernel built for x86-64-v3 on the AVX-512 CPU, under issue 71's
+#   - avx512 and avx2 (the kernel built for x86-64-v3 on the AVX-512 CPU, under the AVX2
 #     emulation): the kernel is the fastest on every conv of both CNNs, at 2.7–3.3× the patches'
 #     speed on mnist-cnn's (AVX2, 1 thread: 6.4 and 7.6 ms against 19.5 and 17.6), and against
 #     ghost norms down to 0.15× the flops (cifar-cnn conv4: 14.6 ms against 19.4 on AVX-512,

@@ -249,7 +249,7 @@ class RunConfig:
         return cls(**declared_only(cls, renamed_settings(saved, saved.get("method"))))
 
 
-# Method settings renamed in fedsd 0.2 (issue 70: each word means one thing). Each carries its
+# Method settings renamed in fedsd 0.2 (each word means one thing). Each carries its
 # method's name, so α, β and τ each mean one method's: {old name: {method: new name}}. The old
 # names still work for one release, with a note naming the new one.
 RENAMED = {"tau_s": {"dp3sd": "dp3sd_tau_s"}, "tau_t": {"dp3sd": "dp3sd_tau_t"},

@@ -17,7 +17,7 @@ Four rules:
     any difference in a value or a layout, or any error, keeps the eager code for the rest of the
     run, said once on stderr. The weights a run releases are the same either way.
   - Max pooling's backward stays eager: inductor's was twice as slow as eager here (mnist-cnn:
-    107 against 50 ms a step), and crashed under the avx2 emulation (issue 71). The teacher's
+    107 against 50 ms a step), and crashed under the avx2 emulation. The teacher's
     forward, which has no backward, compiles with it; only models made of the layers below
     (the papers' CNNs and their like) compile at all: others (normalisation layers, torchvision's
     networks) would compile in other roundings and be left out, for nothing.
