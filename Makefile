@@ -7,7 +7,7 @@ RUN_OUT ?= runs/default
 # Flower's tools (flwr, flower-superlink, flower-supernode) start one another by name.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test test-fast test-slow test-flower-next data venv clean
+.PHONY: run test test-fast test-slow test-flower-next lint data venv clean
 
 venv: $(VENV)/.installed
 
@@ -48,6 +48,10 @@ test-fast: data
 
 test-slow: data
 	$(PYTEST) -m slow
+
+# The linter (ruff: pyflakes and pycodestyle, configured in pyproject.toml); CI runs it first.
+lint: venv
+	$(VENV)/bin/ruff check .
 
 # The deployment tests against Flower's next release (flwr-nightly), in an environment of its
 # own, not part of `make test`: .venv-next holds flwr-nightly and fedsd itself, and sees the

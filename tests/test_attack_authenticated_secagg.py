@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Context, RecordDict
+from flwr.app import Context, RecordDict
 
 from fedsd.app.client import node_config as node_configs
 from fedsd.app.client import secure_stages as service

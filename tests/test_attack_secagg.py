@@ -160,7 +160,6 @@ def test_contribution_refuses_a_plan_with_less_noise_than_the_clients_own():
 def test_contribution_charges_the_sample_rate_it_draws_at():
     """HIGH (same condition). The batch is drawn at the trainer's q, the round is charged at the
     plan's: a plan with q = 0.001 against a trainer at q = 0.5 under-charges ~500-fold in q."""
-    import dataclasses
 
     from fedsd.secure import distributed_noise as dn
     from fedsd.secure.distributed_step import contribution

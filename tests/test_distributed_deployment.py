@@ -18,7 +18,6 @@ from fedsd.secure import distributed_noise as dn
 from fedsd.settings.run import TrainConfig
 from fedsd.settings.federation import FedConfig, client_config
 from fedsd.privacy.accounting import RDP_ORDERS, SKELLAM, PrivacyFilter
-from fedsd.app import secure_sum
 from fedsd.app.records import model_to_record, record_to_model
 from tests.test_secure_aggregation import (EXPERIMENT, IDS, masked_message, owners, stage,  # noqa: F401
                                            state_files, up_to_shares)

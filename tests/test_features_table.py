@@ -196,7 +196,7 @@ def test_a_method_runs_on_features_in_the_reading_the_readings_screen_chose_besi
     """Each self-distilling method in its best reading from the readings' screen once that screen
     has chosen one (the papers' until then), its lr scale applied to the features setting's lr,
     centrally and in the federation; dpsgd stays at its features setting."""
-    from fedsd.experiments.features_table import TB_SETTINGS, FeatureRun, FedFeatureRun, confirm_runs, fed_confirm_runs, method_readings, screen_runs, write_features_table
+    from fedsd.experiments.features_table import TB_SETTINGS, FeatureRun, FedFeatureRun, confirm_runs, method_readings, screen_runs, write_features_table
     from fedsd.experiments.readings import screen_runs as readings_screen
 
     runs_dir = tmp_path / "runs" / "features"

@@ -6,8 +6,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
-import struct
 import subprocess
 import sys
 import tempfile

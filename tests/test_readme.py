@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fedsd import cache_root
-from tests.conftest import require, write_image_folder
+from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -53,7 +53,7 @@ def make(num_classes, channels, image_size):
 """
 
 
-@pytest.mark.parametrize("line", DRY, ids=[" ".join(shlex.split(l)[:4]) for l in DRY])
+@pytest.mark.parametrize("line", DRY, ids=[" ".join(shlex.split(d)[:4]) for d in DRY])
 def test_readme_command_passes_every_check_as_written(line, tmp_path, data_root):
     """In a fresh folder, as a new user types it: every check passes and nothing is written."""
     (tmp_path / "scripts").symlink_to(ROOT / "scripts")

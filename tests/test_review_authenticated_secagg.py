@@ -3,7 +3,6 @@ attacker: the server, and fellow members of the roster working with it. Each tes
 its attack works (the docstring says what the attack does) and passes once it is refused."""
 import os
 import secrets
-from types import SimpleNamespace
 
 import numpy as np
 import pytest

@@ -209,7 +209,7 @@ class WorkerMemory:
                     status = (proc / "status").read_text()
                 except OSError:  # gone meanwhile
                     continue
-                kb = next((int(l.split()[1]) for l in status.splitlines() if l.startswith("VmHWM:")), 0)
+                kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
                 self.peaks[int(proc.name)] = max(self.peaks.get(int(proc.name), 0), kb)
 
     def peak_mb(self) -> list[int]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import math
 import time
 
 import numpy as np

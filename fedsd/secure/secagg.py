@@ -61,7 +61,6 @@ decrypts, names this round, its sender and this client, and is the one its deale
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
 from dataclasses import dataclass, field
 

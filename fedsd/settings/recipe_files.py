@@ -140,9 +140,9 @@ def blamed_on(recipe: Recipe | None, args: argparse.Namespace):
 
 def add_recipe_option(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--recipe", metavar="NAME", default=None,
-                   help=f"take the settings of a validated recipe (fedsd recipes lists them): NAME in the "
-                        f"repository's recipes/ folder, or the path of a .toml file; the flags given take the place "
-                        f"of its values" + (" (a recipe with a federation's settings runs with fedsd simulate)"
+                   help="take the settings of a validated recipe (fedsd recipes lists them): NAME in the "
+                        "repository's recipes/ folder, or the path of a .toml file; the flags given take the place "
+                        "of its values" + (" (a recipe with a federation's settings runs with fedsd simulate)"
                                             if command == "train" else ""))
 
 

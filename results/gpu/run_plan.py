@@ -3,7 +3,11 @@ DEADLINE (epoch seconds): python3 run_plan.py DEADLINE PLAN.json. A run already 
 /tmp/runs (an earlier call on the same warm machine) is skipped. After each run, $OUT/runs.tgz
 holds every finished run less its checkpoint: one file, because a call brings back only a few
 (the first call here copied each run's folder and got 8 files of 13 runs back)."""
-import json, os, subprocess, sys, time
+import json
+import os
+import subprocess
+import sys
+import time
 
 deadline = float(sys.argv[1])
 plan = json.load(open(sys.argv[2]))
