@@ -15,6 +15,10 @@ import stat
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 OPT_OUT_ENV = "FEDSD_TUNE_PROCESS"
 
@@ -125,3 +129,16 @@ def quiet_ray() -> None:
     """Silence Ray's accelerator notice (RAY_ACCELERATOR_NOTICE) unless the variable is set."""
     os.environ.setdefault(*RAY_ACCELERATOR_NOTICE)
 
+
+def resolve_device(name: str) -> torch.device:
+    """The device --device names: auto is a GPU where torch sees one, else the CPU; cuda without
+    one is a ConfigError."""
+    import torch
+
+    from fedsd.errors import ConfigError
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device: cuda was asked for but torch sees no GPU; use cpu or auto")
+    return torch.device(name)

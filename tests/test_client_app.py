@@ -87,7 +87,7 @@ def test_global_ema_teacher_averages_the_global_models_the_client_received():
 
 
 def test_global_ema_teacher_is_the_average_of_the_global_models():
-    from fedsd.settings.federation import round_teacher
+    from fedsd.training.loop import round_teacher
 
     fed = FedConfig(teacher="global-ema", teacher_ema_decay=0.75)
     models = [{"w": torch.full((2,), float(v))} for v in (4.0, 8.0, 0.0)]

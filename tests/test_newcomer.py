@@ -342,7 +342,7 @@ def test_a_warm_supernodes_pull_interval_is_checked_and_taken_off_flowers_option
 
 
 def test_the_device_is_cuda_where_present_else_the_cpu_by_default():
-    from fedsd.training.central import resolve_device
+    from fedsd.runtime import resolve_device
     from fedsd.settings.run import TrainConfig
 
     assert TrainConfig().device == "auto"

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fedsd.clipping import conv_kernel, routes
-from fedsd.training.central import resolve_device
+from fedsd.runtime import resolve_device
 from fedsd.settings.run import TrainConfig
 from fedsd.data.datasets import TensorData
 from fedsd.errors import ConfigError

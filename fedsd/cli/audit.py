@@ -30,7 +30,8 @@ from fedsd.privacy import canary_audit as audit, accounting as privacy
 from fedsd.data import features
 from fedsd.data import datasets as data_lib
 from fedsd.data.client_data import input_stats
-from fedsd.training.central import prepare_run, resolve_device
+from fedsd.training.central import prepare_run
+from fedsd.runtime import resolve_device
 from fedsd.settings.run import TrainConfig, check_setting
 from fedsd.errors import ConfigError
 from fedsd.settings.federation import FedConfig

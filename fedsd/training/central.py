@@ -21,16 +21,9 @@ from fedsd.models.networks import check_fits_task, feature_source, image_shape_o
 from fedsd.training.seeds import SEED_FEATURE_NORM, derive_seed
 from fedsd.files.results import RunResult, check_out_dir, finished_run_refusal, fresh_out_dir, save_atomic, write_json, write_run
 from fedsd.training.loop import DPTrainer, TrainState, evaluate, initial_model, planned_trainer
-from fedsd.errors import ConfigError, ResumeError, TrainingDiverged
+from fedsd.errors import ResumeError, TrainingDiverged
+from fedsd.runtime import resolve_device
 from fedsd.methods import released
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device: cuda was asked for but torch sees no GPU; use cpu or auto")
-    return torch.device(name)
 
 
 @dataclass

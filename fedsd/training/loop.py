@@ -17,6 +17,7 @@ sum is computed is the `fedsd.clipping.Clipper` of the route; what a call adds a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -127,6 +128,25 @@ class TrainState:
                    secret=SecretStream.fresh() if "secret" in flat or "secret/key" in flat else None,
                    steps=int(flat["steps"]), clip=float(flat["clip"]) if "clip" in flat else None,
                    local_model=local_model or None, momentum=momentum or None, teacher_average=average or None)
+
+
+def round_teacher(fed, state, incoming_student: dict) -> tuple[dict | None, object]:
+    """A client's self-distillation teacher for this round (None: the incoming global student,
+    teacher=round-start) and the TrainState to train with. Every teacher is post-processing of
+    models already released (global models, the client's own DP-trained model): no privacy cost.
+    - local-previous: the client's own model from its previous round (round-start before it has one);
+    - global-ema: θ̄ ← d·θ̄ + (1 − d)·θ_global over the global models this client received, kept
+      in its state (the first is taken as it is). With every client in every round it is the
+      average the server would keep; a client that sits a round out skips that model."""
+    if fed.teacher == "local-previous":
+        return (state.local_model if state is not None else None), state
+    if fed.teacher == "global-ema":
+        state = state if state is not None else TrainState()
+        d, previous = fed.teacher_ema_decay, state.teacher_average
+        average = ({k: v.detach().clone() for k, v in incoming_student.items()} if previous is None else
+                   {k: d * previous[k] + (1 - d) * v.to(previous[k].device) for k, v in incoming_student.items()})
+        return average, dataclasses.replace(state, teacher_average=average)
+    return None, state
 
 
 def save_train_state(path, state: TrainState, plan: PrivacyPlan) -> None:

@@ -48,7 +48,7 @@ from fedsd.data import datasets as data_lib
 from fedsd.privacy import lifetime_ledger as ledgers
 from fedsd.privacy import owner_record
 from fedsd.privacy import accounting as privacy
-from fedsd.training.central import resolve_device
+from fedsd.runtime import resolve_device
 from fedsd.data.client_data import HolderData, load_holder_data, normalised, task_for
 from fedsd.data.features import inputs
 from fedsd.errors import (BudgetExhausted, BudgetRefused, ConfigError, DataError, LedgerSpent, StateRolledBack,
@@ -57,7 +57,8 @@ from fedsd.settings.run import validate
 from fedsd.files.results import write_json
 from fedsd.privacy.secret_random import SecretStream
 from fedsd.files.state_folder import read_nofollow
-from fedsd.settings.federation import FedConfig, client_config, from_flat, round_epochs, round_teacher
+from fedsd.settings.federation import FedConfig, client_config, from_flat, round_epochs
+from fedsd.training.loop import round_teacher
 from fedsd.training.loop import (DPTrainer, Model, TrainState, load_train_state,
                                  planned_trainer, save_train_state)
 from fedsd.methods import released

@@ -24,7 +24,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedsd.data import datasets as data_lib
 from fedsd.training import tensorboard
-from fedsd.training.central import resolve_device
+from fedsd.runtime import resolve_device
 from fedsd.data.client_data import input_stats, normalised, task_for
 from fedsd.settings.run import CUSTOM, TrainConfig
 from fedsd.errors import ConfigError
