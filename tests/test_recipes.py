@@ -1,8 +1,12 @@
-"""The validated recipes (recipes/*.toml), `fedsd train --recipe NAME`, `fedsd simulate --recipe NAME` and
+"""The validated recipes (fedsd/recipes/*.toml), `fedsd train --recipe NAME`, `fedsd simulate --recipe NAME` and
 `fedsd recipes`: a recipe's values reach the run's settings exactly, through the declared settings
 (fedsd.settings.declared.typed_values), flags take their place, and a bad file is refused naming
 the file and the key. No training: the runs are planned under FEDSD_DRY_RUN."""
 import json
+import os
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -18,7 +22,7 @@ from fedsd.settings.run import TrainConfig, check_method_settings, validate
 from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.toml"))
+RECIPES = sorted(p.stem for p in (ROOT / "fedsd" / "recipes").glob("*.toml"))
 FEATURES_FMNIST_RUN = ROOT / "results/runs/features/fmnist-scatter-linear-B8192-lr8-e50-dpsgd-seed0/result.json"
 # The settings of a machine, not of a recipe: the committed runs were given --device cpu and
 # --threads 1 by their driver (fedsd/experiments/features_table.py, paper_tables), a recipe
@@ -50,7 +54,7 @@ def test_there_are_the_recipes_the_tables_validated():
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_recipe_reads_validates_and_says_where_it_was_validated(name):
-    path = ROOT / "recipes" / f"{name}.toml"
+    path = ROOT / "fedsd" / "recipes" / f"{name}.toml"
     app_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert set(tomllib.loads(path.read_text())) <= set(app_config)  # keys exactly as Flower's run config has them
     recipe = recipe_files.read_recipe(path)
@@ -70,7 +74,7 @@ def test_every_recipe_reads_validates_and_says_where_it_was_validated(name):
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_recipe_plans_its_run(name, tmp_path, monkeypatch, capsys):
     """The dry-run machinery: every check the command makes before its first step, on the data."""
-    recipe = recipe_files.read_recipe(ROOT / "recipes" / f"{name}.toml")
+    recipe = recipe_files.read_recipe(ROOT / "fedsd" / "recipes" / f"{name}.toml")
     require(recipe.values["dataset"][1])
     monkeypatch.setenv("FEDSD_DRY_RUN", "1")
     epsilon = [] if "epsilon" in recipe.values else ["--epsilon", "1"]
@@ -186,10 +190,10 @@ def test_a_value_the_settings_checks_refuse_names_the_file_and_the_key(tmp_path,
 def test_a_missing_recipe_names_where_it_looked(tmp_path, capsys, monkeypatch):
     assert main(["train", "--recipe", "features-fmnsit", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
-    assert f"no recipe {ROOT / 'recipes' / 'features-fmnsit.toml'}; did you mean features-fmnist?" in err, err
+    assert f"no recipe {ROOT / 'fedsd' / 'recipes' / 'features-fmnsit.toml'}; did you mean features-fmnist?" in err, err
     assert main(["train", "--recipe", str(tmp_path / "none.toml"), "--out", str(tmp_path / "r")]) == 2
     assert f"--recipe {tmp_path / 'none.toml'}: no such file" in capsys.readouterr().err
-    # an install without the repository's recipes/ folder
+    # an installation that lacks its package data
     monkeypatch.setattr(recipe_files, "RECIPES_DIR", tmp_path / "site-packages" / "recipes")
     assert main(["train", "--recipe", "features-fmnist", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
@@ -212,7 +216,7 @@ def test_a_recipe_does_not_resume(tmp_path, capsys):
 def test_fedsd_recipes_lists_every_file(capsys):
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith(f"{len(RECIPES)} recipes in {ROOT / 'recipes'}")
+    assert out[0].startswith(f"{len(RECIPES)} recipes in {ROOT / 'fedsd' / 'recipes'}")
     listed = [line.split()[0] for line in out[1:]]
     assert listed == RECIPES
     for line in out[1:]:
@@ -243,3 +247,47 @@ def test_the_recipes_committed_run_is_the_features_run():
     assert abs(ours["test_accuracy"] - theirs["test_accuracy"]) <= 0.001
     assert differing(TrainConfig.from_dict(ours["config"]), TrainConfig.from_dict(theirs["config"])) == \
         {"device": ("auto", "cpu"), "threads": (0, 1)}
+
+
+@pytest.mark.slow
+def test_a_wheel_installed_elsewhere_lists_the_recipes_and_runs_one(tmp_path):
+    """A wheel built from the checkout holds the package alone, its recipes and the conv kernel's
+    C as package data; installed into a fresh environment (the project's for its dependencies,
+    never this checkout), `fedsd recipes` lists every recipe from the installed package and
+    `fedsd train --recipe` runs one (as a dry run: every check, no training)."""
+    import sysconfig
+    import zipfile
+
+    source = tmp_path / "source"  # a copy: building in the checkout would leave its build/ there
+    shutil.copytree(ROOT / "fedsd", source / "fedsd", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    wheel = next((tmp_path / "dist").glob("fedsd-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"fedsd", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
+    assert {f"fedsd/recipes/{r}.toml" for r in RECIPES} <= set(names) and "fedsd/clipping/conv_kernel.c" in names
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = Path(subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    # the dependencies from the project's environment: a path a .pth names is not a site folder,
+    # so that environment's own .pth files (this checkout's editable install) are not read
+    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    with zipfile.ZipFile(wheel) as archive:  # a pure-Python wheel installed as pip would lay it out
+        archive.extractall(site)
+    python, env = venv / "bin" / "python", {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    where = subprocess.run([python, "-c", "import fedsd; print(fedsd.__file__)"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert where.stdout.strip() == str(site / "fedsd" / "__init__.py"), where.stdout + where.stderr[-2000:]
+    listed = subprocess.run([python, "-m", "fedsd.cli.main", "recipes"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert listed.stdout.splitlines()[0].startswith(f"{len(RECIPES)} recipes in {site / 'fedsd' / 'recipes'}")
+    dry = subprocess.run([python, "-m", "fedsd.cli.main", "train", "--recipe", "features-fmnist", "--out",
+                          str(tmp_path / "run")], cwd=tmp_path, env={**env, "FEDSD_DRY_RUN": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert dry.returncode == 0 and "dry run" in (dry.stdout + dry.stderr).lower(), (dry.stdout + dry.stderr)[-3000:]
+    assert not (tmp_path / "run").exists()

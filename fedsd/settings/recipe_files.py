@@ -1,4 +1,4 @@
-"""The validated recipes, one TOML file a recipe in the repository's recipes/ folder: read for
+"""The validated recipes, one TOML file a recipe in fedsd/recipes/ (package data): read for
 `fedsd recipes`, and given to a command's options by `--recipe NAME` (`fedsd train`, `fedsd
 simulate`, deploy-local).
 
@@ -22,8 +22,8 @@ from fedsd.settings.declared import Setting, settings_of, typed_values
 from fedsd.settings.federation import FedConfig
 from fedsd.settings.run import TrainConfig, renamed_keys
 
-# The recipes live in the repository, beside the package (an editable install finds them there).
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+# The recipes are package data (pyproject.toml), so an installed wheel has them as a checkout does.
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 VALIDATED = "validated:"
 
 
@@ -50,9 +50,8 @@ def recipes_dir() -> Path:
     """The recipes folder; ConfigError saying where it looked when there is none (an install
     that is not a checkout of the repository)."""
     if not RECIPES_DIR.is_dir():
-        raise ConfigError(f"no recipes folder at {RECIPES_DIR}: the recipes live in the fedsd repository's "
-                          f"recipes/ folder, found beside the package in a checkout (pip install -e .); "
-                          f"give --recipe the path of a .toml file")
+        raise ConfigError(f"no recipes folder at {RECIPES_DIR}: this installation of fedsd lacks its package data "
+                          f"(fedsd/recipes/); give --recipe the path of a .toml file")
     return RECIPES_DIR
 
 
@@ -141,7 +140,7 @@ def blamed_on(recipe: Recipe | None, args: argparse.Namespace):
 def add_recipe_option(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--recipe", metavar="NAME", default=None,
                    help="take the settings of a validated recipe (fedsd recipes lists them): NAME in the "
-                        "repository's recipes/ folder, or the path of a .toml file; the flags given take the place "
+                        "fedsd/recipes/ (fedsd recipes lists them), or the path of a .toml file; the flags given take the place "
                         "of its values" + (" (a recipe with a federation's settings runs with fedsd simulate)"
                                             if command == "train" else ""))
 
