@@ -160,8 +160,8 @@ def test_a_node_refuses_a_run_from_other_weights():
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["auto", "hooks"])
 def test_frozen_blocks_get_no_gradient_and_are_released_as_the_file_holds_them(weights_file, tmp_path, mode):
-    require("mnist")
-    cfg = TrainConfig(dataset="mnist", method="dpsgd", epsilon=3, batch_size=200, subset=2000, epochs=1, threads=1,
+    require("fmnist")
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=200, subset=2000, epochs=1, threads=1,
                       init_weights=str(weights_file), train_layers="last:2", grad_sample_mode=mode)
     run = CentralRun(cfg)
     run.take_epoch(1)
@@ -179,11 +179,11 @@ def test_frozen_blocks_get_no_gradient_and_are_released_as_the_file_holds_them(w
 
 @pytest.mark.slow
 def test_a_run_on_backbone_features_trains_the_head_and_writes_its_sha256(weights_file, tmp_path, monkeypatch):
-    require("mnist")
+    require("fmnist")
     import fedsd
 
     monkeypatch.setenv("FEDSD_CACHE_DIR", str(tmp_path / "cache"))
-    cfg = TrainConfig(dataset="mnist", method="dpsgd", epsilon=3, batch_size=500, lr=0.5, subset=5000, epochs=2,
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=500, lr=0.5, subset=5000, epochs=2,
                       threads=1, init_weights=str(weights_file), train_layers="head", features="backbone")
     result, weights = train(cfg, tmp_path / "run", progress=False)
     assert sorted(weights) == ["9.bias", "9.weight"]
@@ -195,12 +195,12 @@ def test_a_run_on_backbone_features_trains_the_head_and_writes_its_sha256(weight
 
 @pytest.mark.slow
 def test_a_federation_started_from_the_weights_trains(weights_file):
-    require("mnist")
+    require("fmnist")
     from fedsd.settings.federation import FedConfig
     from fedsd.simulation.engine import simulate
 
     state = torch.load(weights_file)
-    cfg = TrainConfig(dataset="mnist", method="dpsgd", epsilon=3, batch_size=200, lr=0.5, subset=4000, seed=0,
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=200, lr=0.5, subset=4000, seed=0,
                       threads=1, init_weights=str(weights_file), train_layers="last:2")
     result, weights = simulate(cfg, FedConfig(num_clients=2, rounds=2), progress=False)
     assert result["config"]["init_weights_sha256"] == pretrained.sha256_of(weights_file)
@@ -213,10 +213,10 @@ def test_a_federation_started_from_the_weights_trains(weights_file):
 def test_public_first_leaves_the_public_images_out_of_the_private_set():
     """--public-first N: the first N training images pretrained the network (fedsd pretrain
     --first N); the private run never trains on them, with or without a validation split."""
-    require("mnist")
+    require("fmnist")
     from fedsd.data import datasets as data_lib
 
-    images = data_lib.load("mnist")
+    images = data_lib.load("fmnist")
     private = data_lib.training_indices(images, None, 0, 0, public_first=5000)
     assert private.min() == 5000 and len(private) == 55000
     held = data_lib.training_indices(images, None, 0, 10000, public_first=5000)
@@ -227,11 +227,11 @@ def test_public_first_leaves_the_public_images_out_of_the_private_set():
 
 @pytest.mark.slow
 def test_fedsd_pretrain_writes_a_file_init_weights_reads_and_keeps_it(tmp_path, capsys):
-    require("mnist")
+    require("fmnist")
     from fedsd.cli.main import main
 
     out = tmp_path / "public.pt"
-    args = ["pretrain", "--dataset", "mnist", "--first", "600", "--epochs", "1", "--threads", "1", "--out", str(out)]
+    args = ["pretrain", "--dataset", "fmnist", "--first", "600", "--epochs", "1", "--threads", "1", "--out", str(out)]
     assert main(args) == 0
     made = json.loads((tmp_path / "public.pt.json").read_text())
     assert made["num_train"] == 600 and made["first"] == 600 and made["sha256"] == pretrained.sha256_of(out)
