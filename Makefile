@@ -58,7 +58,7 @@ lint: venv
 # project's .venv beneath it for everything else (torch, Opacus, Ray: no second copy).
 NEXT ?= .venv-next
 FLOWER_NEXT ?= flwr-nightly
-NEXT_TESTS ?= tests/test_deploy.py tests/test_deploy_output.py tests/test_strategy.py
+NEXT_TESTS ?= tests/deployment/test_deploy.py tests/deployment/test_deploy_output.py tests/app/server/test_strategy.py
 test-flower-next: data
 	$(PYTHON) -m venv $(NEXT)
 	$(NEXT)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > $(NEXT)/.purelib

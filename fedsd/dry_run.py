@@ -1,7 +1,7 @@
 """`FEDSD_DRY_RUN=1`: a command checks everything it checks before its first step (every option,
 the data, every σ and budget, the result folder), says what it would run, and stops there,
 having written nothing. The README's commands run this way in a test, exactly as written
-(tests/test_readme.py), so the README cannot drift from what the commands accept."""
+(tests/project/test_readme.py), so the README cannot drift from what the commands accept."""
 from __future__ import annotations
 
 import os

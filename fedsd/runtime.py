@@ -57,7 +57,7 @@ def tune_process() -> dict:
 def inductor_cache_by_isa(environ=os.environ) -> str:
     """Inductor's graph caches (torch 2.14) are not keyed by ATEN_CPU_CAPABILITY: a graph compiled
     under the CPU's own instruction set and reused under `ATEN_CPU_CAPABILITY=avx2` computed
-    mnist-cnn's max-pool backward with garbage indices (tests/test_torch_inductor_maxpool.py).
+    mnist-cnn's max-pool backward with garbage indices (tests/training/test_torch_inductor_maxpool.py).
     Each instruction-set setting gets its own cache folder, unless the user named one; returns it.
     Where fedsd compiles: `fedsd bench step`, and training (fedsd.training.compiled), whose
     bitwise check would catch such garbage and fall back to eager, but only after compiling.

@@ -13,7 +13,7 @@ Between the layers (activations, pooling, flattening): the model's whole forward
 model itself) and its backward span (the first layer gradient's arrival to the last event)
 less the layers' own. The rest of the whole step is the loss, the teacher's forward, the clip
 factors, the noise and the update. The hooks read the clock and return nothing: a step computes the
-same bits with them as without (tests/test_bench_layers.py).
+same bits with them as without (tests/benchmarks/test_bench_layers.py).
 """
 from __future__ import annotations
 

@@ -193,7 +193,7 @@ def compiled_differs(compiled: NonPrivateStep, eager: NonPrivateStep) -> str | N
     """Why the compiled step cannot stand for the eager one, or None: run once on the eager step's
     weights and inputs, it raised, or a gradient is not the eager one's up to float32's sums in
     another order. (Inductor reuses its cached graphs across ATEN_CPU_CAPABILITY: under avx2 on
-    an AVX-512 CPU they crash or compute garbage, results/perf.md, tests/test_torch_inductor_maxpool.py.)"""
+    an AVX-512 CPU they crash or compute garbage, results/perf.md, tests/training/test_torch_inductor_maxpool.py.)"""
     compiled.student.load_state_dict(eager.student.state_dict())
     compiled.teacher.load_state_dict(eager.teacher.state_dict())
     try:

@@ -12,7 +12,7 @@ compiled once per machine with the system's C compiler (`cc`, GCC vector extensi
 builds on any CPU the compiler targets) and loaded with ctypes, its functions typed by
 SIGNATURES; the build is cached under FEDSD_CACHE_DIR (default ~/.cache/fedsd), keyed by the
 source, the compiler and the CPU. Where no compiler is found, or FEDSD_CONV_KERNEL=0, bk uses
-the PyTorch route, which gives the same gradients to float rounding (tests/test_conv_kernel.py).
+the PyTorch route, which gives the same gradients to float rounding (tests/clipping/test_conv_kernel.py).
 
 Each sample's gradient is computed by one thread alone, so the result does not depend on the
 number of threads. The threads are torch's own: built with -fopenmp, the library shares the
@@ -82,7 +82,7 @@ SOURCE = _read_source()  # read once
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SHAPE = [_I] * 14 + [_P] * 2  # H, W, C, KH, KW, sh, sw, ph, pw, dh, dw, TH, TW, P; pad, off
 # Each function conv_kernel.c exports: (its return type, its arguments' types), as the C declares
-# them (a pointer of any kind is a c_void_p); tests/test_conv_kernel.py reads the C's prototypes
+# them (a pointer of any kind is a c_void_p); tests/clipping/test_conv_kernel.py reads the C's prototypes
 # and compares them with this table.
 SIGNATURES = {
     "per_sample_conv_grads": (None, [_P] * 4 + [_I64, _I, _I] + _SHAPE),
@@ -171,7 +171,7 @@ def compiled(march: str = "native", defines: tuple[str, ...] = (), load: bool = 
     FEDSD_CACHE_DIR/kernels by source, compiler, target, OpenMP and CPU; loaded, or with
     load=False only its path (a target this CPU cannot run can still be built). openmp=False:
     built without it (its parts on Python's threads, as where the compiler has no OpenMP).
-    `flags`: more of the compiler's (the sanitizers' build, tests/test_conv_kernel.py).
+    `flags`: more of the compiler's (the sanitizers' build, tests/clipping/test_conv_kernel.py).
     Raises OSError when it cannot be built."""
     if not SOURCE:
         raise OSError(f"{KERNEL_C} is neither beside {__file__} nor in the installed fedsd")

@@ -23,7 +23,7 @@ BUILTIN_SHAPES = {"mnist": (1, 28), "fmnist": (1, 28), "cifar10": (3, 32)}  # ch
 CUSTOM = "custom"  # a task whose data only the clients hold (fedsd.data.client_data)
 DATASET_TITLES = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR-10"}  # as the papers name them
 # Fixed normalisation constants: the public training sets' per-channel mean and std (checked in
-# tests/test_data.py). Every party uses these, never statistics of anybody's private data,
+# tests/datasets/test_data.py). Every party uses these, never statistics of anybody's private data,
 # which would be a release that no accountant covers: a client holding its own data and the
 # server evaluating on the public test split then normalise alike.
 STANDARD_STATS = {"mnist": ((0.1307,), (0.3081,)), "fmnist": ((0.2860,), (0.3530,)),

@@ -5,7 +5,7 @@ with an adaptive clip") free a user from tuning the update clip S?
 The recipe is the README's whole-client one: Fashion-MNIST, 100 clients (IID), every client every
 round, 30 rounds of one local epoch (dpsgd's network, B = 32, lr 0.05, no momentum) without
 noise, each update clipped to S, client-level ε = 3, δ = 1e-5. The runs add the clients' vectors in
-the clear (`--secure-sum plain`: the protocol's sum bit for bit, tests/test_secure_simulation.py),
+the clear (`--secure-sum plain`: the protocol's sum bit for bit, tests/simulation/test_secure_simulation.py),
 which spares 100 clients' protocol, about 37 s a round here, and changes nothing they compute.
 
 Three stages, nothing chosen on test accuracy:

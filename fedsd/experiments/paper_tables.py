@@ -189,7 +189,7 @@ def second_protocol_md(rows: list[dict]) -> list[str]:
 def by_data_set_md(rows: list[dict]) -> list[str]:
     """Table 1 laid out as in the papers (a table per data set, methods by ε; the papers' set-up
     only, not the variants), then each method's gain over dpsgd in the same seeds beside the
-    papers' difference: the tables results/README.md shows (tests/test_results_tables.py)."""
+    papers' difference: the tables results/README.md shows (tests/experiments/test_results_tables.py)."""
     cells = {(r["dataset"], r["method"], r["epsilon"]): r for r in rows if not r["variant"]}
     epsilons = sorted({e for _, _, e in cells})
     datasets = [d for d in DATASET_TITLES if any(k[0] == d for k in cells)]

@@ -27,7 +27,7 @@ central DP-SGD would add, and no single update carries it alone (docs/algorithms
   which Opacus computes for the Gaussian; so the run is accounted as the subsampled Gaussian at
   z_e over integer orders only. That the addition of a record costs no more than its removal is
   Mironov, Talwar & Zhang's result for the Gaussian; for Skellam it is checked numerically, in
-  both directions against dp_accounting's PLD (tests/test_distributed_noise.py).
+  both directions against dp_accounting's PLD (tests/secure/test_distributed_noise.py).
 """
 from __future__ import annotations
 

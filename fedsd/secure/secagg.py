@@ -33,7 +33,7 @@ graph is the 2017 protocol. The stages, as the papers number their rounds:
      (and its owner's t + f) signed the view it signed, it reveals its share of b for each
      survivor and its share of s for each dropped neighbour: never both for one client, nor a
      second answer in a round. Without the consistency check a server could tell two groups
-     two stories and collect both shares of one client (tests/test_attack_secagg.py).
+     two stories and collect both shares of one client (tests/secure/test_attack_secagg.py).
 
 The server (`SecAggServer`) routes the messages, checks every share it is given against its
 dealer's commitment (a holder that sent another is named in `culprits`), and at the end rebuilds

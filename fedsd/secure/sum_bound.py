@@ -77,7 +77,7 @@ def public_noise_multiplier(*, epsilon: float, delta: float, batch_size: int, ep
     of records n ≥ B (a client with fewer is refused): ⌈n/B⌉ steps an epoch at q = B/n. At
     ⌈n/B⌉ = 2 (q → 1) it is two full-batch Gaussian steps an epoch, √2 times the σ of one (a
     Gaussian's Rényi divergence adds up over steps: σ² ∝ steps at q = 1); more steps an epoch come
-    with q ≤ 1/2, whose amplification outweighs them (tests/test_secure_aggregation.py checks
+    with q ≤ 1/2, whose amplification outweighs them (tests/app/client/test_secure_aggregation.py checks
     n from B to 60,000)."""
     one = accounting.plan(epsilon, delta, batch_size, batch_size, epochs, accountant).noise_multiplier
     return math.sqrt(2) * one

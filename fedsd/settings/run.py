@@ -32,7 +32,7 @@ GRAD_SAMPLE_MODES = ("auto",) + tuple(clippers.CLIPPERS)
 # convolutions about twice as fast on CPU (results/perf.md); "contiguous" is PyTorch's NCHW.
 # Opacus' hooks and ghost clipping compute wrong per-sample convolution gradients on
 # channels-last tensors (their im2col assumes NCHW strides: weights off by 1e-2 after two
-# epochs, tests/test_grad_sample_modes.py), so "auto" takes channels-last only for the modes
+# epochs, tests/clipping/test_grad_sample_modes.py), so "auto" takes channels-last only for the modes
 # that are exact under it.
 MEMORY_FORMATS = ("auto", "channels-last", "contiguous")
 CHANNELS_LAST_EXACT = ("auto",) + clippers.CHANNELS_LAST_EXACT

@@ -87,7 +87,7 @@ def run_jobs(todo: list[tuple[dict, str]], total: int, jobs: int, desc: str, qui
 
 # Where a run went does not change what it computed.
 # How a run is computed, not what it computes: every clipping mode and layout gives the same
-# weights to float tolerance and the same ε (tests/test_grad_sample_modes.py), so a cell made
+# weights to float tolerance and the same ε (tests/clipping/test_grad_sample_modes.py), so a cell made
 # with another of them is not run again.
 NOT_SETTINGS = ("device", "threads", "data_dir", "download", "grad_sample_mode", "memory_format", "route")
 

@@ -5,7 +5,7 @@ any partition of the batch, so, as Opacus' BatchMemoryManager does, the batch is
 physical batches of at most `--max-physical-batch-size` samples: each is forwarded and
 backwarded on its own, its clipped sum is kept (fedsd.clipping.Clipper.hold), and the noise is
 added once, to the whole batch's sum. The sampling, the noise, the accounting and the weights
-are those of the logical batch (equal to float rounding: tests/test_models.py).
+are those of the logical batch (equal to float rounding: tests/models/test_models.py).
 
 By default the size is what fits: a budget of memory over what one sample costs, estimated from
 one forward pass (its activations, kept for the backward pass and matched by their gradients)

@@ -1,5 +1,5 @@
 """A malicious app bundle: a ClientApp that tries to open the client's files, and a ServerApp
-that collects what each ClientApp got (tests/test_deploy.py)."""
+that collects what each ClientApp got (tests/deployment/test_deploy.py)."""
 from __future__ import annotations
 
 import json
