@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from fedsd.deployment.processes import DeploymentError, descendants, running, stop_children
-from fedsd.deployment.isolation import ISOLATION_TOOLS, Isolation  # noqa: F401  (the harness's, for its users)
+from fedsd.deployment.isolation import Isolation
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (fedsd/deployment/ is two below it)
 FLOOR_APP = ROOT / "deploy" / "floor"  # Flower's floor: a round that only sends and returns a model

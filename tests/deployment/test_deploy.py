@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedsd.deployment.local_deployment import ISOLATION_TOOLS, LocalDeployment
+from fedsd.deployment.isolation import ISOLATION_TOOLS
+from fedsd.deployment.local_deployment import LocalDeployment
 from tests.conftest import require
 
 pytestmark = pytest.mark.slow
@@ -549,7 +550,7 @@ def test_a_deployed_distributed_run_stopped_by_sigterm_leaves_no_process_or_netw
     command, resumed by running it again): everything it started stops, its network namespaces
     and bridge are gone, and it says whether the run resumes. Its default action ended it alone and left
     the SuperLink, the owners' services and ten namespaces running."""
-    from fedsd.deployment.local_deployment import Isolation
+    from fedsd.deployment.isolation import Isolation
 
     reason = isolation_unavailable()
     if reason:

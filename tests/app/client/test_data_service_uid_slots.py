@@ -16,37 +16,12 @@ from pathlib import Path
 import pytest
 
 from fedsd.app.client import service_wire
-from tests.app.client.test_owner_slips import NOBODY, SYSTEM_PYTHON, run_of
+from tests.app.client.test_owner_slips import HOLDER, NOBODY, SYSTEM_PYTHON, run_of
 from tests.app.client.test_server_threat import own_npz, via_service
 
 pytestmark = pytest.mark.usefixtures("flower_task")
 assert own_npz  # the module's fixture, used by name below
 ROOT = Path(__file__).resolve().parents[3]
-
-# One process of the other user: opens `n` connections, each sending half a header and then
-# nothing, says how many the service refused at once, then holds the rest (until killed).
-HOLDER = """
-import socket, struct, sys, time
-address, n = sys.argv[1], int(sys.argv[2])
-held, refused = [], 0
-for _ in range(n):
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(address)
-    try:
-        s.sendall(struct.pack("!Q", 1000) + b"{")  # half a header, then nothing
-    except OSError:
-        pass  # refused and closed already: its refusal is still there to read
-    held.append(s)
-time.sleep(0.5)
-for s in held:
-    s.setblocking(False)
-    try:
-        refused += b"refused" in s.recv(4096)
-    except (BlockingIOError, ConnectionResetError):
-        pass
-print(refused, flush=True)
-time.sleep(120)
-"""
 
 
 @contextmanager

@@ -155,6 +155,8 @@ def test_a_state_dir_link_another_user_can_re_point_is_refused_and_no_raced_roun
         shutil.rmtree(shared, ignore_errors=True)
 
 
+# One process of another user: opens `n` connections, each sending half a header and then
+# nothing, says how many the service refused at once, then holds the rest (until killed).
 HOLDER = """
 import socket, struct, sys, time
 address, n = sys.argv[1], int(sys.argv[2])
@@ -172,7 +174,7 @@ for s in held:
     s.setblocking(False)
     try:
         refused += b"refused" in s.recv(4096)
-    except BlockingIOError:
+    except (BlockingIOError, ConnectionResetError):
         pass
 print(refused, flush=True)
 time.sleep(600)

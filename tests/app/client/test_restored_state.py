@@ -10,11 +10,7 @@ nothing twice. Tried with the owners' handlers and real state folders and ledger
 real `fedsd data-service`, and through `fedsd ledger`."""
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -163,6 +159,7 @@ def test_fedsd_ledger_shows_the_ledger_and_the_owners_record_and_says_when_they_
 from tests.deployment.test_distributed_deployment import EPSILON, federation  # noqa: E402, F401
 from tests.deployment.test_review_distributed_deployment import _calibrated, _owner, _restarted, _round  # noqa: E402
 from tests.app.client.test_secure_aggregation import EXPERIMENT, IDS, owners  # noqa: E402, F401
+from tests.app.client.test_server_threat import data_service_process  # noqa: E402
 
 LONG = 4  # the run's rounds
 
@@ -236,23 +233,10 @@ def test_a_state_folder_restored_three_times_spends_nothing_twice_and_joins_no_r
 def data_service(npz: Path, tmp_path: Path, state: Path, *flags: str, wait: bool = True):
     """The owner's `fedsd data-service` as a real process, at the run's ε for max-epsilon: yields
     (address, log, process) once it listens (or at once with wait=False); stopped after."""
-    folder = Path(tempfile.mkdtemp(prefix="fedsd-restored-", dir="/tmp"))  # a short socket path
-    address, log = folder / "service.sock", tmp_path / f"service-{time.monotonic_ns()}.log"
     config = f"partition-id=0 data='{npz}' max-epsilon={SERVICE_EPSILON} state-dir='{state}'"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-P", "-m", "fedsd.cli.main", "data-service", "--socket", str(address),
-                                 "--node-config", config, *flags], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
-    deadline = time.monotonic() + 120
-    while wait and not address.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.1)
-    try:
-        yield address, log, proc
-    finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+    with data_service_process(config, tmp_path, tmp_path / f"service-{time.monotonic_ns()}.log", str(ROOT), flags,
+                              wait) as running:
+        yield running
 
 
 SERVICE_EPSILON = 3.0  # tests.app.client.test_server_threat.one_step_run's ε: the owner's whole budget

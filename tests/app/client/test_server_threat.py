@@ -559,6 +559,23 @@ def owner_service(npz, tmp_path, state, name="owner", more="", wait=True, flags=
     """The owner's `fedsd data-service` as a real process (secret noise, the default; one network
     of its own, allowed by name; `flags` on its command line): yields (address, log, process) once
     it listens, or at once with wait=False; stopped after."""
+    from pathlib import Path
+
+    site = tmp_path / "owners-site"  # the owner's installation: one network of its own, allowed by name
+    site.mkdir(exist_ok=True)
+    (site / "owners_wide_net.py").write_text(WIDE_NET)
+    config = f"partition-id=0 data='{npz}' max-epsilon=inf state-dir='{state}' federated-evaluation=true " \
+             f"min-evaluation-samples=10 allow-model='owners_wide_net:make' {more}"
+    with data_service_process(config, tmp_path, tmp_path / f"{name}.log", f"{Path(__file__).resolve().parents[3]}:{site}", flags,
+                              wait) as running:
+        yield running
+
+
+@contextmanager
+def data_service_process(config: str, cwd, log, pythonpath: str, flags=(), wait=True):
+    """A real `fedsd data-service` process on node config `config`, its socket in a short /tmp folder
+    and its output in `log`, the code on `pythonpath`: yields (address, log, process) once it
+    listens, or at once with wait=False; killed after, and its folder removed."""
     import shutil
     import subprocess
     import sys
@@ -566,17 +583,12 @@ def owner_service(npz, tmp_path, state, name="owner", more="", wait=True, flags=
     import time
     from pathlib import Path
 
-    folder = Path(tempfile.mkdtemp(prefix="fedsd-threat-", dir="/tmp"))  # a short socket path
-    address, log = folder / "service.sock", tmp_path / f"{name}.log"
-    site = tmp_path / "owners-site"  # the owner's installation: one network of its own, allowed by name
-    site.mkdir(exist_ok=True)
-    (site / "owners_wide_net.py").write_text(WIDE_NET)
-    config = f"partition-id=0 data='{npz}' max-epsilon=inf state-dir='{state}' federated-evaluation=true " \
-             f"min-evaluation-samples=10 allow-model='owners_wide_net:make' {more}"
+    folder = Path(tempfile.mkdtemp(prefix="fedsd-service-", dir="/tmp"))  # a short socket path
+    address = folder / "service.sock"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-P", "-m", "fedsd.cli.main", "data-service", "--socket", str(address),
-                                 "--node-config", config, *flags], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
-                                env={**os.environ, "PYTHONPATH": f"{Path(__file__).resolve().parents[3]}:{site}"})
+                                 "--node-config", config, *flags], stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                                env={**os.environ, "PYTHONPATH": pythonpath})
     deadline = time.monotonic() + 120
     while wait and not address.exists():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
