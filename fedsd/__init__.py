@@ -3,8 +3,9 @@
 One package, in rooms (docs/architecture.md). The library: `data/`, `models/`, `methods/`,
 `clipping/`, `privacy/`, `secure/`, `training/`, `settings/`, `files/`; it imports nothing of
 Flower. The Flower app: `app/` (`app/client/`, `app/server/` and what both share). The command
-line: `cli/` (one module a command), with `deployment/` and `benchmarks/`; this repository's
-result tables, apart: `experiments/`.
+line: `cli/` (one module a command, which only parses and calls), the simulation engine
+`simulation/`, `deployment/` and `benchmarks/`. This repository's studies (its result tables) are
+outside the package, in the checkout's `simulations/`.
 """
 from fedsd.files.cache import cache_root  # noqa: F401  (fedsd.cache_root(): the on-disk cache)
 

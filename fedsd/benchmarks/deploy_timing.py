@@ -31,7 +31,7 @@ def bench_deploy(args: argparse.Namespace) -> int:
     """The same federation three ways, one after the other on this machine: simulated (Ray),
     deployed (a SuperLink and a SuperNode per client, TLS, node authentication, each client on
     its own folder of the same shard under max-epsilon=inf), and Flower's floor on the same
-    deployment (deploy/floor: a round that sends a model of the same shapes and gets it back).
+    deployment (scripts/floor: a round that sends a model of the same shapes and gets it back).
     Each is the median of rounds 2…R (round 1 starts processes and fills caches)."""
     cfg, fed = from_args(TrainConfig, args), from_args(FedConfig, args)
     fed.validate()
@@ -80,7 +80,7 @@ def three_ways(cfg: TrainConfig, fed: FedConfig, work: Path, timeout: float) -> 
                         "num-server-rounds": fed.rounds, "out-dir": str(work / "deployed")}, timeout=timeout)
         # The floor sends what fedsd's ServerApp sends: the model's arrays, as many floats.
         shapes = [list(v.shape) for v in simulated_weights.values()]
-        _phase("Flower's floor (deploy/floor) on the same deployment")
+        _phase("Flower's floor (scripts/floor) on the same deployment")
         deployment.run({"num-server-rounds": fed.rounds, "num-clients": fed.num_clients,
                         "shapes": json.dumps(shapes, separators=(",", ":")),
                         "out-dir": str(work / "floor")}, timeout=timeout, app=FLOOR_APP)

@@ -4,7 +4,7 @@ with expected batch E = 1 let the padding fall back to each owner's own bound.)
 
 Two owners under distributed noise, one holding `--small` and one `--large` Fashion-MNIST
 records, take the step an owner's service takes (fedsd.secure.distributed_step.contribution,
-padded and drawn as fedsd.app.client.secure_stages.distributed_contribution pads and draws:
+padded and drawn as fedsd.app.client.secure_contribution.distributed_contribution pads and draws:
 padded_rows of the plan, owner_rate of the run's public secagg-max-records), under the plan a
 server could send with E = `--expected-batch`, alternating, `--repeats` times each, one thread.
 It prints and writes (`--out`, JSON) each owner's median and Welch's t of the two samples.
@@ -30,7 +30,7 @@ def owner(records: int, expected_batch: float, rounds: int):
     """A trainer over `records` records, the plan with E = expected_batch, and its padding and rate."""
     import torch
 
-    from fedsd.app.client.secure_stages import owner_rate, padded_rows
+    from fedsd.app.client.step_padding import owner_rate, padded_rows
     from fedsd.data.client_data import input_stats
     from fedsd.data import datasets as data_lib
     from fedsd.privacy.accounting import PrivacyPlan

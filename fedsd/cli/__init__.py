@@ -1,2 +1,3 @@
-"""The `fedsd` command (cli.py) and what it runs, by kind: commands/, deployment/, benchmarks/,
-experiments/ (docs/architecture.md)."""
+"""The `fedsd` command: one module a command, each parsing its options and calling the room that does
+the work (fedsd/simulation, fedsd/deployment, fedsd/benchmarks, the library); `main.py` is the entry
+point, and the only module that loads the checkout's studies (simulations/, `fedsd reproduce`)."""

@@ -1,5 +1,5 @@
 """`fedsd data-service`: a client machine's data service, the owner's process that alone reads the
-node's data, state and budget (fedsd/app/client/owner_service.py, deploy/README.md)."""
+node's data, state and budget (fedsd/app/client/owner_service.py, clients/README.md)."""
 from __future__ import annotations
 
 try:  # a client machine's data service (Flower's); without Flower, central training still works
@@ -13,7 +13,7 @@ def add_data_service_parser(sub) -> None:
         return
 
     p = sub.add_parser("data-service", help="a client machine's data service: the owner's process that alone reads "
-                                            "the node's data, state and budget (deploy/README.md)",
+                                            "the node's data, state and budget (clients/README.md)",
                        description="Run as the data owner, from the owner's installation. The SuperNode (another user) "
                                    "gets --node-config \"partition-id=K service='SOCKET'\"; its ClientApp only "
                                    "forwards messages here.")

@@ -1,13 +1,15 @@
 """`fedsd ledger --state-dir DIR`: what a client machine's lifetime ledgers hold, for its owner.
 
 Run on the client's machine, over the SuperNode's `state-dir`. For every data set (by the
-fingerprint of its content): what has been spent, what is left at the owner's (ε, δ), and the
+fingerprint of its content): what has been spent against the owner's (ε, δ), and the
 experiments that spent it, with Flower's run ids and dates; and beside each ledger, the owner's
 record of it kept outside the state folder (fedsd.privacy.owner_record; `--record-dir`), saying
 when the two disagree: a ledger behind its record is a restored, older copy of the folder, which
 the owner's service refuses until it is started with --accept-restored-state. `--json` prints
 the same as JSON. The spent total is the RDP composition of every charge, which is at most the
-sum of the experiments' own ε (RDP composes tighter than adding ε).
+sum of the experiments' own ε (RDP composes tighter than adding ε). For the same reason no "ε
+left" is shown: whether a run fits is decided by composing its steps with the ledger's (the
+client's own check when the run starts), and a run of ε = 1 may fit where max − spent is 0.5.
 """
 from __future__ import annotations
 
@@ -99,12 +101,15 @@ def describe_missing(fingerprint: str, record: Spent, records: Path) -> str:
 
 def describe(r: LedgerReport) -> str:
     limit = "no limit (max-epsilon=inf)" if math.isinf(r.max_epsilon) else f"ε ≤ {r.max_epsilon:g}"
-    left = "unlimited" if math.isinf(r.max_epsilon) else f"ε = {r.left:.3f}"
+    of = "" if math.isinf(r.max_epsilon) else f" of the owner's {r.max_epsilon:g}"
     lines = [f"data {r.fingerprint}  ({r.path})",
              f"  owner's budget  {limit}, δ ≤ {r.max_delta:g}",
-             f"  spent           ε = {r.spent:.3f} over {r.steps} steps (composed; the experiments' own ε sum to "
-             f"{sum(e['epsilon'] for e in r.experiments):.3f})",
-             f"  left            {left}",
+             f"  spent           ε = {r.spent:.3f}{of} over {r.steps} steps (composed; the experiments' own ε sum "
+             f"to {sum(e['epsilon'] for e in r.experiments):.3f})",
+             "  a new run       " + ("fits: no limit" if math.isinf(r.max_epsilon) else
+                                         f"fits if its steps, composed (RDP) with those spent, stay within ε ≤ "
+                                         f"{r.max_epsilon:g}: the client checks it when the run starts, before any "
+                                         f"step; not by subtraction (a run's ε above max − spent may fit)"),
              "  experiments:"]
     for e in r.experiments:
         runs = f", Flower run {', '.join(map(str, e['flower_runs']))}" if e["flower_runs"] else ""

@@ -12,7 +12,7 @@ if __name__ == "__main__" and not sys.flags.safe_path and "data-service" in sys.
     # package before the module); this refuses the slip, and the docs say why it is not the way.
     sys.exit(f"python -m fedsd.cli.main data-service: refused, as the working directory ({sys.path[0]}) is first "
              f"on the import path and a package planted there would run as the data's owner; start the service "
-             f"with `fedsd data-service` or `python -P -m fedsd.cli.main data-service` (deploy/README.md)")
+             f"with `fedsd data-service` or `python -P -m fedsd.cli.main data-service` (clients/README.md)")
 
 # An entry point: fedsd's process-wide speed settings, before torch loads (fedsd/runtime.py).
 from fedsd.runtime import tune_process
@@ -21,9 +21,11 @@ tune_process()
 
 import argparse
 import os
+from pathlib import Path
 
 import warnings
 
+import fedsd
 from fedsd import __version__
 from fedsd.errors import FedsdNote, UserError
 from fedsd.benchmarks.bench import add_bench_parser
@@ -41,7 +43,7 @@ from fedsd.cli.sweep import add_sweep_parser
 from fedsd.cli.train import add_train_parser
 
 # One module a command, named as the command (fedsd/cli/); `bench` and `reproduce` are in
-# fedsd/benchmarks/bench.py and fedsd/experiments/reproduce.py, which only this module imports.
+# fedsd/benchmarks/bench.py and simulations/reproduce.py, which only this module imports.
 
 
 # The product's commands, grouped as `fedsd --help` lists them.
@@ -51,7 +53,7 @@ COMMAND_GROUPS = (
     ("choose settings and measure", ("sweep", "bench")),
 )
 # This repository's own result tables: experiments, not the product. `fedsd reproduce` loads
-# them only when it is asked for (fedsd/experiments/reproduce.py has its own parser).
+# them only when it is asked for (simulations/reproduce.py has its own parser).
 EXPERIMENTS = "reproduce"
 EXPERIMENTS_TITLE = "this repository's result tables (experiments, run from a checkout)"
 EXPERIMENTS_HELP = "the papers' Table 1 / Table 2, the federated, readings, features and distributed tables, resumable"
@@ -133,10 +135,26 @@ def parse_command(argv: list[str]) -> argparse.Namespace:
 
 
 def parse_experiment(argv: list[str]) -> argparse.Namespace:
-    """`fedsd reproduce`: the experiments are imported here, only when asked for."""
-    from fedsd.experiments.reproduce import reproduce_parser
+    """`fedsd reproduce`: the studies (simulations/ of a checkout, not installed) are imported here,
+    only when asked for."""
+    reproduce_parser = checkout_studies().reproduce_parser
 
     return reproduce_parser().parse_args(argv)
+
+
+def checkout_studies():
+    """simulations/reproduce.py of the checkout this fedsd runs from (an editable install, or the
+    working directory): the studies are not part of the installed package."""
+    import importlib
+
+    root = Path(fedsd.__file__).resolve().parents[1]
+    for folder in (root, Path.cwd()):
+        if (folder / "simulations" / "reproduce.py").is_file():
+            if str(folder) not in sys.path:
+                sys.path.insert(0, str(folder))  # the entry point's own choice, for this command only
+            return importlib.import_module("simulations.reproduce")
+    raise SystemExit("fedsd reproduce: the studies that make results/ live in a checkout's simulations/, not in the "
+                     "installed package: clone the repository, `pip install -e .` there, and run it from there")
 
 
 def run(args: argparse.Namespace) -> int:

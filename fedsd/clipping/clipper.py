@@ -9,7 +9,7 @@ import torch
 from fedsd.clipping.bookkeeping import clip_factor
 
 if TYPE_CHECKING:
-    from fedsd.settings.run import TrainConfig
+    from fedsd.settings.run import RunConfig
 
 
 class Clipper:
@@ -31,7 +31,7 @@ class Clipper:
     # same work whatever the data (a trainer with secret draws sets zero_nonfinite, below).
     guards_nonfinite = True
 
-    def __init__(self, model: torch.nn.Module, cfg: "TrainConfig", mode: str):
+    def __init__(self, model: torch.nn.Module, cfg: RunConfig, mode: str):
         self.model, self.cfg, self.mode = model, cfg, mode
         self.module: torch.nn.Module = model
         self.optimizer = None

@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 from fedsd.app.client.node_config import parse as parse_node_config
-from fedsd.app.server import secure_rounds
+from fedsd.app.server import secure_plans
 from fedsd.data.client_data import task_for, training_records
 from fedsd.settings.run import TrainConfig
 from fedsd.errors import ConfigError, DataNotFoundError, UserError
-from fedsd.settings.federation import FedConfig, from_flat
+from fedsd.settings.federation import FedConfig, deployed_honest_clients, from_flat
 from fedsd.files.results import RunResult, check_out_dir
 from fedsd.settings.declared import add_options, given_flat
 from fedsd import dry_run
@@ -167,9 +167,9 @@ def secure_owners(args: argparse.Namespace, values: dict, echo=print) -> bool:
         cfg = cfg.resolved()
         classes = len(task_for(cfg).classes)
         if fed.privacy_unit == "client":  # the server's own checks of the plan, here before any process starts
-            secure_rounds.client_level_plan(cfg, fed, classes, fed.honest_clients or fed.num_clients)
+            secure_plans.client_level_plan(cfg, fed, classes, deployed_honest_clients(fed))
         else:
-            secure_rounds.distributed_plan(cfg, fed, classes)
+            secure_plans.distributed_plan(cfg, fed, classes)
     return bool(args.isolate)
 
 
@@ -177,7 +177,11 @@ def _distributed_defaults(args: argparse.Namespace, values: dict, fed: FedConfig
     """What --noise distributed needs of the data the harness hands out, where the options leave
     it unset, each said: at record level the sample rate (batch-size over every owner's
     records); at client level the method (dpsgd, the one it runs) and the local steps (an epoch
-    of the largest owner's records)."""
+    of the largest owner's records). Unsaid, as ever on this harness: t is every owner (honest-clients,
+    to which `with_roster` sets each owner's secagg-min-clients), where a federation run by hand takes
+    the owners' default, 2 (fedsd.settings.federation.deployed_honest_clients)."""
+    if not fed.honest_clients:
+        values["honest-clients"] = fed.num_clients
     folders = [Path(args.client_folders) / f"client-{k}" for k in range(fed.num_clients)]
     if fed.privacy_unit == "client":
         if "method" not in values:

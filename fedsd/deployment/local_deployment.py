@@ -28,7 +28,7 @@ from fedsd.deployment.processes import DeploymentError, descendants, running, st
 from fedsd.deployment.isolation import Isolation
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (fedsd/deployment/ is two below it)
-FLOOR_APP = ROOT / "deploy" / "floor"  # Flower's floor: a round that only sends and returns a model
+FLOOR_APP = ROOT / "scripts" / "floor"  # Flower's floor: a round that only sends and returns a model
 FEDERATION = "fedsd"  # the SuperLink connection's name in the deployment's Flower config
 
 
@@ -218,7 +218,7 @@ class LocalDeployment:
         if self.ca.is_file() and not _certificate_names(self.credentials / "certificates" / "server.pem", self.host):
             shutil.rmtree(self.credentials)  # made for another address: new ones (nodes register anew)
         if not self.ca.is_file():
-            subprocess.run([sys.executable, str(ROOT / "deploy" / "make_credentials.py"), "--out",
+            subprocess.run([sys.executable, str(ROOT / "server" / "make_credentials.py"), "--out",
                             str(self.credentials), "--nodes", str(self.num_clients + extra_keys),
                             "--host", self.host], check=True, capture_output=True)
         (self.flwr_home / "config.toml").write_text(

@@ -1,5 +1,5 @@
 """A client's state folder, resolved once and held open: its ledgers, its privacy state, its kept
-replies and inputs, its prepared data (docs/architecture.md, deploy/README.md).
+replies and inputs, its prepared data (docs/architecture.md, clients/README.md).
 
 Why a descriptor and not a path: a path is looked up again at every use, so a link on the way
 (made in advance by another user in a folder every user can write to, such as /tmp) could be

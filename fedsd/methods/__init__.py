@@ -3,9 +3,10 @@
 A method says what a run of it carries and computes; the trainer (fedsd.training.loop) runs the
 same DP-SGD steps for all of them:
   - its settings (`Settings`: a dataclass of fedsd.settings.declared.setting() fields, each with its
-    help, its default for every data set and where that comes from, and its check), from which
-    TrainConfig, the command line, the Flower run config and result.json are assembled
-    (fedsd.settings.run); and checks across them (`check`);
+    help, its default for every data set and where that comes from, and its check), the one place
+    they are declared: registering the method adds them to TrainConfig (fedsd.settings.run), from
+    which the command line, the Flower run config and result.json are derived; and checks across
+    them (`check`);
   - the groups of weights it carries from call to call (`groups`: the student, and where it has
     them the EMA or DPKD's teacher), which one it releases by default (`releases`; --release
     ema gives any method but DPKD dpema's release, `release_of`), and their start
@@ -15,19 +16,26 @@ same DP-SGD steps for all of them:
   - the step callbacks a call of it runs (`step_callbacks`; the released EMA's is every method's,
     `release_callbacks`).
 A new method is a subclass of `Method` in a file of its own, decorated with `@register`, with
-its tests. A package outside fedsd adds one through the entry-point group `fedsd.methods`
+its tests. Its hooks' `cfg` is the run's TrainConfig; for an editor, a method types it by what it
+reads (`Method[DP3SDRun]`: a Protocol naming the settings it reads, on MethodRun). A package
+outside fedsd adds one through the entry-point group `fedsd.methods`
 (in its pyproject.toml: `[project.entry-points."fedsd.methods"]  mine = "my_package:MyMethod"`):
 it is loaded when fedsd.methods is imported, and its settings become options of `fedsd train`.
 """
 from __future__ import annotations
 
-from fedsd.methods.base import EMA_DECAY, METHODS, POSITIVE, RELEASES, UNIT_INTERVAL, EpochLoss, Method, MethodConfig, Model, SelfDistillationConfig, SelfDistilling, Weights, cross_entropy, distill_weight, register, release_callbacks, release_of, warming_up, with_release
+from typing import TYPE_CHECKING, Any
+
+from fedsd.methods.base import EMA_DECAY, METHODS, POSITIVE, RELEASES, UNIT_INTERVAL, EpochLoss, Method, MethodConfig, MethodRun, Model, SelfDistillationConfig, SelfDistilling, SelfDistillingRun, Weights, cross_entropy, distill_weight, register, release_callbacks, release_of, warming_up, with_release
 from fedsd.registry import load_entry_points
 
+if TYPE_CHECKING:
+    from fedsd.settings.run import RunConfig
+
 __all__ = ["EMA_DECAY", "METHODS", "MODEL_GROUPS", "POSITIVE", "RELEASES", "UNIT_INTERVAL", "EpochLoss", "Method",
-           "MethodConfig", "Model", "SelfDistillationConfig", "SelfDistilling", "Weights", "cross_entropy",
-           "distill_weight", "method_of", "register", "release_callbacks", "release_of", "released", "warming_up",
-           "with_release"]
+           "MethodConfig", "MethodRun", "Model", "SelfDistillationConfig", "SelfDistilling", "SelfDistillingRun",
+           "Weights", "cross_entropy", "distill_weight", "method_of", "register", "release_callbacks", "release_of",
+           "released", "warming_up", "with_release"]
 
 # fedsd 0.1's names of the settings base classes (a method plugin imports them): still given for
 # this release, with a note naming the new one. Defined before the plugins load, which may ask.
@@ -54,7 +62,7 @@ load_entry_points("fedsd.methods", register)
 MODEL_GROUPS = tuple(dict.fromkeys(g for m in METHODS.values() for g in m.groups))
 
 
-def method_of(cfg) -> Method:
+def method_of(cfg: RunConfig) -> Method[Any]:
     """The method of a run's settings (a TrainConfig)."""
     return METHODS[cfg.method]
 

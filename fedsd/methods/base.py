@@ -5,16 +5,13 @@ and the distillation schedule."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Generic, Protocol, TypeVar
 
 import torch
 
 from fedsd.methods import losses
 from fedsd.training.callbacks import ExponentialAverage, TeacherEveryStep
 from fedsd.settings.declared import setting
-
-if TYPE_CHECKING:
-    from fedsd.settings.run import TrainConfig
 
 Weights = dict[str, torch.Tensor]
 Model = dict[str, Weights]
@@ -62,7 +59,26 @@ class MethodConfig:
                               choices=("on", "off"))
 
 
-class Method:
+class MethodRun(Protocol):
+    """What a method's code reads of a run's (resolved) settings: its `method` and `epochs`
+    (fedsd.settings.run.RunConfig) and what every method declares (MethodConfig). At run time a
+    method's `cfg` is a TrainConfig, which holds every registered method's settings; for an editor
+    and a type checker, a method types it by a Protocol like this one, naming what it reads (its
+    own settings added: DP3SDRun in fedsd/methods/dp3sd.py). Settings are declared in the
+    method's settings class only."""
+    method: str
+    epochs: int
+    release: str | None
+    ema_decay: float | None
+    ema_warmup: str
+
+
+Run = TypeVar("Run")  # what a method reads of a run's settings (a Protocol such as MethodRun)
+
+
+class Method(Generic[Run]):
+    """A training method; `Method[DP3SDRun]`'s hooks read a `cfg` of type DP3SDRun."""
+
     name: str = ""
     Settings: type = MethodConfig  # this method's settings (a dataclass of setting() fields)
     groups: tuple[str, ...] = ("student",)
@@ -71,28 +87,29 @@ class Method:
     # federation may choose another teacher of the same model, fedsd.settings.federation's --teacher)
     self_distilling = False
 
-    def check(self, cfg: "TrainConfig") -> None:
+    def check(self, cfg: Run) -> None:
         """ConfigError naming the option, for resolved settings this method cannot take together
         (each setting's own check is its declaration's)."""
 
     def initial_model(self, student: Weights) -> Model:
         return {"student": student}
 
-    def on_epoch_start(self, cfg: "TrainConfig", epoch: int, model: Model, trainer) -> None:
+    def on_epoch_start(self, cfg: Run, epoch: int, model: Model, trainer) -> None:
         """Before a (1-based, global) epoch's first step: change what the call trains."""
 
-    def epoch_loss(self, cfg: "TrainConfig", epoch: int) -> EpochLoss:
+    def epoch_loss(self, cfg: Run, epoch: int) -> EpochLoss:
         return cross_entropy()
 
-    def step_callbacks(self, cfg: "TrainConfig", model: Model, steps_so_far: int, device) -> list:
+    def step_callbacks(self, cfg: Run, model: Model, steps_so_far: int, device) -> list:
         """This call's step callbacks (fedsd.training.callbacks); they may add groups to `model`."""
         return []
 
 
-METHODS: dict[str, Method] = {}
+METHODS: dict[str, Method[Any]] = {}
+MethodClass = TypeVar("MethodClass", bound=type[Method[Any]])
 
 
-def register(cls: type[Method]) -> type[Method]:
+def register(cls: MethodClass) -> MethodClass:
     """Class decorator: `cls` becomes the method of its `name` (`--method name`)."""
     if not (isinstance(cls, type) and issubclass(cls, Method)) or not cls.name:
         raise TypeError(f"{cls!r}: a method is a subclass of fedsd.methods.Method with a name")
@@ -103,19 +120,19 @@ def register(cls: type[Method]) -> type[Method]:
     return cls
 
 
-def release_of(cfg: "TrainConfig") -> str:
+def release_of(cfg: MethodRun) -> str:
     """The group a run releases: --release, else its method's."""
     return cfg.release or METHODS[cfg.method].releases
 
 
-def with_release(cfg: "TrainConfig", model: Model) -> Model:
+def with_release(cfg: MethodRun, model: Model) -> Model:
     """`model` with the EMA group a run that releases one carries (it starts at the student)."""
     if release_of(cfg) == "ema" and "ema" not in model:
         model = {**model, "ema": {k: v.clone() for k, v in model["student"].items()}}
     return model
 
 
-def release_callbacks(cfg: "TrainConfig", model: Model, steps_so_far: int, device) -> list:
+def release_callbacks(cfg: MethodRun, model: Model, steps_so_far: int, device) -> list:
     """The step callback that keeps a released EMA up to date (none for a released student);
     `model["ema"]` becomes this call's average, on `device`."""
     if release_of(cfg) != "ema":
@@ -124,7 +141,7 @@ def release_callbacks(cfg: "TrainConfig", model: Model, steps_so_far: int, devic
     return [ExponentialAverage(model["ema"], cfg.ema_decay, steps_so_far, warmup=cfg.ema_warmup == "on")]
 
 
-def warming_up(cfg: "TrainConfig", epoch: int) -> bool:
+def warming_up(cfg: SelfDistillingRun, epoch: int) -> bool:
     """Self-distillation's first epochs train on cross-entropy alone, no teacher
     (--distill-warmup-epochs; its temperature is the method's: --dp3sd-warmup, --dpdsd-ce)."""
     return epoch <= cfg.distill_warmup_epochs
@@ -152,17 +169,28 @@ class SelfDistillationConfig(MethodConfig):
                                           "iterates: no privacy cost)", choices=TEACHER_EVERY)
 
 
-class SelfDistilling(Method):
+class SelfDistillingRun(MethodRun, Protocol):
+    """What a self-distilling method reads of a run's settings: MethodRun's and those of
+    SelfDistillationConfig."""
+    distill_warmup_epochs: int
+    distill_schedule: str
+    teacher_every: str
+
+
+SelfRun = TypeVar("SelfRun", bound=SelfDistillingRun)
+
+
+class SelfDistilling(Method[SelfRun]):
     """A method whose teacher is the model itself (DP3SD, DPDSD): its teacher is refreshed every
     epoch (the trainer loads it as a call starts) or, with --teacher-every step, after every step."""
     Settings = SelfDistillationConfig
     self_distilling = True
 
-    def step_callbacks(self, cfg, model, steps_so_far, device):
+    def step_callbacks(self, cfg: SelfRun, model: Model, steps_so_far: int, device) -> list:
         return [TeacherEveryStep()] if cfg.teacher_every == "step" else []
 
 
-def distill_weight(cfg: "TrainConfig", epoch: int) -> float:
+def distill_weight(cfg: SelfDistillingRun, epoch: int) -> float:
     """The factor on a self-distillation method's distillation terms in a (1-based, global) epoch
     after the warm-up (--distill-schedule). With n distilling epochs and this the k-th: constant
     1; decay (n − k + 1)/n, the teacher counts less as the model it is a copy of gets better;

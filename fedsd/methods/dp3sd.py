@@ -3,10 +3,11 @@ smoothed teacher (τt), after --distill-warmup-epochs of cross-entropy: sharpene
 default (CE_τs, the student's term of its loss), or plain (τ = 1, the papers' DP-SGD warm-up)
 with --dp3sd-warmup plain."""
 from dataclasses import dataclass
+from typing import Protocol
 
 from fedsd.methods import losses
 from fedsd.settings.declared import setting
-from fedsd.methods.base import POSITIVE, UNIT_INTERVAL, EpochLoss, SelfDistillationConfig, SelfDistilling, cross_entropy, distill_weight, register, warming_up
+from fedsd.methods.base import POSITIVE, UNIT_INTERVAL, EpochLoss, SelfDistillationConfig, SelfDistilling, SelfDistillingRun, cross_entropy, distill_weight, register, warming_up
 
 PAPERS = "the paper's"
 # DP3SD's (τs, τt, α) per data set, its paper's §4.1 (docs/algorithms.md)
@@ -38,12 +39,21 @@ class DP3SDConfig(SelfDistillationConfig):
                                              "(the papers' DP-SGD warm-up)", choices=WARMUPS)
 
 
+class DP3SDRun(SelfDistillingRun, Protocol):
+    """What DP3SD reads of a run's resolved settings (declared in DP3SDConfig)."""
+    dp3sd_tau_s: float
+    dp3sd_tau_t: float
+    dp3sd_alpha: float
+    dp3sd_kl_reduction: str
+    dp3sd_warmup: str
+
+
 @register
-class DP3SD(SelfDistilling):
+class DP3SD(SelfDistilling[DP3SDRun]):
     name = "dp3sd"
     Settings = DP3SDConfig
 
-    def epoch_loss(self, cfg, epoch):
+    def epoch_loss(self, cfg: DP3SDRun, epoch: int) -> EpochLoss:
         if warming_up(cfg, epoch):
             return cross_entropy(cfg.dp3sd_tau_s if cfg.dp3sd_warmup == "sharpened" else 1.0)
         weight = distill_weight(cfg, epoch)

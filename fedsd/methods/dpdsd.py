@@ -8,10 +8,11 @@ each a KL at temperature τ scaled by τ². Its cross-entropy is at temperature 
 eq. (5)-(6) and Algorithm 1's f(θ_S, x_i, τ) can be read (--dpdsd-ce)."""
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from fedsd.methods import losses
 from fedsd.settings.declared import setting
-from fedsd.methods.base import POSITIVE, EpochLoss, SelfDistillationConfig, SelfDistilling, cross_entropy, distill_weight, register, warming_up
+from fedsd.methods.base import POSITIVE, EpochLoss, SelfDistillationConfig, SelfDistilling, SelfDistillingRun, cross_entropy, distill_weight, register, warming_up
 
 PAPERS = "the paper's"
 # DPDSD's (τ, α, β) per data set, its paper's §4.1 (docs/algorithms.md)
@@ -41,12 +42,21 @@ class DPDSDConfig(SelfDistillationConfig):
                             choices=CE_TEMPERATURES)
 
 
+class DPDSDRun(SelfDistillingRun, Protocol):
+    """What DPDSD reads of a run's resolved settings (declared in DPDSDConfig)."""
+    dpdsd_tau: float
+    dpdsd_alpha: float
+    dpdsd_beta: float
+    dpdsd_loss: str
+    dpdsd_ce: str
+
+
 @register
-class DPDSD(SelfDistilling):
+class DPDSD(SelfDistilling[DPDSDRun]):
     name = "dpdsd"
     Settings = DPDSDConfig
 
-    def epoch_loss(self, cfg, epoch):
+    def epoch_loss(self, cfg: DPDSDRun, epoch: int) -> EpochLoss:
         ce_tau = cfg.dpdsd_tau if cfg.dpdsd_ce == "tau" else 1.0
         if warming_up(cfg, epoch):
             return cross_entropy(ce_tau)

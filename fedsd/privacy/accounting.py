@@ -362,11 +362,8 @@ class PrivacyFilter:
         """Raise BudgetRefused unless everything so far plus these steps stays within max ε."""
         after = self.epsilon([(noise_multiplier, sample_rate, steps, mechanism)])
         if after > self.max_epsilon * (1 + 1e-9):
-            raise LedgerSpent(f"lifetime budget left: {self.left():.3g} of ε={self.max_epsilon:g}; {request} "
-                                f"would bring it to ε={after:.3f}")
-
-    def left(self) -> float:
-        return max(0.0, self.max_epsilon - self.epsilon())
+            raise LedgerSpent(f"lifetime budget: spent ε={self.epsilon():.3g} of the owner's ε={self.max_epsilon:g}; "
+                              f"{request}, composed with what was spent (RDP), would bring it to ε={after:.3f}")
 
     @property
     def unlimited(self) -> bool:

@@ -158,7 +158,7 @@ def check_run(run_dir: Path, state_dirs: dict[int, Path]) -> dict:
     problems += unmatched_names(rounds, names)
     for k in range(int(result["num_clients"])):
         if k not in state_dirs:
-            raise DataError(f"client {k}: no state folder given; the check fails")
+            raise DataError(f"client {k}: no state folder given; the check fails. {STATE_FOLDERS}")
         clients[k] = check_client(k, ledgers[k], rounds, experiment, float(result["delta"]), names[k], read[k])
         if distributed:
             clients[k]["problems"] += charges_below_plan(k, state_dirs[k], experiment, read[k]["entries"], unit)
@@ -210,12 +210,24 @@ def charges_below_plan(client: int, state_dir: Path, experiment: str, entries: l
             or e["steps"] != 1]
 
 
+# What the check reads of each client, and how it is told where: said whenever a client's is missing.
+STATE_FOLDERS = ("Each client's state folder is its owner's state-dir (the data service's node config), holding its "
+                 "ledger-*.json and, under distributed noise, identity.key and <experiment>/client-K-plan.json; give "
+                 "one per client, K its partition-id: --state 0=/srv/owner-0/state --state 1=... (owners run by "
+                 "hand), or --work DIR, a fedsd deploy-local --work folder, where client K's is DIR/client-state/K "
+                 "(DIR/nodes/K/state under --isolate)")
+
+
+def deployment_candidates(work: Path, k: int) -> tuple[Path, Path]:
+    """Where client k's state folder is in a deploy-local --work folder (with --isolate: its owner's)."""
+    return Path(work) / "client-state" / str(k), Path(work) / "nodes" / str(k) / "state"
+
+
 def deployment_state_dirs(work: Path, num_clients: int) -> dict[int, Path]:
-    """Each client's state folder in a deploy-local --work folder (with --isolate: its owner's)."""
-    work = Path(work)
+    """Each client's state folder found in a deploy-local --work folder (`deployment_candidates`)."""
     found = {}
     for k in range(num_clients):
-        for candidate in (work / "client-state" / str(k), work / "nodes" / str(k) / "state"):
+        for candidate in deployment_candidates(work, k):
             if candidate.is_dir():
                 found[k] = candidate
                 break

@@ -107,6 +107,14 @@ def check_restored(root: "Path | StateFolder", records, max_epsilon: float, max_
         raise StateRolledBack("\n".join(refused))
 
 
+# Whether a run fits is decided by composing, never by subtracting: max ε − spent ε says nothing of
+# it (a run of ε = 1 may fit where 3 − 2.5 = 0.5 is "left", as RDP composes tighter than adding ε).
+ADMITS = ("a run is admitted when its planned steps, composed (RDP) with everything spent, stay within max_epsilon "
+          "at max_delta: the client decides it when the run starts, before any step (under secure aggregation at "
+          "stage 0, on a copy of the ledger, before anything is charged); max_epsilon - spent_epsilon is not what "
+          "a run may spend")
+
+
 @dataclass(frozen=True)
 class LedgerReport:
     """One data set's ledger as its owner reads it."""
@@ -115,7 +123,6 @@ class LedgerReport:
     max_epsilon: float  # inf: the owner set no limit
     max_delta: float
     spent: float  # ε at max δ of everything ever admitted (RDP, composed)
-    left: float
     steps: int
     experiments: list[dict]  # PrivacyFilter.by_experiment()
     charges: int = 0  # a restored entry counts the charges it stands for
@@ -125,7 +132,7 @@ class LedgerReport:
         unlimited = math.isinf(self.max_epsilon)
         return dict(fingerprint=self.fingerprint, path=self.path,
                     max_epsilon="inf" if unlimited else self.max_epsilon, max_delta=self.max_delta,
-                    spent_epsilon=self.spent, left_epsilon="inf" if unlimited else self.left, steps=self.steps,
+                    spent_epsilon=self.spent, admits=ADMITS, steps=self.steps,
                     charges=self.charges,
                     sum_of_experiments_epsilon=sum(e["epsilon"] for e in self.experiments),
                     experiments=self.experiments)
@@ -145,6 +152,6 @@ def read_all(root: Path) -> list[LedgerReport]:
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{path}: not a readable fedsd ledger ({e})") from None
         reports.append(LedgerReport(path.stem[len(PREFIX):], str(path), ledger.max_epsilon, ledger.max_delta,
-                                    ledger.epsilon(), ledger.left(), ledger.steps(), ledger.by_experiment(),
+                                    ledger.epsilon(), ledger.steps(), ledger.by_experiment(),
                                     ledger.charges(), tuple(float(x) for x in ledger.rdp())))
     return reports

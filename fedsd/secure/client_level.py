@@ -88,7 +88,7 @@ def check_plan(plan: noise.NoisePlan, own: noise.NoisePlan) -> None:
     amplification that does not happen (every client is in every round), another n or length
     is not this run, and less noise than the client's own calibration (from its own ε, δ, S,
     rounds and t) would spend more than its ε (an owner's service checks it before its ledger
-    is charged, fedsd.app.client.secure_stages)."""
+    is charged, fedsd.app.client.secure_contribution)."""
     noise.check_own(plan, "client-level noise", own.noise_multiplier, clip=own.clip, sample_rate=1.0,
                     expected_batch=own.expected_batch, dim=own.dim)
     if plan.honest > own.honest:  # every share is sized μ / the plan's t: more than the client's t would be less

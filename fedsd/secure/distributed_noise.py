@@ -134,7 +134,7 @@ def least_clip(dim: int) -> float:
     the rounding the allowance covers. At C ≥ 1 / √d that is at most √d / 2: the sensitivity is at
     most γC + 1.5√d (0.05 % above Δ2 at d = 10^6, which ε does not count), where a server's
     C = 1e-43 moved one record's part of the sum by 2.1 C (a review playing the attacker). Nor
-    does Δ2 cover float32's relative rounding of the sum itself (2^-24 of it; deploy/README.md)."""
+    does Δ2 cover float32's relative rounding of the sum itself (2^-24 of it; clients/README.md)."""
     return 1.0 / math.sqrt(dim)
 
 

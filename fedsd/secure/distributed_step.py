@@ -26,7 +26,9 @@ import torch
 from fedsd.secure import distributed_noise as noise
 from fedsd.methods import Weights
 from fedsd.secure.identity import Identity, Roster
-from fedsd.secure.secagg import RoundAbandoned, SecAggClient, SecAggServer, minimum_threshold
+from fedsd.secure.secagg import SecAggClient
+from fedsd.secure.secagg_primitives import minimum_threshold
+from fedsd.secure.secagg_server import RoundAbandoned, SecAggServer
 from fedsd.training.loop import DPTrainer, TrainState
 
 

@@ -20,6 +20,11 @@ NOISE = ("local", "distributed")
 PRIVACY_UNITS = ("record", "client")
 SECURE_SUMS = ("protocol", "plain")
 TEACHER_MODES = ("round-start", "local-previous", "global-ema")
+# An owner's default secagg-min-clients (its data service's node config): the fewest honest clients
+# it assumes in a round, and the largest t of a server's plan it takes. A deployment's t where
+# honest-clients is 0 (`deployed_honest_clients`), so that owners and server left at their
+# defaults agree.
+OWNER_MIN_CLIENTS = 2
 
 
 @dataclass
@@ -63,7 +68,8 @@ class FedConfig:
                          "expected batch and --rounds its steps)", choices=NOISE)
     honest_clients: int = setting(0, "--noise distributed: t, the fewest clients assumed honest; each client's "
                                   "share is sized so that any t shares give the target σ, and a round with fewer "
-                                  "clients is refused. 0 = every client")
+                                  "clients is refused. 0 = every client in a simulation; in a deployment, 2 (each "
+                                  "owner refuses a t above its own secagg-min-clients, whose default is 2)")
     sample_rate: float = setting(0.0, "--noise distributed in a deployment: q, the rate at which every client draws "
                                  "each of its records into a round's Poisson batch (public: batch-size / the "
                                  "federation's records); 0 = a simulation's, batch-size / its training samples",
@@ -197,6 +203,13 @@ class FedConfig:
 FLOWER_APP_DEFAULTS = {"num-clients": 0}
 
 EXPERIMENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def deployed_honest_clients(fed: FedConfig) -> int:
+    """t of a deployment under noise=distributed: honest-clients, else OWNER_MIN_CLIENTS (at most
+    num-clients). Not every client, as a simulation's 0 means: an owner refuses a plan whose t is
+    above its own secagg-min-clients, and that is 2 unless its owner says otherwise."""
+    return fed.honest_clients or min(OWNER_MIN_CLIENTS, max(fed.num_clients, 1))
 
 
 def client_config(cfg: TrainConfig, fed: FedConfig) -> TrainConfig:

@@ -5,14 +5,17 @@ passes before any work starts.
 (fedsd.methods: each method declares its settings in its own file, named for it, such as
 `dp3sd_alpha`, with their defaults per data set and their checks; settings every method or every
 self-distilling method shares, such as `release`, are declared once in fedsd/methods/base.py). It
-is assembled when fedsd loads, so a plugin's method adds its own; an editor sees it declared
-under TYPE_CHECKING. This module names no method at run time."""
+is declared once, below, and its method settings join it when fedsd loads, from the methods
+registered then (`with_method_settings`): a method's settings class joins it by the method's
+registration alone, a plugin's too. A type checker sees it as declared, the run's own settings; a
+method's code types its `cfg` by what it reads (fedsd.methods.base.MethodRun). This module names
+no method."""
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from fedsd import clipping as clippers, methods
 from fedsd.data.datasets import CUSTOM, DATASET_TITLES, DATASETS
@@ -365,26 +368,22 @@ def _method_fields() -> list[tuple]:
     return fields
 
 
-def _assemble() -> type:
-    # The built-in methods' settings are fields of their own (DP3SDConfig's dp3sd_alpha, ...), so
-    # TrainConfig is RunConfig with their bases; a plugin's (fedsd.registry) are added here.
-    cls = dataclasses.make_dataclass("TrainConfig", _method_fields(), bases=(RunConfig,))
-    cls.__module__, cls.__qualname__ = __name__, "TrainConfig"
-    cls.__doc__ = ("A training run's settings, central or one client's: the run's own (RunConfig) and every "
-                   "registered method's (fedsd.methods), each declared once (fedsd.settings.declared).")
-    return cls
+ConfigClass = TypeVar("ConfigClass", bound=type)
 
 
-if TYPE_CHECKING:  # what an editor and a type checker see; at run time, _assemble() adds plugins' settings too
-    from fedsd.methods.dp3sd import DP3SDConfig
-    from fedsd.methods.dpdsd import DPDSDConfig
-    from fedsd.methods.dpkd import DPKDConfig
+def with_method_settings(cls: ConfigClass) -> ConfigClass:
+    """Class decorator: `cls` (its bases and body kept) with one more field per setting of every
+    registered method (`_method_fields`). A type checker sees `cls` as declared."""
+    namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+    assembled = dataclasses.make_dataclass(cls.__name__, _method_fields(), bases=cls.__bases__, namespace=namespace)
+    assembled.__module__, assembled.__qualname__ = cls.__module__, cls.__qualname__
+    return assembled
 
-    @dataclass
-    class TrainConfig(RunConfig, DPKDConfig, DPDSDConfig, DP3SDConfig):
-        """A training run's settings: the run's own (RunConfig) and each method's (fedsd.methods)."""
-else:
-    TrainConfig = _assemble()
+
+@with_method_settings
+class TrainConfig(RunConfig):
+    """A training run's settings, central or one client's: the run's own (RunConfig) and every registered
+    method's (fedsd.methods), each declared once (fedsd.settings.declared)."""
 
 
 def paper_batch_and_lr(cfg: TrainConfig) -> tuple[int, float]:

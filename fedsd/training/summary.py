@@ -20,12 +20,16 @@ def run_summary(result: dict, out) -> str:
     clients = result.get("num_clients")
     what = f"{result['dataset']} {result['method']}" + (f", {clients} clients" if clients else ", central")
     accuracy = result["test_accuracy"]
+    names = result.get("client_names") or {}  # under secure aggregation: roster names, else node ids
     if clients:
         trained = {str(c) for r in result["rounds"] for c in r["trained"]}
         last = result["rounds"][-1]["client_epsilon"] if result["rounds"] else {}
         spent = [e for c, e in last.items() if c in trained]
         eps = (f"{min(spent):.3f}–{max(spent):.3f} across the {len(spent)} clients that trained" if spent
                else "nothing: no client trained")
+        honest = (result.get("noise") or {}).get("honest")
+        if spent and honest:  # distributed noise: the promise holds while t of them are honest
+            eps += f", if at least {honest} of the {clients} clients are honest"
     else:
         eps = f"{result['epsilon_spent']:.3f}"
     by = " (clients' own test splits)" if result.get("evaluated_by") == "clients" else ""
@@ -43,9 +47,15 @@ def run_summary(result: dict, out) -> str:
     if result["dataset"] == "custom":  # your own files, and whether a test split was held out of them
         lines.append(f"  data           {result['data_source']}")
     if clients:
-        lines += _labelled("not trained", not_trained(result["rounds"]))
-        lines += _labelled("owners' budget", [f"client {c}: {text}" for c, text in budgets(result["rounds"]).items()])
-        lines += _labelled("skipped files", [f"client {c}: {text}" for c, text in skipped_files(result["rounds"]).items()])
+        named = [names[c] for c in sorted(names, key=int) if c in trained]
+        if named:
+            lines.append(f"  clients        {', '.join(named)} trained (by roster name, else node id; result.json "
+                         f"names them by protocol id)")
+        lines += _labelled("not trained", not_trained(result["rounds"], names))
+        lines += _labelled("owners' budget", [f"{client_label(c, names)}: {text}"
+                                              for c, text in budgets(result["rounds"]).items()])
+        lines += _labelled("skipped files", [f"{client_label(c, names)}: {text}"
+                                             for c, text in skipped_files(result["rounds"]).items()])
     lines.append(f"  files          {Path(out).absolute()}/ (result.json, model.pt, curve.png)")
     return "\n".join(lines)
 
@@ -53,7 +63,7 @@ def run_summary(result: dict, out) -> str:
 def secure_summary(result: dict, out) -> str:
     """A distributed-noise federation's lines: every client spends the same ε."""
     cfg, fed, cost = result["config"], result["federation"], result["secure_aggregation"]
-    honest = fed["honest_clients"] or fed["num_clients"]
+    honest = (result.get("noise") or {}).get("honest") or fed["honest_clients"] or fed["num_clients"]
     unit = (f"client, protected whole (each single record: ε {result['record_epsilon']:.3f}),"
             if fed.get("privacy_unit") == "client" else "client")
     return "\n".join([
@@ -80,21 +90,48 @@ def secure_settings(result: dict) -> str:
             f"{result['noise_multiplier']:.3f}, {result['steps']} rounds of one step")
 
 
+def client_label(client: str, names: dict) -> str:
+    """A client as the summary names it: its roster name or node id where the run knows it
+    (`client_names`, under secure aggregation), else its number."""
+    return names.get(str(client)) or f"client {client}"
+
+
 def settings_line(result: dict) -> str:
     """The resolved settings a person checks first: B, lr, momentum, σ, and the run's length."""
-    cfg = result["config"]
-    sigma = result.get("noise_multiplier")
-    if isinstance(sigma, dict):  # a federation: each client's own σ
-        values = sorted(v for v in sigma.values() if v is not None)
-        sigma = (f"{values[0]:.3f}" if values and values[0] == values[-1] else
-                 f"{values[0]:.3f}–{values[-1]:.3f}" if values else "-")
+    cfg, fed = result["config"], result.get("federation")
+    if fed and fed.get("noise") == "distributed":
+        sigma, length = distributed_sigma(result), distributed_length(fed)
     else:
-        sigma = f"{sigma:.3f}" if sigma is not None else "-"
-    fed = result.get("federation")
-    length = (f"{fed['rounds']} rounds × {fed['local_epochs']} local epoch(s)" if fed else f"{cfg['epochs']} epochs")
+        sigma = result.get("noise_multiplier")
+        if isinstance(sigma, dict):  # a federation: each client's own σ
+            values = sorted(v for v in sigma.values() if v is not None)
+            sigma = (f"{values[0]:.3f}" if values and values[0] == values[-1] else
+                     f"{values[0]:.3f}–{values[-1]:.3f}" if values else "-")
+        else:
+            sigma = f"{sigma:.3f}" if sigma is not None else "-"
+        length = (f"{fed['rounds']} rounds × {fed['local_epochs']} local epoch(s)" if fed else f"{cfg['epochs']} epochs")
     passes = result.get("physical_batch_size")
     batch = f"{cfg['batch_size']}" + (f" (in passes of at most {passes})" if passes and passes < cfg["batch_size"] else "")
     return f"B = {batch}, lr {cfg['lr']:g}, momentum {cfg['momentum']:g}, σ = {sigma}, {length}"
+
+
+def distributed_sigma(result: dict) -> str:
+    """σ under distributed noise: the run's, that of the summed shares (no client adds all of it)."""
+    plan = result.get("noise") or {}
+    if "noise_multiplier" not in plan:
+        return ("- (distributed noise: σ is that of the sum of the clients' shares, over the clip; this result "
+                "does not hold the run's plan)")
+    return (f"{plan['noise_multiplier']:.3f} (of the sum: each client adds a Skellam share, any t = "
+            f"{plan['honest']} of them carry it all; over the clip)")
+
+
+def distributed_length(fed: dict) -> str:
+    """A distributed-noise run's length: one DP-SGD step of the federation a round (record level),
+    or each client's local work a round (client level)."""
+    if fed.get("privacy_unit") == "client":
+        local = f"{fed['local_steps']} local steps" if fed.get("local_steps") else f"{fed['local_epochs']} local epoch(s)"
+        return f"{fed['rounds']} rounds × {local} (each client's update protected whole)"
+    return f"{fed['rounds']} rounds of one DP-SGD step (B the federation's)"
 
 
 def _labelled(label: str, items: list[str]) -> list[str]:
@@ -121,8 +158,9 @@ def outcome(record: dict, client: str) -> str | None:
     return None
 
 
-def not_trained(rounds: list[dict]) -> list[str]:
-    """'client K in rounds a–b: why', one line per client and reason, in client order."""
+def not_trained(rounds: list[dict], names: dict | None = None) -> list[str]:
+    """'client K in rounds a–b: why', one line per client and reason, in client order (K its
+    name where `names` has one: `client_label`)."""
     spans: dict[tuple[str, str], list[int]] = {}
     clients = sorted({str(c) for r in rounds for c in [*r.get("refused", {}), *r.get("rejected", {}),
                                                        *(m["client"] for m in r.get("missed", [])),
@@ -135,7 +173,7 @@ def not_trained(rounds: list[dict]) -> list[str]:
     lines = []
     for (client, why), numbers in spans.items():
         which = f"round {numbers[0]}" if len(numbers) == 1 else f"rounds {_ranges(numbers)}"
-        lines.append(f"client {client} in {which}: {why}")
+        lines.append(f"{client_label(client, names or {})} in {which}: {why}")
     return lines
 
 

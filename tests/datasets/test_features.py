@@ -129,9 +129,9 @@ def test_private_statistics_of_real_features_are_the_data_sets_own_plus_noise_of
 def test_dp_sgd_on_privately_normalised_features_spends_the_runs_epsilon_with_the_normalisation(tmp_path, cache):
     """--feature-norm private: the network has no GroupNorm, the normalisation's two releases
     open the accountant's history, σ is calibrated to what they leave, and it learns."""
-    require("mnist")
+    require("fmnist")
     out = tmp_path / "run"
-    assert main(["train", "--dataset", "mnist", "--features", "scatter", "--feature-norm", "private", "--method",
+    assert main(["train", "--dataset", "fmnist", "--features", "scatter", "--feature-norm", "private", "--method",
                  "dpsgd", "--subset", "5000", "--epochs", "5", "--batch-size", "500", "--lr", "4", "--epsilon", "3",
                  "--threads", "1", "--quiet", "--out", str(out)]) == 0
     result = json.loads((out / "result.json").read_text())
@@ -139,13 +139,13 @@ def test_dp_sgd_on_privately_normalised_features_spends_the_runs_epsilon_with_th
     assert 2.99 <= result["epsilon_spent"] <= 3
     free = privacy.plan(3.0, 1e-5, 5000, 500, 5)
     assert result["noise_multiplier"] > free.noise_multiplier  # the normalisation's ε is not DP-SGD's to spend
-    assert result["test_accuracy"] >= 0.93, result["test_accuracy"]
-    cfg = TrainConfig(dataset="mnist", features="scatter", feature_norm="private").resolved()
+    assert result["test_accuracy"] >= 0.78, result["test_accuracy"]  # 82.5 % here
+    cfg = TrainConfig(dataset="fmnist", features="scatter", feature_norm="private").resolved()
     assert not any(isinstance(m, torch.nn.GroupNorm) for m in model_for(cfg, 10).modules())
     # what it released is usable on raw images: the features made on the fly, normalised by the
     # statistics result.json publishes, give the run's test accuracy
     assert len(result["feature_statistics"]["mean"]) == len(result["feature_statistics"]["variance"]) == 81
-    images = data_lib.load("mnist")
+    images = data_lib.load("fmnist")
     model = fedsd.load_model(out)
     with torch.no_grad():
         predicted = torch.cat([model(x).argmax(1) for x in images.x_test.split(1000)])
@@ -153,20 +153,20 @@ def test_dp_sgd_on_privately_normalised_features_spends_the_runs_epsilon_with_th
 
 
 @pytest.mark.slow
-def test_dp_sgd_on_scatternet_features_learns_mnist_from_few_samples(tmp_path, cache):
-    """5000 MNIST images, ε = 3: the linear model on ScatterNet features reaches 93 % (95.8 % here)."""
-    require("mnist")
+def test_dp_sgd_on_scatternet_features_learns_fashion_mnist_from_few_samples(tmp_path, cache):
+    """5000 Fashion-MNIST images, ε = 3: the linear model on ScatterNet features reaches 78 % (83.5 % here)."""
+    require("fmnist")
     out = tmp_path / "run"
-    assert main(["train", "--dataset", "mnist", "--features", "scatter", "--method", "dpsgd", "--subset", "5000",
+    assert main(["train", "--dataset", "fmnist", "--features", "scatter", "--method", "dpsgd", "--subset", "5000",
                  "--epochs", "5", "--batch-size", "500", "--lr", "4", "--epsilon", "3", "--threads", "1", "--quiet",
                  "--out", str(out)]) == 0
     result = json.loads((out / "result.json").read_text())
     assert result["config"]["model"] == "scatter-linear" and result["epsilon_spent"] <= 3
-    assert result["test_accuracy"] >= 0.93, result["test_accuracy"]
-    images = data_lib.load("mnist")  # released: fedsd.load_model makes the features of raw images itself
+    assert result["test_accuracy"] >= 0.78, result["test_accuracy"]
+    images = data_lib.load("fmnist")  # released: fedsd.load_model makes the features of raw images itself
     with torch.no_grad():
         predicted = fedsd.load_model(out)(images.x_test[:2000]).argmax(1)
-    assert (predicted == images.y_test[:2000]).float().mean().item() >= 0.93
+    assert (predicted == images.y_test[:2000]).float().mean().item() >= 0.78
 
 
 @pytest.mark.slow

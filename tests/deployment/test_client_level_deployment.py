@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fedsd.app.client import secure_stages as service
+from fedsd.app.client.secure_owner import StageRefused
 from fedsd.app.records import record_to_model
 from fedsd.privacy.accounting import SKELLAM, PrivacyFilter
 from fedsd.secure import client_level
@@ -47,7 +48,7 @@ def federation(owners):
 
 
 def test_the_deployed_plan_is_the_simulations_and_the_server_refuses_what_is_not_client_level():
-    from fedsd.app.server.secure_rounds import distributed_plan
+    from fedsd.app.server.secure_plans import distributed_plan
     from fedsd.errors import ConfigError
     from fedsd.models.networks import model_for
     from fedsd.secure.distributed_step import dimension
@@ -159,7 +160,7 @@ def test_a_bad_client_level_plan_is_refused_before_anything_is_drawn(federation,
     flat = {**f.flat, **dn.to_settings(f.plan, ROUNDS)}
     flat = change(flat) if change else flat
     before = privacy_files(f.tmp_path)
-    with pytest.raises(service.StageRefused, match=why):  # at stage 0 now, where the plan and budget are tried,
+    with pytest.raises(StageRefused, match=why):  # at stage 0 now, where the plan and budget are tried,
         base, server = up_to_shares(f.contexts, 1, flat)  # or at the masked stage
         before = privacy_files(f.tmp_path)
         service.masked_reply(masked_message(base, flat, f.arrays, server.shares_for(IDS[0])), f.contexts[IDS[0]])
@@ -180,7 +181,7 @@ def test_a_model_that_is_not_the_runs_network_is_refused_before_the_charge(feder
     flat = {**f.flat, **dn.to_settings(f.plan, ROUNDS)}
     base, server = up_to_shares(f.contexts, 1, flat)
     before = privacy_files(f.tmp_path)
-    with pytest.raises(service.StageRefused, match="the round's model is not this run's network"):
+    with pytest.raises(StageRefused, match="the round's model is not this run's network"):
         service.masked_reply(masked_message(base, flat, arrays, server.shares_for(IDS[0])), f.contexts[IDS[0]])
     assert privacy_files(f.tmp_path) == before
 
@@ -257,7 +258,7 @@ def test_an_adaptive_round_plan_whose_clip_leaves_no_finite_bit_is_refused_befor
     monkeypatch.setattr(local.SecretStream, "fresh", staticmethod(lambda: pytest.fail("drew a secret key")))
     flat = {**f.flat, **dn.to_settings(dataclasses.replace(f.rounds.round_plan(), clip=clip), ROUNDS)}
     before = privacy_files(f.tmp_path)
-    with pytest.raises(service.StageRefused, match="clip"):
+    with pytest.raises(StageRefused, match="clip"):
         base, server = up_to_shares(f.contexts, 1, flat)
         before = privacy_files(f.tmp_path)
         service.masked_reply(masked_message(base, flat, f.arrays, server.shares_for(IDS[0])), f.contexts[IDS[0]])

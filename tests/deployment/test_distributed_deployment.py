@@ -14,6 +14,7 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 
 from fedsd.app.client import secure_stages as service
+from fedsd.app.client.secure_owner import StageRefused
 from fedsd.secure import distributed_noise as dn
 from fedsd.settings.run import TrainConfig
 from fedsd.settings.federation import FedConfig, client_config
@@ -37,7 +38,7 @@ def _settings():
 def federation(owners):
     """The three owners under a distributed-noise run: the run's settings, the server's side
     (its resolved config, the plan and its optimizer) and a SecureRounds over their handlers."""
-    from fedsd.app.server.secure_rounds import distributed_plan
+    from fedsd.app.server.secure_plans import distributed_plan
 
     contexts, flat, arrays, tmp_path = owners
     for context in contexts.values():  # no roster here (tests/deployment/test_secure_aggregation_deploy.py has one)
@@ -51,7 +52,7 @@ def federation(owners):
 def server_side(contexts, flat, arrays, tmp_path, cfg, fed, **more) -> SimpleNamespace:
     """The server's SecureRounds over the owners' handlers, each owner's masked reply kept as sent."""
     from fedsd.app.server.secure_rounds import SecureRounds
-    from tests.secure.test_attack_authenticated_secagg import _Grid
+    from tests.secure.test_roster_keys_shares_and_bounds import _Grid
 
     server_cfg = client_config(cfg, FedConfig(num_clients=3, rounds=ROUNDS))
     replies = {}
@@ -266,17 +267,17 @@ def test_a_bad_input_is_refused_before_anything_is_drawn(federation, monkeypatch
         try:
             attempt = _refused_at_masked(f, **kwargs)
             before = privacy_files(f.tmp_path)  # the rounds joined at stage 0, before the masked stage's
-        except service.StageRefused as refused:  # at stage 0: nothing joined, nothing written
+        except StageRefused as refused:  # at stage 0: nothing joined, nothing written
             def attempt(refused=refused):
                 raise refused
-    with pytest.raises(service.StageRefused, match=why):
+    with pytest.raises(StageRefused, match=why):
         attempt()
     assert privacy_files(f.tmp_path) == before  # the ledgers and every privacy file byte for byte
     assert not list(f.tmp_path.glob("state-*/ledger-*.json"))
 
 
 def test_the_server_refuses_a_run_that_cannot_be_distributed_before_any_round():
-    from fedsd.app.server.secure_rounds import distributed_plan
+    from fedsd.app.server.secure_plans import distributed_plan
     from fedsd.errors import ConfigError
 
     cfg, fed = _settings()
@@ -316,7 +317,7 @@ def test_a_service_killed_after_its_masked_input_leaves_the_round_abandoned_and_
             for m in messages:
                 try:
                     replies += super().send_and_receive([m], timeout=timeout)
-                except service.StageRefused as e:
+                except StageRefused as e:
                     replies.append(Message(Error(code=0, reason=str(e)), reply_to=m))
             return replies
 
@@ -343,11 +344,11 @@ def test_a_sum_with_fewer_shares_than_the_plans_t_is_refused_and_nothing_applied
     rounds = SecureRounds(f.rounds.grid, side, SimpleNamespace(fed=fed, experiment_id=EXPERIMENT, round=0,
                                                                 out=f.tmp_path))
     assert rounds.noise.honest == 4 and rounds.noise.noise_multiplier == f.plan.noise_multiplier  # z: not t's
-    with pytest.raises(service.StageRefused, match="above this owner's own 3"):  # this grid passes it on as raised
+    with pytest.raises(StageRefused, match="above this owner's own 3"):  # this grid passes it on as raised
         rounds.one_round(1, f.arrays)
     assert not (f.tmp_path / "secagg-sum-1.npy").exists()
     assert not list(f.tmp_path.glob("state-*/ledger-*.json"))  # refused before anything is charged
-    from fedsd.secure.secagg import RoundAbandoned
+    from fedsd.secure.secagg_server import RoundAbandoned
 
     server = SimpleNamespace(culprits={})
     with pytest.raises(RoundAbandoned, match="below the plan's t = 4"):
@@ -391,7 +392,7 @@ def test_a_resumed_run_steps_with_the_server_optimizers_momentum_as_an_uninterru
     the global model of an uninterrupted run bit for bit: the checkpoint holds the optimizer's
     momentum buffers and the resumed run goes on from them (it restarted momentum before)."""
     from fedsd.app.server import checkpoint
-    from fedsd.app.server.secure_rounds import distributed_plan
+    from fedsd.app.server.secure_plans import distributed_plan
     from fedsd.training.loop import initial_model
 
     cfg, fed = _settings()
@@ -424,7 +425,7 @@ def test_an_owners_draw_rate_is_set_from_public_numbers_never_from_the_records_i
     owner's own max-records K, else the run's M, which can only lower it: owners of 100, 60 and 61
     records draw at one rate. With K an owner's step is padded to q × K rows; data above its K is
     refused before the charge, the reason naming no count."""
-    from fedsd.app.client.secure_stages import StageRefused, owner_rate, padded_rows
+    from fedsd.app.client.step_padding import owner_rate, padded_rows
     from fedsd.secure import distributed_step
     from fedsd.training.loop import DPTrainer
 
@@ -457,7 +458,7 @@ def test_an_owners_draw_rate_is_set_from_public_numbers_never_from_the_records_i
     assert own_pad < pad and rows == [own_pad] * 3 and rates == [owner_rate(f.plan, 200, own_pad)] * 3
     assert len(ledger_entries(f.tmp_path, 0)) == 2
     # data above the owner's own K: refused (at advertise, and again at the masked stage before its charge)
-    from fedsd.app.client.secure_stages import records_bound
+    from fedsd.app.client.step_padding import records_bound
 
     side = SimpleNamespace(node=SimpleNamespace(max_records=80), fed=SimpleNamespace(secagg_max_records=10_000))
     with pytest.raises(StageRefused) as refused:

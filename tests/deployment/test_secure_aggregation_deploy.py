@@ -49,7 +49,7 @@ MEMBERS = range(4)
 
 
 def kept_input(deployment: LocalDeployment, k: int, server_round: int) -> Path | None:
-    # <run>-<experiment>-<round>-<protocol id>.npy (fedsd/app/client/secure_aggregation.kept_input_path)
+    # <run>-<experiment>-<round>-<protocol id>.npy (fedsd/app/client/secure_owner.py, kept_input_path)
     found = sorted(p for p in (deployment.owner_dir(k) / "state" / "secagg").glob("*.npy")
                    if p.stem.rsplit("-", 2)[1] == str(server_round))
     assert len(found) <= 1, found

@@ -124,3 +124,35 @@ def test_a_prior_release_is_composed_into_the_plan_and_its_sigma_calibrated_to_w
     assert privacy.plan(3.0, 1e-5, 50_000, 8192, 60, cache_dir=str(tmp_path), prior=prior) == after  # from disk
     with pytest.raises(BudgetError, match="after the .* spent first"):
         privacy.plan(0.5, 1e-5, 50_000, 8192, 60, cache_dir=str(tmp_path), prior=prior)
+
+
+def test_the_ledger_says_what_is_spent_of_the_maximum_and_never_an_epsilon_left(tmp_path, capsys):
+    """`fedsd ledger` said "left ε = 0.5" (max − spent), then the client admitted a run of ε = 1:
+    under RDP a run fits when its steps composed with those spent stay within the maximum, which
+    subtraction does not tell. The ledger says what is spent of the maximum, and how a run is
+    admitted; its JSON has no left_epsilon."""
+    import json
+
+    from fedsd.cli.main import main
+    from fedsd.privacy.accounting import PrivacyFilter
+
+    ledger = PrivacyFilter(3.0, 1e-5)
+    first = plan(2.5, 1e-5, 60000, 256, 5)
+    ledger.spend(first.noise_multiplier, first.sample_rate, first.planned_steps, run="exp-1")
+    second = plan(1.0, 1e-5, 60000, 256, 5)
+    ledger.check(1.0, 1e-5, second.noise_multiplier, second.sample_rate, second.planned_steps)  # fits: ε 1 > 3 − 2.5
+    (tmp_path / "ledger-abc.json").write_text(json.dumps(ledger.state_dict()))
+    record = ["--record-dir", str(tmp_path / "record")]
+    assert main(["ledger", "--state-dir", str(tmp_path), *record]) == 0
+    text = capsys.readouterr().out
+    assert "left" not in text.replace(str(tmp_path), "")
+    assert f"spent           ε = {ledger.epsilon():.3f} of the owner's 3 over" in text
+    assert "fits if its steps, composed (RDP) with those spent, stay within ε ≤ 3" in text
+    assert main(["ledger", "--state-dir", str(tmp_path), "--json", *record]) == 0
+    [said] = json.loads(capsys.readouterr().out)
+    assert "left_epsilon" not in said and said["spent_epsilon"] == pytest.approx(ledger.epsilon())
+    assert "max_epsilon - spent_epsilon is not what a run may spend" in said["admits"]
+    with pytest.raises(privacy.LedgerSpent, match=r"lifetime budget: spent ε=2.49 of the owner's ε=3; .*composed with "
+                                                  r"what was spent \(RDP\), would bring it to ε="):
+        whole = plan(3.0, 1e-5, 60000, 256, 5)
+        ledger.spend(whole.noise_multiplier, whole.sample_rate, whole.planned_steps)

@@ -178,3 +178,28 @@ def test_a_skellam_charge_is_recomputed_at_the_integer_orders_the_ledger_uses(tm
     accountant.history = [(z, 1.0, 2)]
     fractional = accountant.get_epsilon(delta=1e-5, alphas=ORDERS)
     assert ours == pytest.approx(ledger.epsilon(), rel=1e-3) and ours > fractional * 1.001, (ours, fractional)
+
+
+def test_owners_run_by_hand_give_their_state_folders_and_a_missing_one_says_how(tmp_path, capsys):
+    """Owners started by hand keep their state folders where each chose (their node config's
+    state-dir), not in deploy-local's layout: --state K=DIR names each. A client without one was
+    "client k: no state folder given; the check fails", with nothing of what was looked for."""
+    run, work = deployment(tmp_path, {0: [1, 2], 1: [1, 2]})
+    elsewhere = tmp_path / "owner-1-state"
+    (work / "client-state" / "1").rename(elsewhere)
+    assert main(["check-privacy", "--run", str(run), "--work", str(work)]) == 2
+    err = capsys.readouterr().err
+    assert f"client 1 (of the run's 2): no state folder; --work {work} has neither {work / 'client-state' / '1'} " \
+           f"nor {work / 'nodes' / '1' / 'state'}" in err
+    assert "--state 0=/srv/owner-0/state" in err and "its owner's state-dir" in err and "ledger-*.json" in err
+    assert main(["check-privacy", "--run", str(run)]) == 2
+    assert "the clients' state folders: none given" in capsys.readouterr().err
+    code = main(["check-privacy", "--run", str(run), "--state", f"0={work / 'client-state' / '0'}",
+                 "--state", f"1={elsewhere}"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["passed"] and report["clients"]["1"]["ledger"] == str(elsewhere / "ledger-abc.json")
+    assert main(["check-privacy", "--run", str(run), "--work", str(work), "--state", f"1={elsewhere}"]) == 0
+    capsys.readouterr()
+    with pytest.raises(DataError, match="client 1: no state folder given; the check fails. Each client's state "
+                                        "folder is its owner's state-dir"):
+        check_run(run, {0: work / "client-state" / "0"})

@@ -1,6 +1,6 @@
 """The layout docs/architecture.md describes, checked from the code's own imports: one package,
 no module name twice, no import circle among its modules, the rule of which room may import
-which, no function over 60 lines, and `fedsd --help` without this repository's experiments loaded."""
+which, no function over 60 lines, no module of fedsd/ over 600, and `fedsd --help` without this repository's experiments loaded."""
 import ast
 import re
 import subprocess
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("fedsd",)
+PACKAGES = ("fedsd", "simulations")  # the package, and the studies of a checkout
 MAX_FUNCTION_LINES = 60
+MAX_MODULE_LINES = 600  # a module grown past it is split by job, each part well below
 
 
 def project_modules(root: Path = ROOT) -> dict[str, Path]:
@@ -129,23 +130,23 @@ def test_an_added_circle_is_found(tmp_path):
     assert len(found) == 1 and {"fedsd.files.cache", "fedsd.settings.run"} <= set(found[0])
 
 
-# Which room may import which (docs/architecture.md). The library is fedsd/ outside its six
-# outer rooms; each room is forbidden what it must not import. fedsd/cli/ parses and calls: no
-# other room imports it, and inside it no command of the product imports the experiments (only
-# fedsd.cli.main does, for `fedsd reproduce`).
-OUTER = ("fedsd.app", "fedsd.cli", "fedsd.simulation", "fedsd.deployment", "fedsd.benchmarks", "fedsd.experiments")
+# Which room may import which (docs/architecture.md). The library is fedsd/ outside its five
+# outer rooms (and simulations/, the studies outside the package); each room is forbidden what it
+# must not import. fedsd/cli/ parses and calls: no other room imports it, and inside it no command of
+# the product imports the studies (only fedsd.cli.main does, for `fedsd reproduce`).
+OUTER = ("fedsd.app", "fedsd.cli", "fedsd.simulation", "fedsd.deployment", "fedsd.benchmarks", "simulations")
 FLOWER = {"flwr", "flwr_datasets", "ray"}
 FORBIDDEN = {
     "library": FLOWER | set(OUTER),
     "fedsd.app": {"fedsd.app.client", "fedsd.app.server", *OUTER[1:]},
     "fedsd.app.client": {"fedsd.app.server", *OUTER[1:]},
     "fedsd.app.server": {"fedsd.app.client", *OUTER[1:]},
-    "fedsd.cli": {"fedsd.cli.main", "fedsd.deployment", "fedsd.benchmarks", "fedsd.experiments"},
+    "fedsd.cli": {"fedsd.cli.main", "fedsd.deployment", "fedsd.benchmarks", "simulations"},
     "fedsd.cli.main": set(),  # the entry point: every command, the experiments only when asked for
-    "fedsd.simulation": {"fedsd.cli", "fedsd.deployment", "fedsd.benchmarks", "fedsd.experiments"},
-    "fedsd.deployment": {"fedsd.cli", "fedsd.benchmarks", "fedsd.experiments"},
-    "fedsd.benchmarks": {"fedsd.cli", "fedsd.experiments"},
-    "fedsd.experiments": {"fedsd.cli", "fedsd.deployment", "fedsd.benchmarks"},
+    "fedsd.simulation": {"fedsd.cli", "fedsd.deployment", "fedsd.benchmarks", "simulations"},
+    "fedsd.deployment": {"fedsd.cli", "fedsd.benchmarks", "simulations"},
+    "fedsd.benchmarks": {"fedsd.cli", "simulations"},
+    "simulations": {"fedsd.cli", "fedsd.deployment", "fedsd.benchmarks"},
 }
 
 
@@ -202,7 +203,7 @@ def test_each_folder_imports_only_what_it_may():
 
 def test_fedsd_help_loads_none_of_the_experiments():
     code = ("import sys, fedsd.cli.main as cli; cli.build_parser().format_help(); "
-            "print(sorted(m for m in sys.modules if m.startswith('fedsd.experiments')))")
+            "print(sorted(m for m in sys.modules if m.startswith('simulations')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -232,6 +233,28 @@ def test_a_long_function_is_found(tmp_path):
     (tmp_path / "fedsd" / "long.py").write_text(f"@staticmethod\ndef long():\n{body}")  # 62 lines with its decorator
     (tmp_path / "fedsd" / "short.py").write_text(f"def short():\n{body[:-len('    x59 = 59')-1]}")  # 60 lines
     assert long_functions(tmp_path) == ["fedsd/long.py:1 long: 62 lines"]
+
+
+def long_modules(root: Path = ROOT) -> list[str]:
+    """The .py modules under fedsd/ over MAX_MODULE_LINES lines (every line of the file counted)."""
+    found = []
+    for path in sorted((root / "fedsd").rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            found.append(f"{path.relative_to(root)}: {lines} lines")
+    return found
+
+
+def test_no_module_over_600_lines():
+    found = long_modules()
+    assert found == [], f"over {MAX_MODULE_LINES} lines (split each by job): {'; '.join(found)}"
+
+
+def test_a_long_module_is_found(tmp_path):
+    (tmp_path / "fedsd" / "app").mkdir(parents=True)
+    (tmp_path / "fedsd" / "app" / "long.py").write_text("x = 1\n" * 601)
+    (tmp_path / "fedsd" / "short.py").write_text("x = 1\n" * 600)
+    assert long_modules(tmp_path) == ["fedsd/app/long.py: 601 lines"]
 
 
 ISSUE_NUMBER = re.compile(r"\bissues? #?\d+", re.IGNORECASE)

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from fedsd.secure.distributed_step import secure_round
-from fedsd.secure.secagg import ProtocolError, RoundAbandoned, SecAggClient, SecAggServer, expand_mask
+from fedsd.secure.secagg import SecAggClient
+from fedsd.secure.secagg_primitives import ProtocolError, expand_mask
+from fedsd.secure.secagg_server import RoundAbandoned, SecAggServer
 
 D = 2_000
 
@@ -112,7 +114,7 @@ def test_a_threshold_a_server_could_unmask_alone_is_refused(threshold):
 def resigned(client, entry, **changes):
     """A client's stage-0 keys changed and signed again by that client (a fellow client that
     sends what it likes under its own signature)."""
-    from fedsd.secure.secagg import _advert
+    from fedsd.secure.secagg_primitives import _advert
 
     out = {**entry, **changes}
     out["sig"] = client.identity.sign(_advert(client.round_id, client.me, client.cohort, client.threshold,

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.stem for p in (ROOT / "fedsd" / "recipes").glob("*.toml"))
 FEATURES_FMNIST_RUN = ROOT / "results/runs/features/fmnist-scatter-linear-B8192-lr8-e50-dpsgd-seed0/result.json"
 # The settings of a machine, not of a recipe: the committed runs were given --device cpu and
-# --threads 1 by their driver (fedsd/experiments/features_table.py, paper_tables), a recipe
+# --threads 1 by their driver (simulations/features_table.py, paper_tables), a recipe
 # leaves them to the machine (auto: the CPU where there is no GPU; 0: torch's threads). The
 # clipping route (grad_sample_mode, memory_format) gives the same weights to float rounding and
 # was chosen per machine by older versions (a mnist dpkd run recorded bk); seed and data_dir are
@@ -259,7 +259,8 @@ def test_a_wheel_installed_elsewhere_lists_the_recipes_and_runs_one(tmp_path):
     import zipfile
 
     source = tmp_path / "source"  # a copy: building in the checkout would leave its build/ there
-    shutil.copytree(ROOT / "fedsd", source / "fedsd", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("fedsd", "simulations"):  # the studies have an __init__ too, and stay out of the wheel
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
@@ -291,3 +292,6 @@ def test_a_wheel_installed_elsewhere_lists_the_recipes_and_runs_one(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert dry.returncode == 0 and "dry run" in (dry.stdout + dry.stderr).lower(), (dry.stdout + dry.stderr)[-3000:]
     assert not (tmp_path / "run").exists()
+    studies = subprocess.run([python, "-m", "fedsd.cli.main", "reproduce", "--table", "1"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert studies.returncode != 0 and "a checkout's simulations/" in studies.stderr, studies.stderr[-2000:]

@@ -92,7 +92,7 @@ def test_simulation_runs_as_a_job_on_a_running_ray_cluster(ray_cluster, tmp_path
 def test_flwr_run_attaches_through_ray_address(ray_cluster, flower_env):
     """Flower 1.41's simulation settings have no address: Ray's own RAY_ADDRESS, in the
     environment where flwr starts its local SuperLink, makes the simulation a job of the
-    cluster (deploy/README.md)."""
+    cluster (simulations/README.md)."""
     require("fmnist")
     address, temp = ray_cluster
     drivers = lambda: set((temp / "session_latest" / "logs").glob("python-core-driver-*.log"))

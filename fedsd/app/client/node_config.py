@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
+import tomllib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from typing import Mapping
 
 from fedsd.errors import BudgetRefused, ConfigError, FedsdNote
 from fedsd.settings.declared import setting, settings_of
+from fedsd.settings.federation import OWNER_MIN_CLIENTS
 from fedsd.files.state_folder import StateFolder, StateFolderError, state_folder
 
 NO_BUDGET = ("this client has no lifetime budget: start its SuperNode with "
@@ -95,7 +98,7 @@ class NodeConfig:
     skip_bad_files: bool = setting(False, "train on the readable images of `data` and leave out unreadable ones "
                                           "(reported to the server); default: one unreadable image refuses the "
                                           "whole data set")
-    secagg_min_clients: int = setting(2, "secure aggregation: the fewest clients a round's cohort, and its survivors, "
+    secagg_min_clients: int = setting(OWNER_MIN_CLIENTS, "secure aggregation: the fewest clients a round's cohort, and its survivors, "
                                          "may have for this node to take part (its assumption of how many honest "
                                          "clients hide its input in the sum); a smaller cohort is refused")
     max_records: int = setting(0, "distributed noise at record level: a bound on this owner's training records, its "
@@ -111,7 +114,7 @@ class NodeConfig:
                                        "would reach the server alone, is refused before anything is trained or "
                                        "charged")
     secagg_roster: str = setting("", "secure aggregation: the federation's roster, a file the owners agreed on (one "
-                                     "'name ed25519:<base64>' a line; deploy/README.md). Every neighbour's keys, "
+                                     "'name ed25519:<base64>' a line; clients/README.md). Every neighbour's keys, "
                                      "commitments and view must then be signed by its roster key, and this node's id "
                                      "is its own entry's; without it, secure aggregation protects only against a server "
                                      "that follows the protocol", default_text="none")
@@ -225,26 +228,9 @@ def _check_counts(node: NodeConfig) -> None:
                               f"secagg-max-records)")
 
 
-def parse(node_config: Mapping) -> NodeConfig:
-    """The node config checked as a whole: unknown keys, numbers that are not numbers or out of
-    range, a `data` that does not exist, each refused with ConfigError naming the key and what
-    is allowed. A key renamed in fedsd 0.2 still works for this release, with a note naming its new name."""
-    node_config = renamed_keys(node_config)
-    unknown = sorted(set(node_config) - set(KEYS))
-    if unknown:
-        raise NodeConfigError(f"node-config {unknown[0]}: not a key fedsd reads; the keys are {', '.join(KEYS)}")
-    values = {KEYS[k].name: _value(k, v) for k, v in node_config.items()}
-    node = NodeConfig(**values)
-    if node.max_epsilon is not None and not node.max_epsilon > 0:
-        raise NodeConfigError(f"node-config max-epsilon={node.max_epsilon:g}: must be > 0 (or inf for no limit)")
-    if not 0 < node.max_delta < 1 or math.isinf(node.max_delta):
-        raise NodeConfigError(f"node-config max-delta={node.max_delta:g}: must be in (0, 1)")
-    if node.partition_id is None:
-        raise NodeConfigError("node-config partition-id: required (this client's number in the run, 0 … num-clients − 1)")
-    if node.partition_id < 0:
-        raise NodeConfigError(f"node-config partition-id={node.partition_id}: must be ≥ 0")
-    if not node.worker_idle_seconds > 0:
-        raise NodeConfigError(f"node-config worker-idle-seconds={node.worker_idle_seconds:g}: must be > 0")
+def _check_secagg(node: NodeConfig) -> None:
+    """Secure aggregation's keys: t and f in range, the roster readable and long enough for a
+    round this owner can take part in."""
     if node.secagg_min_clients < 2:
         raise NodeConfigError(f"node-config secagg-min-clients={node.secagg_min_clients}: must be ≥ 2 (a sum of one "
                               f"client's input is that input)")
@@ -253,12 +239,84 @@ def parse(node_config: Mapping) -> NodeConfig:
     if node.secagg_roster:
         from fedsd.secure.identity import read_roster
 
-        read_roster(node.secagg_roster)  # a roster that does not parse, others can write, or lists a key twice
+        roster = read_roster(node.secagg_roster)  # one that does not parse, others can write, or lists a key twice
+        check_roster_size(len(roster), node.secagg_min_clients, node.secagg_max_colluders)
     elif node.secagg_only and node.secagg_trust != "honest-but-curious":
         raise NodeConfigError("node-config secagg-only=true without secagg-roster: secure aggregation without a roster "
                               "protects only against a server that follows the protocol (it can substitute keys and "
                               "read this node's update); name the federation's roster (secagg-roster=PATH) or say "
                               "secagg-trust=honest-but-curious")
+
+
+def fewest_clients(min_clients: int, max_colluders: int) -> int:
+    """The fewest clients a round must have for an owner with secagg-min-clients t and
+    secagg-max-colluders f to take part (fedsd.secure.secagg's checks at advertise): t + 2f
+    neighbours, so that f silent after the masked input still leave the t + f it unmasks with;
+    and a threshold above (neighbours + f) / 2 and above two thirds of them, yet at most
+    neighbours − f (so more than 3f neighbours)."""
+    from fedsd.secure.secagg import minimum_threshold
+
+    t, f = min_clients, max_colluders
+    n = max(2, t + 2 * f)
+    while max(minimum_threshold(n), (n + f) // 2 + 1) > n - f:
+        n += 1
+    return n
+
+
+def check_roster_size(members: int, min_clients: int, max_colluders: int) -> None:
+    """NodeConfigError, with the arithmetic, where a roster of `members` owners can never hold a
+    round this owner takes part in: every round's cohort is drawn from the roster."""
+    need = fewest_clients(min_clients, max_colluders)
+    if members >= need:
+        return
+    t, f = min_clients, max_colluders
+    most_f = max((g for g in range(f) if fewest_clients(t, g) <= members), default=None)
+    fix = (f"lower secagg-max-colluders to {most_f}" if most_f is not None else
+           f"lower secagg-min-clients to {members}" if members >= 2 else "list at least 2 owners")
+    raise NodeConfigError(
+        f"node-config secagg-max-colluders={f} with secagg-min-clients={t}: a round needs at least {need} clients "
+        f"(t + 2f = {t + 2 * f}: f silent after the masked input must still leave the t + f = {t + f} this owner "
+        f"unmasks with; and the threshold, above (clients + f) / 2 and above two thirds of the clients, must be at "
+        f"most clients − f, which takes more than 3f = {3 * f}), but the roster lists {members} owner(s): add "
+        f"owners to the roster, or {fix}")
+
+
+def _typed(node_config: Mapping) -> NodeConfig:
+    """Each key known and each value of its declared type; nothing else checked."""
+    unknown = sorted(set(node_config) - set(KEYS))
+    if unknown:
+        raise NodeConfigError(f"node-config {unknown[0]}: not a key fedsd reads; the keys are {', '.join(KEYS)}")
+    return NodeConfig(**{KEYS[k].name: _value(k, v) for k, v in node_config.items()})
+
+
+def identity_config(node_config: Mapping) -> NodeConfig:
+    """What `fedsd data-service --identity` reads of the owner's node config: its state folder
+    alone (made absolute, as `parse` makes it). Every key is still checked as a key and a value,
+    so a misspelt one is refused; partition-id, data and max-epsilon are not needed, and
+    secagg-roster is not read (the roster that will list this identity need not exist yet)."""
+    node_config = {k: v for k, v in renamed_keys(node_config).items() if k != "secagg-roster"}
+    node = _typed(node_config)
+    return dataclasses.replace(node, state_dir=str(state_root_of(node.state_dir)))
+
+
+def parse(node_config: Mapping) -> NodeConfig:
+    """The node config checked as a whole: unknown keys, numbers that are not numbers or out of
+    range, a `data` that does not exist, each refused with ConfigError naming the key and what
+    is allowed. A key renamed in fedsd 0.2 still works for this release, with a note naming its new name."""
+    node_config = renamed_keys(node_config)
+    node = _typed(node_config)
+    if node.max_epsilon is not None and not node.max_epsilon > 0:
+        raise NodeConfigError(f"node-config max-epsilon={node.max_epsilon:g}: must be > 0 (or inf for no limit)")
+    if not 0 < node.max_delta < 1 or math.isinf(node.max_delta):
+        raise NodeConfigError(f"node-config max-delta={node.max_delta:g}: must be in (0, 1)")
+    if node.partition_id is None:
+        raise NodeConfigError("node-config partition-id: required (this client's number in the run, 0 … num-clients − 1; "
+                              "`fedsd data-service --identity` needs only state-dir)")
+    if node.partition_id < 0:
+        raise NodeConfigError(f"node-config partition-id={node.partition_id}: must be ≥ 0")
+    if not node.worker_idle_seconds > 0:
+        raise NodeConfigError(f"node-config worker-idle-seconds={node.worker_idle_seconds:g}: must be > 0")
+    _check_secagg(node)
     _check_counts(node)
     if node.service:
         owners = sorted(k for k in node_config if k not in SUPERNODE_WITH_SERVICE)
@@ -356,6 +414,62 @@ def _value(key: str, value):
     if s.type is int and isinstance(value, float) and value != number:
         raise NodeConfigError(f"node-config {key}={value!r} is not an integer")
     return number
+
+
+# How Flower splits a --node-config into pairs (flwr.common.config.parse_config_args): KEY=VALUE,
+# the value in quotes or up to the next space.
+PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
+
+
+def owner_pairs(text: str) -> dict:
+    """The owner's `fedsd data-service --node-config`: 'k=v ...' pairs (`pairs_of`), or a .toml
+    file of them, as Flower reads a SuperNode's (a table's keys joined by dots)."""
+    if "=" in text or not text.strip().endswith(".toml"):
+        return pairs_of(text)
+    try:
+        with open(Path(text.strip()).expanduser(), "rb") as f:
+            loaded = tomllib.load(f)
+    except OSError as e:
+        raise NodeConfigError(f"--node-config {text!r}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise NodeConfigError(f"--node-config {text!r}: not a TOML file ({e})") from None
+
+    def flat(table: dict, prefix: str = "") -> dict:
+        return {k: v for key, value in table.items()
+                for k, v in (flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}).items()}
+    return flat(loaded)
+
+
+def pairs_of(text: str) -> dict:
+    """An owner's `--node-config 'k=v ...'` (`fedsd data-service`) as a dict, its values TOML as
+    Flower reads a SuperNode's: a number, true or false, or a string in quotes. A key whose
+    value is a string (state-dir, data, secagg-roster, ...) also takes it unquoted, up to the
+    next space: state-dir=/srv/owner/state is the string '/srv/owner/state', as nothing else
+    could be meant. Text that is not a pair (a path with a space, unquoted) and a key given
+    twice are refused, as is a value that is not TOML, each with the form to type."""
+    stray = PAIR.sub(" ", text).split()
+    if stray:
+        raise NodeConfigError(f"--node-config {text!r}: {stray[0]!r} is not a key=value pair (a value with a space "
+                              f"goes in quotes: data='/srv/owner data')")
+    pairs = {}
+    for key, raw in PAIR.findall(text):
+        if key in pairs:
+            raise NodeConfigError(f"--node-config {text!r}: {key} given twice")
+        pairs[key] = _toml_value(key, raw, text)
+    return pairs
+
+
+def _toml_value(key: str, raw: str, text: str):
+    declared = KEYS.get(RENAMED_KEYS.get(key, key))
+    if (declared is None or declared.type is str) and raw[0] not in "'\"":
+        return raw  # a string's key: the value as typed, which TOML would want in quotes (an unknown key: refused later)
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        quoted = f"'{raw}'" if "'" not in raw else f'"{raw}"'
+        raise NodeConfigError(f"--node-config {text!r}: not 'k=v ...' pairs with TOML values: {key}={raw} is not "
+                              f"a number, true or false, or a string in quotes ({key}={quoted}; e.g. "
+                              f"max-epsilon=3 state-dir='/srv/owner/state')") from None
 
 
 def parse_partition_id(node_config: Mapping) -> int | None:

@@ -44,11 +44,11 @@ if __name__ == "__main__":  # before any other import: `python -m` put the worki
     if not sys.flags.safe_path:
         sys.exit(f"python -m fedsd.app.client.owner_service: refused, as the working directory ({getcwd()}) is first "
                  f"on the import path and a package planted there would run as this user; the owner's service starts "
-                 f"with `fedsd data-service` (deploy/README.md), and a warm worker is started by its ClientApp with "
+                 f"with `fedsd data-service` (clients/README.md), and a warm worker is started by its ClientApp with "
                  f"`python -P` (3.11+)")
     if any(a.startswith(("--node-config", "--allow-uid")) for a in sys.argv[1:]):
         sys.exit("python -m fedsd.app.client.owner_service: the owner's data service starts with `fedsd data-service` only "
-                 "(deploy/README.md); this module's entry point is the warm worker's")
+                 "(clients/README.md); this module's entry point is the warm worker's")
 
 import argparse
 import faulthandler
@@ -69,7 +69,8 @@ from pathlib import Path
 
 from flwr.app import Context, RecordDict
 
-from fedsd.app.client.node_config import NodeConfig, NodeConfigError, parse, private_folder
+from fedsd.app.client.node_config import (NodeConfig, NodeConfigError, identity_config, owner_pairs, parse,
+                                          private_folder)
 from fedsd.errors import BudgetRefused
 from fedsd.files.state_folder import StateFolderError
 from fedsd.app import secure_sum
@@ -145,7 +146,7 @@ def ask_service(node: NodeConfig, kind: str, content: RecordDict, context: Conte
     sock = _connect(Path(node.service))
     if sock is None:
         raise ServiceUnavailable(f"no data service listens at service='{node.service}' (start it with "
-                                 f"`fedsd data-service`, deploy/README.md)")
+                                 f"`fedsd data-service`, clients/README.md)")
     with sock:
         taken = _offer(sock, kind, content, context)
         if not taken:
@@ -330,6 +331,8 @@ class DataService:
 
             self.identity = {"version": __version__, "code": code_hash()}
         listener = self._listen()
+        if self.node is not None:  # the owner's word that it may start its SuperNode now
+            print(self.ready_line(), file=sys.stderr, flush=True)
         if self.watch_pid is not None or self.idle_seconds is not None:
             threading.Thread(target=self._watch, daemon=True).start()
         while True:  # never waits on a peer: each connection is read in a thread of its own, or refused
@@ -347,6 +350,16 @@ class DataService:
                 conn.close()
                 continue
             threading.Thread(target=self._connection, args=(conn, (pid, uid)), daemon=True).start()
+
+    def ready_line(self) -> str:
+        """What the owner's service says once it listens: where, for which partition, on which
+        state folder and data, and for whom."""
+        node = self.node
+        others = sorted(self.allowed - {os.geteuid()})
+        return (f"fedsd data-service: ready: listening at {self.address} (the SuperNode's service='{self.address}') "
+                f"for partition-id={node.partition_id}, state folder {node.state_root}, data "
+                f"{node.data or 'none (a shard of a built-in data set)'}; answering uid {os.geteuid()}"
+                + (f" and {', '.join(map(str, others))}" if others else " only (--allow-uid adds the SuperNode's user)"))
 
     def _connection(self, conn: socket.socket, peer: tuple[int, int]) -> None:
         """One connection: read and check its message, then take and answer it, or refuse it."""
@@ -431,7 +444,7 @@ class DataService:
 
                 reply["service"] = ConfigRecord(dict(self.identity))
         except BaseException as e:  # noqa: BLE001  (SystemExit too: the ClientApp raises it, the service goes on)
-            from fedsd.app.client.secure_stages import StageRefused
+            from fedsd.app.client.secure_owner import StageRefused
 
             traceback.print_exc(file=sys.stderr)
             sys.stderr.flush()
@@ -502,7 +515,8 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
                         "identity can be made before the roster lists it), and exit")
     p.add_argument("--node-config", default=None, metavar="'K=V ...'",
                    help="the owner's service: this node's config, as a SuperNode's --node-config (data, max-epsilon, "
-                        "state-dir, …; fedsd/app/client/node_config.py); without it, a warm worker started by its ClientApp")
+                        "state-dir, …; fedsd/app/client/node_config.py), TOML values, though a path may go unquoted "
+                        "here (state-dir=/srv/owner/state); without it, a warm worker started by its ClientApp")
     p.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                    help="a user who may send messages besides the service's own (the SuperNode's user)")
     p.add_argument("--watch-pid", type=int, default=None, help="a warm worker: exit when this process does")
@@ -513,19 +527,17 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
                         "raised to the record, the charges they lack added back, so nothing is spent twice")
 
 
-def owner_pairs(text: str) -> dict:
-    """The owner's --node-config as Flower reads a SuperNode's (TOML values, or a .toml file);
-    one that does not parse is a NodeConfigError saying how it is written, not a traceback."""
-    import click
-    from flwr.common.config import parse_config_args
+def print_identity(node_config: str | None) -> int:
+    """`--identity`: the owner's public line for the roster, from the key in its state folder
+    (made on first use). Only the state folder is read: no partition-id, data or budget is
+    needed, and the roster that will list the identity is not read (node_config.identity_config)."""
+    from fedsd.secure.identity import load_identity
 
-    try:
-        return parse_config_args([text])
-    except (click.ClickException, ValueError):
-        raise NodeConfigError(f"--node-config {text!r}: not 'k=v ...' pairs with TOML values (a string in quotes: "
-                              f"max-epsilon=3 state-dir='/srv/owner/state')") from None
-    except OSError as e:
-        raise NodeConfigError(f"--node-config {text!r}: {e.strerror}") from None
+    if node_config is None:
+        raise NodeConfigError("--identity: needs --node-config with this owner's state-dir (--node-config "
+                              "\"state-dir='/srv/owner/state'\")")
+    print(load_identity(identity_config(owner_pairs(node_config)).state()).line())
+    return 0
 
 
 def run_service(args: argparse.Namespace) -> int:
@@ -535,22 +547,14 @@ def run_service(args: argparse.Namespace) -> int:
     os.umask(0o077)  # everything it writes is the owner's alone
     # The owner's log (standard error): every refusal and failure in full, with the time.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s fedsd data-service %(levelname)s: %(message)s")
+    if args.identity:
+        return print_identity(args.node_config)
     node = None
     if args.node_config is not None:
-        pairs = owner_pairs(args.node_config)
-        if args.identity:  # the identity comes first: the roster that will list it may not exist yet
-            pairs.pop("secagg-roster", None)
-        node = parse(pairs)
+        node = parse(owner_pairs(args.node_config))
         node.require_budget()
         if node.service:
             raise NodeConfigError("--node-config service=...: that key is the SuperNode's; the service's names data")
-    if args.identity:
-        if node is None:
-            raise NodeConfigError("--identity: needs --node-config with this owner's state-dir")
-        from fedsd.secure.identity import load_identity
-
-        print(load_identity(node.state()).line())
-        return 0
     if args.socket is None:
         raise NodeConfigError("--socket: required (the Unix socket the SuperNode's ClientApp forwards to)")
     service = DataService(Path(args.socket).absolute(), node, tuple(args.allow_uid), args.watch_pid, args.idle_seconds)

@@ -21,7 +21,7 @@ log = logging.getLogger("fedsd.data_service")
 def check_on_start(node: NodeConfig, state: StateFolder, accept: bool = False) -> None:
     """StateRolledBack naming every ledger and every run's rounds joined that is behind the
     owner's record, and the flag that accepts them; with `accept`, each raised to the record."""
-    from fedsd.app.client.secure_stages import JOINED
+    from fedsd.app.client.secure_owner import JOINED
 
     records = node.records()
     if records is None:  # no data of its own: no ledger of the owner's to roll back

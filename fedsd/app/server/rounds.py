@@ -41,6 +41,7 @@ class RoundBook:
         self.log = None  # a TensorBoardLog (fedsd.training.tensorboard), when the run writes one; run_server closes it
         # Under noise=distributed the server's optimizer (SecureRounds sets it): its momentum goes in each checkpoint.
         self.server_optimizer = None
+        self.names: dict[int, str] = {}  # under secure aggregation: protocol id → roster name or node id
 
     def evaluate_global(self, launch_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Flower's evaluate_fn: round 0 is the initial model (evaluated, not recorded)."""
@@ -94,7 +95,7 @@ class RoundBook:
         if self.log is not None:
             self.log.scalars(server_round, round_scalars(self.rounds[-1]))
         shown = accuracy if self.test is not None or federated is None else federated["test_accuracy"]
-        round_log(self.rounds[-1], self.rounds_total, shown, max(epsilons.values(), default=0.0))
+        round_log(self.rounds[-1], self.rounds_total, shown, max(epsilons.values(), default=0.0), self.names)
         self.bar.update(1)
         self.bar.set_postfix(acc=f"{shown:.4f}", eps=f"{max(epsilons.values(), default=0.0):.2f}")
         self.last = now

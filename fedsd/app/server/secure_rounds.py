@@ -17,286 +17,40 @@ the same way. Otherwise the sum (uint64) becomes the mean update of the survivor
 (fedsd.app.secure_sum.apply_sum). Every round's protocol record (who was in at each stage, bytes each
 way, seconds, culprits, the mean update's norm and its bound) goes to
 <out>/secure-aggregation.json, and its sum to <out>/secagg-sum-<round>.npy.
+
+The stage messages, the identify stage and the five stages after it are
+fedsd.app.server.stage_exchange; the noise plan and the bound a local-noise sum is checked
+against, fedsd.app.server.secure_plans.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import math
-import re
 import secrets
 import time
 from logging import INFO, WARNING
 from pathlib import Path
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common import log
-from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
 
 from fedsd.secure import client_level, distributed_noise, sum_bound
-from fedsd.errors import ConfigError
-from fedsd.secure.identity import Roster, protocol_id, public_line, read_roster, verify
-from fedsd.secure.secagg import SEED_BYTES, SELF_SEED_BYTES, RoundAbandoned, SecAggServer, identify_message, minimum_threshold
+from fedsd.secure.identity import read_roster
+from fedsd.secure.secagg_primitives import minimum_threshold
+from fedsd.secure.secagg_server import RoundAbandoned, SecAggServer
 from fedsd.app import secure_sum
 from fedsd.app.records import model_to_record, record_to_model, with_frozen
-from fedsd.app.secure_sum import KEY_FIELDS, BadMessage, read_map, write_map
+from fedsd.app.server.secure_plans import distributed_plan, local_noise_bound
+from fedsd.app.server.stage_exchange import Exchange, identify, protocol, refusals, reported
 from fedsd.app.server.strategy import NoClientCanTrain
-
 
 
 class SumOutsideBound(RoundAbandoned):
     """The decoded sum is above what the round's clients could send honestly: one of those summed
     sent an input outside the bound (or a mask other than its signed seed), and nothing short of
     a proof on each input says which (docs/algorithms.md, "Spoilers named")."""
-
-
-def _size(content: RecordDict) -> int:
-    return recorddict_to_proto(content).ByteSize()
-
-
-CULPRIT = re.compile(r"\(culprit: (\d+)\)")
-
-
-class Exchange:
-    """One round's messages: sends a stage to some nodes, keeps the good replies, counts bytes
-    and seconds per stage. Clients are named by their protocol id, which each node's service
-    tells at the identify stage (its roster identity's, or its node id without a roster)."""
-
-    def __init__(self, grid: Grid, server_round: int, timeout: float, nodes: list[int]):
-        self.grid, self.server_round, self.timeout = grid, server_round, timeout
-        self.stages: dict[str, dict] = {}
-        self.nodes: dict[int, int] = {secure_sum.secagg_id(node): node for node in sorted(nodes)}
-        self.ids = {node: client for client, node in self.nodes.items()}
-        self.named: dict[str, str] = {}  # a culprit (protocol id) → what its neighbours said of it
-
-    def identified(self, ids: dict[int, int]) -> None:
-        """The protocol ids the nodes told (protocol id → node); a node that told an id another
-        node told already is left out (an owner takes part once a round)."""
-        self.nodes = {}
-        for client, node in sorted(ids.items(), key=lambda kv: kv[1]):
-            self.nodes.setdefault(client, node)
-        self.ids = {node: client for client, node in self.nodes.items()}
-
-    def ask(self, stage: str, contents: dict[int, RecordDict]) -> dict[int, RecordDict]:
-        started, started_at = time.perf_counter(), time.time()
-        kind = secure_sum.MESSAGE_TYPES[stage]
-        messages = [Message(content=content, dst_node_id=self.nodes[client], message_type=kind,
-                            group_id=str(self.server_round)) for client, content in contents.items()]
-        replies = self.grid.send_and_receive(messages, timeout=self.timeout)
-        good, failed = {}, {}
-        for reply in replies:
-            client = self.ids.get(reply.metadata.src_node_id, -1)
-            if reply.has_error():
-                failed[client] = reply.error.reason[:300]
-                for culprit in CULPRIT.findall(failed[client]):
-                    self.named.setdefault(culprit, failed[client])
-            elif client in contents and secure_sum.RECORD in reply.content:
-                good[client] = reply.content
-            else:
-                failed[client] = "a reply without the stage's record"
-        for client in set(contents) - set(good) - set(failed):
-            failed[client] = "no reply"
-        self.stages[stage] = dict(asked=sorted(contents), answered=sorted(good), failed={str(k): v for k, v in
-                                                                                        failed.items()},
-                                  bytes_sent=sum(_size(c) for c in contents.values()),
-                                  bytes_received=sum(_size(c) for c in good.values()),
-                                  seconds=time.perf_counter() - started, started_at=started_at,
-                                  ended_at=time.time())  # wall clock: fedsd.deployment.stage_links
-        for client, why in failed.items():
-            log(WARNING, "secure aggregation round %d, %s: client %d dropped: %s", self.server_round, stage, client,
-                why)
-        return good
-
-
-def _stage_record(base: dict, **fields) -> RecordDict:
-    return RecordDict({secure_sum.RECORD: ConfigRecord({**base, **fields})})
-
-
-def _with_config(content: RecordDict, config: ConfigRecord) -> RecordDict:
-    content["config"] = config
-    return content
-
-
-def _map_record(base: dict, extra: RecordDict | None = None, **maps) -> RecordDict:
-    record = ConfigRecord(dict(base))
-    for name, values in maps.items():
-        write_map(record, name, values)
-    content = RecordDict({secure_sum.RECORD: record})
-    for key, value in (extra or {}).items():
-        content[key] = value
-    return content
-
-
-def _parsed(replies: dict[int, RecordDict], parse) -> dict:
-    """Each reply parsed; one that does not parse is dropped like a node that did not answer."""
-    out = {}
-    for node, content in replies.items():
-        try:
-            out[node] = parse(content[secure_sum.RECORD])
-        except (BadMessage, AttributeError, KeyError, TypeError, ValueError) as e:
-            log(WARNING, "secure aggregation: node %d's reply dropped: %s", node, e)
-    return out
-
-
-def _identity(record) -> dict:
-    client, public, signature = record["id"], record["v"], record.get("sig", b"")
-    if not (isinstance(client, int) and 0 <= client <= secure_sum.MAX_ID and isinstance(public, bytes)
-            and len(public) in (0, 32) and isinstance(signature, bytes)):
-        raise BadMessage("an id in [0, 2^63), a 32-byte identity key (or none) and its signature were expected")
-    return {"id": client, "v": public, "sig": signature, "authenticated": bool(record.get("authenticated", False))}
-
-
-def _keys(record) -> dict:
-    out = {f: record[f] for f in KEY_FIELDS}
-    if not all(isinstance(v, bytes) for v in out.values()) or any(len(out[f]) != 32 for f in ("c", "s", "v")):
-        raise BadMessage("public keys are 32 bytes each, with a signature")
-    return out
-
-
-def _dealt(record) -> dict:
-    dealing, digest = record["dealing"], record["digest"]
-    if not isinstance(dealing, bytes) or not isinstance(digest, bytes):
-        raise BadMessage("a signature of the dealing and the self-mask seed's digest were expected")
-    return {"shares": read_map(record, "shares"), "commits": read_map(record, "commits"), "dealing": dealing,
-            "digest": digest}
-
-
-def _masked(length: int):
-    def parse(record) -> np.ndarray:
-        vector = record["masked"].numpy()
-        if vector.dtype != np.uint64 or vector.shape != (length,):
-            raise BadMessage(f"a masked input of {vector.dtype} {vector.shape}, not uint64 ({length},)")
-        return vector
-    return parse
-
-
-def _signature(record) -> bytes:
-    if not isinstance(record["sig"], bytes):
-        raise BadMessage("a signature was expected")
-    return record["sig"]
-
-
-def _unmask_answer(record) -> dict:
-    answer = {"b": read_map(record, "b"), "s": read_map(record, "s")}
-    if any(len(share) != SELF_SEED_BYTES for share in answer["b"].values()) or any(
-            len(share) != SEED_BYTES for share in answer["s"].values()):
-        raise BadMessage(f"shares of {SELF_SEED_BYTES} (b) and {SEED_BYTES} bytes (s) were expected")
-    return answer
-
-
-def identify(exchange: Exchange, base: dict, roster: Roster | None, round_id: bytes,
-             barred: dict[int, str] | None = None, known: dict[int, dict] | None = None) -> dict[int, dict]:
-    """Before stage 0: each node's protocol id and identity. A node that tells an identity key
-    without its signature for this round and node (a member telling another owner's) is left out
-    and named by its node; with the server's copy of the roster a node whose key is not on it,
-    or whose id is not its key's, is left out and named. `known` (node → what it told, checked
-    in an earlier round of this run; updated here): those nodes are not asked again, so a round
-    after the first has no identify exchange unless a node is new (SecureRounds.forget). Only the
-    server relies on this stage: every owner checks its neighbours' signed keys against its own
-    roster at share-keys, whatever the server told it of who is who."""
-    known = {} if known is None else known
-    told = _told(exchange, base, roster, round_id, [c for c, node in exchange.nodes.items() if node not in known])
-    fresh = {exchange.nodes[client]: who for client, who in told.items()}
-    ids, out = {}, {}
-    for node in sorted(exchange.nodes.values(), key=lambda node: (node not in known, node)):  # the known first
-        who = known.get(node) or fresh.get(node)
-        if who is None:
-            continue
-        if who["id"] in (barred or {}):  # named with checkable evidence earlier in this run: never again in it
-            exchange.named[str(who["id"])] = barred[who["id"]]
-            continue
-        if who["id"] in ids:
-            exchange.named[str(who["id"])] = f"nodes {ids[who['id']]} and {node} told one id"
-            continue
-        ids[who["id"]], out[who["id"]] = node, who
-        known.setdefault(node, who)
-    exchange.identified(ids)
-    return out
-
-
-def _told(exchange: Exchange, base: dict, roster: Roster | None, round_id: bytes, asked: list[int]) -> dict:
-    """What the `asked` nodes told at identify that passes the checks (placeholder id → what it told)."""
-    if not asked:
-        return {}
-    told = _parsed(exchange.ask("identify", {c: _stage_record(base) for c in asked}), _identity)
-    if roster is None and any(who["v"] for who in told.values()):
-        # Without the server's copy a keyless node could tell an owner's id first and take its place
-        raise ConfigError("secagg-roster: the owners take part under a roster (their nodes told roster identities) "
-                          "but this run has no copy of it; give the server the owners' roster file "
-                          "(--run-config \"secagg-roster='PATH'\")")
-    out = {}
-    for client, who in told.items():
-        node = exchange.nodes[client]
-        if who["v"] and not verify(who["v"], who["sig"], identify_message(round_id, node)):
-            exchange.named[f"node {node}"] = "an identity key it did not sign for this round and node"
-            log(WARNING, "secure aggregation round %d: left out node %d: %s", exchange.server_round, node,
-                exchange.named[f"node {node}"])
-            continue
-        if roster is not None and (roster.key(who["id"]) != who["v"] or protocol_id(who["v"]) != who["id"]):
-            exchange.named[str(who["id"])] = f"node {node}: a key not on the server's roster ({public_line(who['v'])})" \
-                if who["v"] else f"node {node}: no roster identity"
-            log(WARNING, "secure aggregation round %d: left out %s", exchange.server_round,
-                exchange.named[str(who["id"])])
-            continue
-        out[client] = who
-    return out
-
-
-def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: RecordDict,
-             evidence: str = "") -> tuple[np.ndarray, list]:
-    """The five stages after identify; the sum and the survivors' replies (RoundAbandoned below
-    the threshold, or when the shares do not rebuild one secret)."""
-    ask = exchange.ask
-    # The round's settings go with stage 0 too: each client signs their digest with its keys
-    # (fedsd.secure.secagg, stage 0), and its masked input is refused under any other settings.
-    # `evidence`: the run's spoilers so far, with what proves it: each owner checks it and refuses them
-    extra = {"evidence": evidence} if evidence else {}
-    keys = _parsed(ask("advertise", {n: _with_config(_stage_record(base, **server.setup(n), **extra),
-                                                     train["config"]) for n in server.cohort}), _keys)
-    server.collect_keys(keys)
-    requests = {}
-    for n in keys:
-        theirs = server.keys_for(n)
-        requests[n] = _map_record(base, **{f"keys-{f}": {j: k[f] for j, k in theirs.items()} for f in KEY_FIELDS})
-    server.collect_shares(_parsed(ask("share", requests), _dealt))
-    requests = {}
-    for n in server.holders:
-        shares = server.shares_for(n)
-        requests[n] = _map_record(base, {"arrays": train["arrays"], "config": train["config"]},
-                                  shares=shares["ciphertexts"], commits=shares["commits"])
-    replies = ask("masked", requests)
-    # A masked input without its metrics record (or one that does not parse) is left out: that
-    # client counts as dropped, its masks are removed as a dropout's, the round goes on.
-    masked = {n: v for n, v in _parsed(replies, _masked(server.length)).items() if reported(replies[n]) is not None}
-    for n in set(replies) - set(masked):
-        exchange.stages["masked"]["failed"].setdefault(str(n), "a masked input without a metrics record")
-    server.collect_masked(masked)
-    signatures = _parsed(ask("confirm", {n: _stage_record(base, **server.unmask_request(n)) for n in server.masked}),
-                         _signature)
-    routed = server.route_confirmations(signatures)
-    answers = _parsed(ask("unmask", {n: _map_record(base, confirmations=routed.get(n, {})) for n in signatures}),
-                      _unmask_answer)
-    total = server.finish(answers)
-    return total, [replies[n] for n in sorted(server.masked)]
-
-
-REFUSED = "secure aggregation refused: "
-
-
-def refusals(exchange: Exchange, stage: str = "") -> dict[str, int]:
-    """The owners' refusals in a round (of one stage, or all), each distinct reason with the
-    number of owners that gave it (what a node's service refused with, as its error reply says)."""
-    counts: dict[str, int] = {}
-    for name, record in exchange.stages.items():
-        if stage and name != stage:
-            continue
-        for why in record["failed"].values():
-            if REFUSED in why:  # Flower wraps a ClientApp's exception as <class …>:<'text'>
-                reason = why.split(REFUSED, 1)[1].removesuffix("'>").removesuffix("'")
-                counts[reason] = counts.get(reason, 0) + 1
-    return counts
 
 
 def cannot_go_on(server_round: int, record: dict, exchange: Exchange) -> str:
@@ -314,85 +68,6 @@ def cannot_go_on(server_round: int, record: dict, exchange: Exchange) -> str:
     return (f"round {server_round}: {sum(refused.values())} of {len(cohort)} owners refused the round before anyone "
             f"released, leaving fewer than the threshold of {threshold}, so the run stops: "
             + "; ".join(f"{count} refused: {reason}" for reason, count in refused.items()))
-
-
-def local_noise_bound(cfg, fed, dim: int) -> float:
-    """The L2 norm the mean of the survivors' local-noise updates stays below: the run's public
-    bound on one honest update (fedsd.secure.sum_bound.public_local_bound, which every owner scales
-    its update down to) plus each update's fixed-point rounding, half a unit a coordinate. No
-    client's report enters it: a member cannot loosen it."""
-    return sum_bound.public_local_bound(cfg, fed, dim) + math.sqrt(dim) / secure_sum.SCALE
-
-
-def reported(content: RecordDict) -> dict | None:
-    """A masked reply's metrics record as plain numbers, or None where it has none or one that
-    does not parse (that client is then left out like one that did not answer)."""
-    metrics = content.get("metrics") if "metrics" in content else None
-    if not isinstance(metrics, MetricRecord):
-        return None
-    out = {}
-    for key, value in metrics.items():
-        if not isinstance(key, str) or isinstance(value, (list, bool)) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value):
-            return None
-        out[key] = value
-    return out
-
-
-def distributed_plan(cfg, fed, num_classes: int):
-    """noise=distributed in a deployment: the run's noise plan (one Skellam-noised DP-SGD step a
-    round at the run's q = sample-rate; batch-size is the federation's expected batch, t
-    honest-clients) and the server's optimizer. Refused (ConfigError) before any round when the
-    run cannot be one."""
-    from fedsd.secure.distributed_step import DISTRIBUTED_METHODS, ServerOptimizer, dimension
-    from fedsd.models.networks import model_for
-
-    honest = fed.honest_clients or fed.num_clients
-    if fed.client_data != "own":  # every owner would refuse it at its first stage: said before round 1
-        raise ConfigError(f"client-data={fed.client_data}: noise=distributed in a deployment draws each "
-                          f"owner's batch and noise from its own data and its own secret stream; set client-data=own "
-                          f"(each SuperNode's owner names its data in its node config)")
-    if fed.privacy_unit == "client":
-        return client_level_plan(cfg, fed, num_classes, honest)
-    if fed.local_epochs != 1:
-        raise ConfigError(f"local-epochs={fed.local_epochs}: noise=distributed takes one step a round (the server "
-                          f"applies each step); leave it at 1")
-    if not 0 < fed.sample_rate <= 1:
-        raise ConfigError("sample-rate: noise=distributed in a deployment needs the run's q, batch-size / the "
-                          "federation's records (each client draws at it)")
-    if cfg.method not in DISTRIBUTED_METHODS:
-        raise ConfigError(f"method={cfg.method}: noise=distributed runs {', '.join(DISTRIBUTED_METHODS)}")
-    if honest < 1:
-        raise ConfigError("honest-clients: noise=distributed in a deployment needs t, the fewest clients whose "
-                          "shares the noise counts on")
-    net = model_for(cfg, num_classes)
-    plan = distributed_noise.calibrated(cfg.epsilon, cfg.delta, cfg.clip, fed.sample_rate, float(cfg.batch_size),
-                                        fed.rounds, honest, dimension(net))
-    return plan, ServerOptimizer(net, cfg.lr, cfg.momentum)
-
-
-def client_level_plan(cfg, fed, num_classes: int, honest: int):
-    """privacy-unit=client in a deployment (fedsd.secure.client_level): every client every round
-    (q = 1), each update clipped to update-clip by its owner, the sum over n applied with learning
-    rate 1 (FedAvg of the clipped, noised updates), as `fedsd simulate --privacy-unit client`."""
-    from fedsd.models.networks import model_for
-    from fedsd.secure import client_level
-    from fedsd.secure.distributed_step import ServerOptimizer, dimension
-
-    if cfg.method != "dpsgd":
-        raise ConfigError(f"method={cfg.method}: privacy-unit=client trains each client's update without noise and "
-                          f"without a teacher (method=dpsgd); self-distillation is record level")
-    if not 1 <= honest <= fed.num_clients:
-        raise ConfigError(f"honest-clients={fed.honest_clients}: t must be in [1, num-clients={fed.num_clients}]")
-    net = model_for(cfg, num_classes)
-    adapting = fed.update_clip_quantile > 0  # each client's bit: one coordinate more (client_level.AdaptiveUpdateClip)
-    plan = client_level.calibrated(cfg.epsilon, cfg.delta, fed.update_clip, fed.num_clients, fed.rounds, honest,
-                                   dimension(net) + adapting)
-    optimizer = ServerOptimizer(net, client_level.server_lr(fed), 0.0)
-    if adapting:
-        client_level.AdaptiveUpdateClip.of(fed, plan)  # σ_b refused before round 1
-        optimizer.update_clip = fed.update_clip
-    return plan, optimizer
 
 
 class SecureRounds:
@@ -415,9 +90,23 @@ class SecureRounds:
         self.evidence: list[dict] = []  # what proves it, sent to every owner at each later advertise
         self.outside: list[tuple[int, frozenset]] = []  # (round, the clients summed) of each sum outside the bound
         self._seat_key = secrets.token_bytes(16)  # the order `_seated` keeps clients in, no member's to choose
+        self.names: dict[int, str] = {}  # protocol id → its roster name, else its node id (Exchange.name)
+
+    def named(self, culprit: str) -> str:
+        """A culprit (its protocol id, or "node N") as the summary names clients."""
+        return self.names.get(int(culprit), f"client {culprit}") if culprit.isdigit() else culprit
+
+    def result_facts(self) -> dict:
+        """What the run's result.json says beside the rounds: the noise plan (distributed noise),
+        and each client the rounds name by protocol id, by its roster name or node id."""
+        facts = {"client_names": {str(k): v for k, v in sorted(self.names.items())}}
+        if self.distributed:
+            facts["noise"] = self.noise.to_dict()
+        return facts
 
     def run(self, arrays: ArrayRecord) -> ArrayRecord:
         fed = self.launch.fed
+        self.side.book.names = self.names  # each round's log line names its clients so
         if self.distributed:
             self._resume_optimizer()
         for launch_round in range(1, fed.rounds - self.launch.round + 1):
@@ -441,7 +130,7 @@ class SecureRounds:
     def one_round(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
         fed, experiment = self.launch.fed, self.launch.experiment_id
         started = time.perf_counter()
-        exchange = Exchange(self.grid, server_round, fed.round_timeout, list(self.grid.get_node_ids()))
+        exchange = Exchange(self.grid, server_round, fed.round_timeout, list(self.grid.get_node_ids()), self.roster)
         base = {"experiment-id": experiment, "server-round": server_round}
         record = dict(round=server_round)
         try:
@@ -449,6 +138,7 @@ class SecureRounds:
             identities = self._seated(exchange, identify(exchange, base, self.roster, rid, self.barred, self.known),
                                       record)
             cohort = sorted(exchange.nodes)
+            self.names.update({client: exchange.name(client) for client in cohort})
             plain = sorted(exchange.nodes[c] for c, who in identities.items() if not who["authenticated"])
             n = len(cohort)
             threshold = min(n, max(minimum_threshold(n), fed.secagg_threshold)) if n else 1
@@ -486,7 +176,7 @@ class SecureRounds:
                       bytes_sent=sum(s["bytes_sent"] for s in exchange.stages.values()),
                       bytes_received=sum(s["bytes_received"] for s in exchange.stages.values()))
         for culprit, why in exchange.named.items():
-            log(WARNING, "secure aggregation round %d: client %s named: %s", server_round, culprit, why)
+            log(WARNING, "secure aggregation round %d: %s named: %s", server_round, self.named(culprit), why)
         log(INFO, "secure aggregation round %d: %d of %d clients summed, %.1f s, %d bytes sent, %d received",
             server_round, len(record["survivors"]), len(record.get("cohort", [])), record["seconds"],
             record["bytes_sent"], record["bytes_received"])
@@ -569,7 +259,7 @@ class SecureRounds:
 
     def _bar(self, server: SecAggServer, record: dict, server_round: int) -> None:
         """Each dealer whose t committed shares rebuilt a secret other than the one it signed
-        (SecAggServer.evidence, which fedsd.secure.secagg.verify_blame checks) is named in the
+        (SecAggServer.evidence, which fedsd.secure.secagg_primitives.verify_blame checks) is named in the
         round's record with its evidence and left out of every later round of this run; the
         evidence goes to every owner at each later advertise. Honest owners so pay for one such
         round at most per member. An input outside the bound is not found so (docs/algorithms.md):

@@ -64,10 +64,11 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedConfig, out: str | Path | N
         side.strategy.frozen = frozen_part(side.cfg, side.num_classes)
         # Every message carries the run's settings (the strategy adds them); this is what Flower logs at the start.
         train_config = ConfigRecord({"experiment-id": launch.experiment_id})
+        secure = None  # the secure rounds, whose plan and clients' names the result keeps
         try:
             if launch.fed.secure_aggregation:  # identify and the five stages of SecAgg+ each round, in place of the strategy's
-                outcome = SimpleNamespace(arrays=SecureRounds(PollingGrid(grid), side, launch).run(
-                    model_to_record(initial)))
+                secure = SecureRounds(PollingGrid(grid), side, launch)
+                outcome = SimpleNamespace(arrays=secure.run(model_to_record(initial)))
             else:
                 outcome = side.strategy.start(grid=PollingGrid(grid), initial_arrays=model_to_record(initial),
                                               num_rounds=launch.fed.rounds - launch.round,
@@ -82,7 +83,7 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedConfig, out: str | Path | N
         finally:
             side.book.close()
         final = record_to_model(outcome.arrays) if len(outcome.arrays) else initial
-        result = federation_result(launch, side, time.perf_counter() - started)
+        result = federation_result(launch, side, time.perf_counter() - started, secure)
         weights = {k: v.cpu() for k, v in released(final).items()}
         if launch.out is not None:
             write_run(launch.out, result, weights)  # result.json last: from here on the run is finished
@@ -139,9 +140,11 @@ class ServerSide:
         return cls(cfg, num_classes, device, test, source, strategy, book)
 
 
-def federation_result(launch, side: ServerSide, wall_seconds: float) -> RunResult:
+def federation_result(launch, side: ServerSide, wall_seconds: float, secure=None) -> RunResult:
     """A federation's result.json: what the clients reported (shard size, σ, q, ε, steps), not
-    what the server computed, and the rounds as the book recorded them."""
+    what the server computed, and the rounds as the book recorded them; under secure aggregation
+    (`secure`, its SecureRounds) also the noise plan and the clients' names
+    (SecureRounds.result_facts)."""
     fed, strategy, rounds = launch.fed, side.strategy, side.book.rounds
     reported = client_facts(strategy.round_clients)
     return RunResult.of_run(
@@ -155,7 +158,8 @@ def federation_result(launch, side: ServerSide, wall_seconds: float) -> RunResul
         evaluated_by="server" if side.test is not None else "clients", num_clients=fed.num_clients,
         shard_sizes=[reported.get(k, {}).get("num-examples") for k in range(fed.num_clients)],
         federation=fed.__dict__.copy(), experiment_id=launch.experiment_id, resumed_after_round=launch.round or None,
-        missed={str(r["round"]): r["missed"] for r in rounds if r["missed"]}, rounds=rounds)
+        missed={str(r["round"]): r["missed"] for r in rounds if r["missed"]}, rounds=rounds,
+        extra=secure.result_facts() if secure is not None else {})
 
 
 def public_side(cfg: TrainConfig, fed: FedConfig):

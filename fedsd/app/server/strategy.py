@@ -420,17 +420,21 @@ def inner_strategies(strategy):
         strategy = getattr(strategy, "strategy", None)
 
 
-def round_log(record: dict, rounds: int, accuracy: float, max_epsilon: float) -> None:
-    """One line a round: its accuracy, ε, time, and which clients trained, refused or missed it."""
-    who = f"trained {_clients(record['trained'])}"
+def round_log(record: dict, rounds: int, accuracy: float, max_epsilon: float, names: dict | None = None) -> None:
+    """One line a round: its accuracy, ε, time, and which clients trained, refused or missed it
+    (each by its name in `names`, where it has one: under secure aggregation, its roster name or
+    node id, not its protocol id)."""
+    who = f"trained {_clients(record['trained'], names)}"
     if record["refused"]:
-        who += f", refused {_clients(record['refused'])}"
+        who += f", refused {_clients(record['refused'], names)}"
     if record["missed"]:
-        who += f", missed {_clients(m['client'] for m in record['missed'])}"
+        who += f", missed {_clients((m['client'] for m in record['missed']), names)}"
     log(INFO, "fedsd round %d/%d: test accuracy %.4f, max client ε %.3f, %.1f s; %s",
         record["round"], rounds, accuracy, max_epsilon, record["seconds"], who)
 
 
-def _clients(ids) -> str:
-    ids = [str(i) if i is not None else "?" for i in ids]
+def _clients(ids, names: dict | None = None) -> str:
+    names = names or {}
+    ids = [names.get(int(i), str(i)) if i is not None and str(i).lstrip("-").isdigit() else str(i)
+           if i is not None else "?" for i in ids]
     return ", ".join(ids) if ids else "none"

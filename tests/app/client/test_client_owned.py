@@ -122,7 +122,7 @@ def test_lifetime_budget_spans_experiments(split, tmp_path, caplog):
     assert reply.content["metrics"]["refused"] == 1
     # The server is told "budget" and no figure of the ledger (it counts what other federations spent)
     assert reply.content["refusal"]["reason"] == LEDGER_REFUSED
-    assert f"lifetime budget left: {3.0 - spent:.3g} of ε=3" in caplog.text  # in full in the owner's log
+    assert f"lifetime budget: spent ε={spent:.3g} of the owner's ε=3" in caplog.text  # in full in the owner's log
     # ...and a small run that fits what is left is admitted.
     _, flat3 = run_config(epsilon=0.3, rounds=1, experiment="exp-3")
     reply, _ = send(flat3, node, model, 1)
@@ -139,7 +139,7 @@ def test_privacy_filter_matches_opacus_rdp_and_refuses_what_does_not_fit():
     accountant.history = [(p.noise_multiplier, p.sample_rate, p.planned_steps)]
     assert f.epsilon() == pytest.approx(accountant.get_epsilon(1e-5), rel=0.02)  # more orders: as tight or tighter
     assert f.epsilon() <= accountant.get_epsilon(1e-5) + 1e-9
-    with pytest.raises(Exception, match="lifetime budget left"):
+    with pytest.raises(Exception, match="lifetime budget: spent ε="):
         f.spend(p.noise_multiplier, p.sample_rate, p.planned_steps)
     restored = PrivacyFilter.from_state_dict(json.loads(json.dumps(f.state_dict())), 3.0, 1e-5)
     assert restored.epsilon() == f.epsilon() and len(restored.entries) == 1
@@ -362,14 +362,16 @@ def test_fedsd_ledger_shows_what_two_experiments_spent(split, tmp_path, capsys):
     for experiment, epsilon in reported.items():  # each experiment's charges are what its run reported
         assert by_id[experiment]["epsilon"] == pytest.approx(epsilon, rel=1e-6)
     assert ledger["sum_of_experiments_epsilon"] == pytest.approx(sum(reported.values()), rel=1e-6)
-    # Composed (RDP) the two spend less than their sum, and what is left is the rest of the owner's 5.
+    # Composed (RDP) the two spend less than their sum; no "ε left" (max − spent) is said, as a run
+    # fits by composing, not by subtracting.
     assert max(reported.values()) < ledger["spent_epsilon"] < sum(reported.values())
-    assert ledger["left_epsilon"] == pytest.approx(5.0 - ledger["spent_epsilon"])
+    assert "left_epsilon" not in ledger and "composed" in ledger["admits"]
     assert ledger["steps"] == 2 * 2 * 5  # two rounds of ⌈300 / 60⌉ steps, twice
     assert by_id["exp-1"]["first"] <= by_id["exp-2"]["last"]
     assert main(["ledger", "--state-dir", str(tmp_path)]) == 0
     text = capsys.readouterr().out
-    assert f"spent           ε = {ledger['spent_epsilon']:.3f} over 20 steps" in text
+    assert f"spent           ε = {ledger['spent_epsilon']:.3f} of the owner's 5 over 20 steps" in text
+    assert "left" not in text and "composed (RDP) with those spent, stay within ε ≤ 5" in text
     assert "owner's budget  ε ≤ 5, δ ≤ 1e-05" in text and "exp-1: ε = " in text and "exp-2: ε = " in text
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fedsd.app.client import service_wire
-from tests.app.client.test_owner_slips import HOLDER, NOBODY, SYSTEM_PYTHON, run_of
+from tests.app.client.test_service_processes_under_slips import HOLDER, NOBODY, SYSTEM_PYTHON, run_of
 from tests.app.client.test_server_threat import own_npz, via_service
 
 pytestmark = pytest.mark.usefixtures("flower_task")

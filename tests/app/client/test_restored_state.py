@@ -85,7 +85,7 @@ def test_a_restored_ledger_is_refused_until_accepted_and_nothing_is_spent_past_m
                                                  MAX_EPSILON, DELTA).entries) == 2
     ledgers.check_restored(state_folder(state), records, MAX_EPSILON, DELTA, accept=True)  # the owner's word
     assert "accepted a restored state folder" in records.accepted[0]
-    assert charge(state, records, server_round).startswith("refused: lifetime budget left")  # nothing re-spent
+    assert charge(state, records, server_round).startswith("refused: lifetime budget: spent")  # nothing re-spent
     spent = accountants_epsilon(SIGMA, Q, STEPS * len(charged), DELTA)
     print(f"{len(charged)} rounds charged in all; dp_accounting ε = {spent:.3f}")
     assert spent <= MAX_EPSILON * (1 + 1e-6)
@@ -157,7 +157,7 @@ def test_fedsd_ledger_shows_the_ledger_and_the_owners_record_and_says_when_they_
 
 # -- the owners' handlers, secure aggregation under distributed noise ----------------------------
 from tests.deployment.test_distributed_deployment import EPSILON, federation  # noqa: E402, F401
-from tests.deployment.test_review_distributed_deployment import _calibrated, _owner, _restarted, _round  # noqa: E402
+from tests.deployment.test_deployed_plans_a_server_chooses import _calibrated, _owner, _restarted, _round  # noqa: E402
 from tests.app.client.test_secure_aggregation import EXPERIMENT, IDS, owners  # noqa: E402, F401
 from tests.app.client.test_server_threat import data_service_process  # noqa: E402
 
@@ -171,8 +171,9 @@ def test_a_state_folder_restored_three_times_spends_nothing_twice_and_joins_no_r
     runs, twice across a restart). Each restore is refused, on joining round 3 again and on its
     charge, the server told only "refused: state"; accepted, the ledger holds the 4 rounds and
     nothing more is charged. Everything charged, by dp_accounting, stays within max-epsilon."""
-    from fedsd.app.client import secure_stages as service
-    from fedsd.secure.secagg import ProtocolError
+    from fedsd.app.client.secure_contribution import distributed_contribution
+    from fedsd.app.client.secure_owner import StageRefused
+    from fedsd.secure.secagg_primitives import ProtocolError
 
     f = federation
     plan = _calibrated(f, rounds=LONG)
@@ -188,15 +189,15 @@ def test_a_state_folder_restored_three_times_spends_nothing_twice_and_joins_no_r
         context, owner = _owner(f, 0)
         try:
             owner.join((owner.node.state_dir, int(context.run_id), EXPERIMENT, server_round))
-        except (service.StageRefused, ProtocolError) as e:
+        except (StageRefused, ProtocolError) as e:
             return str(e)
         return "joined"
 
     def contribute(server_round):
         context, owner = _owner(f, 0)
         try:
-            service.distributed_contribution(_round(f, server_round, **long_run), context, owner)
-        except service.StageRefused as e:
+            distributed_contribution(_round(f, server_round, **long_run), context, owner)
+        except StageRefused as e:
             return str(e)
         charged.append(server_round)
         return "released"
@@ -255,7 +256,7 @@ def test_a_real_data_service_refuses_a_restored_state_folder_until_its_owner_acc
     from fedsd.cli.main import main
     from fedsd.data import datasets as data_lib
     from tests.conftest import require
-    from tests.app.client.test_owner_slips import run_of
+    from tests.app.client.test_service_processes_under_slips import run_of
     from tests.app.client.test_server_threat import N, via_service
 
     require("fmnist")

@@ -1,5 +1,5 @@
 """Secure aggregation's four stages as the owner's data service answers them
-(fedsd/app/client/secure_stages.py), in this process against fedsd.secure.secagg's server: an honest round
+(fedsd/app/client/secure_stages.py), in this process against fedsd.secure.secagg_server's server: an honest round
 sums exactly what each service kept as its input; then hostile messages (a replayed stage, a
 share from another round, a round never advertised, a client named both survivor and dropped, a
 cohort below the owner's minimum, malformed fields) are each refused with their reason, and
@@ -9,9 +9,10 @@ import pytest
 from flwr.app import ConfigRecord, Context, RecordDict
 
 from fedsd.app.client import secure_stages as service
+from fedsd.app.client.secure_owner import StageRefused
 from fedsd.settings.run import TrainConfig
 from fedsd.settings.federation import FedConfig, client_config, to_flat
-from fedsd.secure.secagg import SecAggServer
+from fedsd.secure.secagg_server import SecAggServer
 from fedsd.training.loop import initial_model
 from fedsd.app import secure_sum
 from fedsd.app.records import model_to_record
@@ -125,7 +126,7 @@ def test_the_services_answer_an_honest_round_and_refuse_hostile_messages_without
     before = state_files(tmp_path)
 
     def refused(handler, content, node, reason):
-        with pytest.raises(service.StageRefused, match=reason):
+        with pytest.raises(StageRefused, match=reason):
             handler(content, contexts[node])
         assert state_files(tmp_path) == before  # the ledger and every other file untouched
 
@@ -176,14 +177,14 @@ def test_a_round_asked_again_after_its_update_went_into_a_sum_is_refused(owners)
         service.masked_reply(masked_message(base, flat, arrays, server.shares_for(n)), contexts[n])
     service._SESSIONS.clear()  # the service restarted
     before = state_files(tmp_path)
-    with pytest.raises(service.StageRefused, match="advertised to this owner already"):  # its joined rounds on disk
+    with pytest.raises(StageRefused, match="advertised to this owner already"):  # its joined rounds on disk
         up_to_shares(contexts, 1, flat)
     base = {"experiment-id": EXPERIMENT, "server-round": 1}
     # and were the round's session there again (a service that lost its record), the update is refused
     key, session = old_session[101]
     service._SESSIONS[key] = session
     session.stage = 2
-    with pytest.raises(service.StageRefused, match="went into a sum already|kept an input for this round already"):
+    with pytest.raises(StageRefused, match="went into a sum already|kept an input for this round already"):
         service.masked_reply(masked_message(base, flat, arrays, server.shares_for(101)), contexts[101])
     assert state_files(tmp_path) == before
 
@@ -211,7 +212,7 @@ class ServicesGrid:
 
 @pytest.mark.slow  # trains each owner's round (real data, real ledgers)
 def test_the_servers_stages_sum_the_survivors_and_drop_a_node_that_does_not_answer(owners):
-    from fedsd.app.server.secure_rounds import Exchange, identify, protocol
+    from fedsd.app.server.stage_exchange import Exchange, identify, protocol
 
     contexts, flat, arrays, tmp_path = owners
     base = {"experiment-id": EXPERIMENT, "server-round": 1}
@@ -262,7 +263,7 @@ def test_a_service_keeps_a_few_rounds_and_a_clientapp_without_one_refuses_the_st
         assert len(reply["secagg"]["c"]) == len(reply["secagg"]["s"]) == 32
     assert len(service._SESSIONS) == service.MAX_SESSIONS == 8
     assert all(c.max_colluders == 1 and c.min_cohort == 2 for c in service._SESSIONS.values())  # the owner's
-    with pytest.raises(service.StageRefused, match="round 2 of this run was not advertised"):
+    with pytest.raises(StageRefused, match="round 2 of this run was not advertised"):
         service.share_reply(with_map({"experiment-id": EXPERIMENT, "server-round": 2}), context)
     service._SESSIONS.clear()
     with pytest.raises(ValueError, match="no owner's data service"):
@@ -272,8 +273,8 @@ def test_a_service_keeps_a_few_rounds_and_a_clientapp_without_one_refuses_the_st
 
 @pytest.mark.slow  # trains each owner's round (real data, real ledgers)
 def test_a_client_that_answers_the_unmask_stage_with_garbage_is_dropped_and_the_round_abandoned(owners):
-    from fedsd.secure.secagg import RoundAbandoned
-    from fedsd.app.server.secure_rounds import Exchange, protocol
+    from fedsd.secure.secagg_server import RoundAbandoned
+    from fedsd.app.server.stage_exchange import Exchange, protocol
 
     contexts, flat, arrays, tmp_path = owners
 

@@ -2,7 +2,7 @@
 local noise takes the run's public numbers only, a masked reply that does not say what the stage
 needs leaves that client out (never the run), and an owner's masked reply says nothing of its
 records beside the vector. Against the owners' handlers with real data, state folders and ledgers
-(tests.secure.test_attack_authenticated_secagg's in-process grid), and the server's own round code."""
+(tests.secure.test_roster_keys_shares_and_bounds's in-process grid), and the server's own round code."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,7 +12,7 @@ from flwr.app import Array, ArrayRecord, MetricRecord
 from fedsd.app import secure_sum
 from fedsd.privacy import accounting
 from fedsd.secure import sum_bound
-from tests.secure.test_attack_authenticated_secagg import _Grid, members  # noqa: F401
+from tests.secure.test_roster_keys_shares_and_bounds import _Grid, members  # noqa: F401
 from tests.app.client.test_secure_aggregation import EXPERIMENT, IDS, owners  # noqa: F401
 
 
@@ -112,10 +112,10 @@ def test_owners_under_a_roster_need_the_servers_copy_at_identify(monkeypatch):
     from flwr.app import ConfigRecord, Message, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
-    from fedsd.app.server.secure_rounds import Exchange, identify
+    from fedsd.app.server.stage_exchange import Exchange, identify
     from fedsd.errors import ConfigError
     from fedsd.secure.identity import Identity
-    from fedsd.secure.secagg import identify_message
+    from fedsd.secure.secagg_primitives import identify_message
 
     for name, value in (("_run_id", 7), ("_node_id", 1), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, name, value)
@@ -137,7 +137,7 @@ def test_owners_under_a_roster_need_the_servers_copy_at_identify(monkeypatch):
 def _spoiled_round(monkeypatch, n: int = 5, spoil: bool = True, deal=None):
     """A round of n roster members in which the first deals shares of its self mask that are
     random bytes, each correctly encrypted, committed and signed (its own code, as a member's)."""
-    from fedsd.secure import secagg
+    from fedsd.secure import secagg, secagg_primitives, secagg_server
     from fedsd.secure.identity import Identity, Roster
 
     rid = b"spoiled-round"
@@ -145,10 +145,10 @@ def _spoiled_round(monkeypatch, n: int = 5, spoil: bool = True, deal=None):
     roster = Roster.of({f"c{k}": i.public for k, i in enumerate(identities)})
     clients = {i.id: secagg.SecAggClient(i.id, rid, identity=i, roster=roster) for i in identities}
     spoiler = sorted(clients)[0]
-    real = secagg.split_secret
+    real = secagg_primitives.split_secret
     rng = np.random.default_rng(1)
     xs = {i: rng.integers(0, 2 ** 30, 64, dtype=np.uint64) for i in clients}
-    server = secagg.SecAggServer(rid, list(clients), 64)
+    server = secagg_server.SecAggServer(rid, list(clients), 64)
     server.collect_keys({i: c.advertise(**server.setup(i)) for i, c in clients.items()})
     dealt = {}
     for i, c in clients.items():
@@ -165,7 +165,7 @@ def _spoiled_round(monkeypatch, n: int = 5, spoil: bool = True, deal=None):
     server.test_answers = answers
     if not spoil:
         return server, server.finish(answers), xs, spoiler, {i.id: i.public for i in identities}
-    with pytest.raises(secagg.RoundAbandoned, match="rebuild secrets other than those they signed") as abandoned:
+    with pytest.raises(secagg_server.RoundAbandoned, match="rebuild secrets other than those they signed") as abandoned:
         server.finish(answers)
     assert spoiler in abandoned.value.culprits
     return server, None, xs, spoiler, {i.id: i.public for i in identities}
@@ -180,7 +180,7 @@ def test_a_dealer_whose_shares_rebuild_another_secret_is_named_with_evidence_any
     roster checks, which no change to a share, a commitment, the holders' order or t survives."""
     import copy
 
-    from fedsd.secure.secagg import verify_blame
+    from fedsd.secure.secagg_primitives import verify_blame
 
     server, _, xs, spoiler, keys = _spoiled_round(monkeypatch)
     evidence = server.evidence
@@ -206,15 +206,15 @@ def test_a_dealer_with_a_consistent_sharing_of_another_secret_is_named_too(monke
     every check of a first fix (shares past t compared with each other) and were never named."""
     import os
 
-    from fedsd.secure import secagg
+    from fedsd.secure import secagg_primitives
 
-    real = secagg.split_secret
+    real = secagg_primitives.split_secret
     server, _, _, spoiler, keys = _spoiled_round(monkeypatch, deal=lambda s, t, h: real(os.urandom(len(s)), t, h))
-    assert set(server.evidence) == {spoiler} and secagg.verify_blame(server.evidence[spoiler], keys[spoiler])
+    assert set(server.evidence) == {spoiler} and secagg_primitives.verify_blame(server.evidence[spoiler], keys[spoiler])
 
 
 def test_an_honest_round_names_no_dealer_and_a_framed_one_fails_the_check(monkeypatch):
-    from fedsd.secure.secagg import verify_blame
+    from fedsd.secure.secagg_primitives import verify_blame
 
     server, total, xs, dealer, keys = _spoiled_round(monkeypatch, spoil=False)
     assert np.array_equal(total, sum(xs.values())) and server.evidence == {} and not server.culprits
@@ -238,14 +238,14 @@ def _honest_shares(server, dealer) -> dict:
 
 
 def test_a_dealer_that_does_not_sign_its_dealing_is_left_out_and_named():
-    from fedsd.secure import secagg
+    from fedsd.secure import secagg, secagg_server
     from fedsd.secure.identity import Identity, Roster
 
     rid = b"unsigned-dealing"
     identities = [Identity() for _ in range(4)]
     roster = Roster.of({f"c{k}": i.public for k, i in enumerate(identities)})
     clients = {i.id: secagg.SecAggClient(i.id, rid, identity=i, roster=roster) for i in identities}
-    server = secagg.SecAggServer(rid, list(clients), 8, threshold=3)
+    server = secagg_server.SecAggServer(rid, list(clients), 8, threshold=3)
     server.collect_keys({i: c.advertise(**server.setup(i)) for i, c in clients.items()})
     dealt = {i: c.share_keys(server.keys_for(i)) for i, c in clients.items()}
     odd = sorted(dealt)[0]
@@ -308,12 +308,12 @@ def test_a_spoiler_is_named_in_the_round_record_and_left_out_of_the_rest_of_the_
     import json
 
     from fedsd.app.server.secure_rounds import SecureRounds
-    from fedsd.secure import secagg
+    from fedsd.secure import secagg, secagg_primitives
     from fedsd.settings.federation import FedConfig, client_config
 
     m = four_owners
     spoiler = m.ids[m.nodes[0]]
-    real_share_keys, real_split = secagg.SecAggClient.share_keys, secagg.split_secret
+    real_share_keys, real_split = secagg.SecAggClient.share_keys, secagg_primitives.split_secret
 
     def share_keys(self, keys):
         if self.me != spoiler:
@@ -336,10 +336,10 @@ def test_a_spoiler_is_named_in_the_round_record_and_left_out_of_the_rest_of_the_
     moved = rounds.one_round(1, m.arrays)
     first = rounds.records[0]
     assert "other than those they signed" in first["abandoned"] and set(first["evidence"]) == {str(spoiler)}, first
-    assert secagg.verify_blame(first["evidence"][str(spoiler)], m.roster.key(spoiler))
+    assert secagg_primitives.verify_blame(first["evidence"][str(spoiler)], m.roster.key(spoiler))
     assert "other than the one it signed" in first["culprits"][str(spoiler)]
     saved = json.loads((tmp_path / "secure-aggregation.json").read_text())[0]["evidence"][str(spoiler)]
-    assert secagg.verify_blame(saved, m.roster.key(spoiler))  # as a reader of the file checks it
+    assert secagg_primitives.verify_blame(saved, m.roster.key(spoiler))  # as a reader of the file checks it
     rounds.one_round(2, moved)
     second = rounds.records[1]
     assert spoiler not in second["cohort"] and "spoiled round 1" in second["culprits"][str(spoiler)]
@@ -348,7 +348,7 @@ def test_a_spoiler_is_named_in_the_round_record_and_left_out_of_the_rest_of_the_
     # checked it at round 2's advertise and kept it, and refuses the cohort before anything is drawn.
     rounds.barred.clear()
     rounds.evidence.clear()
-    from fedsd.app.client.secure_stages import StageRefused
+    from fedsd.app.client.secure_owner import StageRefused
 
     with pytest.raises(StageRefused, match=f"named with evidence of spoiling round 1 .*culprit: {spoiler}"):
         rounds.one_round(3, moved)  # this grid raises an owner's refusal where Flower's would carry it back
@@ -390,7 +390,7 @@ def test_owners_that_cannot_pay_say_so_before_anyone_is_charged(members, tmp_pat
 
 class RefusalsGrid(_Grid):
     """The owners' handlers in this process, an owner's refusal carried back as an error reply,
-    as Flower carries it (tests.secure.test_attack_authenticated_secagg._Grid raises it)."""
+    as Flower carries it (tests.secure.test_roster_keys_shares_and_bounds._Grid raises it)."""
 
     def __init__(self, contexts):
         super().__init__(contexts, lambda kind, node, reply: reply)
@@ -398,7 +398,7 @@ class RefusalsGrid(_Grid):
     def send_and_receive(self, messages, *, timeout=None):
         from flwr.app import Error, Message
 
-        from fedsd.app.client.secure_stages import StageRefused
+        from fedsd.app.client.secure_owner import StageRefused
 
         replies = []
         for m in messages:
@@ -455,7 +455,8 @@ def test_who_is_seated_after_a_sum_outside_the_bound_is_no_members_choice():
     member's key to the lowest id, which a lowest-id rule always kept (every honest owner summed
     with it then left out whenever it was online). The ones left out are in the round's
     `not_seated`, not named as culprits."""
-    from fedsd.app.server.secure_rounds import Exchange, SecureRounds
+    from fedsd.app.server.secure_rounds import SecureRounds
+    from fedsd.app.server.stage_exchange import Exchange
 
     kept_member = 0
     for _ in range(40):

@@ -1,0 +1,203 @@
+"""SecAgg+'s primitives and the bytes its parties sign (fedsd.secure.secagg has the protocol):
+the sizes of its keys, seeds and shares; `ProtocolError`; masks expanded from a seed
+(AES-256-CTR), key agreement (X25519) and derivation (HKDF-SHA256), ids checked, Shamir's
+sharing of a secret; what each stage's signature covers (`_advert`, `_commitment`,
+`_commit_message`, `_dealing_message`, `_view_message`, `identify_message`); the smallest
+threshold a client accepts (`minimum_threshold`); and `verify_blame`, the check anyone holding
+the roster runs on the evidence that a dealer's shares rebuild another secret than it signed.
+Both sides use them: the client's (fedsd.secure.secagg.SecAggClient) and the server's
+(fedsd.secure.secagg_server.SecAggServer).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+from Crypto.Protocol.SecretSharing import Shamir
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from fedsd.secure.identity import SIGNATURE_BYTES, verify
+
+MODULUS_BITS = 64  # the vectors are uint64, summed modulo 2^64
+SEED_BYTES = 32  # pairwise keys and mask keys: 256 bits
+SELF_SEED_BYTES = 16  # the self-mask seed b: 128 bits, one Shamir secret (its mask key is HKDF(b), 256 bits)
+CHUNK = 16  # pycryptodome's Shamir shares 16-byte secrets: a 32-byte secret (the s key) is two
+NONCE = 12
+SHARE_BYTES = SELF_SEED_BYTES + SEED_BYTES  # a share of b and a share of s, in one ciphertext
+MAX_ID = (1 << 63) - 1
+
+
+class ProtocolError(Exception):
+    """A stage message this client refuses; its text says why and nothing of the data."""
+
+
+# -- primitives ------------------------------------------------------------------------------
+def expand_mask(seed: bytes, length: int) -> np.ndarray:
+    """`length` uint64 words of AES-256-CTR keystream under `seed` (32 bytes). Each seed masks
+    one vector of one round, so the zero nonce is never reused under a key."""
+    encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
+    return np.frombuffer(encryptor.update(bytes(8 * length)) + encryptor.finalize(), dtype="<u8").copy()
+
+
+def self_mask_key(seed: bytes) -> bytes:
+    """The AES-256 key of a self mask, from its 128-bit seed b (b is what is Shamir-shared: one
+    16-byte secret, half the sharing and rebuilding work of a 32-byte one)."""
+    return _derive(seed, b"fedsd-secagg|self-mask")
+
+
+def _derive(shared: bytes, info: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=None, info=info).derive(shared)
+
+
+def _raw(public: X25519PublicKey) -> bytes:
+    return public.public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+FIELD_PRIME = 2 ** 255 - 19
+
+
+def _public(raw: object, what: str) -> X25519PublicKey:
+    """A public key in its one canonical encoding (below 2^255 − 19, bit 255 clear): X25519
+    ignores bit 255, and two encodings of one point would pass the distinct-keys check."""
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) != 32:
+        raise ProtocolError(f"{what}: not a 32-byte X25519 public key")
+    if int.from_bytes(raw, "little") >= FIELD_PRIME:
+        raise ProtocolError(f"{what}: not a canonical X25519 public key")
+    return X25519PublicKey.from_public_bytes(bytes(raw))
+
+
+def _agree(private: X25519PrivateKey, public: X25519PublicKey, what: str) -> bytes:
+    try:
+        return private.exchange(public)
+    except ValueError:  # a low-order point: the shared secret would be all zeros
+        raise ProtocolError(f"{what}: a key that agrees on no secret") from None
+
+
+def _ids(values: object, what: str) -> list[int]:
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                        and 0 <= v <= MAX_ID for v in values):
+        raise ProtocolError(f"{what}: a list of client ids (integers in [0, 2^63)) was expected")
+    if len(set(values)) != len(values):
+        raise ProtocolError(f"{what}: an id appears twice")
+    return sorted(values)
+
+
+def _info(round_id: bytes, *parts: object) -> bytes:
+    return b"fedsd-secagg|" + round_id + b"|" + b"|".join(str(p).encode() for p in parts)
+
+
+def split_secret(secret: bytes, threshold: int, holders: list[int]) -> dict[int, bytes]:
+    """Shamir shares of a 32-byte secret, t-of-len(holders); the holder at position k of the
+    sorted list holds the share at x = k + 1 (both 16-byte halves, 32 bytes)."""
+    halves = [Shamir.split(threshold, len(holders), secret[i:i + CHUNK]) for i in range(0, len(secret), CHUNK)]
+    return {holder: b"".join(half[k][1] for half in halves) for k, holder in enumerate(holders)}
+
+
+def combine_secret(shares: dict[int, bytes], holders: list[int], threshold: int) -> bytes:
+    """The secret from `threshold` of its shares (holder id → 32-byte share)."""
+    position = {holder: k + 1 for k, holder in enumerate(holders)}
+    chosen = sorted(shares)[:threshold]
+    return b"".join(Shamir.combine([(position[h], shares[h][i:i + CHUNK]) for h in chosen])
+                    for i in range(0, len(shares[chosen[0]]), CHUNK))
+
+
+def seed_digest(round_id: bytes, dealer: int, seed: bytes) -> bytes:
+    """SHA-256 of a dealer's self-mask seed b, bound to the round and the dealer: what its signed
+    dealing commits b to (b has 128 bits of entropy; its digest tells the server nothing of it)."""
+    return hashlib.sha256(_info(round_id, "self-seed", dealer) + bytes(seed)).digest()
+
+
+def _rebuilt_mismatch(part: str, secret: bytes, round_id: bytes, dealer: int, committed: bytes) -> bool:
+    """Whether a secret rebuilt from t shares is not the one the dealer signed for: b's digest, or
+    the public half of s (the s key it advertised)."""
+    if part == "b":
+        return seed_digest(round_id, dealer, secret) != committed
+    return _raw(X25519PrivateKey.from_private_bytes(secret).public_key()) != committed
+
+
+MAX_EVIDENCE_HOLDERS = 1024  # far above the 128 neighbours a client shares with; bounds a check's cost
+
+
+def verify_blame(evidence: dict, dealer_key: bytes) -> bool:
+    """Whether `evidence` (what SecAggServer.finish found) proves that its dealer's t shares of b
+    or of s, each committed to and signed by it, rebuild a secret other than the one its signed
+    dealing names (b's digest, s's public key). Anyone holding the roster checks it with one
+    rebuilding of t ≤ 1,024 shares; a changed share, commitment, order, t or secret fails."""
+    try:
+        rid, dealer, part = bytes.fromhex(evidence["round_id"]), int(evidence["dealer"]), evidence["part"]
+        holders, t = [int(h) for h in evidence["holders"]], int(evidence["threshold"])
+        committed = {"b": bytes.fromhex(evidence["seed_digest"]), "s": bytes.fromhex(evidence["s_public"])}
+        size = {"b": SELF_SEED_BYTES, "s": SEED_BYTES}.get(part)
+        if size is None or not len(holders) <= MAX_EVIDENCE_HOLDERS or len(set(holders)) != len(holders) or \
+                not minimum_threshold(len(holders)) <= t <= len(holders) or len(evidence["shares"]) != t:
+            return False
+        if not verify(dealer_key, bytes.fromhex(evidence["dealing"]),
+                      _dealing_message(rid, dealer, holders, t, committed["b"], committed["s"])):
+            return False
+        shares = {}
+        for holder, share in evidence["shares"].items():
+            holder, share, commit = int(holder), bytes.fromhex(share), bytes.fromhex(evidence["commits"][str(holder)])
+            if holder not in holders or len(share) != size or len(commit) != 64 + SIGNATURE_BYTES or not verify(
+                    dealer_key, commit[64:], _commit_message(rid, dealer, holder, commit[:32], commit[32:64])):
+                return False
+            if _commitment(rid, dealer, holder, part, share) != (commit[:32] if part == "b" else commit[32:64]):
+                return False
+            shares[holder] = share
+        return _rebuilt_mismatch(part, combine_secret(shares, holders, t), rid, dealer, committed[part])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return False
+
+
+def identify_message(round_id: bytes, node_id: int) -> bytes:
+    """What an owner signs at the identify stage: that it answers for this node in this round
+    (an identity key and an id alone are public: a member could tell another owner's)."""
+    return _info(round_id, "identify", int(node_id))
+
+
+def pairwise_sign(me: int, other: int) -> int:
+    return 1 if me < other else -1
+
+
+# -- what the parties sign -----------------------------------------------------------------
+def _advert(round_id: bytes, member: int, cohort: list[int], threshold: int, c: bytes, s: bytes, v: bytes,
+            context: bytes = b"") -> bytes:
+    """What a client signs at stage 0: its keys for this round, its id, the cohort and the
+    threshold it was told, and the digest of the round's settings it was given (`context`), so
+    that two clients told two cohorts, thresholds or settings (a noise plan) refuse."""
+    return _info(round_id, "advertise", member, threshold, *cohort) + b"|" + bytes(c) + bytes(s) + bytes(v) + \
+        b"|" + bytes(context)
+
+
+def _commitment(round_id: bytes, dealer: int, holder: int, what: str, share: bytes) -> bytes:
+    """A dealer's commitment to one share (SHA-256; a share has 256 bits of entropy to the
+    server, which sees fewer than t of them in the clear)."""
+    return hashlib.sha256(_info(round_id, "commit", what, dealer, holder) + bytes(share)).digest()
+
+
+def _commit_message(round_id: bytes, dealer: int, holder: int, b_digest: bytes, s_digest: bytes) -> bytes:
+    return _info(round_id, "commitments", dealer, holder) + b"|" + bytes(b_digest) + bytes(s_digest)
+
+
+def _dealing_message(round_id: bytes, dealer: int, holders: list[int], threshold: int, b_digest: bytes,
+                     s_public: bytes) -> bytes:
+    """What a dealer signs of its dealing (fedsd's addition to stage 1): who holds its shares, in
+    the order that gives each its x (position + 1), t, its self-mask seed's digest and its s key's
+    public half. With its signed commitments, t shares that rebuild another secret are evidence
+    anyone with the roster can check (`verify_blame`); the server cannot frame an honest dealer by
+    listing its holders in another order."""
+    return _info(round_id, "dealing", dealer, threshold, *holders) + b"|" + bytes(b_digest) + bytes(s_public)
+
+
+def _view_message(round_id: bytes, survivors: list[int], dropped: list[int]) -> bytes:
+    return _info(round_id, "view", *survivors, "|", *dropped)
+
+
+def minimum_threshold(holders: int) -> int:
+    """The smallest threshold a client accepts: more than two thirds of the share holders
+    (Bonawitz et al.'s bound for a server that deviates from the protocol, with up to a third
+    of the clients its own), and at least 2."""
+    return max(2, (2 * holders) // 3 + 1) if holders > 1 else 1
