@@ -69,7 +69,8 @@ def inductor_cache_by_isa(environ=os.environ) -> str:
         except (KeyError, OSError):  # a uid with no name (an owner's service under its own uid)
             user = str(os.getuid())
         user = "".join(c for c in user if c.isalnum()) or "user"
-        environ["TORCHINDUCTOR_CACHE_DIR"] = str(own_folder(Path(tempfile.gettempdir()) / f"torchinductor_{user}_{isa.lower()}"))
+        environ["TORCHINDUCTOR_CACHE_DIR"] = str(own_folder(Path(tempfile.gettempdir())
+                                                            / f"torchinductor_{user}_{isa.lower()}"))
     return environ["TORCHINDUCTOR_CACHE_DIR"]
 
 

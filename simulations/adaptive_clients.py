@@ -213,15 +213,18 @@ def markdown(r: dict) -> list[str]:
     """The row's lines in table-adaptive.md."""
     lines = ["", "## Whole clients: the update clip S, started 10× and 0.1× off the tuned S", "",
              "The README's whole-client recipe (Fashion-MNIST, 100 IID clients, 30 rounds of one local epoch, B = 32, "
-             "lr 0.05, no momentum, client-level ε = 3) under secure aggregation with distributed noise, the sum added in the clear "
+             "lr 0.05, no momentum, client-level ε = 3) under secure aggregation with distributed noise, "
+             "the sum added in the clear "
              f"(`--secure-sum plain`, the protocol's bit for bit); the clip's rate η = {r['clip_lr']:g}. S tuned on "
              f"validation among {', '.join(f'{s:g}' for s in CLIPS)}; the quantile chosen as above for "
              "`--update-clip-normalize` at `--server-lr` the tuned S (the rule as it stands ended near chance in "
              "its screen, below, and is not confirmed).", "",
-             "| clip | chosen quantile | test accuracy | against the tuned S (points) | final clip |", "|---|---|---|---|---|"]
+             "| clip | chosen quantile | test accuracy | against the tuned S (points) | final clip |",
+             "|---|---|---|---|---|"]
     for arm in r["arms"]:
         clip = f"tuned S = {arm['clip']:g}, fixed" if arm["quantile"] is None else \
-            f"from {arm['start_times_tuned']:g}× S ({arm['clip']:g})" + (", normalized step" if arm["normalized"] else "")
+            f"from {arm['start_times_tuned']:g}× S ({arm['clip']:g})" + \
+            (", normalized step" if arm["normalized"] else "")
         diff = arm.get("against_fixed")
         diff_text = (f"{diff['mean']:+.2f} ± {diff['se']:.2f}" if diff and diff["se"] is not None
                      else f"{diff['mean']:+.2f}" if diff else "–")
@@ -230,5 +233,6 @@ def markdown(r: dict) -> list[str]:
             f" ± {arm['standard_error']:.2f}" if arm["standard_error"] is not None else "") + \
             f" ({len(arm['accuracies'])} seeds)"
         lines.append(f"| {clip} | {arm['quantile'] or '–'} | {cell} | {diff_text} | {final} |")
-    shown = ", ".join(f"{name} {'–' if v is None else f'{v:.2f}'}" for name, v in r["screen_validation_accuracy"].items())
+    shown = ", ".join(f"{name} {'–' if v is None else f'{v:.2f}'}"
+                      for name, v in r["screen_validation_accuracy"].items())
     return lines + ["", f"The screen (validation accuracy, %, seed 0): {shown}."]

@@ -110,7 +110,8 @@ def confirmation_runs(out: Path, seeds: int = SEEDS) -> list[AdaptiveRun]:
         for normalized in NORMALIZED:
             q = chosen_quantile(out, recipe, normalized)
             if q is not None:
-                runs += [AdaptiveRun(recipe, q, s, seed, normalized=normalized) for s in STARTS for seed in range(seeds)]
+                runs += [AdaptiveRun(recipe, q, s, seed, normalized=normalized)
+                         for s in STARTS for seed in range(seeds)]
         runs += [AdaptiveRun(recipe, FIXED, seed=seed) for seed in range(seeds)]
     return runs
 
@@ -160,7 +161,8 @@ def table(out: Path, seeds: int = SEEDS) -> dict:
                           if q is not None for s in STARTS]
         for arm in arms[1:]:
             arm["against_fixed"] = paired_difference(arm, fixed)
-        rows.append(dict(recipe=recipe, chosen_quantile={("normalized" if n else "plain"): q for n, q in chosen.items()},
+        rows.append(dict(recipe=recipe,
+                         chosen_quantile={("normalized" if n else "plain"): q for n, q in chosen.items()},
                          screen_validation_accuracy=screen, arms=arms))
     return dict(question="does --clip-quantile, started 10× or 0.1× off the tuned C, reach the tuned fixed C's "
                          "accuracy?", epsilon=EPSILON, delta=1e-5, seeds=seeds, rows=rows,

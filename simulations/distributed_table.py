@@ -52,7 +52,8 @@ class Recipe:
 
 
 RECIPES = (
-    Recipe("features", FEATURES_RECIPE, FEATURES_ROUNDS, "features/fmnist-scatter-linear-B8192-lr8-e50-dpsgd-seed{seed}",
+    Recipe("features", FEATURES_RECIPE, FEATURES_ROUNDS,
+           "features/fmnist-scatter-linear-B8192-lr8-e50-dpsgd-seed{seed}",
            "results/table-features.md (fmnist dpsgd)",
            {"iid": (87.64, 0.10), "dirichlet0.5": (86.43, 0.36)}, "results/table-features.md"),
     # the federated CNN rows: 30 rounds of one local epoch at B = 256 a client (results/table-fed.md,
@@ -125,7 +126,8 @@ def central_by_seed(out: Path, recipe: Recipe) -> dict[int, float]:
 
 def _row(out: Path, recipe: Recipe, part: str, honest: int, central: dict[int, float]) -> dict | None:
     results = [json.loads(path.read_text()) for seed in SEEDS
-               if (path := out / "runs" / "distributed" / run_name(recipe, part, honest, seed) / "result.json").is_file()]
+               if (path := out / "runs" / "distributed" / run_name(recipe, part, honest, seed)
+                   / "result.json").is_file()]
     if not results:
         return None
     accuracy = [100 * r["test_accuracy"] for r in results]
@@ -238,7 +240,8 @@ def deployed_markdown(rows: list[dict]) -> list[str]:
              "vs central: against the mean of the central runs, and against the central run of the same seed.", ""]
     lines += [f"    {r['command']}" for r in rows]
     lines += ["", "| recipe | partition | t | seed | test accuracy (%) | vs central (mean) | vs central, same seed | "
-              "simulated, same seed (%) | client ε | z | median round s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "simulated, same seed (%) | client ε | z | median round s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         signed = [f"{v:+.2f}" if v is not None else "" for v in (r["vs_central"], r["paired"])]
         simulated = f"{r['simulated']:.2f}" if r["simulated"] is not None else ""
@@ -260,10 +263,11 @@ def beside(out: Path, recipe: str) -> list[str]:
     lines = ["", f"## The same federation with secure aggregation and distributed noise (results/{TABLE_NAME}.md)", "",
              f"The central recipe (B = {settings.settings['batch_size']} for the federation, lr "
              f"{settings.settings['lr']:g}, momentum {settings.settings['momentum']:g}) run by {CLIENTS} clients, one "
-             f"DP-SGD step a round for {settings.rounds} rounds, each adding its share of the noise under SecAgg+; t: the "
-             "clients each assumes honest. Test accuracy, mean ± standard error; vs central paired by seed.", "",
+             f"DP-SGD step a round for {settings.rounds} rounds, each adding its share of the noise under SecAgg+; "
+             "t: the clients each assumes honest. Test accuracy, mean ± standard error; vs central paired by seed.", "",
              "| partition | t | seeds | test accuracy | vs central, paired by seed |", "|---|---|---|---|---|"]
-    lines += [f"| {r['partition']} | {r['honest']} | {r['seeds']} | {_mean_se(r['accuracy'])} | {_mean_se(r['paired'], '+')} |"
+    lines += [f"| {r['partition']} | {r['honest']} | {r['seeds']} | {_mean_se(r['accuracy'])} | "
+              f"{_mean_se(r['paired'], '+')} |"
               for r in rows]
     return lines
 

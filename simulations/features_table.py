@@ -151,7 +151,8 @@ def with_norm(settings: dict, norm: str) -> dict:
 
 
 def screen_runs(runs_dir: Path, datasets) -> list[FeatureRun]:
-    return [run for d in TB_SETTINGS if d in datasets for tb in TB_SETTINGS[d] for run in network_screen(runs_dir, d, tb)]
+    return [run for d in TB_SETTINGS if d in datasets for tb in TB_SETTINGS[d]
+            for run in network_screen(runs_dir, d, tb)]
 
 
 def network_screen(runs_dir: Path, dataset: str, tb: dict) -> list[FeatureRun]:
@@ -398,7 +399,8 @@ def table_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
         r = read(runs_dir, run)
         if r is not None:
             screen.append(dict(dataset=run.dataset, method=method_cell(dict(method=run.method, reading=run.reading)),
-                               setting=run.setting_name, **with_norm(run.settings, "group"), feature_norm=norm_of(run.settings),
+                               setting=run.setting_name, **with_norm(run.settings, "group"),
+                               feature_norm=norm_of(run.settings),
                                validation_accuracy=100 * r.validation_accuracy, minutes=round(r.wall_seconds / 60, 1),
                                device=device_kind(r)))
     recipes = {d: chosen_recipe for d in TB_SETTINGS if (chosen_recipe := recipe(runs_dir, d)) is not None}
@@ -451,7 +453,8 @@ def fed_rows(runs_dir: Path, seeds: int = SEEDS) -> dict:
         if best is not None else []
     for partition, method, reading in cells:
         found = {s: r for s in range(seeds)
-                 if (r := read_fed(runs_dir, FedFeatureRun(partition, method, best.lr, best.network, s, reading=reading)))}
+                 if (r := read_fed(runs_dir, FedFeatureRun(partition, method, best.lr, best.network, s,
+                                                           reading=reading)))}
         if not found:
             continue
         accuracies = [100 * r.test_accuracy for r in found.values()]
@@ -478,13 +481,14 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
              "The data set's "
              "recipe (**bold**), what fedsd reports against the anchors, is the better on validation of dpsgd's last "
              "iterate and dpema's average of its iterates at the chosen setting.", "",
-             "| data set | method | network, B, lr, epochs, normalisation | chosen on | seeds | test accuracy | gain over dpsgd | "
-             "minutes a run | " + " | ".join(names) + " |",
+             "| data set | method | network, B, lr, epochs, normalisation | chosen on | seeds | test accuracy | "
+             "gain over dpsgd | minutes a run | " + " | ".join(names) + " |",
              "|---|---|---|---|---|---|---|---|" + "---|" * len(names)]
     for r in rows["confirmed"]:
         acc = f"{r['mean']:.2f}" + (f" ± {r['se']:.2f}" if r["se"] is not None else "")
         gain = r["gain_over_dpsgd"]
-        gain = "" if gain is None else f"{gain['mean']:+.2f}" + (f" ± {gain['se']:.2f}" if gain["se"] is not None else "")
+        gain = "" if gain is None else \
+            f"{gain['mean']:+.2f}" + (f" ± {gain['se']:.2f}" if gain["se"] is not None else "")
         method = f"**{method_cell(r)}**" if r.get("recipe") else method_cell(r)
         chosen_on = {True: r["chosen_on"], False: "not chosen (the other normalisation did better on validation)",
                      None: "the normalisation not yet chosen"}[r["chosen"]]
@@ -497,8 +501,8 @@ def write_features_table(runs_dir: Path, out: Path, seeds: int = SEEDS) -> Path:
               "| data set | method | network | B | lr | epochs | normalisation | validation accuracy | minutes |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in rows["screen"]:
-        lines.append(f"| {r['dataset']} | {r['method']} | {r['model']} | {r['batch_size']} | {r['lr']:g} | {r['epochs']} | "
-                     f"{NORM_TITLES[r['feature_norm']]} | {r['validation_accuracy']:.2f} | "
+        lines.append(f"| {r['dataset']} | {r['method']} | {r['model']} | {r['batch_size']} | {r['lr']:g} | "
+                     f"{r['epochs']} | {NORM_TITLES[r['feature_norm']]} | {r['validation_accuracy']:.2f} | "
                      f"{minutes_cell([r['minutes']], [r['device']])} |")
     lines += fed_md(rows["federated"]) + distributed_beside(out, "features")
     (out / f"{TABLE_NAME}.md").write_text("\n".join(lines) + "\n")
@@ -528,13 +532,15 @@ def method_cell(row: dict) -> str:
 
 
 def fed_md(fed: dict) -> list[str]:
-    lines = ["", f"## In a federation ({FED_DATASET}, {FED_SHAPE['num_clients']} clients, {FED_SHAPE['rounds']} rounds of "
-             f"{FED_SHAPE['local_epochs']} local epoch, B = {FED_TABLE['batch_size']} and ε = {FED_TABLE['epsilon']:g} a "
+    lines = ["", f"## In a federation ({FED_DATASET}, {FED_SHAPE['num_clients']} clients, {FED_SHAPE['rounds']} rounds "
+             f"of {FED_SHAPE['local_epochs']} local epoch, B = {FED_TABLE['batch_size']} and "
+             f"ε = {FED_TABLE['epsilon']:g} a "
              "client, each client's own features)", ""]
     if not fed["screen"]:
-        return lines + ["No run finished yet (the lr screen comes first, once the central screen has chosen the network)."]
-    lines += [f"The lr, on the federation's validation split (dpsgd, IID, seed {SCREEN_SEED}, {VALIDATION} held out):", "",
-              "| network | lr | validation accuracy | minutes |", "|---|---|---|---|"]
+        return lines + ["No run finished yet (the lr screen comes first, once the central screen has chosen the "
+                        "network)."]
+    lines += [f"The lr, on the federation's validation split (dpsgd, IID, seed {SCREEN_SEED}, {VALIDATION} held out):",
+              "", "| network | lr | validation accuracy | minutes |", "|---|---|---|---|"]
     lines += [f"| {r['network']} | {r['lr']:g} | diverged | |" if r.get("diverged") else
               f"| {r['network']} | {r['lr']:g} | {r['validation_accuracy']:.2f} | {r['minutes']:.1f} |"
               for r in fed["screen"]]
@@ -545,6 +551,6 @@ def fed_md(fed: dict) -> list[str]:
             acc = f"{r['mean']:.2f}" + (f" ± {r['se']:.2f}" if r["se"] is not None else "")
             g = r["gain_over_dpsgd"]
             gain = "" if g is None else f"{g['mean']:+.2f}" + (f" ± {g['se']:.2f}" if g["se"] is not None else "")
-            lines.append(f"| {r['partition']} | {method_cell(r)} | {r['network']}, {r['lr']:g} | {len(r['seeds'])} | {acc} | "
-                         f"{gain} | {statistics.mean(r['minutes']):.1f} |")
+            lines.append(f"| {r['partition']} | {method_cell(r)} | {r['network']}, {r['lr']:g} | {len(r['seeds'])} | "
+                         f"{acc} | {gain} | {statistics.mean(r['minutes']):.1f} |")
     return lines

@@ -2,7 +2,8 @@
 federation? Fashion-MNIST, 10 clients, 30 rounds of 1 local epoch, B = 256 a client, ε = 3 a
 client, under IID, Dirichlet(0.5) and Dirichlet(0.1) partitions, for dpsgd, dpema, dp3sd and
 dpdsd with the round's global model as teacher, and the teachers and schedules made for a
-federation, one with dpema's release (TEACHER_VARIANTS). Each row's seed-by-seed differences to dpsgd and dpema come with
+federation, one with dpema's release (TEACHER_VARIANTS). Each row's seed-by-seed differences to \
+dpsgd and dpema come with
 their standard error.
 
 Each run is `fedsd simulate`, one at a time (its clients share the `--jobs` CPUs through Ray),
@@ -256,7 +257,8 @@ def write_fed_table(cells: list[FedCell], runs_dir: Path, out: Path) -> None:
              f"B = {FED_TABLE['batch_size']}, lr {FED_TABLE['lr']:g}, ε = {FED_TABLE['epsilon']:g} a client", "",
              "Final test accuracy of the global model, mean ± std over the seeds; vs dpsgd / dpema: the mean "
              "of the seed-by-seed differences ± its standard error, in bold where beyond two standard errors.",
-             "", "| partition | method | teacher | final (%) | seeds | vs dpsgd | vs dpema | best (%) at round | client ε |",
+             "", "| partition | method | teacher | final (%) | seeds | vs dpsgd | vs dpema | best (%) at round | "
+             "client ε |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         label = f"| {r['partition']} | {r['method']} | {FedCell.of_row(r).variant} |"
@@ -286,6 +288,7 @@ def _figures(rows: list[dict], out: Path) -> None:
             if r["partition"] == partition:
                 cell = FedCell.of_row(r)
                 plain = cell.is_baseline
-                lines.append((r["method"] + ("" if plain else f" ({cell.variant})"), r["curves"], "-" if plain else "--"))
+                lines.append((r["method"] + ("" if plain else f" ({cell.variant})"), r["curves"],
+                              "-" if plain else "--"))
         plot_curves(out / f"fig-fed-{partition}.png", f"fmnist, 10 clients, {partition}, ε = 3 a client", "round",
                     lines)

@@ -1,7 +1,8 @@
 """The papers' Table 1 (and Table 2, the FMNIST ablation), `fedsd reproduce --table 1|2`: its
 cells as a resumable set of central runs, and the table files made from the runs on disk.
 
-Each run is `fedsd train` with the papers' settings (docs/algorithms.md, "Settings and their defaults"), written to <out>/runs/<run>/; a run whose
+Each run is `fedsd train` with the papers' settings (docs/algorithms.md, "Settings and their defaults"), \
+written to <out>/runs/<run>/; a run whose
 result.json exists is not run again. The table files are made from whatever runs exist.
 """
 from __future__ import annotations
@@ -226,9 +227,9 @@ def by_data_set_md(rows: list[dict]) -> list[str]:
             gains.append("—" if r is None or base is None or r["gain_over_dpsgd"] is None
                          else f"{signed(r['gain_over_dpsgd'])} ({signed(paper_gain(d, m, e))})")
         lines.append(f"| {m} | " + " | ".join(gains) + " |")
-    return lines + ["", "The papers' Table 1 differ in one cell: dpsgd on CIFAR-10 at ε = 1 is 48.47 in DP3SD's, 48.74 in "
-                    "DPDSD's. The dpsgd row shows DP3SD's; each method's difference in brackets is read in its own "
-                    "paper's table (dpdsd's in DPDSD's, the others' in DP3SD's)."]
+    return lines + ["", "The papers' Table 1 differ in one cell: dpsgd on CIFAR-10 at ε = 1 is 48.47 in DP3SD's, "
+                    "48.74 in DPDSD's. The dpsgd row shows DP3SD's; each method's difference in brackets is read in "
+                    "its own paper's table (dpdsd's in DPDSD's, the others' in DP3SD's)."]
 
 
 def gain_over_dpsgd(row: dict, rows: list[dict], same: tuple[str, ...], accuracies: str = "accuracies"
@@ -247,7 +248,8 @@ def gain_over_dpsgd(row: dict, rows: list[dict], same: tuple[str, ...], accuraci
 def _figure3(rows: list[dict], out: Path) -> None:
     """Test accuracy vs epoch, all methods at ε = 3, one figure a data set (the papers' Fig. 3)."""
     for dataset in sorted({r["dataset"] for r in rows}):
-        curves = [r for r in rows if r["dataset"] == dataset and r["epsilon"] == 3.0 and r["curves"] and not r["variant"]]
+        curves = [r for r in rows if r["dataset"] == dataset and r["epsilon"] == 3.0 and r["curves"]
+                  and not r["variant"]]
         if curves:
             plot_curves(out / f"fig3-{dataset}.png", f"{dataset}, ε = 3", "epoch",
                         [(r["method"], r["curves"], "-") for r in curves])

@@ -46,8 +46,8 @@ def rows(runs: Path = RUNS) -> list[dict]:
         mean = statistics.mean(accuracy)
         se = statistics.stdev(accuracy) / len(accuracy) ** 0.5 if len(accuracy) > 1 else None
         out.append(dict(dataset=dataset, init_weights=weights, train_layers=layers, features=features, lr=lr,
-                        epochs=epochs, batch_size=batch, epsilon=epsilon, model=model, seeds=[r["seed"] for r in results],
-                        test_accuracy=accuracy, mean=mean, standard_error=se,
+                        epochs=epochs, batch_size=batch, epsilon=epsilon, model=model,
+                        seeds=[r["seed"] for r in results], test_accuracy=accuracy, mean=mean, standard_error=se,
                         against_best=_against(BEST, dataset, epsilon, mean),
                         against_scratch_cnn=_against(SCRATCH_CNN, dataset, epsilon, mean),
                         epsilon_spent=max(r["epsilon_spent"] for r in results),

@@ -226,7 +226,8 @@ def confirmation_md(rows: list[dict]) -> list[str]:
              f"(mean ± SE). A method appears once its screen is done.", ""]
     if not rows:
         return lines + ["No method's screen is done yet."]
-    lines += ["| data | ε | method | reading | epochs | seeds | test | gain over dpsgd |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["| data | ε | method | reading | epochs | seeds | test | gain over dpsgd |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         data = r["dataset"] + ("" if r["activation"] == "relu" else f" ({r['activation']})")
         test = "" if r["mean"] is None else f"{r['mean']:.2f}" + ("" if r["se"] is None else f" ± {r['se']:.2f}")

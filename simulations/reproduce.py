@@ -24,7 +24,8 @@ from fedsd.settings.command_line import Parser
 from fedsd.simulation.sweeps import finished_with, run_jobs, threads_per_job
 from simulations.features_table import reproduce_features
 from simulations.federated_table import FED_METHODS, FED_PARTITIONS, FED_TABLE_NAME, reproduce_fed
-from simulations.paper_tables import TABLE1_METHODS, TABLE1_VARIANTS, table1_cells, table2_cells, table_cells, write_tables
+from simulations.paper_tables import (TABLE1_METHODS, TABLE1_VARIANTS, table1_cells, table2_cells, table_cells,
+                                      write_tables)
 from simulations.readings import confirm_runs, dropped, screen_rows, screen_runs, write_readings
 
 HELP = "the papers' Table 1 / Table 2, the federated, readings, features, distributed and adaptive tables, resumable"

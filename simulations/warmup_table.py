@@ -73,7 +73,8 @@ def verdict(d: dict) -> str:
     if d["plain_better_beyond_2se"]:
         return "Plain is better by more than two standard errors."
     worse = d["paired_standard_error"] is not None and d["mean"] < -2 * d["paired_standard_error"]
-    return ("Plain is not better by more than two standard errors" + (" (it is worse by more than two)" if worse else "")
+    return ("Plain is not better by more than two standard errors"
+            + (" (it is worse by more than two)" if worse else "")
             + ": the default stays sharpened.")
 
 
@@ -83,7 +84,8 @@ def markdown(t: dict) -> str:
     eps = max((e for a in arms.values() for e in a["epsilon_spent"].values()), default=None)
     epochs = ", ".join(map(str, sorted({e for a in arms.values() for e in a["epochs"]})))
     lines = ["# DP3SD's warm-up: plain cross-entropy (the papers') against sharpened CE_τs (fedsd's default)", "",
-             f"Fashion-MNIST, ε = 3 (at most {f(eps)} spent), δ = {arms['sharpened']['delta'] or arms['plain']['delta']}, "
+             f"Fashion-MNIST, ε = 3 (at most {f(eps)} spent), "
+             f"δ = {arms['sharpened']['delta'] or arms['plain']['delta']}, "
              f"the papers' CNN (mnist-cnn), dp3sd with its defaults ({epochs} epochs, one warm-up epoch), "
              "seeds 0, 1, 2. The warm-up epoch trains on CE_1 (plain) or on CE_τs at "
              "τs = 0.3 (sharpened); every later epoch is the same loss. Test accuracy (%); mean ± standard error "

@@ -69,8 +69,8 @@ def _add_step(what) -> None:
     step.add_argument("--method", default="dp3sd", help="dp3sd also times the teacher's forward pass")
     step.add_argument("--grad-sample-mode", nargs="+", default=list(GRAD_SAMPLE_MODES))
     step.add_argument("--no-compile", action="store_true",
-                      help="leave torch.compile out: of the non-private candidates (it takes ~20 s to compile) and of the "
-                           "DP steps (fedsd.training.compiled)")
+                      help="leave torch.compile out: of the non-private candidates (it takes ~20 s to compile) and of "
+                           "the DP steps (fedsd.training.compiled)")
     step.add_argument("--train-layers", nargs="+", default=["all"], metavar="SPEC",
                       help="what each DP step trains (all, head, last:N: the rest frozen, as fedsd train "
                            "--train-layers); several are timed side by side, each against all (default: all)")
@@ -123,10 +123,12 @@ def _add_distill_share(what) -> None:
 def _add_routes(what) -> None:
     rts = what.add_parser("routes", help="the routes runs took on this machine (--grad-sample-mode auto: by rule), "
                                          "or --measure: every candidate timed against the rule's choice")
-    rts.add_argument("--clear", action="store_true", help="forget the list (no run reads it: a route is chosen by rule)")
+    rts.add_argument("--clear", action="store_true",
+                     help="forget the list (no run reads it: a route is chosen by rule)")
     rts.add_argument("--measure", action="store_true",
                      help="time every clipper and every way of each conv layer on --model at --batch-size, and say "
-                          "where the rule's choice (fedsd.clipping.routes.RULES) is not the fastest: how the rule is calibrated")
+                          "where the rule's choice (fedsd.clipping.routes.RULES) is not the fastest: how the rule "
+                          "is calibrated")
     rts.add_argument("--model", choices=["mnist-cnn", "cifar-cnn"], default="mnist-cnn")
     rts.add_argument("--batch-size", type=int, default=None, help="default: the papers' for the model's data set")
     rts.add_argument("--threads", type=int, default=0, help="torch threads; 0 leaves torch's default")
@@ -259,7 +261,8 @@ def bench_epoch(args: argparse.Namespace) -> int:
         inputs = prepare_run(cfg)
         cfg = inputs.cfg
         n = len(inputs.train_indices)
-        trainer = planned_trainer(cfg, data_lib.prepare(inputs.data, inputs.train_indices, inputs.device, input_stats(cfg)),
+        trainer = planned_trainer(cfg, data_lib.prepare(inputs.data, inputs.train_indices, inputs.device,
+                                                        input_stats(cfg)),
                                   plan(cfg.epsilon, cfg.delta, n, cfg.batch_size, cfg.epochs, cfg.accountant))
         runs[name] = [cfg, trainer, initial_model(cfg, trainer.data.num_classes), None]
     dry_run.stop_here(f"time {args.epochs} epochs of each of {', '.join(runs)}, interleaved")

@@ -54,7 +54,8 @@ def bench_deploy(args: argparse.Namespace) -> int:
                                f"simulated {report['simulated_round_seconds']:.2f} s, deployed "
                                f"{report['deployed_round_seconds']:.2f} s, Flower's floor "
                                f"{report['floor_round_seconds']:.2f} s; (deployed − floor) / simulated = "
-                               f"{report['fedsd_share']:.2f}; same model: max |Δw| = {report['max_weight_difference']:.1e}")
+                               f"{report['fedsd_share']:.2f}; same model: max |Δw| = "
+                               f"{report['max_weight_difference']:.1e}")
 
 
 def _phase(text: str) -> None:

@@ -374,7 +374,8 @@ class FaultLoop:
             self.echo(f"soak: client {away.client} taken away after round {done}, for {away.rounds} round(s)")
         elif away is not None and (done >= away.away.stop - 1 or _sent_without(d.work, away, self.clients)):
             away.back_at = self._elapsed()
-            self.echo(f"soak: client {away.client} on its way back, after rounds {away.away.start}-{away.away.stop - 1}")
+            self.echo(f"soak: client {away.client} on its way back, after rounds "
+                      f"{away.away.start}-{away.away.stop - 1}")
             self.away = None
             self._bring_back(away)
 
@@ -478,7 +479,7 @@ class Supervisor:
     holding up the soak's loop (churn and the next fault go on meanwhile): a SuperNode once its
     delay has passed and the SuperLink has marked its node offline (it takes the node's key again
     only then: at once after a graceful stop, a heartbeat period or two after a SIGKILL), the SuperLink after its delay, the server (resume-dir) once the
-    SuperLink it needs is up and its SuperNodes are back online (or after RECONNECT_SECONDS)."""
+    SuperLink it needs is up and its SuperNodes are back online (or after RECONNECT_SECONDS)."""  # noqa: E501
 
     RECONNECT_SECONDS = 300.0
     CHECK_SECONDS = 2.0  # between asks of the SuperLink (`flwr supernode list` is a process)

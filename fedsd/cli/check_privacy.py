@@ -50,8 +50,8 @@ def cmd_check_privacy(args: argparse.Namespace) -> int:
     state_dirs.update(given_state_dirs(args.state))
     missing = [k for k in range(num_clients) if k not in state_dirs]
     if missing:
-        looked = (f" --work {args.work} has neither " + " nor ".join(map(str, deployment_candidates(args.work, missing[0])))
-                  + ";" if args.work else "")
+        looked = (f" --work {args.work} has neither "
+                  + " nor ".join(map(str, deployment_candidates(args.work, missing[0]))) + ";" if args.work else "")
         raise DataError(f"client {missing[0]} (of the run's {num_clients}): no state folder;{looked} the check fails. "
                         f"{STATE_FOLDERS}")
     report = check_run(Path(args.run), state_dirs)

@@ -149,7 +149,8 @@ def write_sweep(out: Path, args: argparse.Namespace, grid: dict, combos: list[di
                          noise_multiplier=results[0].noise_multiplier, epochs=results[0].config["epochs"]))
     trained = [r for r in rows if not r.get("diverged")]
     if not trained:
-        raise ConfigError(f"every run of the sweep diverged ({out / 'runs'}/*/{DIVERGED}); try smaller --grid lr values")
+        raise ConfigError(f"every run of the sweep diverged ({out / 'runs'}/*/{DIVERGED}); "
+                          f"try smaller --grid lr values")
     best = max(trained, key=lambda r: r["validation_mean"])
     fixed = parse_fixed(args.set, args.method)
     summary = dict(dataset=args.dataset, method=args.method, epsilon=args.epsilon, validation=args.validation,

@@ -74,10 +74,12 @@ def _train(args, recipe) -> int:
         result, _ = train(None, args.resume, resume=True, progress=not args.quiet, log_dir=args.log_dir)
         print(run_summary(result, args.resume))
         return 0
-    missing = [flag for flag, value in (("--epsilon", getattr(args, "epsilon", None)), ("--out", args.out)) if value is None]
+    missing = [flag for flag, value in (("--epsilon", getattr(args, "epsilon", None)), ("--out", args.out))
+               if value is None]
     if missing:
         raise ConfigError(f"the following arguments are required: {', '.join(missing)} (or --resume DIR)"
-                          + (f"; recipe {recipe.name} leaves {', '.join(missing)} to the command line" if recipe else ""))
+                          + (f"; recipe {recipe.name} leaves {', '.join(missing)} to the command line"
+                             if recipe else ""))
     if dry_run.requested():  # train() runs the same checks first
         inputs, plan = plan_run(config_from_args(args), args.out, args.overwrite)
         cfg = inputs.cfg

@@ -126,8 +126,8 @@ def _compile(cc: list[str], flags: list[str], target: Path, fallback: bool, open
         src.write_text(SOURCE)
         attempts = [flags, flags[1:]] if fallback else [flags]
         for arch in [["-fopenmp", *a] for a in attempts if openmp] + attempts:
-            done = subprocess.run([*cc, "-O3", *arch, "-fno-math-errno", "-shared", "-fPIC", str(src), "-o", str(lib), "-lm"],
-                                  capture_output=True)
+            done = subprocess.run([*cc, "-O3", *arch, "-fno-math-errno", "-shared", "-fPIC", str(src), "-o", str(lib),
+                                   "-lm"], capture_output=True)
             if done.returncode == 0:
                 os.replace(lib, target)
                 return
@@ -200,7 +200,8 @@ def compiled(march: str = "native", defines: tuple[str, ...] = (), load: bool = 
         f = getattr(lib, name)
         f.restype, f.argtypes = restype, argtypes
     return Kernel(lib.per_sample_conv_grads, lib.clipped_conv_sums, lib.per_sample_conv_grads_team,
-                  lib.clipped_conv_sums_team, lib.block_sum, lib.block_sum_team, lib.layer_runs, bool(lib.openmp()), march,
+                  lib.clipped_conv_sums_team, lib.block_sum, lib.block_sum_team, lib.layer_runs, bool(lib.openmp()),
+                  march,
                   ISA_BY_VECTOR.get(lib.vector_floats(), f"{lib.vector_floats()}-float vectors"))
 
 
@@ -287,7 +288,8 @@ def check_shapes(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> None:
     if layer.out_channels % 16:  # whole vectors of output channels: the kernel leaves a remainder unwritten
         raise ValueError(f"conv kernel: {layer.out_channels} output channels (a multiple of 16)")
     for t in (a, g):
-        if not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous(memory_format=torch.channels_last)):
+        if not (t.dtype == torch.float32 and t.device.type == "cpu"
+                and t.is_contiguous(memory_format=torch.channels_last)):
             raise ValueError("conv kernel: float32 CPU tensors in channels-last only")
 
 
@@ -305,7 +307,8 @@ def per_sample_grads(layer: nn.Conv2d, a: torch.Tensor, g: torch.Tensor,
     d = kh * kw * c
     out, norms2 = a.new_empty((n, d, p)), a.new_empty(n)
     parts = max(1, min(torch.get_num_threads(), n))
-    pad, off = a.new_empty((parts, (h + 2 * ph) * (w + 2 * pw) * c)), torch.empty((parts, d + OFF_PADDING), dtype=torch.long)
+    pad, off = a.new_empty((parts, (h + 2 * ph) * (w + 2 * pw) * c)), torch.empty((parts, d + OFF_PADDING),
+                                                                                   dtype=torch.long)
     shape = (h, w, c, kh, kw, sh, sw, ph, pw, dh, dw, th, tw, p, pad.data_ptr(), off.data_ptr())
     _run_parts(kernel, "fn", (a.data_ptr(), g.data_ptr(), out.data_ptr(), norms2.data_ptr(), n), shape, parts)
     return out, norms2
@@ -357,7 +360,8 @@ def clipped_sums(convs: list[tuple[nn.Conv2d, torch.Tensor, torch.Tensor]], base
     buf = base2.new_empty((parts, sum(sizes)))
     _run_parts(kernel, "sums", (ctypes.addressof(layers), len(convs), base2.data_ptr(), norms2.data_ptr(),
                                 coeff.data_ptr(), n, SUM_BLOCK),
-               (float(batch_size), float(max_grad_norm), int(zero_nonfinite), buf.data_ptr(), partial.data_ptr()), parts)
+               (float(batch_size), float(max_grad_norm), int(zero_nonfinite), buf.data_ptr(), partial.data_ptr()),
+               parts)
     if blocks:  # in block order, whatever the threads; a thread for each 256 columns at least
         total = partial.new_empty(partial.shape[1])
         _run_parts(kernel, "block_sum", (partial.data_ptr(), blocks, partial.shape[1], total.data_ptr()), (),

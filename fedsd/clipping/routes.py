@@ -235,7 +235,8 @@ def rule(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.devi
             return Route("bk", layout, ways, conv_kernel.isa(), chosen_by="rule", made_for=made_for)
         failed = {}
         for mode in FALLBACK_ORDER:
-            if mode not in step_candidates() or (cfg.memory_format != AUTO and mode not in _exact_in(cfg.memory_format)):
+            if mode not in step_candidates() or (cfg.memory_format != AUTO
+                                                 and mode not in _exact_in(cfg.memory_format)):
                 continue
             if guarded and not CLIPPERS[mode].guards_nonfinite:
                 continue
@@ -279,8 +280,9 @@ def given(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.dev
         for i, way in route.conv_ways.items():
             if way == "kernel" and not conv_kernel.applies(*convs[i]):
                 raise ConfigError(f"--route: conv layer {i} takes fedsd's conv kernel, which "
-                                  + ("is not built here (a C compiler; FEDSD_CONV_KERNEL)" if not conv_kernel.available()
-                                     else "does not take that layer here") + "; its weights cannot be repeated here")
+                                  + ("is not built here (a C compiler; FEDSD_CONV_KERNEL)"
+                                     if not conv_kernel.available() else "does not take that layer here")
+                                  + "; its weights cannot be repeated here")
     return dataclasses.replace(route, cpu_isa=conv_kernel.isa(), chosen_by="given", made_for=made_for)
 
 
@@ -306,7 +308,8 @@ def recorded(folder) -> tuple[Route, dict]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"--route-from: cannot read the route recorded in {folder} ({type(e).__name__}: {e})") from None
+        raise ConfigError(f"--route-from: cannot read the route recorded in {folder} "
+                          f"({type(e).__name__}: {e})") from None
 
 
 def route_from(folder, cfg) -> str:

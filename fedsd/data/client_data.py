@@ -321,7 +321,8 @@ def task_for(cfg) -> Task:
         if len(classes) > MAX_CLASSES:
             raise ConfigError(f"--classes: at most {MAX_CLASSES} classes, got {len(classes)}")
         if not 8 <= cfg.image_size <= MAX_IMAGE_SIZE:
-            raise ConfigError(f"--image-size: dataset=custom needs a size in [8, {MAX_IMAGE_SIZE}], got {cfg.image_size}")
+            raise ConfigError(f"--image-size: dataset=custom needs a size in [8, {MAX_IMAGE_SIZE}], "
+                              f"got {cfg.image_size}")
         # Fixed constants, never the data's own statistics: 0.5 maps [0, 1] to [-1, 1].
         task = Task(classes, cfg.channels, cfg.image_size, (0.5,) * cfg.channels, (0.5,) * cfg.channels)
     mean = _floats(cfg.mean, "--mean", task.channels) if cfg.mean else task.mean

@@ -285,7 +285,8 @@ def training_indices(data: ImageData, subset: int | None, seed: int, validation:
         pool = pool[keep]
     if public_first:
         if public_first >= len(data.y_train):
-            raise ConfigError(f"--public-first: must be below the {len(data.y_train)} training samples, got {public_first}")
+            raise ConfigError(f"--public-first: must be below the {len(data.y_train)} training samples, "
+                              f"got {public_first}")
         pool = pool[pool >= public_first]
     if subset is None:
         return pool

@@ -72,7 +72,8 @@ def _key(x: torch.Tensor) -> str:
     import kymatio
 
     digest = hashlib.sha256()
-    digest.update(repr((CACHE_FORMAT, SCATTER_J, SCATTER_L, kymatio.__version__, tuple(x.shape), str(x.dtype))).encode())
+    digest.update(repr((CACHE_FORMAT, SCATTER_J, SCATTER_L, kymatio.__version__, tuple(x.shape),
+                        str(x.dtype))).encode())
     digest.update(x.contiguous().numpy().tobytes())
     return digest.hexdigest()[:32]
 
@@ -108,7 +109,8 @@ def inputs(x: torch.Tensor, features, what: str = "images") -> torch.Tensor:
     if isinstance(features, Backbone):
         return backbone_features(x, features, what)
     if features == "backbone":
-        raise ValueError("--features backbone: the inputs are made with the run's Backbone (fedsd.models.networks.feature_source)")
+        raise ValueError("--features backbone: the inputs are made with the run's Backbone "
+                         "(fedsd.models.networks.feature_source)")
     return x if features == "none" else scattered(x, what)
 
 

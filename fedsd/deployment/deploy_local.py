@@ -20,7 +20,8 @@ from fedsd.files.results import RunResult, check_out_dir
 from fedsd.settings.declared import add_options, given_flat
 from fedsd import dry_run
 from fedsd.settings.recipe_files import add_recipe_option, blamed_on, with_recipe
-from fedsd.deployment.local_deployment import DeploymentError, LocalDeployment, add_node_arguments, node_start, stop_on_sigterm
+from fedsd.deployment.local_deployment import (DeploymentError, LocalDeployment, add_node_arguments, node_start,
+                                               stop_on_sigterm)
 from fedsd.training.summary import nothing_trained, run_summary
 from fedsd.app.simulated_shards import build_federation
 
@@ -50,14 +51,16 @@ def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, wor
         raise DeploymentError(f"the run ended without {result_path}; see {deployment.logs}")
     result = RunResult.read(result_path)
     result.extra.update(tls=True, node_auth=True, deployment=dict(
-        superlink=deployment.address, supernodes=num_clients, clientapps="warm" if deployment.warm_clientapps else "cold",
+        superlink=deployment.address, supernodes=num_clients,
+        clientapps="warm" if deployment.warm_clientapps else "cold",
         pull_interval=deployment.pull_interval, superlink_state="file" if deployment.durable_superlink else "memory",
         processes=("separate, each client in its own network namespace, its data service and its SuperNode under "
                    "uids of their own" if isolate else "separate, loopback"),
         isolation=dict(node_addresses=[deployment.isolation.address(k) for k in range(num_clients)],
                        namespaces=[deployment.isolation.namespace(k) for k in range(num_clients)],
                        owner_uids=[deployment.isolation.uid(k) for k in range(num_clients)],
-                       supernode_uids=[deployment.isolation.node_uid(k) for k in range(num_clients)]) if isolate else None,
+                       supernode_uids=[deployment.isolation.node_uid(k) for k in range(num_clients)])
+                  if isolate else None,
         startup_seconds=ready, total_seconds=time.perf_counter() - started, work_dir=str(work)))
     result.write(result_path)
     return result.to_dict()
@@ -191,8 +194,8 @@ def _distributed_defaults(args: argparse.Namespace, values: dict, fed: FedConfig
             batch = from_flat(values)[0].resolved().batch_size
             most = max(training_records(f) for f in folders)
             values["local-steps"] = math.ceil(most / batch)
-            echo(f"deploy-local: local-steps={values['local-steps']}: an epoch of the largest owner's {most} records at "
-                 f"batch-size {batch}, the same for every owner, so that its work does not tell its records "
+            echo(f"deploy-local: local-steps={values['local-steps']}: an epoch of the largest owner's {most} records "
+                 f"at batch-size {batch}, the same for every owner, so that its work does not tell its records "
                  f"(--local-steps sets another)")
         return
     sizes = [training_records(f) for f in folders]
@@ -244,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             missing = [k for k in range(args.num_clients) if not (Path(args.client_folders) / f"client-{k}").exists()]
             if missing:
                 raise DataNotFoundError(f"--client-data: no {args.client_folders}/client-{missing[0]} "
-                                        f"(fedsd split-data --clients {args.num_clients} ... --out {args.client_folders})")
+                                        f"(fedsd split-data --clients {args.num_clients} ... "
+                                        f"--out {args.client_folders})")
         else:  # a simulation's checks, before any process starts: data found, every shard, every budget
             build_federation(*from_flat(run_config)).check_plans()
         roster = secure_owners(args, run_config)

@@ -354,7 +354,8 @@ class LocalDeployment:
             data = self.client_data / f"client-{k}" if self.client_data is not None else None
             _, owner_config, env = self._owner(k, self.credentials / "keys" / f"node-{k}", data,
                                                f"partition-id={k} num-partitions={self.num_clients}")
-            cmd = [sys.executable, "-P", "-m", "fedsd.cli.main", "data-service", "--identity", "--node-config", owner_config]
+            cmd = [sys.executable, "-P", "-m", "fedsd.cli.main", "data-service", "--identity", "--node-config",
+                   owner_config]
             proc = subprocess.run(iso.wrap(k, iso.uid(k), cmd, env, self.owner_dir(k), self.owner_needs(k)),
                                   capture_output=True, text=True, timeout=120)
             if proc.returncode != 0 or not proc.stdout.strip():

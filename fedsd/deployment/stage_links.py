@@ -23,7 +23,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) fedsd data-service INFO: (took|answered) a secagg-(\w+) message")
+LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) fedsd data-service INFO: "
+                  r"(took|answered) a secagg-(\w+) message")
 LINKS = ("to_owner", "owner", "spread", "to_server")
 
 
@@ -74,7 +75,8 @@ def table(rounds: list[dict], first: int = 2) -> str:
     for name in names:
         cells = []
         for key in ("seconds",) + LINKS:
-            values = [r["stages"][name][key] for r in later if name in r["stages"] and r["stages"][name][key] is not None]
+            values = [r["stages"][name][key] for r in later
+                      if name in r["stages"] and r["stages"][name][key] is not None]
             cells.append(f"{statistics.median(values):.2f}" if values else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

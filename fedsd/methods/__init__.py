@@ -26,7 +26,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fedsd.methods.base import EMA_DECAY, METHODS, POSITIVE, RELEASES, UNIT_INTERVAL, EpochLoss, Method, MethodConfig, MethodRun, Model, SelfDistillationConfig, SelfDistilling, SelfDistillingRun, Weights, cross_entropy, distill_weight, register, release_callbacks, release_of, warming_up, with_release
+from fedsd.methods.base import (EMA_DECAY, METHODS, POSITIVE, RELEASES, UNIT_INTERVAL, EpochLoss, Method, MethodConfig,
+                                MethodRun, Model, SelfDistillationConfig, SelfDistilling, SelfDistillingRun, Weights,
+                                cross_entropy, distill_weight, register, release_callbacks, release_of, warming_up,
+                                with_release)
 from fedsd.registry import load_entry_points
 
 if TYPE_CHECKING:

@@ -156,7 +156,8 @@ class SelfDistillationConfig(MethodConfig):
     """The settings of a method whose teacher is the model itself (DP3SD, DPDSD)."""
     distill_warmup_epochs: int = setting(1, "epochs of cross-entropy alone before the teacher is used "
                                          "(dp3sd: at τs, or 1 with --dp3sd-warmup plain; dpdsd: at its --dpdsd-ce; "
-                                         "federated: global epochs, rounds × local epochs)", check=(lambda v: v >= 0, "must be >= 0"))
+                                         "federated: global epochs, rounds × local epochs)",
+                                         check=(lambda v: v >= 0, "must be >= 0"))
     distill_schedule: str = setting("constant", "self-distillation: how the distillation terms' weight changes "
                                     "after the warm-up: constant; decay = from 1 in the first distilling epoch "
                                     "linearly to 1/n in the last of n; ramp = from 1/n up to 1 (federated: "

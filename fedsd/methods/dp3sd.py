@@ -7,7 +7,8 @@ from typing import Protocol
 
 from fedsd.methods import losses
 from fedsd.settings.declared import setting
-from fedsd.methods.base import POSITIVE, UNIT_INTERVAL, EpochLoss, SelfDistillationConfig, SelfDistilling, SelfDistillingRun, cross_entropy, distill_weight, register, warming_up
+from fedsd.methods.base import (POSITIVE, UNIT_INTERVAL, EpochLoss, SelfDistillationConfig, SelfDistilling,
+                                SelfDistillingRun, cross_entropy, distill_weight, register, warming_up)
 
 PAPERS = "the paper's"
 # DP3SD's (τs, τt, α) per data set, its paper's §4.1 (docs/algorithms.md)
@@ -59,7 +60,8 @@ class DP3SD(SelfDistilling[DP3SDRun]):
         weight = distill_weight(cfg, epoch)
         class_mean = cfg.dp3sd_kl_reduction == "mean"
         # CE is ln K at any temperature, τt²·KL(teacher ‖ uniform) ≤ τt²·ln K
-        return EpochLoss(lambda s, t, y: losses.dp3sd_loss(s, t, y, tau_s=cfg.dp3sd_tau_s, tau_t=cfg.dp3sd_tau_t, alpha=cfg.dp3sd_alpha,
+        return EpochLoss(lambda s, t, y: losses.dp3sd_loss(s, t, y, tau_s=cfg.dp3sd_tau_s,
+                                                           tau_t=cfg.dp3sd_tau_t, alpha=cfg.dp3sd_alpha,
                                                            distill_weight=weight, class_mean=class_mean,
                                                            reduction="none"),
                          True, cfg.dp3sd_alpha + weight * (1 - cfg.dp3sd_alpha) * cfg.dp3sd_tau_t ** 2)

@@ -12,7 +12,8 @@ from typing import Protocol
 
 from fedsd.methods import losses
 from fedsd.settings.declared import setting
-from fedsd.methods.base import POSITIVE, EpochLoss, SelfDistillationConfig, SelfDistilling, SelfDistillingRun, cross_entropy, distill_weight, register, warming_up
+from fedsd.methods.base import (POSITIVE, EpochLoss, SelfDistillationConfig, SelfDistilling, SelfDistillingRun,
+                                cross_entropy, distill_weight, register, warming_up)
 
 PAPERS = "the paper's"
 # DPDSD's (τ, α, β) per data set, its paper's §4.1 (docs/algorithms.md)

@@ -8,7 +8,8 @@ from fedsd.methods import losses
 from fedsd.models.networks import model_for
 from fedsd.training.seeds import SEED_KD_STUDENT, derive_seed
 from fedsd.settings.declared import check_setting, setting
-from fedsd.methods.base import POSITIVE, UNIT_INTERVAL, EpochLoss, Method, MethodConfig, MethodRun, Model, register, release_of
+from fedsd.methods.base import (POSITIVE, UNIT_INTERVAL, EpochLoss, Method, MethodConfig, MethodRun, Model, register,
+                                release_of)
 
 # Open in the papers; chosen on FMNIST's validation split: τ and α
 # (results/sweeps/fmnist-dpkd-tau-alpha), the stage split (results/sweeps/fmnist-dpkd-stage-split:
@@ -63,5 +64,6 @@ class DPKD(Method[DPKDRun]):
         if epoch <= cfg.dpkd_teacher_epochs:
             return super().epoch_loss(cfg, epoch)
         # τ²·KL(teacher ‖ uniform) ≤ τ²·ln K
-        return EpochLoss(lambda s, t, y: losses.kd_loss(s, t, y, tau=cfg.dpkd_tau, alpha=cfg.dpkd_alpha, reduction="none"),
+        return EpochLoss(lambda s, t, y: losses.kd_loss(s, t, y, tau=cfg.dpkd_tau, alpha=cfg.dpkd_alpha,
+                                                        reduction="none"),
                          True, cfg.dpkd_alpha + (1 - cfg.dpkd_alpha) * cfg.dpkd_tau ** 2)

@@ -30,7 +30,8 @@ BUILTIN_MODELS = ("mnist-cnn", "cifar-cnn")
 SCATTER_MODELS = ("scatter-linear", "scatter-cnn")  # on --features scatter (fedsd.data.features)
 SCATTER_GROUPS = 27
 TORCHVISION = "torchvision:"
-MODEL_FORMS = "mnist-cnn, cifar-cnn, scatter-linear, scatter-cnn (on --features scatter), torchvision:NAME (e.g. torchvision:resnet18) or package.module:callable"
+MODEL_FORMS = ("mnist-cnn, cifar-cnn, scatter-linear, scatter-cnn (on --features scatter), torchvision:NAME "
+               "(e.g. torchvision:resnet18) or package.module:callable")
 DEFAULT_MODEL = {"mnist": "mnist-cnn", "fmnist": "mnist-cnn", "cifar10": "cifar-cnn"}
 # The papers' networks use ReLU; Tramèr & Boneh (ICLR 2021) found tanh better under DP-SGD (its
 # bounded activations keep the clipped gradients informative): a labelled variant, not Table 1.

@@ -149,7 +149,8 @@ def _calibrate(epsilon: float, delta: float, num_samples: int, batch_size: int, 
                                              steps=steps, accountant=accountant,
                                              epsilon_tolerance=EPSILON_TOLERANCE, **_orders(accountant))
     except ValueError as e:  # Opacus: "The privacy budget is too low."
-        spent = f" after the {AccountantHistory(accountant, list(prior)).epsilon(delta):.3g} spent first" if prior else ""
+        spent = f" after the {AccountantHistory(accountant, list(prior)).epsilon(delta):.3g} spent first" if prior \
+            else ""
         raise BudgetError(f"--epsilon: no noise level fits ε={epsilon}, δ={delta} for {steps} steps at "
                           f"sample rate {q:.4g}{spent} ({e}); raise --epsilon or lower --epochs") from e
     return PrivacyPlan(float(sigma), q, steps, epsilon, delta, accountant, tuple(tuple(p) for p in prior))

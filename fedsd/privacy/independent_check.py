@@ -12,10 +12,12 @@ orders of its own. For each client it checks that
 - the ε the client reported to the server is at most what its ledger holds;
 and that the run finished every round. A distributed-noise run's record names each client by
 its protocol id (its identity key's), which the check derives from the identity key in the
-client's state folder; its ledgers' Skellam charges are recomputed at integer orders only. It also lists the rounds a client was charged for more
+client's state folder; its ledgers' Skellam charges are recomputed at integer orders only. \
+It also lists the rounds a client was charged for more
 than once (`charged_again`): the safe side, since a client stopped between its charge and its
 reply trains the round again and pays again, but a client that had already answered the round
-should have sent its kept reply instead (fedsd bench soak fails a run where no fault explains it). A ledger it cannot read fails the check, naming the file;
+should have sent its kept reply instead (fedsd bench soak fails a run where no fault explains it). \
+A ledger it cannot read fails the check, naming the file;
 it never passes by default.
 """
 from __future__ import annotations

@@ -202,4 +202,5 @@ def plain_round(vectors: dict[int, callable], length: int) -> tuple[np.ndarray, 
                        protocol_seconds=time.perf_counter() - started - computing, survivors=len(vectors))
 
 
-__all__ = ["DISTRIBUTED_METHODS", "plain_round", "contribution", "ServerOptimizer", "secure_round", "run_roster", "seeded_key", "RoundAbandoned"]
+__all__ = ["DISTRIBUTED_METHODS", "plain_round", "contribution", "ServerOptimizer", "secure_round", "run_roster",
+           "seeded_key", "RoundAbandoned"]

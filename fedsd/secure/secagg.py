@@ -163,7 +163,8 @@ class SecAggClient:
         if self.me not in neighbours or not set(neighbours) <= set(cohort):
             raise ProtocolError("neighbours: must hold this client and lie in the cohort")
         if len(neighbours) > self.max_neighbours:
-            raise ProtocolError(f"neighbours: {len(neighbours)}, above the {self.max_neighbours} this owner shares with")
+            raise ProtocolError(f"neighbours: {len(neighbours)}, above the {self.max_neighbours} "
+                                f"this owner shares with")
         if len(cohort) < self.min_cohort:
             raise ProtocolError(f"cohort: {len(cohort)} clients, below the {self.min_cohort} this owner requires")
         if self.roster is not None:

@@ -161,7 +161,8 @@ class FedConfig:
               "below the noise the guarantee counts)", self.noise)
         check(self.privacy_unit == "record" or (self.noise == "distributed" and self.secure_aggregation),
               "--privacy-unit client", "needs --noise distributed and --secure-aggregation (each client adds its "
-              "share; the server sees only the sum)", f"noise={self.noise}, secure-aggregation={self.secure_aggregation}")
+              "share; the server sees only the sum)",
+              f"noise={self.noise}, secure-aggregation={self.secure_aggregation}")
         check(self.secure_sum == "protocol" or (self.noise == "distributed" and self.secure_aggregation),
               "--secure-sum plain", "is a shortcut of fedsd simulate --secure-aggregation --noise distributed (the "
               "sum it adds is the protocol's)", f"noise={self.noise}, secure-aggregation={self.secure_aggregation}")

@@ -140,7 +140,8 @@ def blamed_on(recipe: Recipe | None, args: argparse.Namespace):
 def add_recipe_option(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--recipe", metavar="NAME", default=None,
                    help="take the settings of a validated recipe (fedsd recipes lists them): NAME in the "
-                        "fedsd/recipes/ (fedsd recipes lists them), or the path of a .toml file; the flags given take the place "
+                        "fedsd/recipes/ (fedsd recipes lists them), or the path of a .toml file; "
+                        "the flags given take the place "
                         "of its values" + (" (a recipe with a federation's settings runs with fedsd simulate)"
                                             if command == "train" else ""))
 

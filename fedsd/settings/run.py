@@ -20,7 +20,8 @@ from typing import TypeVar
 from fedsd import clipping as clippers, methods
 from fedsd.data.datasets import CUSTOM, DATASET_TITLES, DATASETS
 from fedsd.data.features import FEATURE_NORMS, FEATURES, check_features
-from fedsd.models.networks import ACTIVATIONS, DEFAULT_MODEL, MODEL_FORMS, SCATTER_MODELS, check_model_name, image_shape_of, is_builtin
+from fedsd.models.networks import (ACTIVATIONS, DEFAULT_MODEL, MODEL_FORMS, SCATTER_MODELS, check_model_name,
+                                   image_shape_of, is_builtin)
 from fedsd.models.pretrained import check_train_layers
 from fedsd.settings.declared import Setting, check_choices, check_setting, declared_only, setting, settings_of
 from fedsd.errors import ConfigError
@@ -112,8 +113,9 @@ class RunConfig:
     batch_size: int | None = setting(None, "expected batch size B (Poisson sampling at q = B/n)",
                                      default_text=_paper_text("batch_size"))
     lr: float | None = setting(None, "learning rate", default_text=_paper_text("lr") + " at the papers' batch "
-                               "size; at another B, times (B / B_paper)" + (f"^{LR_BATCH_EXPONENT:g}" if LR_BATCH_EXPONENT != 1
-                               else "") + " (chosen on validation)")
+                               "size; at another B, times (B / B_paper)"
+                               + (f"^{LR_BATCH_EXPONENT:g}" if LR_BATCH_EXPONENT != 1 else "")
+                               + " (chosen on validation)")
     clip: float | None = setting(None, "per-sample clipping norm C", default_text=_paper_text("clip"))
     clip_quantile: float = setting(0.0, "adaptive clipping (Andrew et al. 2021): --clip is where the clip starts, and "
                                    "it follows this quantile of the per-sample gradient norms, each step's noised "
@@ -127,7 +129,8 @@ class RunConfig:
                                       "the paper's); the gradient's noise multiplier is lowered so that the two "
                                       "spend the run's ε (the paper's Theorem 1)")
     momentum: float | None = setting(None, "SGD momentum",
-                                     default_text="chosen per data set on validation: 0.9 for MNIST, FMNIST and CIFAR-10")
+                                     default_text="chosen per data set on validation: 0.9 for MNIST, FMNIST "
+                                                  "and CIFAR-10")
     accountant: str = setting("rdp", "Opacus accountant that calibrates σ and reports ε", choices=ACCOUNTANTS)
     subset: int | None = setting(None, "train on a seeded, class-stratified subset of this size",
                                  default_text="the whole training set")
@@ -293,7 +296,8 @@ def renamed_settings(values: dict, method: str | None, say: str | None = None) -
         if new is None:
             if typed is None:
                 continue
-            names = ", ".join(f"{'--' if say == 'flag' else ''}{n.replace('_', '-')} ({m})" for m, n in by_method.items())
+            names = ", ".join(f"{'--' if say == 'flag' else ''}{n.replace('_', '-')} ({m})"
+                              for m, n in by_method.items())
             raise ConfigError(f"{typed}: renamed in fedsd 0.2, by method: {names}; --method {method} has none")
         if typed is not None:
             shown = ("--" if say == "flag" else "") + new.replace("_", "-")
@@ -425,8 +429,8 @@ def check_method_settings(c) -> None:
         for name in ("ema_decay", "ema_warmup"):
             s = own[name]
             if getattr(c, name) != s.default:
-                raise ConfigError(f"{s.flag}: the released EMA's setting; this run releases its {methods.release_of(c)} "
-                                  f"(use --method dpema or --release ema)")
+                raise ConfigError(f"{s.flag}: the released EMA's setting; this run releases its "
+                                  f"{methods.release_of(c)} (use --method dpema or --release ema)")
     methods.METHODS[c.method].check(c)
 
 
@@ -462,7 +466,8 @@ def validate(c: TrainConfig, num_train: int) -> None:
     if c.route:
         from fedsd.clipping.routes import Route
 
-        Route.from_spec(c.route)  # its form here; against the network where the run is planned (fedsd.clipping.routes.given)
+        # its form here; against the network where the run is planned (fedsd.clipping.routes.given)
+        Route.from_spec(c.route)
         check_setting(c.grad_sample_mode == "auto", "--route", "takes the place of --grad-sample-mode; leave that auto",
                       c.route)
     check_setting(math.isfinite(c.epsilon) and c.epsilon > 0, "--epsilon", "must be > 0", c.epsilon)

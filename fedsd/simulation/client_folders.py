@@ -33,7 +33,8 @@ def write_client_folders(cfg: TrainConfig, fed: FedConfig, out: Path, fmt: str, 
     `fedsd simulate` cuts it) and an even share of the test split, in `fmt`. Checks first;
     writes into a staging folder that becomes `out` only when every client's is written."""
     if cfg.dataset not in data_lib.DATASETS:
-        raise ConfigError(f"--dataset: split-data cuts a built-in data set; choose one of {', '.join(data_lib.DATASETS)}")
+        raise ConfigError(f"--dataset: split-data cuts a built-in data set; "
+                          f"choose one of {', '.join(data_lib.DATASETS)}")
     fed.validate()
     check_out_dir(out, overwrite)
     images, indices, parts = cut_shards(cfg, fed)

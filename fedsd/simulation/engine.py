@@ -130,9 +130,10 @@ def simulate(cfg: TrainConfig, fed: FedConfig, out: str | Path | None = None, ov
     if dry_run.requested():
         c, sigmas = federation.cfg, sorted({federation.client_plan(k).noise_multiplier for k in range(fed.num_clients)})
         sigma = f"{sigmas[0]:.3f}" + (f"–{sigmas[-1]:.3f}" if sigmas[-1] != sigmas[0] else "")
-        dry_run.stop_here(f"simulate {fed.num_clients} clients ({fed.partition}) for {fed.rounds} rounds of {cfg.method}"
-                          f" ({c.epochs} epochs a client) at B = {c.batch_size}, lr {c.lr:g}, momentum {c.momentum:g}, "
-                          f"σ={sigma}, ε={cfg.epsilon:g} each" + (f" into {out}" if out else ""))
+        dry_run.stop_here(f"simulate {fed.num_clients} clients ({fed.partition}) for {fed.rounds} rounds "
+                          f"of {cfg.method} ({c.epochs} epochs a client) at B = {c.batch_size}, lr {c.lr:g}, "
+                          f"momentum {c.momentum:g}, σ={sigma}, ε={cfg.epsilon:g} each"
+                          + (f" into {out}" if out else ""))
     return run_on_ray(cfg, fed, out, overwrite, progress, ray_cpus, verbose, ray_address, log_dir)
 
 

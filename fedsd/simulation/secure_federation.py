@@ -31,7 +31,8 @@ from fedsd.secure import distributed_noise
 from fedsd.secure.secagg import MAX_NEIGHBOURS
 from fedsd.data.client_data import input_stats, with_custom_task, task_for
 from fedsd.settings.run import TrainConfig
-from fedsd.secure.distributed_step import DISTRIBUTED_METHODS, ServerOptimizer, contribution, dimension, plain_round, secure_round, seeded_key
+from fedsd.secure.distributed_step import (DISTRIBUTED_METHODS, ServerOptimizer, contribution, dimension, plain_round,
+                                           secure_round, seeded_key)
 from fedsd.errors import ConfigError, ResumeError
 from fedsd.settings.federation import FedConfig
 from fedsd.methods import released
@@ -117,7 +118,8 @@ class SecureFederation:
         self.num_train, self.seconds_before = n, 0.0
         self.adaptive, self.update_clip = None, fed.update_clip  # --update-clip-quantile: S now
         if fed.privacy_unit == "client":  # every client every round, its clipped update; the server's mean
-            adapting = fed.update_clip_quantile > 0  # one coordinate more: each client's bit (client_level.AdaptiveUpdateClip)
+            # one coordinate more: each client's bit (client_level.AdaptiveUpdateClip)
+            adapting = fed.update_clip_quantile > 0
             self.noise = client_level.calibrate(cfg.epsilon, cfg.delta, fed.update_clip, len(shards), fed.rounds,
                                                 honest_count(fed), dim + adapting)
             self.adaptive = client_level.AdaptiveUpdateClip.of(fed, self.noise)

@@ -17,9 +17,11 @@ from fedsd.clipping import routes
 from fedsd.training import tensorboard
 from fedsd.settings.run import TrainConfig, renamed_settings, validate
 from fedsd.clipping.bookkeeping import BookKeepingEngine
-from fedsd.models.networks import check_fits_task, feature_source, image_shape_of, input_shape_of, model_for, start_report, with_pinned_weights
+from fedsd.models.networks import (check_fits_task, feature_source, image_shape_of, input_shape_of, model_for,
+                                   start_report, with_pinned_weights)
 from fedsd.training.seeds import SEED_FEATURE_NORM, derive_seed
-from fedsd.files.results import RunResult, check_out_dir, finished_run_refusal, fresh_out_dir, save_atomic, write_json, write_run
+from fedsd.files.results import (RunResult, check_out_dir, finished_run_refusal, fresh_out_dir, save_atomic, write_json,
+                                 write_run)
 from fedsd.training.loop import DPTrainer, TrainState, evaluate, initial_model, planned_trainer
 from fedsd.errors import ResumeError, TrainingDiverged
 from fedsd.runtime import resolve_device
@@ -165,7 +167,8 @@ class CentralRun:
                                          feature_source(self.cfg))
         if self.feature_stats is not None:
             x = features.normalise(x, *self.feature_stats)  # the training set's released statistics
-        return x.to(self.prepared.device).contiguous(memory_format=self.trainer.memory_format), y.to(self.prepared.device)
+        return (x.to(self.prepared.device).contiguous(memory_format=self.trainer.memory_format),
+                y.to(self.prepared.device))
 
     def remaining_epochs(self) -> range:
         return range(len(self.epochs) + 1, self.cfg.epochs + 1)
@@ -233,7 +236,8 @@ class CentralRun:
 
 
 def train(cfg: TrainConfig | None, out: str | Path | None = None, overwrite: bool = False,
-          progress: bool = True, resume: bool = False, log_dir: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+          progress: bool = True, resume: bool = False,
+          log_dir: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Train centrally; write result.json, model.pt and curve.png to `out` (when given), and
     the state after every epoch (CentralRun); `resume=True` continues the unfinished run in
     `out` with its own saved settings (`cfg` is then None). `log_dir`: the TensorBoard log's

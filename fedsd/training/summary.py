@@ -109,9 +109,11 @@ def settings_line(result: dict) -> str:
                      f"{values[0]:.3f}–{values[-1]:.3f}" if values else "-")
         else:
             sigma = f"{sigma:.3f}" if sigma is not None else "-"
-        length = (f"{fed['rounds']} rounds × {fed['local_epochs']} local epoch(s)" if fed else f"{cfg['epochs']} epochs")
+        length = (f"{fed['rounds']} rounds × {fed['local_epochs']} local epoch(s)" if fed
+                  else f"{cfg['epochs']} epochs")
     passes = result.get("physical_batch_size")
-    batch = f"{cfg['batch_size']}" + (f" (in passes of at most {passes})" if passes and passes < cfg["batch_size"] else "")
+    batch = f"{cfg['batch_size']}" + (f" (in passes of at most {passes})" if passes and passes < cfg["batch_size"]
+                                      else "")
     return f"B = {batch}, lr {cfg['lr']:g}, momentum {cfg['momentum']:g}, σ = {sigma}, {length}"
 
 
@@ -129,7 +131,8 @@ def distributed_length(fed: dict) -> str:
     """A distributed-noise run's length: one DP-SGD step of the federation a round (record level),
     or each client's local work a round (client level)."""
     if fed.get("privacy_unit") == "client":
-        local = f"{fed['local_steps']} local steps" if fed.get("local_steps") else f"{fed['local_epochs']} local epoch(s)"
+        local = f"{fed['local_steps']} local steps" if fed.get("local_steps") \
+            else f"{fed['local_epochs']} local epoch(s)"
         return f"{fed['rounds']} rounds × {local} (each client's update protected whole)"
     return f"{fed['rounds']} rounds of one DP-SGD step (B the federation's)"
 

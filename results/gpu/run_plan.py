@@ -25,7 +25,8 @@ for entry in plan:
     json.dump(entry["config"], open(cfg, "w"))
     t0 = time.time()
     code = ("import json; from fedsd.simulation.sweeps import _run_one; "
-            f"r = _run_one(json.load(open('{cfg}')), '{run_out}'); print('RESULT', r.get('test_accuracy'), r.get('diverged', ''))")
+            f"r = _run_one(json.load(open('{cfg}')), '{run_out}'); "
+            f"print('RESULT', r.get('test_accuracy'), r.get('diverged', ''))")
     try:
         p = subprocess.run([sys.executable, "-c", code], timeout=left, capture_output=True, text=True)
         tail = (p.stdout + p.stderr).strip().splitlines()[-3:]

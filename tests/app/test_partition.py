@@ -81,4 +81,5 @@ def test_dirichlet_redraws_are_said_once_in_fedsds_words():
     sizes = [len(p) for p in parts]
     assert [w.category for w in caught] == [FedsdNote], [str(w.message)[:120] for w in caught]
     assert str(caught[0].message).startswith("--partition dirichlet: 10 Dirichlet(α=0.3) draw(s) left a client with "
-                                             f"too few samples before one fitted; shard sizes {min(sizes)}–{max(sizes)}")
+                                             f"too few samples before one fitted; "
+                                             f"shard sizes {min(sizes)}–{max(sizes)}")

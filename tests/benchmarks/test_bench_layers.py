@@ -25,7 +25,8 @@ def run_json(capsys, *extra) -> tuple[dict | list, str]:
 
 def test_layers_one_row_a_trainable_layer_and_parts_within_the_step(capsys):
     report, _ = run_json(capsys, "--no-compile", "--layers")
-    names = [n for n, m in build_model("mnist-cnn").named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    names = [n for n, m in build_model("mnist-cnn").named_modules()
+             if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
     assert [r["name"] for r in report["layers"]] == names
     assert report["route"] == "bk"
     assert [r["way"] for r in report["layers"]][-2:] == ["linear", "linear"]
@@ -115,7 +116,8 @@ def test_a_failing_compiled_candidate_is_left_out_with_why(monkeypatch, capsys, 
     rows, err = run_json(capsys, "--grad-sample-mode", "bk")
     assert rows[0]["left_out"]["compiled-channels-last"].startswith(reason)
     # The parts compiled as the DP step's are checked bit for bit there, and run eager when they differ.
-    assert set(rows[0]["nonprivate_step_seconds"]) == {"eager-nchw", "eager-channels-last", "compiled-parts-channels-last"}
+    assert set(rows[0]["nonprivate_step_seconds"]) == {"eager-nchw", "eager-channels-last",
+                                                       "compiled-parts-channels-last"}
     assert "compiled-channels-last left out: " + reason in err
     # and in the text table
     args = argparse.Namespace(model="mnist-cnn", method=rows[0]["method"], grad_sample_mode=["bk"])

@@ -205,7 +205,8 @@ def test_one_pass_clipped_sums_do_not_depend_on_the_number_of_threads():
         two = conv_kernel.clipped_sums(convs, base2, 70, 20.0)
     finally:
         torch.set_num_threads(before)
-    assert all(torch.equal(a, b) for a, b in zip([one[0], one[1], *sum(one[2], ())], [two[0], two[1], *sum(two[2], ())]))
+    assert all(torch.equal(a, b) for a, b in zip([one[0], one[1], *sum(one[2], ())],
+                                                 [two[0], two[1], *sum(two[2], ())]))
 
 
 @needs_kernel
@@ -277,8 +278,10 @@ def test_the_kernel_refuses_a_layer_whose_geometry_is_not_its_weights(case):
         conv = _Cropping(16, 16, 3, padding=-4)
         x = torch.randn(n, 16, 40, 40)
     else:
-        conv = nn.Conv2d(16, 16, kernel_size=4 if case.endswith("smaller than kernel_size") else 1, stride=4, bias=False)
-        conv.weight = nn.Parameter(torch.randn(16, 16, *((1, 1) if case.endswith("smaller than kernel_size") else (4, 4))))
+        conv = nn.Conv2d(16, 16, kernel_size=4 if case.endswith("smaller than kernel_size") else 1, stride=4,
+                         bias=False)
+        conv.weight = nn.Parameter(torch.randn(16, 16, *((1, 1) if case.endswith("smaller than kernel_size")
+                                                         else (4, 4))))
         x = torch.randn(n, 16, 8, 8)
     conv = conv.to(memory_format=torch.channels_last)
     x = x.contiguous(memory_format=torch.channels_last)
@@ -355,7 +358,8 @@ def test_an_openmp_build_that_does_not_load_gives_way_to_the_build_without(tmp_p
     assert torch.isfinite(conv_kernel.clipped_sums(convs, base2, 40, 20.0, kernel=kernel)[0]).all()
 
 
-RUNS_TARGETS = [("native", ()), *((march, ("WIDE_DB=8", "NARROW_DB=16")) for march in ("x86-64-v4", "x86-64-v3", "x86-64"))]
+RUNS_TARGETS = [("native", ()), *((march, ("WIDE_DB=8", "NARROW_DB=16"))
+                                  for march in ("x86-64-v4", "x86-64-v3", "x86-64"))]
 
 
 @needs_kernel

@@ -120,7 +120,8 @@ def test_empty_batch_takes_a_noise_only_step(mode):
     trainer = DPTrainer(cfg, tensors, p)
     trainer.generator.manual_seed(0)
     before = [w.detach().clone() for w in trainer.model.parameters()]
-    trainer.train_on_batch(trainer.data.x_train[:0], tensors.y_train[:0], EpochLoss(lambda s, t, y: s.sum(1), False, 1.0))
+    trainer.train_on_batch(trainer.data.x_train[:0], tensors.y_train[:0],
+                           EpochLoss(lambda s, t, y: s.sum(1), False, 1.0))
     deltas = torch.cat([(w.detach() - b).flatten() for w, b in zip(trainer.model.parameters(), before)])
     expected_std = cfg.lr * p.noise_multiplier * cfg.clip / cfg.batch_size
     assert deltas.std().item() == pytest.approx(expected_std, rel=0.05)

@@ -22,7 +22,8 @@ CPU = torch.device("cpu")
 
 
 def small(**kw):
-    return TrainConfig(**{**dict(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=48, threads=1), **kw}).resolved()
+    return TrainConfig(**{**dict(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=48, threads=1),
+                          **kw}).resolved()
 
 
 @pytest.fixture
@@ -237,7 +238,8 @@ def test_choosing_and_measuring_leave_the_runs_random_state_alone(cache):
                                     routes.Route("bk", "channels-last", {0: "ghost", 1: "patches"})])
 def test_a_planned_trainer_takes_the_given_route(cache, chosen):
     x, y = torch.zeros(96, 1, 28, 28), torch.arange(96) % 10
-    trainer = planned_trainer(small(route=chosen.spec()), TensorData(x, y, x[:1], y[:1], 10), plan(3.0, 1e-5, 96, 48, 1))
+    trainer = planned_trainer(small(route=chosen.spec()), TensorData(x, y, x[:1], y[:1], 10),
+                              plan(3.0, 1e-5, 96, 48, 1))
     assert trainer.route.spec() == chosen.spec() and trainer.route.chosen_by == "given"
     assert trainer.memory_format == routes.LAYOUTS[chosen.memory_format]
     assert trainer.data.x_train.is_contiguous(memory_format=trainer.memory_format)

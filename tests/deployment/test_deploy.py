@@ -52,8 +52,8 @@ def test_deploy_local_script_runs_with_tls_and_node_auth(tmp_path):
     require("fmnist")
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run([str(ROOT / "scripts" / "deploy-local.sh"), "--clients", "2", "--rounds", "2",
-                           "--dataset", "fmnist", "--subset", "2000", "--batch-size", "100", "--lr", "0.8", "--out", str(out),
-                           "--work", str(work)],
+                           "--dataset", "fmnist", "--subset", "2000", "--batch-size", "100", "--lr", "0.8",
+                           "--out", str(out), "--work", str(work)],
                           env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
@@ -307,7 +307,8 @@ def test_operators_see_each_round_who_did_not_train_and_why(tmp_path):
     assert all(line.endswith("; trained 0, 2, refused 1") for line in rounds), rounds
     summary = "\n".join(lines[lines.index(rounds[-1]) + 1:])
     assert "test accuracy" in summary and "ε spent" in summary and "\\u03b5" not in first.stdout
-    assert "not trained    client 1 in rounds 1–2: refused: data: this client's own data does not fit" in summary, summary
+    assert "not trained    client 1 in rounds 1–2: refused: data: this client's own data does not fit" in summary, \
+        summary
     assert "bad.png" not in summary
     assert "owners' budget client 0: ε ≤ 2, δ ≤ 1e-05" in summary
     too_much = no_client_can_train([*common, "--rounds", "3", "--epsilon", "3", "--node-config", "max-epsilon=2",
@@ -316,7 +317,8 @@ def test_operators_see_each_round_who_did_not_train_and_why(tmp_path):
         assert f"client {k} refused: run asks ε=3, this client allows at most 2" in too_much
     assert "client 1 refused: data: this client's own data does not fit" in too_much and "bad.png" not in too_much
     skipping = deploy_local([*common, "--rounds", "1", "--epsilon", "1.5", "--node-config",
-                             "max-epsilon=2 skip-bad-files=true", "--work", str(tmp_path / "work-3")], tmp_path / "run-3")
+                             "max-epsilon=2 skip-bad-files=true", "--work", str(tmp_path / "work-3")],
+                            tmp_path / "run-3")
     assert skipping["rounds"][0]["trained"] == [0, 1, 2]
     assert skipping["rounds"][0]["skipped_files"] == {"1": {"count": 1, "first": ["train/3/bad.png"]}}
     assert processes_mentioning(str(work)) == []

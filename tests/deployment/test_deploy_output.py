@@ -5,7 +5,7 @@ REFUSED = """\x1b[91mERROR \x1b[0m:     ServerApp raised an exception
 Traceback (most recent call last):
   File "fedsd/app/server/server_app.py", line 1, in main
 fedsd.app.server.server_app.NoClientCanTrain: round 1: no client can train, so the run stops: client 0 refused: run asks ε=3
-"""
+"""  # noqa: E501
 
 BUG = """\x1b[92mINFO \x1b[0m:      [ROUND 2/3]
 \x1b[91mERROR \x1b[0m:     ServerApp raised an exception

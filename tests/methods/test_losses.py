@@ -144,7 +144,8 @@ def test_distill_schedule_scales_the_distillation_terms_by_epoch(batch, schedule
             got = METHODS[method].epoch_loss(c, epoch).per_sample(zs, zt, y).tolist()
             if method == "dp3sd":
                 ce = [-math.log(softmax(zs[i].tolist(), c.dp3sd_tau_s)[int(y[i])]) for i in range(6)]
-                full = [hand_dp3sd(zs[i].tolist(), zt[i].tolist(), int(y[i]), c.dp3sd_tau_s, c.dp3sd_tau_t, c.dp3sd_alpha)
+                full = [hand_dp3sd(zs[i].tolist(), zt[i].tolist(), int(y[i]), c.dp3sd_tau_s, c.dp3sd_tau_t,
+                                   c.dp3sd_alpha)
                         for i in range(6)]
                 expected = [c.dp3sd_alpha * a + w * (f - c.dp3sd_alpha * a) for a, f in zip(ce, full)]
             else:
@@ -170,7 +171,8 @@ def test_dp3sd_warms_up_on_cross_entropy_at_its_warmup_temperature(batch, warmup
     assert loss.per_sample(zs, None, y).tolist() == pytest.approx(
         [-math.log(softmax(zs[i].tolist(), tau)[int(y[i])]) for i in range(6)], rel=1e-10)
     after = METHODS["dp3sd"].epoch_loss(c, 2).per_sample(zs, zt, y).tolist()
-    assert after == pytest.approx([hand_dp3sd(zs[i].tolist(), zt[i].tolist(), int(y[i]), c.dp3sd_tau_s, c.dp3sd_tau_t, c.dp3sd_alpha)
+    assert after == pytest.approx([hand_dp3sd(zs[i].tolist(), zt[i].tolist(), int(y[i]), c.dp3sd_tau_s,
+                                              c.dp3sd_tau_t, c.dp3sd_alpha)
                                    for i in range(6)], rel=1e-10)
 
 

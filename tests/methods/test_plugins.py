@@ -43,8 +43,8 @@ def test_a_plugin_method_is_an_option_of_fedsd_and_trains(site, tmp_path):
                                   "the plugin's)" in text
     out = tmp_path / "run"
     trained = fedsd(site, "train", "--method", "dpsmooth", "--dataset", "fmnist", "--subset", "2000", "--epochs", "2",
-                    "--batch-size", "200", "--lr", "2", "--epsilon", "3", "--threads", "1", "--quiet", "--out", str(out),
-                    cwd=tmp_path)
+                    "--batch-size", "200", "--lr", "2", "--epsilon", "3", "--threads", "1", "--quiet",
+                    "--out", str(out), cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
     assert result["config"]["method"] == "dpsmooth" and result["config"]["label_smoothing"] == 0.1

@@ -78,7 +78,8 @@ def test_a_users_factory_trains_in_a_simulated_federation(user_module, tmp_path)
     require("fmnist")
     proc = subprocess.run([sys.executable, "-m", "fedsd.cli.main", "simulate", "--dataset", "fmnist",
                            "--model", f"{user_module}:make", "--subset", "2000", "--clients", "2", "--rounds", "2",
-                           "--batch-size", "200", "--lr", "2", "--epsilon", "8", "--quiet", "--out", str(tmp_path / "fed")],
+                           "--batch-size", "200", "--lr", "2", "--epsilon", "8", "--quiet",
+                           "--out", str(tmp_path / "fed")],
                           cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

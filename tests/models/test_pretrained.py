@@ -107,7 +107,8 @@ def test_backbone_features_need_weights_and_frozen_blocks(weights_file):
 
 
 def test_a_frozen_batchnorm_runs_in_eval_mode_and_a_trainable_one_is_replaced():
-    frozen = build_model("tests.models.test_pretrained:bn_net", 10, seed=0, channels=1, image_size=8, train_layers="last:2")
+    frozen = build_model("tests.models.test_pretrained:bn_net", 10, seed=0, channels=1, image_size=8,
+                         train_layers="last:2")
     assert pretrained.is_frozen_batchnorm(frozen.stem[1])  # kept, with its statistics
     assert isinstance(frozen.body[1], nn.GroupNorm)  # trainable: replaced, as without weights
     frozen.train()

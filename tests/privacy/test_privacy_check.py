@@ -25,7 +25,8 @@ def deployment(tmp_path, charged: dict[int, list[int]], max_epsilon: float = 3.0
         state = tmp_path / "work" / "client-state" / str(k)
         state.mkdir(parents=True)
         entries = [dict(CHARGE, run="exp", round=r) for r in charged[k]]
-        (state / "ledger-abc.json").write_text(json.dumps(dict(max_epsilon=max_epsilon, max_delta=1e-5, entries=entries)))
+        (state / "ledger-abc.json").write_text(json.dumps(dict(max_epsilon=max_epsilon, max_delta=1e-5,
+                                                               entries=entries)))
     return tmp_path / "run", tmp_path / "work"
 
 

@@ -1,6 +1,7 @@
 """The layout docs/architecture.md describes, checked from the code's own imports: one package,
 no module name twice, no import circle among its modules, the rule of which room may import
-which, no function over 60 lines, no module of fedsd/ over 600, and `fedsd --help` without this repository's experiments loaded."""
+which, no function over 60 lines, no module of fedsd/ over 600, and `fedsd --help` without \
+this repository's experiments loaded."""
 import ast
 import re
 import subprocess
@@ -31,7 +32,8 @@ def runtime_imports(tree: ast.AST):
     skipped = {id(node) for guard in ast.walk(tree)
                if isinstance(guard, ast.If) and "TYPE_CHECKING" in ast.unparse(guard.test)
                for statement in guard.body for node in ast.walk(statement)}
-    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped]
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+            and id(node) not in skipped]
 
 
 def imported_names(name: str, path: Path, tree: ast.AST) -> list[tuple[str, int]]:
@@ -169,7 +171,8 @@ def layer_breaches(root: Path = ROOT) -> list[str]:
 
 def test_a_breach_is_found(tmp_path):
     """The rule can fail: the library importing Flower, and the ClientApp importing the ServerApp."""
-    for rel, text in {"fedsd/data/leak.py": "import flwr\n", "fedsd/app/client/leak.py": "from fedsd.app.server import grid\n"}.items():
+    for rel, text in {"fedsd/data/leak.py": "import flwr\n",
+                      "fedsd/app/client/leak.py": "from fedsd.app.server import grid\n"}.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     found = layer_breaches(tmp_path)
@@ -274,7 +277,8 @@ def test_no_issue_number_in_code_or_documents():
     texts = {}
     for rel in tracked:
         path = ROOT / rel
-        if path.suffix in (".py", ".md", ".toml", ".sh", ".txt", ".c", "") and path.is_file() and path.stat().st_size < 2_000_000:
+        if path.suffix in (".py", ".md", ".toml", ".sh", ".txt", ".c", "") and path.is_file() \
+                and path.stat().st_size < 2_000_000:
             texts[rel] = path.read_text(errors="replace")
     assert len(texts) > 150  # the project's files were read
     assert issue_numbers(texts) == []

@@ -121,9 +121,11 @@ def test_a_bug_keeps_its_traceback_and_bad_input_is_one_line(monkeypatch, capsys
     (["--method", "dp3sd", "--dpdsd-loss", "dkd"], "--dpdsd-loss: a setting of dpdsd, not of --method dp3sd"),
     (["--method", "dpsgd", "--teacher-every", "step"], "--teacher-every: a setting of dp3sd and dpdsd, not of "
                                                       "--method dpsgd"),
-    (["--method", "dpdsd", "--dp3sd-kl-reduction", "mean"], "--dp3sd-kl-reduction: a setting of dp3sd, not of --method dpdsd"),
+    (["--method", "dpdsd", "--dp3sd-kl-reduction", "mean"], "--dp3sd-kl-reduction: a setting of dp3sd, not of "
+                                                            "--method dpdsd"),
     (["--method", "dpsgd", "--dpkd-alpha", "0.3"], "--dpkd-alpha: a setting of dpkd, not of --method dpsgd"),
-    (["--method", "dpsgd", "--alpha", "0.3"], "--alpha: renamed in fedsd 0.2, by method: --dp3sd-alpha (dp3sd), --dpdsd-alpha (dpdsd), --dpkd-alpha (dpkd); --method dpsgd has none"),
+    (["--method", "dpsgd", "--alpha", "0.3"], "--alpha: renamed in fedsd 0.2, by method: --dp3sd-alpha (dp3sd), "
+                                              "--dpdsd-alpha (dpdsd), --dpkd-alpha (dpkd); --method dpsgd has none"),
     (["--method", "dpsgd", "--ema-warmup", "off"], "--ema-warmup: the released EMA's setting; this run releases its "
                                                   "student (use --method dpema or --release ema)"),
     (["--method", "dp3sd", "--ema-decay", "0.9"], "--ema-decay: the released EMA's setting"),

@@ -93,7 +93,8 @@ def test_load_model_gives_what_the_run_released_ready_to_use(tmp_path, capsys):
                  "--batch-size", "200", "--lr", "2", "--epsilon", "3", "--threads", "1", "--quiet",
                  "--out", str(out)]) == 0
     summary = capsys.readouterr().out.splitlines()
-    assert summary[3].startswith("  settings       B = 200, lr 2, momentum 0.9, σ = ") and summary[3].endswith(", 2 epochs")
+    assert summary[3].startswith("  settings       B = 200, lr 2, momentum 0.9, σ = ") \
+        and summary[3].endswith(", 2 epochs")
     model = fedsd.load_model(out)
     images = data_lib.load("fmnist")
     with torch.no_grad():
@@ -141,7 +142,7 @@ def test_own_data_that_does_not_say_its_task_is_refused_with_the_option(tmp_path
 
 @pytest.mark.slow
 def test_own_npz_data_simulates_as_a_federation(tmp_path):
-    """`fedsd simulate --dataset custom --data-dir FILE.npz`: partitioned like a built-in set; its test split is its own."""
+    """`fedsd simulate --dataset custom --data-dir FILE.npz`: partitioned like a built-in set; its test split is its own."""  # noqa: E501
     import numpy as np
 
     from fedsd.data import datasets as data_lib
@@ -202,7 +203,8 @@ def test_train_help_says_epsilon_is_required_as_the_command_does(capsys, tmp_pat
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--epsilon X privacy budget ε of the whole run (a client's, federated) (required, unless --resume or a recipe gives it)" in text
+    assert ("--epsilon X privacy budget ε of the whole run (a client's, federated) (required, unless --resume or "
+            "a recipe gives it)") in text
     assert main(["train", "--out", str(tmp_path / "o")]) == 2
     assert "the following arguments are required: --epsilon (or --resume DIR)" in capsys.readouterr().err
 
@@ -238,7 +240,8 @@ def test_a_warm_supernode_starts_flower_supernode_in_process_isolation_at_its_ru
     port = warm[warm.index("--port") + 1]
     assert warm[5:] == [port if a == cold[cold.index("--port") + 1] else a for a in cold[1:]]  # the same options
     options = warm[4:]
-    assert warm_supernode.pull_interval(options) == 0.5 and warm_supernode.runtime_address(options) == f"127.0.0.1:{port}"
+    assert warm_supernode.pull_interval(options) == 0.5 \
+        and warm_supernode.runtime_address(options) == f"127.0.0.1:{port}"
     # read as flower-supernode reads them: its own parser, its defaults, its abbreviations
     assert warm_supernode.runtime_address(["--po=9095"]) == "127.0.0.1:9095"
     assert warm_supernode.runtime_address(["--host", "10.0.0.2", "--port", "9094"]) == "10.0.0.2:9094"
@@ -362,9 +365,9 @@ def test_central_training_needs_no_flower(tmp_path):
              "sys.meta_path.insert(0, NoFlower())\n"
              "from fedsd.cli.main import main\n"
              "sys.exit(main(sys.argv[1:]))\n")
-    proc = subprocess.run([sys.executable, "-c", block, "train", "--dataset", "fmnist", "--epsilon", "3", "--epochs", "1",
-                           "--out", str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={**os.environ, "FEDSD_DRY_RUN": "1"})
+    proc = subprocess.run([sys.executable, "-c", block, "train", "--dataset", "fmnist", "--epsilon", "3",
+                           "--epochs", "1", "--out", str(tmp_path / "run")], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, env={**os.environ, "FEDSD_DRY_RUN": "1"})
     assert proc.returncode == 0, proc.stderr
     assert "dry run: every check passed" in proc.stdout
     assert not (tmp_path / "run").exists()

@@ -41,8 +41,9 @@ def probe(code: str, env_drop=TUNED) -> dict:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_importing_the_library_changes_no_environment_and_no_allocator():
-    imported = probe("import fedsd, fedsd.training.loop, fedsd.privacy.accounting, fedsd.clipping.bookkeeping, fedsd.clipping.conv_kernel, "
-                     "fedsd.clipping.routes, fedsd.training.central, fedsd.privacy.canary_audit")
+    imported = probe("import fedsd, fedsd.training.loop, fedsd.privacy.accounting, fedsd.clipping.bookkeeping, "
+                     "fedsd.clipping.conv_kernel, fedsd.clipping.routes, fedsd.training.central, "
+                     "fedsd.privacy.canary_audit")
     assert imported == {"changed": [], "mmapped": 1}  # glibc's own way: a large block is mmap'd
 
 

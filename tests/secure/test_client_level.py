@@ -64,7 +64,7 @@ def test_a_plan_that_is_not_the_clients_own_is_refused_before_anything_is_sent(f
     """Another clip would not bound the update by the noise's sensitivity (a smaller one scales a
     unit of the update past it; a larger one is refused too: the plan is not this run's); q < 1 claims an amplification that does not happen; another n or length is not
     this run; less noise than the client's own calibration (z = 0: the update in the clear)
-    would spend more than its ε."""
+    would spend more than its ε."""  # noqa: E501
     import dataclasses
 
     own = cl.calibrate(3.0, 1e-5, 0.1, 10, 20, 10, 100)

@@ -55,7 +55,8 @@ def _costly_evidence(t: int, extra: int):
         hs = secagg_primitives._commitment(rid, colluder.id, h, "s", share)
         commits[h] = hb + hs + colluder.sign(secagg_primitives._commit_message(rid, colluder.id, h, hb, hs))
     item = {"round": 1, "round_id": rid.hex(), "dealer": colluder.id, "part": "b", "threshold": t, "holders": holders,
-            "dealing": colluder.sign(secagg_primitives._dealing_message(rid, colluder.id, holders, t, bytes(32), bytes(32))).hex(),
+            "dealing": colluder.sign(secagg_primitives._dealing_message(rid, colluder.id, holders, t, bytes(32),
+                                                                        bytes(32))).hex(),
             "seed_digest": bytes(32).hex(), "s_public": bytes(32).hex(),
             "shares": {str(h): v.hex() for h, v in shares.items()},
             "commits": {str(h): v.hex() for h, v in commits.items()}}

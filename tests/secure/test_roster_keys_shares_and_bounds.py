@@ -331,7 +331,8 @@ def test_an_identity_is_the_owners_alone_and_a_stranger_or_unsigned_key_is_refus
     stranger = Identity()
     client = SecAggClient(ours[0].id, b"r", identity=ours[0], roster=roster)
     with pytest.raises(ProtocolError, match=r"not on this owner's roster \(culprit"):
-        client.advertise(sorted([ours[0].id, ours[1].id, stranger.id]), sorted([ours[0].id, ours[1].id, stranger.id]), 3)
+        client.advertise(sorted([ours[0].id, ours[1].id, stranger.id]),
+                         sorted([ours[0].id, ours[1].id, stranger.id]), 3)
     cohort = sorted(i.id for i in ours.values())
     clients = {k: SecAggClient(i.id, b"r", identity=i, roster=roster) for k, i in ours.items()}
     keys = {c.me: c.advertise(cohort, cohort, 3) for c in clients.values()}

@@ -13,7 +13,8 @@ from fedsd.app.client import secure_stages as service
 from fedsd.app.client.secure_owner import StageRefused
 from fedsd.secure.identity import Identity, Roster, RosterError, parse_public, public_line, read_roster, verify
 from fedsd.secure.secagg import SecAggClient
-from fedsd.secure.secagg_primitives import NONCE, ProtocolError, _advert, _commit_message, _commitment, _derive, _info, _public, _raw, _view_message, combine_secret, expand_mask, pairwise_sign
+from fedsd.secure.secagg_primitives import (NONCE, ProtocolError, _advert, _commit_message, _commitment, _derive, _info,
+                                            _public, _raw, _view_message, combine_secret, expand_mask, pairwise_sign)
 from fedsd.secure.secagg_server import RoundAbandoned, SecAggServer
 from tests.secure.test_roster_keys_shares_and_bounds import _round_to_unmask, members  # noqa: F401
 from tests.app.client.test_secure_aggregation import EXPERIMENT, IDS, owners, stage  # noqa: F401
@@ -32,7 +33,8 @@ class Colluder:
 
     def advertise(self, cohort, threshold) -> dict:
         c, s, v = _raw(self.c.public_key()), _raw(self.s.public_key()), self.identity.public
-        return {"c": c, "s": s, "v": v, "sig": self.identity.sign(_advert(self.rid, self.me, cohort, threshold, c, s, v))}
+        return {"c": c, "s": s, "v": v,
+                "sig": self.identity.sign(_advert(self.rid, self.me, cohort, threshold, c, s, v))}
 
     def _enc(self, keys: dict, other: int) -> bytes:
         return _derive(self.c.exchange(_public(keys["c"], "c")),

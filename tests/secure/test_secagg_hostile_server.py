@@ -7,7 +7,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedsd.secure.secagg import SecAggClient
-from fedsd.secure.secagg_primitives import ProtocolError, _derive, _info, _public, combine_secret, expand_mask, minimum_threshold, pairwise_sign
+from fedsd.secure.secagg_primitives import (ProtocolError, _derive, _info, _public, combine_secret, expand_mask,
+                                            minimum_threshold, pairwise_sign)
 
 D = 1_000
 

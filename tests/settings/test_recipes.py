@@ -97,7 +97,8 @@ def test_features_fmnist_reaches_the_settings_of_the_committed_seed0_run():
     ("features-cifar10", "cifar10-scatter-cnn-B8192-lr4-e85-private-norm-dpsgd-seed0"),
 ])
 def test_features_recipes_are_their_committed_runs(name, run):
-    committed = TrainConfig.from_dict(json.loads((ROOT / "results/runs/features" / run / "result.json").read_text())["config"])
+    committed = TrainConfig.from_dict(
+        json.loads((ROOT / "results/runs/features" / run / "result.json").read_text())["config"])
     ours = config_from_args(recipe_args("train", "--recipe", name, "--seed", "0", "--out", "x"))
     assert set(differing(ours.resolved(), committed.resolved())) <= MACHINE
 
@@ -221,7 +222,8 @@ def test_fedsd_recipes_lists_every_file(capsys):
     assert listed == RECIPES
     for line in out[1:]:
         name, command = line.split()[:2]
-        assert command == ("simulate" if name.startswith("distributed-") else "train") and "; validated: results/" in line
+        assert command == ("simulate" if name.startswith("distributed-") else "train") \
+            and "; validated: results/" in line
 
 
 def test_the_recipe_option_is_in_the_help():
@@ -268,11 +270,13 @@ def test_a_wheel_installed_elsewhere_lists_the_recipes_and_runs_one(tmp_path):
     assert built.returncode == 0, built.stderr[-3000:]
     wheel = next((tmp_path / "dist").glob("fedsd-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert {n.split("/")[0] for n in names} == {"fedsd", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
+    assert {n.split("/")[0] for n in names} == {"fedsd",
+                                                f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     assert {f"fedsd/recipes/{r}.toml" for r in RECIPES} <= set(names) and "fedsd/clipping/conv_kernel.c" in names
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    site = Path(subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    site = Path(subprocess.run([venv / "bin" / "python", "-c",
+                                "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
     # the dependencies from the project's environment: a path a .pth names is not a site folder,
     # so that environment's own .pth files (this checkout's editable install) are not read

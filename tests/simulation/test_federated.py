@@ -209,7 +209,8 @@ def test_readme_flwr_run_command_runs_as_written(flower_env):
     require("fmnist")
     import shlex
 
-    line = next(s for s in (ROOT / "README.md").read_text().splitlines() if s.startswith("flwr run . ") and "--stream" in s)
+    line = next(s for s in (ROOT / "README.md").read_text().splitlines()
+                if s.startswith("flwr run . ") and "--stream" in s)
     proc = subprocess.run(shlex.split(line), cwd=ROOT, env=flower_env, capture_output=True, text=True, timeout=900)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "Exit Code" not in output, output[-3000:]

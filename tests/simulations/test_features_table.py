@@ -48,7 +48,8 @@ def _federation(runs_dir, run, test, validation=None, missed=None):
 
 
 def test_features_table_chooses_on_validation_and_pairs_each_method_with_dpsgd(tmp_path):
-    from simulations.features_table import FED_LR_SCALES, chosen, chosen_network, confirm_runs, fed_confirm_runs, fed_screen_runs, recipe, recipe_runs, screen_runs, write_features_table
+    from simulations.features_table import (FED_LR_SCALES, chosen, chosen_network, confirm_runs, fed_confirm_runs,
+                                            fed_screen_runs, recipe, recipe_runs, screen_runs, write_features_table)
 
     runs_dir = tmp_path / "runs" / "features"
     screen = screen_runs(runs_dir, ["fmnist"])
@@ -121,7 +122,8 @@ def test_cifar10s_recipe_is_chosen_on_validation_too_and_a_gpus_minutes_are_mark
     """CIFAR-10's settings are chosen as the others' are: its lr screened on validation, then
     its normalisation, then its recipe (dpema against dpsgd). A run that went to a GPU says so
     beside its minutes, by its card where result.json names it: they are not this CPU's."""
-    from simulations.features_table import chosen_network, confirm_runs, norm_runs, recipe, recipe_runs, screen_runs, write_features_table
+    from simulations.features_table import (chosen_network, confirm_runs, norm_runs, recipe, recipe_runs, screen_runs,
+                                            write_features_table)
 
     runs_dir = tmp_path / "runs" / "features"
     screen = screen_runs(runs_dir, ["cifar10"])
@@ -157,7 +159,8 @@ def test_cifar10s_recipe_is_chosen_on_validation_too_and_a_gpus_minutes_are_mark
 
 
 def test_the_screen_goes_past_the_edge_of_its_lr_grid_while_the_best_is_there(tmp_path):
-    from simulations.features_table import LR_SCALES, MAX_LR_STEPS, TB_SETTINGS, chosen_network, fed_screen_runs, screen_runs
+    from simulations.features_table import (LR_SCALES, MAX_LR_STEPS, TB_SETTINGS, chosen_network, fed_screen_runs,
+                                            screen_runs)
 
     runs_dir = tmp_path / "runs" / "features"
     linear, cnn = TB_SETTINGS["mnist"]
@@ -196,7 +199,8 @@ def test_a_method_runs_on_features_in_the_reading_the_readings_screen_chose_besi
     """Each self-distilling method in its best reading from the readings' screen once that screen
     has chosen one (the papers' until then), its lr scale applied to the features setting's lr,
     centrally and in the federation; dpsgd stays at its features setting."""
-    from simulations.features_table import TB_SETTINGS, FeatureRun, FedFeatureRun, confirm_runs, method_readings, screen_runs, write_features_table
+    from simulations.features_table import (TB_SETTINGS, FeatureRun, FedFeatureRun, confirm_runs, method_readings,
+                                            screen_runs, write_features_table)
     from simulations.readings import screen_runs as readings_screen
 
     runs_dir = tmp_path / "runs" / "features"
@@ -220,11 +224,12 @@ def test_a_method_runs_on_features_in_the_reading_the_readings_screen_chose_besi
     config = reading.config(1, "cpu", None)
     assert (config["lr"], config["momentum"]) == (3 * linear["lr"], 0.0)
     assert reading.name.endswith("-dp3sd-momentum0-lr3-seed0")
-    for run, test in ((FeatureRun("fmnist", linear, "dpsgd", 0), 0.89), (FeatureRun("fmnist", linear, "dp3sd", 0), 0.85),
-                      (reading, 0.895)):
+    for run, test in ((FeatureRun("fmnist", linear, "dpsgd", 0), 0.89),
+                      (FeatureRun("fmnist", linear, "dp3sd", 0), 0.85), (reading, 0.895)):
         _central(runs_dir, run, test)
     write_features_table(runs_dir, tmp_path, seeds=1)
-    rows = {(r["method"], r["reading"]): r for r in json.loads((tmp_path / "table-features.json").read_text())["confirmed"]}
+    rows = {(r["method"], r["reading"]): r
+            for r in json.loads((tmp_path / "table-features.json").read_text())["confirmed"]}
     assert rows[("dp3sd", "momentum0-lr3")]["gain_over_dpsgd"]["mean"] == pytest.approx(0.5)
     assert rows[("dp3sd", "papers")]["gain_over_dpsgd"]["mean"] == pytest.approx(-4.0)
     assert "| fmnist | dp3sd (momentum0-lr3) |" in (tmp_path / "table-features.md").read_text()
@@ -255,7 +260,8 @@ def test_the_normalisation_is_chosen_on_validation_and_a_tie_keeps_groupnorm(tmp
     GroupNorm and under private statistics; the better is the setting every method confirms, a
     tie keeps GroupNorm (it spends no ε). Rows confirmed under the other stay in the table,
     marked as not chosen."""
-    from simulations.features_table import TB_SETTINGS, FeatureRun, chosen, confirm_runs, norm_runs, write_features_table
+    from simulations.features_table import (TB_SETTINGS, FeatureRun, chosen, confirm_runs, norm_runs,
+                                            write_features_table)
 
     runs_dir = tmp_path / "runs" / "features"
     tb = TB_SETTINGS["cifar10"][0]
@@ -264,7 +270,8 @@ def test_the_normalisation_is_chosen_on_validation_and_a_tie_keeps_groupnorm(tmp
     assert (group.settings, private.settings) == (tb, {**tb, "feature_norm": "private"})
     assert {group.validation, private.validation, group.seed, private.seed} == {10_000, 0}
     assert private.name == "cifar10-scatter-cnn-B8192-lr4-e85-private-norm-dpsgd-val-seed0"
-    assert private.config(1, "cpu", None)["feature_norm"] == "private" and "feature_norm" not in group.config(1, "cpu", None)
+    assert private.config(1, "cpu", None)["feature_norm"] == "private" \
+        and "feature_norm" not in group.config(1, "cpu", None)
     assert chosen(runs_dir, "cifar10") is None and confirm_runs(runs_dir, ["cifar10"], 1) == []
     _central(runs_dir, private, test=0.5, validation=0.66)
     assert chosen(runs_dir, "cifar10") == tb  # a tie

@@ -95,11 +95,13 @@ def test_a_partial_reproduce_keeps_the_other_cells_and_gains_use_the_same_seeds(
     _fake_run(runs, "fmnist-dpsgd-eps1", 0, 0.70)
     asked = table1_cells(["mnist"], ["dp3sd"], [3.0])  # as `reproduce --methods dp3sd --epsilons 3`
     write_tables(1, table_cells(1, asked, runs), runs, tmp_path)
-    rows = {(c["dataset"], c["method"], c["epsilon"]): c for c in json.loads((tmp_path / "table1.json").read_text())["cells"]}
+    rows = {(c["dataset"], c["method"], c["epsilon"]): c
+            for c in json.loads((tmp_path / "table1.json").read_text())["cells"]}
     assert set(rows) == {("mnist", "dpsgd", 3.0), ("mnist", "dp3sd", 3.0), ("fmnist", "dpsgd", 1.0)}
     assert rows[("mnist", "dpsgd", 3.0)]["seeds"] == [0, 1]
     assert rows[("mnist", "dp3sd", 3.0)]["gain_over_dpsgd"] == pytest.approx(4.0)
-    assert "| mnist | dp3sd | 3 | 1 | 84.00 ± 0.00 | 1 | 98.42 | -14.42 | +4.00 |" in (tmp_path / "table1.md").read_text()
+    assert "| mnist | dp3sd | 3 | 1 | 84.00 ± 0.00 | 1 | 98.42 | -14.42 | +4.00 |" \
+        in (tmp_path / "table1.md").read_text()
 
 
 def test_a_variants_rows_stand_beside_the_papers_and_gain_against_dpsgd_of_the_same_variant(tmp_path):

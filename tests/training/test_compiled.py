@@ -39,7 +39,8 @@ def test_a_compiled_part_that_is_not_bitwise_eager_is_left_out_and_the_step_goes
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: WRONG[why])
     part = CompiledForward(RELU_POOL, "layers 1–2 (ReLU → AvgPool2d)", after=1, gradient=True)
     x = torch.randn(8, 4, 6, 6).contiguous(memory_format=torch.channels_last).requires_grad_()
-    if why.endswith(" "):  # all ≤ 0: eager's output is +0.0 everywhere, the wrong graph's -0.0: equal, not the same bits
+    if why.endswith(" "):  # all ≤ 0: eager's output is +0.0 everywhere, the wrong graph's -0.0:
+        # equal, not the same bits
         x = (-x.detach().abs()).requires_grad_()
     for call in range(3):  # 1: eager (not yet); 2: checked, left out; 3: eager
         out = part(x)

@@ -112,4 +112,5 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys):
         capsys.readouterr()
         assert main(["train", *args]) == 2, args
         assert needle in capsys.readouterr().err, args
-    assert sorted(p.name for p in finished.iterdir()) == ["curve.png", "model.pt", "result.json", "tensorboard"]  # untouched
+    assert sorted(p.name for p in finished.iterdir()) == ["curve.png", "model.pt", "result.json",
+                                                          "tensorboard"]  # untouched

@@ -35,6 +35,7 @@ def test_a_distributed_run_says_one_step_a_round_and_the_sums_sigma():
 def test_owners_are_listed_by_their_roster_names_where_a_roster_is_in_use():
     text = run_summary(deployed(client_names=OWNERS), "/tmp/run")
     assert "  clients        owner-b, owner-a trained (by roster name, else node id" in text
-    assert "  not trained    node 9223372036854775817 in rounds 1–2: refused: secure aggregation refused: budget" in text
+    assert "  not trained    node 9223372036854775817 in rounds 1–2: refused: secure aggregation refused: budget" \
+        in text
     assert "4611686018427387905" not in text and "client 123" not in text
     assert "client 9 in rounds 1–2" in run_summary(deployed(), "/tmp/run")  # no names: as before

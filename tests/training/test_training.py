@@ -194,7 +194,8 @@ def test_one_trainer_bound_in_turn_to_clients_gives_each_client_its_own_weights(
     datas = [data_lib.prepare(images, s) for s in shards]
     plans = [calibrate(3.0, 1e-5, len(s), 50, 2) for s in shards]
     start = initial_model(cfg, 10)
-    alone = [planned_trainer(cfg, d, p, client=k).local_update(start, None, [1])[0] for k, (d, p) in enumerate(zip(datas, plans))]
+    alone = [planned_trainer(cfg, d, p, client=k).local_update(start, None, [1])[0]
+             for k, (d, p) in enumerate(zip(datas, plans))]
     shared = planned_trainer(cfg, datas[0], plans[0], client=0)
     for k in (1, 0, 1):
         got = shared.bind(datas[k], plans[k], client=k).local_update(start, None, [1])[0]
@@ -202,8 +203,8 @@ def test_one_trainer_bound_in_turn_to_clients_gives_each_client_its_own_weights(
     assert shared.optimizer.noise_multiplier == plans[1].noise_multiplier != plans[0].noise_multiplier
 
 
-@pytest.mark.parametrize("method, settings", [("dp3sd", {}), ("dpdsd", {}), ("dpkd", dict(dpkd_tau=5.0, dpkd_alpha=0.3)),
-                                              ("dpsgd", {})])
+@pytest.mark.parametrize("method, settings", [("dp3sd", {}), ("dpdsd", {}),
+                                              ("dpkd", dict(dpkd_tau=5.0, dpkd_alpha=0.3)), ("dpsgd", {})])
 def test_the_divergence_limit_scales_with_the_objectives_chance_level(method, settings):
     """A student that knows nothing (uniform outputs) under a confident teacher sits at its
     objective's chance level, which bounds what the divergence check allows: DPKD's fresh
@@ -219,7 +220,8 @@ def test_the_divergence_limit_scales_with_the_objectives_chance_level(method, se
 
     cfg = TrainConfig(dataset="fmnist", method=method, epsilon=3, epochs=4, batch_size=50, seed=0, threads=1,
                       **settings).resolved()
-    trainer = planned_trainer(cfg, data_lib.prepare(data_lib.load("fmnist"), torch.arange(500)), calibrate(3.0, 1e-5, 500, 50, 4))
+    trainer = planned_trainer(cfg, data_lib.prepare(data_lib.load("fmnist"), torch.arange(500)),
+                              calibrate(3.0, 1e-5, 500, 50, 4))
     objective = trainer.method.epoch_loss(cfg, cfg.epochs)
     loss_fn, uses_teacher, chance = objective.per_sample, objective.reads_teacher, objective.chance
     y = torch.arange(10).repeat(5)

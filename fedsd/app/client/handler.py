@@ -21,7 +21,8 @@ the resumed run's last round would then find the budget spent.
 
 A node with its own data holds out against a server it does not trust: its noise and its
 batches come from a secret stream (fedsd.privacy.secret_random) under a fresh key from the OS for
-every training call, never stored and never from the run's seed; its replies carry no training loss and no divergence (each a
+every training call, never stored and never from the run's seed; its replies carry no training \
+loss and no divergence (each a
 function of its records); it answers federated evaluation only when its owner says so; it takes no path from
 the server (no shard of a data set at a server's data-dir); and its privacy state stays in its
 state folder (0700), never in the Context, which the ClientApp's code (the server's) can read.
@@ -157,7 +158,8 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedCon
             inputs(normalised(held.x_test, task), feature_source(cfg), "test images"), held.y_test,
             len(task.classes)).to(resolve_device(cfg.device))
         # Cached on this client's disk: a deployed ClientApp is a fresh process for every message.
-        if distributed:  # one step a round at the run's q; the noise is the round's plan's (fedsd.secure.distributed_step)
+        if distributed:  # one step a round at the run's q; the noise is the round's plan's
+            # (fedsd.secure.distributed_step)
             plan = privacy.PrivacyPlan(0.0, 1.0 if whole else fed.sample_rate, fed.rounds, cfg.epsilon, cfg.delta,
                                        "rdp")
         else:

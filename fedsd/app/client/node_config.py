@@ -57,15 +57,16 @@ class NodeConfig:
                             default_text="FEDSD_DATA_DIR or the usual places")
     download: bool = setting(False, "a shard of a built-in data set: download it with torchvision when this machine "
                                     "lacks it (the node's choice; a server's download=true is not taken)")
-    randomness: str = setting("auto", "where the noise and the batch sampling come from (before fedsd 0.2: noise). secret: AES-256-CTR under a key "
-                                 "from the operating system's CSPRNG, kept only in state-dir (0600); seeded: the run's seed, "
+    randomness: str = setting("auto", "where the noise and the batch sampling come from (before fedsd 0.2: noise). "
+                                 "secret: AES-256-CTR under a key from the operating system's CSPRNG, kept only in "
+                                 "state-dir (0600); seeded: the run's seed, "
                                  "which the server sets, so the server can predict the noise and subtract it "
                                  "(needs trust-server-with-noise=true with own data); auto: secret with own data, "
                                  "seeded for a shard of a built-in data set (a simulation, reproducible bit for bit)",
                          choices=("auto", "secret", "seeded"))
-    trust_server_with_noise: bool = setting(False, "with own data and randomness=seeded: the owner accepts that the server "
-                                                   "can remove this client's noise and so learn its sums of clipped "
-                                                   "gradients, with no privacy against the server")
+    trust_server_with_noise: bool = setting(False, "with own data and randomness=seeded: the owner accepts that "
+                                                   "the server can remove this client's noise and so learn its sums "
+                                                   "of clipped gradients, with no privacy against the server")
     federated_evaluation: bool = setting(False, "own data: answer the server's federated evaluation, of the model "
                                                 "this client last received for training only, once a round, on its "
                                                 "own test split; a release no accountant covers (default: refused)")
@@ -76,8 +77,9 @@ class NodeConfig:
                                "the user who alone can read the data and the state, answers with its own node config")
     worker: str = setting("auto", "where this node's rounds run. auto: in a warm worker that keeps torch, the data "
                                   "and the trainer loaded from round to round, when the ClientApp runs as Flower's "
-                                  "fresh per-message process (a deployed SuperNode; fedsd/app/client/owner_service.py); off: in that "
-                                  "process, paying the start-up every round", choices=("auto", "off"))
+                                  "fresh per-message process (a deployed SuperNode; "
+                                  "fedsd/app/client/owner_service.py); off: in that process, paying the start-up "
+                                  "every round", choices=("auto", "off"))
     worker_idle_seconds: float = setting(600.0, "a warm worker exits after this many seconds without a message "
                                                 "(and at once when its SuperNode stops)")
     allow_model: str = setting("", "own data: the one network of a user's own (package.module:callable, importable "
@@ -98,9 +100,10 @@ class NodeConfig:
     skip_bad_files: bool = setting(False, "train on the readable images of `data` and leave out unreadable ones "
                                           "(reported to the server); default: one unreadable image refuses the "
                                           "whole data set")
-    secagg_min_clients: int = setting(OWNER_MIN_CLIENTS, "secure aggregation: the fewest clients a round's cohort, and its survivors, "
-                                         "may have for this node to take part (its assumption of how many honest "
-                                         "clients hide its input in the sum); a smaller cohort is refused")
+    secagg_min_clients: int = setting(OWNER_MIN_CLIENTS, "secure aggregation: the fewest clients a round's cohort, "
+                                         "and its survivors, may have for this node to take part (its assumption "
+                                         "of how many honest clients hide its input in the sum); "
+                                         "a smaller cohort is refused")
     max_records: int = setting(0, "distributed noise at record level: a bound on this owner's training records, its "
                                   "own number; its step's draw rate is set from it (or, at 0, from the run's "
                                   "secagg-max-records), never from the records it holds, so that no record changes "
@@ -116,15 +119,16 @@ class NodeConfig:
     secagg_roster: str = setting("", "secure aggregation: the federation's roster, a file the owners agreed on (one "
                                      "'name ed25519:<base64>' a line; clients/README.md). Every neighbour's keys, "
                                      "commitments and view must then be signed by its roster key, and this node's id "
-                                     "is its own entry's; without it, secure aggregation protects only against a server "
-                                     "that follows the protocol", default_text="none")
-    secagg_trust: str = setting("roster", "secure aggregation without a roster: with secagg-only=true this node refuses "
-                                          "to take part unless the owner says honest-but-curious (a server that "
-                                          "follows the protocol)", choices=("roster", "honest-but-curious"))
+                                     "is its own entry's; without it, secure aggregation protects only against a "
+                                     "server that follows the protocol", default_text="none")
+    secagg_trust: str = setting("roster", "secure aggregation without a roster: with secagg-only=true this node "
+                                          "refuses to take part unless the owner says honest-but-curious (a server "
+                                          "that follows the protocol)", choices=("roster", "honest-but-curious"))
     max_local_steps: int = setting(10_000, "the most local steps (local-steps) a round may ask of this node: a "
                                            "round's work, and how long its service is busy, is the owner's to bound")
     secagg_keep_inputs: bool = setting(False, "secure aggregation: keep each round's unmasked vector, as this node "
-                                              "released it into the sum, in state-dir/secagg/<run>-<experiment>-<round>-<id>.npy "
+                                              "released it into the sum, in "
+                                              "state-dir/secagg/<run>-<experiment>-<round>-<id>.npy "
                                               "(the owner's own audit of what it released)")
 
     @property
@@ -211,7 +215,8 @@ def renamed_keys(node_config: Mapping) -> dict:
     for old, new in RENAMED_KEYS.items():
         if old in out:
             if new in out:
-                raise NodeConfigError(f"node-config {old} and {new}: {old} is {new}'s old name (fedsd 0.2); give {new} only")
+                raise NodeConfigError(f"node-config {old} and {new}: {old} is {new}'s old name (fedsd 0.2); "
+                                      f"give {new} only")
             warnings.warn(FedsdNote(f"node-config {old}: renamed {new} in fedsd 0.2 (write {new}={out[old]}); "
                                     f"{old}= still works in this release"), stacklevel=3)
             out[new] = out.pop(old)
@@ -310,8 +315,8 @@ def parse(node_config: Mapping) -> NodeConfig:
     if not 0 < node.max_delta < 1 or math.isinf(node.max_delta):
         raise NodeConfigError(f"node-config max-delta={node.max_delta:g}: must be in (0, 1)")
     if node.partition_id is None:
-        raise NodeConfigError("node-config partition-id: required (this client's number in the run, 0 … num-clients − 1; "
-                              "`fedsd data-service --identity` needs only state-dir)")
+        raise NodeConfigError("node-config partition-id: required (this client's number in the run, "
+                              "0 … num-clients − 1; `fedsd data-service --identity` needs only state-dir)")
     if node.partition_id < 0:
         raise NodeConfigError(f"node-config partition-id={node.partition_id}: must be ≥ 0")
     if not node.worker_idle_seconds > 0:
@@ -332,9 +337,9 @@ def parse(node_config: Mapping) -> NodeConfig:
     if node.data and not Path(node.data).exists():
         raise NodeConfigError(f"node-config data='{node.data}': no such file or folder")
     if node.owns_data and node.randomness == "seeded" and not node.trust_server_with_noise:
-        raise NodeConfigError("node-config randomness=seeded: the server sets the run's seed, so with seeded noise it can "
-                              "predict this client's noise and subtract it from its update, which leaves the sum of "
-                              "clipped gradients of the owner's data unnoised; add trust-server-with-noise=true to "
+        raise NodeConfigError("node-config randomness=seeded: the server sets the run's seed, so with seeded noise it "
+                              "can predict this client's noise and subtract it from its update, which leaves the sum "
+                              "of clipped gradients of the owner's data unnoised; add trust-server-with-noise=true to "
                               "say the owner accepts that, or leave randomness unset (secret noise)")
     node = dataclasses.replace(node, state_dir=str(state_root_of(node.state_dir)),  # absolute: the same in a worker
                                record_dir=str(record_root_of(node.record_dir)) if node.record_dir else "")
@@ -436,7 +441,8 @@ def owner_pairs(text: str) -> dict:
 
     def flat(table: dict, prefix: str = "") -> dict:
         return {k: v for key, value in table.items()
-                for k, v in (flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}).items()}
+                for k, v in (flat(value, f"{prefix}{key}.") if isinstance(value, dict)
+                             else {f"{prefix}{key}": value}).items()}
     return flat(loaded)
 
 
@@ -462,7 +468,8 @@ def pairs_of(text: str) -> dict:
 def _toml_value(key: str, raw: str, text: str):
     declared = KEYS.get(RENAMED_KEYS.get(key, key))
     if (declared is None or declared.type is str) and raw[0] not in "'\"":
-        return raw  # a string's key: the value as typed, which TOML would want in quotes (an unknown key: refused later)
+        # a string's key: the value as typed, which TOML would want in quotes (an unknown key: refused later)
+        return raw
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:

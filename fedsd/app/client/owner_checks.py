@@ -91,7 +91,8 @@ def check_init_weights(flat: dict, node: NodeConfig) -> None:
     told = str(flat.get("init-weights-sha256", "")).strip().lower()
     if expected and told != expected:
         raise NodeConfigError(f"init-weights-sha256={told[:64] or 'none'}: this node trains only from the weights its "
-                              f"owner named (node-config init-weights-sha256={expected[:64]}); other weights are refused")
+                              f"owner named (node-config init-weights-sha256={expected[:64]}); other weights are "
+                              f"refused")
     if not node.init_weights:
         return
     try:

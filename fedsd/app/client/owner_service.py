@@ -33,7 +33,7 @@ data, never code. A message is either taken by the service, which says so before
 ClientApp starts a fresh worker and asks it once more: a round is never run twice. The
 Context's state stays in the service (keyed by run and node): the privacy state, its secret
 seed included, never travels back to the ClientApp.
-"""
+"""  # noqa: E501
 from __future__ import annotations
 
 import sys
@@ -47,8 +47,8 @@ if __name__ == "__main__":  # before any other import: `python -m` put the worki
                  f"with `fedsd data-service` (clients/README.md), and a warm worker is started by its ClientApp with "
                  f"`python -P` (3.11+)")
     if any(a.startswith(("--node-config", "--allow-uid")) for a in sys.argv[1:]):
-        sys.exit("python -m fedsd.app.client.owner_service: the owner's data service starts with `fedsd data-service` only "
-                 "(clients/README.md); this module's entry point is the warm worker's")
+        sys.exit("python -m fedsd.app.client.owner_service: the owner's data service starts with `fedsd data-service` "
+                 "only (clients/README.md); this module's entry point is the warm worker's")
 
 import argparse
 import faulthandler
@@ -359,7 +359,8 @@ class DataService:
         return (f"fedsd data-service: ready: listening at {self.address} (the SuperNode's service='{self.address}') "
                 f"for partition-id={node.partition_id}, state folder {node.state_root}, data "
                 f"{node.data or 'none (a shard of a built-in data set)'}; answering uid {os.geteuid()}"
-                + (f" and {', '.join(map(str, others))}" if others else " only (--allow-uid adds the SuperNode's user)"))
+                + (f" and {', '.join(map(str, others))}" if others
+                   else " only (--allow-uid adds the SuperNode's user)"))
 
     def _connection(self, conn: socket.socket, peer: tuple[int, int]) -> None:
         """One connection: read and check its message, then take and answer it, or refuse it."""
@@ -450,7 +451,8 @@ class DataService:
             sys.stderr.flush()
             # The owner's service says only that it failed: an error's text can hold a path, or a
             # count of the data. A warm worker is the ClientApp's own process, in effect.
-            said = str(e) if isinstance(e, (Refused, StageRefused)) else FAILED if self.node is not None else f"{type(e).__name__}: {e}"
+            said = str(e) if isinstance(e, (Refused, StageRefused)) else FAILED if self.node is not None \
+                else f"{type(e).__name__}: {e}"
             log.warning("answered a %s message with an error: %s: %s", header.get("kind"), type(e).__name__, e)
             return [json.dumps({"status": "error", "error": said}).encode()]
         return [json.dumps({"status": "ok"}).encode(), recorddict_to_proto(reply).SerializeToString()]

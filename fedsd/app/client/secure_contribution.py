@@ -187,7 +187,7 @@ def distributed_contribution(content: RecordDict, context: Context, owner: Owner
     Its batch and noise come from a fresh secret stream; the per-sample work is padded to the
     run's public bound on any client's batch (padded_rows; an owner whose batch could pass it
     draws at a lower rate, owner_rate), so its time tells neither the batch nor its records. The metrics it releases are a function of the plan and of the rounds it
-    took part in alone (`public_metrics`). A refusal raises StageRefused with its reason."""
+    took part in alone (`public_metrics`). A refusal raises StageRefused with its reason."""  # noqa: E501
     from fedsd.app.client import handler
     from fedsd.secure.distributed_step import contribution as step_part
 

@@ -12,7 +12,8 @@ anything but what the stage carries, is dropped; a refusal that names a culprit 
 the threshold at any stage the round is abandoned and logged, nothing is unmasked, and the global
 model stays as it was. Under noise=distributed the masked-input stage carries the round's noise
 plan (`distributed_plan`), and the decoded sum is the gradient of the server's optimizer step
-(`SecureRounds._step`) rather than a mean update. A decoded sum above what honest clients send (fedsd.secure.sum_bound) is refused
+(`SecureRounds._step`) rather than a mean update. A decoded sum above what honest clients send \
+(fedsd.secure.sum_bound) is refused
 the same way. Otherwise the sum (uint64) becomes the mean update of the survivors
 (fedsd.app.secure_sum.apply_sum). Every round's protocol record (who was in at each stage, bytes each
 way, seconds, culprits, the mean update's norm and its bound) goes to
@@ -289,9 +290,9 @@ class SecureRounds:
                                                 dim=plan.dim, clients=count)
         norm = float(np.linalg.norm(total.view(np.int64).astype(np.float64)))
         if not norm <= bound:
-            raise SumOutsideBound(f"secure aggregation: the decoded sum has norm {norm:.4g} (quantisation units), above "
-                                 f"the {bound:.4g} honest clients stay below (but once in 1e9 rounds); nothing was "
-                                 f"applied", server.culprits)
+            raise SumOutsideBound(f"secure aggregation: the decoded sum has norm {norm:.4g} (quantisation units), "
+                                  f"above the {bound:.4g} honest clients stay below (but once in 1e9 rounds); nothing "
+                                  f"was applied", server.culprits)
         model, noisy_sum = record_to_model(arrays), distributed_noise.decode(total, plan)
         applied = dict(sum_norm=norm, honest_bound=bound, epsilon=plan.epsilon(server_round, self.side.cfg.delta))
         if self.adaptive is not None:  # S this round; the next from the noised count, the sum's last coordinate

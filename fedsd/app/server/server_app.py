@@ -66,7 +66,8 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedConfig, out: str | Path | N
         train_config = ConfigRecord({"experiment-id": launch.experiment_id})
         secure = None  # the secure rounds, whose plan and clients' names the result keeps
         try:
-            if launch.fed.secure_aggregation:  # identify and the five stages of SecAgg+ each round, in place of the strategy's
+            if launch.fed.secure_aggregation:  # identify and the five stages of SecAgg+ each round, in place of
+                # the strategy's
                 secure = SecureRounds(PollingGrid(grid), side, launch)
                 outcome = SimpleNamespace(arrays=secure.run(model_to_record(initial)))
             else:
@@ -186,7 +187,8 @@ def public_side(cfg: TrainConfig, fed: FedConfig):
         federation.shard_sizes())
     images, cfg = federation.images, federation.cfg
     stats = input_stats(cfg)  # --mean / --std, as the clients normalise their shards
-    validation = data_lib.validation_split(images, cfg.validation, stats, feature_source(cfg)) if cfg.validation else None
+    validation = data_lib.validation_split(images, cfg.validation, stats, feature_source(cfg)) if cfg.validation \
+        else None
     test = inputs(images.normalised_test(stats), feature_source(cfg), "test images")
     return cfg, images.num_classes, (test, images.y_test.clone()), images.source, validation
 
@@ -265,7 +267,8 @@ def main(grid: Grid, context: Context) -> None:
             out = Path(fed.resume_dir).absolute()
             result, _ = run_server(grid, cfg, fed)
         else:
-            out = Path(fed.out_dir or f"fedsd-runs/{cfg.dataset}-{cfg.method}-{datetime.now():%Y%m%d-%H%M%S}").absolute()
+            out = Path(fed.out_dir
+                       or f"fedsd-runs/{cfg.dataset}-{cfg.method}-{datetime.now():%Y%m%d-%H%M%S}").absolute()
             result, _ = run_server(grid, cfg, fed, out=out)
     except ConfigError as e:
         raise ConfigError(flags_to_keys(str(e), TrainConfig, FedConfig)) from None

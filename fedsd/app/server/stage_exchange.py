@@ -217,8 +217,8 @@ def _told(exchange: Exchange, base: dict, roster: Roster | None, round_id: bytes
                 exchange.named[f"node {node}"])
             continue
         if roster is not None and (roster.key(who["id"]) != who["v"] or protocol_id(who["v"]) != who["id"]):
-            exchange.named[str(who["id"])] = f"node {node}: a key not on the server's roster ({public_line(who['v'])})" \
-                if who["v"] else f"node {node}: no roster identity"
+            exchange.named[str(who["id"])] = f"node {node}: a key not on the server's roster " \
+                f"({public_line(who['v'])})" if who["v"] else f"node {node}: no roster identity"
             log(WARNING, "secure aggregation round %d: left out %s", exchange.server_round,
                 exchange.named[str(who["id"])])
             continue

@@ -376,7 +376,8 @@ def client_report(reply: Message) -> dict:
         report["skipped-files"] = dict(count=int(records["skipped-files"]["count"]),
                                        first=list(records["skipped-files"]["first"]))
     if "service" in records:  # the owner's data service: what code answered
-        report["service"] = dict(version=str(records["service"].get("version")), code=str(records["service"].get("code")))
+        report["service"] = dict(version=str(records["service"].get("version")),
+                                 code=str(records["service"].get("code")))
     return report
 
 

@@ -215,7 +215,8 @@ def test_a_client_whose_privacy_state_was_lost_refuses_before_spending(tmp_path)
     lost = send(recorded, restarted(), start, 2).content
     assert lost["metrics"]["refused"] == 1 and lost["metrics"]["epsilon"] == 0.0 and not lost.array_records
     reason = lost["refusal"]["reason"]
-    assert f"the server recorded ε = {first['epsilon']:.4f} spent by client 1" in reason and "holds ε = 0.0000" in reason
+    assert f"the server recorded ε = {first['epsilon']:.4f} spent by client 1" in reason \
+        and "holds ε = 0.0000" in reason
     assert not (tmp_path / "state" / "exp-1" / "client-1.pt").exists()  # nothing charged, nothing written
     shutil.copytree(tmp_path / "kept", tmp_path / "state", dirs_exist_ok=True)
     second = send(recorded, restarted(), start, 2).content["metrics"]

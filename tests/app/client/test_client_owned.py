@@ -38,8 +38,8 @@ def split(tmp_path_factory):
 
 
 def run_config(epsilon=3.0, rounds=2, experiment="exp-a", batch_size=60):
-    cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=epsilon, batch_size=batch_size, lr=0.8, seed=1, threads=1,
-                      distill_warmup_epochs=0)
+    cfg = TrainConfig(dataset="fmnist", method="dp3sd", epsilon=epsilon, batch_size=batch_size, lr=0.8, seed=1,
+                      threads=1, distill_warmup_epochs=0)
     fed = FedConfig(num_clients=2, rounds=rounds, client_data="own", experiment_id=experiment)
     return cfg, to_flat(cfg, fed)
 
@@ -186,7 +186,8 @@ def _npz(path, **arrays):
     (lambda d: _npz(d / "e.npz", images=np.zeros((4, 28, 28), np.uint8)),
      r"e.npz: no array 'x_train'; it holds images"),
     (lambda d: (d / "f.npz").write_bytes(b"not a zip") and d / "f.npz", r"f.npz: not a readable .npz file"),
-    (lambda d: _file(d / "g" / "train" / "3" / "x.png", b"junk") and d / "g", r"x.png: not a readable PNG or JPEG image"),
+    (lambda d: _file(d / "g" / "train" / "3" / "x.png", b"junk") and d / "g",
+     r"x.png: not a readable PNG or JPEG image"),
     (lambda d: (d / "h" / "train" / "eleven").mkdir(parents=True) or d / "h",
      r"class folder 'eleven' is not one of the task's classes"),
     (lambda d: (d / "i").mkdir() or d / "i", r"i: no train/ folder"),
@@ -298,7 +299,8 @@ def test_mean_and_std_reach_every_party_on_a_built_in_data_set():
     assert torch.equal(x_test, raw(images.x_test)) and torch.equal(x_val, raw(images.x_train[held_out]))
     standard = TrainConfig(dataset="fmnist", method="dpsgd", epsilon=3, batch_size=100, subset=2000).resolved()
     assert input_stats(standard) == data_lib.STANDARD_STATS["fmnist"]
-    assert data_lib.prepare(images, inputs.train_indices, "cpu", input_stats(standard)).x_test is images.normalised_x_test
+    assert data_lib.prepare(images, inputs.train_indices, "cpu", input_stats(standard)).x_test \
+        is images.normalised_x_test
 
 
 # -- own data never trains without its owner's budget ---------------------------------

@@ -50,7 +50,8 @@ def context(tmp_path, name: str, **more) -> Context:
 
 
 def message(model, flat, server_round: int) -> RecordDict:
-    return RecordDict({"arrays": model_to_record(model), "config": ConfigRecord({**flat, "server-round": server_round})})
+    return RecordDict({"arrays": model_to_record(model),
+                       "config": ConfigRecord({**flat, "server-round": server_round})})
 
 
 def worker_pids(marker: str) -> list[int]:
@@ -106,8 +107,8 @@ def test_a_worker_exits_when_idle_and_when_its_supernode_does(tmp_path):
     supernode = subprocess.Popen(["sleep", "600"])
     folder = tmp_path / "watched" / "worker"
     folder.mkdir(parents=True)
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "fedsd.app.client.owner_service", "--socket", str(folder / "w.sock"),
-                             "--watch-pid", str(supernode.pid), "--idle-seconds", "600"])
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "fedsd.app.client.owner_service", "--socket",
+                             str(folder / "w.sock"), "--watch-pid", str(supernode.pid), "--idle-seconds", "600"])
     try:
         assert wait_for(lambda: (folder / "w.sock").exists(), 120)
         supernode.kill()

@@ -112,7 +112,8 @@ def test_one_uid_holding_half_frames_from_16_processes_leaves_another_uid_its_sl
                 h.wait()
         assert proc.poll() is None
         said = log.read_text()
-        assert f"(uid {NOBODY}): this user has {service_wire.MAX_CONNECTIONS // 2} connections open" in said, said[-2000:]
+        assert f"(uid {NOBODY}): this user has {service_wire.MAX_CONNECTIONS // 2} connections open" in said, \
+            said[-2000:]
 
 
 def test_slots_give_each_uid_its_share_of_connections_and_bytes(monkeypatch):

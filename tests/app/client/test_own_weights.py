@@ -85,7 +85,8 @@ def test_the_owners_file_must_be_the_one_its_node_config_and_the_run_name(weight
     with pytest.raises(NodeConfigError, match="node-config init-weights: the owner's file is not the one node-config "
                                               "init-weights-sha256"):
         check_init_weights({"init-weights-sha256": sha}, theirs)
-    unpinned = parse({"partition-id": 0, "init-weights": str(other)})  # no sha256 of its own: the run's must be its file's
+    # no sha256 of its own: the run's must be its file's
+    unpinned = parse({"partition-id": 0, "init-weights": str(other)})
     with pytest.raises(NodeConfigError, match="not the sha256 of this node's own copy"):
         check_init_weights({"init-weights-sha256": sha}, unpinned)
     with pytest.raises(NodeConfigError, match="node-config init-weights: no such file"):

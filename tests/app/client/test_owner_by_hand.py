@@ -29,7 +29,8 @@ def test_an_identity_needs_only_the_state_folder_and_a_path_may_go_unquoted(tmp_
     twice: the path was not TOML (unquoted) and partition-id was required. The identity is made in
     the state folder alone; a string's value unquoted is that string."""
     state = tmp_path / "state"
-    code, line, err = run_main(capsys, "data-service", "--identity", "--node-config", f"max-epsilon=3 state-dir={state}")
+    code, line, err = run_main(capsys, "data-service", "--identity", "--node-config",
+                               f"max-epsilon=3 state-dir={state}")
     assert code == 0, err
     assert len(parse_public(line.strip())) == 32 and (state / "identity.key").stat().st_mode & 0o777 == 0o600
     code, again, err = run_main(capsys, "data-service", "--identity", "--node-config", f"state-dir='{state}'")

@@ -53,7 +53,8 @@ def one_step_run(experiment="attack", local_epochs=1, **train):
 
 def ask(flat, node_config, model, server_round=1, kind="train"):
     context = Context(run_id=1, node_id=11, node_config=node_config, state=RecordDict(), run_config={})
-    msg = Message(RecordDict({"arrays": model_to_record(model), "config": ConfigRecord({**flat, "server-round": server_round})}),
+    msg = Message(RecordDict({"arrays": model_to_record(model),
+                              "config": ConfigRecord({**flat, "server-round": server_round})}),
                   dst_node_id=11, message_type=kind)
     return app(msg, context).content
 
@@ -566,8 +567,8 @@ def owner_service(npz, tmp_path, state, name="owner", more="", wait=True, flags=
     (site / "owners_wide_net.py").write_text(WIDE_NET)
     config = f"partition-id=0 data='{npz}' max-epsilon=inf state-dir='{state}' federated-evaluation=true " \
              f"min-evaluation-samples=10 allow-model='owners_wide_net:make' {more}"
-    with data_service_process(config, tmp_path, tmp_path / f"{name}.log", f"{Path(__file__).resolve().parents[3]}:{site}", flags,
-                              wait) as running:
+    with data_service_process(config, tmp_path, tmp_path / f"{name}.log",
+                              f"{Path(__file__).resolve().parents[3]}:{site}", flags, wait) as running:
         yield running
 
 

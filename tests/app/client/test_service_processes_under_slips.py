@@ -20,7 +20,8 @@ from fedsd.settings.federation import client_config, to_flat
 from fedsd.models.networks import build_model
 from fedsd.training.loop import initial_model
 from fedsd.app.records import record_to_model
-from tests.app.client.test_server_threat import B, ask, flat_parameters, node, one_step_run, own_npz, owner_service, via_service
+from tests.app.client.test_server_threat import (B, ask, flat_parameters, node, one_step_run, own_npz, owner_service,
+                                                 via_service)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("flower_task")]
 ROOT = Path(__file__).resolve().parents[3]
@@ -248,7 +249,8 @@ def test_a_package_planted_in_the_working_directory_is_not_run(own_npz, tmp_path
         assert "max-epsilon" in said, said
 
 
-@pytest.mark.parametrize("command", [["-m", "fedsd.app.client.owner_service"], ["-m", "fedsd.cli.main", "data-service"]],
+@pytest.mark.parametrize("command", [["-m", "fedsd.app.client.owner_service"],
+                                     ["-m", "fedsd.cli.main", "data-service"]],
                          ids=["module", "cli-module"])
 def test_python_m_with_the_working_directory_on_the_path_is_refused(own_npz, tmp_path, command):
     """`python -m` puts the working directory first on the import path. Python itself imports a

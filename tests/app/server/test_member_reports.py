@@ -122,7 +122,8 @@ def test_owners_under_a_roster_need_the_servers_copy_at_identify(monkeypatch):
     owner = Identity()
     rid = secure_sum.round_id(7, EXPERIMENT, 1)
     told = {11: {"id": owner.id, "v": b"", "sig": b"", "authenticated": False},  # the keyless impostor
-            12: {"id": owner.id, "v": owner.public, "sig": owner.sign(identify_message(rid, 12)), "authenticated": True}}
+            12: {"id": owner.id, "v": owner.public, "sig": owner.sign(identify_message(rid, 12)),
+                 "authenticated": True}}
 
     class Grid:
         def send_and_receive(self, messages, *, timeout=None):

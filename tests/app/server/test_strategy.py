@@ -85,8 +85,8 @@ def test_a_train_request_carries_what_its_client_has_reported_spending():
     strategy.aggregate_train(1, [reply(0, good(), epsilon=0.5), reply(2, good(), epsilon=0.75)])
     strategy.aggregate_train(2, [reply(0, {}, epsilon=0.0, refused=1)])
     strategy.node_partition = {11: 0, 12: 1, 13: 2}  # as the replies' node ids would have told it
-    later = {m.metadata.dst_node_id: m.content["config"] for m in strategy.configure_train(3, arrays,
-                                                                                          ConfigRecord({"lr": 0.1}), grid)}
+    later = {m.metadata.dst_node_id: m.content["config"]
+             for m in strategy.configure_train(3, arrays, ConfigRecord({"lr": 0.1}), grid)}
     assert {node: config.get(SPENT_EPSILON) for node, config in later.items()} == {11: 0.5, 12: None, 13: 0.75}
     assert all(config["lr"] == 0.1 and config["server-round"] == 3 for config in later.values())
 
