@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from fedsd.errors import ConfigError, DataError
-from fedsd.privacy.independent_check import STATE_FOLDERS, check_run, deployment_candidates, deployment_state_dirs
+from fedsd.privacy.independent_check import STATE_FOLDERS, check_run, clients_state_dirs
 
 
 def add_check_parser(sub) -> None:
@@ -46,14 +46,6 @@ def cmd_check_privacy(args: argparse.Namespace) -> int:
     if args.work is None and not args.state:
         raise ConfigError(f"the clients' state folders: none given. {STATE_FOLDERS}")
     num_clients = int(json.loads(result_path.read_text()).get("num_clients") or 0)
-    state_dirs = deployment_state_dirs(Path(args.work), num_clients) if args.work else {}
-    state_dirs.update(given_state_dirs(args.state))
-    missing = [k for k in range(num_clients) if k not in state_dirs]
-    if missing:
-        looked = (f" --work {args.work} has neither "
-                  + " nor ".join(map(str, deployment_candidates(args.work, missing[0]))) + ";" if args.work else "")
-        raise DataError(f"client {missing[0]} (of the run's {num_clients}): no state folder;{looked} the check fails. "
-                        f"{STATE_FOLDERS}")
-    report = check_run(Path(args.run), state_dirs)
+    report = check_run(Path(args.run), clients_state_dirs(args.work, given_state_dirs(args.state), num_clients))
     print(json.dumps(report, indent=2))
     return 0 if report["passed"] else 1

@@ -225,6 +225,21 @@ def deployment_candidates(work: Path, k: int) -> tuple[Path, Path]:
     return Path(work) / "client-state" / str(k), Path(work) / "nodes" / str(k) / "state"
 
 
+def clients_state_dirs(work: Path | None, given: dict[int, Path], num_clients: int) -> dict[int, Path]:
+    """Every client's state folder: those `given` (client → folder), the others found in a
+    deploy-local --work folder. DataError naming the first client without one, where it was
+    looked for, and how to give it (STATE_FOLDERS)."""
+    state_dirs = deployment_state_dirs(Path(work), num_clients) if work else {}
+    state_dirs.update(given)
+    missing = [k for k in range(num_clients) if k not in state_dirs]
+    if missing:
+        looked = (f" --work {work} has neither "
+                  + " nor ".join(map(str, deployment_candidates(work, missing[0]))) + ";" if work else "")
+        raise DataError(f"client {missing[0]} (of the run's {num_clients}): no state folder;{looked} the check fails. "
+                        f"{STATE_FOLDERS}")
+    return state_dirs
+
+
 def deployment_state_dirs(work: Path, num_clients: int) -> dict[int, Path]:
     """Each client's state folder found in a deploy-local --work folder (`deployment_candidates`)."""
     found = {}

@@ -27,7 +27,7 @@ from fedsd.secure import distributed_noise as noise
 from fedsd.methods import Weights
 from fedsd.secure.identity import Identity, Roster
 from fedsd.secure.secagg import SecAggClient
-from fedsd.secure.secagg_primitives import minimum_threshold
+from fedsd.secure.secagg_primitives import lowest_threshold
 from fedsd.secure.secagg_server import RoundAbandoned, SecAggServer
 from fedsd.training.loop import DPTrainer, TrainState
 
@@ -163,7 +163,7 @@ def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min
         roster = None
     ids = {k: identities[k].id for k in vectors}
     n = len(vectors) if complete else degree + (degree % 2) + 1
-    threshold = max(minimum_threshold(n), (n + max_colluders) // 2 + 1)  # one view only can reach it
+    threshold = lowest_threshold(n, max_colluders)  # one view only can reach it
     server = SecAggServer(round_id, list(ids.values()), length, degree=degree,
                           threshold=min(threshold, n - max_colluders))
     clients = {ids[k]: SecAggClient(ids[k], round_id, min_cohort=min_cohort, max_colluders=max_colluders,

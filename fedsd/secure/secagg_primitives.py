@@ -201,3 +201,10 @@ def minimum_threshold(holders: int) -> int:
     (Bonawitz et al.'s bound for a server that deviates from the protocol, with up to a third
     of the clients its own), and at least 2."""
     return max(2, (2 * holders) // 3 + 1) if holders > 1 else 1
+
+
+def lowest_threshold(holders: int, colluders: int) -> int:
+    """The smallest threshold an owner that allows `colluders` of the server's accepts: above
+    `minimum_threshold`, and above (holders + colluders) / 2, so that only one view of a round
+    can reach it (SecAggClient.advertise's checks)."""
+    return max(minimum_threshold(holders), (holders + colluders) // 2 + 1)

@@ -81,9 +81,7 @@ def secure_summary(result: dict, out) -> str:
 def secure_settings(result: dict) -> str:
     cfg, fed = result["config"], result["federation"]
     if fed.get("privacy_unit") == "client":
-        local = (f"{fed['local_steps']} local steps" if fed.get("local_steps") else
-                 f"{fed['local_epochs']} local epoch(s)")
-        return (f"  settings       each client whole: {result['steps']} rounds of {local} "
+        return (f"  settings       each client whole: {result['steps']} rounds of {local_work(fed)} "
                 f"at B = {cfg['batch_size']}, lr {cfg['lr']:g}, updates clipped to {fed['update_clip']:g}, z = "
                 f"{result['noise_multiplier']:.3f}")
     return (f"  settings       B = {cfg['batch_size']} (the federation's), lr {cfg['lr']:g}, z = "
@@ -131,10 +129,13 @@ def distributed_length(fed: dict) -> str:
     """A distributed-noise run's length: one DP-SGD step of the federation a round (record level),
     or each client's local work a round (client level)."""
     if fed.get("privacy_unit") == "client":
-        local = f"{fed['local_steps']} local steps" if fed.get("local_steps") \
-            else f"{fed['local_epochs']} local epoch(s)"
-        return f"{fed['rounds']} rounds × {local} (each client's update protected whole)"
+        return f"{fed['rounds']} rounds × {local_work(fed)} (each client's update protected whole)"
     return f"{fed['rounds']} rounds of one DP-SGD step (B the federation's)"
+
+
+def local_work(fed: dict) -> str:
+    """A client-level round's work on each client: its local steps, else its local epochs."""
+    return f"{fed['local_steps']} local steps" if fed.get("local_steps") else f"{fed['local_epochs']} local epoch(s)"
 
 
 def _labelled(label: str, items: list[str]) -> list[str]:

@@ -259,11 +259,11 @@ def fewest_clients(min_clients: int, max_colluders: int) -> int:
     neighbours, so that f silent after the masked input still leave the t + f it unmasks with;
     and a threshold above (neighbours + f) / 2 and above two thirds of them, yet at most
     neighbours − f (so more than 3f neighbours)."""
-    from fedsd.secure.secagg import minimum_threshold
+    from fedsd.secure.secagg_primitives import lowest_threshold
 
     t, f = min_clients, max_colluders
     n = max(2, t + 2 * f)
-    while max(minimum_threshold(n), (n + f) // 2 + 1) > n - f:
+    while lowest_threshold(n, f) > n - f:
         n += 1
     return n
 
@@ -431,19 +431,14 @@ def owner_pairs(text: str) -> dict:
     file of them, as Flower reads a SuperNode's (a table's keys joined by dots)."""
     if "=" in text or not text.strip().endswith(".toml"):
         return pairs_of(text)
+    from flwr.common.config import parse_config_args  # Flower's own reader of a node config's .toml
+
     try:
-        with open(Path(text.strip()).expanduser(), "rb") as f:
-            loaded = tomllib.load(f)
+        return parse_config_args([text.strip()])
     except OSError as e:
         raise NodeConfigError(f"--node-config {text!r}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
+    except ValueError as e:  # TOMLDecodeError
         raise NodeConfigError(f"--node-config {text!r}: not a TOML file ({e})") from None
-
-    def flat(table: dict, prefix: str = "") -> dict:
-        return {k: v for key, value in table.items()
-                for k, v in (flat(value, f"{prefix}{key}.") if isinstance(value, dict)
-                             else {f"{prefix}{key}": value}).items()}
-    return flat(loaded)
 
 
 def pairs_of(text: str) -> dict:

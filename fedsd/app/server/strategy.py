@@ -435,7 +435,13 @@ def round_log(record: dict, rounds: int, accuracy: float, max_epsilon: float, na
 
 
 def _clients(ids, names: dict | None = None) -> str:
-    names = names or {}
-    ids = [names.get(int(i), str(i)) if i is not None and str(i).lstrip("-").isdigit() else str(i)
-           if i is not None else "?" for i in ids]
-    return ", ".join(ids) if ids else "none"
+    shown = [_client_name(i, names or {}) for i in ids]
+    return ", ".join(shown) if shown else "none"
+
+
+def _client_name(client, names: dict) -> str:
+    """A client's name where `names` (keyed by its integer id) has one, else its id as given."""
+    if client is None:
+        return "?"
+    text = str(client)
+    return names.get(int(text), text) if text.lstrip("-").isdigit() else text
