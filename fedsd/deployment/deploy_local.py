@@ -144,7 +144,8 @@ def node_configs(args: argparse.Namespace) -> list[str]:
         if args.client_folders and "max-epsilon" not in pairs:  # it would refuse (fedsd/app/client/node_config.py)
             raise ConfigError(f"--client-data: a client with its own data trains only under its owner's lifetime "
                               f"budget; client {k} has none: add --node-config \"max-epsilon=…\" (inf for no limit)")
-        configs.append(" ".join(filter(None, (args.node_config, own.get(k, "")))))
+        # one pair a key, the owner's own in place of --node-config's (the owner's service refuses a key twice)
+        configs.append(" ".join({**_as_written(args.node_config), **_as_written(own.get(k, ""))}.values()))
     return configs
 
 
@@ -215,6 +216,11 @@ def _distributed_defaults(args: argparse.Namespace, values: dict, fed: FedConfig
              f"{','.join(map(str, bounds))}: each owner's bound on its records, its folder's count; its step is "
              f"padded to q times that many and its draw rate set from it, whatever it holds "
              f"(--node-config-for K 'max-records=…' sets another)")
+
+
+def _as_written(text: str) -> dict[str, str]:
+    """'k=v k2=v2 …' as key → its pair as written (quotes kept), the last of a key given twice."""
+    return {pair.partition("=")[0]: pair for pair in text.split()}
 
 
 def _pairs(text: str, option: str) -> dict[str, str]:

@@ -8,6 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from fedsd.app.client.node_config import owner_pairs
+
 from fedsd.deployment import deploy_local as dl
 from fedsd.errors import ConfigError
 from fedsd.training.summary import nothing_trained
@@ -78,7 +80,10 @@ def test_distributed_noise_that_cannot_run_here_names_what_to_add(tmp_path, drop
 def test_each_owner_can_have_its_own_node_config(tmp_path):
     args = secure(folders(tmp_path, (10, 10, 10)), "--node-config-for", "2", "max-epsilon=1",
                   "--node-config-for", "0", "max-delta=1e-6")
-    assert dl.node_configs(args) == ["max-epsilon=10 max-delta=1e-6", "max-epsilon=10", "max-epsilon=10 max-epsilon=1"]
+    configs = dl.node_configs(args)
+    assert configs == ["max-epsilon=10 max-delta=1e-6", "max-epsilon=10", "max-epsilon=1"]
+    # the owner's own in place of the common pair: an owner's data service refuses a key given twice
+    assert [owner_pairs(c)["max-epsilon"] for c in configs] == [10, 10, 1]
     for bad, needle in ((("3", "max-epsilon=1"), "--node-config-for 3: a client's index, 0 to 2"),
                         (("x", "max-epsilon=1"), "--node-config-for x"),
                         (("1", "max-epsilon=one"), "--node-config-for 1: .*max-epsilon")):
