@@ -75,7 +75,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from fedsd.secure.identity import SIGNATURE_BYTES, Identity, Roster, verify
 from fedsd.secure.secagg_primitives import (NONCE, SELF_SEED_BYTES, SHARE_BYTES, ProtocolError, _advert, _agree,
                                             _commit_message, _commitment, _dealing_message, _derive, _ids, _info,
-                                            _public, _raw, _view_message, expand_mask, minimum_threshold,
+                                            _public, _raw, _view_message, check_threshold, expand_mask,
                                             pairwise_sign, seed_digest, self_mask_key, split_secret)
 
 # The largest neighbourhood a client shares with (Shamir's cost grows as its square).
@@ -179,29 +179,7 @@ class SecAggClient:
             # owner so). With a roster, the complete graph: every neighbourhood is the cohort.
             raise ProtocolError("neighbours: with a roster, every member of the cohort (the complete graph); "
                                 "a neighbourhood the server chooses could split the round into two stories")
-        if len(neighbours) < self.min_cohort + self.max_colluders:  # it could never unmask: refused before any cost
-            raise ProtocolError(f"neighbours: {len(neighbours)} clients, below the {self.min_cohort} honest ones "
-                                f"and {self.max_colluders} of the server's this owner requires")
-        if not isinstance(threshold, int) or isinstance(threshold, bool) or not (
-                minimum_threshold(len(neighbours)) <= threshold <= len(neighbours)):
-            raise ProtocolError(f"threshold: must be in [{minimum_threshold(len(neighbours))}, {len(neighbours)}] "
-                                f"for {len(neighbours)} neighbours (more than two thirds of them)")
-        if 2 * threshold <= len(neighbours) + self.max_colluders:
-            # Two stories: the server's f clients confirm both, and two groups of honest ones each
-            # reach t unless 2t > neighbours + f.
-            raise ProtocolError(f"threshold: {threshold} is at or below ({len(neighbours)} neighbours + "
-                                f"{self.max_colluders} of the server's) / 2; two views of the round could both "
-                                f"reach it")
-        if threshold > len(neighbours) - self.max_colluders:
-            # f silent members at the unmask would abandon a round this client has paid for.
-            raise ProtocolError(f"threshold: {threshold} is above {len(neighbours)} neighbours − {self.max_colluders} "
-                                f"of the server's, who could abandon the round after this owner is charged "
-                                f"(an owner that allows f needs more than 3f neighbours)")
-        if len(neighbours) - self.max_colluders < self.min_cohort + self.max_colluders:
-            # It unmasks only with t + f neighbours: f silent members would leave fewer, after the charge.
-            raise ProtocolError(f"neighbours: {len(neighbours)}, below this owner's {self.min_cohort} honest ones and "
-                                f"twice {self.max_colluders} of the server's: that many silent after the masked input "
-                                f"would leave fewer than it unmasks with, after this owner is charged")
+        check_threshold(len(neighbours), threshold, self.min_cohort, self.max_colluders)
         self.cohort, self.neighbours, self.threshold, self.context = cohort, neighbours, threshold, bytes(context)
         self._c, self._s = X25519PrivateKey.generate(), X25519PrivateKey.generate()
         c, s, v = _raw(self._c.public_key()), _raw(self._s.public_key()), self.identity.public

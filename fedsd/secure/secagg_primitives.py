@@ -208,3 +208,96 @@ def lowest_threshold(holders: int, colluders: int) -> int:
     `minimum_threshold`, and above (holders + colluders) / 2, so that only one view of a round
     can reach it (SecAggClient.advertise's checks)."""
     return max(minimum_threshold(holders), (holders + colluders) // 2 + 1)
+
+
+def check_threshold(holders: int, threshold: object, min_cohort: int, max_colluders: int) -> None:
+    """An owner's checks of the holders of its shares and their threshold, before anything is
+    drawn or charged (SecAggClient.advertise, and a multi-round run's setup): the owner's t
+    honest clients with its f of the server's must fit, the threshold must be above two thirds of
+    the holders and above (holders + f) / 2 (one view a round), and at most holders − f (f silent
+    members cannot abandon a paid round). ProtocolError says which failed."""
+    if holders < min_cohort + max_colluders:  # it could never unmask: refused before any cost
+        raise ProtocolError(f"neighbours: {holders} clients, below the {min_cohort} honest ones "
+                            f"and {max_colluders} of the server's this owner requires")
+    if not isinstance(threshold, int) or isinstance(threshold, bool) or not (
+            minimum_threshold(holders) <= threshold <= holders):
+        raise ProtocolError(f"threshold: must be in [{minimum_threshold(holders)}, {holders}] "
+                            f"for {holders} neighbours (more than two thirds of them)")
+    if 2 * threshold <= holders + max_colluders:
+        # Two stories: the server's f clients confirm both, and two groups of honest ones each
+        # reach t unless 2t > neighbours + f.
+        raise ProtocolError(f"threshold: {threshold} is at or below ({holders} neighbours + "
+                            f"{max_colluders} of the server's) / 2; two views of the round could both "
+                            f"reach it")
+    if threshold > holders - max_colluders:
+        # f silent members at the unmask would abandon a round this client has paid for.
+        raise ProtocolError(f"threshold: {threshold} is above {holders} neighbours − {max_colluders} "
+                            f"of the server's, who could abandon the round after this owner is charged "
+                            f"(an owner that allows f needs more than 3f neighbours)")
+    if holders - max_colluders < min_cohort + max_colluders:
+        # It unmasks only with t + f neighbours: f silent members would leave fewer, after the charge.
+        raise ProtocolError(f"neighbours: {holders}, below this owner's {min_cohort} honest ones and "
+                            f"twice {max_colluders} of the server's: that many silent after the masked input "
+                            f"would leave fewer than it unmasks with, after this owner is charged")
+
+
+# -- a multi-round run's messages (fedsd.secure.secagg_runs; docs/design/multi-round-secure-aggregation.md) --
+def run_tag(first_round_id: bytes, epoch: int = 1) -> bytes:
+    """τ: what binds every signature, AAD and key derivation of a multi-round run (its first
+    round's id, and the setup epoch) and keeps them apart from the per-round protocol's."""
+    return b"fedsd-secagg-mr|" + bytes(first_round_id) + b"|" + str(int(epoch)).encode()
+
+
+def round_tag(tau: bytes, round_number: int) -> bytes:
+    """rid_r: round r of the run τ."""
+    return bytes(tau) + b"|round|" + str(int(round_number)).encode()
+
+
+def cohort_digest(members) -> bytes:
+    """SHA-256 of a cohort: its sorted ids, each 8 bytes big-endian (never a printed list)."""
+    return hashlib.sha256(b"fedsd-secagg-mr|cohort|" + b"".join(int(m).to_bytes(8, "big")
+                                                                  for m in sorted(members))).digest()
+
+
+def round_digest(settings: bytes, arrays=(), plan: bytes = b"") -> bytes:
+    """What every receipt of a round binds beside its cohort: the digest of the round's settings,
+    the model's arrays (dtype, shape and bytes, in order) and the plan, so that owners sent
+    different models or plans sign receipts no holder unmasks together (Pasquini et al., CCS 2022)."""
+    h = hashlib.sha256(b"fedsd-secagg-mr|round|" + len(settings).to_bytes(4, "big") + bytes(settings))
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        h.update(f"{array.dtype.str}{array.shape}".encode())
+        h.update(array.tobytes())
+    h.update(b"|plan|" + bytes(plan))
+    return h.digest()
+
+
+def receipt_message(rid: bytes, member: int, cohort_hash: bytes, round_hash: bytes, needed: int,
+                    y_hash: bytes) -> bytes:
+    """What an owner signs with its masked input: the round, itself, the cohort and the round's
+    digest it masked for, the fewest inputs it lets be summed (its t + f), and SHA-256 of y."""
+    return _info(rid, "receipt", member, needed) + b"|" + bytes(cohort_hash) + bytes(round_hash) + bytes(y_hash)
+
+
+def channel_message(tau: bytes, member: int, batch: int, key: bytes) -> bytes:
+    """What an owner signs of its X25519 channel key for one batch of dealt rounds."""
+    return _info(tau, "channel", member, batch) + b"|" + bytes(key)
+
+
+def commit_list_hash(tau: bytes, dealer: int, holder: int, batch: int, commits: bytes) -> bytes:
+    return hashlib.sha256(_info(tau, "commit-list", dealer, holder, batch) + b"|" + bytes(commits)).digest()
+
+
+def batch_root(tau: bytes, dealer: int, batch: int, list_hashes: list[bytes]) -> bytes:
+    """One digest of a dealer's batch: every holder's commitment list's hash, in holder order."""
+    return hashlib.sha256(_info(tau, "batch-root", dealer, batch) + b"|" + b"".join(list_hashes)).digest()
+
+
+def batch_message(tau: bytes, dealer: int, batch: int, root: bytes) -> bytes:
+    return _info(tau, "batch", dealer, batch) + b"|" + bytes(root)
+
+
+def held_message(tau: bytes, holder: int, dealer: int, batch: int, root: bytes) -> bytes:
+    """A holder's acknowledgement: it holds, checked against their commitments, its shares of the
+    dealer's batch with this root."""
+    return _info(tau, "held", holder, dealer, batch) + b"|" + bytes(root)

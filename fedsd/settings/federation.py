@@ -18,7 +18,7 @@ CLIENT_DATA = ("partition", "own")
 STRATEGIES = ("fedavg", "fedadam", "fedprox")
 NOISE = ("local", "distributed")
 PRIVACY_UNITS = ("record", "client")
-SECURE_SUMS = ("protocol", "plain")
+SECURE_SUMS = ("protocol", "multi-round", "plain")
 TEACHER_MODES = ("round-start", "local-previous", "global-ema")
 # An owner's default secagg-min-clients (its data service's node config): the fewest honest clients
 # it assumes in a round, and the largest t of a server's plan it takes. A deployment's t where
@@ -94,13 +94,15 @@ class FedConfig:
                                  "(public keys); a node whose identity is not on it is left out of every round and "
                                  "named. Each owner checks its own copy; this one only keeps strangers out early",
                                  cli=False)
-    secure_sum: str = setting("protocol", "fedsd simulate --noise distributed: how the round's sum is made. "
-                              "protocol = every round runs the whole secure-aggregation protocol between the "
-                              "simulated clients and the server; plain = the same clients' vectors added in this "
-                              "process without masks: the same sum bit for bit (so the same run, weights and ε), "
-                              "without the protocol's cost, which grows with the square of the clients (studies "
-                              "at many clients, as TFF's distributed-DP studies simulate the secure sum). A "
-                              "Flower run always runs the protocol", choices=SECURE_SUMS)
+    secure_sum: str = setting(
+        "protocol", "fedsd simulate --noise distributed: how the round's sum is made. protocol = every round runs the "
+        "whole secure-aggregation protocol between the simulated clients and the server; multi-round = the protocol "
+        "set up once a run, every round's secrets dealt ahead, two exchanges a round "
+        "(docs/design/multi-round-secure-aggregation.md; simulated only, for now); plain = the same clients' vectors "
+        "added in this process without masks: the same sum bit for bit (so the same run, weights and ε), without the "
+        "protocol's cost, which grows with the square of the clients (studies at many clients, as TFF's "
+        "distributed-DP studies simulate the secure sum). A Flower run always runs the per-round protocol",
+        choices=SECURE_SUMS)
     update_clip: float = setting(0.1, "--privacy-unit client: the L2 norm S each client clips its model update to")
     update_clip_quantile: float = setting(0.0, "--privacy-unit client: adaptive clipping of the updates (Andrew et "
                                           "al. 2021): --update-clip is where S starts, and it follows this quantile "
@@ -164,8 +166,9 @@ class FedConfig:
               "share; the server sees only the sum)",
               f"noise={self.noise}, secure-aggregation={self.secure_aggregation}")
         check(self.secure_sum == "protocol" or (self.noise == "distributed" and self.secure_aggregation),
-              "--secure-sum plain", "is a shortcut of fedsd simulate --secure-aggregation --noise distributed (the "
-              "sum it adds is the protocol's)", f"noise={self.noise}, secure-aggregation={self.secure_aggregation}")
+              f"--secure-sum {self.secure_sum}", "is a way of making fedsd simulate --secure-aggregation --noise "
+              "distributed's sum (the same sum bit for bit)",
+              f"noise={self.noise}, secure-aggregation={self.secure_aggregation}")
         check(math.isfinite(self.sample_rate) and 0 <= self.sample_rate <= 1, "sample-rate", "must be in [0, 1]",
               self.sample_rate)
         check(math.isfinite(self.update_clip) and self.update_clip > 0, "--update-clip", "must be > 0",

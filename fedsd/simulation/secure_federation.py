@@ -32,7 +32,9 @@ from fedsd.secure.secagg import MAX_NEIGHBOURS
 from fedsd.data.client_data import input_stats, with_custom_task, task_for
 from fedsd.settings.run import TrainConfig
 from fedsd.secure.distributed_step import (DISTRIBUTED_METHODS, ServerOptimizer, contribution, dimension, plain_round,
-                                           secure_round, seeded_key)
+                                           run_roster, secure_round, seeded_key)
+from fedsd.secure.secagg_primitives import round_digest
+from fedsd.secure.secagg_runs_server import InProcessRun
 from fedsd.errors import ConfigError, ResumeError
 from fedsd.settings.federation import FedConfig
 from fedsd.methods import released
@@ -80,7 +82,7 @@ def check_options(cfg: TrainConfig, fed: FedConfig) -> None:
         raise ConfigError(f"--method {cfg.method}: --privacy-unit client trains each client without noise and "
                           f"without a teacher (--method dpsgd); self-distillation is record-level")
     neighbours = MAX_NEIGHBOURS
-    if fed.secure_sum == "protocol" and fed.num_clients > neighbours:
+    if fed.secure_sum != "plain" and fed.num_clients > neighbours:
         raise ConfigError(f"--clients {fed.num_clients}: a simulated round runs the protocol on the complete graph, "
                           f"and a client shares with at most {neighbours} neighbours; for a study at this size add "
                           f"--secure-sum plain (the same sum, added in the clear)")
@@ -132,6 +134,7 @@ class SecureFederation:
             self.trainer = planned_trainer(cfg, self.shards[0], self.plan)
             self.server = ServerOptimizer(self.net, cfg.lr, cfg.momentum)
         self.own = self.noise  # each client's own calibration, from its own settings (here the run's)
+        self.runs = None  # --secure-sum multi-round: the run's protocol, set up at its first round in this process
 
     # -- one round ------------------------------------------------------------------------
     def take_round(self, r: int) -> dict:
@@ -155,6 +158,11 @@ class SecureFederation:
         plan = client_level.round_plan(self.noise, self.adaptive, self.update_clip)
         if self.plain:  # the benchmark's baseline (fedsd/benchmarks/secagg_cost.py)
             total, cost = plain_round(vectors, plan.dim)
+        elif self.fed.secure_sum == "multi-round":  # set up once (here, in this process), two exchanges a round
+            if self.runs is None:
+                self.runs = InProcessRun(*run_roster(range(len(self.shards))), min_cohort=len(self.shards))
+            digest = round_digest(b"fedsd simulate", [v.numpy() for v in student.values()], repr(plan).encode())
+            total, cost = self.runs.round(r, vectors, plan.dim, digest)
         else:  # every client must survive (a simulation has no dropouts), so every share is in the sum
             total, cost = secure_round(f"{self.cfg.seed}:{r}".encode(), vectors, plan.dim,
                                        min_cohort=len(self.shards))

@@ -96,9 +96,10 @@ def test_client_level_adaptive_clipping_moves_the_clip_from_the_secure_sum_alone
 
 
 @pytest.mark.parametrize("unit", ["record", "client"])
-def test_the_plain_sum_is_the_protocols_bit_for_bit_and_validation_is_scored(unit):
-    """--secure-sum plain adds the clients' vectors in this process: every round's sum, and so
-    the weights, the clip and ε, are those of the run that ran the protocol; with --validation
+def test_the_plain_and_multi_round_sums_are_the_protocols_bit_for_bit_and_validation_is_scored(unit):
+    """--secure-sum plain adds the clients' vectors in this process, and multi-round runs the protocol
+    set up once a run: every round's sum, and so the weights, the clip and ε, are those of the run
+    that ran the per-round protocol; with --validation
     each evaluation scores the held-out samples too (what the adaptive table screens on)."""
     require("fmnist")
     cfg, fed = settings(rounds=2)
@@ -106,14 +107,17 @@ def test_the_plain_sum_is_the_protocols_bit_for_bit_and_validation_is_scored(uni
     if unit == "client":
         fed = dataclasses.replace(fed, num_clients=5, privacy_unit="client", update_clip=0.5, local_steps=2,
                                   update_clip_quantile=0.5, update_clip_lr=1.0)
-    runs = [SecureFederation(cfg, dataclasses.replace(fed, secure_sum=way), None) for way in ("protocol", "plain")]
+    ways = ("protocol", "plain", "multi-round")
+    runs = [SecureFederation(cfg, dataclasses.replace(fed, secure_sum=way), None) for way in ways]
     records = [[run.take_round(r) for r in (1, 2)] for run in runs]
-    assert not runs[0].plain and runs[1].plain
-    for k, v in runs[0].model["student"].items():
-        assert torch.equal(v, runs[1].model["student"][k]), k
-    for kept, plain in zip(*records):
-        assert kept["epsilon"] == plain["epsilon"] and kept.get("clip") == plain.get("clip")
-        assert kept["test_accuracy"] == plain["test_accuracy"]
+    assert not runs[0].plain and runs[1].plain and not runs[2].plain and runs[2].runs is not None
+    for other in (runs[0], runs[2]):  # the per-round and the multi-round protocol: the plain sum's weights
+        for k, v in other.model["student"].items():
+            assert torch.equal(v, runs[1].model["student"][k]), k
+    for kept, plain, multi in zip(*records):
+        assert kept["epsilon"] == plain["epsilon"] == multi["epsilon"]
+        assert kept.get("clip") == plain.get("clip") == multi.get("clip")
+        assert kept["test_accuracy"] == plain["test_accuracy"] == multi["test_accuracy"]
         assert 0.0 <= plain["validation_accuracy"] <= 1.0
     assert records[0][-1]["bytes_to_server"] > records[1][-1]["bytes_to_server"]  # the protocol's shares and keys
     if unit == "client":

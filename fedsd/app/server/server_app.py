@@ -260,8 +260,9 @@ def main(grid: Grid, context: Context) -> None:
     try:
         cfg, fed = from_flat(dict(context.run_config))
         if fed.secure_sum != "protocol":  # the clients' vectors in the clear: only one process's simulation
-            raise ConfigError("--secure-sum plain: a Flower run always runs the secure-aggregation protocol (plain "
-                              "adds the clients' vectors in the clear: fedsd simulate's in-process shortcut)")
+            raise ConfigError(f"--secure-sum {fed.secure_sum}: a Flower run runs the per-round secure-aggregation "
+                              f"protocol (plain adds the clients' vectors in the clear, fedsd simulate's in-process "
+                              f"shortcut; multi-round is simulated only, until the owners' services run it)")
         fed = one_client_per_node(grid, fed)
         if fed.resume_dir:  # the checkpoint's settings and folder; the run config's others are not used
             out = Path(fed.resume_dir).absolute()
