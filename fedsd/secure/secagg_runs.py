@@ -101,6 +101,7 @@ class RunMember:
     _held: dict = field(default_factory=dict)  # (dealer, round) → (b share, s share)
     _roots: dict = field(default_factory=dict)  # (dealer, batch) → the root I acknowledged
     _entries: dict = field(default_factory=dict)  # (dealer, round) → (b digest, s public), from its batch
+    _held_by_enough: set = field(default_factory=set)  # (dealer, batch) that T + f holders acknowledged
     _masked: dict = field(default_factory=dict)  # round → (y, receipt): resent, never recomputed
     _admitted: tuple = ()  # (round, cohort, digest, partners' s public keys) between admit and mask
     _view: tuple = ()  # (round, survivors, dropped, statement, need)
@@ -337,15 +338,18 @@ class RunMember:
             del self._dealt[old]
 
     def _acknowledged(self, j: int, r: int, acks: object) -> None:
-        who = f"{self.roster.name(j)} (culprit: {j})"
-        root = self._roots.get((j, batch_of(r, self.batch)))
+        who, batch = f"{self.roster.name(j)} (culprit: {j})", batch_of(r, self.batch)
+        root = self._roots.get((j, batch))
         if root is None or (j, r) not in self._entries:
             raise ProtocolError(f"masked-input: this owner holds no shares of {who}'s round {r}")
-        message = lambda h: held_message(self.tau, h, j, batch_of(r, self.batch), root)  # noqa: E731
+        if (j, batch) in self._held_by_enough:  # checked once a batch: acknowledgements are never taken back
+            return
+        message = lambda h: held_message(self.tau, h, j, batch, root)  # noqa: E731
         held = sum(1 for h in self.holders if isinstance(acks, dict) and verify(self._key(h), acks.get(h), message(h)))
         if held < self.threshold + self.max_colluders:
             raise ProtocolError(f"masked-input: {held} holders acknowledged the shares of {who} for round {r}, below "
                                 f"the threshold {self.threshold} and {self.max_colluders} of the server's")
+        self._held_by_enough.add((j, batch))
 
     def mask(self, r: object, vector: np.ndarray) -> dict:
         """E1's answer for an admitted round r: y = x + PRG(b_r) + Σ ±PRG(p_jr) over the cohort, and
