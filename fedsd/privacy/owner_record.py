@@ -227,6 +227,50 @@ class Records:
         return rounds
 
 
+    # -- a multi-round secure-aggregation run's counters and the wrap key of its kept secrets ------
+    def wrap_key(self, state: StateFolder) -> bytes:
+        """The key that seals what this state folder keeps of its multi-round runs
+        (fedsd.secure.secagg_runs.RunMember.sealed): 32 bytes from the OS, made on first use, kept
+        here, outside the folder, so that a copy of the folder holds no usable secret."""
+        name = f"wrap-{state_id(state)}"
+        with self.folder.lock(name + ".lock"):
+            key = self.folder.read_bytes(name)
+            if key is None:
+                key = secrets.token_bytes(32)
+                self.folder.write_atomic(name, key)
+        if len(key) != 32:
+            raise DataError(f"{self.folder.path / name}: not a 32-byte key; it is left as it is")
+        return key
+
+    @contextmanager
+    def run_counters(self, state: StateFolder, run: str, found: dict):
+        """Held around a multi-round run's message: the counters of `run` (run|experiment) the
+        folder holds (`found`: submitted, answered, dealt, seen, and viewed as [round, digest hex])
+        raised to the record's, yielded to be raised further; on leaving without an exception, the
+        record raised to them, before the caller writes them to the folder and replies. Never
+        lowered; a folder behind its record simply takes the record's (its secrets for those
+        rounds are then never used or revealed), so no refusal is needed."""
+        name = f"runs-{state_id(state)}.json"
+        with self.folder.lock(f"runs-{state_id(state)}.lock"):
+            kept = (self._read(name) or {}).get("runs", {})
+            counters = highest(found, kept.get(run, {}))
+            yield counters
+            raised = highest(counters, kept.get(run, {}))
+            if raised != kept.get(run):
+                self.folder.write_json(name, dict(format=FORMAT, runs={**kept, run: raised}, updated=_now()))
+
+
+COUNTERS = ("submitted", "answered", "dealt", "seen")
+
+
+def highest(*found: dict) -> dict:
+    """The highest of each counter (a missing one: 0), and the view of the latest round."""
+    raised = {k: max(int(f.get(k, 0)) for f in found) for k in COUNTERS}
+    views = [list(f["viewed"]) for f in found if isinstance(f.get("viewed"), (list, tuple)) and len(f["viewed"]) == 2]
+    raised["viewed"] = max(views, key=lambda v: int(v[0]), default=[0, ""])
+    return raised
+
+
 def spent_name(fingerprint: str) -> str:
     return f"spent-{fingerprint}.json"
 

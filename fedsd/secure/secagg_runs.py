@@ -41,6 +41,7 @@ pycryptodome, as the per-round protocol's (fedsd.secure.secagg).
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 from dataclasses import dataclass, field
 
@@ -459,3 +460,59 @@ class RunMember:
         for key in [k for k in self._held if k[1] <= r]:
             del self._held[key]
         self._view = ()
+
+    # -- kept between messages -----------------------------------------------------------------
+    def sealed(self, wrap_key: bytes) -> bytes:
+        """Everything this member keeps between messages (its secrets for future rounds, the shares
+        it holds, its channel keys), sealed with AES-256-GCM under the owner's wrap key, which lives
+        outside the state folder (fedsd.privacy.owner_record.Records.wrap_key): a copy of the folder
+        without it holds no usable secret. The counters are kept apart, in the owner's record."""
+        kept = dict(holders=self.holders, threshold=self.threshold,
+                    channel={b: k.private_bytes_raw() for b, k in self._channel.items()},
+                    dealt={r: (b, s.private_bytes_raw()) for r, (b, s) in self._dealt.items()},
+                    sent=self._sent, held=self._held, roots=self._roots, entries=self._entries,
+                    enough=sorted(self._held_by_enough), masked=self._masked)
+        nonce = secrets.token_bytes(NONCE)
+        return nonce + AESGCM(wrap_key).encrypt(nonce, json.dumps(_encoded(kept)).encode(), _info(self.tau, "kept"))
+
+    def unseal(self, blob: bytes, wrap_key: bytes) -> None:
+        """What `sealed` kept, back in this member (its counters are the record's, set before).
+        ProtocolError where the wrap key is not the one that sealed it (a copied or restored folder
+        without its owner's record): the member then starts with nothing and sits out the rounds it
+        dealt, which its counters forbid it to deal again."""
+        try:
+            kept = _decoded(json.loads(AESGCM(wrap_key).decrypt(blob[:NONCE], blob[NONCE:], _info(self.tau, "kept"))))
+        except (InvalidTag, ValueError):
+            raise ProtocolError("this run's kept state does not open under this owner's wrap key (a state folder "
+                                "copied without its record?); the owner sits out the rounds it dealt") from None
+        self.holders, self.threshold = list(kept["holders"]), kept["threshold"]
+        self._channel = {b: X25519PrivateKey.from_private_bytes(k) for b, k in kept["channel"].items()}
+        self._dealt = {r: (b, X25519PrivateKey.from_private_bytes(s)) for r, (b, s) in kept["dealt"].items()}
+        self._sent, self._held, self._roots, self._entries = kept["sent"], kept["held"], kept["roots"], kept["entries"]
+        self._held_by_enough, self._masked = {tuple(e) for e in kept["enough"]}, kept["masked"]
+
+
+def _encoded(x):
+    """JSON for what a member keeps: bytes, int-keyed maps, tuples and uint64 arrays tagged (a
+    plain encoding, not a cipher: `sealed` encrypts it)."""
+    if isinstance(x, (bytes, bytearray)):
+        return {"b": bytes(x).hex()}
+    if isinstance(x, np.ndarray):
+        return {"u64": x.astype("<u8").tobytes().hex()}
+    if isinstance(x, dict):
+        return {"map": [[_encoded(k), _encoded(v)] for k, v in x.items()]}
+    if isinstance(x, (list, tuple)):
+        return {"list": [_encoded(v) for v in x]}
+    return x
+
+
+def _decoded(x):
+    if not isinstance(x, dict):
+        return x
+    if "b" in x:
+        return bytes.fromhex(x["b"])
+    if "u64" in x:
+        return np.frombuffer(bytes.fromhex(x["u64"]), dtype="<u8").copy()
+    if "map" in x:
+        return {_decoded(k): _decoded(v) for k, v in x["map"]}
+    return tuple(_decoded(v) for v in x["list"])

@@ -12,7 +12,7 @@ from fedsd.secure.identity import Identity, Roster
 from fedsd.secure.secagg_primitives import (ProtocolError, _derive, _info, _public, combine_secret, expand_mask,
                                             lowest_threshold, pairwise_sign, round_digest, round_tag, run_tag,
                                             self_mask_key)
-from fedsd.secure.secagg_runs import BATCH, RunMember
+from fedsd.secure.secagg_runs import BATCH, Counters, RunMember
 from fedsd.secure.secagg_runs_server import RunServer
 from fedsd.secure.secagg_server import RoundAbandoned
 
@@ -361,3 +361,72 @@ def test_a_restarted_owner_without_its_secrets_sits_rounds_out_and_never_deals_t
     with pytest.raises(ProtocolError, match="dealt already"):
         restarted.deal(1, channels)
     assert m.counters.dealt == BATCH
+
+
+def _kept_through(member: RunMember, wrap_key: bytes, key_now: bytes | None = None) -> RunMember:
+    """The member as a restarted service has it: its counters from the record, its state unsealed."""
+    again = RunMember(member.identity, member.roster, member.tau, member.min_cohort, member.max_colluders,
+                      counters=Counters(**vars(member.counters)))
+    again.unseal(member.sealed(wrap_key), key_now or wrap_key)
+    return again
+
+
+def test_a_restarted_owner_goes_on_from_its_sealed_state_and_answers_its_rounds_once():
+    """§7 test 8 in memory: a service restarted between E1 and E2 (and after E2) answers round 1's
+    unmask once from its kept shares, and masks round 2 from its kept secrets."""
+    fed, key = Federation(), bytes(range(32))
+    fed.set_up()
+    xs = fed.inputs()
+    sent = fed.masked(1, fed.ids, xs)
+    fed.members = {i: _kept_through(m, key) for i, m in fed.members.items()}
+    receipts = fed.receipts(sent)
+    answers = {h: fed.members[h].unmask(1, fed.ids, receipts) for h in fed.ids}
+    assert np.array_equal(fed.server.finish(1, {i: s["y"] for i, s in sent.items()}, [], answers), _sum(xs, fed.ids))
+    fed.members = {i: _kept_through(m, key) for i, m in fed.members.items()}
+    with pytest.raises(ProtocolError, match="answered or viewed"):
+        fed.members[fed.ids[0]].unmask(1, fed.ids, receipts)
+    xs2 = fed.inputs()
+    assert np.array_equal(fed.round(2, xs2), _sum(xs2, fed.ids))
+
+
+def test_a_folder_copied_without_its_record_holds_no_usable_secret():
+    """§13 test 16 (the review's finding 2): what a member keeps opens only under its owner's wrap
+    key, which lives in the record outside the state folder; a copy (a clone with a record of its
+    own) cannot unseal it, deals nothing again, and masks nothing."""
+    fed, key = Federation(), bytes(range(32))
+    fed.set_up()
+    m = fed.members[fed.ids[0]]
+    blob = m.sealed(key)
+    assert b"holders" not in blob and all(b not in blob for b, _ in m._dealt.values())
+    clone = RunMember(m.identity, fed.roster, fed.tau, counters=Counters(dealt=m.counters.dealt))
+    with pytest.raises(ProtocolError, match="does not open under this owner's wrap key"):
+        clone.unseal(blob, bytes(32))
+    clone.setup(fed.ids, fed.threshold)
+    with pytest.raises(ProtocolError, match="holds no secrets for round 1"):
+        clone.admit(1, fed.ids, DIGEST, fed.server.acks_for(1, fed.ids))
+    channels = {i: fed.members[i].channel_key(1) for i in fed.ids}
+    channels[m.me] = clone.channel_key(1)
+    with pytest.raises(ProtocolError, match="dealt already"):
+        clone.deal(1, channels)
+
+
+def test_the_record_keeps_a_runs_counters_outside_the_folder_and_never_lowers_them(tmp_path):
+    """A folder restored behind its record takes the record's counters (its older secrets are then
+    never used nor revealed); the wrap key is made once, 0600, in the record folder."""
+    from fedsd.files.state_folder import state_folder
+    from fedsd.privacy.owner_record import Records
+
+    records, state = Records.open(tmp_path / "records"), state_folder(tmp_path / "state")
+    key = records.wrap_key(state)
+    assert records.wrap_key(state) == key and len(key) == 32
+    assert not any(p.name.startswith("wrap-") for p in (tmp_path / "state").iterdir())
+    assert all(p.stat().st_mode & 0o077 == 0 for p in (tmp_path / "records").glob("wrap-*"))
+    with records.run_counters(state, "run|exp", {}) as c:
+        c.update(submitted=3, answered=3, dealt=8, seen=3, viewed=[2, "ab"])
+    with records.run_counters(state, "run|exp", {"submitted": 1, "dealt": 8}) as c:  # a folder from round 1
+        assert (c["submitted"], c["answered"], c["viewed"]) == (3, 3, [2, "ab"])
+        c.update(submitted=1)  # lowered in the block: the record keeps the highest
+    with records.run_counters(state, "run|exp", {}) as c:
+        assert c["submitted"] == 3
+    with records.run_counters(state, "other|exp", {}) as c:
+        assert c["submitted"] == 0
