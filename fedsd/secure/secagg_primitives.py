@@ -132,6 +132,10 @@ def verify_blame(evidence: dict, dealer_key: bytes) -> bool:
         holders, t = [int(h) for h in evidence["holders"]], int(evidence["threshold"])
         committed = {"b": bytes.fromhex(evidence["seed_digest"]), "s": bytes.fromhex(evidence["s_public"])}
         size = {"b": SELF_SEED_BYTES, "s": SEED_BYTES}.get(part)
+        # both 32 bytes: the dealing signs them side by side, and a split moved by one byte would
+        # still verify (a review playing the attacker framed an honest dealer so)
+        if any(len(v) != 32 for v in committed.values()):
+            return False
         if size is None or not len(holders) <= MAX_EVIDENCE_HOLDERS or len(set(holders)) != len(holders) or \
                 not minimum_threshold(len(holders)) <= t <= len(holders) or len(evidence["shares"]) != t:
             return False
@@ -188,7 +192,9 @@ def _dealing_message(round_id: bytes, dealer: int, holders: list[int], threshold
     the order that gives each its x (position + 1), t, its self-mask seed's digest and its s key's
     public half. With its signed commitments, t shares that rebuild another secret are evidence
     anyone with the roster can check (`verify_blame`); the server cannot frame an honest dealer by
-    listing its holders in another order."""
+    listing its holders in another order. Both digests are 32 bytes (ValueError otherwise)."""
+    if len(b_digest) != 32 or len(s_public) != 32:
+        raise ValueError("_dealing_message: a seed digest and an s key are 32 bytes each")
     return _info(round_id, "dealing", dealer, threshold, *holders) + b"|" + bytes(b_digest) + bytes(s_public)
 
 
@@ -275,7 +281,12 @@ def round_digest(settings: bytes, arrays=(), plan: bytes = b"") -> bytes:
 def receipt_message(rid: bytes, member: int, cohort_hash: bytes, round_hash: bytes, needed: int,
                     y_hash: bytes) -> bytes:
     """What an owner signs with its masked input: the round, itself, the cohort and the round's
-    digest it masked for, the fewest inputs it lets be summed (its t + f), and SHA-256 of y."""
+    digest it masked for, the fewest inputs it lets be summed (its t + f), and SHA-256 of y. The
+    three digests are 32 bytes each (ValueError otherwise): with fields of any length, a server
+    could move one digest's bytes into the next and keep the signature (a review playing the
+    attacker opened owners sent different models together so)."""
+    if not all(isinstance(d, (bytes, bytearray)) and len(d) == 32 for d in (cohort_hash, round_hash, y_hash)):
+        raise ValueError("receipt_message: the cohort's, the round's and y's digests are 32 bytes each")
     return _info(rid, "receipt", member, needed) + b"|" + bytes(cohort_hash) + bytes(round_hash) + bytes(y_hash)
 
 
@@ -288,9 +299,24 @@ def commit_list_hash(tau: bytes, dealer: int, holder: int, batch: int, commits: 
     return hashlib.sha256(_info(tau, "commit-list", dealer, holder, batch) + b"|" + bytes(commits)).digest()
 
 
-def batch_root(tau: bytes, dealer: int, batch: int, list_hashes: list[bytes]) -> bytes:
-    """One digest of a dealer's batch: every holder's commitment list's hash, in holder order."""
-    return hashlib.sha256(_info(tau, "batch-root", dealer, batch) + b"|" + b"".join(list_hashes)).digest()
+def batch_root(tau: bytes, dealer: int, batch: int, list_hashes: list[bytes], entries: bytes) -> bytes:
+    """One digest of a dealer's batch: every holder's commitment list's hash, in holder order, and
+    its dealing entries (`entries_digest`), so that a holder's acknowledgement covers the s keys and
+    seed digests every owner masks with (without them a dealer could give two halves of the holders
+    two entries for one round under one acknowledged root, and spoil a paid round unnamed)."""
+    return hashlib.sha256(_info(tau, "batch-root", dealer, batch) + b"|" + b"".join(list_hashes) +
+                          bytes(entries)).digest()
+
+
+def entries_digest(tau: bytes, dealer: int, entries: list[tuple[int, bytes, bytes]]) -> bytes:
+    """SHA-256 of a dealer's entries of a batch, (round, b's digest, s's public half) in round order,
+    each digest and key 32 bytes."""
+    h = hashlib.sha256(_info(tau, "entries", dealer))
+    for r, digest, public in entries:
+        if len(digest) != 32 or len(public) != 32:
+            raise ValueError("entries_digest: a seed digest and an s key are 32 bytes each")
+        h.update(int(r).to_bytes(8, "big") + bytes(digest) + bytes(public))
+    return h.digest()
 
 
 def batch_message(tau: bytes, dealer: int, batch: int, root: bytes) -> bytes:

@@ -54,12 +54,24 @@ from fedsd.secure.identity import Identity, Roster, verify
 from fedsd.secure.secagg_primitives import (NONCE, SELF_SEED_BYTES, SHARE_BYTES, ProtocolError, _agree,
                                             _commitment, _dealing_message, _derive, _ids, _info, _public, _raw,
                                             _view_message, batch_message, batch_root, channel_message,
-                                            check_threshold, cohort_digest, commit_list_hash, expand_mask,
+                                            check_threshold, cohort_digest, commit_list_hash, entries_digest,
+                                            expand_mask,
                                             held_message, pairwise_sign, receipt_message, round_tag, seed_digest,
                                             self_mask_key, split_secret)
 
 BATCH = 8  # rounds dealt at once: a leaked folder with its key exposes at most these (design, section 13)
 COMMIT = 64  # a round's two commitments (b, s) in a holder's list
+
+
+def _number(value: object) -> bool:
+    """A positive integer (a round, a batch or an id), not a bool: anything else from the server is
+    refused before it is used as a key or sorted."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _by_number(value: object) -> bool:
+    """A map whose keys are all integers (what `sorted` may compare)."""
+    return isinstance(value, dict) and all(isinstance(k, int) and not isinstance(k, bool) for k in value)
 
 
 def batch_of(round_number: int, size: int = BATCH) -> int:
@@ -139,10 +151,18 @@ class RunMember:
             raise ProtocolError(f"setup: {self.roster.name(strangers[0])} not on this owner's roster "
                                 f"(culprit: {strangers[0]})")
         check_threshold(len(holders), threshold, self.min_cohort, self.max_colluders)
+        if threshold + 2 * self.max_colluders > len(holders):
+            # E1 seats a member once T + f holders acknowledged its shares: f silent members must
+            # leave that many (a review playing the attacker stopped every round with f of them)
+            raise ProtocolError(f"setup: threshold {threshold} + twice {self.max_colluders} of the server's is above "
+                                f"the {len(holders)} holders: that many withholding their acknowledgements would "
+                                f"keep every owner out of every round (this run needs more than 6f owners)")
         self.holders, self.threshold = holders, threshold
 
     def channel_key(self, batch: int) -> dict:
         """My channel key for `batch`, signed (one key a batch, made once)."""
+        if not _number(batch):
+            raise ProtocolError("channel key: the batch is a positive integer")
         if batch not in self._channel:
             self._channel[batch] = X25519PrivateKey.generate()
         key = _raw(self._channel[batch].public_key())
@@ -176,7 +196,7 @@ class RunMember:
         if rounds[0] <= self.counters.dealt:
             raise ProtocolError(f"deal: batch {batch} was dealt already (its secrets are gone: this owner sits "
                                 f"those rounds out)")
-        if not isinstance(channels, dict) or sorted(channels) != self.holders:
+        if not _by_number(channels) or sorted(channels) != self.holders:
             raise ProtocolError("deal: a signed channel key of every holder was expected")
         publics = {h: self._channel_public(h, batch, channels[h]) for h in self.holders}
         raws = [_raw(k) for k in publics.values()]
@@ -210,7 +230,8 @@ class RunMember:
                 _dealing_message(rid, self.me, self.holders, self.threshold, digest, public))}
         lists = {h: b"".join(commits[h]) for h in self.holders}
         hashes = [commit_list_hash(self.tau, self.me, h, batch, lists[h]) for h in self.holders]
-        root = batch_root(self.tau, self.me, batch, hashes)
+        root = batch_root(self.tau, self.me, batch, hashes, entries_digest(
+            self.tau, self.me, [(r, e["digest"], e["s_public"]) for r, e in entries.items()]))
         to = {}
         for h in self.holders:
             nonce = secrets.token_bytes(NONCE)
@@ -224,15 +245,17 @@ class RunMember:
         """A dealer's batch as this holder receives it (the dealer's reply, with `to` narrowed to
         this holder's ciphertext and commitments): checked, kept, acknowledged with a signature of
         its root. A second, different dealing of one (dealer, batch) is refused, the first kept."""
-        if not self.holders or dealer not in self.holders or not isinstance(dealing, dict):
+        if not self.holders or not _number(dealer) or dealer not in self.holders or not isinstance(dealing, dict):
             raise ProtocolError("deliver: a dealing from one of this run's holders was expected")
-        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1 or batch not in self._channel:
+        if not _number(batch) or batch not in self._channel:
             raise ProtocolError("deliver: a batch this owner gave a channel key for was expected")
         who = f"{self.roster.name(dealer)} (culprit: {dealer})"
         root, hashes = dealing.get("root"), dealing.get("list_hashes")
-        if not isinstance(hashes, dict) or sorted(hashes) != self.holders or not all(
+        entries = self._checked_entries(dealer, batch, dealing.get("entries"), who)
+        if not _by_number(hashes) or sorted(hashes) != self.holders or not all(
                 isinstance(v, bytes) and len(v) == 32 for v in hashes.values()) or not isinstance(root, bytes) \
-                or batch_root(self.tau, dealer, batch, [hashes[h] for h in self.holders]) != root \
+                or batch_root(self.tau, dealer, batch, [hashes[h] for h in self.holders], entries_digest(
+                    self.tau, dealer, [(r, d, p) for r, (d, p) in entries.items()])) != root \
                 or not verify(self._key(dealer), dealing.get("sig"), batch_message(self.tau, dealer, batch, root)):
             raise ProtocolError(f"deliver: the batch of {who} is not signed by it for this run and batch")
         if (dealer, batch) in self._roots:
@@ -240,7 +263,8 @@ class RunMember:
                 raise ProtocolError(f"deliver: {who} dealt batch {batch} twice (equivocation); the first is kept")
             return self.identity.sign(held_message(self.tau, self.me, dealer, batch, root))
         shares = self._opened(dealer, batch, dealing, hashes[self.me], who)
-        entries = self._checked_entries(dealer, batch, dealing.get("entries"), who)
+        for old in [b for b in self._channel if b < batch]:  # batch β+1 delivered: β's key is done with (the
+            del self._channel[old]  # server's copies of β's ciphertexts then open to no one)
         self._held.update({(dealer, r): pair for r, pair in shares.items()})
         self._entries.update({(dealer, r): e for r, e in entries.items()})
         self._roots[(dealer, batch)] = root
@@ -273,15 +297,16 @@ class RunMember:
 
     def _checked_entries(self, dealer: int, batch: int, entries: object, who: str) -> dict:
         rounds = rounds_of(batch, self.batch)
-        if not isinstance(entries, dict) or sorted(entries) != list(rounds):
+        if not _by_number(entries) or sorted(entries) != list(rounds):
             raise ProtocolError(f"deliver: {who} sent no dealing entry for every round of its batch")
         checked = {}
         for r in rounds:
             e = entries[r] if isinstance(entries[r], dict) else {}
             digest, public = e.get("digest"), e.get("s_public")
             _public(public, f"{who}'s s key of round {r}")
-            if not isinstance(digest, bytes) or not verify(self._key(dealer), e.get("sig"), _dealing_message(
-                    round_tag(self.tau, r), dealer, self.holders, self.threshold, digest, public)):
+            if not isinstance(digest, bytes) or len(digest) != 32 or not verify(
+                    self._key(dealer), e.get("sig"),
+                    _dealing_message(round_tag(self.tau, r), dealer, self.holders, self.threshold, digest, public)):
                 raise ProtocolError(f"deliver: the dealing entry of {who} for round {r} is not signed by it for "
                                     f"this run's holders and threshold")
             checked[r] = (digest, public)
@@ -289,7 +314,7 @@ class RunMember:
 
     # -- a round ---------------------------------------------------------------------------------
     def _round(self, r: object, stage: str) -> int:
-        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        if not _number(r):
             raise ProtocolError(f"{stage}: the round is a positive integer")
         if r < self.counters.seen:
             raise ProtocolError(f"{stage}: round {r} is behind round {self.counters.seen}, which this owner was "
@@ -355,6 +380,8 @@ class RunMember:
     def mask(self, r: object, vector: np.ndarray) -> dict:
         """E1's answer for an admitted round r: y = x + PRG(b_r) + Σ ±PRG(p_jr) over the cohort, and
         the signed receipt. Asked again for r: the same bytes (fresh noise would give a difference)."""
+        if not _number(r):
+            raise ProtocolError("masked-input: the round is a positive integer")
         if r in self._masked:
             y, receipt = self._masked[r]
             return {"y": y.copy(), "receipt": receipt}
@@ -387,7 +414,8 @@ class RunMember:
             e = receipts.get(j) if isinstance(receipts.get(j), dict) else {}
             needed, digest, y_hash = e.get("needed"), e.get("digest"), e.get("y_hash")
             if not isinstance(needed, int) or isinstance(needed, bool) or not 2 <= needed <= len(self.holders) or \
-                    not isinstance(digest, bytes) or not isinstance(y_hash, bytes) or not verify(
+                    not isinstance(digest, bytes) or not isinstance(y_hash, bytes) or len(digest) != 32 or \
+                    len(y_hash) != 32 or not verify(
                     self._key(j), e.get("sig"), receipt_message(rid, j, cohort_hash, digest, needed, y_hash)):
                 raise ProtocolError(f"{stage}: no receipt of {self.roster.name(j)} for this round and cohort "
                                     f"(culprit: {j})")

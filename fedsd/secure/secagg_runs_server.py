@@ -56,7 +56,11 @@ class RunServer:
     def _secret(self, r: int, dealer: int, part: str, answers: dict[int, dict]) -> bytes:
         rid, good = round_tag(self.tau, r), {}
         for holder, answer in answers.items():
-            share = answer.get(part, {}).get(dealer)
+            shares = answer.get(part) if isinstance(answer, dict) else None
+            share = shares.get(dealer) if isinstance(shares, dict) else None
+            if not isinstance(shares, dict) or not isinstance(share, (bytes, type(None))):
+                self.culprits[holder] = "sent an answer that is not a map of member to share"
+                continue
             if share is None:
                 continue
             if holder in self.holders and _commitment(rid, dealer, holder, part, share) == \

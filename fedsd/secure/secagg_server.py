@@ -73,9 +73,11 @@ class SecAggServer:
         for sender, dealt in list(shares.items()):
             holders = sorted(dealt["shares"])
             key, digest = self.keys.get(sender, {}), dealt.get("digest")
-            if not isinstance(digest, bytes) or len(digest) != 32 or not verify(
+            s_key = key.get("s", b"")
+            if not isinstance(digest, bytes) or len(digest) != 32 or not isinstance(s_key, bytes) or \
+                    len(s_key) != 32 or not verify(
                     key.get("v", b""), bytes(dealt.get("dealing") or b""),
-                    _dealing_message(self.round_id, sender, holders, self.threshold, digest, key.get("s", b""))):
+                    _dealing_message(self.round_id, sender, holders, self.threshold, digest, s_key)):
                 # without it, shares of another secret could not be laid at its door: left out
                 self.culprits[sender] = "a dealing (its holders and t) it did not sign"
                 del shares[sender]

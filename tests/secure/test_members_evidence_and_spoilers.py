@@ -90,3 +90,39 @@ def test_a_spoiler_dealing_a_consistent_sharing_of_another_secret_is_named(monke
     real = secagg_primitives.split_secret  # the round abandoned before any sum (it asserts so), the spoiler named there
     server, _, _, spoiler, _ = _spoiled_round(monkeypatch, deal=lambda s, t, h: real(os.urandom(len(s)), t, h))
     assert spoiler in server.evidence  # failed before the fix: nobody named
+
+
+def test_an_honest_dealer_cannot_be_framed_by_resplitting_its_signed_dealing():
+    """A review playing the attacker moved one byte of an honest dealer's signed seed digest into
+    its s key: the dealing signs the two side by side, so the signature still verified while the
+    honest shares 'rebuilt another secret', and every owner would have barred the dealer. Each is
+    32 bytes now."""
+    import numpy as np
+
+    from fedsd.secure import secagg, secagg_server
+    from fedsd.secure.identity import Identity, Roster
+    from fedsd.secure.secagg_primitives import verify_blame
+
+    rid, n = b"honest-round", 5
+    identities = [Identity() for _ in range(n)]
+    roster = Roster.of({f"c{k}": i.public for k, i in enumerate(identities)})
+    clients = {i.id: secagg.SecAggClient(i.id, rid, identity=i, roster=roster) for i in identities}
+    xs = {i: np.random.default_rng(1).integers(0, 2 ** 30, 64, dtype=np.uint64) for i in clients}
+    server = secagg_server.SecAggServer(rid, list(clients), 64)
+    server.collect_keys({i: c.advertise(**server.setup(i)) for i, c in clients.items()})
+    server.collect_shares({i: c.share_keys(server.keys_for(i)) for i, c in clients.items()})
+    server.collect_masked({i: c.masked_input(*server.shares_for(i).values(), xs[i]) for i, c in clients.items()})
+    signatures = server.route_confirmations({i: c.confirm(**server.unmask_request(i)) for i, c in clients.items()})
+    answers = {i: c.unmask(signatures[i]) for i, c in clients.items()}
+    server.finish(answers)
+    dealer = sorted(clients)[0]
+    good = server._good_shares(dealer, "b", answers)
+    chosen = {h: good[h] for h in sorted(good)[:server.threshold]}
+    digest, s_public = server.dealings[dealer][1], bytes(server.keys[dealer]["s"])
+    evidence = {"round_id": rid.hex(), "dealer": dealer, "part": "b", "threshold": server.threshold,
+                "holders": server.holders[dealer], "dealing": server.dealings[dealer][0].hex(),
+                "shares": {str(h): v.hex() for h, v in chosen.items()},
+                "commits": {str(h): server.commits[dealer][h].hex() for h in chosen}}
+    framed = dict(evidence, seed_digest=digest[:-1].hex(), s_public=(digest[-1:] + s_public).hex())
+    assert not verify_blame(framed, roster.key(dealer))
+    assert not verify_blame(dict(evidence, seed_digest=digest.hex(), s_public=s_public.hex()), roster.key(dealer))

@@ -430,3 +430,95 @@ def test_the_record_keeps_a_runs_counters_outside_the_folder_and_never_lowers_th
         assert c["submitted"] == 3
     with records.run_counters(state, "other|exp", {}) as c:
         assert c["submitted"] == 0
+
+
+# -- found by a review playing the server with F members against this protocol ----------------------
+def test_a_receipt_resplit_by_the_server_does_not_verify():
+    """The server moved each receipt's round digest into its y digest (digest=b"", y_hash=digest‖y):
+    with fields of any length every signature still verified and owners sent different models were
+    opened together. Each field is 32 bytes now."""
+    fed = Federation()
+    fed.set_up()
+    other = round_digest(b"settings", [np.zeros(4, dtype=np.float32)])
+    digests = {i: (DIGEST if i == fed.ids[0] else other) for i in fed.ids}
+    sent = fed.masked(1, fed.ids, fed.inputs(), digest=digests)
+    honest = {i: dict(e, digest=digests[i]) for i, e in fed.receipts(sent).items()}
+    split = {i: dict(e, digest=b"", y_hash=e["digest"] + e["y_hash"]) for i, e in honest.items()}
+    for receipts in (honest, split):
+        with pytest.raises(ProtocolError, match="different settings or models|no receipt"):
+            fed.members[fed.ids[1]].unmask(1, fed.ids, receipts)
+
+
+def test_a_run_that_f_silent_members_could_stop_is_refused_at_setup():
+    """E1 seats a member once T + f holders acknowledged its shares: with T + 2f above N, f members
+    withholding their acknowledgements kept every owner out of every round (N = 10, f = 2, T = 7)."""
+    fed = Federation(n=10, f=2, threshold=7)
+    with pytest.raises(ProtocolError, match=r"threshold 7 \+ twice 2 .* above the 10 holders"):
+        fed.set_up()
+    fed = Federation(n=13, f=2)  # T = 9: 9 + 4 ≤ 13
+    fed.set_up(deliver_to=lambda dealer: fed.ids[:-2])  # two members never acknowledge anything
+    xs = fed.inputs()
+    assert np.array_equal(fed.round(1, xs, drop=fed.ids[-2:], silent=fed.ids[-2:]), _sum(xs, fed.ids[:-2]))
+
+
+def test_a_dealer_giving_holders_two_entries_for_one_round_is_never_seated():
+    """A colluding dealer gave half the holders another signed s key for round 1 under the one root
+    they acknowledged; every owner was charged and the round's sum came out wrong, no one named. The
+    root now covers the entries: the other half's acknowledgements are of no root, and E1 refuses."""
+    from fedsd.secure.secagg_primitives import _dealing_message, _raw
+
+    fed = Federation(n=7)
+    colluder = fed.ids[-1]
+    for m in fed.members.values():
+        m.setup(fed.ids, fed.threshold)
+    channels = {i: m.channel_key(1) for i, m in fed.members.items()}
+    for dealer, m in fed.members.items():
+        for k, (holder, delivery) in enumerate(fed.server.keep_dealing(dealer, m.deal(1, channels)).items()):
+            if dealer == colluder and k % 2:
+                other = _raw(X25519PrivateKey.generate().public_key())
+                entry = dict(delivery["entries"][1], s_public=other, sig=m.identity.sign(_dealing_message(
+                    round_tag(fed.tau, 1), colluder, fed.ids, fed.threshold, delivery["entries"][1]["digest"], other)))
+                delivery = dict(delivery, entries={**delivery["entries"], 1: entry})
+            try:
+                fed.server.keep_ack(dealer, 1, holder, fed.members[holder].deliver(dealer, 1, delivery))
+            except ProtocolError as e:
+                assert "not signed by it" in str(e) and dealer == colluder
+    honest = fed.ids[0]
+    with pytest.raises(ProtocolError, match=f"holders acknowledged the shares of .*culprit: {colluder}"):
+        fed.members[honest].admit(1, fed.ids, DIGEST, fed.server.acks_for(1, fed.ids))
+    assert fed.members[honest].counters.submitted == 0
+
+
+def test_hostile_fields_are_refused_as_protocol_errors_and_a_batch_has_one_channel_key():
+    fed = Federation(n=5)
+    fed.set_up()
+    me, dealer = fed.members[fed.ids[0]], fed.ids[1]
+    channels = {i: m.channel_key(2) for i, m in fed.members.items()}
+    good = fed.server.keep_dealing(dealer, fed.members[dealer].deal(2, channels))[me.me]
+    for call in (lambda: me.deal(3, {**channels, "x": {}}),
+                 lambda: me.deliver(dealer, 2, dict(good, list_hashes={**good["list_hashes"], "x": b""})),
+                 lambda: me.deliver(dealer, 2, dict(good, entries={**good["entries"], "x": {}})),
+                 lambda: me.deliver([dealer], 2, good), lambda: me.mask([1], np.zeros(3, np.uint64)),
+                 lambda: me.channel_key("1")):
+        with pytest.raises(ProtocolError):
+            call()
+    xs = fed.inputs()
+    sent = fed.masked(1, fed.ids, xs)
+    answers = {h: fed.members[h].unmask(1, fed.ids, fed.receipts(sent)) for h in fed.ids}
+    answers[fed.ids[-1]] = {"b": []}  # a member's malformed answer: set aside and named
+    assert np.array_equal(fed.server.finish(1, {i: s["y"] for i, s in sent.items()}, [], answers), _sum(xs, fed.ids))
+    assert "not a map" in fed.server.culprits[fed.ids[-1]]
+
+
+def test_a_batchs_channel_key_is_erased_once_the_next_batch_is_delivered():
+    """The server keeps every ciphertext it routed: with batch 1's channel key kept, a holder's
+    answered rounds would decrypt again from the server's copy."""
+    fed = Federation(n=5)
+    fed.set_up()
+    h = fed.members[fed.ids[0]]
+    assert 1 in h._channel
+    channels = {i: m.channel_key(2) for i, m in fed.members.items()}
+    for dealer, m in fed.members.items():
+        for holder, delivery in fed.server.keep_dealing(dealer, m.deal(2, channels)).items():
+            fed.members[holder].deliver(dealer, 2, delivery)
+    assert 1 not in h._channel and 2 in h._channel
