@@ -45,10 +45,12 @@ QUANTILES = (0.5, 0.7)  # the rule as it is (it ended near chance at both, from 
 NORMALIZED_QUANTILES = (0.1, 0.3, 0.5, 0.7)
 STARTS = (10.0, 0.1)  # the clip's start, times the tuned S
 NORMALIZED = (False, True)  # the arms screened: the rule as it is, and with --update-clip-normalize
-# the count's noise σ_b of the normalized arm. 0: the rule's default, max(m/20, z) = z = 8.2 for this plan, which
-# leaves the update's noise 1/√(1 − (z/2σ_b)²) = 1.155× the fixed S's (the joint mechanism:
-# fedsd.secure.client_level); 33 ≈ 4z leaves it 1.008×, the count noisier (σ_b/m = 0.33 of the fraction a round).
-# The second was added after the first's test rows stayed 1.3-1.4 points below the tuned S.
+# the count's noise σ_b of the normalized arm. 0: σ_b = Z, this plan's z (the rule's default, max(m/20, z), when the
+# first arms ran), which leaves the update's noise 1/√(1 − (z/2σ_b)²) = 1.155× the fixed S's (the joint
+# mechanism: fedsd.secure.client_level); 33 ≈ 4z leaves it 1.008×, the count noisier (σ_b/m = 0.33 of the
+# fraction a round). The second was added after the first's test rows stayed 1.3-1.4 points below the tuned S;
+# the rule's default is now max(m/20, 4z) = 32.8 here.
+Z = 8.197155417873951  # the plan's z: 100 clients, every one every round, 30 rounds, client-level ε = 3
 COUNT_NOISES = (0.0, 33.0)
 LOUDER_COUNT_QUANTILES = (0.1, 0.3)  # screened at σ_b = 33: the default's best two
 CLIP_LR = 1.0
@@ -76,8 +78,8 @@ class ClientRun:
         adaptive = {} if self.quantile is None else dict(update_clip_quantile=self.quantile, update_clip_lr=CLIP_LR)
         if self.normalized:  # the step per unit of clip: the tuned S, where the step is plain FedAvg's
             adaptive.update(update_clip_normalize=True, server_lr=self.clip / self.start)
-        if self.count_noise:
-            adaptive.update(update_clip_count_noise=self.count_noise)
+        if self.quantile is not None:
+            adaptive.update(update_clip_count_noise=self.count_noise or Z)
         return (dict(SETTINGS, seed=self.seed, validation=self.validation, threads=threads),
                 dict(FEDERATION, update_clip=self.clip, **adaptive))
 
@@ -247,7 +249,7 @@ def markdown(r: dict) -> list[str]:
         clip = f"tuned S = {arm['clip']:g}, fixed" if arm["quantile"] is None else \
             f"from {arm['start_times_tuned']:g}× S ({arm['clip']:g})" + \
             (", normalized step" if arm["normalized"] else "") + \
-            (f", σ_b = {arm['count_noise']:g}" if arm.get("count_noise") else "")
+            (f", σ_b = {arm.get('count_noise') or Z:.3g}" if arm["quantile"] is not None else "")
         diff = arm.get("against_fixed")
         diff_text = (f"{diff['mean']:+.2f} ± {diff['se']:.2f}" if diff and diff["se"] is not None
                      else f"{diff['mean']:+.2f}" if diff else "–")

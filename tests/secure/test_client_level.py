@@ -116,7 +116,7 @@ def test_an_adaptive_clip_puts_each_clients_bit_inside_its_vector_within_the_pla
     not depend on its clip); the count's noise is σ_b (λ·σ_b = z·S')."""
     plan, adaptive = _adaptive()
     z, sigma_b = plan.noise_multiplier, adaptive.rule.count_noise
-    assert sigma_b == max(10 / 20, z)  # the paper's m/20, raised to z in a small federation
+    assert sigma_b == max(10 / 20, 4 * z)  # the paper's m/20, raised to 4z in a small federation
     rng = np.random.default_rng(0)
     for update_clip in (0.5, 0.05, 5.0):
         round_plan = cl.round_plan(plan, adaptive, update_clip)

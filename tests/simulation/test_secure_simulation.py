@@ -88,7 +88,7 @@ def test_client_level_adaptive_clipping_moves_the_clip_from_the_secure_sum_alone
     # Every update's norm is above 0.01: ×e^{−η(b̄ − γ)} a round with b̄ = 0 plus noise of std σ_b / 40
     # (σ_b = z, above 40/20): 5 moves up while every norm is above, 4 of the noise's std spared
     rule = result["adaptive_update_clip"]
-    assert rule["count_noise"] == pytest.approx(result["noise"]["noise_multiplier"]) and rule["clients"] == 40
+    assert rule["count_noise"] == pytest.approx(4 * result["noise"]["noise_multiplier"]) and rule["clients"] == 40
     assert clips[4] > 0.01 * math.exp(0.5 * 5 - 4 * math.sqrt(5) * rule["count_noise"] / 40), clips
     fixed, _ = simulate_secure(cfg, dataclasses.replace(fed, update_clip_quantile=0.0), progress=False)
     assert result["epsilon_spent"] == pytest.approx(fixed["epsilon_spent"], rel=1e-3)
