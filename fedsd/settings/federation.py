@@ -113,7 +113,7 @@ class FedConfig:
                                              "count of clients below S (0: clients/20, the paper's, raised to 4 "
                                              "times the run's noise multiplier z where below it); the update's "
                                              "noise is raised so that the two spend the run's ε (by 1/√(1 − "
-                                             "(z/2σ_b)²): 0.8 % at 4z, 15.5 % at z)")
+                                             "(z/2σ_b)²): 1.008× at 4z, 1.155× at z)")
     update_clip_normalize: bool = setting(False, "--update-clip-quantile: the server steps by --server-lr times each "
                                           "round's mean update over that round's clip S (post-processing), so "
                                           "that a clip that moves changes which updates are clipped, not the "
