@@ -17,8 +17,10 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 
 # The stages as Flower message types ("query.<action>") and as the data service's kinds.
 STAGES = ("identify", "advertise", "share", "masked", "confirm", "unmask")
-MESSAGE_TYPES = {stage: f"query.secagg_{stage}" for stage in STAGES}
-KINDS = {stage: f"secagg-{stage}" for stage in STAGES}
+# A multi-round run's (fedsd.secure.secagg_runs; the owner's side: fedsd/app/client/run_stages.py)
+RUN_STAGES = ("mr_setup", "mr_deal", "mr_deliver", "mr_masked", "mr_unmask", "mr_view", "mr_unmask_view")
+MESSAGE_TYPES = {stage: f"query.secagg_{stage}" for stage in STAGES + RUN_STAGES}
+KINDS = {stage: f"secagg-{stage}" for stage in STAGES + RUN_STAGES}
 KEY_FIELDS = ("c", "s", "v", "sig")  # a client's stage-0 keys: its two X25519 keys, its signing key, its signature
 RECORD = "secagg"  # the stage's own fields, beside a masked-input message's "config" and "arrays"
 SCALE = 2 ** 20  # a float update's fixed point: x → round(x · 2^20), as int64 in a uint64

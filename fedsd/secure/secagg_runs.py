@@ -404,6 +404,13 @@ class RunMember:
         self._masked = {r: (y, receipt)}
         return {"y": y.copy(), "receipt": receipt}
 
+    def sent(self, r: int) -> dict | None:
+        """The masked input and receipt this member sent for round r, as it sent them (None: none)."""
+        if r not in self._masked:
+            return None
+        y, receipt = self._masked[r]
+        return {"y": y.copy(), "receipt": receipt}
+
     def _receipts(self, r: int, members: list[int], cohort_hash: bytes, receipts: object, stage: str) -> int:
         """Every member's receipt checked (signed by it over this round, cohort and one digest);
         the largest t + f they name. This owner's own must be the one it made."""
@@ -499,9 +506,9 @@ class RunMember:
                     channel={b: k.private_bytes_raw() for b, k in self._channel.items()},
                     dealt={r: (b, s.private_bytes_raw()) for r, (b, s) in self._dealt.items()},
                     sent=self._sent, held=self._held, roots=self._roots, entries=self._entries,
-                    enough=sorted(self._held_by_enough), masked=self._masked)
+                    enough=sorted(self._held_by_enough), masked=self._masked, admitted=self._kept_admission())
         nonce = secrets.token_bytes(NONCE)
-        return nonce + AESGCM(wrap_key).encrypt(nonce, json.dumps(_encoded(kept)).encode(), _info(self.tau, "kept"))
+        return nonce + AESGCM(wrap_key).encrypt(nonce, json.dumps(encoded(kept)).encode(), _info(self.tau, "kept"))
 
     def unseal(self, blob: bytes, wrap_key: bytes) -> None:
         """What `sealed` kept, back in this member (its counters are the record's, set before).
@@ -509,7 +516,7 @@ class RunMember:
         without its owner's record): the member then starts with nothing and sits out the rounds it
         dealt, which its counters forbid it to deal again."""
         try:
-            kept = _decoded(json.loads(AESGCM(wrap_key).decrypt(blob[:NONCE], blob[NONCE:], _info(self.tau, "kept"))))
+            kept = decoded(json.loads(AESGCM(wrap_key).decrypt(blob[:NONCE], blob[NONCE:], _info(self.tau, "kept"))))
         except (InvalidTag, ValueError):
             raise ProtocolError("this run's kept state does not open under this owner's wrap key (a state folder "
                                 "copied without its record?); the owner sits out the rounds it dealt") from None
@@ -518,23 +525,35 @@ class RunMember:
         self._dealt = {r: (b, X25519PrivateKey.from_private_bytes(s)) for r, (b, s) in kept["dealt"].items()}
         self._sent, self._held, self._roots, self._entries = kept["sent"], kept["held"], kept["roots"], kept["entries"]
         self._held_by_enough, self._masked = {tuple(e) for e in kept["enough"]}, kept["masked"]
+        if kept["admitted"]:  # admitted, not yet masked: its secrets and partners' keys, for `mask`
+            r, cohort, digest, partners, (b, s) = kept["admitted"]
+            self._admitted = (r, list(cohort), digest, {j: _public(k, "s") for j, k in partners.items()},
+                              (b, X25519PrivateKey.from_private_bytes(s)))
+
+    def _kept_admission(self) -> tuple:
+        if not self._admitted:
+            return ()
+        r, cohort, digest, partners, (b, s) = self._admitted
+        return (r, cohort, digest, {j: _raw(k) for j, k in partners.items()}, (b, s.private_bytes_raw()))
 
 
-def _encoded(x):
-    """JSON for what a member keeps: bytes, int-keyed maps, tuples and uint64 arrays tagged (a
-    plain encoding, not a cipher: `sealed` encrypts it)."""
+def encoded(x):
+    """JSON for what a member keeps and for a run's nested messages on the wire (a dealing, the
+    acknowledgements, the receipts): bytes, int-keyed maps, tuples and uint64 arrays tagged (a plain
+    encoding, not a cipher: `sealed` encrypts what is kept). `decoded` reverses it; on what the
+    server sent it raises ValueError, TypeError, KeyError or RecursionError, which the service refuses."""
     if isinstance(x, (bytes, bytearray)):
         return {"b": bytes(x).hex()}
     if isinstance(x, np.ndarray):
         return {"u64": x.astype("<u8").tobytes().hex()}
     if isinstance(x, dict):
-        return {"map": [[_encoded(k), _encoded(v)] for k, v in x.items()]}
+        return {"map": [[encoded(k), encoded(v)] for k, v in x.items()]}
     if isinstance(x, (list, tuple)):
-        return {"list": [_encoded(v) for v in x]}
+        return {"list": [encoded(v) for v in x]}
     return x
 
 
-def _decoded(x):
+def decoded(x):
     if not isinstance(x, dict):
         return x
     if "b" in x:
@@ -542,5 +561,5 @@ def _decoded(x):
     if "u64" in x:
         return np.frombuffer(bytes.fromhex(x["u64"]), dtype="<u8").copy()
     if "map" in x:
-        return {_decoded(k): _decoded(v) for k, v in x["map"]}
-    return tuple(_decoded(v) for v in x["list"])
+        return {decoded(k): decoded(v) for k, v in x["map"]}
+    return tuple(decoded(v) for v in x["list"])

@@ -85,5 +85,5 @@ def _secagg_stage(stage: str):
     return handler
 
 
-for _stage in secure_sum.STAGES:  # message type query.secagg_<stage>
+for _stage in secure_sum.STAGES + secure_sum.RUN_STAGES:  # message type query.secagg_<stage>
     app.query(f"secagg_{_stage}")(_secagg_stage(_stage))

@@ -323,9 +323,10 @@ class DataService:
 
         self.handlers = dict(handler.HANDLERS)
         if self.node is not None:
-            from fedsd.app.client import secure_stages
+            from fedsd.app.client import run_stages, secure_stages
 
             self.handlers.update(secure_stages.HANDLERS)
+            self.handlers.update(run_stages.HANDLERS)
         if self.node is not None:
             from fedsd import __version__
 
