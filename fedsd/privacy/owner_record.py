@@ -256,7 +256,7 @@ class Records:
             counters = highest(found, kept.get(run, {}))
             yield counters
             raised = highest(counters, kept.get(run, {}))
-            if raised != kept.get(run):
+            if raised != highest(kept.get(run, {})):  # nothing written for a run that raised nothing
                 self.folder.write_json(name, dict(format=FORMAT, runs={**kept, run: raised}, updated=_now()))
 
 

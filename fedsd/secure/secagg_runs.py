@@ -161,12 +161,17 @@ class RunMember:
 
     def channel_key(self, batch: int) -> dict:
         """My channel key for `batch`, signed (one key a batch, made once)."""
-        if not _number(batch):
-            raise ProtocolError("channel key: the batch is a positive integer")
+        if not _number(batch) or batch > self._next_batch():
+            raise ProtocolError(f"channel key: the batch is a positive integer, at most {self._next_batch()} (the "
+                                f"rounds' secrets are dealt one batch ahead, never more)")
         if batch not in self._channel:
             self._channel[batch] = X25519PrivateKey.generate()
         key = _raw(self._channel[batch].public_key())
         return {"key": key, "sig": self.identity.sign(channel_message(self.tau, self.me, batch, key))}
+
+    def _next_batch(self) -> int:
+        """The furthest batch this member deals or keys for: the one after the latest round it saw."""
+        return batch_of(max(self.counters.seen, 1), self.batch) + 1
 
     def _channel_public(self, member: int, batch: int, announced: object):
         entry = announced if isinstance(announced, dict) else {}

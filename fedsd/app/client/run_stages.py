@@ -31,11 +31,13 @@ from fedsd.app import secure_sum
 from fedsd.app.secure_sum import BadMessage, read_map, write_map
 
 from fedsd.app.client.secure_contribution import contribution, distributed_contribution
-from fedsd.app.client.secure_owner import Owner, _refused, keep_input, kept_input_path
+from fedsd.app.client.secure_owner import Owner, _refused, keep_input
 from fedsd.app.client.secure_stages import _stage_fields
 
 log = logging.getLogger("fedsd.secure_aggregation")
-MAX_ENCODED = 64 << 20  # a JSON-encoded field from the server: at most this many bytes
+# A JSON-encoded field from the server: at most this many bytes. The largest the protocol sends is a
+# holder's deliveries, 128 dealers' batches (about 3 MB as JSON); decoding costs about 25 times its size.
+MAX_ENCODED = 8 << 20
 
 
 def _fields(content: RecordDict, context: Context) -> tuple[tuple, ConfigRecord, Owner]:
@@ -81,8 +83,9 @@ def member_of(owner: Owner, key: tuple):
                     log.warning("secure aggregation: %s", e)
             yield member
             found.update(_found(member.counters))
-        state.write_atomic(name + ".sealed", member.sealed(wrap))
-        state.write_json(name + ".json", {"counters": _found(member.counters)})
+        if member.holders or blob is not None:  # a run never set up leaves nothing behind
+            state.write_atomic(name + ".sealed", member.sealed(wrap))
+            state.write_json(name + ".json", {"counters": _found(member.counters)})
 
 
 def _encoded_field(record: ConfigRecord, name: str):
@@ -149,7 +152,8 @@ def deliver_reply(content: RecordDict, context: Context) -> RecordDict:
                 acks[dealer] = member.deliver(dealer, record.get("batch"), dealing)
             except ProtocolError as e:
                 log.warning("secure aggregation: %s", e)
-                refused.append(dealer if isinstance(dealer, int) else -1)
+                refused.append(dealer if isinstance(dealer, int) and not isinstance(dealer, bool)
+                               and 0 <= dealer <= secure_sum.MAX_ID else -1)
     out = ConfigRecord({"refused": refused})
     write_map(out, "acks", acks)
     return RecordDict({secure_sum.RECORD: out})
@@ -176,6 +180,9 @@ def masked_reply(content: RecordDict, context: Context) -> RecordDict:
     with member_of(owner, key) as member:  # the record says `submitted` before anything is charged
         sent = member.sent(key[3])  # a lost reply: sent again as it was, nothing trained or charged
         if sent is None:
+            # one input a round, whichever protocol asks: the per-round stages' record of the rounds
+            # joined is raised here too (a review released a round both ways)
+            owner.join(key)
             member.admit(key[3], cohort, digest, acks)
     if sent is not None:
         return RecordDict({secure_sum.RECORD: ArrayRecord({"masked": Array(sent["y"])}),
@@ -185,7 +192,7 @@ def masked_reply(content: RecordDict, context: Context) -> RecordDict:
     vector, metrics = (distributed_contribution if distributed else contribution)(content, context, owner)
     with member_of(owner, key) as member:
         sent = member.mask(key[3], np.asarray(vector, dtype=np.uint64))
-    if owner.node.secagg_keep_inputs and not kept_input_path(owner, key).exists():
+    if owner.node.secagg_keep_inputs:
         keep_input(owner, key, vector)
     log.info("secure aggregation: round %d's masked input (%d values) sent", key[3], len(vector))
     return RecordDict({secure_sum.RECORD: ArrayRecord({"masked": Array(sent["y"])}),

@@ -124,3 +124,34 @@ def test_a_run_kind_without_a_roster_or_from_a_copied_folder_is_refused_before_a
         service.setup_reply(_message(1, holders=holders, threshold=2, batch=1), contexts[IDS[1]])
     with pytest.raises(StageRefused, match="dealings: not the protocol's encoding|one bytes field"):
         service.deliver_reply(_message(1, batch=1, dealings=b"[" * 100_000), contexts[IDS[2]])
+
+
+# -- found by a review playing the server against the services' kinds --------------------------------
+def test_one_input_a_round_whichever_protocol_asks(run_owners):
+    """A round joined through the per-round stages was answered again by the multi-round masked kind:
+    trained, charged and released twice. The masked kind raises the same record of rounds joined."""
+    from fedsd.app.client.secure_stages import _stage_fields
+
+    contexts, flat, arrays, tmp_path, ids = run_owners
+    server, holders = _set_up(contexts, ids)
+    key, _, owner = _stage_fields(_message(1), contexts[IDS[0]])
+    owner.join(key)  # what the per-round advertise of round 1 did
+    with pytest.raises(StageRefused, match="advertised to this owner already"):
+        _masked(contexts, flat, arrays, server, holders, 1, IDS[0])
+    assert not list((tmp_path / "state-0").glob("secagg/*.npy"))
+
+
+def test_hostile_sizes_ids_and_batches_are_refused_and_a_run_never_set_up_leaves_nothing(run_owners):
+    contexts, flat, arrays, tmp_path, ids = run_owners
+    before = sorted(p.name for p in (tmp_path / "state-2").iterdir())
+    with pytest.raises(StageRefused, match="dealings: one bytes field"):
+        service.deliver_reply(_message(1, batch=1, dealings=b" " * (service.MAX_ENCODED + 1)), contexts[IDS[2]])
+    service.deliver_reply(_message(1, batch=1, dealings=_wire({})), contexts[IDS[2]])  # a run never set up
+    made = {p.name for p in (tmp_path / "state-2").iterdir()} - set(before)
+    assert all(n.endswith(".lock") or n == "state-id" for n in made), made  # no run state, no counters
+    assert not list((tmp_path / "records-2").glob("runs-*.json"))
+    server, holders = _set_up(contexts, ids)
+    reply = service.deliver_reply(_message(1, batch=1, dealings=_wire({10 ** 29: {}, True: {}})), contexts[IDS[2]])
+    assert list(reply["secagg"]["refused"]) == [-1, -1]
+    with pytest.raises(StageRefused, match="at most 2"):  # secrets dealt one batch ahead, never more
+        service.setup_reply(_message(1, holders=holders, threshold=server.threshold, batch=5), contexts[IDS[0]])
