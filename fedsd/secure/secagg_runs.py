@@ -367,6 +367,17 @@ class RunMember:
         self._admitted = (r, cohort, digest, partners, self._dealt.pop(r))
         for old in [k for k in self._dealt if k < r]:  # rounds sat out: their secrets are never used
             del self._dealt[old]
+        self._prune(batch_of(r, self.batch))
+
+    def _prune(self, batch: int) -> None:
+        """What this member kept of batches before `batch` (dealt, delivered, acknowledged), gone:
+        its rounds are behind, and a late message about them is refused by the counters and the
+        erased channel key."""
+        self._sent = {b: v for b, v in self._sent.items() if b >= batch}
+        self._roots = {k: v for k, v in self._roots.items() if k[1] >= batch}
+        self._held_by_enough = {k for k in self._held_by_enough if k[1] >= batch}
+        first = rounds_of(batch, self.batch)[0]
+        self._entries = {k: v for k, v in self._entries.items() if k[1] >= first}
 
     def _acknowledged(self, j: int, r: int, acks: object) -> None:
         who, batch = f"{self.roster.name(j)} (culprit: {j})", batch_of(r, self.batch)

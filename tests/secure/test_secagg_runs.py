@@ -522,3 +522,20 @@ def test_a_batchs_channel_key_is_erased_once_the_next_batch_is_delivered():
         for holder, delivery in fed.server.keep_dealing(dealer, m.deal(2, channels)).items():
             fed.members[holder].deliver(dealer, 2, delivery)
     assert 1 not in h._channel and 2 in h._channel
+
+
+def test_what_a_member_keeps_of_a_batch_is_gone_once_the_next_batch_plays():
+    """A member's kept state does not grow with the run: a batch's dealing, roots, entries and
+    acknowledgements go once a round of the next batch is admitted."""
+    fed = Federation(n=5)
+    fed.set_up()
+    for r in range(1, BATCH + 2):
+        if r == BATCH + 1:
+            channels = {i: m.channel_key(2) for i, m in fed.members.items()}
+            for dealer, m in fed.members.items():
+                for holder, delivery in fed.server.keep_dealing(dealer, m.deal(2, channels)).items():
+                    fed.server.keep_ack(dealer, 2, holder, fed.members[holder].deliver(dealer, 2, delivery))
+        xs = fed.inputs()
+        assert np.array_equal(fed.round(r, xs), _sum(xs, fed.ids))
+    m = fed.members[fed.ids[0]]
+    assert set(m._sent) == {2} and {b for _, b in m._roots} == {2} and min(r for _, r in m._entries) == BATCH + 1
