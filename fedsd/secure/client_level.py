@@ -29,13 +29,12 @@ import numpy as np
 import torch
 
 from fedsd.clipping.adaptive import COUNT_NOISE_PER_RECORD, QuantileClip
-
-COUNT_NOISE_PER_Z = 4.0  # the least default σ_b, in units of the plan's z
 from fedsd.secure import distributed_noise as noise
 from fedsd.data.datasets import TensorData
 from fedsd.secure.distributed_step import trainable
 from fedsd.methods import Weights
 
+COUNT_NOISE_PER_Z = 4.0  # the least default σ_b, in units of the plan's z
 
 def local_update(net: torch.nn.Module, shard: TensorData, start: Weights, epochs: int, batch_size: int, lr: float,
                  momentum: float, generator: torch.Generator, steps: int = 0) -> tuple[np.ndarray, float]:

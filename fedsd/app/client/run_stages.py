@@ -185,9 +185,7 @@ def masked_reply(content: RecordDict, context: Context) -> RecordDict:
             owner.join(key)
             member.admit(key[3], cohort, digest, acks)
     if sent is not None:
-        return RecordDict({secure_sum.RECORD: ArrayRecord({"masked": Array(sent["y"])}),
-                           "receipt": ConfigRecord({"sig": sent["receipt"], "digest": digest,
-                                                    "needed": member.needed})})
+        return _masked_out(sent, digest, member.needed)
     distributed = content["config"].get("noise") == "distributed"
     vector, metrics = (distributed_contribution if distributed else contribution)(content, context, owner)
     with member_of(owner, key) as member:
@@ -195,9 +193,16 @@ def masked_reply(content: RecordDict, context: Context) -> RecordDict:
     if owner.node.secagg_keep_inputs:
         keep_input(owner, key, vector)
     log.info("secure aggregation: round %d's masked input (%d values) sent", key[3], len(vector))
-    return RecordDict({secure_sum.RECORD: ArrayRecord({"masked": Array(sent["y"])}),
-                       "receipt": ConfigRecord({"sig": sent["receipt"], "digest": digest, "needed": member.needed}),
-                       "metrics": metrics})
+    return _masked_out(sent, digest, member.needed, metrics)
+
+
+def _masked_out(sent: dict, digest: bytes, needed: int, metrics=None) -> RecordDict:
+    """E1's reply: y, and the receipt with what it signed beside y's digest (metrics: none for a resend)."""
+    reply = RecordDict({secure_sum.RECORD: ArrayRecord({"masked": Array(sent["y"])}),
+                        "receipt": ConfigRecord({"sig": sent["receipt"], "digest": digest, "needed": needed})})
+    if metrics is not None:
+        reply["metrics"] = metrics
+    return reply
 
 
 @_answered
