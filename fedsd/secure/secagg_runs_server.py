@@ -103,7 +103,8 @@ class RunServer:
 class InProcessRun:
     """A multi-round run with every owner's side and the server's in one process, as a simulation
     runs them: set up once, each batch dealt and delivered when its first round comes (a deployment
-    sends a top-up with an earlier round's E1), then each round is E1 and E2. `identities`: client →
+    sends a top-up with an earlier round's E1), then each round is E1 and E2. Its rounds count from
+    the first it is asked for (a simulation resumed at round r sets up a run of its own there). `identities`: client →
     fedsd.secure.identity.Identity, on one roster; t (`min_cohort`) and f as every owner's."""
 
     def __init__(self, identities: dict, roster, min_cohort: int = 2, max_colluders: int = 0, batch: int = BATCH):
@@ -117,6 +118,7 @@ class InProcessRun:
         for m in self.members.values():
             m.setup(self.ids, self.threshold)
         self.dealt: set[int] = set()
+        self.before = None  # the simulation's rounds before this run's first
 
     def _deal(self, batch: int) -> int:
         """Batch `batch` dealt by every member and delivered to every holder; its bytes."""
@@ -135,6 +137,8 @@ class InProcessRun:
         as a service would) masked, the sum unmasked; the sum and the round's cost, as
         fedsd.secure.distributed_step.secure_round reports it."""
         started, computing = time.perf_counter(), 0.0
+        self.before = r - 1 if self.before is None else self.before
+        r -= self.before
         batch = batch_of(r, self.server.batch)
         dealt = 0 if batch in self.dealt else self._deal(batch)
         acks, sent, receipts = self.server.acks_for(r, self.ids), {}, {}

@@ -38,6 +38,10 @@ class Federation:
     def set_up(self, batch: int = 1, deliver_to=None) -> None:
         for m in self.members.values():
             m.setup(self.ids, self.threshold)
+        self.deal(batch, deliver_to)
+
+    def deal(self, batch: int, deliver_to=None) -> None:
+        """Every member deals `batch`; each holder (of `deliver_to(dealer)`, else all) checks and acknowledges."""
         channels = {i: m.channel_key(batch) for i, m in self.members.items()}
         for dealer, m in self.members.items():
             for holder, delivery in self.server.keep_dealing(dealer, m.deal(batch, channels)).items():
@@ -346,6 +350,18 @@ def test_a_holder_signs_one_view_a_round_and_answers_no_round_behind():
         h.unmask_view(1, {})
 
 
+def _sits_out(fed: Federation, stranger: RunMember) -> None:
+    """A member with its record's counters but none of its secrets: it masks nothing in round 1 and
+    cannot be made to deal batch 1 again."""
+    stranger.setup(fed.ids, fed.threshold)
+    with pytest.raises(ProtocolError, match="holds no secrets for round 1"):
+        stranger.admit(1, fed.ids, DIGEST, fed.server.acks_for(1, fed.ids))
+    channels = {i: fed.members[i].channel_key(1) for i in fed.ids}
+    channels[stranger.me] = stranger.channel_key(1)
+    with pytest.raises(ProtocolError, match="dealt already"):
+        stranger.deal(1, channels)
+
+
 def test_a_restarted_owner_without_its_secrets_sits_rounds_out_and_never_deals_twice():
     """§7 test 9 in memory: the record (counters) survives, the secrets do not: the owner sits the
     batch out, cannot be made to deal it again, and masks nothing twice."""
@@ -353,13 +369,7 @@ def test_a_restarted_owner_without_its_secrets_sits_rounds_out_and_never_deals_t
     fed.set_up()
     m = fed.members[fed.ids[0]]
     restarted = RunMember(m.identity, fed.roster, fed.tau, counters=m.counters)
-    restarted.setup(fed.ids, fed.threshold)
-    with pytest.raises(ProtocolError, match="holds no secrets for round 1"):
-        restarted.admit(1, fed.ids, DIGEST, fed.server.acks_for(1, fed.ids))
-    channels = {i: fed.members[i].channel_key(1) for i in fed.ids}
-    channels[m.me] = restarted.channel_key(1)
-    with pytest.raises(ProtocolError, match="dealt already"):
-        restarted.deal(1, channels)
+    _sits_out(fed, restarted)
     assert m.counters.dealt == BATCH
 
 
@@ -401,13 +411,7 @@ def test_a_folder_copied_without_its_record_holds_no_usable_secret():
     clone = RunMember(m.identity, fed.roster, fed.tau, counters=Counters(dealt=m.counters.dealt))
     with pytest.raises(ProtocolError, match="does not open under this owner's wrap key"):
         clone.unseal(blob, bytes(32))
-    clone.setup(fed.ids, fed.threshold)
-    with pytest.raises(ProtocolError, match="holds no secrets for round 1"):
-        clone.admit(1, fed.ids, DIGEST, fed.server.acks_for(1, fed.ids))
-    channels = {i: fed.members[i].channel_key(1) for i in fed.ids}
-    channels[m.me] = clone.channel_key(1)
-    with pytest.raises(ProtocolError, match="dealt already"):
-        clone.deal(1, channels)
+    _sits_out(fed, clone)
 
 
 def test_the_record_keeps_a_runs_counters_outside_the_folder_and_never_lowers_them(tmp_path):
@@ -517,10 +521,7 @@ def test_a_batchs_channel_key_is_erased_once_the_next_batch_is_delivered():
     fed.set_up()
     h = fed.members[fed.ids[0]]
     assert 1 in h._channel
-    channels = {i: m.channel_key(2) for i, m in fed.members.items()}
-    for dealer, m in fed.members.items():
-        for holder, delivery in fed.server.keep_dealing(dealer, m.deal(2, channels)).items():
-            fed.members[holder].deliver(dealer, 2, delivery)
+    fed.deal(2)
     assert 1 not in h._channel and 2 in h._channel
 
 
@@ -531,11 +532,21 @@ def test_what_a_member_keeps_of_a_batch_is_gone_once_the_next_batch_plays():
     fed.set_up()
     for r in range(1, BATCH + 2):
         if r == BATCH + 1:
-            channels = {i: m.channel_key(2) for i, m in fed.members.items()}
-            for dealer, m in fed.members.items():
-                for holder, delivery in fed.server.keep_dealing(dealer, m.deal(2, channels)).items():
-                    fed.server.keep_ack(dealer, 2, holder, fed.members[holder].deliver(dealer, 2, delivery))
+            fed.deal(2)
         xs = fed.inputs()
         assert np.array_equal(fed.round(r, xs), _sum(xs, fed.ids))
     m = fed.members[fed.ids[0]]
     assert set(m._sent) == {2} and {b for _, b in m._roots} == {2} and min(r for _, r in m._entries) == BATCH + 1
+
+
+def test_an_in_process_run_started_mid_simulation_counts_its_rounds_from_there():
+    """A simulation resumed at round 20 sets up its run there: its secrets are dealt one batch ahead of
+    its own first round, not refused as 20 rounds ahead."""
+    from fedsd.secure.distributed_step import run_roster
+    from fedsd.secure.secagg_runs_server import InProcessRun
+
+    run = InProcessRun(*run_roster(range(3)), min_cohort=3)
+    xs = {k: np.full(D, k + 1, dtype=np.uint64) for k in range(3)}
+    for r in (20, 21):
+        total, _ = run.round(r, {k: (lambda v=v: v) for k, v in xs.items()}, D)
+        assert np.array_equal(total, np.full(D, 6, dtype=np.uint64))
