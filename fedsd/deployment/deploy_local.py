@@ -179,13 +179,17 @@ def secure_owners(args: argparse.Namespace, values: dict, echo=print) -> bool:
 
 def _distributed_defaults(args: argparse.Namespace, values: dict, fed: FedConfig, echo) -> None:
     """What --noise distributed needs of the data the harness hands out, where the options leave
-    it unset, each said: at record level the sample rate (batch-size over every owner's
+    it unset, each said: the multi-round protocol; at record level the sample rate (batch-size over every owner's
     records); at client level the method (dpsgd, the one it runs) and the local steps (an epoch
     of the largest owner's records). Unsaid, as ever on this harness: t is every owner (honest-clients,
     to which `with_roster` sets each owner's secagg-min-clients), where a federation run by hand takes
     the owners' default, 2 (fedsd.settings.federation.deployed_honest_clients)."""
     if not fed.honest_clients:
         values["honest-clients"] = fed.num_clients
+    if "secure-sum" not in values:
+        values["secure-sum"] = "multi-round"
+        echo("deploy-local: secure-sum=multi-round: the owners set secure aggregation up once a run, then two "
+             "exchanges a round (--run-config secure-sum=protocol runs the whole protocol every round)")
     folders = [Path(args.client_folders) / f"client-{k}" for k in range(fed.num_clients)]
     if fed.privacy_unit == "client":
         if "method" not in values:

@@ -41,7 +41,8 @@ CLIENT_RECIPE = {"dataset": "fmnist", "method": "dpsgd", "epsilon": 3.0, "batch-
 CLIENT_LIFETIME = 10.0  # each owner's max-epsilon there: each record's ε is the run's at z_e / 2 (above 3)
 
 
-def run_config(rounds: int, seed: int, clients: int, roster: Path, out: Path, unit: str = "record") -> dict:
+def run_config(rounds: int, seed: int, clients: int, roster: Path, out: Path, unit: str = "record",
+               secure_sum: str = "multi-round") -> dict:
     """The features recipe of results/table-distributed.md as a deployment's run config; with
     unit client, README's whole-client recipe (every owner every round, q = 1)."""
     if unit == "client":
@@ -51,7 +52,7 @@ def run_config(rounds: int, seed: int, clients: int, roster: Path, out: Path, un
         recipe["sample-rate"] = FEATURES_RECIPE["batch_size"] / RECORDS
     return {**recipe, "seed": seed, "num-clients": clients, "num-server-rounds": rounds, "client-data": "own",
             "secure-aggregation": True, "noise": "distributed", "honest-clients": clients,
-            "secagg-roster": str(roster), "out-dir": str(out)}
+            "secagg-roster": str(roster), "out-dir": str(out), "secure-sum": secure_sum}
 
 
 def split(data: Path, clients: int, partition: str, alpha: float, seed: int) -> None:
@@ -93,12 +94,15 @@ def out_refusal(out: Path, work: Path) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--partition", choices=["iid", "dirichlet"], default="iid")
     p.add_argument("--dirichlet-alpha", type=float, default=0.1)
     p.add_argument("--privacy-unit", choices=["record", "client"], default="record",
                    help="client: README's whole-client recipe (each owner clips its update), else the features one")
+    p.add_argument("--secure-sum", choices=["multi-round", "protocol"], default="multi-round",
+                   help="multi-round: the protocol set up once a run, two exchanges a round; protocol: the whole "
+                        "protocol every round (six exchanges)")
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--rounds", type=int, default=FEATURES_ROUNDS)
     p.add_argument("--seed", type=int, default=0)
@@ -106,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="the run's result folder (its checkpoint: resumed from)")
     p.add_argument("--timeout", type=float, default=48 * 3600)
     add_node_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     nodes = node_start(p, args)
     work, out = Path(args.work).absolute(), Path(args.out).absolute()
@@ -128,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             deployment.write_roster()
             deployment.start()
             ready = time.perf_counter() - started
-            config = run_config(args.rounds, args.seed, args.clients, roster, out, args.privacy_unit)
+            config = run_config(args.rounds, args.seed, args.clients, roster, out, args.privacy_unit, args.secure_sum)
             resumed = checkpoint.path_in(out).is_file() and not (out / "result.json").is_file()
             deployment.run({"resume-dir": str(out)} if resumed else config, timeout=args.timeout,
                            echo=echo_to(work / "rounds.jsonl"))

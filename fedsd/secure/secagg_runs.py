@@ -55,9 +55,8 @@ from fedsd.secure.secagg_primitives import (NONCE, SELF_SEED_BYTES, SHARE_BYTES,
                                             _commitment, _dealing_message, _derive, _ids, _info, _public, _raw,
                                             _view_message, batch_message, batch_root, channel_message,
                                             check_threshold, cohort_digest, commit_list_hash, entries_digest,
-                                            expand_mask,
-                                            held_message, pairwise_sign, receipt_message, round_tag, seed_digest,
-                                            self_mask_key, split_secret)
+                                            expand_mask, held_message, pairwise_sign, receipt_message, round_tag,
+                                            seed_digest, self_mask_key, split_secret)
 
 BATCH = 8  # rounds dealt at once: a leaked folder with its key exposes at most these (design, section 13)
 COMMIT = 64  # a round's two commitments (b, s) in a holder's list
@@ -136,13 +135,17 @@ class RunMember:
         return self.roster.key(member)
 
     # -- set up once a run ------------------------------------------------------------------
-    def setup(self, holders: object, threshold: object) -> None:
+    def setup(self, holders: object, threshold: object, start: object = 1) -> None:
         """The run's holders (every member, this owner among them, all on its roster) and threshold,
-        checked as a round's are (`check_threshold`); set once."""
+        checked as a round's are (`check_threshold`); set once. `start`: the round the server is at
+        (a run resumed from a checkpoint starts past its first batch): no earlier round is answered."""
         holders = _ids(holders, "holders")
+        if not _number(start) or start > 1 << 31:
+            raise ProtocolError("setup: the round is a positive integer, at most 2^31")
         if self.holders:
             if (holders, threshold) != (self.holders, self.threshold):
                 raise ProtocolError("setup: this run's holders and threshold are set; another pair was sent")
+            self._started(start)
             return
         if self.me not in holders:
             raise ProtocolError("setup: this owner is not among the run's holders")
@@ -158,6 +161,17 @@ class RunMember:
                                 f"the {len(holders)} holders: that many withholding their acknowledgements would "
                                 f"keep every owner out of every round (this run needs more than 6f owners)")
         self.holders, self.threshold = holders, threshold
+        self._started(start)
+
+    def _started(self, start: object) -> None:
+        """`seen` raised to the server's round; what only rounds before it could use, erased (a review
+        piled up dealt batches by raising it without a round)."""
+        if start > self.counters.seen:
+            self.counters.seen, first = start, batch_of(start, self.batch)
+            self._dealt = {r: v for r, v in self._dealt.items() if r >= start}
+            self._held = {k: v for k, v in self._held.items() if k[1] >= start}
+            self._channel = {b: k for b, k in self._channel.items() if b >= first}
+            self._prune(first)
 
     def channel_key(self, batch: int) -> dict:
         """My channel key for `batch`, signed (one key a batch, made once)."""
@@ -189,8 +203,10 @@ class RunMember:
 
     # -- dealing a batch -----------------------------------------------------------------------
     def deal(self, batch: object, channels: object) -> dict:
-        """Batch `batch`'s rounds dealt: `channels` holds every holder's signed channel key for it.
-        A batch is dealt once; asked again, the same reply."""
+        """Batch `batch`'s rounds dealt to the holders in `channels` (each one's signed channel key for
+        it): this owner and at least T + f of the run's holders, so that a holder gone for good does not
+        stop the run; one left out holds no share of the batch, as if it dropped. A batch is dealt
+        once; asked again, the same reply."""
         if not self.holders:
             raise ProtocolError("deal: the run is not set up")
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
@@ -201,50 +217,53 @@ class RunMember:
         if rounds[0] <= self.counters.dealt:
             raise ProtocolError(f"deal: batch {batch} was dealt already (its secrets are gone: this owner sits "
                                 f"those rounds out)")
-        if not _by_number(channels) or sorted(channels) != self.holders:
-            raise ProtocolError("deal: a signed channel key of every holder was expected")
-        publics = {h: self._channel_public(h, batch, channels[h]) for h in self.holders}
+        if not _by_number(channels) or not set(channels) <= set(self.holders) or self.me not in channels or \
+                len(channels) < self.threshold + self.max_colluders:
+            raise ProtocolError(f"deal: signed channel keys of this owner and at least {self.threshold} + "
+                                f"{self.max_colluders} of the run's holders were expected")
+        to = sorted(channels)
+        publics = {h: self._channel_public(h, batch, channels[h]) for h in to}
         raws = [_raw(k) for k in publics.values()]
         if len(set(raws)) != len(raws):
             raise ProtocolError("deal: two holders gave the same channel key")
         mine = self.channel_key(batch)
-        if raws[self.holders.index(self.me)] != mine["key"]:
+        if raws[to.index(self.me)] != mine["key"]:
             raise ProtocolError("deal: this owner's own channel key came back changed")
-        links = {h: self._link(h, batch, publics[h]) for h in self.holders}
-        self.counters.dealt = rounds[-1]
+        links = {h: self._link(h, batch, publics[h]) for h in to}
         sent = self._dealt_batch(batch, rounds, links)
+        self.counters.dealt = rounds[-1]
         sent["channel"] = mine
         self._sent[batch] = sent
         return sent
 
     def _dealt_batch(self, batch: int, rounds: range, links: dict) -> dict:
-        plain = {h: [] for h in self.holders}
-        commits = {h: [] for h in self.holders}
+        plain = {h: [] for h in links}
+        commits = {h: [] for h in links}
         entries = {}
         for r in rounds:
             rid, b, s = round_tag(self.tau, r), secrets.token_bytes(SELF_SEED_BYTES), X25519PrivateKey.generate()
             self._dealt[r] = (b, s)
             b_shares = split_secret(b, self.threshold, self.holders)
             s_shares = split_secret(s.private_bytes_raw(), self.threshold, self.holders)
-            for h in self.holders:
+            for h in links:
                 plain[h].append(b_shares[h] + s_shares[h])
                 commits[h].append(_commitment(rid, self.me, h, "b", b_shares[h]) +
                                   _commitment(rid, self.me, h, "s", s_shares[h]))
             digest, public = seed_digest(rid, self.me, b), _raw(s.public_key())
             entries[r] = {"digest": digest, "s_public": public, "sig": self.identity.sign(
                 _dealing_message(rid, self.me, self.holders, self.threshold, digest, public))}
-        lists = {h: b"".join(commits[h]) for h in self.holders}
-        hashes = [commit_list_hash(self.tau, self.me, h, batch, lists[h]) for h in self.holders]
+        lists = {h: b"".join(commits[h]) for h in links}
+        hashes = [commit_list_hash(self.tau, self.me, h, batch, lists[h]) for h in links]
         root = batch_root(self.tau, self.me, batch, hashes, entries_digest(
             self.tau, self.me, [(r, e["digest"], e["s_public"]) for r, e in entries.items()]))
         to = {}
-        for h in self.holders:
+        for h in links:
             nonce = secrets.token_bytes(NONCE)
             to[h] = {"ciphertext": nonce + AESGCM(links[h]).encrypt(nonce, b"".join(plain[h]),
                                                                     _info(self.tau, "batch", batch, self.me, h)),
                      "commits": lists[h]}
         return {"batch": batch, "root": root, "sig": self.identity.sign(batch_message(self.tau, self.me, batch, root)),
-                "list_hashes": dict(zip(self.holders, hashes)), "to": to, "entries": entries}
+                "list_hashes": dict(zip(links, hashes)), "to": to, "entries": entries}
 
     def deliver(self, dealer: object, batch: object, dealing: object) -> bytes:
         """A dealer's batch as this holder receives it (the dealer's reply, with `to` narrowed to
@@ -257,9 +276,9 @@ class RunMember:
         who = f"{self.roster.name(dealer)} (culprit: {dealer})"
         root, hashes = dealing.get("root"), dealing.get("list_hashes")
         entries = self._checked_entries(dealer, batch, dealing.get("entries"), who)
-        if not _by_number(hashes) or sorted(hashes) != self.holders or not all(
+        if not _by_number(hashes) or not set(hashes) <= set(self.holders) or self.me not in hashes or not all(
                 isinstance(v, bytes) and len(v) == 32 for v in hashes.values()) or not isinstance(root, bytes) \
-                or batch_root(self.tau, dealer, batch, [hashes[h] for h in self.holders], entries_digest(
+                or batch_root(self.tau, dealer, batch, [hashes[h] for h in sorted(hashes)], entries_digest(
                     self.tau, dealer, [(r, d, p) for r, (d, p) in entries.items()])) != root \
                 or not verify(self._key(dealer), dealing.get("sig"), batch_message(self.tau, dealer, batch, root)):
             raise ProtocolError(f"deliver: the batch of {who} is not signed by it for this run and batch")

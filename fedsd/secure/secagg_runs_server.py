@@ -32,10 +32,11 @@ class RunServer:
         self.culprits: dict[int, str] = {}
 
     def keep_dealing(self, dealer: int, dealing: dict) -> dict[int, dict]:
-        """A dealer's batch kept; what each holder is sent of it."""
+        """A dealer's batch kept; what each holder it dealt to is sent of it."""
         batch = dealing["batch"]
         self.dealings[(dealer, batch)] = dealing
-        return {h: {**{k: v for k, v in dealing.items() if k != "to"}, "to": dealing["to"][h]} for h in self.holders}
+        return {h: {**{k: v for k, v in dealing.items() if k != "to"}, "to": dealing["to"][h]} for h in self.holders
+                if h in dealing["to"]}
 
     def keep_ack(self, dealer: int, batch: int, holder: int, signature: bytes) -> None:
         self.acks.setdefault((dealer, batch), {})[holder] = signature
@@ -50,6 +51,8 @@ class RunServer:
     def _commit(self, dealer: int, holder: int, r: int, part: str) -> bytes:
         dealing = self.dealings[(dealer, batch_of(r, self.batch))]
         k = list(rounds_of(batch_of(r, self.batch), self.batch)).index(r)
+        if holder not in dealing["to"]:  # dealt to the holders there at its dealing: this one held nothing
+            return b""
         line = dealing["to"][holder]["commits"][k * COMMIT:(k + 1) * COMMIT]
         return line[:32] if part == "b" else line[32:]
 

@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 
 from fedsd.errors import ConfigError
 
+# An owner's default secagg-min-clients (its data service's node config): the fewest honest clients it
+# assumes in a round, and the largest t of a server's plan it takes (fedsd.settings.federation uses it too).
+OWNER_MIN_CLIENTS = 2
+
 # In the flat form (TOML and Flower's records have no None): -1 / "" mean "not set", i.e. the
 # paper's value for the data set. Never 0, since α = 0 is a real ablation.
 _UNSET = {int: -1, float: -1.0, str: ""}

@@ -20,11 +20,10 @@ NOISE = ("local", "distributed")
 PRIVACY_UNITS = ("record", "client")
 SECURE_SUMS = ("protocol", "multi-round", "plain")
 TEACHER_MODES = ("round-start", "local-previous", "global-ema")
-# An owner's default secagg-min-clients (its data service's node config): the fewest honest clients
-# it assumes in a round, and the largest t of a server's plan it takes. A deployment's t where
-# honest-clients is 0 (`deployed_honest_clients`), so that owners and server left at their
-# defaults agree.
-OWNER_MIN_CLIENTS = 2
+# An owner's default secagg-min-clients, declared beside the settings' machinery (the node config
+# imports it there without this module's, and with it torch's, import cost): a deployment's t where
+# honest-clients is 0 (`deployed_honest_clients`), so that owners and server left at their defaults agree.
+from fedsd.settings.declared import OWNER_MIN_CLIENTS  # noqa: E402
 
 
 @dataclass
@@ -98,10 +97,11 @@ class FedConfig:
         "protocol", "fedsd simulate --noise distributed: how the round's sum is made. protocol = every round runs the "
         "whole secure-aggregation protocol between the simulated clients and the server; multi-round = the protocol "
         "set up once a run, every round's secrets dealt ahead, two exchanges a round "
-        "(docs/design/multi-round-secure-aggregation.md; simulated only, for now); plain = the same clients' vectors "
+        "(docs/design/multi-round-secure-aggregation.md; deployed, it needs each owner's roster and record-dir); "
+        "plain = the same clients' vectors "
         "added in this process without masks: the same sum bit for bit (so the same run, weights and ε), without the "
         "protocol's cost, which grows with the square of the clients (studies at many clients, as TFF's "
-        "distributed-DP studies simulate the secure sum). A Flower run always runs the per-round protocol",
+        "distributed-DP studies simulate the secure sum). A Flower run takes protocol or multi-round",
         choices=SECURE_SUMS)
     update_clip: float = setting(0.1, "--privacy-unit client: the L2 norm S each client clips its model update to")
     update_clip_quantile: float = setting(0.0, "--privacy-unit client: adaptive clipping of the updates (Andrew et "

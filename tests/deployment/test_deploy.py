@@ -412,7 +412,8 @@ def test_a_secure_distributed_noise_trial_runs_from_one_command(tmp_path):
     --noise distributed --isolate --client-data DIR`. It made no identity or roster, so every owner
     refused every round, and it printed "trained none" and exited 0. Now each owner makes its
     identity as its own uid, one roster lists them, the sample rate comes from the records handed
-    out (said), every round is summed by all three and each owner's ledger is charged once a round."""
+    out (said), every round is summed by all three and each owner's ledger is charged once a round, on the
+    multi-round protocol, two exchanges a round after the first."""
     data, work, out = isolated_client_data(tmp_path, 3, 900), tmp_path / "work", tmp_path / "out"
     proc = subprocess.run([str(ROOT / "scripts" / "deploy-local.sh"), "--clients", "3", "--rounds", "2",
                            "--secure-aggregation", "--noise", "distributed", "--isolate", "--client-data", str(data),
@@ -425,6 +426,8 @@ def test_a_secure_distributed_noise_trial_runs_from_one_command(tmp_path):
     assert [line.split()[0] for line in roster if not line.startswith("#")] == ["owner-0", "owner-1", "owner-2"]
     record = json.loads((out / "secure-aggregation.json").read_text())
     assert [len(r["survivors"]) for r in record] == [3, 3] and not any(r.get("abandoned") for r in record)
+    # the multi-round protocol: set up once at round 1 (identify, setup, deal, deliver), then two exchanges
+    assert "secure-sum=multi-round" in proc.stdout and list(record[1]["stages"]) == ["mr_masked", "mr_unmask"]
     result = json.loads((out / "result.json").read_text())
     assert [len(r["trained"]) for r in result["rounds"]] == [3, 3]
     for k in range(3):

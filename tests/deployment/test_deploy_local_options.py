@@ -39,16 +39,19 @@ def test_distributed_noise_takes_its_sample_rate_from_the_records_handed_out(tmp
     args, said = secure(folders(tmp_path, (500, 300, 200)), "--batch-size", "50"), []
     values = dl.run_config_from_args(args)
     assert dl.secure_owners(args, values, echo=said.append) is True  # identities and a roster, under --isolate
-    assert values["sample-rate"] == 50 / 1000
+    assert values["sample-rate"] == 50 / 1000 and values["secure-sum"] == "multi-round"
+    assert said[0].startswith("deploy-local: secure-sum=multi-round: the owners set secure aggregation up once")
+    said = said[1:]
     assert "sample-rate=0.05" in said[0] and "1000 training records" in said[0]
     # each owner's bound on its records, its folder's count (its pad: q times that)
     assert dl.node_configs(args) == [f"max-epsilon=10 max-records={n}" for n in (500, 300, 200)]
     assert "max-records=500,300,200 for client(s) 0,1,2" in said[1]
-    given = secure(str(tmp_path), "--batch-size", "50", "--run-config", "sample-rate=0.01",
+    given = secure(str(tmp_path), "--batch-size", "50", "--run-config", "sample-rate=0.01 secure-sum=protocol",
                    "--node-config-for", "1", "max-records=900")
     values, said = dl.run_config_from_args(given), []
     dl.secure_owners(given, values, echo=said.append)
     assert values["sample-rate"] == "0.01" and dl.node_configs(given)[1] == "max-epsilon=10 max-records=900"
+    assert values["secure-sum"] == "protocol"  # the user's own protocol kept, unsaid
     assert said == ["deploy-local: max-records=500,200 for client(s) 0,2: each owner's bound on its records, its "
                     "folder's count; its step is padded to q times that many and its draw rate set from it, "
                     "whatever it holds (--node-config-for K 'max-records=…' sets another)"]  # the user's own kept

@@ -211,6 +211,15 @@ def test_fedsd_help_loads_none_of_the_experiments():
     assert out.strip() == "[]"
 
 
+def test_the_clientapp_that_forwards_to_an_owners_service_loads_no_torch():
+    """A deployed node starts a ClientApp task for every message, which only forwards it to the owner's
+    service: its import of torch (1.5 s of CPU, through the node config's import of the run settings)
+    was most of each secure stage's 3 s wait here, two cores under three nodes."""
+    code = "import sys, fedsd.app.client.client_app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
 def long_functions(root: Path = ROOT) -> list[str]:
     """Functions (and methods) over MAX_FUNCTION_LINES lines: from the `def` line (or its first
     decorator) to its last line, docstring, comments and blank lines inside it included."""

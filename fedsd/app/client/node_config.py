@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Mapping
 
 from fedsd.errors import BudgetRefused, ConfigError, FedsdNote
-from fedsd.settings.declared import setting, settings_of
-from fedsd.settings.federation import OWNER_MIN_CLIENTS
+from fedsd.settings.declared import OWNER_MIN_CLIENTS, setting, settings_of
 from fedsd.files.state_folder import StateFolder, StateFolderError, state_folder
 
 NO_BUDGET = ("this client has no lifetime budget: start its SuperNode with "

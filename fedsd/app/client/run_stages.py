@@ -13,7 +13,7 @@ member's dealing and the acknowledgements of its batch (`RunMember.admit`, which
 in the record), then charges and trains as today's masked stage (fedsd.app.client.secure_contribution),
 then masks. Multi-round needs a roster and the owner's record (own data): without them it is refused.
 
-Not yet sent by the ServerApp: a deployment runs the per-round stages until it does (the design's step 6).
+The ServerApp sends them under run config `secure-sum = multi-round` (fedsd.app.server.run_exchange).
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def setup_reply(content: RecordDict, context: Context) -> RecordDict:
     channel key for the batch asked."""
     key, record, owner = _fields(content, context)
     with member_of(owner, key) as member:
-        member.setup(list(record.get("holders", [])), record.get("threshold"))
+        member.setup(list(record.get("holders", [])), record.get("threshold"), key[3])
         channel = member.channel_key(record.get("batch"))
     return _reply(key=channel["key"], sig=channel["sig"])
 

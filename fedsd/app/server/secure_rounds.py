@@ -43,6 +43,7 @@ from fedsd.secure.secagg_primitives import minimum_threshold
 from fedsd.secure.secagg_server import RoundAbandoned, SecAggServer
 from fedsd.app import secure_sum
 from fedsd.app.records import model_to_record, record_to_model, with_frozen
+from fedsd.app.server.run_exchange import RunExchange
 from fedsd.app.server.secure_plans import distributed_plan, local_noise_bound
 from fedsd.app.server.stage_exchange import Exchange, identify, protocol, refusals, reported
 from fedsd.app.server.strategy import NoClientCanTrain
@@ -60,7 +61,10 @@ def cannot_go_on(server_round: int, record: dict, exchange: Exchange) -> str:
     In round 1 whatever they said (the next round asks the same of the same owners, and the run
     would release its initial model); later only for budget refusals, which no later round
     changes, so going on would abandon every round."""
-    refused = refusals(exchange, "advertise")
+    refused = {}  # where the budgets and plan are tried: stage 0, or the multi-round setup and masked input
+    for stage in ("advertise", "mr_setup", "mr_masked"):
+        for reason, count in refusals(exchange, stage).items():
+            refused[reason] = refused.get(reason, 0) + count
     cohort, threshold = record.get("cohort", []), record.get("threshold", 1)
     if not record.get("abandoned") or not refused or len(cohort) - sum(refused.values()) >= threshold:
         return ""
@@ -92,6 +96,9 @@ class SecureRounds:
         self.outside: list[tuple[int, frozenset]] = []  # (round, the clients summed) of each sum outside the bound
         self._seat_key = secrets.token_bytes(16)  # the order `_seated` keeps clients in, no member's to choose
         self.names: dict[int, str] = {}  # protocol id → its roster name, else its node id (Exchange.name)
+        self.runs = None  # secure-sum = multi-round: the run's protocol, set up at its first round (RunExchange)
+        if launch.fed.secure_sum == "multi-round":
+            self.runs = RunExchange(grid.run.run_id, launch.experiment_id, launch.fed.secagg_threshold)
 
     def named(self, culprit: str) -> str:
         """A culprit (its protocol id, or "node N") as the summary names clients."""
@@ -144,7 +151,8 @@ class SecureRounds:
             n = len(cohort)
             threshold = min(n, max(minimum_threshold(n), fed.secagg_threshold)) if n else 1
             length = self.round_plan().dim if self.distributed else secure_sum.vector_length(arrays)
-            server = SecAggServer(rid, cohort, length, threshold=threshold)
+            server = SecAggServer(rid, cohort, length, threshold=threshold) if self.runs is None else \
+                self.runs.facts(cohort)
             record.update(cohort=cohort, threshold=server.threshold, nodes_without_roster=plain)
             if plain:
                 log(WARNING, "secure aggregation round %d: %d nodes take part without a roster: they are protected "
@@ -152,12 +160,7 @@ class SecureRounds:
             plan = distributed_noise.to_settings(self.round_plan(), fed.rounds) if self.distributed else {}
             train = RecordDict({"arrays": arrays, "config": ConfigRecord({**self.side.strategy.settings, **base,
                                                                           **plan})})
-            try:
-                total, replies = protocol(exchange, server, base, train, json.dumps(self.evidence) if self.evidence
-                                          else "")
-            finally:
-                self._bar(server, record, server_round)
-                exchange.named.update({str(k): v for k, v in server.culprits.items()})
+            total, replies = self._summed(exchange, server, base, train, record, length)
             try:
                 checked = self._checked(arrays, total, server, server_round)
             except SumOutsideBound:  # one of those summed sent it; who, no one can say: none of them meet again
@@ -188,6 +191,21 @@ class SecureRounds:
         if stop:
             raise NoClientCanTrain(stop)
         return arrays
+
+    def _summed(self, exchange: Exchange, server, base: dict, train: RecordDict, record: dict,
+                length: int) -> tuple[np.ndarray, list]:
+        """The round's protocol: the per-round stages, or (secure-sum = multi-round) the run's, set up
+        once, two exchanges a round (fedsd.app.server.run_exchange); the sum and the summed replies."""
+        evidence, server_round = json.dumps(self.evidence) if self.evidence else "", record["round"]
+        try:
+            if self.runs is None:
+                return protocol(exchange, server, base, train, evidence)
+            summed = self.runs.round(exchange, server, server_round, base, train, evidence, length)
+            record["cohort"] = sorted(exchange.nodes)
+            return summed
+        finally:
+            self._bar(server, record, server_round)
+            exchange.named.update({str(k): v for k, v in server.culprits.items()})
 
     def _seated(self, exchange: Exchange, identities: dict[int, dict], record: dict) -> dict[int, dict]:
         """The clients this round seats: no two summed in one round whose sum fell outside the bound
@@ -229,9 +247,10 @@ class SecureRounds:
         """A node that did not answer this round's advertise stage, or that its neighbours named, is
         asked who it is again in the next round (its SuperNode may have come back with another
         owner's service behind it)."""
-        answered = set(exchange.stages.get("advertise", {}).get("answered", []))
+        stage = "advertise" if self.runs is None else "mr_masked"
+        answered = set(exchange.stages.get(stage, {}).get("answered", []))
         named = {str(culprit) for culprit in exchange.named}  # named by its neighbours: asked again too
-        if "advertise" in exchange.stages:
+        if stage in exchange.stages:
             for node in [node for node in self.known if exchange.ids.get(node) not in answered
                          or str(exchange.ids.get(node)) in named]:
                 del self.known[node]

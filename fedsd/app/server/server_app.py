@@ -259,10 +259,9 @@ def main(grid: Grid, context: Context) -> None:
     folder's absolute path included."""
     try:
         cfg, fed = from_flat(dict(context.run_config))
-        if fed.secure_sum != "protocol":  # the clients' vectors in the clear: only one process's simulation
-            raise ConfigError(f"--secure-sum {fed.secure_sum}: a Flower run runs the per-round secure-aggregation "
-                              f"protocol (plain adds the clients' vectors in the clear, fedsd simulate's in-process "
-                              f"shortcut; multi-round is simulated only, until the owners' services run it)")
+        if fed.secure_sum == "plain":  # the clients' vectors in the clear: only one process's simulation
+            raise ConfigError("--secure-sum plain: adds the clients' vectors in the clear, fedsd simulate's "
+                              "in-process shortcut; a Flower run runs the protocol (protocol or multi-round)")
         fed = one_client_per_node(grid, fed)
         if fed.resume_dir:  # the checkpoint's settings and folder; the run config's others are not used
             out = Path(fed.resume_dir).absolute()

@@ -198,7 +198,10 @@ class ServicesGrid:
     def send_and_receive(self, messages, *, timeout=None):
         from flwr.app import Error, Message
 
+        from fedsd.app.client import run_stages
+
         handlers = {f"query.secagg_{s}": service.HANDLERS[f"secagg-{s}"] for s in secure_sum.STAGES}
+        handlers.update({f"query.secagg_{s}": run_stages.HANDLERS[f"secagg-{s}"] for s in secure_sum.RUN_STAGES})
         replies = []
         for m in messages:
             node = m.metadata.dst_node_id
