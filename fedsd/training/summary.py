@@ -186,7 +186,8 @@ def nothing_trained(result: dict, out) -> str | None:
     applied), with each distinct reason and how many times it was given; None when one was. What
     a command that ran it says before it exits non-zero: its model is the initial one."""
     rounds = result.get("rounds") or []
-    if not result.get("num_clients") or any(r.get("trained") for r in rounds):
+    # a round trained: its clients named (a Flower run's), or its survivors counted (a simulated secure sum's)
+    if not result.get("num_clients") or any(r.get("trained") or r.get("survivors") for r in rounds):
         return None
     reasons: dict[str, int] = {}
     for r in rounds:

@@ -122,3 +122,7 @@ def test_a_run_that_trained_nothing_says_why_with_each_reasons_count(tmp_path):
     rounds[1]["trained"] = [2]
     assert nothing_trained(result, tmp_path) is None
     assert nothing_trained(dict(num_clients=None, rounds=[]), tmp_path) is None  # central: not a federation's
+    # a simulated secure sum's rounds count their survivors: a run that trained said it trained nothing, exit 1
+    simulated = [dict(round=1, survivors=0), dict(round=2, survivors=10)]
+    assert nothing_trained(dict(num_clients=10, rounds=simulated), tmp_path) is None
+    assert nothing_trained(dict(num_clients=10, rounds=simulated[:1]), tmp_path).startswith("no client trained")

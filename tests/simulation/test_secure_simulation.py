@@ -182,3 +182,15 @@ def test_more_clients_than_an_owner_shares_with_are_refused_before_any_work_unle
     with pytest.raises(dry_run.DryRun, match="300 clients"), pytest.MonkeyPatch.context() as mp:
         mp.setenv("FEDSD_DRY_RUN", "1")
         simulate_secure(cfg, dataclasses.replace(fed, secure_sum="plain"), tmp_path / "run", progress=False)
+
+
+def test_the_simulate_command_of_a_distributed_run_that_trained_exits_zero(tmp_path, capsys):
+    """`fedsd simulate --secure-aggregation --noise distributed` said "no client trained in any of the
+    rounds" and exited 1 after a run that trained: its rounds count survivors, not trained clients."""
+    require("fmnist")
+    from fedsd.cli.main import main
+
+    assert main(["simulate", "--dataset", "fmnist", "--subset", "600", "--batch-size", "60", "--clients", "3",
+                 "--rounds", "1", "--secure-aggregation", "--noise", "distributed", "--threads", "1", "--quiet",
+                 "--out", str(tmp_path / "out")]) == 0
+    assert "no client trained" not in capsys.readouterr().err
