@@ -29,8 +29,11 @@ import json
 import numpy as np
 from flwr.app import ConfigRecord, RecordDict
 
-from fedsd.secure.secagg_primitives import minimum_threshold, run_tag
-from fedsd.secure.secagg_runs import batch_of, decoded, encoded
+from fedsd.secure.identity import verify
+from fedsd.secure.secagg_primitives import (NONCE, SEED_BYTES, SELF_SEED_BYTES, SHARE_BYTES, ProtocolError, _public,
+                                            channel_message, cohort_digest, minimum_threshold, receipt_message,
+                                            round_digest, round_tag, run_tag)
+from fedsd.secure.secagg_runs import COMMIT, batch_of, decoded, encoded, rounds_of
 from fedsd.secure.secagg_runs_server import RunServer
 from fedsd.secure.secagg_server import RoundAbandoned
 from fedsd.app import secure_sum
@@ -59,7 +62,23 @@ def _unwired(record, name: str):
     raw = record[name]
     if not isinstance(raw, bytes) or len(raw) > MAX_REPLY:
         raise BadMessage(f"{name}: one bytes field of at most {MAX_REPLY} bytes was expected")
-    return decoded(json.loads(raw))
+    try:
+        return decoded(json.loads(raw))
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        raise BadMessage(f"{name}: not the protocol's encoding") from None
+
+
+def _signed(roster, member: int, signature: object, message: bytes) -> bool:
+    """Whether the member signed it, by its key on the server's roster (True without a roster: then only the
+    owners check, each against its own)."""
+    if roster is None:
+        return True
+    key = roster.key(member)
+    return key is not None and verify(key, signature, message)
+
+
+def _sized(value, size: int | None = None) -> bool:
+    return isinstance(value, bytes) and (size is None or len(value) == size)
 
 
 def _channel(record) -> dict:
@@ -68,11 +87,30 @@ def _channel(record) -> dict:
     return {"key": record["key"], "sig": record["sig"]}
 
 
-def _dealing(record) -> dict:
-    dealing = _unwired(record, "dealing")
-    if not isinstance(dealing, dict) or not isinstance(dealing.get("to"), dict):
-        raise BadMessage("dealing: a dealer's batch was expected")
-    return dealing
+def _dealing(batch: int, holders: list[int], size: int):
+    """A dealer's reply, reduced to the protocol's fields, each of its size (BadMessage otherwise): nothing
+    else reaches a holder (a member padded its dealing past the holders' limit, stalling the batch)."""
+    rounds = list(rounds_of(batch, size))
+
+    def parse(record) -> dict:
+        d = _unwired(record, "dealing")
+        d = d if isinstance(d, dict) else {}
+        to, hashes, entries, channel = (d.get(k) for k in ("to", "list_hashes", "entries", "channel"))
+        if not (d.get("batch") == batch and isinstance(to, dict) and to and set(to) <= set(holders) and all(
+                isinstance(v, dict) and _sized(v.get("commits"), COMMIT * len(rounds))
+                and _sized(v.get("ciphertext"), NONCE + SHARE_BYTES * len(rounds) + 16) for v in to.values())
+                and isinstance(hashes, dict) and set(hashes) == set(to) and all(_sized(v, 32) for v in hashes.values())
+                and isinstance(entries, dict) and sorted(entries) == rounds and all(
+                    isinstance(e, dict) and _sized(e.get("digest"), 32) and _sized(e.get("s_public"), 32)
+                    and _sized(e.get("sig"), 64) for e in entries.values())
+                and _sized(d.get("root"), 32) and _sized(d.get("sig"), 64) and isinstance(channel, dict)
+                and _sized(channel.get("key"), 32) and _sized(channel.get("sig"), 64)):
+            raise BadMessage(f"dealing: not a batch {batch} of the protocol's fields and sizes")
+        return {"batch": batch, "root": d["root"], "sig": d["sig"], "list_hashes": dict(hashes),
+                "channel": {"key": channel["key"], "sig": channel["sig"]},
+                "entries": {r: {k: entries[r][k] for k in ("digest", "s_public", "sig")} for r in rounds},
+                "to": {h: {"ciphertext": v["ciphertext"], "commits": v["commits"]} for h, v in to.items()}}
+    return parse
 
 
 def _acks(record) -> dict[int, bytes]:
@@ -98,7 +136,7 @@ def _inputs(exchange: Exchange, replies: dict[int, RecordDict], length: int) -> 
         try:
             if reported(content) is not None:
                 out[client] = _input(content, length)
-        except (BadMessage, AttributeError, KeyError, TypeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - anything a member's bytes make numpy raise drops that member
             exchange.stages["mr_masked"]["failed"].setdefault(str(client), f"a reply that does not parse: {e}"[:300])
         if client not in out:
             exchange.stages["mr_masked"]["failed"].setdefault(str(client), "a masked input without its metrics")
@@ -106,7 +144,11 @@ def _inputs(exchange: Exchange, replies: dict[int, RecordDict], length: int) -> 
 
 
 def _shares(record) -> dict:
-    return {"b": read_map(record, "b"), "s": read_map(record, "s") if "s-ids" in record else {}}
+    answer = {"b": read_map(record, "b"), "s": read_map(record, "s") if "s-ids" in record else {}}
+    if any(len(v) != SELF_SEED_BYTES for v in answer["b"].values()) or any(
+            len(v) != SEED_BYTES for v in answer["s"].values()):
+        raise BadMessage(f"shares of {SELF_SEED_BYTES} (b) and {SEED_BYTES} bytes (s) were expected")
+    return answer
 
 
 def _signature(record) -> bytes:
@@ -125,14 +167,15 @@ class RoundFacts:
 
 
 class RunExchange:
-    """One Flower run's multi-round protocol: its holders, threshold, the batches dealt, and the
-    server's routing (fedsd.secure.secagg_runs_server.RunServer)."""
+    """One Flower run's multi-round protocol: its holders, threshold, the batches dealt, the members left
+    out for the rest of the run, and the server's routing (fedsd.secure.secagg_runs_server.RunServer)."""
 
     def __init__(self, run_id: int, experiment: str, threshold_setting: int):
         self.tau = run_tag(secure_sum.round_id(run_id, experiment, 0))
         self.threshold_setting = threshold_setting
         self.server: RunServer | None = None
         self.dealt: dict[int, list[int]] = {}  # batch → the members who can sit its rounds together
+        self.barred: dict[int, str] = {}  # member → what it did that left it out of the rest of the run
 
     def threshold_for(self, n: int) -> int:
         return min(n, max(minimum_threshold(n), self.threshold_setting)) if n else 1
@@ -143,13 +186,17 @@ class RunExchange:
             self.server = RunServer(self.tau, present, self.threshold_for(len(present)))
         return RoundFacts(self.server.threshold, self.server.culprits)
 
+    def _bar(self, exchange: Exchange, member: int, why: str) -> None:
+        self.barred.setdefault(member, why)
+        exchange.named[str(member)] = why
+
     def round(self, exchange: Exchange, facts: RoundFacts, r: int, base: dict, train: RecordDict, evidence: str,
               length: int) -> tuple[np.ndarray, list]:
         """Round r: a batch dealt where r's is not (the run's setup at its first), then E1 and the
         unmask; the sum and the summed members' E1 replies (in id order). `facts.masked`: who was summed."""
         present, server = sorted(exchange.nodes), self.server
-        cohort = [c for c in present if c in server.holders]
-        strangers = sorted(set(present) - set(cohort))
+        cohort = [c for c in present if c in server.holders and c not in self.barred]
+        strangers = sorted(set(present) - set(server.holders))
         exchange.named.update({str(c): "joined after this run's setup: it sits the run out" for c in strangers})
         batch = batch_of(r, server.batch)
         cohort = self._deal(exchange, base, r, cohort) if batch not in self.dealt else \
@@ -162,12 +209,34 @@ class RunExchange:
         replies = exchange.ask("mr_masked", {c: _message(base, {"arrays": train["arrays"], "config": train["config"]},
                                                          cohort=cohort, acks=_wire(server.acks_for(r, cohort)),
                                                          **extra) for c in cohort})
-        return self._unmasked(exchange, base, r, cohort, replies, length, facts)
+        digest = round_digest(secure_sum.settings_digest(train["config"]),
+                              [train["arrays"][k].numpy() for k in sorted(train["arrays"])])
+        sent = self._receipted(exchange, r, cohort, digest, _inputs(exchange, replies, length))
+        return self._unmasked(exchange, base, r, cohort, sent, replies, facts)
 
-    def _unmasked(self, exchange: Exchange, base: dict, r: int, cohort: list[int], replies: dict, length: int,
+    def _receipted(self, exchange: Exchange, r: int, cohort: list[int], digest: bytes, sent: dict) -> dict:
+        """The inputs whose receipts every honest holder will take: signed by the member (its key on the
+        server's roster) over this round, cohort and digest, with a t + f in [2, holders]. Any other is
+        dropped, and its member left out of the run: a receipt it signed over another digest is its own
+        doing, and without this every owner paid for rounds the holders then refused to open."""
+        rid, cohort_hash, keys, kept = round_tag(self.tau, r), cohort_digest(cohort), exchange.roster, {}
+        for c, reply in sent.items():
+            receipt = reply["receipt"]
+            needed = receipt["needed"]
+            good = isinstance(needed, int) and not isinstance(needed, bool) and 2 <= needed <= len(
+                self.server.holders) and receipt["digest"] == digest and _signed(
+                keys, c, receipt["sig"], receipt_message(rid, c, cohort_hash, digest, needed, receipt["y_hash"]))
+            if good:
+                kept[c] = reply
+            else:
+                self._bar(exchange, c, f"round {r}: a receipt not signed over the round's cohort and digest: left out "
+                                       f"of the rest of the run")
+        return kept
+
+    def _unmasked(self, exchange: Exchange, base: dict, r: int, cohort: list[int], sent: dict, replies: dict,
                   facts: RoundFacts) -> tuple[np.ndarray, list]:
-        """E1's replies unmasked: the sum and the summed members' replies."""
-        server, sent = self.server, _inputs(exchange, replies, length)
+        """E1's checked inputs unmasked: the sum and the summed members' replies."""
+        server = self.server
         survivors, dropped = sorted(sent), sorted(set(cohort) - set(sent))
         if len(survivors) < server.threshold:
             raise RoundAbandoned(f"secure aggregation: {len(survivors)} masked inputs, below the threshold "
@@ -177,7 +246,13 @@ class RunExchange:
         if len(answers) < server.threshold:
             raise RoundAbandoned(f"secure aggregation: {len(answers)} holders answered the unmask, below the "
                                  f"threshold {server.threshold}; nothing was unmasked", server.culprits)
-        total = server.finish(r, {c: sent[c]["y"] for c in survivors}, dropped, answers)
+        try:
+            total = server.finish(r, {c: sent[c]["y"] for c in survivors}, dropped, answers)
+        except RoundAbandoned:
+            for dealer, why in list(server.culprits.items()):  # its T shares rebuild another secret than it signed
+                if why.startswith("dealt shares that rebuild"):
+                    self._bar(exchange, dealer, f"round {r}: {why}: left out of the rest of the run")
+            raise
         facts.masked = {c: True for c in survivors}
         return total, [replies[c] for c in survivors]
 
@@ -196,47 +271,64 @@ class RunExchange:
         return _parsed(exchange.ask("mr_unmask_view", {c: _message(base, maps={"signatures": signatures})
                                                        for c in signatures}), _shares)
 
-    def _deal(self, exchange: Exchange, base: dict, r: int, cohort: list[int]) -> list[int]:
-        """Round r's batch set up and dealt: every holder's channel key, every dealer's batch, each
-        delivered and acknowledged. The holders that took part in all three (the round's cohort)."""
-        server, batch = self.server, batch_of(r, self.server.batch)
+    def _channels(self, exchange: Exchange, base: dict, batch: int, cohort: list[int]) -> dict[int, dict]:
+        """Each holder's channel key for the batch, canonical and signed by it for this run and batch (with the
+        server's roster): an unsigned one made every honest dealer refuse the batch."""
+        server, out = self.server, {}
         channels = _parsed(exchange.ask("mr_setup", {c: _message(base, holders=server.holders,
                                                                  threshold=server.threshold, batch=batch)
                                                      for c in cohort}), _channel)
-        if len(channels) < server.threshold:
-            raise RoundAbandoned(f"secure aggregation: {len(channels)} holders gave a channel key for batch {batch}, "
-                                 f"below the threshold {server.threshold}; it is dealt at the next round",
-                                 server.culprits)
+        for h, c in channels.items():
+            try:
+                _public(c["key"], "a channel key")
+            except ProtocolError:
+                c = None
+            if c is None or not _signed(exchange.roster, h, c["sig"], channel_message(self.tau, h, batch, c["key"])):
+                self._bar(exchange, h, f"batch {batch}: a channel key it did not sign: left out of the rest of the run")
+            else:
+                out[h] = c
+        return out
+
+    def _deal(self, exchange: Exchange, base: dict, r: int, cohort: list[int]) -> list[int]:
+        """Round r's batch set up and dealt: the holders' channel keys, every dealer's batch, each delivered
+        and acknowledged. The members who can sit the batch's rounds together; below the threshold the
+        round is abandoned and the batch dealt again at the next (an honest owner's dealing is the same)."""
+        server, batch = self.server, batch_of(r, self.server.batch)
+        channels = self._channels(exchange, base, batch, cohort)
         maps = {"channel-keys": {h: c["key"] for h, c in channels.items()},
                 "channel-sigs": {h: c["sig"] for h, c in channels.items()}}
-        dealings = _parsed(exchange.ask("mr_deal", {c: _message(base, maps=maps, batch=batch) for c in cohort}),
-                           _dealing)
+        dealings = {} if len(channels) < server.threshold else _parsed(exchange.ask(
+            "mr_deal", {c: _message(base, maps=maps, batch=batch) for c in channels}),
+            _dealing(batch, server.holders, server.batch))
         deliveries: dict[int, dict] = {}
         for dealer, dealing in dealings.items():
-            try:
-                if dealing.get("batch") != batch:
-                    raise TypeError
-                for holder, delivery in server.keep_dealing(dealer, dealing).items():
-                    deliveries.setdefault(holder, {})[dealer] = delivery
-            except (KeyError, TypeError, AttributeError):
-                exchange.named[str(dealer)] = "a dealing without a batch for every holder"
-        acks = _parsed(exchange.ask("mr_deliver", {h: _message(base, batch=batch, dealings=_wire(deliveries.get(h, {})))
-                                                   for h in cohort}), _acks)
+            for holder, delivery in server.keep_dealing(dealer, dealing).items():
+                deliveries.setdefault(holder, {})[dealer] = delivery
+        acks = {} if not dealings else _parsed(exchange.ask(
+            "mr_deliver", {h: _message(base, batch=batch, dealings=_wire(deliveries.get(h, {}))) for h in channels}),
+            _acks)
         for holder, signed in acks.items():
             for dealer, signature in signed.items():
                 server.keep_ack(dealer, batch, holder, signature)
-        self.dealt[batch] = self._seatable(batch, sorted(set(dealings) & set(acks)))
-        return self.dealt[batch]
+        seat = self._seatable(exchange, batch, sorted(set(dealings) & set(acks)))
+        if len(seat) < server.threshold:
+            raise RoundAbandoned(f"secure aggregation: batch {batch} dealt and acknowledged among {len(seat)} "
+                                 f"members, below the threshold {server.threshold}; it is dealt again at the next "
+                                 f"round", server.culprits)
+        self.dealt[batch] = seat
+        return seat
 
-    def _seatable(self, batch: int, candidates: list[int]) -> list[int]:
-        """The batch's members who can sit its rounds together: each one's shares held (acknowledged) by
-        every other, as each owner checks before it is charged. While any pair lacks that, the member
-        missing the most is left out of the batch's rounds."""
+    def _seatable(self, exchange: Exchange, batch: int, candidates: list[int]) -> list[int]:
+        """The batch's members who can sit its rounds together: each one's shares held (acknowledged) by every
+        other, as each owner checks before it is charged. A pair where one did not acknowledge the other's
+        batch leaves both out of the batch, named: the server cannot tell which one lied, and a member that
+        withholds costs one other owner at most, never without its own seat."""
         seat, acks = set(candidates), self.server.acks
-        while True:
-            missing = {c: sum((acks.get((j, batch), {}).get(c) is None) + (acks.get((c, batch), {}).get(j) is None)
-                              for j in seat) for c in seat}
-            worst = max(seat, key=lambda c: (missing[c], c), default=None)
-            if worst is None or not missing[worst]:
-                return sorted(seat)
-            seat.discard(worst)
+        for c in candidates:
+            for j in candidates:
+                if c in seat and j in seat and acks.get((j, batch), {}).get(c) is None:
+                    seat -= {c, j}
+                    for who in {c, j}:
+                        exchange.named[str(who)] = (f"batch {batch}: {exchange.name(c)} holds no acknowledged batch "
+                                                    f"of {exchange.name(j)}: both sit the batch out")
+        return sorted(seat)
