@@ -145,15 +145,20 @@ def _row(out: Path, recipe: Recipe, part: str, honest: int, central: dict[int, f
 # The features recipe deployed (fedsd/deployment/deployed_distributed.py: a SuperLink and 10
 # isolated SuperNodes, each client with its owner's data service, ledger and identity), one seed;
 # its state carried from session to session in runs/deploy-distributed-400/<--partition>/.
-DEPLOYED = (("iid", "iid"), ("dirichlet0.1", "dirichlet"))  # the table's partition, --partition
-DEPLOYED_COMMAND = "python -m fedsd.deployment.deployed_distributed --partition {} --work W --out O"
+# (the table's partition, --partition, its folder, the protocol): per-round, the whole protocol every round
+# (--secure-sum protocol); multi-round, set up once a run (the study driver's default)
+DEPLOYED = (("iid", "iid", "iid", "per-round"), ("dirichlet0.1", "dirichlet", "dirichlet", "per-round"),
+            ("iid", "iid", "iid-multi-round", "multi-round"))
+DEPLOYED_COMMAND = {"per-round": "python -m fedsd.deployment.deployed_distributed --partition {} --secure-sum protocol "
+                                 "--work W --out O",
+                    "multi-round": "python -m fedsd.deployment.deployed_distributed --partition {} --work W --out O"}
 
 
 def deployed_rows(out: Path, central: dict[int, float]) -> list[dict]:
     """The finished deployed runs, each beside the simulated run of the same partition and seed."""
     rows = []
-    for part, argument in DEPLOYED:
-        folder = out / "runs" / "deploy-distributed-400" / argument
+    for part, argument, name, protocol in DEPLOYED:
+        folder = out / "runs" / "deploy-distributed-400" / name
         if not (folder / "out" / "result.json").is_file():
             continue
         result = json.loads((folder / "out" / "result.json").read_text())
@@ -169,7 +174,8 @@ def deployed_rows(out: Path, central: dict[int, float]) -> list[dict]:
                          paired=accuracy - central[seed] if seed in central else None,
                          simulated=100 * simulated["test_accuracy"] if simulated else None,
                          epsilon=result["epsilon_spent"], z=z,
-                         round_seconds=statistics.median(seconds[1:]), command=DEPLOYED_COMMAND.format(argument)))
+                         round_seconds=statistics.median(seconds[1:]), protocol=protocol,
+                         rounds_minutes=sum(seconds) / 60, command=DEPLOYED_COMMAND[protocol].format(argument)))
     return rows
 
 
@@ -235,20 +241,23 @@ def deployed_markdown(rows: list[dict]) -> list[str]:
              "A SuperLink and 10 SuperNodes on this machine, each in its own network namespace and uid, each client "
              "with its owner's data service (its own data, ledger with `max-epsilon=3`, Ed25519 identity on one "
              "roster), TLS and node authentication; secure aggregation with distributed noise at record level, "
-             "t = n = 10, one seed. The run's state was carried from session to session "
-             "(results/runs/deploy-distributed-400/). Simulated: the table's run of the same partition and seed; "
-             "vs central: against the mean of the central runs, and against the central run of the same seed.", ""]
+             "t = n = 10, one seed; the protocol: per-round, the whole secure-aggregation protocol every round (its "
+             "runs' state carried from session to session), or multi-round, set up once a run and two exchanges a "
+             "round (docs/algorithms.md, \"Set up once a run\"). Files: results/runs/deploy-distributed-400/. "
+             "Simulated: the table's run of the same partition and seed; vs central: against the mean of the central "
+             "runs, and against the central run of the same seed. Rounds' minutes: the rounds' own seconds added up "
+             "(start-up left out), on 2 cores, other work beside the multi-round run for part of it.", ""]
     lines += [f"    {r['command']}" for r in rows]
-    lines += ["", "| recipe | partition | t | seed | test accuracy (%) | vs central (mean) | vs central, same seed | "
-              "simulated, same seed (%) | client ε | z | median round s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| recipe | partition | protocol | t | seed | test accuracy (%) | vs central (mean) | "
+              "vs central, same seed | simulated, same seed (%) | client ε | z | median round s | rounds' minutes |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         signed = [f"{v:+.2f}" if v is not None else "" for v in (r["vs_central"], r["paired"])]
         simulated = f"{r['simulated']:.2f}" if r["simulated"] is not None else ""
         z = f"{r['z']:.3f}" if r["z"] is not None else ""
-        lines.append(f"| {r['recipe']} | {r['partition']} | {r['honest']} | {r['seed']} | {r['accuracy']:.2f} | "
-                     f"{signed[0]} | {signed[1]} | {simulated} | {r['epsilon']:.3f} | {z} | "
-                     f"{r['round_seconds']:.1f} |")
+        lines.append(f"| {r['recipe']} | {r['partition']} | {r['protocol']} | {r['honest']} | {r['seed']} | "
+                     f"{r['accuracy']:.2f} | {signed[0]} | {signed[1]} | {simulated} | {r['epsilon']:.3f} | {z} | "
+                     f"{r['round_seconds']:.1f} | {r['rounds_minutes']:.0f} |")
     return lines
 
 

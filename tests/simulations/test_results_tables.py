@@ -225,8 +225,8 @@ def test_a_finished_deployed_run_is_a_row_beside_the_simulated_ones(tmp_path):
     assert row["accuracy"] == pytest.approx(89.12) and row["paired"] == pytest.approx(-0.38)
     assert row["vs_central"] == pytest.approx(-0.48) and row["round_seconds"] == 31 and row["simulated"] is None
     text = "\n".join(deployed_markdown([row]))
-    assert "| features | iid | 10 | 0 | 89.12 | -0.48 | -0.38 |  | 3.000 | 4.221 | 31.0 |" in text
-    assert "python -m fedsd.deployment.deployed_distributed --partition iid --work W --out O" in text
+    assert "| features | iid | per-round | 10 | 0 | 89.12 | -0.48 | -0.38 |  | 3.000 | 4.221 | 31.0 | 3 |" in text
+    assert "python -m fedsd.deployment.deployed_distributed --partition iid --secure-sum protocol --work W" in text
 
 
 def test_the_kept_adaptive_table_is_the_one_its_runs_give(tmp_path):
