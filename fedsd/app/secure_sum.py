@@ -62,6 +62,31 @@ def write_map(record: ConfigRecord, name: str, values: dict[int, bytes]) -> None
     record[f"{name}-values"] = [bytes(values[i]) for i in ids]
 
 
+def wire(value) -> bytes:
+    """A protocol value (fedsd.secure.secagg_runs.encoded: bytes and int keys kept) as one bytes field."""
+    import json
+
+    from fedsd.secure.secagg_runs import encoded  # where it is used: the forwarding ClientApp imports this module
+
+    return json.dumps(encoded(value)).encode()
+
+
+def unwired(record: ConfigRecord, name: str, limit: int):
+    """The value of a bytes field `wire` wrote, at most `limit` bytes (decoding costs about 25 times its
+    size); BadMessage for anything else, whichever side reads it."""
+    import json
+
+    from fedsd.secure.secagg_runs import decoded
+
+    raw = record.get(name)
+    if not isinstance(raw, bytes) or len(raw) > limit:
+        raise BadMessage(f"{name}: one bytes field of at most {limit} bytes was expected")
+    try:
+        return decoded(json.loads(raw))
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        raise BadMessage(f"{name}: not the protocol's encoding") from None
+
+
 def read_map(record: ConfigRecord, name: str, max_items: int = 1 << 16) -> dict[int, bytes]:
     ids, values = record.get(f"{name}-ids", []), record.get(f"{name}-values", [])
     if not isinstance(ids, list) or not isinstance(values, list) or len(ids) != len(values) or len(ids) > max_items:

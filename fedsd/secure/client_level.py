@@ -36,6 +36,7 @@ from fedsd.methods import Weights
 
 COUNT_NOISE_PER_Z = 4.0  # the least default σ_b, in units of the plan's z
 
+
 def local_update(net: torch.nn.Module, shard: TensorData, start: Weights, epochs: int, batch_size: int, lr: float,
                  momentum: float, generator: torch.Generator, steps: int = 0) -> tuple[np.ndarray, float]:
     """(θ_start − θ_local over the trainable parameters as one float64 vector on the CPU, the

@@ -17,7 +17,6 @@ The ServerApp sends them under run config `secure-sum = multi-round` (fedsd.app.
 """
 from __future__ import annotations
 
-import json
 import logging
 from contextlib import contextmanager
 
@@ -26,7 +25,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, RecordDict
 
 from fedsd.errors import ConfigError
 from fedsd.secure.secagg_primitives import ProtocolError, round_digest, run_tag
-from fedsd.secure.secagg_runs import Counters, RunMember, decoded, encoded
+from fedsd.secure.secagg_runs import Counters, RunMember
 from fedsd.app import secure_sum
 from fedsd.app.secure_sum import BadMessage, read_map, write_map
 
@@ -89,13 +88,7 @@ def member_of(owner: Owner, key: tuple):
 
 
 def _encoded_field(record: ConfigRecord, name: str):
-    raw = record.get(name)
-    if not isinstance(raw, bytes) or len(raw) > MAX_ENCODED:
-        raise BadMessage(f"{name}: one bytes field was expected")
-    try:
-        return decoded(json.loads(raw))
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-        raise BadMessage(f"{name}: not the protocol's encoding") from None
+    return secure_sum.unwired(record, name, MAX_ENCODED)
 
 
 def _reply(**fields) -> RecordDict:
@@ -134,7 +127,7 @@ def deal_reply(content: RecordDict, context: Context) -> RecordDict:
         raise BadMessage("channel-keys and channel-sigs name different holders")
     with member_of(owner, key) as member:
         dealing = member.deal(record.get("batch"), {h: {"key": keys[h], "sig": sigs[h]} for h in keys})
-    return _reply(dealing=json.dumps(encoded(dealing)).encode())
+    return _reply(dealing=secure_sum.wire(dealing))
 
 
 @_answered

@@ -24,48 +24,31 @@ an owner: each checks every field, signature and count it is sent (fedsd.secure.
 from __future__ import annotations
 
 import hashlib
-import json
 
 import numpy as np
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import RecordDict
 
 from fedsd.secure.identity import verify
-from fedsd.secure.secagg_primitives import (NONCE, SEED_BYTES, SELF_SEED_BYTES, SHARE_BYTES, ProtocolError, _public,
-                                            channel_message, cohort_digest, minimum_threshold, receipt_message,
-                                            round_digest, round_tag, run_tag)
-from fedsd.secure.secagg_runs import COMMIT, batch_of, decoded, encoded, rounds_of
+from fedsd.secure.secagg_primitives import (NONCE, SHARE_BYTES, ProtocolError, _public, channel_message,
+                                            cohort_digest, receipt_message, round_digest, round_tag, run_tag)
+from fedsd.secure.secagg_runs import COMMIT, batch_of, rounds_of
 from fedsd.secure.secagg_runs_server import RunServer
 from fedsd.secure.secagg_server import RoundAbandoned
 from fedsd.app import secure_sum
-from fedsd.app.secure_sum import BadMessage, read_map, write_map
-from fedsd.app.server.stage_exchange import Exchange, _parsed, reported
+from fedsd.app.secure_sum import BadMessage, read_map
+from fedsd.app.server.stage_exchange import (Exchange, _map_record, _masked, _parsed, _signature, _unmask_answer,
+                                             cohort_threshold, reported)
 
 # A reply's JSON-encoded field: at most this many bytes (a dealer's batch at 128 holders is about 1.5 MB)
 MAX_REPLY = 16 << 20
 
 
 def _message(base: dict, extra: RecordDict | None = None, maps: dict | None = None, **fields) -> RecordDict:
-    record = ConfigRecord({**base, **fields})
-    for name, values in (maps or {}).items():
-        write_map(record, name, values)
-    content = RecordDict({secure_sum.RECORD: record})
-    for key, value in (extra or {}).items():
-        content[key] = value
-    return content
-
-
-def _wire(value) -> bytes:
-    return json.dumps(encoded(value)).encode()
+    return _map_record({**base, **fields}, extra, **(maps or {}))
 
 
 def _unwired(record, name: str):
-    raw = record[name]
-    if not isinstance(raw, bytes) or len(raw) > MAX_REPLY:
-        raise BadMessage(f"{name}: one bytes field of at most {MAX_REPLY} bytes was expected")
-    try:
-        return decoded(json.loads(raw))
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-        raise BadMessage(f"{name}: not the protocol's encoding") from None
+    return secure_sum.unwired(record, name, MAX_REPLY)
 
 
 def _signed(roster, member: int, signature: object, message: bytes) -> bool:
@@ -118,10 +101,9 @@ def _acks(record) -> dict[int, bytes]:
 
 
 def _input(content: RecordDict, length: int) -> dict:
-    """E1's reply: the masked input and the receipt's fields (what the owner signed beside y's digest)."""
-    vector, receipt = content[secure_sum.RECORD]["masked"].numpy(), content["receipt"]
-    if vector.dtype != np.uint64 or vector.shape != (length,):
-        raise BadMessage(f"a masked input of {vector.dtype} {vector.shape}, not uint64 ({length},)")
+    """E1's reply: the masked input (as the per-round stage's) and the receipt's fields (what the owner
+    signed beside y's digest)."""
+    vector, receipt = _masked(length)(content[secure_sum.RECORD]), content["receipt"]
     sig, digest, needed = receipt["sig"], receipt["digest"], receipt["needed"]
     if not isinstance(sig, bytes) or not isinstance(digest, bytes) or not isinstance(needed, int):
         raise BadMessage("a receipt of a signature, the round's digest and the owner's t + f was expected")
@@ -141,20 +123,6 @@ def _inputs(exchange: Exchange, replies: dict[int, RecordDict], length: int) -> 
         if client not in out:
             exchange.stages["mr_masked"]["failed"].setdefault(str(client), "a masked input without its metrics")
     return out
-
-
-def _shares(record) -> dict:
-    answer = {"b": read_map(record, "b"), "s": read_map(record, "s") if "s-ids" in record else {}}
-    if any(len(v) != SELF_SEED_BYTES for v in answer["b"].values()) or any(
-            len(v) != SEED_BYTES for v in answer["s"].values()):
-        raise BadMessage(f"shares of {SELF_SEED_BYTES} (b) and {SEED_BYTES} bytes (s) were expected")
-    return answer
-
-
-def _signature(record) -> bytes:
-    if not isinstance(record["sig"], bytes):
-        raise BadMessage("a signature was expected")
-    return record["sig"]
 
 
 class RoundFacts:
@@ -177,13 +145,10 @@ class RunExchange:
         self.dealt: dict[int, list[int]] = {}  # batch → the members who can sit its rounds together
         self.barred: dict[int, str] = {}  # member → what it did that left it out of the rest of the run
 
-    def threshold_for(self, n: int) -> int:
-        return min(n, max(minimum_threshold(n), self.threshold_setting)) if n else 1
-
     def facts(self, present: list[int]) -> RoundFacts:
         """A round's facts, the run's holders set at its first (the nodes identified then)."""
         if self.server is None:
-            self.server = RunServer(self.tau, present, self.threshold_for(len(present)))
+            self.server = RunServer(self.tau, present, cohort_threshold(len(present), self.threshold_setting))
         return RoundFacts(self.server.threshold, self.server.culprits)
 
     def _bar(self, exchange: Exchange, member: int, why: str) -> None:
@@ -206,9 +171,9 @@ class RunExchange:
                                  f"{server.threshold}", server.culprits)
         exchange.identified({c: exchange.nodes[c] for c in cohort})
         extra = {"evidence": evidence} if evidence else {}
+        acks = secure_sum.wire(server.acks_for(r, cohort))
         replies = exchange.ask("mr_masked", {c: _message(base, {"arrays": train["arrays"], "config": train["config"]},
-                                                         cohort=cohort, acks=_wire(server.acks_for(r, cohort)),
-                                                         **extra) for c in cohort})
+                                                         cohort=cohort, acks=acks, **extra) for c in cohort})
         digest = round_digest(secure_sum.settings_digest(train["config"]),
                               [train["arrays"][k].numpy() for k in sorted(train["arrays"])])
         sent = self._receipted(exchange, r, cohort, digest, _inputs(exchange, replies, length))
@@ -259,17 +224,17 @@ class RunExchange:
     def _unmask(self, exchange: Exchange, base: dict, cohort: list[int], survivors: list[int], dropped: list[int],
                 receipts: dict) -> dict[int, dict]:
         """E2 when no one dropped; E2' and E3 when someone did. Each holder's answer."""
-        wired = _wire(receipts)
+        wired = secure_sum.wire(receipts)
         if not dropped:
             return _parsed(exchange.ask("mr_unmask", {c: _message(base, cohort=cohort, receipts=wired)
-                                                      for c in cohort}), _shares)
+                                                      for c in cohort}), _unmask_answer)
         signatures = _parsed(exchange.ask("mr_view", {c: _message(base, survivors=survivors, dropped=dropped,
                                                                   receipts=wired) for c in cohort}), _signature)
         if len(signatures) < self.server.threshold:
             raise RoundAbandoned(f"secure aggregation: {len(signatures)} holders signed the round's view, below the "
                                  f"threshold {self.server.threshold}; nothing was unmasked", self.server.culprits)
         return _parsed(exchange.ask("mr_unmask_view", {c: _message(base, maps={"signatures": signatures})
-                                                       for c in signatures}), _shares)
+                                                       for c in signatures}), _unmask_answer)
 
     def _channels(self, exchange: Exchange, base: dict, batch: int, cohort: list[int]) -> dict[int, dict]:
         """Each holder's channel key for the batch, canonical and signed by it for this run and batch (with the
@@ -305,7 +270,8 @@ class RunExchange:
             for holder, delivery in server.keep_dealing(dealer, dealing).items():
                 deliveries.setdefault(holder, {})[dealer] = delivery
         acks = {} if not dealings else _parsed(exchange.ask(
-            "mr_deliver", {h: _message(base, batch=batch, dealings=_wire(deliveries.get(h, {}))) for h in channels}),
+            "mr_deliver", {h: _message(base, batch=batch, dealings=secure_sum.wire(deliveries.get(h, {})))
+                           for h in channels}),
             _acks)
         for holder, signed in acks.items():
             for dealer, signature in signed.items():

@@ -39,13 +39,12 @@ from flwr.serverapp import Grid
 
 from fedsd.secure import client_level, distributed_noise, sum_bound
 from fedsd.secure.identity import read_roster
-from fedsd.secure.secagg_primitives import minimum_threshold
 from fedsd.secure.secagg_server import RoundAbandoned, SecAggServer
 from fedsd.app import secure_sum
 from fedsd.app.records import model_to_record, record_to_model, with_frozen
 from fedsd.app.server.run_exchange import RunExchange
 from fedsd.app.server.secure_plans import distributed_plan, local_noise_bound
-from fedsd.app.server.stage_exchange import Exchange, identify, protocol, refusals, reported
+from fedsd.app.server.stage_exchange import Exchange, cohort_threshold, identify, protocol, refusals, reported
 from fedsd.app.server.strategy import NoClientCanTrain
 
 
@@ -149,7 +148,7 @@ class SecureRounds:
             self.names.update({client: exchange.name(client) for client in cohort})
             plain = sorted(exchange.nodes[c] for c, who in identities.items() if not who["authenticated"])
             n = len(cohort)
-            threshold = min(n, max(minimum_threshold(n), fed.secagg_threshold)) if n else 1
+            threshold = cohort_threshold(n, fed.secagg_threshold)
             length = self.round_plan().dim if self.distributed else secure_sum.vector_length(arrays)
             server = SecAggServer(rid, cohort, length, threshold=threshold) if self.runs is None else \
                 self.runs.facts(cohort)

@@ -20,10 +20,16 @@ from flwr.serverapp import Grid
 
 from fedsd.errors import ConfigError
 from fedsd.secure.identity import Roster, protocol_id, public_line, verify
-from fedsd.secure.secagg_primitives import SEED_BYTES, SELF_SEED_BYTES, identify_message
+from fedsd.secure.secagg_primitives import SEED_BYTES, SELF_SEED_BYTES, identify_message, minimum_threshold
 from fedsd.secure.secagg_server import SecAggServer
 from fedsd.app import secure_sum
 from fedsd.app.secure_sum import KEY_FIELDS, BadMessage, read_map, write_map
+
+
+def cohort_threshold(n: int, setting: int) -> int:
+    """The shares needed to unmask among n holders: the run's `secagg-threshold`, at least
+    `minimum_threshold` and at most n (1 for an empty cohort)."""
+    return min(n, max(minimum_threshold(n), setting)) if n else 1
 
 
 def _size(content: RecordDict) -> int:
