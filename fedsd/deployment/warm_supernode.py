@@ -24,8 +24,16 @@ the installed fedsd).
 Flower's SuperNode sleeps a fixed 3 s after each pull that found no message
 (flwr/supernode/start_client_internal.py; no option sets it), so every stage of a round waits up to
 3 s for its slowest node. `--pull-interval S` (0.1 to 3; first, before Flower's options) runs the
-same `flower-supernode` with that module's sleeps capped at S: its wait after an empty pull, and
-its 0.5 s waits for a reply to push. Left out, the node is Flower's command as it is.
+same `flower-supernode` with that module's wait after an empty pull (a request to the SuperLink)
+capped at S, and its 0.5 s waits for its own task's reply (a look into its own state, in memory)
+at 0.02 s. It also rings a bell (a pipe to this process) when a pull stored a message, and the
+SuperExec's wait between asks for a task ends at the ring: its own poll (a request to the node)
+becomes a fallback of at least 2 s. Left out, the node is Flower's command as it is.
+
+Each task also pays less than Flower's start of it would: the warm process has imported what
+every task imported on its own (httpx's transport, the standard modules the app's forwarder
+uses), and a bundle Flower unzipped, checked and installed once (named by its full SHA-256) is
+not unzipped and checked again at every task: Flower keeps the installed folder either way.
 
 Both processes are in this process's group: stopping the group stops the node, its SuperExec
 and its tasks; this process exits when the SuperNode does, with its status. Options of
@@ -41,13 +49,15 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import types
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 # The warm process: imports Flower once, then forks one task a line read from its stdin (the
 # launcher's pipe) and ends when the pipe does. Ended tasks are reaped by the kernel (SIGCHLD
 # ignored; a task gets the default back, for its own children).
-ZYGOTE = r'''
+ZYGOTE_PRELUDE = r'''
 import json, os, signal, sys, traceback
 from logging import INFO
 import ctypes
@@ -55,10 +65,51 @@ from flwr.supercore import log
 from flwr.supercore.tls import validate_and_resolve_root_certificates
 from flwr.supercore.utils import disable_process_dumping
 from flwr.supernode.runtime.run_clientapp import run_clientapp
+import flwr.supernode.runtime.run_clientapp as task_module
+import hashlib, pathlib
+# What every task imported on its own, a third of its CPU: httpx's transport (httpcore, h11, imported
+# at a client's first use) and the standard modules the app's forwarder imports.
+import httpcore, h11, getpass, tomllib, termios, faulthandler  # noqa: F401
+from flwr.supercore.utils import get_flwr_home
 
 disable_process_dumping(strict=False)  # no task of this uid reopens its pipe or traces it (/proc, ptrace)
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)
 program = os.path.join(os.path.dirname(sys.executable), "flwr-clientapp")
+flower_install = task_module.install_from_fab
+
+
+def install_once(fab_file, *args, **kwargs):
+    # Flower's install_from_fab unzips and checks the whole bundle at every task, then keeps the
+    # folder already installed for it (another third of a task). Here a bundle Flower installed
+    # and checked once, named by its full SHA-256, is not unzipped again: its folder is the one
+    # Flower would return (anything of the node's uid can change that folder, with or without this).
+    if not isinstance(fab_file, bytes) or args or kwargs.get("install_dir") is not None:
+        return flower_install(fab_file, *args, **kwargs)
+    seen = get_flwr_home() / "apps" / ".installed" / hashlib.sha256(fab_file).hexdigest()
+    try:
+        path = pathlib.Path(seen.read_text())
+        if path.is_dir():
+            return path
+    except (OSError, ValueError):
+        pass
+    path = flower_install(fab_file, *args, **kwargs)
+    try:
+        seen.parent.mkdir(parents=True, exist_ok=True)
+        seen.with_suffix(f".{os.getpid()}").write_text(str(path))
+        os.replace(seen.with_suffix(f".{os.getpid()}"), seen)
+    except OSError:
+        pass
+    return path
+
+
+task_module.install_from_fab = install_once
+# A task its SuperExec took while the node was still pulling the message's objects waits for them:
+# Flower's first wait is 1 s (doubling to 10 s); 0.05 s here, the doubling Flower's.
+flower_pull_tree = task_module.pull_and_inflate_object_from_tree
+task_module.pull_and_inflate_object_from_tree = (
+    lambda *args, **kwargs: flower_pull_tree(*args, **{"initial_backoff": 0.05, **kwargs}))
+'''
+ZYGOTE_LOOP = r'''
 for line in iter(sys.stdin.buffer.raw.readline, b""):  # unbuffered: a task holds no later request
     try:
         task = json.loads(line)
@@ -92,20 +143,54 @@ for line in iter(sys.stdin.buffer.raw.readline, b""):  # unbuffered: a task hold
 
 # flower-supernode with its pull loop's sleeps capped (--pull-interval): Flower's own entry point,
 # started after one change to the module that runs the loop (no other sleep, timer or module).
-NODE = r'''
-import sys, time, types
+NODE_PATCH = r'''
+import os, sys, time, types
 import flwr.supernode.start_client_internal as loop
 from flwr.supernode.cli import flower_supernode
-interval = float(sys.argv.pop(1))
-if getattr(loop, "time", None) is not time:
+interval, bell = float(sys.argv.pop(1)), int(sys.argv.pop(1))
+if getattr(loop, "time", None) is not time or not all(
+        callable(getattr(loop, name, None)) for name in ("_pull_and_store_message", "pull_objects")):
     sys.exit("warm_supernode: this Flower's SuperNode loop is not the one --pull-interval knows; leave it out")
 sleep = time.sleep
+
+
+def capped(seconds):
+    # Flower's 3 s follows a pull that found nothing (a request to the SuperLink): capped at the
+    # interval. Its 0.5 s waits are for this node's own task's reply, a look into its own state
+    # in memory: 0.02 s.
+    sleep(min(seconds, interval) if seconds >= 1 else min(seconds, 0.02))
+
+
 names = {k: getattr(time, k) for k in dir(time) if not k.startswith("_")}
-loop.time = types.SimpleNamespace(**{**names, "sleep": lambda seconds: sleep(min(seconds, interval))})
+loop.time = types.SimpleNamespace(**{**names, "sleep": capped})
+pulled = loop._pull_and_store_message
+
+
+def ring(*args, **kwargs):
+    # A message is in the node's state: its SuperExec need not wait out its poll to take it.
+    run_id = pulled(*args, **kwargs)
+    if run_id is not None:
+        try:
+            os.write(bell, b".")
+        except OSError:  # the launcher's end is full (it reads at once) or gone: its poll still runs
+            pass
+    return run_id
+
+
+loop._pull_and_store_message = ring
+# A message is seen once its sender's PushMessages is in, before its objects are: Flower's first
+# wait for an object not there yet is 1 s (doubling to 10 s); 0.05 s here, the doubling Flower's.
+flower_pull_objects = loop.pull_objects
+loop.pull_objects = lambda *args, **kwargs: flower_pull_objects(*args, **{"initial_backoff": 0.05, **kwargs})
+'''
+NODE_START = r'''
 sys.argv[0] = "flower-supernode"
 flower_supernode()
 '''
+ZYGOTE, NODE = ZYGOTE_PRELUDE + ZYGOTE_LOOP, NODE_PATCH + NODE_START
 PULL_INTERVALS = (0.1, 3.0)  # seconds: from a tenth of a second to Flower's own
+# With the node's bell, the SuperExec's own poll is only a fallback: at least this many seconds.
+BELL_FALLBACK = 2.0
 
 
 def seconds(text: str) -> float:
@@ -210,6 +295,23 @@ class ForkExecutor:
         self.cold.close()
 
 
+def listen(bell: int, rung: threading.Event) -> None:
+    """Sets rung at every ring on the bell's pipe, until the node closes its end."""
+    while os.read(bell, 4096):
+        rung.set()
+
+
+def wait_for(rung: threading.Event, seconds: float) -> None:
+    """The SuperExec's wait between asks for a task: until the node rings, at most
+    max(seconds, BELL_FALLBACK). A ring during an ask is kept: the next wait ends at once."""
+    rung.wait(max(seconds, BELL_FALLBACK))
+    rung.clear()
+
+
+def vars_of(module) -> dict:
+    return {k: getattr(module, k) for k in dir(module) if not k.startswith("_")}
+
+
 def main(args: list[str] | None = None) -> None:
     from flwr.supercore.utils import disable_process_dumping
 
@@ -217,10 +319,19 @@ def main(args: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if args is None else args)
     interval = pull_interval(args)
     address = runtime_address(args)
-    command = ["flower-supernode"] if interval is None else [sys.executable, "-P", "-c", NODE, repr(interval)]
+    bell, rung = None, threading.Event()
+    if interval is None:
+        command = ["flower-supernode"]
+    else:  # the node rings when a message is in its state; the SuperExec's wait ends at the ring
+        bell, ringer = os.pipe()
+        os.set_blocking(ringer, False)
+        command = [sys.executable, "-P", "-c", NODE, repr(interval), str(ringer)]
     # The node ends with this process (killed alone, it would leave the node connected, running no task).
-    node = subprocess.Popen([*command, *args, "--isolation", "process"],
+    node = subprocess.Popen([*command, *args, "--isolation", "process"], pass_fds=() if bell is None else (ringer,),
                             preexec_fn=lambda: ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM))
+    if bell is not None:
+        os.close(ringer)
+        threading.Thread(target=listen, args=(bell, rung), daemon=True).start()
 
     def end_with_node():
         # This process ends with its SuperNode, with its exit status (a node refused by the
@@ -238,8 +349,11 @@ def main(args: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, stop)
     from flwr.supercore.superexec import run_superexec as flower
 
-    # The one change to Flower's SuperExec: its executor (Flower picks it by name from two kinds).
+    # The changes to Flower's SuperExec: its executor (Flower picks it by name from two kinds), and,
+    # with the node's bell, its wait between asking for a task: until the bell, its poll a fallback.
     flower.get_executor = lambda *_args, **_kwargs: ForkExecutor()
+    if bell is not None:
+        flower.time = types.SimpleNamespace(**{**vars_of(time), "sleep": lambda s: wait_for(rung, s)})
     try:
         flower.run_superexec(runtime_api_address=address, insecure=True)
     finally:

@@ -41,7 +41,7 @@ from fedsd.app.records import model_to_record, record_to_model
 
 from fedsd.app.server import checkpoint
 from fedsd.app.server.rounds import RoundBook
-from fedsd.app.server.grid import PollingGrid
+from fedsd.app.server.grid import PollingGrid, shorten_object_backoff
 from fedsd.app.server.secure_rounds import SecureRounds
 from fedsd.app.server.strategy import ClientsFailed, RecordingStrategy, base_strategy
 
@@ -65,6 +65,7 @@ def run_server(grid: Grid, cfg: TrainConfig, fed: FedConfig, out: str | Path | N
         # Every message carries the run's settings (the strategy adds them); this is what Flower logs at the start.
         train_config = ConfigRecord({"experiment-id": launch.experiment_id})
         secure = None  # the secure rounds, whose plan and clients' names the result keeps
+        shorten_object_backoff()  # Flower's first wait of 1 s for a reply's objects: 0.05 s (grid.py)
         try:
             if launch.fed.secure_aggregation:  # identify and the five stages of SecAgg+ each round, in place of
                 # the strategy's

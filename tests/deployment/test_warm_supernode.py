@@ -1,0 +1,133 @@
+"""The warm SuperNode's changes to Flower's waits and to each task's start
+(fedsd/deployment/warm_supernode.py), each run as the node runs it: the warm process's prelude
+and the node's patch in an interpreter of their own (they change the process they run in)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from fedsd.deployment import warm_supernode
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_python(code: str, env: dict | None = None, pass_fds=()) -> dict:
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **(env or {})}, pass_fds=pass_fds)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_bundle_installed_and_checked_once_is_not_unzipped_again(tmp_path):
+    """Flower's install_from_fab unzips and checks the whole bundle at every task; the warm
+    process's tasks leave that to Flower once a bundle (by its full SHA-256), and get the folder
+    Flower installed. Another bundle, or a folder gone, is Flower's again."""
+    probe = warm_supernode.ZYGOTE_PRELUDE + r'''
+import json, io, zipfile, shutil
+from flwr.cli.build import build_fab_from_disk
+calls = []
+real = flower_install
+def counted(fab, *a, **k):
+    calls.append(len(fab))
+    return real(fab, *a, **k)
+flower_install = counted
+fab = build_fab_from_disk(pathlib.Path(sys.argv[1]))
+first, second = install_once(fab), install_once(fab)
+after_two = len(calls)
+shutil.rmtree(first)
+third = install_once(fab)
+print(json.dumps(dict(same=str(first) == str(second) == str(third), calls=[after_two, len(calls)],
+                      cli=str(task_module.install_from_fab is install_once), exists=third.is_dir())))
+'''
+    seen = run_python(probe.replace("sys.argv[1]", repr(str(ROOT))), env={"FLWR_HOME": str(tmp_path / "flwr")})
+    assert seen == dict(same=True, calls=[1, 2], cli="True", exists=True)
+    marks = list((tmp_path / "flwr" / "apps" / ".installed").iterdir())
+    assert len(marks) == 1 and len(marks[0].name) == 64  # the bundle's full SHA-256, nothing half-written
+
+
+def test_the_warm_process_has_imported_what_every_task_imported_on_its_own():
+    probe = warm_supernode.ZYGOTE_PRELUDE + r'''
+import json
+print(json.dumps(sorted(m for m in ("httpcore", "h11", "tomllib", "getpass", "fedsd") if m in sys.modules)))
+'''
+    assert run_python(probe) == ["getpass", "h11", "httpcore", "tomllib"]  # and nothing of fedsd
+
+
+def test_the_node_rings_when_a_pull_stored_a_message_and_waits_for_its_own_reply_briefly():
+    """The node's patch: a pull that stored a message rings the bell, one that found nothing does
+    not; its wait after an empty pull is capped at the interval, and its waits for its own task's
+    reply (Flower's 0.5 s) at 0.02 s."""
+    bell, ringer = os.pipe()
+    probe = (warm_supernode.NODE_PATCH.replace("interval, bell = float(sys.argv.pop(1)), int(sys.argv.pop(1))",
+                                               f"interval, bell = 0.2, {ringer}")
+             .replace("pulled = loop._pull_and_store_message",
+                      "answers = iter([None, 7])\npulled = lambda *a, **k: next(answers)") + r'''
+import json
+from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
+tries = []
+def late_object(object_id):  # as the SuperLink answers while the sender still pushes the object
+    tries.append(time.monotonic())
+    if len(tries) == 1:
+        raise ObjectUnavailableError(object_id)
+    return b"x"
+t = time.monotonic(); pulled_objects = loop.pull_objects(["a"], pull_object_fn=late_object); late = time.monotonic() - t
+first, second = loop._pull_and_store_message(), loop._pull_and_store_message()
+t = time.monotonic(); loop.time.sleep(3); empty = time.monotonic() - t
+t = time.monotonic(); loop.time.sleep(0.5); reply = time.monotonic() - t
+print(json.dumps(dict(answers=[first, second], empty=empty, reply=reply, late=late, objects=len(pulled_objects))))
+''')
+    seen = run_python(probe, pass_fds=(ringer,))
+    os.close(ringer)
+    assert seen["answers"] == [None, 7]
+    assert os.read(bell, 64) == b"."  # one ring: the pull that stored a message
+    os.close(bell)
+    assert 0.15 < seen["empty"] < 1.0 and seen["reply"] < 0.25
+    assert seen["objects"] == 1 and seen["late"] < 0.5  # an object pushed late: Flower's first wait is 1 s
+
+
+def test_the_serverapp_waits_briefly_for_a_replys_objects_pushed_late(monkeypatch):
+    """A reply is seen once its node's PushMessages is in, before its objects: Flower's Grid
+    waited 1 s for an object not there yet; the ServerApp's is 0.05 s, doubling as Flower's."""
+    from flwr.superlink.grid import http_grid
+    from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
+
+    from fedsd.app.server.grid import shorten_object_backoff
+
+    monkeypatch.setattr(http_grid, "pull_objects", http_grid.pull_objects)  # put back after the test
+    tries = []
+
+    def late_object(object_id):
+        tries.append(object_id)
+        if len(tries) < 3:
+            raise ObjectUnavailableError(object_id)
+        return b"x"
+
+    shorten_object_backoff()
+    shorten_object_backoff()  # once: the second call changes nothing
+    t = time.monotonic()
+    assert http_grid.pull_objects(["a"], pull_object_fn=late_object) == {"a": b"x"}
+    assert time.monotonic() - t < 0.6 and len(tries) == 3  # Flower's waits: 1 s, then 2 s
+
+
+def test_the_superexec_waits_for_the_bell_and_a_ring_during_an_ask_is_kept():
+    bell, ringer = os.pipe()
+    rung = threading.Event()
+    threading.Thread(target=warm_supernode.listen, args=(bell, rung), daemon=True).start()
+    t = time.monotonic()
+    threading.Timer(0.2, os.write, args=(ringer, b".")).start()
+    warm_supernode.wait_for(rung, 0.5)  # a fallback of at least BELL_FALLBACK (2 s): the ring ends it
+    assert time.monotonic() - t < 1.5
+    os.write(ringer, b".")  # a ring while no one waits (the SuperExec asking): the next wait is none
+    time.sleep(0.1)
+    t = time.monotonic()
+    warm_supernode.wait_for(rung, 0.5)
+    assert time.monotonic() - t < 0.1
+    t = time.monotonic()
+    warm_supernode.wait_for(rung, 0.1)  # no ring: the fallback
+    assert time.monotonic() - t >= warm_supernode.BELL_FALLBACK - 0.05
+    os.close(ringer)
