@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from fedsd.deployment import warm_supernode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,6 +25,7 @@ def run_python(code: str, env: dict | None = None, pass_fds=()) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # an interpreter of its own, importing Flower
 def test_a_bundle_installed_and_checked_once_is_not_unzipped_again(tmp_path):
     """Flower's install_from_fab unzips and checks the whole bundle at every task; the warm
     process's tasks leave that to Flower once a bundle (by its full SHA-256), and get the folder
@@ -50,6 +53,7 @@ print(json.dumps(dict(same=str(first) == str(second) == str(third), calls=[after
     assert len(marks) == 1 and len(marks[0].name) == 64  # the bundle's full SHA-256, nothing half-written
 
 
+@pytest.mark.slow  # an interpreter of its own, importing Flower
 def test_the_warm_process_has_imported_what_every_task_imported_on_its_own():
     probe = warm_supernode.ZYGOTE_PRELUDE + r'''
 import json
@@ -58,6 +62,7 @@ print(json.dumps(sorted(m for m in ("httpcore", "h11", "tomllib", "getpass", "fe
     assert run_python(probe) == ["getpass", "h11", "httpcore", "tomllib"]  # and nothing of fedsd
 
 
+@pytest.mark.slow  # an interpreter of its own, importing Flower
 def test_the_node_rings_when_a_pull_stored_a_message_and_waits_for_its_own_reply_briefly():
     """The node's patch: a pull that stored a message rings the bell, one that found nothing does
     not; its wait after an empty pull is capped at the interval, and its waits for its own task's
@@ -114,14 +119,15 @@ def test_the_serverapp_waits_briefly_for_a_replys_objects_pushed_late(monkeypatc
     assert time.monotonic() - t < 0.6 and len(tries) == 3  # Flower's waits: 1 s, then 2 s
 
 
-def test_the_superexec_waits_for_the_bell_and_a_ring_during_an_ask_is_kept():
+def test_the_superexec_waits_for_the_bell_and_a_ring_during_an_ask_is_kept(monkeypatch):
+    monkeypatch.setattr(warm_supernode, "BELL_FALLBACK", 1.0)
     bell, ringer = os.pipe()
     rung = threading.Event()
     threading.Thread(target=warm_supernode.listen, args=(bell, rung), daemon=True).start()
     t = time.monotonic()
-    threading.Timer(0.2, os.write, args=(ringer, b".")).start()
-    warm_supernode.wait_for(rung, 0.5)  # a fallback of at least BELL_FALLBACK (2 s): the ring ends it
-    assert time.monotonic() - t < 1.5
+    threading.Timer(0.1, os.write, args=(ringer, b".")).start()
+    warm_supernode.wait_for(rung, 0.5)  # a fallback of at least BELL_FALLBACK: the ring ends it
+    assert time.monotonic() - t < 0.8
     os.write(ringer, b".")  # a ring while no one waits (the SuperExec asking): the next wait is none
     time.sleep(0.1)
     t = time.monotonic()
