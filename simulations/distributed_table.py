@@ -148,7 +148,8 @@ def _row(out: Path, recipe: Recipe, part: str, honest: int, central: dict[int, f
 # (the table's partition, --partition, its folder, the protocol): per-round, the whole protocol every round
 # (--secure-sum protocol); multi-round, set up once a run (the study driver's default)
 DEPLOYED = (("iid", "iid", "iid", "per-round"), ("dirichlet0.1", "dirichlet", "dirichlet", "per-round"),
-            ("iid", "iid", "iid-multi-round", "multi-round"))
+            ("iid", "iid", "iid-multi-round", "multi-round"),
+            ("dirichlet0.1", "dirichlet", "dirichlet-multi-round", "multi-round"))
 DEPLOYED_COMMAND = {"per-round": "python -m fedsd.deployment.deployed_distributed --partition {} --secure-sum protocol "
                                  "--work W --out O",
                     "multi-round": "python -m fedsd.deployment.deployed_distributed --partition {} --work W --out O"}

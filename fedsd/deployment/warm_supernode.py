@@ -66,7 +66,7 @@ from flwr.supercore.tls import validate_and_resolve_root_certificates
 from flwr.supercore.utils import disable_process_dumping
 from flwr.supernode.runtime.run_clientapp import run_clientapp
 import flwr.supernode.runtime.run_clientapp as task_module
-import hashlib, pathlib
+import functools, hashlib, inspect, pathlib
 # What every task imported on its own, a third of its CPU: httpx's transport (httpcore, h11, imported
 # at a client's first use) and the standard modules the app's forwarder imports.
 import httpcore, h11, getpass, tomllib, termios, faulthandler  # noqa: F401
@@ -82,13 +82,14 @@ def install_once(fab_file, *args, **kwargs):
     # Flower's install_from_fab unzips and checks the whole bundle at every task, then keeps the
     # folder already installed for it (another third of a task). Here a bundle Flower installed
     # and checked once, named by its full SHA-256, is not unzipped again: its folder is the one
-    # Flower would return (anything of the node's uid can change that folder, with or without this).
-    if not isinstance(fab_file, bytes) or args or kwargs.get("install_dir") is not None:
+    # Flower returned (anything of the node's uid can change that folder, with or without this).
+    if not isinstance(fab_file, bytes) or args or set(kwargs) != {"skip_prompt"} or kwargs["skip_prompt"] is not True:
         return flower_install(fab_file, *args, **kwargs)
-    seen = get_flwr_home() / "apps" / ".installed" / hashlib.sha256(fab_file).hexdigest()
+    apps = get_flwr_home() / "apps"
+    seen = apps / ".installed" / hashlib.sha256(fab_file).hexdigest()
     try:
         path = pathlib.Path(seen.read_text())
-        if path.is_dir():
+        if path.is_absolute() and path.parent == apps and path.is_dir():
             return path
     except (OSError, ValueError):
         pass
@@ -102,12 +103,18 @@ def install_once(fab_file, *args, **kwargs):
     return path
 
 
+def first_wait(function, seconds):
+    # Flower's function with its first wait for an object not there yet at `seconds` (Flower's is
+    # 1 s, doubling to 10 s; the doubling, cap and tries stay Flower's); as it is where a Flower
+    # takes no such keyword.
+    if "initial_backoff" not in inspect.signature(function).parameters:
+        return function
+    return functools.partial(function, initial_backoff=seconds)
+
+
 task_module.install_from_fab = install_once
-# A task its SuperExec took while the node was still pulling the message's objects waits for them:
-# Flower's first wait is 1 s (doubling to 10 s); 0.05 s here, the doubling Flower's.
-flower_pull_tree = task_module.pull_and_inflate_object_from_tree
-task_module.pull_and_inflate_object_from_tree = (
-    lambda *args, **kwargs: flower_pull_tree(*args, **{"initial_backoff": 0.05, **kwargs}))
+# A task its SuperExec took while the node was still pulling the message's objects waits for them.
+task_module.pull_and_inflate_object_from_tree = first_wait(task_module.pull_and_inflate_object_from_tree, 0.05)
 '''
 ZYGOTE_LOOP = r'''
 for line in iter(sys.stdin.buffer.raw.readline, b""):  # unbuffered: a task holds no later request
@@ -144,12 +151,14 @@ for line in iter(sys.stdin.buffer.raw.readline, b""):  # unbuffered: a task hold
 # flower-supernode with its pull loop's sleeps capped (--pull-interval): Flower's own entry point,
 # started after one change to the module that runs the loop (no other sleep, timer or module).
 NODE_PATCH = r'''
-import os, sys, time, types
+import functools, inspect, os, sys, time, types
 import flwr.supernode.start_client_internal as loop
 from flwr.supernode.cli import flower_supernode
 interval, bell = float(sys.argv.pop(1)), int(sys.argv.pop(1))
 if getattr(loop, "time", None) is not time or not all(
-        callable(getattr(loop, name, None)) for name in ("_pull_and_store_message", "pull_objects")):
+        callable(getattr(loop, name, None)) for name in ("_pull_and_store_message", "pull_objects")) or \
+        "pull_objects" not in loop._pull_and_store_message.__code__.co_names or \
+        "initial_backoff" not in inspect.signature(loop.pull_objects).parameters:
     sys.exit("warm_supernode: this Flower's SuperNode loop is not the one --pull-interval knows; leave it out")
 sleep = time.sleep
 
@@ -157,31 +166,40 @@ sleep = time.sleep
 def capped(seconds):
     # Flower's 3 s follows a pull that found nothing (a request to the SuperLink): capped at the
     # interval. Its 0.5 s waits are for this node's own task's reply, a look into its own state
-    # in memory: 0.02 s.
-    sleep(min(seconds, interval) if seconds >= 1 else min(seconds, 0.02))
+    # in memory: 0.05 s.
+    sleep(min(seconds, interval) if seconds >= 1 else min(seconds, 0.05))
 
 
 names = {k: getattr(time, k) for k in dir(time) if not k.startswith("_")}
 loop.time = types.SimpleNamespace(**{**names, "sleep": capped})
-pulled = loop._pull_and_store_message
+rang = []
 
 
-def ring(*args, **kwargs):
+def ring():
     # A message is in the node's state: its SuperExec need not wait out its poll to take it.
-    run_id = pulled(*args, **kwargs)
-    if run_id is not None:
-        try:
-            os.write(bell, b".")
-        except OSError:  # the launcher's end is full (it reads at once) or gone: its poll still runs
-            pass
-    return run_id
+    try:
+        os.write(bell, b".")
+    except BlockingIOError:  # the launcher's end is full: it reads at once, so a ring is pending
+        pass
+    except OSError as e:  # its end gone (the launcher is ending) or never given: said once
+        if not rang:
+            print(f"warm_supernode: the node's bell does not ring ({e}): its SuperExec polls", file=sys.stderr)
+        rang.append(e)
 
 
-loop._pull_and_store_message = ring
-# A message is seen once its sender's PushMessages is in, before its objects are: Flower's first
-# wait for an object not there yet is 1 s (doubling to 10 s); 0.05 s here, the doubling Flower's.
 flower_pull_objects = loop.pull_objects
-loop.pull_objects = lambda *args, **kwargs: flower_pull_objects(*args, **{"initial_backoff": 0.05, **kwargs})
+
+
+def pull_objects(*args, **kwargs):
+    # Called once a pulled message is stored and its task created: the task starts while the node
+    # pulls the objects (it waits for them as the node does). A message is seen once its sender's
+    # PushMessages is in, before its objects are: Flower's first wait for an object not there yet
+    # is 1 s (doubling to 10 s); 0.05 s here, the doubling, its cap and the tries Flower's.
+    ring()
+    return flower_pull_objects(*args, **{"initial_backoff": 0.05, **kwargs})
+
+
+loop.pull_objects = pull_objects
 '''
 NODE_START = r'''
 sys.argv[0] = "flower-supernode"

@@ -55,11 +55,15 @@ def shorten_object_backoff() -> None:
     """Flower's deployed Grid pulls objects with OBJECT_BACKOFF as its first wait. Process-wide
     (the module Flower's Grid calls): the ServerApp's main sets it, once, at its start."""
     import functools
+    import inspect
 
-    from flwr.superlink.grid import http_grid
-
+    try:
+        from flwr.superlink.grid import http_grid
+    except ImportError:  # another Flower: its waits as they are
+        return
     pull = getattr(http_grid, "pull_objects", None)
-    if pull is None or getattr(pull, "func", None) is not None:  # another Flower, or set already
+    if not callable(pull) or isinstance(pull, functools.partial) or \
+            "initial_backoff" not in inspect.signature(pull).parameters:  # another Flower, or set already
         return
     http_grid.pull_objects = functools.partial(pull, initial_backoff=OBJECT_BACKOFF)
 
