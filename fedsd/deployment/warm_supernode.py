@@ -26,9 +26,11 @@ Flower's SuperNode sleeps a fixed 3 s after each pull that found no message
 3 s for its slowest node. `--pull-interval S` (0.1 to 3; first, before Flower's options) runs the
 same `flower-supernode` with that module's wait after an empty pull (a request to the SuperLink)
 capped at S, and its 0.5 s waits for its own task's reply (a look into its own state, in memory)
-at 0.02 s. It also rings a bell (a pipe to this process) when a pull stored a message, and the
-SuperExec's wait between asks for a task ends at the ring: its own poll (a request to the node)
-becomes a fallback of at least 2 s. Left out, the node is Flower's command as it is.
+at 0.05 s. It also rings a bell (a pipe to this process) once a pulled message is stored, before
+its objects are pulled, and the SuperExec's wait between asks for a task ends at the ring: its own
+poll (a request to the node) becomes a fallback of at least 2 s. Each of the node, its tasks and
+the ServerApp's Grid waits 0.05 s, not Flower's 1 s, before asking again for an object not there
+yet. Left out, the node is Flower's command as it is.
 
 Each task also pays less than Flower's start of it would: the warm process has imported what
 every task imported on its own (httpx's transport, the standard modules the app's forwarder
