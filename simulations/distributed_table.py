@@ -247,7 +247,7 @@ def deployed_markdown(rows: list[dict]) -> list[str]:
              "round (docs/algorithms.md, \"Set up once a run\"). Files: results/runs/deploy-distributed-400/. "
              "Simulated: the table's run of the same partition and seed; vs central: against the mean of the central "
              "runs, and against the central run of the same seed. Rounds' minutes: the rounds' own seconds added up "
-             "(start-up left out), on 2 cores, other work beside the multi-round run for part of it.", ""]
+             "(start-up left out), on 2 cores, other work beside each multi-round run for part of it.", ""]
     lines += [f"    {r['command']}" for r in rows]
     lines += ["", "| recipe | partition | protocol | t | seed | test accuracy (%) | vs central (mean) | "
               "vs central, same seed | simulated, same seed (%) | client ε | z | median round s | rounds' minutes |",
