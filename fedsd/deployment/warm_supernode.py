@@ -56,10 +56,25 @@ import types
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
+# Flower's pull of objects (`pull_objects` and what calls it) with its first wait for an object not
+# there yet shortened: both the warm process and the node take it, each an interpreter of its own.
+FIRST_WAIT = r'''
+import functools, inspect
+
+
+def first_wait(function, seconds):
+    # Flower's function with its first wait for an object not there yet at `seconds` (Flower's is
+    # 1 s, doubling to 10 s; the doubling, cap and tries stay Flower's); as it is where a Flower
+    # takes no such keyword.
+    if "initial_backoff" not in inspect.signature(function).parameters:
+        return function
+    return functools.partial(function, initial_backoff=seconds)
+'''
+
 # The warm process: imports Flower once, then forks one task a line read from its stdin (the
 # launcher's pipe) and ends when the pipe does. Ended tasks are reaped by the kernel (SIGCHLD
 # ignored; a task gets the default back, for its own children).
-ZYGOTE_PRELUDE = r'''
+ZYGOTE_PRELUDE = FIRST_WAIT + r'''
 import json, os, signal, sys, traceback
 from logging import INFO
 import ctypes
@@ -68,7 +83,7 @@ from flwr.supercore.tls import validate_and_resolve_root_certificates
 from flwr.supercore.utils import disable_process_dumping
 from flwr.supernode.runtime.run_clientapp import run_clientapp
 import flwr.supernode.runtime.run_clientapp as task_module
-import functools, hashlib, inspect, pathlib
+import hashlib, pathlib
 # What every task imported on its own, a third of its CPU: httpx's transport (httpcore, h11, imported
 # at a client's first use) and the standard modules the app's forwarder imports.
 import httpcore, h11, getpass, tomllib, termios, faulthandler  # noqa: F401
@@ -103,15 +118,6 @@ def install_once(fab_file, *args, **kwargs):
     except OSError:
         pass
     return path
-
-
-def first_wait(function, seconds):
-    # Flower's function with its first wait for an object not there yet at `seconds` (Flower's is
-    # 1 s, doubling to 10 s; the doubling, cap and tries stay Flower's); as it is where a Flower
-    # takes no such keyword.
-    if "initial_backoff" not in inspect.signature(function).parameters:
-        return function
-    return functools.partial(function, initial_backoff=seconds)
 
 
 task_module.install_from_fab = install_once
@@ -152,8 +158,8 @@ for line in iter(sys.stdin.buffer.raw.readline, b""):  # unbuffered: a task hold
 
 # flower-supernode with its pull loop's sleeps capped (--pull-interval): Flower's own entry point,
 # started after one change to the module that runs the loop (no other sleep, timer or module).
-NODE_PATCH = r'''
-import functools, inspect, os, sys, time, types
+NODE_PATCH = FIRST_WAIT + r'''
+import os, sys, time, types
 import flwr.supernode.start_client_internal as loop
 from flwr.supernode.cli import flower_supernode
 interval, bell = float(sys.argv.pop(1)), int(sys.argv.pop(1))
@@ -189,7 +195,7 @@ def ring():
         rang.append(e)
 
 
-flower_pull_objects = loop.pull_objects
+flower_pull_objects = first_wait(loop.pull_objects, 0.05)
 
 
 def pull_objects(*args, **kwargs):
@@ -198,7 +204,7 @@ def pull_objects(*args, **kwargs):
     # PushMessages is in, before its objects are: Flower's first wait for an object not there yet
     # is 1 s (doubling to 10 s); 0.05 s here, the doubling, its cap and the tries Flower's.
     ring()
-    return flower_pull_objects(*args, **{"initial_backoff": 0.05, **kwargs})
+    return flower_pull_objects(*args, **kwargs)
 
 
 loop.pull_objects = pull_objects
