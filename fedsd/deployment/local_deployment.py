@@ -43,11 +43,14 @@ def flower_tool_env(flwr_home: Path) -> dict:
     start one another by name), their own FLWR_HOME, and no per-run `uv sync` of the app's
     dependencies (the venv already holds them, and a package index may not be reachable).
     SuperExec looks for a ClientApp to start every second by default; every round waits for
-    that, so it looks every 0.5 s (0.1 s took CPU from the training clients: results/deploy-vs-sim.md)."""
+    that, so it looks every 0.5 s (0.1 s took CPU from the training clients: results/deploy-vs-sim.md).
+    Flower's telemetry is off unless the caller turned it on (FLWR_TELEMETRY_ENABLED): an owner's
+    machines report nothing of their runs to anyone, and these have no internet to report to."""
     venv_bin = str(Path(sys.executable).parent)
     return {**os.environ, "FLWR_HOME": str(flwr_home), "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.5")}
+            "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.5"),
+            "FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0")}
 
 
 def node_threads(nodes: int, cores: int | None = None) -> int:
@@ -143,6 +146,11 @@ class LocalDeployment:
         # service) takes cores ÷ nodes threads, as Ray gives a simulated client its CPUs, unless the
         # operator set OMP_NUM_THREADS. With torch's default each took every core (2 SuperNodes on
         # 2 cores: (deployed − floor) / simulated 1.89 where one thread each gave 1.17).
+        # The SuperLink and the ServerApp it starts take every core (the operator's OMP_NUM_THREADS
+        # where set): the ServerApp scores each round's model while the nodes wait for the next
+        # round, and on one thread that took 0.85 s of a 4.5 s ten-owner round (the features recipe).
+        self._server_env = {**self.env, "OMP_NUM_THREADS": self.env.get("OMP_NUM_THREADS",
+                                                                         str(os.cpu_count() or 1))}
         self.env.setdefault("OMP_NUM_THREADS", str(node_threads(num_clients)))
         self.node_threads = int(self.env["OMP_NUM_THREADS"])
         self.superlink: subprocess.Popen | None = None
@@ -154,10 +162,11 @@ class LocalDeployment:
         self._network_up = False
 
     # -- processes ---------------------------------------------------------------------------
-    def _start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+    def _start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "ab")
-        proc = subprocess.Popen(cmd, env=self.env, cwd=self.work, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # its own group: stop it with its children
+        # its own group: stop it with its children
+        proc = subprocess.Popen(cmd, env=self.env if env is None else env, cwd=self.work, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self._all.append(proc)
         return proc
@@ -232,7 +241,7 @@ class LocalDeployment:
             "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth", "--host", self.host,
             "--port", str(self.port),
             "--database", str(self.work / "superlink.db") if self.durable_superlink else ":flwr-in-memory:",
-            "--disable-runtime-dependency-installation"])
+            "--disable-runtime-dependency-installation"], env=self._server_env)
         deadline = time.monotonic() + timeout
         while not self._tls_ready():
             if self.superlink.poll() is not None:

@@ -27,7 +27,7 @@ from flwr.clientapp import ClientApp
 
 from fedsd.app.client import node_config as node_configs
 from fedsd.app.client import owner_service
-from fedsd.app import secure_sum
+from fedsd.app import packing, secure_sum
 
 app = ClientApp()
 # Secure aggregation's keys live in the owner's data service, never in this process (the
@@ -40,9 +40,13 @@ def answer(kind: str, msg: Message, context: Context) -> Message:
     # What a client writes while it answers (its ledger, its state, its prepared data) is its
     # own: umask 077 for the message, and the process's own umask back afterwards (a Ray actor,
     # or a test, answers in a process that writes other things too).
+    # A message the ServerApp's Grid packed (fedsd.app.packing) is answered packed: one Flower
+    # object a hop for its records.
     umask = os.umask(0o077)
     try:
-        return Message(reply_content(kind, msg.content, context), reply_to=msg)
+        asked = packing.is_packed(msg.content)
+        content = reply_content(kind, packing.unpack(msg.content), context)
+        return Message(packing.pack(content) if asked else content, reply_to=msg)
     finally:
         os.umask(umask)
 
