@@ -14,8 +14,10 @@ deterministic, so ten identical messages are still one object the SuperLink stor
 Content larger than MAX_PACKED goes as it is: no packed object is larger than the chunks Flower
 itself sends (5 MiB by default), and a large model's cost is its bytes, not its requests.
 
-What is unpacked is read as hostile: at most MAX_PACKED bytes, parsed by protobuf into Flower's
-records or refused (PackError) with what was wrong; nothing else in the message is taken.
+What is unpacked is read as hostile: at most MAX_PACKED bytes are parsed (Flower has pulled the
+record whole before: the bound is on what is parsed, as a plain reply's records are bounded by
+nothing but Flower's own limits), into at most MAX_RECORDS of Flower's records, or refused
+(PackError) with what was wrong; nothing else in the message is taken.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from flwr.app import ConfigRecord, RecordDict
 RECORD = "fedsd.packed"  # the one record of a packed message's content
 FIELD = "records"  # its one field: the RecordDict's protobuf bytes
 MAX_PACKED = 4 << 20  # bytes: under Flower's 5 MiB array chunks
+MAX_RECORDS = 64  # records in a packed RecordDict (fedsd's messages hold at most a handful)
 
 
 class PackError(ValueError):
@@ -61,7 +64,11 @@ def unpack(content: RecordDict) -> RecordDict:
     try:
         proto = ProtoRecordDict()
         proto.ParseFromString(raw)
+        if len(proto.items) > MAX_RECORDS:
+            raise PackError(f"packed records: {len(proto.items)}, over the {MAX_RECORDS} allowed")
         out = recorddict_from_proto(proto)
+    except PackError:
+        raise
     except Exception as e:  # noqa: BLE001  (protobuf's DecodeError, or records Flower cannot build)
         raise PackError(f"packed records that are not Flower's RecordDict ({type(e).__name__})") from None
     if is_packed(out):

@@ -58,6 +58,12 @@ def test_packed_bytes_that_are_not_records_are_refused_with_the_fault(record, ne
         packing.unpack(RecordDict({packing.RECORD: record}))
 
 
+def test_more_records_than_a_message_holds_are_refused():
+    many = packing.pack(RecordDict({f"m{i}": MetricRecord({"a": 1.0}) for i in range(packing.MAX_RECORDS + 1)}))
+    with pytest.raises(packing.PackError, match="over the 64 allowed"):
+        packing.unpack(many)
+
+
 def test_records_packed_twice_are_refused():
     twice = packing.pack(packing.pack(RecordDict({"m": MetricRecord({"a": 1.0})})))
     with pytest.raises(packing.PackError, match="packed again"):
@@ -66,7 +72,8 @@ def test_records_packed_twice_are_refused():
 
 class PackingNodes:
     """A Grid whose node 21 answers with the records it was sent, packed as a ClientApp packs its
-    reply, and whose node 22 answers with packed bytes that are not records."""
+    reply, whose node 22 answers with packed bytes that are not records, and that also hands over
+    a message with such bytes that answers nothing asked."""
 
     def push_messages(self, messages):
         self.sent = {}
@@ -83,17 +90,26 @@ class PackingNodes:
             answer = packing.pack(packing.unpack(content)) if asked.metadata.dst_node_id == 21 else \
                 RecordDict({packing.RECORD: ConfigRecord({packing.FIELD: b"\x0a\xff"})})
             replies.append(Message(answer, reply_to=asked))
+        stray = Message(RecordDict(), dst_node_id=23, message_type="query.x")
+        stray.metadata.__dict__["_message_id"] = "not-asked"
+        garbage = RecordDict({packing.RECORD: ConfigRecord({packing.FIELD: b"\x0a\xff"})})
+        replies.append(Message(garbage, reply_to=stray))
         return replies
 
 
 def test_the_grid_sends_packed_and_a_reply_that_does_not_unpack_is_its_node_missing(flower_task):
     from fedsd.app.server.grid import PollingGrid
 
-    sent = {node: masked_stage() for node in (21, 22)}
-    messages = [Message(content=sent[node], dst_node_id=node, message_type="query.x") for node in sent]
-    replies = {r.metadata.src_node_id: r for r in PollingGrid(PackingNodes(), poll_seconds=0.05)
-               .send_and_receive(messages, timeout=30)}
-    assert [m.content for m in messages] == [sent[21], sent[22]]  # the caller's messages as they were
+    stage = masked_stage()  # one RecordDict to every node, as a strategy sends
+    messages = [Message(content=stage, dst_node_id=node, message_type="query.x") for node in (21, 22)]
+    nodes = PackingNodes()
+    answered = PollingGrid(nodes, poll_seconds=0.05).send_and_receive(messages, timeout=30)
+    replies = {r.metadata.src_node_id: r for r in answered}
+    assert len(answered) == 2  # the stray message that answers nothing asked is dropped
+    assert [m.content for m in messages] == [stage, stage]  # the caller's messages as they were
+    first, second = (content for _, content in nodes.sent.values())
+    assert first is second  # packed once for both
+    sent = {21: stage}
     assert np.array_equal(replies[21].content["arrays"]["student/0.weight"].numpy(),
                           sent[21]["arrays"]["student/0.weight"].numpy())
     bad = next(r for r in replies.values() if r.has_error())

@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterable
 from contextlib import contextmanager
 
-from flwr.app import Error, Message
+from flwr.app import Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
@@ -83,6 +83,9 @@ class PollingGrid(Grid):
     def __init__(self, grid: Grid, poll_seconds: float | None = None):
         self.grid = grid
         self.poll_seconds = poll_seconds if poll_seconds is not None else default_poll_seconds()
+        # Packed where a message travels as objects over the network (fedsd.app.packing); Flower's
+        # in-memory grid (a simulation) hands each Message itself to its ClientApp: nothing to save.
+        self.packs = not in_memory(grid)
 
     # -- everything but the waiting is the wrapped Grid's -----------------------------------
     def set_run(self, run):
@@ -112,7 +115,7 @@ class PollingGrid(Grid):
         contract of Flower's Grid.send_and_receive); a message not taken, or a reply dropped,
         answered at once by an error reply naming its node."""
         messages = list(messages)
-        with packed(messages):
+        with packed(messages if self.packs else []):
             ids = list(self.grid.push_messages(messages))
         replies = [missing(m, "the SuperLink did not take the message for it") for m, i in zip(messages, ids) if not i]
         asked = {i: m for m, i in zip(messages, ids) if i}
@@ -137,7 +140,8 @@ class PollingGrid(Grid):
                         outstanding -= gone
                 if outstanding:
                     time.sleep(self.poll_seconds)
-        return [unpacked(reply, asked.get(reply.metadata.reply_to_message_id)) for reply in replies]
+        replies = [unpacked(reply, asked.get(reply.metadata.reply_to_message_id)) for reply in replies]
+        return [reply for reply in replies if reply is not None]
 
     def _pull(self, ids: set[str], replies: list[Message]) -> set[str]:
         """Pull the replies to `ids` into `replies`; the ids answered."""
@@ -152,10 +156,13 @@ def packed(messages: list[Message]):
     (fedsd.app.packing: three requests at each hop where an ArrayRecord of a model made nine);
     each its own content again afterwards."""
     contents = [m.content if m.has_content() else None for m in messages]
+    packs: dict[int, RecordDict] = {}  # a strategy sends one RecordDict to every node: packed once
     try:
         for message, content in zip(messages, contents):
             if content is not None:
-                message.content = packing.pack(content)
+                if id(content) not in packs:
+                    packs[id(content)] = packing.pack(content)
+                message.content = packs[id(content)]
         yield messages
     finally:
         for message, content in zip(messages, contents):
@@ -163,18 +170,28 @@ def packed(messages: list[Message]):
                 message.content = content
 
 
-def unpacked(reply: Message, asked: Message | None) -> Message:
+def unpacked(reply: Message, asked: Message | None) -> Message | None:
     """A reply with the content its ClientApp packed; one whose packed content does not parse is
-    an error reply naming its node, as one that never came (the strategy records it missing)."""
+    an error reply naming its node, as one that never came (the strategy records it missing), and
+    dropped (None, logged) where it answers nothing asked here."""
     if not reply.has_content() or not packing.is_packed(reply.content):
         return reply
     try:
         reply.content = packing.unpack(reply.content)
         return reply
     except packing.PackError as e:
-        if asked is None:  # not a reply to anything asked here: dropped with its content
-            raise
+        if asked is None:
+            logging.getLogger(__name__).warning("a message that answers nothing asked, dropped: %s", e)
+            return None
         return missing(asked, f"its reply does not parse: {e}")
+
+
+def in_memory(grid: Grid) -> bool:
+    try:
+        from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+    except ImportError:  # another Flower: packed, as over a network
+        return False
+    return isinstance(grid, InMemoryGrid)
 
 
 def missing(message: Message, why: str) -> Message:

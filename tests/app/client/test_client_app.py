@@ -116,6 +116,23 @@ def test_reply_carries_model_arrays_and_metrics_only():
     assert metrics["num-examples"] == 500 and metrics["skipped"] == 0 and 0 < metrics["epsilon"] < 3
 
 
+def test_a_packed_message_is_answered_packed_and_a_plain_one_plain():
+    """The grid packs a message's records into one Flower object (fedsd.app.packing): the ClientApp
+    reads them and answers packed; a plain message (another server's) gets a plain reply."""
+    require("fmnist")
+    from fedsd.app import packing
+
+    federation, flat, context = make("round-start", budget_rounds=1)
+    records = RecordDict({"arrays": model_to_record(initial_model(federation.cfg, 10)),
+                          "config": ConfigRecord({**flat, "server-round": 1})})
+    reply = app(Message(packing.pack(records), dst_node_id=11, message_type="train"), context)
+    assert packing.is_packed(reply.content)
+    content = packing.unpack(reply.content)
+    assert set(content.array_records) == {"arrays"} and content["metrics"]["num-examples"] == 500
+    plain = send(flat, context, record_to_model(content["arrays"]), 2)  # its budget spent: skipped
+    assert not packing.is_packed(plain.content) and plain.content["metrics"]["skipped"] == 1
+
+
 def test_spent_client_replies_skipped_without_arrays():
     require("fmnist")
     federation, flat, context = make("round-start", budget_rounds=1)
