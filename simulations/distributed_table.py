@@ -149,10 +149,12 @@ def _row(out: Path, recipe: Recipe, part: str, honest: int, central: dict[int, f
 # (--secure-sum protocol); multi-round, set up once a run (the study driver's default)
 DEPLOYED = (("iid", "iid", "iid", "per-round"), ("dirichlet0.1", "dirichlet", "dirichlet", "per-round"),
             ("iid", "iid", "iid-multi-round", "multi-round"),
-            ("dirichlet0.1", "dirichlet", "dirichlet-multi-round", "multi-round"))
+            ("dirichlet0.1", "dirichlet", "dirichlet-multi-round", "multi-round"),
+            ("iid", "iid", "iid-one-object", "multi-round, one object a message"))
 DEPLOYED_COMMAND = {"per-round": "python -m fedsd.deployment.deployed_distributed --partition {} --secure-sum protocol "
                                  "--work W --out O",
                     "multi-round": "python -m fedsd.deployment.deployed_distributed --partition {} --work W --out O"}
+DEPLOYED_COMMAND["multi-round, one object a message"] = DEPLOYED_COMMAND["multi-round"]
 
 
 def deployed_rows(out: Path, central: dict[int, float]) -> list[dict]:
@@ -244,10 +246,14 @@ def deployed_markdown(rows: list[dict]) -> list[str]:
              "roster), TLS and node authentication; secure aggregation with distributed noise at record level, "
              "t = n = 10, one seed; the protocol: per-round, the whole secure-aggregation protocol every round (its "
              "runs' state carried from session to session), or multi-round, set up once a run and two exchanges a "
-             "round (docs/algorithms.md, \"Set up once a run\"). Files: results/runs/deploy-distributed-400/. "
+             "round (docs/algorithms.md, \"Set up once a run\"); one object a message: the same on the plumbing of "
+             "results/deploy-distributed.md's section \"Fewer requests a round\" (a message's records one Flower "
+             "object, no unsent telemetry, the grid's pulls at 0.2 s, the server on every core). "
+             "Files: results/runs/deploy-distributed-400/. "
              "Simulated: the table's run of the same partition and seed; vs central: against the mean of the central "
              "runs, and against the central run of the same seed. Rounds' minutes: the rounds' own seconds added up "
-             "(start-up left out), on 2 cores, other work beside each multi-round run for part of it.", ""]
+             "(start-up left out), on 2 cores, other work beside the first two multi-round runs for part of each, "
+             "none beside the one-object run.", ""]
     lines += [f"    {r['command']}" for r in rows]
     lines += ["", "| recipe | partition | protocol | t | seed | test accuracy (%) | vs central (mean) | "
               "vs central, same seed | simulated, same seed (%) | client ε | z | median round s | rounds' minutes |",
