@@ -4,8 +4,9 @@ Each round the ServerApp sends every SuperNode a model of the given shapes (floa
 and waits for all of them to send it back; the ClientApp returns what it received. Nothing
 else is imported or done, so its round is Flower's own cost: a SuperNode's pull, a fresh
 `flwr-clientapp` process per message, the transfers, and the ServerApp's wait for replies.
-The ServerApp pulls replies as often as fedsd's does (fedsd/app/server/grid.py), so the two differ
-only in what fedsd does. It writes out-dir/floor.json: the seconds of every round.
+The ServerApp pulls replies as often as fedsd's does, and its messages and replies are packed as
+fedsd's are (fedsd/app/server/grid.py, fedsd/app/packing.py), so the two differ only in what fedsd
+does. It writes out-dir/floor.json: the seconds of every round.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from fedsd.app import packing
 from fedsd.app.server.grid import PollingGrid
 
 client_app = ClientApp()
@@ -26,7 +28,8 @@ server_app = ServerApp()
 
 @client_app.train()
 def echo(msg: Message, context: Context) -> Message:
-    return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": MetricRecord({"num-examples": 1})}),
+    arrays = packing.unpack(msg.content)["arrays"]  # packed by fedsd's grid, answered packed, as fedsd's ClientApp
+    return Message(packing.pack(RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 1})})),
                    reply_to=msg)
 
 
