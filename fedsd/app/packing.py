@@ -47,14 +47,30 @@ def is_packed(content: RecordDict) -> bool:
     return list(content.keys()) == [RECORD]
 
 
+def records_from_bytes(raw: bytes, max_records: int | None = None) -> RecordDict:
+    """Flower's RecordDict from its protobuf bytes, as Flower's own serde builds it; ValueError,
+    saying why, for bytes that do not parse as one or that hold more than `max_records` records.
+    The one parse of hostile records: the packed messages here and the owner's service wire."""
+    from flwr.common.serde import recorddict_from_proto
+    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
+
+    proto = ProtoRecordDict()
+    try:
+        proto.ParseFromString(raw)
+        count = len(proto.items)
+        records = None if max_records is not None and count > max_records else recorddict_from_proto(proto)
+    except Exception as e:  # noqa: BLE001  (protobuf's DecodeError, or records Flower cannot build)
+        raise ValueError(f"records that are not Flower's RecordDict ({type(e).__name__})") from None
+    if records is None:
+        raise ValueError(f"records: {count}, over the {max_records} allowed")
+    return records
+
+
 def unpack(content: RecordDict) -> RecordDict:
     """The records `pack` packed; content not packed as it is. PackError for a packed record that
     is not one field of at most MAX_PACKED bytes of a RecordDict."""
     if not is_packed(content):
         return content
-    from flwr.common.serde import recorddict_from_proto
-    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
-
     record = content[RECORD]
     if not isinstance(record, ConfigRecord) or list(record.keys()) != [FIELD]:
         raise PackError(f"a packed message's record holds one field, {FIELD!r}")
@@ -62,15 +78,9 @@ def unpack(content: RecordDict) -> RecordDict:
     if not isinstance(raw, bytes) or len(raw) > MAX_PACKED:
         raise PackError(f"a packed message's records are at most {MAX_PACKED} bytes")
     try:
-        proto = ProtoRecordDict()
-        proto.ParseFromString(raw)
-        if len(proto.items) > MAX_RECORDS:
-            raise PackError(f"packed records: {len(proto.items)}, over the {MAX_RECORDS} allowed")
-        out = recorddict_from_proto(proto)
-    except PackError:
-        raise
-    except Exception as e:  # noqa: BLE001  (protobuf's DecodeError, or records Flower cannot build)
-        raise PackError(f"packed records that are not Flower's RecordDict ({type(e).__name__})") from None
+        out = records_from_bytes(raw, MAX_RECORDS)
+    except ValueError as e:
+        raise PackError(f"packed {e}") from None
     if is_packed(out):
         raise PackError("packed records that are packed again")
     return out

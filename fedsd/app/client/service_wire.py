@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 from flwr.app import RecordDict
 
+from fedsd.app.packing import records_from_bytes
+
 # What one message may be: everything that crosses into the service is read as hostile, so each
 # part is bounded before it is parsed, and a frame that stops arriving is given up on.
 MAX_HEADER = 1 << 16  # bytes of a JSON header (its keys are a kind, two ids and a node config)
@@ -134,16 +136,11 @@ def send_records(sock: socket.socket, records: RecordDict) -> None:
 def recv_records(sock: socket.socket, seconds: float | None = None, reserve=None) -> RecordDict:
     """Flower's RecordDict from its protobuf (at most MAX_RECORDS bytes; Refused if it does not
     parse as one)."""
-    from flwr.common.serde import recorddict_from_proto
-    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
-
     raw = recv_frame(sock, MAX_RECORDS, seconds, reserve)
     try:
-        proto = ProtoRecordDict()
-        proto.ParseFromString(raw)
-        return recorddict_from_proto(proto)
-    except Exception as e:  # noqa: BLE001  (protobuf's DecodeError, or records Flower cannot build)
-        raise Refused(f"records that are not Flower's RecordDict ({type(e).__name__})") from None
+        return records_from_bytes(raw)
+    except ValueError as e:
+        raise Refused(str(e)) from None
 
 
 def peer_uid(sock: socket.socket) -> int:
