@@ -18,6 +18,7 @@ fedsd.secure.secagg's docstring (the signatures of Bonawitz et al.'s malicious-s
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import os
 import re
@@ -64,15 +65,30 @@ def parse_public(text: str, where: str = "key") -> bytes:
         raise RosterError(f"{where}: a public key is written ed25519:<base64>")
     try:
         raw = base64.b64decode(text[len(PREFIX):], validate=True)
+    except ValueError:
+        raise RosterError(f"{where}: not a 32-byte Ed25519 public key in base64") from None
+    why = _point_refusal(raw)
+    if why is not None:
+        raise RosterError(f"{where}: {why}")
+    return raw
+
+
+@functools.lru_cache(maxsize=1024)
+def _point_refusal(raw: bytes) -> str | None:
+    """Why `raw` is not the canonical encoding of an Ed25519 point of large order (None: it is). A
+    function of the 32 bytes alone, kept for the last keys checked: an owner's service reads its
+    roster at each message, and the point's decoding and order check were most of the Python
+    time of its message outside the training (py-spy on a deployed round)."""
+    try:
         Ed25519PublicKey.from_public_bytes(raw)
         point = eddsa.import_public_key(raw)
     except ValueError:
-        raise RosterError(f"{where}: not a 32-byte Ed25519 public key in base64") from None
+        return "not a 32-byte Ed25519 public key in base64"
     if point.public_key().export_key(format="raw") != raw:
-        raise RosterError(f"{where}: not the canonical encoding of its Ed25519 point")
+        return "not the canonical encoding of its Ed25519 point"
     if (point.pointQ * 8).is_point_at_infinity():
-        raise RosterError(f"{where}: an Ed25519 key of small order (anyone can sign for it)")
-    return raw
+        return "an Ed25519 key of small order (anyone can sign for it)"
+    return None
 
 
 def verify(public: bytes, signature: object, message: bytes) -> bool:

@@ -100,3 +100,22 @@ def test_a_run_resumed_past_its_first_batch_sets_up_there_and_each_batch_is_deal
         ["identify"] + SETUP + ["mr_masked", "mr_unmask"], ["mr_masked", "mr_unmask"],
         SETUP + ["mr_masked", "mr_unmask"]], [rec.get("abandoned") for rec in f.rounds.records]
     assert [len(rec["survivors"]) for rec in f.rounds.records] == [3, 3, 3]
+
+
+def test_the_next_batch_is_dealt_riding_on_the_two_rounds_before_it_through_the_owners_handlers(rounds):
+    """The owners' own handlers (fedsd.app.client.run_stages, with their records, state folders and ledgers)
+    answer the rides as the ClientApp hands them over: batch 2's channel keys ride on round 7's unmask, its
+    dealing on round 8's masked input, its delivery on round 8's unmask; round 9 is two exchanges."""
+    f, arrays = rounds, rounds.arrays
+    for r in (BATCH - 1, BATCH, BATCH + 1):
+        arrays = f.rounds.one_round(r, arrays)
+    records = f.rounds.records
+    assert [list(rec["stages"]) for rec in records] == [
+        ["identify"] + SETUP + ["mr_masked", "mr_unmask"], ["mr_masked", "mr_unmask"], ["mr_masked", "mr_unmask"]]
+    rides = [(stage, rec["stages"][stage]["ride"]) for rec in records for stage in rec["stages"]
+             if "ride" in rec["stages"][stage]]
+    assert [(stage, ride["stage"], len(ride["answered"]), ride["failed"]) for stage, ride in rides] == [
+        ("mr_unmask", "mr_setup", 3, {}), ("mr_masked", "mr_deal", 3, {}), ("mr_unmask", "mr_deliver", 3, {})]
+    for r in (BATCH - 1, BATCH, BATCH + 1):
+        total, kept = np.load(f.tmp_path / f"secagg-sum-{r}.npy"), _kept(f.tmp_path, r)
+        assert len(kept) == 3 and np.array_equal(total, sum(kept[1:], kept[0]))

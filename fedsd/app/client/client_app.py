@@ -27,7 +27,7 @@ from flwr.clientapp import ClientApp
 
 from fedsd.app.client import node_config as node_configs
 from fedsd.app.client import owner_service
-from fedsd.app import packing, secure_sum
+from fedsd.app import packing, rides, secure_sum
 
 app = ClientApp()
 # Secure aggregation's keys live in the owner's data service, never in this process (the
@@ -41,11 +41,12 @@ def answer(kind: str, msg: Message, context: Context) -> Message:
     # own: umask 077 for the message, and the process's own umask back afterwards (a Ray actor,
     # or a test, answers in a process that writes other things too).
     # A message the ServerApp's Grid packed (fedsd.app.packing) is answered packed: one Flower
-    # object a hop for its records.
+    # object a hop for its records. A second stage riding in it (fedsd.app.rides) goes to the
+    # owner's service after the first, as a message of its own.
     umask = os.umask(0o077)
     try:
         asked = packing.is_packed(msg.content)
-        content = reply_content(kind, packing.unpack(msg.content), context)
+        content = rides.answer(kind, packing.unpack(msg.content), lambda k, records: reply_content(k, records, context))
         return Message(packing.pack(content) if asked else content, reply_to=msg)
     finally:
         os.umask(umask)

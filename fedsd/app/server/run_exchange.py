@@ -7,7 +7,10 @@ rounds is dealt once, ahead of its rounds, so that a steady round is two exchang
   fedsd.secure.secagg_runs.BATCH rounds): `mr_setup` (the holders, the threshold; each owner's
   signed channel key for the batch), `mr_deal` (every holder's channel key; each owner's dealing),
   `mr_deliver` (each holder's shares from every dealer; its signed acknowledgements). Three
-  exchanges at the run's first round and at the first round of each later batch.
+  exchanges at the run's first round; each later batch's ride on the rounds before it
+  (fedsd.app.rides): `mr_setup` on the unmask two rounds before its first, `mr_deal` on the masked
+  input of the round before, `mr_deliver` on that round's unmask. A batch the rides did not seat
+  (fewer than the threshold answered them) is set up at its first round in three exchanges.
 - A round (`RunExchange.round`): E1 `mr_masked` (the cohort, every member's acknowledgements, the
   round's settings and model; each owner's masked input and signed receipt), then, when every member
   of the cohort sent its input, E2 `mr_unmask` (every receipt; each holder's shares of the self
@@ -144,6 +147,7 @@ class RunExchange:
         self.server: RunServer | None = None
         self.dealt: dict[int, list[int]] = {}  # batch → the members who can sit its rounds together
         self.barred: dict[int, str] = {}  # member → what it did that left it out of the rest of the run
+        self.ahead: dict[int, dict] = {}  # the next batch, dealt in rides: its channel keys, then its dealings
 
     def facts(self, present: list[int]) -> RoundFacts:
         """A round's facts, the run's holders set at its first (the nodes identified then)."""
@@ -172,8 +176,9 @@ class RunExchange:
         exchange.identified({c: exchange.nodes[c] for c in cohort})
         extra = {"evidence": evidence} if evidence else {}
         acks = secure_sum.wire(server.acks_for(r, cohort))
-        replies = exchange.ask("mr_masked", {c: _message(base, {"arrays": train["arrays"], "config": train["config"]},
-                                                         cohort=cohort, acks=acks, **extra) for c in cohort})
+        asked = {c: _message(base, {"arrays": train["arrays"], "config": train["config"]}, cohort=cohort, acks=acks,
+                             **extra) for c in cohort}
+        replies = self._ahead_deal(exchange, base, r, asked)
         digest = round_digest(secure_sum.settings_digest(train["config"]),
                               [train["arrays"][k].numpy() for k in sorted(train["arrays"])])
         sent = self._receipted(exchange, r, cohort, digest, _inputs(exchange, replies, length))
@@ -207,7 +212,7 @@ class RunExchange:
             raise RoundAbandoned(f"secure aggregation: {len(survivors)} masked inputs, below the threshold "
                                  f"{server.threshold}; nothing was unmasked", server.culprits)
         receipts = {c: sent[c]["receipt"] for c in survivors}
-        answers = self._unmask(exchange, base, cohort, survivors, dropped, receipts)
+        answers = self._unmask(exchange, base, r, cohort, survivors, dropped, receipts)
         if len(answers) < server.threshold:
             raise RoundAbandoned(f"secure aggregation: {len(answers)} holders answered the unmask, below the "
                                  f"threshold {server.threshold}; nothing was unmasked", server.culprits)
@@ -221,13 +226,14 @@ class RunExchange:
         facts.masked = {c: True for c in survivors}
         return total, [replies[c] for c in survivors]
 
-    def _unmask(self, exchange: Exchange, base: dict, cohort: list[int], survivors: list[int], dropped: list[int],
-                receipts: dict) -> dict[int, dict]:
-        """E2 when no one dropped; E2' and E3 when someone did. Each holder's answer."""
+    def _unmask(self, exchange: Exchange, base: dict, r: int, cohort: list[int], survivors: list[int],
+                dropped: list[int], receipts: dict) -> dict[int, dict]:
+        """E2 when no one dropped (the next batch's set-up riding on it, where it is due); E2' and E3 when
+        someone did. Each holder's answer."""
         wired = secure_sum.wire(receipts)
         if not dropped:
-            return _parsed(exchange.ask("mr_unmask", {c: _message(base, cohort=cohort, receipts=wired)
-                                                      for c in cohort}), _unmask_answer)
+            return _parsed(self._ahead_unmask(exchange, base, r, {c: _message(base, cohort=cohort, receipts=wired)
+                                                                  for c in cohort}), _unmask_answer)
         signatures = _parsed(exchange.ask("mr_view", {c: _message(base, survivors=survivors, dropped=dropped,
                                                                   receipts=wired) for c in cohort}), _signature)
         if len(signatures) < self.server.threshold:
@@ -236,14 +242,11 @@ class RunExchange:
         return _parsed(exchange.ask("mr_unmask_view", {c: _message(base, maps={"signatures": signatures})
                                                        for c in signatures}), _unmask_answer)
 
-    def _channels(self, exchange: Exchange, base: dict, batch: int, cohort: list[int]) -> dict[int, dict]:
+    def _checked_channels(self, exchange: Exchange, batch: int, replies: dict[int, RecordDict]) -> dict[int, dict]:
         """Each holder's channel key for the batch, canonical and signed by it for this run and batch (with the
         server's roster): an unsigned one made every honest dealer refuse the batch."""
-        server, out = self.server, {}
-        channels = _parsed(exchange.ask("mr_setup", {c: _message(base, holders=server.holders,
-                                                                 threshold=server.threshold, batch=batch)
-                                                     for c in cohort}), _channel)
-        for h, c in channels.items():
+        out = {}
+        for h, c in _parsed(replies, _channel).items():
             try:
                 _public(c["key"], "a channel key")
             except ProtocolError:
@@ -254,35 +257,95 @@ class RunExchange:
                 out[h] = c
         return out
 
+    def _setup_message(self, base: dict, batch: int) -> RecordDict:
+        return _message(base, holders=self.server.holders, threshold=self.server.threshold, batch=batch)
+
+    @staticmethod
+    def _deal_message(base: dict, batch: int, channels: dict[int, dict]) -> RecordDict:
+        return _message(base, maps={"channel-keys": {h: c["key"] for h, c in channels.items()},
+                                    "channel-sigs": {h: c["sig"] for h, c in channels.items()}}, batch=batch)
+
+    def _deliveries(self, dealings: dict[int, dict]) -> dict[int, dict]:
+        """Each holder's part of every dealing, the dealings kept for the unmask."""
+        deliveries: dict[int, dict] = {}
+        for dealer, dealing in dealings.items():
+            for holder, delivery in self.server.keep_dealing(dealer, dealing).items():
+                deliveries.setdefault(holder, {})[dealer] = delivery
+        return deliveries
+
+    @staticmethod
+    def _deliver_message(base: dict, batch: int, deliveries: dict) -> RecordDict:
+        return _message(base, batch=batch, dealings=secure_sum.wire(deliveries))
+
+    def _seat(self, exchange: Exchange, batch: int, dealings: dict, replies: dict[int, RecordDict]) -> list[int]:
+        """The acknowledgements kept; the members who can sit the batch's rounds together."""
+        acks = _parsed(replies, _acks)
+        for holder, signed in acks.items():
+            for dealer, signature in signed.items():
+                self.server.keep_ack(dealer, batch, holder, signature)
+        return self._seatable(exchange, batch, sorted(set(dealings) & set(acks)))
+
     def _deal(self, exchange: Exchange, base: dict, r: int, cohort: list[int]) -> list[int]:
-        """Round r's batch set up and dealt: the holders' channel keys, every dealer's batch, each delivered
+        """Round r's batch set up and dealt in three exchanges of its own (the run's first round, or a batch
+        the rides before it did not seat): the holders' channel keys, every dealer's batch, each delivered
         and acknowledged. The members who can sit the batch's rounds together; below the threshold the
         round is abandoned and the batch dealt again at the next (an honest owner's dealing is the same)."""
         server, batch = self.server, batch_of(r, self.server.batch)
-        channels = self._channels(exchange, base, batch, cohort)
-        maps = {"channel-keys": {h: c["key"] for h, c in channels.items()},
-                "channel-sigs": {h: c["sig"] for h, c in channels.items()}}
+        self.ahead.pop(batch, None)
+        channels = self._checked_channels(exchange, batch, exchange.ask(
+            "mr_setup", {c: self._setup_message(base, batch) for c in cohort}))
         dealings = {} if len(channels) < server.threshold else _parsed(exchange.ask(
-            "mr_deal", {c: _message(base, maps=maps, batch=batch) for c in channels}),
+            "mr_deal", {c: self._deal_message(base, batch, channels) for c in channels}),
             _dealing(batch, server.holders, server.batch))
-        deliveries: dict[int, dict] = {}
-        for dealer, dealing in dealings.items():
-            for holder, delivery in server.keep_dealing(dealer, dealing).items():
-                deliveries.setdefault(holder, {})[dealer] = delivery
-        acks = {} if not dealings else _parsed(exchange.ask(
-            "mr_deliver", {h: _message(base, batch=batch, dealings=secure_sum.wire(deliveries.get(h, {})))
-                           for h in channels}),
-            _acks)
-        for holder, signed in acks.items():
-            for dealer, signature in signed.items():
-                server.keep_ack(dealer, batch, holder, signature)
-        seat = self._seatable(exchange, batch, sorted(set(dealings) & set(acks)))
+        deliveries = self._deliveries(dealings)
+        seat = [] if not dealings else self._seat(exchange, batch, dealings, exchange.ask(
+            "mr_deliver", {h: self._deliver_message(base, batch, deliveries.get(h, {})) for h in channels}))
         if len(seat) < server.threshold:
             raise RoundAbandoned(f"secure aggregation: batch {batch} dealt and acknowledged among {len(seat)} "
                                  f"members, below the threshold {server.threshold}; it is dealt again at the next "
                                  f"round", server.culprits)
         self.dealt[batch] = seat
         return seat
+
+    # -- the next batch, dealt riding on the rounds before it (design §2: no exchange of its own) ----------
+    def _due(self, r: int) -> tuple[int, int]:
+        """(the batch after round r's, how many rounds before its first r is): its channel keys ride on the
+        unmask two rounds before, its dealing on the masked input of the round before, its delivery on that
+        round's unmask; 0 rounds where it is dealt already."""
+        nxt = batch_of(r, self.server.batch) + 1
+        return nxt, 0 if nxt in self.dealt else rounds_of(nxt, self.server.batch)[0] - r
+
+    def _ahead_deal(self, exchange: Exchange, base: dict, r: int, asked: dict[int, RecordDict]) -> dict:
+        """E1's replies; the round before a batch, each keyed holder's dealing of it rides on E1."""
+        nxt, due = self._due(r)
+        channels = self.ahead.get(nxt, {}).get("channels", {})
+        if due != 1 or len(channels) < self.server.threshold:
+            return exchange.ask("mr_masked", asked)
+        replies, ridden = exchange.ask_with_ride("mr_masked", asked, "mr_deal", {
+            c: self._deal_message(base, nxt, channels) for c in asked if c in channels})
+        self.ahead[nxt]["dealings"] = _parsed(ridden, _dealing(nxt, self.server.holders, self.server.batch))
+        return replies
+
+    def _ahead_unmask(self, exchange: Exchange, base: dict, r: int, asked: dict[int, RecordDict]) -> dict:
+        """E2's replies; two rounds before a batch its channel keys ride on E2, the round before its delivery
+        (its members seated where they reach the threshold; else it is dealt at its first round)."""
+        nxt, due = self._due(r)
+        if due == 2:
+            replies, ridden = exchange.ask_with_ride("mr_unmask", asked, "mr_setup", {
+                c: self._setup_message(base, nxt) for c in asked})
+            self.ahead[nxt] = {"channels": self._checked_channels(exchange, nxt, ridden)}
+            return replies
+        ahead = self.ahead.pop(nxt, {})
+        dealings, channels = ahead.get("dealings", {}), ahead.get("channels", {})
+        if due != 1 or not dealings:
+            return exchange.ask("mr_unmask", asked)
+        deliveries = self._deliveries(dealings)
+        replies, ridden = exchange.ask_with_ride("mr_unmask", asked, "mr_deliver", {
+            h: self._deliver_message(base, nxt, deliveries.get(h, {})) for h in asked if h in channels})
+        seat = self._seat(exchange, nxt, dealings, ridden)
+        if len(seat) >= self.server.threshold:
+            self.dealt[nxt] = seat
+        return replies
 
     def _seatable(self, exchange: Exchange, batch: int, candidates: list[int]) -> list[int]:
         """The batch's members who can sit its rounds together: each one's shares held (acknowledged) by every

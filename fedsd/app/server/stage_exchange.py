@@ -22,7 +22,7 @@ from fedsd.errors import ConfigError
 from fedsd.secure.identity import Roster, protocol_id, public_line, verify
 from fedsd.secure.secagg_primitives import SEED_BYTES, SELF_SEED_BYTES, identify_message, minimum_threshold
 from fedsd.secure.secagg_server import SecAggServer
-from fedsd.app import secure_sum
+from fedsd.app import rides, secure_sum
 from fedsd.app.secure_sum import KEY_FIELDS, BadMessage, read_map, write_map
 
 
@@ -96,6 +96,34 @@ class Exchange:
             log(WARNING, "secure aggregation round %d, %s: %s dropped: %s", self.server_round, stage, self.name(client),
                 why)
         return good
+
+
+    def ask_with_ride(self, stage: str, contents: dict[int, RecordDict], ride_stage: str,
+                      ride_contents: dict[int, RecordDict]) -> tuple[dict[int, RecordDict], dict[int, RecordDict]]:
+        """`ask`, with a message of `ride_stage` riding in each of `contents` that `ride_contents` has one
+        for (fedsd.app.rides): the good replies, each without its ride, and each ride's reply that came
+        with the stage's record. The stage's record says who was asked the ride and who answered it."""
+        kind, riders = secure_sum.KINDS[ride_stage], sorted(set(ride_contents) & set(contents))
+        good = self.ask(stage, {c: rides.carry(content, kind, ride_contents[c]) if c in riders else content
+                                for c, content in contents.items()})
+        ridden, failed = {}, {}
+        for client in riders:
+            if client not in good:
+                failed[client] = "its carrier was not answered"
+                continue
+            good[client], reply, why = rides.reply_of(good[client])
+            if reply is not None and secure_sum.RECORD in reply:
+                ridden[client] = reply
+            else:
+                failed[client] = why or "a ride's reply without the stage's record"
+                for culprit in CULPRIT.findall(failed[client]):  # its accuser's word, as a carrier's refusal
+                    self.named.setdefault(culprit, f"named by {self.name(client)}: {failed[client]}")
+        self.stages[stage]["ride"] = dict(stage=ride_stage, asked=riders, answered=sorted(ridden),
+                                          failed={str(k): v for k, v in failed.items()})
+        for client, why in failed.items():
+            log(WARNING, "secure aggregation round %d, %s riding on %s: %s dropped: %s", self.server_round,
+                ride_stage, stage, self.name(client), why)
+        return good, ridden
 
 
 def _stage_record(base: dict, **fields) -> RecordDict:

@@ -198,17 +198,21 @@ class ServicesGrid:
     def send_and_receive(self, messages, *, timeout=None):
         from flwr.app import Error, Message
 
+        from fedsd.app import rides
         from fedsd.app.client import run_stages
 
         handlers = {f"query.secagg_{s}": service.HANDLERS[f"secagg-{s}"] for s in secure_sum.STAGES}
         handlers.update({f"query.secagg_{s}": run_stages.HANDLERS[f"secagg-{s}"] for s in secure_sum.RUN_STAGES})
+        by_kind = {"secagg-" + t.removeprefix("query.secagg_"): h for t, h in handlers.items()}
         replies = []
         for m in messages:
             node = m.metadata.dst_node_id
             if node in self.gone:
                 replies.append(Message(Error(code=0, reason="gone"), reply_to=m))
                 continue
-            reply = handlers[m.metadata.message_type](m.content, self.contexts[node])
+            kind = "secagg-" + m.metadata.message_type.removeprefix("query.secagg_")
+            # as the ClientApp does: a ride's part goes to the service after the carrier's (fedsd.app.rides)
+            reply = rides.answer(kind, m.content, lambda k, c, node=node: by_kind[k](c, self.contexts[node]))
             replies.append(Message(self.tamper(m.metadata.message_type, node, reply), reply_to=m))
         return replies
 

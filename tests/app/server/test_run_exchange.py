@@ -17,18 +17,27 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 
-from fedsd.app import secure_sum
+from fedsd.app import rides, secure_sum
 from fedsd.app.client.run_stages import _encoded_field, _round_digest
 from fedsd.app.secure_sum import BadMessage, read_map, write_map
 from fedsd.app.server.run_exchange import RunExchange
 from fedsd.app.server.stage_exchange import Exchange
 from fedsd.secure.identity import Identity, Roster
 from fedsd.secure.secagg_primitives import ProtocolError, _commitment, cohort_digest, receipt_message, round_tag
-from fedsd.secure.secagg_runs import COMMIT, RunMember, decoded, encoded
+from fedsd.secure.secagg_runs import BATCH, COMMIT, RunMember, batch_of, decoded, encoded
 from fedsd.secure.secagg_server import RoundAbandoned
 
 RUN, EXP, LENGTH = 7, "attack-exp", 4
 STAGE = {v: k for k, v in secure_sum.MESSAGE_TYPES.items()}
+KIND_STAGE = {v: k for k, v in secure_sum.KINDS.items()}
+
+
+class _Refused(Exception):
+    """An owner's refusal of a ride's part, as the ClientApp sees its service's."""
+
+    def __init__(self, error):
+        super().__init__(error.reason)
+        self.error = error
 
 
 def wire(x) -> bytes:
@@ -61,13 +70,28 @@ class Fed:
                                sorted(m.metadata.dst_node_id for m in messages)))
         for m in messages:
             client, stage = m.metadata.dst_node_id, STAGE[m.metadata.message_type]
+            if rides.RECORD in m.content:
+                self.asked.append((m.content[secure_sum.RECORD]["server-round"], "ride:" + KIND_STAGE[
+                    m.content[rides.RECORD]["kind"]], [client]))
+
+            def reply_for(kind, content, client=client):  # the ClientApp forwards each part alone (fedsd.app.rides)
+                reply = self._answer(KIND_STAGE[kind], client, content)
+                if isinstance(reply, Error):
+                    raise _Refused(reply)
+                return reply
             try:
-                reply = getattr(self, stage)(self.members[client], m.content)
-            except (BadMessage, ProtocolError, TypeError) as e:
-                reply = Error(code=0, reason=f"secure aggregation refused: {e}"[:300])
-            reply = self.tamper(stage, client, reply)
+                reply = rides.answer(secure_sum.KINDS[stage], m.content, reply_for)
+            except _Refused as e:
+                reply = e.error
             out.append(Message(reply, reply_to=m))
         return out
+
+    def _answer(self, stage, client, content):
+        try:
+            reply = getattr(self, stage)(self.members[client], content)
+        except (BadMessage, ProtocolError, TypeError) as e:
+            reply = Error(code=0, reason=f"secure aggregation refused: {e}"[:300])
+        return self.tamper(stage, client, reply)
 
     # -- the honest owners' handlers (fedsd.app.client.run_stages, minus the ledger and training) --
     @staticmethod
@@ -349,3 +373,61 @@ def test_a_refusal_naming_another_member_is_said_as_its_accusers_word():
     V.append(fed.ids[5])
     exchange = _summed(fed, 1, without=M)
     assert exchange.named[str(V[0])].startswith(f"named by {fed.roster.name(M[0])}:")
+
+
+def _exchanges(fed, r) -> list[str]:
+    return [stage for rr, stage, _ in fed.asked if rr == r and not stage.startswith("ride:")]
+
+
+def _rides(fed, r) -> dict[str, list]:
+    out = {}
+    for rr, stage, who in fed.asked:
+        if rr == r and stage.startswith("ride:"):
+            out.setdefault(stage[5:], []).extend(who)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def test_each_later_batch_is_dealt_riding_on_the_two_rounds_before_it_and_every_round_after_the_first_is_two():
+    """The design's top-up (§2, §13): the next batch's channel keys ride on the unmask two rounds before it, its
+    dealing on the masked input of the round before, its delivery on that round's unmask; no round after the
+    run's first has an exchange of the batch's own (they were three, every eighth round)."""
+    fed = Fed()
+    for r in range(1, 2 * BATCH + 2):
+        _summed(fed, r)
+    assert _exchanges(fed, 1) == ["mr_setup", "mr_deal", "mr_deliver", "mr_masked", "mr_unmask"]
+    assert all(_exchanges(fed, r) == ["mr_masked", "mr_unmask"] for r in range(2, 2 * BATCH + 2))
+    for first in (BATCH + 1, 2 * BATCH + 1):
+        assert _rides(fed, first - 2) == {"mr_setup": fed.ids}
+        assert _rides(fed, first - 1) == {"mr_deal": fed.ids, "mr_deliver": fed.ids}
+        assert fed.runs.dealt[batch_of(first, BATCH)] == fed.ids
+    assert not any(_rides(fed, r) for r in range(1, 2 * BATCH + 2) if r % BATCH not in (0, BATCH - 1))
+
+
+def test_a_batch_whose_rides_too_few_answered_is_dealt_in_exchanges_of_its_own_at_its_first_round():
+    """Fewer than the threshold gave their channel keys riding: no dealing rides, and the batch is set up at its
+    first round as before; the members who did not answer a ride are not taken for culprits."""
+    fed = Fed(tamper=lambda stage, client, reply: Error(code=0, reason="gone") if stage == "mr_setup" and
+              client in fed.ids[:5] and fed.asked[-1][0] == BATCH - 1 else reply)
+    for r in range(1, BATCH + 2):
+        _summed(fed, r)
+    assert _rides(fed, BATCH) == {}
+    assert _exchanges(fed, BATCH + 1) == ["mr_setup", "mr_deal", "mr_deliver", "mr_masked", "mr_unmask"]
+    assert not fed.runs.barred
+
+
+def test_a_dealing_bent_in_its_ride_leaves_its_dealer_out_of_that_batch_and_the_round_carrying_it_is_summed():
+    M = []
+
+    def tamper(stage, client, reply):
+        if stage == "mr_deal" and client in M and fed.asked[-1][0] == BATCH and not isinstance(reply, Error):
+            dealing = unwire(reply[secure_sum.RECORD], "dealing")
+            dealing["entries"].popitem()
+            return RecordDict({secure_sum.RECORD: ConfigRecord({"dealing": wire(dealing)})})
+        return reply
+
+    fed = Fed(tamper=tamper)
+    M.append(fed.ids[2])
+    for r in range(1, BATCH + 1):
+        _summed(fed, r)  # round BATCH carried the bent dealing: summed with every input
+    assert fed.runs.dealt[2] == [i for i in fed.ids if i not in M]
+    _summed(fed, BATCH + 1, without=M)
