@@ -33,7 +33,8 @@ from flwr.app import RecordDict
 
 from fedsd.secure.identity import verify
 from fedsd.secure.secagg_primitives import (NONCE, SHARE_BYTES, ProtocolError, _public, channel_message,
-                                            cohort_digest, receipt_message, round_digest, round_tag, run_tag)
+                                            cohort_digest, held_message, receipt_message, round_digest, round_tag,
+                                            run_tag)
 from fedsd.secure.secagg_runs import COMMIT, batch_of, rounds_of
 from fedsd.secure.secagg_runs_server import RunServer
 from fedsd.secure.secagg_server import RoundAbandoned
@@ -148,6 +149,7 @@ class RunExchange:
         self.dealt: dict[int, list[int]] = {}  # batch → the members who can sit its rounds together
         self.barred: dict[int, str] = {}  # member → what it did that left it out of the rest of the run
         self.ahead: dict[int, dict] = {}  # the next batch, dealt in rides: its channel keys, then its dealings
+        self.here: list[int] = []  # the round's holders here and not barred, whether this batch seated them or not
 
     def facts(self, present: list[int]) -> RoundFacts:
         """A round's facts, the run's holders set at its first (the nodes identified then)."""
@@ -165,6 +167,7 @@ class RunExchange:
         unmask; the sum and the summed members' E1 replies (in id order). `facts.masked`: who was summed."""
         present, server = sorted(exchange.nodes), self.server
         cohort = [c for c in present if c in server.holders and c not in self.barred]
+        self.here = list(cohort)  # the holders here, each asked the next batch's rides (in this round or not)
         strangers = sorted(set(present) - set(server.holders))
         exchange.named.update({str(c): "joined after this run's setup: it sits the run out" for c in strangers})
         batch = batch_of(r, server.batch)
@@ -173,6 +176,7 @@ class RunExchange:
         if len(cohort) < server.threshold:
             raise RoundAbandoned(f"secure aggregation: {len(cohort)} of the run's holders here, below the threshold "
                                  f"{server.threshold}", server.culprits)
+        exchange.aside = {c: exchange.nodes[c] for c in self.here if c not in cohort}
         exchange.identified({c: exchange.nodes[c] for c in cohort})
         extra = {"evidence": evidence} if evidence else {}
         acks = secure_sum.wire(server.acks_for(r, cohort))
@@ -255,6 +259,12 @@ class RunExchange:
                 self._bar(exchange, h, f"batch {batch}: a channel key it did not sign: left out of the rest of the run")
             else:
                 out[h] = c
+        for h, c in list(out.items()):  # one key given by two: a copy (every dealer would refuse the batch)
+            twins = [j for j in out if j != h and out[j]["key"] == c["key"]]
+            for who in twins + [h] if twins else []:
+                out.pop(who, None)
+                exchange.named[str(who)] = (f"batch {batch}: a channel key another holder gave too: both sit the "
+                                            f"batch out")
         return out
 
     def _setup_message(self, base: dict, batch: int) -> RecordDict:
@@ -265,10 +275,16 @@ class RunExchange:
         return _message(base, maps={"channel-keys": {h: c["key"] for h, c in channels.items()},
                                     "channel-sigs": {h: c["sig"] for h, c in channels.items()}}, batch=batch)
 
-    def _deliveries(self, dealings: dict[int, dict]) -> dict[int, dict]:
-        """Each holder's part of every dealing, the dealings kept for the unmask."""
+    def _deliveries(self, exchange: Exchange, dealings: dict[int, dict]) -> dict[int, dict]:
+        """Each holder's part of every dealing, the dealings kept for the unmask; a dealer whose second
+        dealing of a batch has another root than its first is left out of the run (its holders refuse it)."""
         deliveries: dict[int, dict] = {}
         for dealer, dealing in dealings.items():
+            kept = self.server.dealings.get((dealer, dealing["batch"]))
+            if kept is not None and kept["root"] != dealing["root"]:  # its holders keep the first and refuse this
+                self._bar(exchange, dealer, f"batch {dealing['batch']}: dealt twice with two roots: left out of the "
+                                            f"rest of the run")
+                continue
             for holder, delivery in self.server.keep_dealing(dealer, dealing).items():
                 deliveries.setdefault(holder, {})[dealer] = delivery
         return deliveries
@@ -281,9 +297,16 @@ class RunExchange:
         """The acknowledgements kept; the members who can sit the batch's rounds together."""
         acks = _parsed(replies, _acks)
         for holder, signed in acks.items():
+            roots = {d: self.server.dealings.get((d, batch), {}).get("root") for d in signed}
+            if not all(_sized(sig, 64) and roots[d] is not None and _signed(
+                    exchange.roster, holder, sig, held_message(self.tau, holder, d, batch, roots[d]))
+                    for d, sig in signed.items()):  # each owner would refuse it at E1 (a padded one, every round)
+                self._bar(exchange, holder, f"batch {batch}: an acknowledgement it did not sign over the dealing "
+                                            f"kept: left out of the rest of the run")
+                continue
             for dealer, signature in signed.items():
                 self.server.keep_ack(dealer, batch, holder, signature)
-        return self._seatable(exchange, batch, sorted(set(dealings) & set(acks)))
+        return self._seatable(exchange, batch, sorted((set(dealings) & set(acks)) - set(self.barred)))
 
     def _deal(self, exchange: Exchange, base: dict, r: int, cohort: list[int]) -> list[int]:
         """Round r's batch set up and dealt in three exchanges of its own (the run's first round, or a batch
@@ -297,7 +320,7 @@ class RunExchange:
         dealings = {} if len(channels) < server.threshold else _parsed(exchange.ask(
             "mr_deal", {c: self._deal_message(base, batch, channels) for c in channels}),
             _dealing(batch, server.holders, server.batch))
-        deliveries = self._deliveries(dealings)
+        deliveries = self._deliveries(exchange, dealings)
         seat = [] if not dealings else self._seat(exchange, batch, dealings, exchange.ask(
             "mr_deliver", {h: self._deliver_message(base, batch, deliveries.get(h, {})) for h in channels}))
         if len(seat) < server.threshold:
@@ -322,7 +345,7 @@ class RunExchange:
         if due != 1 or len(channels) < self.server.threshold:
             return exchange.ask("mr_masked", asked)
         replies, ridden = exchange.ask_with_ride("mr_masked", asked, "mr_deal", {
-            c: self._deal_message(base, nxt, channels) for c in asked if c in channels})
+            c: self._deal_message(base, nxt, channels) for c in self.here if c in channels})
         self.ahead[nxt]["dealings"] = _parsed(ridden, _dealing(nxt, self.server.holders, self.server.batch))
         return replies
 
@@ -332,16 +355,16 @@ class RunExchange:
         nxt, due = self._due(r)
         if due == 2:
             replies, ridden = exchange.ask_with_ride("mr_unmask", asked, "mr_setup", {
-                c: self._setup_message(base, nxt) for c in asked})
+                c: self._setup_message(base, nxt) for c in self.here})
             self.ahead[nxt] = {"channels": self._checked_channels(exchange, nxt, ridden)}
             return replies
         ahead = self.ahead.pop(nxt, {})
         dealings, channels = ahead.get("dealings", {}), ahead.get("channels", {})
         if due != 1 or not dealings:
             return exchange.ask("mr_unmask", asked)
-        deliveries = self._deliveries(dealings)
+        deliveries = self._deliveries(exchange, dealings)
         replies, ridden = exchange.ask_with_ride("mr_unmask", asked, "mr_deliver", {
-            h: self._deliver_message(base, nxt, deliveries.get(h, {})) for h in asked if h in channels})
+            h: self._deliver_message(base, nxt, deliveries.get(h, {})) for h in self.here if h in channels})
         seat = self._seat(exchange, nxt, dealings, ridden)
         if len(seat) >= self.server.threshold:
             self.dealt[nxt] = seat

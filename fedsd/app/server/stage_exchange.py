@@ -50,6 +50,7 @@ class Exchange:
         self.nodes: dict[int, int] = {secure_sum.secagg_id(node): node for node in sorted(nodes)}
         self.ids = {node: client for client, node in self.nodes.items()}
         self.named: dict[str, str] = {}  # a culprit (protocol id) → what its neighbours said of it
+        self.aside: dict[int, int] = {}  # holders here outside the round's cohort (protocol id → node): asked rides
 
     def name(self, client: int) -> str:
         """A client as its operator knows it: its roster name, else its SuperNode's node id as
@@ -67,15 +68,20 @@ class Exchange:
             self.nodes.setdefault(client, node)
         self.ids = {node: client for client, node in self.nodes.items()}
 
-    def ask(self, stage: str, contents: dict[int, RecordDict]) -> dict[int, RecordDict]:
+    def ask(self, stage: str, contents: dict[int, RecordDict], stages: dict[int, str] | None = None
+            ) -> dict[int, RecordDict]:
+        """Each client its message of `stage` (of `stages[client]` where given), sent together; the good
+        replies."""
         started, started_at = time.perf_counter(), time.time()
-        kind = secure_sum.MESSAGE_TYPES[stage]
-        messages = [Message(content=content, dst_node_id=self.nodes[client], message_type=kind,
-                            group_id=str(self.server_round)) for client, content in contents.items()]
+        kind, nodes = secure_sum.MESSAGE_TYPES, {**self.aside, **self.nodes}
+        ids = {node: client for client, node in nodes.items()}
+        messages = [Message(content=content, dst_node_id=nodes[client],
+                            message_type=kind[(stages or {}).get(client, stage)], group_id=str(self.server_round))
+                    for client, content in contents.items()]
         replies = self.grid.send_and_receive(messages, timeout=self.timeout)
         good, failed = {}, {}
         for reply in replies:
-            client = self.ids.get(reply.metadata.src_node_id, -1)
+            client = ids.get(reply.metadata.src_node_id, -1)
             if reply.has_error():
                 failed[client] = reply.error.reason[:300]
                 for culprit in CULPRIT.findall(failed[client]):  # its accuser's word: said as such, never as fact
@@ -101,12 +107,18 @@ class Exchange:
     def ask_with_ride(self, stage: str, contents: dict[int, RecordDict], ride_stage: str,
                       ride_contents: dict[int, RecordDict]) -> tuple[dict[int, RecordDict], dict[int, RecordDict]]:
         """`ask`, with a message of `ride_stage` riding in each of `contents` that `ride_contents` has one
-        for (fedsd.app.rides): the good replies, each without its ride, and each ride's reply that came
-        with the stage's record. The stage's record says who was asked the ride and who answered it."""
+        for (fedsd.app.rides), and sent alone, in the same send, to those `ride_contents` names that
+        `contents` does not (a holder outside the round's cohort is dealt the next batch too): the good
+        replies, each without its ride, and each ride's reply that came with the stage's record. The
+        stage's record says who was asked the ride, who answered it and who was asked it alone."""
         kind, riders = secure_sum.KINDS[ride_stage], sorted(set(ride_contents) & set(contents))
-        good = self.ask(stage, {c: rides.carry(content, kind, ride_contents[c]) if c in riders else content
-                                for c, content in contents.items()})
-        ridden, failed = {}, {}
+        alone = {c: ride_contents[c] for c in ride_contents if c not in contents}
+        good = self.ask(stage, {**{c: rides.carry(content, kind, ride_contents[c]) if c in riders else content
+                                   for c, content in contents.items()}, **alone}, {c: ride_stage for c in alone})
+        ridden = {c: good.pop(c) for c in alone if c in good}
+        failed = {c: self.stages[stage]["failed"].pop(str(c)) for c in alone if str(c) in self.stages[stage]["failed"]}
+        for key in ("asked", "answered"):
+            self.stages[stage][key] = [c for c in self.stages[stage][key] if c not in alone]
         for client in riders:
             if client not in good:
                 failed[client] = "its carrier was not answered"
@@ -118,8 +130,8 @@ class Exchange:
                 failed[client] = why or "a ride's reply without the stage's record"
                 for culprit in CULPRIT.findall(failed[client]):  # its accuser's word, as a carrier's refusal
                     self.named.setdefault(culprit, f"named by {self.name(client)}: {failed[client]}")
-        self.stages[stage]["ride"] = dict(stage=ride_stage, asked=riders, answered=sorted(ridden),
-                                          failed={str(k): v for k, v in failed.items()})
+        self.stages[stage]["ride"] = dict(stage=ride_stage, asked=sorted(ride_contents), answered=sorted(ridden),
+                                          alone=sorted(alone), failed={str(k): v for k, v in failed.items()})
         for client, why in failed.items():
             log(WARNING, "secure aggregation round %d, %s riding on %s: %s dropped: %s", self.server_round,
                 ride_stage, stage, self.name(client), why)

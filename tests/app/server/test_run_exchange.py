@@ -23,7 +23,8 @@ from fedsd.app.secure_sum import BadMessage, read_map, write_map
 from fedsd.app.server.run_exchange import RunExchange
 from fedsd.app.server.stage_exchange import Exchange
 from fedsd.secure.identity import Identity, Roster
-from fedsd.secure.secagg_primitives import ProtocolError, _commitment, cohort_digest, receipt_message, round_tag
+from fedsd.secure.secagg_primitives import (ProtocolError, _commitment, channel_message, cohort_digest, receipt_message,
+                                            round_tag)
 from fedsd.secure.secagg_runs import BATCH, COMMIT, RunMember, batch_of, decoded, encoded
 from fedsd.secure.secagg_server import RoundAbandoned
 
@@ -64,10 +65,14 @@ class Fed:
 
     def send_and_receive(self, messages, *, timeout=None):
         out = []
-        if messages:
-            self.asked.append((messages[0].content[secure_sum.RECORD]["server-round"],
-                               STAGE[messages[0].metadata.message_type],
-                               sorted(m.metadata.dst_node_id for m in messages)))
+        if messages:  # the send's stage is its first message's; another stage's in it is a ride sent alone
+            first = messages[0].metadata.message_type
+            self.asked.append((messages[0].content[secure_sum.RECORD]["server-round"], STAGE[first],
+                               sorted(m.metadata.dst_node_id for m in messages if m.metadata.message_type == first)))
+            for m in messages:
+                if m.metadata.message_type != first:
+                    self.asked.append((m.content[secure_sum.RECORD]["server-round"],
+                                       "ride:" + STAGE[m.metadata.message_type], [m.metadata.dst_node_id]))
         for m in messages:
             client, stage = m.metadata.dst_node_id, STAGE[m.metadata.message_type]
             if rides.RECORD in m.content:
@@ -431,3 +436,97 @@ def test_a_dealing_bent_in_its_ride_leaves_its_dealer_out_of_that_batch_and_the_
         _summed(fed, r)  # round BATCH carried the bent dealing: summed with every input
     assert fed.runs.dealt[2] == [i for i in fed.ids if i not in M]
     _summed(fed, BATCH + 1, without=M)
+
+
+def _at(fed, r) -> bool:
+    return fed.asked[-1][0] == r  # the round of the send being answered
+
+
+def test_a_member_that_sat_a_batch_out_is_dealt_the_next_one_alone_and_sits_its_rounds():
+    """A review: the rides went to the round's cohort only, so a member out of one batch (its delivery lost once)
+    was never dealt another and sat the whole run out, unnamed; it is asked the rides alone."""
+    V = []
+    fed = Fed(tamper=lambda stage, client, reply: Error(code=0, reason="gone")
+              if stage == "mr_deliver" and client in V and _at(fed, 1) else reply)
+    V.append(fed.ids[-1])
+    for r in range(1, BATCH + 1):
+        _summed(fed, r, without=V)
+    assert V[0] in _rides(fed, BATCH - 1)["mr_setup"] and V[0] in _rides(fed, BATCH)["mr_deliver"]
+    _summed(fed, BATCH + 1)
+
+
+def test_a_batch_whose_delivery_rides_seat_fewer_than_the_threshold_is_dealt_at_its_first_round():
+    gone = []
+    fed = Fed(tamper=lambda stage, client, reply: Error(code=0, reason="gone")
+              if stage == "mr_deliver" and client in gone and _at(fed, BATCH) else reply)
+    gone += fed.ids[:4]
+    for r in range(1, BATCH + 1):
+        _summed(fed, r)
+    assert 2 not in fed.runs.dealt
+    _summed(fed, BATCH + 1)
+    assert _exchanges(fed, BATCH + 1) == ["mr_setup", "mr_deal", "mr_deliver", "mr_masked", "mr_unmask"]
+
+
+@pytest.mark.parametrize("signature", [bytes(64), bytes(1 << 20)])
+def test_an_acknowledgement_the_holder_did_not_sign_leaves_it_out_not_every_owner(signature):
+    """A review: the server kept and shipped any acknowledgement, and a padded one made every owner refuse E1 in
+    every round of the batch, its sender unnamed; now it is checked against the holder's key and the kept root."""
+    H = []
+
+    def tamper(stage, client, reply):
+        if stage == "mr_deliver" and client in H and _at(fed, BATCH) and not isinstance(reply, Error):
+            acks = read_map(reply[secure_sum.RECORD], "acks")
+            write_map(reply[secure_sum.RECORD], "acks", {d: signature for d in acks})
+        return reply
+
+    fed = Fed(tamper=tamper)
+    H.append(fed.ids[1])
+    for r in range(1, BATCH + 1):
+        _summed(fed, r)
+    assert H[0] in fed.runs.barred and H[0] not in fed.runs.dealt[2]
+    _summed(fed, BATCH + 1, without=H)
+
+
+def test_a_channel_key_copied_from_another_holder_leaves_both_out_of_the_batch_and_it_is_dealt():
+    """A review: a member that signed another holder's channel key as its own made every dealer refuse the batch
+    ("two holders gave the same channel key"); the server leaves both out of it, named."""
+    C, V = [], []
+
+    def tamper(stage, client, reply):
+        if stage == "mr_setup" and client in C and _at(fed, BATCH - 1):
+            key = fed.members[V[0]].channel_key(2)["key"]
+            sig = fed.members[C[0]].identity.sign(channel_message(fed.runs.tau, C[0], 2, key))
+            return RecordDict({secure_sum.RECORD: ConfigRecord({"key": key, "sig": sig})})
+        return reply
+
+    fed = Fed(n=10, tamper=tamper)  # T = 7: a batch is dealt to T + f = 8 holders or more
+    C.append(fed.ids[0])
+    V.append(fed.ids[4])
+    for r in range(1, BATCH + 1):
+        _summed(fed, r)
+    _summed(fed, BATCH + 1, without=C + V)
+    assert fed.runs.dealt[2] == [i for i in fed.ids if i not in C + V] and not fed.runs.barred
+
+
+def test_a_dealer_that_deals_a_batch_again_with_another_root_is_left_out_of_the_run():
+    """A review: when the rides fall short the batch is dealt at its first round, and the server kept a second
+    dealing with another root over the first, while its holders kept the first: their good shares then failed
+    the kept commitments at the unmask."""
+    gone, D = [], []
+
+    def tamper(stage, client, reply):
+        if stage == "mr_deliver" and client in gone and _at(fed, BATCH):
+            return Error(code=0, reason="gone")
+        if stage == "mr_deal" and client in D and _at(fed, BATCH + 1) and not isinstance(reply, Error):
+            dealing = unwire(reply[secure_sum.RECORD], "dealing")
+            dealing["root"] = bytes(32)
+            return RecordDict({secure_sum.RECORD: ConfigRecord({"dealing": wire(dealing)})})
+        return reply
+
+    fed = Fed(tamper=tamper)
+    gone += fed.ids[:4]
+    D.append(fed.ids[5])
+    for r in range(1, BATCH + 1):
+        _summed(fed, r)
+    _summed(fed, BATCH + 1, without=D)
+    assert "dealt twice" in fed.runs.barred[D[0]]
