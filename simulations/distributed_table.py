@@ -150,11 +150,13 @@ def _row(out: Path, recipe: Recipe, part: str, honest: int, central: dict[int, f
 DEPLOYED = (("iid", "iid", "iid", "per-round"), ("dirichlet0.1", "dirichlet", "dirichlet", "per-round"),
             ("iid", "iid", "iid-multi-round", "multi-round"),
             ("dirichlet0.1", "dirichlet", "dirichlet-multi-round", "multi-round"),
-            ("iid", "iid", "iid-one-object", "multi-round, one object a message"))
+            ("iid", "iid", "iid-one-object", "multi-round, one object a message"),
+            ("iid", "iid", "iid-rides", "multi-round, later batches dealt riding"))
 DEPLOYED_COMMAND = {"per-round": "python -m fedsd.deployment.deployed_distributed --partition {} --secure-sum protocol "
                                  "--work W --out O",
                     "multi-round": "python -m fedsd.deployment.deployed_distributed --partition {} --work W --out O"}
 DEPLOYED_COMMAND["multi-round, one object a message"] = DEPLOYED_COMMAND["multi-round"]
+DEPLOYED_COMMAND["multi-round, later batches dealt riding"] = DEPLOYED_COMMAND["multi-round"]
 
 
 def deployed_rows(out: Path, central: dict[int, float]) -> list[dict]:
