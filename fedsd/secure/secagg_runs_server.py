@@ -15,9 +15,9 @@ import time
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from fedsd.secure.secagg_primitives import (_commitment, _derive, _info, _public, _rebuilt_mismatch, combine_secret,
-                                            expand_mask, lowest_threshold, pairwise_sign, round_tag, run_tag,
-                                            self_mask_key)
+from fedsd.secure.secagg_primitives import (ProtocolError, _commitment, _derive, _info, _public, _rebuilt_mismatch,
+                                            combine_secret, expand_mask, lowest_threshold, pairwise_sign, round_tag,
+                                            run_tag, self_mask_key)
 from fedsd.secure.secagg_runs import BATCH, COMMIT, RunMember, batch_of, rounds_of
 from fedsd.secure.secagg_server import RoundAbandoned
 
@@ -32,8 +32,12 @@ class RunServer:
         self.culprits: dict[int, str] = {}
 
     def keep_dealing(self, dealer: int, dealing: dict) -> dict[int, dict]:
-        """A dealer's batch kept; what each holder it dealt to is sent of it."""
+        """A dealer's batch kept; what each holder it dealt to is sent of it. ProtocolError for a second
+        dealing of one batch with another root: the first is kept, as its holders keep it."""
         batch = dealing["batch"]
+        kept = self.dealings.get((dealer, batch))
+        if kept is not None and kept["root"] != dealing["root"]:
+            raise ProtocolError(f"batch {batch}: dealt twice with two roots")
         self.dealings[(dealer, batch)] = dealing
         return {h: {**{k: v for k, v in dealing.items() if k != "to"}, "to": dealing["to"][h]} for h in self.holders
                 if h in dealing["to"]}

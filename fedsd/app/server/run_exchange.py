@@ -149,7 +149,6 @@ class RunExchange:
         self.dealt: dict[int, list[int]] = {}  # batch → the members who can sit its rounds together
         self.barred: dict[int, str] = {}  # member → what it did that left it out of the rest of the run
         self.ahead: dict[int, dict] = {}  # the next batch, dealt in rides: its channel keys, then its dealings
-        self.here: list[int] = []  # the round's holders here and not barred, whether this batch seated them or not
 
     def facts(self, present: list[int]) -> RoundFacts:
         """A round's facts, the run's holders set at its first (the nodes identified then)."""
@@ -166,8 +165,7 @@ class RunExchange:
         """Round r: a batch dealt where r's is not (the run's setup at its first), then E1 and the
         unmask; the sum and the summed members' E1 replies (in id order). `facts.masked`: who was summed."""
         present, server = sorted(exchange.nodes), self.server
-        cohort = [c for c in present if c in server.holders and c not in self.barred]
-        self.here = list(cohort)  # the holders here, each asked the next batch's rides (in this round or not)
+        here = cohort = [c for c in present if c in server.holders and c not in self.barred]
         strangers = sorted(set(present) - set(server.holders))
         exchange.named.update({str(c): "joined after this run's setup: it sits the run out" for c in strangers})
         batch = batch_of(r, server.batch)
@@ -176,7 +174,7 @@ class RunExchange:
         if len(cohort) < server.threshold:
             raise RoundAbandoned(f"secure aggregation: {len(cohort)} of the run's holders here, below the threshold "
                                  f"{server.threshold}", server.culprits)
-        exchange.aside = {c: exchange.nodes[c] for c in self.here if c not in cohort}
+        exchange.aside = {c: exchange.nodes[c] for c in here if c not in cohort}  # asked the next batch's rides too
         exchange.identified({c: exchange.nodes[c] for c in cohort})
         extra = {"evidence": evidence} if evidence else {}
         acks = secure_sum.wire(server.acks_for(r, cohort))
@@ -280,12 +278,12 @@ class RunExchange:
         dealing of a batch has another root than its first is left out of the run (its holders refuse it)."""
         deliveries: dict[int, dict] = {}
         for dealer, dealing in dealings.items():
-            kept = self.server.dealings.get((dealer, dealing["batch"]))
-            if kept is not None and kept["root"] != dealing["root"]:  # its holders keep the first and refuse this
-                self._bar(exchange, dealer, f"batch {dealing['batch']}: dealt twice with two roots: left out of the "
-                                            f"rest of the run")
+            try:
+                kept = self.server.keep_dealing(dealer, dealing)
+            except ProtocolError as e:  # a second root: its holders keep the first and refuse this one
+                self._bar(exchange, dealer, f"{e}: left out of the rest of the run")
                 continue
-            for holder, delivery in self.server.keep_dealing(dealer, dealing).items():
+            for holder, delivery in kept.items():
                 deliveries.setdefault(holder, {})[dealer] = delivery
         return deliveries
 
@@ -331,6 +329,11 @@ class RunExchange:
         return seat
 
     # -- the next batch, dealt riding on the rounds before it (design §2: no exchange of its own) ----------
+    @staticmethod
+    def _here(exchange: Exchange) -> list[int]:
+        """The round's holders here and not barred: its cohort, and those this batch did not seat."""
+        return sorted({**exchange.aside, **exchange.nodes})
+
     def _due(self, r: int) -> tuple[int, int]:
         """(the batch after round r's, how many rounds before its first r is): its channel keys ride on the
         unmask two rounds before, its dealing on the masked input of the round before, its delivery on that
@@ -345,7 +348,7 @@ class RunExchange:
         if due != 1 or len(channels) < self.server.threshold:
             return exchange.ask("mr_masked", asked)
         replies, ridden = exchange.ask_with_ride("mr_masked", asked, "mr_deal", {
-            c: self._deal_message(base, nxt, channels) for c in self.here if c in channels})
+            c: self._deal_message(base, nxt, channels) for c in self._here(exchange) if c in channels})
         self.ahead[nxt]["dealings"] = _parsed(ridden, _dealing(nxt, self.server.holders, self.server.batch))
         return replies
 
@@ -355,7 +358,7 @@ class RunExchange:
         nxt, due = self._due(r)
         if due == 2:
             replies, ridden = exchange.ask_with_ride("mr_unmask", asked, "mr_setup", {
-                c: self._setup_message(base, nxt) for c in self.here})
+                c: self._setup_message(base, nxt) for c in self._here(exchange)})
             self.ahead[nxt] = {"channels": self._checked_channels(exchange, nxt, ridden)}
             return replies
         ahead = self.ahead.pop(nxt, {})
@@ -364,7 +367,7 @@ class RunExchange:
             return exchange.ask("mr_unmask", asked)
         deliveries = self._deliveries(exchange, dealings)
         replies, ridden = exchange.ask_with_ride("mr_unmask", asked, "mr_deliver", {
-            h: self._deliver_message(base, nxt, deliveries.get(h, {})) for h in self.here if h in channels})
+            h: self._deliver_message(base, nxt, deliveries.get(h, {})) for h in self._here(exchange) if h in channels})
         seat = self._seat(exchange, nxt, dealings, ridden)
         if len(seat) >= self.server.threshold:
             self.dealt[nxt] = seat

@@ -68,6 +68,11 @@ class Exchange:
             self.nodes.setdefault(client, node)
         self.ids = {node: client for client, node in self.nodes.items()}
 
+    def _accused(self, client: int, refusal: str) -> None:
+        """Each member a refusal names `(culprit: N)`: its accuser's word, said as such, never as fact."""
+        for culprit in CULPRIT.findall(refusal):
+            self.named.setdefault(culprit, f"named by {self.name(client)}: {refusal}")
+
     def ask(self, stage: str, contents: dict[int, RecordDict], stages: dict[int, str] | None = None
             ) -> dict[int, RecordDict]:
         """Each client its message of `stage` (of `stages[client]` where given), sent together; the good
@@ -84,8 +89,7 @@ class Exchange:
             client = ids.get(reply.metadata.src_node_id, -1)
             if reply.has_error():
                 failed[client] = reply.error.reason[:300]
-                for culprit in CULPRIT.findall(failed[client]):  # its accuser's word: said as such, never as fact
-                    self.named.setdefault(culprit, f"named by {self.name(client)}: {failed[client]}")
+                self._accused(client, failed[client])
             elif client in contents and secure_sum.RECORD in reply.content:
                 good[client] = reply.content
             else:
@@ -128,8 +132,7 @@ class Exchange:
                 ridden[client] = reply
             else:
                 failed[client] = why or "a ride's reply without the stage's record"
-                for culprit in CULPRIT.findall(failed[client]):  # its accuser's word, as a carrier's refusal
-                    self.named.setdefault(culprit, f"named by {self.name(client)}: {failed[client]}")
+                self._accused(client, failed[client])
         self.stages[stage]["ride"] = dict(stage=ride_stage, asked=sorted(ride_contents), answered=sorted(ridden),
                                           alone=sorted(alone), failed={str(k): v for k, v in failed.items()})
         for client, why in failed.items():
