@@ -230,6 +230,8 @@ def rule(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.devi
         layout = layout_for("bk", cfg.memory_format)
         captured = _captured(cfg, num_classes, input_shape, device, layout)
         if captured is not None:
+            if cfg.memory_format == AUTO and not any(isinstance(layer, nn.Conv2d) for layer, _, _ in captured):
+                layout = "contiguous"  # channels-last is for convolutions; without one it only slows GroupNorm
             ways = {i: conv_way(layer, a, g, made_for["kernel_isa"], device)
                     for i, (layer, a, g) in enumerate(captured) if isinstance(layer, nn.Conv2d)}
             return Route("bk", layout, ways, conv_kernel.isa(), chosen_by="rule", made_for=made_for)

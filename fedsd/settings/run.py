@@ -178,7 +178,8 @@ class RunConfig:
                                     "instruction set, never by a clock, and recorded with the run: --route gives "
                                     "it back)", choices=GRAD_SAMPLE_MODES)
     memory_format: str = setting("auto", "image and activation layout; auto: channels-last where the "
-                                 "clipping mode is exact under it", choices=MEMORY_FORMATS)
+                                 "clipping mode is exact under it and the network has a convolution",
+                                 choices=MEMORY_FORMATS)
     route: str = setting("", "the clipping route to take, as a run records it: MODE:LAYOUT, or for bk "
                          "bk:LAYOUT:INDEX=WAY,... (e.g. bk:channels-last:0=kernel,1=ghost; fedsd train --route-from "
                          "RUN gives a run's back): that run's weights on any machine with the same thread count and "

@@ -163,22 +163,44 @@ def load_train_state(path, plan: PrivacyPlan) -> TrainState:
         return TrainState.from_state_dict(torch.load(f, weights_only=True), plan)
 
 
-def torch_memory_format(cfg: TrainConfig, device: torch.device | None = None) -> torch.memory_format:
+def torch_memory_format(cfg: TrainConfig, device: torch.device | None = None,
+                        model: torch.nn.Module | None = None) -> torch.memory_format:
     """The layout of a run's images, student and teacher (TrainConfig.channels_last); on CUDA,
     expanded weights under --memory-format auto take NCHW: there torch's expanded-weights
     GroupNorm refuses channels-last input (seen on an H100, torch 2.11: "Expected
-    X.is_contiguous(memory_format)"; results/README.md, the GPU checks)."""
-    if device is not None and device.type == "cuda" and cfg.grad_sample_mode == "ew" and cfg.memory_format == "auto":
+    X.is_contiguous(memory_format)"; results/README.md, the GPU checks). Under auto, a network
+    `model` without a convolution takes NCHW too: channels-last speeds convolutions only, and
+    torch's GroupNorm on channels-last input is about 4x slower (scatter-linear's round halved:
+    results/deploy-distributed.md)."""
+    if cfg.memory_format == "auto" and (
+            (device is not None and device.type == "cuda" and cfg.grad_sample_mode == "ew")
+            or (model is not None and not convolutional(model))):
         return torch.contiguous_format
     return torch.channels_last if cfg.channels_last else torch.contiguous_format
+
+
+def convolutional(model: torch.nn.Module) -> bool:
+    """Whether the network has a convolution (the layers channels-last is for)."""
+    return any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
 
 
 def _rng_seed(cfg: TrainConfig, client: int) -> int:
     return derive_seed(cfg.seed, SEED_CLIENT_RNG, client)
 
 
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 4096) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) over a whole split, in large batches."""
+# Evaluation's batch on a CPU: its temporaries (a few MB) stay in the heap from batch to batch. At
+# 4096 rows they were fresh memory each time (65 MB for scatter-linear's float copy), and on a
+# machine that hands its free memory back (a VM's balloon, DAMON) a ServerApp's evaluation of
+# the 10,000 test images between two rounds took 0.6-1.3 s instead of 0.05 s
+# (results/deploy-distributed.md).
+CPU_EVALUATION_BATCH = 512
+
+
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+             batch_size: int | None = None) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) over a whole split, in batches (`batch_size`, else
+    CPU_EVALUATION_BATCH on a CPU and 4096 on an accelerator)."""
+    batch_size = batch_size or (CPU_EVALUATION_BATCH if x.device.type == "cpu" else 4096)
     model.eval()
     correct, loss_sum = 0, 0.0
     with torch.no_grad():
@@ -261,9 +283,9 @@ class DPTrainer:
         # auto: the route measured fastest on this machine for this configuration, and its layout
         self.route = route if cfg.grad_sample_mode == routes.AUTO else None
         mode = self.route.mode if self.route is not None else cfg.grad_sample_mode
-        self.memory_format = (routes.LAYOUTS[self.route.memory_format] if self.route is not None
-                              else torch_memory_format(cfg, self.device))
         self.model = model_for(cfg, data.num_classes)
+        self.memory_format = (routes.LAYOUTS[self.route.memory_format] if self.route is not None
+                              else torch_memory_format(cfg, self.device, self.model))
         if (mode == "ew" and self.device.type == "cuda" and self.memory_format == torch.channels_last
                 and any(isinstance(m, torch.nn.GroupNorm) for m in self.model.modules())):
             raise ConfigError("--memory-format channels-last: on CUDA, torch's expanded weights (--grad-sample-mode "

@@ -61,6 +61,23 @@ def test_no_clock_decides_a_runs_route(cache, monkeypatch):
     assert json.loads(kept.read_text())["key"]["batch_size"] == 48
 
 
+def test_a_network_without_a_convolution_runs_contiguous_under_auto_and_a_conv_network_channels_last(cache):
+    """channels-last is for convolutions: scatter-linear (GroupNorm, then a linear layer) took
+    about twice as long a step in it (torch's GroupNorm on channels-last input is ~4x slower),
+    and the server's evaluation too. --memory-format channels-last still gets what it asks."""
+    from fedsd.models.networks import model_for
+    from fedsd.training.loop import torch_memory_format
+
+    linear = small(features="scatter", model="scatter-linear")
+    assert routes.for_run(linear, 10, (81, 7, 7), CPU).memory_format == "contiguous"
+    assert routes.for_run(small(), 10, (1, 28, 28), CPU).memory_format == "channels-last"  # mnist-cnn
+    asked = small(features="scatter", model="scatter-linear", memory_format="channels-last")
+    assert routes.for_run(asked, 10, (81, 7, 7), CPU).memory_format == "channels-last"
+    assert torch_memory_format(linear, CPU, model_for(linear, 10)) == torch.contiguous_format
+    assert torch_memory_format(small(), CPU, model_for(small(), 10)) == torch.channels_last
+    assert torch_memory_format(asked, CPU, model_for(asked, 10)) == torch.channels_last
+
+
 @pytest.mark.parametrize("isa,ways", [
     ("avx512", {0: "kernel", 1: "kernel"}),  # mnist-cnn conv2: 0.9× the flops of per-sample gradients
     ("avx2", {0: "kernel", 1: "kernel"}),

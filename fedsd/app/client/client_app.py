@@ -25,8 +25,7 @@ from flwr.app import Context, Message, RecordDict
 from flwr.common import log
 from flwr.clientapp import ClientApp
 
-from fedsd.app.client import node_config as node_configs
-from fedsd.app.client import owner_service
+from fedsd.app.client import forward
 from fedsd.app import packing, rides, secure_sum
 
 app = ClientApp()
@@ -54,14 +53,19 @@ def answer(kind: str, msg: Message, context: Context) -> Message:
 
 def reply_content(kind: str, content: RecordDict, context: Context) -> RecordDict:
     """The reply to a message of this kind: from the owner's data service, the node's warm worker
-    or this process."""
+    or this process. A node with a service imports nothing more of fedsd (fedsd.app.client.forward)."""
+    service = forward.service_of(context.node_config)
+    if service:  # never answered here: this process cannot read the data
+        return forward.ask_service(service, kind, content, context)
+    from fedsd.app.client import node_config as node_configs, owner_service
+
     try:
         node = node_configs.parse(context.node_config)
     except node_configs.NodeConfigError:
         node = None  # said to the server by the round itself (a refusal naming the key)
     if node is not None and node.service:  # never answered here: this process cannot read the data
         return owner_service.ask_service(node, kind, content, context)
-    if kind in owner_service.SECAGG_KINDS:
+    if kind in secure_sum.KINDS.values():
         raise ValueError(SECAGG_NEEDS_SERVICE)
     if node is not None and owner_service.wanted(node):
         try:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from fedsd.app.client.forward import SUPERNODE_WITH_SERVICE
 from fedsd.errors import BudgetRefused, ConfigError, FedsdNote
 from fedsd.settings.declared import OWNER_MIN_CLIENTS, setting, settings_of
 from fedsd.files.state_folder import StateFolder, StateFolderError, state_folder
@@ -347,8 +348,6 @@ def parse(node_config: Mapping) -> NodeConfig:
     return node
 
 
-# With service=...: what the SuperNode's own node config holds (the rest is the service's).
-SUPERNODE_WITH_SERVICE = ("partition-id", "num-partitions", "service")
 
 
 def state_root_of(state_dir: str) -> Path:

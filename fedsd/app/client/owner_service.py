@@ -59,7 +59,6 @@ import logging
 import os
 import signal
 import socket
-import stat
 import subprocess
 import threading
 import time
@@ -74,15 +73,18 @@ from fedsd.app.client.node_config import (NodeConfig, NodeConfigError, identity_
 from fedsd.errors import BudgetRefused
 from fedsd.files.state_folder import StateFolderError
 from fedsd.app import secure_sum
+from fedsd.app.client.forward import (SUN_PATH_MAX, TAKEN, ServiceError, ServiceUnavailable,  # noqa: F401
+                                      answer as _answer, connect as _connect, offer as _offer,
+                                      reachable as _reachable)
+from fedsd.app.client import forward
 from fedsd.app.client.service_wire import (FRAME_SECONDS, Refused, Slots, peer_credentials, recv_json,
-                                           recv_records, send_frame, send_json, send_records)
+                                           recv_records, send_frame, send_json)
 
 APP_ROOT = Path(__file__).resolve().parents[3]  # the installed code's folder, the one holding fedsd/
 CODE = ("fedsd",)  # the code that answers a node's rounds
 START_SECONDS = 120.0  # how long a new worker may take to import torch and listen
 MAX_CONTEXTS = 16  # (run, node) states kept in memory; the privacy state is on disk in any case
 SERVICE_LOCK = "service.lock"  # in the state folder: held by the owner's service for its life
-TAKEN = {"status": "taken"}  # the service's word that it has the message and will answer it
 KINDS = ("train", "evaluate")
 # Secure aggregation's stages (fedsd/app/client/secure_stages.py): the owner's service only, whose
 # memory alone holds a round's keys.
@@ -91,14 +93,6 @@ SECAGG_KINDS = tuple(secure_sum.KINDS.values())
 # go to the owner's log only.
 FAILED = "the owner's data service could not answer this message; its owner's log has the details"
 log = logging.getLogger("fedsd.data_service")
-
-
-class ServiceError(RuntimeError):
-    """The data service stopped while answering a message it had taken, or said it failed."""
-
-
-class ServiceUnavailable(RuntimeError):
-    """No data service could be started or reached; the message was not taken."""
 
 
 def wanted(node: NodeConfig) -> bool:
@@ -141,17 +135,8 @@ def _code_files() -> list[Path]:
 
 # -- the ClientApp's side ------------------------------------------------------------------------
 def ask_service(node: NodeConfig, kind: str, content: RecordDict, context: Context) -> RecordDict:
-    """Forward a message to the owner's data service at `node.service` (ServiceUnavailable if
-    none listens there: the ClientApp never answers an own-data round itself)."""
-    sock = _connect(Path(node.service))
-    if sock is None:
-        raise ServiceUnavailable(f"no data service listens at service='{node.service}' (start it with "
-                                 f"`fedsd data-service`, clients/README.md)")
-    with sock:
-        taken = _offer(sock, kind, content, context)
-        if not taken:
-            raise ServiceUnavailable(f"the data service at {node.service} did not take the message")
-        return _answer(sock, kind, node.service)
+    """Forward a message to the owner's data service at `node.service` (fedsd.app.client.forward)."""
+    return forward.ask_service(node.service, kind, content, context)
 
 
 def ask_worker(node: NodeConfig, kind: str, content: RecordDict, context: Context) -> RecordDict:
@@ -171,30 +156,6 @@ def ask_worker(node: NodeConfig, kind: str, content: RecordDict, context: Contex
         return _answer(sock, kind, folder / "worker.log")
 
 
-def _offer(sock: socket.socket, kind: str, content: RecordDict, context: Context) -> bool:
-    """Whether the service took the message (ServiceError when it refused it, with its reason)."""
-    try:
-        send_json(sock, {"kind": kind, "run_id": int(context.run_id), "node_id": int(context.node_id),
-                         "node_config": dict(context.node_config)})
-        send_records(sock, content)
-        answer = recv_json(sock)
-    except (EOFError, OSError, ValueError):
-        return False
-    if answer.get("status") == "refused":
-        raise ServiceError(f"the data service refused the message: {answer.get('error')}")
-    return answer == TAKEN
-
-
-def _answer(sock: socket.socket, kind: str, where) -> RecordDict:
-    try:
-        header = recv_json(sock)
-        if header.get("status") == "ok":
-            return recv_records(sock)
-    except (EOFError, OSError, ValueError):
-        raise ServiceError(f"the data service stopped while answering a {kind} message (see {where})") from None
-    raise ServiceError(str(header.get("error", "the data service failed")))
-
-
 def worker_folder(node: NodeConfig) -> Path:
     """The warm worker's folder: its socket, its start lock and its log (the node's user only)."""
     return private_folder(private_folder(node.state_root) / "worker")
@@ -209,47 +170,6 @@ def start_lock(folder: Path):
         yield
     finally:
         os.close(fd)  # and the lock with it
-
-
-# A Unix socket's address is at most 107 bytes. A state folder deeper than that (a long home,
-# a test's temporary folder) keeps its socket: bind and connect reach it through an open
-# descriptor of its folder (/proc/self/fd/N/NAME, Linux), where the path alone would fail.
-SUN_PATH_MAX = 107
-
-
-@contextmanager
-def _reachable(address: Path):
-    """`address` as bind and connect take it."""
-    if len(os.fsencode(address)) <= SUN_PATH_MAX or not os.path.isdir("/proc/self/fd"):
-        yield str(address)
-        return
-    fd = os.open(address.parent, os.O_PATH | os.O_DIRECTORY)
-    try:
-        yield f"/proc/self/fd/{fd}/{address.name}"
-    finally:
-        os.close(fd)
-
-
-def _connect(address: Path, remove_stale: bool = True) -> socket.socket | None:
-    """A connection to the service listening at `address`, or None; a socket file nobody
-    listens at (a worker that has gone) is removed when it is ours, unless `remove_stale` is
-    False (a worker starting: its socket file exists from its bind, before it listens)."""
-    try:
-        st = os.lstat(address)
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISSOCK(st.st_mode):
-        raise ServiceUnavailable(f"{address} is not a socket")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        with _reachable(address) as where:
-            sock.connect(where)
-        return sock
-    except (ConnectionRefusedError, FileNotFoundError):
-        sock.close()
-        if remove_stale and st.st_uid == os.geteuid():
-            address.unlink(missing_ok=True)
-        return None
 
 
 def _start_worker(folder: Path, address: Path, node: NodeConfig) -> socket.socket:

@@ -121,14 +121,15 @@ class ServerSide:
             if out is not None:
                 fresh_out_dir(out, overwrite)  # holds checkpoint.pt per round, then result.json
         device = resolve_device(cfg.device)
-        layout = torch_memory_format(cfg)  # as the clients train
+        net = model_for(cfg, num_classes)
+        layout = torch_memory_format(cfg, device, net)  # as the clients train
 
         def on_device(split):
             return None if split is None else (split[0].to(device).contiguous(memory_format=layout),
                                                split[1].to(device))
 
         test, validation = on_device(test), on_device(validation)
-        net = model_for(cfg, num_classes).to(device, memory_format=layout)
+        net = net.to(device, memory_format=layout)
         shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
         # A custom task has no public test split at the server: its clients evaluate on their own.
         strategy = RecordingStrategy(base_strategy(fed, fed.federated_evaluation or test is None), fed, shapes,
