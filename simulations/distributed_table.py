@@ -151,12 +151,14 @@ DEPLOYED = (("iid", "iid", "iid", "per-round"), ("dirichlet0.1", "dirichlet", "d
             ("iid", "iid", "iid-multi-round", "multi-round"),
             ("dirichlet0.1", "dirichlet", "dirichlet-multi-round", "multi-round"),
             ("iid", "iid", "iid-one-object", "multi-round, one object a message"),
-            ("iid", "iid", "iid-rides", "multi-round, later batches dealt riding"))
+            ("iid", "iid", "iid-rides", "multi-round, later batches dealt riding"),
+            ("iid", "iid", "iid-light", "multi-round, riding, lighter rounds"))
 DEPLOYED_COMMAND = {"per-round": "python -m fedsd.deployment.deployed_distributed --partition {} --secure-sum protocol "
                                  "--work W --out O",
                     "multi-round": "python -m fedsd.deployment.deployed_distributed --partition {} --work W --out O"}
 DEPLOYED_COMMAND["multi-round, one object a message"] = DEPLOYED_COMMAND["multi-round"]
 DEPLOYED_COMMAND["multi-round, later batches dealt riding"] = DEPLOYED_COMMAND["multi-round"]
+DEPLOYED_COMMAND["multi-round, riding, lighter rounds"] = DEPLOYED_COMMAND["multi-round"]
 
 
 def deployed_rows(out: Path, central: dict[int, float]) -> list[dict]:
@@ -250,7 +252,10 @@ def deployed_markdown(rows: list[dict]) -> list[str]:
              "runs' state carried from session to session), or multi-round, set up once a run and two exchanges a "
              "round (docs/algorithms.md, \"Set up once a run\"); one object a message: the same on the plumbing of "
              "results/deploy-distributed.md's section \"Fewer requests a round\" (a message's records one Flower "
-             "object, no unsent telemetry, the grid's pulls at 0.2 s, the server on every core). "
+             "object, no unsent telemetry, the grid's pulls at 0.2 s, the server on every core); later batches "
+             "dealt riding: each batch of eight rounds set up riding on the two rounds before it (fedsd/app/rides.py); "
+             "lighter rounds: the section \"The simulated round halved\" (the server's evaluation in small batches, "
+             "NCHW for a network without a convolution, the ClientApp tasks' imports). "
              "Files: results/runs/deploy-distributed-400/. "
              "Simulated: the table's run of the same partition and seed; vs central: against the mean of the central "
              "runs, and against the central run of the same seed. Rounds' minutes: the rounds' own seconds added up "
