@@ -49,7 +49,9 @@ WARMUP, REPEATS, MAX_REPEATS = 1, 3, 9
 # The rule's name, recorded with each route it makes: a later change of RULES takes a new one
 # (isa-flops-1: the kernel on avx512 only, ghost norms below 0.5× the flops; a route recorded by
 # it is given back as it was).
-RULE = "isa-flops-2"
+# isa-flops-2: under --memory-format auto, channels-last for every network; isa-flops-3: NCHW for a
+# network without a convolution.
+RULE = "isa-flops-3"
 # Book-keeping's way per conv layer, by the instruction set of fedsd.clipping.conv_kernel's build (None:
 # no kernel; "cuda": a GPU): where per-sample gradients come from ("kernel" where it applies,
 # else PyTorch's patches), and below what share of their flops ghost norms are taken instead.
@@ -194,6 +196,12 @@ def _made_for(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch
                 kernel_isa=conv_kernel.isa() if device.type == "cpu" else None)
 
 
+def _convolutional(cfg, num_classes: int) -> bool:
+    from fedsd.models.networks import convolutional, model_for
+
+    return convolutional(model_for(cfg, num_classes, seed=0))
+
+
 def _captured(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.device, layout: str):
     """Book-keeping's (layer, a, g) of each layer on two samples of the real shape in `layout`
     (the rule reads their shapes and layouts, not their values), or None where book-keeping
@@ -228,10 +236,10 @@ def rule(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.devi
     made_for = dict(_made_for(cfg, num_classes, input_shape, device), rule=RULE)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         layout = layout_for("bk", cfg.memory_format)
+        if cfg.memory_format == AUTO and not _convolutional(cfg, num_classes):
+            layout = "contiguous"  # channels-last is for convolutions; without one it only slowed GroupNorm (~4x)
         captured = _captured(cfg, num_classes, input_shape, device, layout)
         if captured is not None:
-            if cfg.memory_format == AUTO and not any(isinstance(layer, nn.Conv2d) for layer, _, _ in captured):
-                layout = "contiguous"  # channels-last is for convolutions; without one it only slows GroupNorm
             ways = {i: conv_way(layer, a, g, made_for["kernel_isa"], device)
                     for i, (layer, a, g) in enumerate(captured) if isinstance(layer, nn.Conv2d)}
             return Route("bk", layout, ways, conv_kernel.isa(), chosen_by="rule", made_for=made_for)

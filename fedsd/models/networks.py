@@ -370,6 +370,12 @@ def input_shape_of(cfg) -> tuple[int, int, int]:
     return feature_shape(channels, size) if cfg.features == "scatter" else (channels, size, size)
 
 
+def convolutional(model: nn.Module) -> bool:
+    """Whether the network has a 2-d convolution, frozen or trained: the layers channels-last is
+    for (--memory-format auto lays out every other network NCHW)."""
+    return any(isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)) for m in model.modules())
+
+
 def model_for(cfg, num_classes: int, seed: int | None = None, weights: bool = False) -> nn.Module:
     """The network of a (resolved) run, for its task: its trained blocks only under --features
     backbone (the frozen ones compute the features, `backbone_for`). weights=True: with

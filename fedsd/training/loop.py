@@ -35,7 +35,7 @@ from fedsd.settings.run import TrainConfig, check_layout
 from fedsd.data.datasets import TensorData
 from fedsd.methods import EpochLoss, Model, Weights, method_of, release_callbacks, with_release
 from fedsd.models import pretrained
-from fedsd.models.networks import model_for
+from fedsd.models.networks import convolutional, model_for
 from fedsd.training.physical_batches import physical_batch_size
 from fedsd.privacy.accounting import AccountantHistory, PrivacyPlan, steps_per_epoch
 from fedsd.privacy.secret_random import SecretStream
@@ -179,10 +179,6 @@ def torch_memory_format(cfg: TrainConfig, device: torch.device | None = None,
     return torch.channels_last if cfg.channels_last else torch.contiguous_format
 
 
-def convolutional(model: torch.nn.Module) -> bool:
-    """Whether the network has a convolution (the layers channels-last is for)."""
-    return any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
-
 
 def _rng_seed(cfg: TrainConfig, client: int) -> int:
     return derive_seed(cfg.seed, SEED_CLIENT_RNG, client)
@@ -200,7 +196,8 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
              batch_size: int | None = None) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) over a whole split, in batches (`batch_size`, else
     CPU_EVALUATION_BATCH on a CPU and 4096 on an accelerator)."""
-    batch_size = batch_size or (CPU_EVALUATION_BATCH if x.device.type == "cpu" else 4096)
+    if batch_size is None:
+        batch_size = CPU_EVALUATION_BATCH if x.device.type == "cpu" else 4096
     model.eval()
     correct, loss_sum = 0, 0.0
     with torch.no_grad():

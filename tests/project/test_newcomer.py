@@ -373,6 +373,20 @@ def test_central_training_needs_no_flower(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_the_node_configs_reading_needs_no_flower():
+    """`fedsd ledger` reads an owner's record folder with the node config's module and no Flower:
+    the ClientApp's forwarding, whose service-node form that module shares, loads Flower only to send."""
+    block = ("import importlib.abc, sys\n"
+             "class NoFlower(importlib.abc.MetaPathFinder):\n"
+             "    def find_spec(self, name, path, target=None):\n"
+             "        if name.split('.')[0] in ('flwr', 'flwr_datasets', 'ray'):\n"
+             "            raise ImportError(f'No module named {name!r}')\n"
+             "sys.meta_path.insert(0, NoFlower())\n"
+             "from fedsd.app.client.node_config import parse, record_root_of\n")
+    proc = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_deployed_distributed_refuses_an_out_it_can_neither_start_nor_resume_before_anything_starts(tmp_path, capsys):
     """An --out that holds something but no checkpoint (a run stopped before its first round
     ended: its owners were charged for the round they released, so a new run in the same --work

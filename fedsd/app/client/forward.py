@@ -15,10 +15,13 @@ import stat
 from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from flwr.app import Context, RecordDict
-
-from fedsd.app.client.service_wire import recv_json, recv_records, send_json, send_records
+if TYPE_CHECKING:
+    from flwr.app import Context, RecordDict
+# The wire's frames (and with them Flower) load where a message is sent, not on import: the node
+# config's module imports SUPERNODE_WITH_SERVICE from here, and commands without Flower
+# (`fedsd ledger`) import that.
 
 TAKEN = {"status": "taken"}  # the service's word that it has the message and will answer it
 # With service=...: what the SuperNode's own node config holds (the rest is the service's).
@@ -39,13 +42,20 @@ class ServiceUnavailable(RuntimeError):
 
 def service_of(node_config: Mapping) -> str | None:
     """The service a SuperNode's node config forwards to, where it is in the form a node with a
-    service has (SUPERNODE_WITH_SERVICE's keys only, `service` a path); else None, and the
+    service has (SUPERNODE_WITH_SERVICE's keys only, `service` a path, partition-id a number ≥ 0,
+    which the service checks against its own); else None, and the
     ClientApp reads the node config whole (fedsd.app.client.node_config: every mistake named).
     The service checks what it is sent against its owner's own node config."""
-    service = node_config.get("service")
-    if isinstance(service, str) and service and all(key in SUPERNODE_WITH_SERVICE for key in node_config):
+    service, partition = node_config.get("service"), node_config.get("partition-id")
+    if isinstance(service, str) and service and all(key in SUPERNODE_WITH_SERVICE for key in node_config) and \
+            _count(partition) and _count(node_config.get("num-partitions", 1)):
         return service
     return None
+
+
+def _count(value) -> bool:
+    """An int ≥ 0 (not a bool), as the node config's reading takes partition-id and num-partitions."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def ask_service(service: str, kind: str, content: RecordDict, context: Context) -> RecordDict:
@@ -64,6 +74,8 @@ def ask_service(service: str, kind: str, content: RecordDict, context: Context) 
 
 def offer(sock: socket.socket, kind: str, content: RecordDict, context: Context) -> bool:
     """Whether the service took the message (ServiceError when it refused it, with its reason)."""
+    from fedsd.app.client.service_wire import recv_json, send_json, send_records
+
     try:
         send_json(sock, {"kind": kind, "run_id": int(context.run_id), "node_id": int(context.node_id),
                          "node_config": dict(context.node_config)})
@@ -78,6 +90,8 @@ def offer(sock: socket.socket, kind: str, content: RecordDict, context: Context)
 
 def answer(sock: socket.socket, kind: str, where) -> RecordDict:
     """The service's answer to a message it took (ServiceError, naming `where` to look, if none)."""
+    from fedsd.app.client.service_wire import recv_json, recv_records
+
     try:
         header = recv_json(sock)
         if header.get("status") == "ok":

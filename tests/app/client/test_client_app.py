@@ -280,7 +280,7 @@ def test_a_task_with_an_owners_service_imports_only_the_forwarding_of_fedsd():
             "print(sorted(m for m in sys.modules if m.startswith('fedsd.')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "fedsd.app.client.forward" in loaded
-    for heavy in ("fedsd.app.client.node_config", "fedsd.app.client.owner_service", "fedsd.settings", "torch"):
+    for heavy in ("fedsd.app.client.node_config", "fedsd.app.client.owner_service", "fedsd.settings"):
         assert f"'{heavy}'" not in loaded, heavy
 
 
@@ -291,6 +291,10 @@ def test_a_task_with_an_owners_service_imports_only_the_forwarding_of_fedsd():
     ({"partition-id": 0, "service": 5}, None),
     ({"partition-id": 0, "service": "/s", "max-epsilon": 3.0}, None),  # an owner's key: refused by the parse
     ({"partition-id": 0}, None),
+    ({"service": "/s"}, None),  # no partition-id: the reading refuses it ("required"); the service would not
+    ({"partition-id": -1, "service": "/s"}, None),
+    ({"partition-id": True, "service": "/s"}, None),  # True == 1 to the service's check: not a number here
+    ({"partition-id": 0, "num-partitions": "x", "service": "/s"}, None),
 ])
 def test_only_a_node_config_in_a_service_nodes_form_is_forwarded_without_reading_it_whole(node_config, service):
     from fedsd.app.client import forward
