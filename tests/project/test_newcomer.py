@@ -352,17 +352,21 @@ def test_the_device_is_cuda_where_present_else_the_cpu_by_default():
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+# A process's first lines that make Flower, flwr-datasets and Ray unimportable (as where they are not installed).
+NO_FLOWER = ("import importlib.abc, sys\n"
+             "class NoFlower(importlib.abc.MetaPathFinder):\n"
+             "    def find_spec(self, name, path, target=None):\n"
+             "        if name.split('.')[0] in ('flwr', 'flwr_datasets', 'ray'):\n"
+             "            raise ImportError(f'No module named {name!r}')\n"
+             "sys.meta_path.insert(0, NoFlower())\n")
+
+
 def test_central_training_needs_no_flower(tmp_path):
     """Someone reproducing the papers centrally may have no Flower or Ray installed: `fedsd train`
     builds its parser and checks its run without importing either (the federated commands are
     left out, as when Flower is missing)."""
     require("fmnist")
-    block = ("import importlib.abc, sys\n"
-             "class NoFlower(importlib.abc.MetaPathFinder):\n"
-             "    def find_spec(self, name, path, target=None):\n"
-             "        if name.split('.')[0] in ('flwr', 'flwr_datasets', 'ray'):\n"
-             "            raise ImportError(f'No module named {name!r}')\n"
-             "sys.meta_path.insert(0, NoFlower())\n"
+    block = (NO_FLOWER +
              "from fedsd.cli.main import main\n"
              "sys.exit(main(sys.argv[1:]))\n")
     proc = subprocess.run([sys.executable, "-c", block, "train", "--dataset", "fmnist", "--epsilon", "3",
@@ -376,12 +380,7 @@ def test_central_training_needs_no_flower(tmp_path):
 def test_the_node_configs_reading_needs_no_flower():
     """`fedsd ledger` reads an owner's record folder with the node config's module and no Flower:
     the ClientApp's forwarding, whose service-node form that module shares, loads Flower only to send."""
-    block = ("import importlib.abc, sys\n"
-             "class NoFlower(importlib.abc.MetaPathFinder):\n"
-             "    def find_spec(self, name, path, target=None):\n"
-             "        if name.split('.')[0] in ('flwr', 'flwr_datasets', 'ray'):\n"
-             "            raise ImportError(f'No module named {name!r}')\n"
-             "sys.meta_path.insert(0, NoFlower())\n"
+    block = (NO_FLOWER +
              "from fedsd.app.client.node_config import parse, record_root_of\n")
     proc = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
