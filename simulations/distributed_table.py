@@ -152,7 +152,8 @@ DEPLOYED = (("iid", "iid", "iid", "per-round"), ("dirichlet0.1", "dirichlet", "d
             ("dirichlet0.1", "dirichlet", "dirichlet-multi-round", "multi-round"),
             ("iid", "iid", "iid-one-object", "multi-round, one object a message"),
             ("iid", "iid", "iid-rides", "multi-round, later batches dealt riding"),
-            ("iid", "iid", "iid-light", "multi-round, riding, lighter rounds"))
+            ("iid", "iid", "iid-light", "multi-round, riding, lighter rounds"),
+            ("dirichlet0.1", "dirichlet", "dirichlet-light", "multi-round, riding, lighter rounds"))
 DEPLOYED_COMMAND = {"per-round": "python -m fedsd.deployment.deployed_distributed --partition {} --secure-sum protocol "
                                  "--work W --out O",
                     "multi-round": "python -m fedsd.deployment.deployed_distributed --partition {} --work W --out O"}
