@@ -38,7 +38,7 @@ from fedsd.files.cache import cache_root
 from fedsd.clipping.bookkeeping import CONV_WAYS, GHOST_FLOPS_LIMIT, GHOST_FLOPS_LIMIT_WITH_KERNEL, BookKeepingEngine
 from fedsd.clipping import CHANNELS_LAST_EXACT, CLIPPERS
 from fedsd.errors import ConfigError, ModelNotPrivateError
-from fedsd.models.networks import traced_for_hooks
+from fedsd.models.networks import convolutional, model_for, traced_for_hooks
 from fedsd.training.physical_batches import measured_batch_size
 
 AUTO = "auto"
@@ -196,19 +196,17 @@ def _made_for(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch
                 kernel_isa=conv_kernel.isa() if device.type == "cpu" else None)
 
 
-def _convolutional(cfg, num_classes: int) -> bool:
-    from fedsd.models.networks import convolutional, model_for
+def _network(cfg, num_classes: int) -> nn.Module:
+    """The run's network as the rule reads it (its weights do not matter: seed 0)."""
+    return model_for(cfg, num_classes, seed=0)
 
-    return convolutional(model_for(cfg, num_classes, seed=0))
 
-
-def _captured(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.device, layout: str):
+def _captured(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.device, layout: str,
+              network: nn.Module | None = None):
     """Book-keeping's (layer, a, g) of each layer on two samples of the real shape in `layout`
     (the rule reads their shapes and layouts, not their values), or None where book-keeping
-    cannot take the network."""
-    from fedsd.models.networks import model_for
-
-    model = model_for(cfg, num_classes, seed=0).to(device, memory_format=LAYOUTS[layout])
+    cannot take the network (`network`: the run's, where the caller built it already)."""
+    model = (network if network is not None else _network(cfg, num_classes)).to(device, memory_format=LAYOUTS[layout])
     try:
         clipper = BookKeepingEngine(model, cfg.clip)
     except ConfigError:
@@ -236,9 +234,10 @@ def rule(cfg, num_classes: int, input_shape: tuple[int, ...], device: torch.devi
     made_for = dict(_made_for(cfg, num_classes, input_shape, device), rule=RULE)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         layout = layout_for("bk", cfg.memory_format)
-        if cfg.memory_format == AUTO and not _convolutional(cfg, num_classes):
+        network = _network(cfg, num_classes)
+        if cfg.memory_format == AUTO and not convolutional(network):
             layout = "contiguous"  # channels-last is for convolutions; without one it only slowed GroupNorm (~4x)
-        captured = _captured(cfg, num_classes, input_shape, device, layout)
+        captured = _captured(cfg, num_classes, input_shape, device, layout, network)
         if captured is not None:
             ways = {i: conv_way(layer, a, g, made_for["kernel_isa"], device)
                     for i, (layer, a, g) in enumerate(captured) if isinstance(layer, nn.Conv2d)}

@@ -179,7 +179,6 @@ def torch_memory_format(cfg: TrainConfig, device: torch.device | None = None,
     return torch.channels_last if cfg.channels_last else torch.contiguous_format
 
 
-
 def _rng_seed(cfg: TrainConfig, client: int) -> int:
     return derive_seed(cfg.seed, SEED_CLIENT_RNG, client)
 

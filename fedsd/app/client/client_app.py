@@ -65,7 +65,7 @@ def reply_content(kind: str, content: RecordDict, context: Context) -> RecordDic
         node = None  # said to the server by the round itself (a refusal naming the key)
     if node is not None and node.service:  # never answered here: this process cannot read the data
         return owner_service.ask_service(node, kind, content, context)
-    if kind in secure_sum.KINDS.values():
+    if kind in owner_service.SECAGG_KINDS:
         raise ValueError(SECAGG_NEEDS_SERVICE)
     if node is not None and owner_service.wanted(node):
         try:

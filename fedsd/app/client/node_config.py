@@ -348,8 +348,6 @@ def parse(node_config: Mapping) -> NodeConfig:
     return node
 
 
-
-
 def state_root_of(state_dir: str) -> Path:
     """The state folder as an absolute path, resolved once: a relative one would name another
     folder in a process with another working directory (the worker's), and split the ledger."""
