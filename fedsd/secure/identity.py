@@ -96,8 +96,17 @@ def verify(public: bytes, signature: object, message: bytes) -> bool:
     malformed: everything relayed by the server is hostile)."""
     if not isinstance(signature, (bytes, bytearray)) or len(signature) != SIGNATURE_BYTES:
         return False
+    return _verified(bytes(public), bytes(signature), bytes(message))
+
+
+# A verification is a function of its three byte strings alone, so a repeat is answered from memory:
+# in a simulation every client of a neighbourhood checks the same signatures (each is checked once a
+# process, not once a neighbour), and a holder shown one receipt twice checks it once. The key is
+# the bytes themselves, compared whole, never a digest of them.
+@functools.lru_cache(maxsize=1 << 14)
+def _verified(public: bytes, signature: bytes, message: bytes) -> bool:
     try:
-        Ed25519PublicKey.from_public_bytes(bytes(public)).verify(bytes(signature), message)
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, message)
     except (InvalidSignature, ValueError):
         return False
     return True

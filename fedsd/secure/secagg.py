@@ -46,7 +46,7 @@ pairwise masks that dropped clients left, and has the sum. Fewer than t at any s
 is abandoned before anything is unmasked.
 
 Primitives, none written here: X25519, Ed25519, HKDF-SHA256, AES-GCM and AES-256-CTR from
-`cryptography`; Shamir over GF(2^128) from pycryptodome (a Flower dependency). Masks are
+`cryptography`; Shamir byte by byte over GF(2^8), vectorised (fedsd.secure.shamir). Masks are
 AES-256-CTR keystreams under 256-bit keys. (Flower's own SecAgg+ XORs its 32-byte seed to 32
 bits and expands it with numpy's Mersenne Twister: its masks fall to a 2^32 search.)
 

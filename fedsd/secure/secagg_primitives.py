@@ -13,19 +13,18 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-from Crypto.Protocol.SecretSharing import Shamir
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from fedsd.secure import shamir
 from fedsd.secure.identity import SIGNATURE_BYTES, verify
 
 MODULUS_BITS = 64  # the vectors are uint64, summed modulo 2^64
 SEED_BYTES = 32  # pairwise keys and mask keys: 256 bits
 SELF_SEED_BYTES = 16  # the self-mask seed b: 128 bits, one Shamir secret (its mask key is HKDF(b), 256 bits)
-CHUNK = 16  # pycryptodome's Shamir shares 16-byte secrets: a 32-byte secret (the s key) is two
 NONCE = 12
 SHARE_BYTES = SELF_SEED_BYTES + SEED_BYTES  # a share of b and a share of s, in one ciphertext
 MAX_ID = (1 << 63) - 1
@@ -91,18 +90,18 @@ def _info(round_id: bytes, *parts: object) -> bytes:
 
 
 def split_secret(secret: bytes, threshold: int, holders: list[int]) -> dict[int, bytes]:
-    """Shamir shares of a 32-byte secret, t-of-len(holders); the holder at position k of the
-    sorted list holds the share at x = k + 1 (both 16-byte halves, 32 bytes)."""
-    halves = [Shamir.split(threshold, len(holders), secret[i:i + CHUNK]) for i in range(0, len(secret), CHUNK)]
-    return {holder: b"".join(half[k][1] for half in halves) for k, holder in enumerate(holders)}
+    """Shamir shares of a secret, t-of-len(holders) (fedsd.secure.shamir: byte by byte over
+    GF(2^8), a share as long as the secret); the holder at position k of the sorted list holds the
+    share at x = k + 1."""
+    shares = shamir.split(secret, threshold, len(holders))
+    return {holder: shares[k] for k, holder in enumerate(holders)}
 
 
 def combine_secret(shares: dict[int, bytes], holders: list[int], threshold: int) -> bytes:
-    """The secret from `threshold` of its shares (holder id → 32-byte share)."""
+    """The secret from `threshold` of its shares (holder id → share)."""
     position = {holder: k + 1 for k, holder in enumerate(holders)}
     chosen = sorted(shares)[:threshold]
-    return b"".join(Shamir.combine([(position[h], shares[h][i:i + CHUNK]) for h in chosen])
-                    for i in range(0, len(shares[chosen[0]]), CHUNK))
+    return shamir.combine([position[h] for h in chosen], [shares[h] for h in chosen])
 
 
 def seed_digest(round_id: bytes, dealer: int, seed: bytes) -> bytes:

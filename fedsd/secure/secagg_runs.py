@@ -36,7 +36,7 @@ outside the state folder (fedsd.privacy.owner_record), so that a restored folder
 no round twice. Here they live in memory.
 
 Primitives from `cryptography` (X25519, Ed25519, HKDF-SHA256, AES-GCM, AES-256-CTR) and Shamir from
-pycryptodome, as the per-round protocol's (fedsd.secure.secagg).
+fedsd.secure.shamir, as the per-round protocol's (fedsd.secure.secagg).
 """
 from __future__ import annotations
 
