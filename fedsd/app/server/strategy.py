@@ -255,6 +255,8 @@ class RecordingStrategy(Strategy):
         # An error reply made by the SuperLink (node gone) names the node only by the message it answers.
         asked_by = reply.metadata.reply_to_message_id  # "" only in a reply to a message never pushed
         node = sent.get(asked_by, reply.metadata.src_node_id) if asked_by else reply.metadata.src_node_id
+        if reply.has_error() and node in round_.answered:
+            return  # the SuperLink may answer a gone node's message twice: it missed the round once
         round_.answered.add(node)
         if reply.has_error():
             log(WARNING, "round %d: node %d failed: %s", server_round, node, reply.error.reason)

@@ -332,3 +332,21 @@ def test_the_aggregate_does_not_depend_on_the_order_the_replies_arrive_in():
                for k in updates[0])  # the orders do round differently
     for other in results[1:]:
         assert all(np.array_equal(results[0][k], other[k]) for k in results[0])
+
+
+def test_a_gone_nodes_message_answered_twice_misses_the_round_once():
+    """The SuperLink may make a gone node's error reply on two pulls of one round (a deployment's
+    killed SuperNode was listed missing twice in round 2): the round lists it once, with the first
+    reason, and the others' replies are averaged."""
+    from flwr.app import ConfigRecord, Error
+
+    fed = FedConfig(num_clients=3)
+    strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
+    arrays = ArrayRecord({k: Array(v) for k, v in good().items()})
+    sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, arrays, ConfigRecord({}), Nodes(11, 12, 13))}
+    gone = [Message(Error(code=0, reason=f"Error: Node Unavailable ({k})"), reply_to=sent[12]) for k in (1, 2)]
+    replies = [Message(reply(pid, good(float(pid + 1))).content, reply_to=sent[node])
+               for pid, node in ((0, 11), (2, 13))]
+    arrays, _ = strategy.aggregate_train(1, replies[:1] + gone + replies[1:])
+    assert [(m["node_id"], m["reason"]) for m in strategy.missed[1]] == [(12, "Error: Node Unavailable (1)")]
+    assert np.allclose(arrays["student/0.weight"].numpy(), 2.0)  # partitions 0 and 2, 100 samples each
