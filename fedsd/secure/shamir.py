@@ -41,10 +41,15 @@ def _tables() -> tuple[np.ndarray, np.ndarray]:
 _EXP, _LOG = _tables()
 
 
+def _scaled(values: np.ndarray, log_factor: np.ndarray) -> np.ndarray:
+    """`values` times the nonzero field elements whose logs are `log_factor` (broadcast)."""
+    return np.where(values == 0, np.uint8(0), _EXP[_LOG[values] + log_factor])
+
+
 def multiply(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The field's product, elementwise (numpy broadcasting)."""
     a, b = np.asarray(a, dtype=np.uint8), np.asarray(b, dtype=np.uint8)
-    return np.where((a == 0) | (b == 0), np.uint8(0), _EXP[_LOG[a] + _LOG[b]])
+    return np.where(b == 0, np.uint8(0), _scaled(a, _LOG[b]))
 
 
 def split(secret: bytes, threshold: int, count: int) -> list[bytes]:
@@ -61,7 +66,7 @@ def split(secret: bytes, threshold: int, count: int) -> list[bytes]:
     log_x = _LOG[np.arange(1, count + 1)][:, None]
     value = np.zeros((count, len(data)), dtype=np.uint8)
     for c in list(coefficients[::-1]) + [data]:  # Horner: value · x + c, highest degree first
-        value = np.where(value == 0, np.uint8(0), _EXP[_LOG[value] + log_x]) ^ c
+        value = _scaled(value, log_x) ^ c
     return [row.tobytes() for row in value]
 
 
@@ -78,5 +83,4 @@ def combine(points: list[int], shares: list[bytes]) -> bytes:
     difference = xs[:, None] ^ xs[None, :]
     np.fill_diagonal(difference, 1)  # log 1 = 0: the m = i factor drops out
     log_lambda = (_LOG[xs].sum() - _LOG[xs] - _LOG[difference].sum(axis=1)) % 255
-    terms = np.where(rows == 0, np.uint8(0), _EXP[_LOG[rows] + log_lambda[:, None]])
-    return np.bitwise_xor.reduce(terms, axis=0).tobytes()
+    return np.bitwise_xor.reduce(_scaled(rows, log_lambda[:, None]), axis=0).tobytes()
