@@ -26,6 +26,7 @@ import torch
 from fedsd.secure import distributed_noise as noise
 from fedsd.methods import Weights
 from fedsd.secure.identity import Identity, Roster
+from fedsd.secure.ring import sparse_threshold
 from fedsd.secure.secagg import SecAggClient
 from fedsd.secure.secagg_primitives import lowest_threshold
 from fedsd.secure.secagg_server import RoundAbandoned, SecAggServer
@@ -151,23 +152,24 @@ def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min
                  max_colluders: int = 0, identities: dict | None = None) -> tuple[np.ndarray, dict]:
     """One round of SecAgg+ in process: every client's stages and the server's, each client
     with its identity on the run's roster (`identities`: client → fedsd.secure.identity.Identity, made
-    here where absent; on a sparse graph, `degree` > 0, the keys are the round's own, since a
-    roster needs the complete graph). `vectors`: client → a function that computes its vector (called at the
-    masked-input stage, as a service would). Returns the unmasked sum and the round's cost
-    (bytes each way, seconds outside the vectors' computation). RoundAbandoned when too few
-    clients go on."""
+    here where absent). `degree` > 0 below the cohort: the round's ring of that k (fedsd.secure.ring),
+    its threshold `sparse_threshold(k, max_colluders, min_cohort)`; else the complete graph.
+    `vectors`: client → a function that computes its vector (called at the masked-input stage, as a
+    service would). Returns the unmasked sum and the round's cost (bytes each way, seconds outside
+    the vectors' computation). RoundAbandoned when too few clients go on."""
     started, computing = time.perf_counter(), 0.0
-    complete = degree <= 0 or degree >= len(vectors) - 1
     identities, roster = run_roster(vectors, identities)
-    if not complete:  # SecAgg+'s sparse graph: keys made for the round (a roster needs the complete graph)
-        roster = None
     ids = {k: identities[k].id for k in vectors}
-    n = len(vectors) if complete else degree + (degree % 2) + 1
-    threshold = lowest_threshold(n, max_colluders)  # one view only can reach it
-    server = SecAggServer(round_id, list(ids.values()), length, degree=degree,
-                          threshold=min(threshold, n - max_colluders))
+    if 0 < degree < len(vectors) - 1:
+        graph = {"k": degree, "honest": min_cohort, "colluders": max_colluders}
+        threshold = sparse_threshold(degree, max_colluders, min_cohort)
+    else:
+        graph = None
+        threshold = min(lowest_threshold(len(vectors), max_colluders), len(vectors) - max_colluders)
+    server = SecAggServer(round_id, list(ids.values()), length, threshold=threshold, graph=graph)
+    agreements = {}  # every client in this process: each pair's agreement made once, for both ends
     clients = {ids[k]: SecAggClient(ids[k], round_id, min_cohort=min_cohort, max_colluders=max_colluders,
-                                    identity=identities[k], roster=roster) for k in vectors}
+                                    identity=identities[k], roster=roster, agreements=agreements) for k in vectors}
     server.collect_keys({i: c.advertise(**server.setup(i)) for i, c in clients.items()})
     server.collect_shares({i: clients[i].share_keys(server.keys_for(i)) for i in server.keys})
     masked = {}
@@ -179,9 +181,9 @@ def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min
         vector = vectors[k]()
         computing += time.perf_counter() - t
         masked[i] = clients[i].masked_input(shares["ciphertexts"], shares["commits"], vector)
-    server.collect_masked(masked)
+    server.collect_masked(masked, {i: clients[i].masked_set() for i in masked} if graph else None)
     signatures = server.route_confirmations({i: clients[i].confirm(**server.unmask_request(i)) for i in server.masked})
-    answers = {i: clients[i].unmask(signatures.get(i, {})) for i in server.masked}
+    answers = {i: clients[i].unmask(signatures.get(i, {}), server.masked_sets_for(i)) for i in server.masked}
     total = server.finish(answers)
     cost = dict(bytes_to_server=server.bytes_in, bytes_from_server=server.bytes_out,
                 protocol_seconds=time.perf_counter() - started - computing, survivors=len(server.masked))

@@ -61,10 +61,14 @@ def graph_parameters(n: int, colluders: int, honest: int, dropout: float) -> Gra
 def ring_order(round_id: bytes, cohort: list[int], k: int) -> list[int]:
     """The cohort in ring order: each member at the rank of SHA-256 of the round, the cohort's
     digest, k and its id (ties, which SHA-256 does not give, broken by id)."""
-    members = sorted(cohort)
+    return list(_ring_order(bytes(round_id), tuple(sorted(cohort)), k))
+
+
+@functools.lru_cache(maxsize=8)
+def _ring_order(round_id: bytes, members: tuple, k: int) -> tuple:
     cohort_hash = hashlib.sha256(b"".join(m.to_bytes(8, "big") for m in members)).digest()
-    prefix = b"fedsd-secagg|ring|" + bytes(round_id) + b"|" + cohort_hash + k.to_bytes(4, "big")
-    return sorted(members, key=lambda m: (hashlib.sha256(prefix + m.to_bytes(8, "big")).digest(), m))
+    prefix = b"fedsd-secagg|ring|" + round_id + b"|" + cohort_hash + k.to_bytes(4, "big")
+    return tuple(sorted(members, key=lambda m: (hashlib.sha256(prefix + m.to_bytes(8, "big")).digest(), m)))
 
 
 def neighbourhood(order: list[int], member: int, k: int) -> list[int]:
@@ -73,3 +77,19 @@ def neighbourhood(order: list[int], member: int, k: int) -> list[int]:
     if k + 1 >= n:
         return sorted(order)
     return sorted(order[(p + d) % n] for d in range(-(k // 2), k // 2 + 1))
+
+
+def neighbourhoods(round_id: bytes, cohort: list[int], k: int) -> dict[int, list[int]]:
+    """Every member's neighbourhood on the round's ring (member → itself and its k nearest, sorted),
+    computed once for a round and cohort however many parties of one process ask: callers must not
+    change the lists."""
+    return _neighbourhoods(bytes(round_id), tuple(sorted(cohort)), k)
+
+
+@functools.lru_cache(maxsize=8)
+def _neighbourhoods(round_id: bytes, members: tuple, k: int) -> dict[int, list[int]]:
+    order = _ring_order(round_id, members, k)
+    n, half = len(order), k // 2
+    if k + 1 >= n:
+        return {m: list(members) for m in members}
+    return {m: sorted(order[(p + d) % n] for d in range(-half, half + 1)) for p, m in enumerate(order)}

@@ -2,7 +2,7 @@
 the sizes of its keys, seeds and shares; `ProtocolError`; masks expanded from a seed
 (AES-256-CTR), key agreement (X25519) and derivation (HKDF-SHA256), ids checked, Shamir's
 sharing of a secret; what each stage's signature covers (`_advert`, `_commitment`,
-`_commit_message`, `_dealing_message`, `_view_message`, `identify_message`); the smallest
+`commit_root`, `_dealing_message`, `_view_message`, `identify_message`); the smallest
 threshold a client accepts (`minimum_threshold`); and `verify_blame`, the check anyone holding
 the roster runs on the evidence that a dealer's shares rebuild another secret than it signed.
 Both sides use them: the client's (fedsd.secure.secagg.SecAggClient) and the server's
@@ -10,7 +10,9 @@ Both sides use them: the client's (fedsd.secure.secagg.SecAggClient) and the ser
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import threading
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes
@@ -38,8 +40,34 @@ class ProtocolError(Exception):
 def expand_mask(seed: bytes, length: int) -> np.ndarray:
     """`length` uint64 words of AES-256-CTR keystream under `seed` (32 bytes). Each seed masks
     one vector of one round, so the zero nonce is never reused under a key."""
+    words = np.empty(length + 2, dtype="<u8")  # update_into may ask for a block's room beyond the data
     encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
-    return np.frombuffer(encryptor.update(bytes(8 * length)) + encryptor.finalize(), dtype="<u8").copy()
+    encryptor.update_into(_zeros(8 * length), memoryview(words).cast("B"))
+    encryptor.finalize()
+    return words[:length]
+
+
+def add_mask(total: np.ndarray, seed: bytes, sign: int = 1) -> np.ndarray:
+    """`total` ± expand_mask(seed), in place (modulo 2^64); returns `total`. The keystream goes
+    through one buffer a thread, reused: a fresh one a mask costs its pages' first touch."""
+    length = len(total)
+    words = getattr(_SCRATCH, "words", None)
+    if words is None or len(words) < length + 2:
+        words = _SCRATCH.words = np.empty(length + 2, dtype="<u8")
+    encryptor = Cipher(algorithms.AES(seed), _CTR_ZERO).encryptor()
+    encryptor.update_into(_zeros(8 * length), memoryview(words[:length + 2]).cast("B"))
+    encryptor.finalize()
+    mask = words[:length]
+    return np.add(total, mask, out=total) if sign > 0 else np.subtract(total, mask, out=total)
+
+
+_SCRATCH = threading.local()
+_CTR_ZERO = modes.CTR(bytes(16))  # the zero counter block: each key masks one vector
+
+
+@functools.lru_cache(maxsize=4)
+def _zeros(size: int) -> bytes:
+    return bytes(size)  # the plaintext a keystream is made from, one buffer a vector length
 
 
 def self_mask_key(seed: bytes) -> bytes:
@@ -66,7 +94,12 @@ def _public(raw: object, what: str) -> X25519PublicKey:
         raise ProtocolError(f"{what}: not a 32-byte X25519 public key")
     if int.from_bytes(raw, "little") >= FIELD_PRIME:
         raise ProtocolError(f"{what}: not a canonical X25519 public key")
-    return X25519PublicKey.from_public_bytes(bytes(raw))
+    return _parsed(bytes(raw))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _parsed(raw: bytes) -> X25519PublicKey:
+    return X25519PublicKey.from_public_bytes(raw)  # a pure function of public bytes: each neighbour's alike
 
 
 def _agree(private: X25519PrivateKey, public: X25519PublicKey, what: str) -> bytes:
@@ -77,8 +110,8 @@ def _agree(private: X25519PrivateKey, public: X25519PublicKey, what: str) -> byt
 
 
 def _ids(values: object, what: str) -> list[int]:
-    if not isinstance(values, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool)
-                                                        and 0 <= v <= MAX_ID for v in values):
+    if not isinstance(values, (list, tuple)) or not set(map(type, values)) <= {int} or (
+            values and not 0 <= min(values) <= max(values) <= MAX_ID):  # type(v) is int: a bool is not an id
         raise ProtocolError(f"{what}: a list of client ids (integers in [0, 2^63)) was expected")
     if len(set(values)) != len(values):
         raise ProtocolError(f"{what}: an id appears twice")
@@ -86,7 +119,7 @@ def _ids(values: object, what: str) -> list[int]:
 
 
 def _info(round_id: bytes, *parts: object) -> bytes:
-    return b"fedsd-secagg|" + round_id + b"|" + b"|".join(str(p).encode() for p in parts)
+    return b"fedsd-secagg|" + round_id + b"|" + "|".join(map(str, parts)).encode()
 
 
 def split_secret(secret: bytes, threshold: int, holders: list[int]) -> dict[int, bytes]:
@@ -118,14 +151,15 @@ def _rebuilt_mismatch(part: str, secret: bytes, round_id: bytes, dealer: int, co
     return _raw(X25519PrivateKey.from_private_bytes(secret).public_key()) != committed
 
 
-MAX_EVIDENCE_HOLDERS = 1024  # far above the 128 neighbours a client shares with; bounds a check's cost
+MAX_EVIDENCE_HOLDERS = shamir.MAX_SHARES  # a dealing has at most as many holders as Shamir has points
 
 
 def verify_blame(evidence: dict, dealer_key: bytes) -> bool:
     """Whether `evidence` (what SecAggServer.finish found) proves that its dealer's t shares of b
-    or of s, each committed to and signed by it, rebuild a secret other than the one its signed
-    dealing names (b's digest, s's public key). Anyone holding the roster checks it with one
-    rebuilding of t ≤ 1,024 shares; a changed share, commitment, order, t or secret fails."""
+    or of s, each committed to in its signed dealing (every holder's commitments, `commit_root`),
+    rebuild a secret other than the one that dealing names (b's digest, s's public key). Anyone
+    holding the roster checks it with one rebuilding of t ≤ 255 shares; a changed share,
+    commitment, order, t or secret fails."""
     try:
         rid, dealer, part = bytes.fromhex(evidence["round_id"]), int(evidence["dealer"]), evidence["part"]
         holders, t = [int(h) for h in evidence["holders"]], int(evidence["threshold"])
@@ -138,16 +172,18 @@ def verify_blame(evidence: dict, dealer_key: bytes) -> bool:
         if size is None or not len(holders) <= MAX_EVIDENCE_HOLDERS or len(set(holders)) != len(holders) or \
                 not minimum_threshold(len(holders)) <= t <= len(holders) or len(evidence["shares"]) != t:
             return False
-        if not verify(dealer_key, bytes.fromhex(evidence["dealing"]),
-                      _dealing_message(rid, dealer, holders, t, committed["b"], committed["s"])):
+        pairs = [bytes.fromhex(evidence["commits"][str(h)]) for h in holders]
+        root = commit_root(rid, dealer, b"".join(pairs))
+        signed = _dealing_message(rid, dealer, holders, t, committed["b"], committed["s"], root)
+        if any(len(pair) != 64 for pair in pairs) or not verify(dealer_key, bytes.fromhex(evidence["dealing"]), signed):
             return False
         shares = {}
         for holder, share in evidence["shares"].items():
-            holder, share, commit = int(holder), bytes.fromhex(share), bytes.fromhex(evidence["commits"][str(holder)])
-            if holder not in holders or len(share) != size or len(commit) != 64 + SIGNATURE_BYTES or not verify(
-                    dealer_key, commit[64:], _commit_message(rid, dealer, holder, commit[:32], commit[32:64])):
+            holder, share = int(holder), bytes.fromhex(share)
+            if holder not in holders or len(share) != size:
                 return False
-            if _commitment(rid, dealer, holder, part, share) != (commit[:32] if part == "b" else commit[32:64]):
+            commit = pairs[holders.index(holder)]
+            if _commitment(rid, dealer, holder, part, share) != (commit[:32] if part == "b" else commit[32:]):
                 return False
             shares[holder] = share
         return _rebuilt_mismatch(part, combine_secret(shares, holders, t), rid, dealer, committed[part])
@@ -166,13 +202,34 @@ def pairwise_sign(me: int, other: int) -> int:
 
 
 # -- what the parties sign -----------------------------------------------------------------
-def _advert(round_id: bytes, member: int, cohort: list[int], threshold: int, c: bytes, s: bytes, v: bytes,
-            context: bytes = b"") -> bytes:
-    """What a client signs at stage 0: its keys for this round, its id, the cohort and the
-    threshold it was told, and the digest of the round's settings it was given (`context`), so
-    that two clients told two cohorts, thresholds or settings (a noise plan) refuse."""
-    return _info(round_id, "advertise", member, threshold, *cohort) + b"|" + bytes(c) + bytes(s) + bytes(v) + \
-        b"|" + bytes(context)
+def _advert(round_id: bytes, member: int, cohort: list[int] | bytes, threshold: int, c: bytes, s: bytes, v: bytes,
+            context: bytes = b"", graph: bytes = b"") -> bytes:
+    """What a client signs at stage 0: its keys for this round, its id, the cohort (or its
+    `cohort_digest`) and the threshold it was told, the digest of the round's settings it was
+    given (`context`) and, on a ring, the graph's round-wide numbers (`graph_tag`), so that two
+    clients told two cohorts, thresholds, graphs or settings (a noise plan) refuse."""
+    digest = bytes(cohort) if isinstance(cohort, (bytes, bytearray)) else cohort_digest(cohort)
+    return _info(round_id, "advertise", member, threshold) + b"|" + digest + bytes(c) + bytes(s) + bytes(v) + \
+        b"|" + bytes(context) + b"|" + bytes(graph)
+
+
+def graph_tag(degree: int, honest: int, colluders: int) -> bytes:
+    """The ring's round-wide numbers every advert on it signs: k, t and F (the threshold is
+    signed beside them); empty for the complete graph."""
+    return b"ring|%d|%d|%d" % (degree, honest, colluders)
+
+
+def masked_with_message(round_id: bytes, member: int, masked_with: list[int]) -> bytes:
+    """What an owner on a ring signs with its masked input: the neighbours it masked with, M, in
+    order (docs/design/sparse-secure-aggregation.md, fix (i)); a holder not in M reveals no share
+    of its self mask."""
+    return _info(round_id, "masked-with", member) + b"|" + packed_ids(masked_with)
+
+
+def packed_ids(ids: list[int]) -> bytes:
+    """Ids as signatures cover them: 8 bytes each, big-endian, in the order given (ids checked
+    by `_ids`, or made here)."""
+    return np.asarray(ids, dtype=">u8").tobytes()
 
 
 def _commitment(round_id: bytes, dealer: int, holder: int, what: str, share: bytes) -> bytes:
@@ -181,12 +238,60 @@ def _commitment(round_id: bytes, dealer: int, holder: int, what: str, share: byt
     return hashlib.sha256(_info(round_id, "commit", what, dealer, holder) + bytes(share)).digest()
 
 
-def _commit_message(round_id: bytes, dealer: int, holder: int, b_digest: bytes, s_digest: bytes) -> bytes:
-    return _info(round_id, "commitments", dealer, holder) + b"|" + bytes(b_digest) + bytes(s_digest)
+def commitments(round_id: bytes, dealer: int, holder: int, share: bytes) -> bytes:
+    """A holder's 64 bytes of its dealer's commitments: to its share of b, then to its share of s
+    (`share`: the two side by side, as dealt)."""
+    tail = f"|{dealer}|{holder}".encode()
+    prefix = b"fedsd-secagg|" + round_id + b"|commit|"
+    return hashlib.sha256(prefix + b"b" + tail + share[:SELF_SEED_BYTES]).digest() + \
+        hashlib.sha256(prefix + b"s" + tail + share[SELF_SEED_BYTES:]).digest()
+
+
+def commit_root(round_id: bytes, dealer: int, pairs: bytes) -> bytes:
+    """SHA-256 of a dealer's commitments, each holder's (b's, s's) 64 bytes in holder order: what
+    its one signed dealing covers (one signature a dealer, not one a holder)."""
+    return hashlib.sha256(_info(round_id, "commit-root", dealer) + b"|" + bytes(pairs)).digest()
+
+
+def pack_dealing(digest: bytes, dealing: bytes, holders: list[int], pairs: dict[int, bytes]) -> bytes:
+    """What a holder is given of a dealer's dealing, one blob: b's digest, the signature, and every
+    holder's id and commitments in order (`unpack_dealing`)."""
+    rows = np.zeros((len(holders), 72), dtype=np.uint8)
+    rows[:, :8] = np.frombuffer(packed_ids(holders), dtype=np.uint8).reshape(-1, 8)
+    rows[:, 8:] = np.frombuffer(b"".join(bytes(pairs[h]) for h in holders), dtype=np.uint8).reshape(-1, 64)
+    return bytes(digest) + bytes(dealing) + rows.tobytes()
+
+
+def unpack_dealing(blob: object) -> tuple[bytes, bytes, list[int], bytes]:
+    """A dealing blob's b digest, signature, holders and their commitments (64 bytes each, in
+    order); ProtocolError where it is not one."""
+    head = 32 + SIGNATURE_BYTES
+    if not isinstance(blob, (bytes, bytearray)) or len(blob) < head + 72 or (len(blob) - head) % 72 or \
+            (len(blob) - head) // 72 > MAX_EVIDENCE_HOLDERS:
+        raise ProtocolError("a dealing: its digest, signature and holders' commitments were expected")
+    rows = np.frombuffer(bytes(blob), dtype=np.uint8, offset=head).reshape(-1, 72)
+    ids = rows[:, :8].copy().view(">u8").ravel()
+    if np.any(ids > MAX_ID) or np.any(np.diff(ids.astype(np.int64)) <= 0):
+        raise ProtocolError("a dealing: its holders are distinct ids in order")
+    return bytes(blob[:32]), bytes(blob[32:head]), ids.tolist(), rows[:, 8:].tobytes()
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def signed_dealing(round_id: bytes, dealer: int, threshold: int, s_public: bytes, key: bytes,
+                   blob: bytes) -> dict[int, bytes] | None:
+    """Each holder's 64 bytes of commitments in a dealing blob (`pack_dealing`) that `key` signed
+    for this round, dealer, threshold and s key; None where the signature fails, ProtocolError
+    where the blob is malformed. A pure function of public bytes, memoised: a dealer's blob reaches
+    each of its holders alike (callers must not change the map)."""
+    digest, signature, holders, pairs = unpack_dealing(blob)
+    if not verify(key, signature, _dealing_message(round_id, dealer, holders, threshold, digest, s_public,
+                                                   commit_root(round_id, dealer, pairs))):
+        return None
+    return {h: pairs[64 * k:64 * k + 64] for k, h in enumerate(holders)}
 
 
 def _dealing_message(round_id: bytes, dealer: int, holders: list[int], threshold: int, b_digest: bytes,
-                     s_public: bytes) -> bytes:
+                     s_public: bytes, root: bytes = b"") -> bytes:
     """What a dealer signs of its dealing (fedsd's addition to stage 1): who holds its shares, in
     the order that gives each its x (position + 1), t, its self-mask seed's digest and its s key's
     public half. With its signed commitments, t shares that rebuild another secret are evidence
@@ -194,11 +299,13 @@ def _dealing_message(round_id: bytes, dealer: int, holders: list[int], threshold
     listing its holders in another order. Both digests are 32 bytes (ValueError otherwise)."""
     if len(b_digest) != 32 or len(s_public) != 32:
         raise ValueError("_dealing_message: a seed digest and an s key are 32 bytes each")
-    return _info(round_id, "dealing", dealer, threshold, *holders) + b"|" + bytes(b_digest) + bytes(s_public)
+    return _info(round_id, "dealing", dealer, threshold, len(holders)) + b"|" + packed_ids(holders) + \
+        bytes(b_digest) + bytes(s_public) + bytes(root)
 
 
 def _view_message(round_id: bytes, survivors: list[int], dropped: list[int]) -> bytes:
-    return _info(round_id, "view", *survivors, "|", *dropped)
+    """A view: the survivors' and dropped clients' ids, 8 bytes each, in order."""
+    return _info(round_id, "view", len(survivors), len(dropped)) + b"|" + packed_ids(list(survivors) + list(dropped))
 
 
 def minimum_threshold(holders: int) -> int:
@@ -260,8 +367,7 @@ def round_tag(tau: bytes, round_number: int) -> bytes:
 
 def cohort_digest(members) -> bytes:
     """SHA-256 of a cohort: its sorted ids, each 8 bytes big-endian (never a printed list)."""
-    return hashlib.sha256(b"fedsd-secagg-mr|cohort|" + b"".join(int(m).to_bytes(8, "big")
-                                                                  for m in sorted(members))).digest()
+    return hashlib.sha256(b"fedsd-secagg-mr|cohort|" + packed_ids(sorted(members))).digest()
 
 
 def round_digest(settings: bytes, arrays=(), plan: bytes = b"") -> bytes:

@@ -10,9 +10,10 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedsd.secure.identity import verify
+from fedsd.secure.ring import neighbourhoods
 from fedsd.secure.secagg_primitives import (SEED_BYTES, SELF_SEED_BYTES, _commitment, _dealing_message, _derive, _info,
-                                            _public, _rebuilt_mismatch, combine_secret, expand_mask, minimum_threshold,
-                                            pairwise_sign, self_mask_key)
+                                            _public, _rebuilt_mismatch, add_mask, combine_secret, commit_root,
+                                            minimum_threshold, pack_dealing, pairwise_sign, self_mask_key)
 
 
 class RoundAbandoned(Exception):
@@ -26,36 +27,37 @@ class RoundAbandoned(Exception):
 
 class SecAggServer:
     """The coordinator of one round: it routes the clients' messages and unmasks the sum. The
-    neighbourhood graph is the complete graph up to `degree` + 1 clients, else a random graph
-    of that degree (SecAgg+'s Harary graph on a shuffled order). `culprits` names, by id, each
-    client that sent a share other than the one its dealer committed to."""
+    neighbourhood graph is the complete graph, or with `graph` ({"k", "honest", "colluders"},
+    sent to every client and signed in its advert) the round's ring (fedsd.secure.ring: each
+    member's k nearest on an order every owner derives), its threshold `threshold` (at least
+    fedsd.secure.ring.sparse_threshold). `culprits` names, by id, each client that sent a share
+    other than the one its dealer committed to."""
 
-    def __init__(self, round_id: bytes, cohort: list[int], length: int, degree: int = 0,
-                 threshold: int | None = None, shuffle_seed: int | None = None):
-        self.round_id, self.cohort, self.length = round_id, sorted(cohort), length
-        n = len(self.cohort)
-        k = n - 1 if degree <= 0 or degree >= n - 1 else degree + (degree % 2)
-        order = list(self.cohort)
-        if k < n - 1:
-            np.random.default_rng(shuffle_seed).shuffle(order)
-        position = {c: i for i, c in enumerate(order)}
-        self.neighbours = {c: (list(self.cohort) if k >= n - 1 else
-                               sorted({order[(position[c] + d) % n] for d in range(-(k // 2), k // 2 + 1)}))
-                           for c in self.cohort}
-        size = k + 1
+    def __init__(self, round_id: bytes, cohort: list[int], length: int, threshold: int | None = None,
+                 graph: dict | None = None):
+        self.round_id, self.cohort, self.length, self.graph = round_id, sorted(cohort), length, graph
+        if graph is None:
+            self.neighbours = {c: self.cohort for c in self.cohort}
+            size = len(self.cohort)
+        else:
+            self.neighbours, size = neighbourhoods(round_id, self.cohort, graph["k"]), graph["k"] + 1
         self.threshold = threshold if threshold is not None else minimum_threshold(size)
+        self.masked_sets: dict[int, dict] = {}  # on a ring: survivor → its signed M (SecAggClient.masked_set)
+        self._indexed: tuple | None = None  # the last unmask answers and their index (_index)
         self.keys: dict[int, dict] = {}
         self.inbox: dict[int, dict[int, bytes]] = {}
         self.commits: dict[int, dict[int, bytes]] = {}  # dealer → holder → signed commitment
         self.masked: dict[int, np.ndarray] = {}
         self.holders: dict[int, list[int]] = {}  # who holds shares of each client's secrets
         self.dealings: dict[int, tuple[bytes, bytes]] = {}  # dealer → its signed dealing, its b's digest
+        self.packed: dict[int, bytes] = {}  # dealer → its dealing as its holders are given it (pack_dealing)
         self.evidence: dict[int, dict] = {}  # dealer → proof that its shares rebuild another secret
         self.culprits: dict[int, str] = {}
         self.bytes_in = self.bytes_out = 0
 
     def setup(self, client: int) -> dict:
-        return {"cohort": self.cohort, "neighbours": self.neighbours[client], "threshold": self.threshold}
+        out = {"cohort": self.cohort, "neighbours": self.neighbours[client], "threshold": self.threshold}
+        return out if self.graph is None else {**out, "graph": self.graph}
 
     def collect_keys(self, keys: dict[int, dict]) -> None:
         self.keys = dict(keys)
@@ -68,38 +70,54 @@ class SecAggServer:
         return out
 
     def collect_shares(self, shares: dict[int, dict[str, dict[int, bytes]]]) -> None:
-        """Each dealer's {"shares": holder → ciphertext, "commits": holder → signed commitment}."""
+        """Each dealer's {"shares": holder → ciphertext, "commits": holder → its 64 bytes of
+        commitments, "dealing": its signature of them (`commit_root`), "digest": b's digest}."""
         self.inbox, shares = {}, dict(shares)
         for sender, dealt in list(shares.items()):
             holders = sorted(dealt["shares"])
-            key, digest = self.keys.get(sender, {}), dealt.get("digest")
-            s_key = key.get("s", b"")
-            if not isinstance(digest, bytes) or len(digest) != 32 or not isinstance(s_key, bytes) or \
-                    len(s_key) != 32 or not verify(
-                    key.get("v", b""), bytes(dealt.get("dealing") or b""),
-                    _dealing_message(self.round_id, sender, holders, self.threshold, digest, s_key)):
+            pairs, digest = dealt.get("commits"), dealt.get("digest")
+            if not self._signed(sender, holders, pairs, digest, dealt.get("dealing")):
                 # without it, shares of another secret could not be laid at its door: left out
-                self.culprits[sender] = "a dealing (its holders and t) it did not sign"
+                self.culprits[sender] = "a dealing (its holders, t and commitments) it did not sign"
                 del shares[sender]
                 continue
             self.holders[sender] = holders
-            self.commits[sender] = dict(dealt["commits"])
+            self.commits[sender] = dict(pairs)
             self.dealings[sender] = (dealt["dealing"], digest)
+            self.packed[sender] = pack_dealing(digest, dealt["dealing"], holders, pairs)
+            self.bytes_in += 64 * len(holders) + 96
             for receiver, ciphertext in dealt["shares"].items():
                 self.inbox.setdefault(receiver, {})[sender] = ciphertext
-                self.bytes_in += len(ciphertext) + len(dealt["commits"].get(receiver, b""))
+                self.bytes_in += len(ciphertext)
         self._enough(len(shares), "shared their keys")
 
+    def _signed(self, sender: int, holders: list[int], pairs: object, digest: object, dealing: object) -> bool:
+        """Whether a dealing is whole (a commitment pair for each holder, b's digest) and signed by
+        its dealer over its holders, t, the digest, its advertised s key and its commitments."""
+        key = self.keys.get(sender, {})
+        s_key = key.get("s", b"")
+        if not isinstance(pairs, dict) or sorted(pairs) != holders or not all(
+                isinstance(p, bytes) and len(p) == 64 for p in pairs.values()):
+            return False
+        if not isinstance(digest, bytes) or len(digest) != 32 or not isinstance(s_key, bytes) or len(s_key) != 32:
+            return False
+        root = commit_root(self.round_id, sender, b"".join(pairs[h] for h in holders))
+        return verify(key.get("v", b""), bytes(dealing or b""),
+                      _dealing_message(self.round_id, sender, holders, self.threshold, digest, s_key, root))
+
     def shares_for(self, client: int) -> dict[str, dict[int, bytes]]:
-        """The ciphertexts addressed to `client`, and each dealer's commitment to them."""
+        """The ciphertexts addressed to `client`, and each dealer's signed dealing (`pack_dealing`)."""
         out = self.inbox.get(client, {})
-        commits = {j: self.commits.get(j, {}).get(client, b"") for j in out}
+        commits = {j: self.packed.get(j, b"") for j in out}
         self.bytes_out += sum(len(c) for c in out.values()) + sum(len(c) for c in commits.values())
         return {"ciphertexts": out, "commits": commits}
 
-    def collect_masked(self, masked: dict[int, np.ndarray]) -> None:
+    def collect_masked(self, masked: dict[int, np.ndarray], masked_sets: dict[int, dict] | None = None) -> None:
+        """The survivors' masked vectors and, on a ring, each one's signed M (relayed as it came)."""
         self.masked = {c: np.asarray(v, dtype=np.uint64) for c, v in masked.items() if c in self.inbox}
-        self.bytes_in += 8 * self.length * len(self.masked)
+        self.masked_sets = {c: m for c, m in (masked_sets or {}).items() if c in self.masked}
+        self.bytes_in += 8 * self.length * len(self.masked) + sum(
+            8 * len(m.get("with", ())) + 64 for m in self.masked_sets.values())
         self._enough(len(self.masked), "sent masked inputs")
 
     def unmask_request(self, client: int) -> dict:
@@ -112,6 +130,12 @@ class SecAggServer:
                for receiver in signatures}
         self.bytes_in += 64 * len(signatures)
         self.bytes_out += sum(64 * len(v) for v in out.values())
+        return out
+
+    def masked_sets_for(self, client: int) -> dict[int, dict]:
+        """On a ring, its neighbours' signed M, for `client`'s unmask (empty on the complete graph)."""
+        out = {j: self.masked_sets[j] for j in self.neighbours[client] if j in self.masked_sets and j != client}
+        self.bytes_out += sum(8 * len(m.get("with", ())) + 64 for m in out.values())
         return out
 
     def _secret(self, dealer: int, part: str, answers: dict[int, dict]) -> bytes:
@@ -134,19 +158,30 @@ class SecAggServer:
         """The shares of `dealer`'s b or s its holders sent that match its commitments; a holder
         that sent another share, or one it was not dealt, is named."""
         good, dealt_to = {}, set(self.holders.get(dealer, ()))
-        for holder, answer in answers.items():
-            if dealer not in answer[part]:
-                continue
+        sent = self._index(answers)[part].get(dealer, {})
+        for holder, share in sent.items():
             if holder not in dealt_to:  # a commitment the dealer made outside the holders it listed
                 self.culprits[holder] = f"sent a share of client {dealer}'s {part} it was not dealt"
                 continue
             commit = self.commits.get(dealer, {}).get(holder, b"")
             expected = commit[:32] if part == "b" else commit[32:64]
-            if _commitment(self.round_id, dealer, holder, part, answer[part][dealer]) == expected:
-                good[holder] = answer[part][dealer]
+            if _commitment(self.round_id, dealer, holder, part, share) == expected:
+                good[holder] = share
             else:
                 self.culprits[holder] = f"sent a share of client {dealer}'s {part} other than the one committed to"
         return good
+
+    def _index(self, answers: dict[int, dict]) -> dict[str, dict[int, dict[int, bytes]]]:
+        """The unmask answers by part and dealer (part → dealer → holder → share): made once in
+        `finish`, so that each dealer's shares are found in O(k), not by reading every answer."""
+        if self._indexed is not None and self._indexed[0] is answers:
+            return self._indexed[1]
+        index: dict[str, dict[int, dict[int, bytes]]] = {"b": {}, "s": {}}
+        for holder, answer in answers.items():
+            for part in ("b", "s"):
+                for dealer, share in answer.get(part, {}).items():
+                    index[part].setdefault(dealer, {})[holder] = share
+        return index
 
     def _blame(self, dealer: int, part: str, chosen: dict[int, bytes]) -> None:
         """`dealer`'s t committed shares rebuild a secret other than the one its dealing signed:
@@ -157,7 +192,7 @@ class SecAggServer:
             "holders": self.holders[dealer], "dealing": self.dealings[dealer][0].hex(),
             "seed_digest": self.dealings[dealer][1].hex(), "s_public": bytes(self.keys[dealer]["s"]).hex(),
             "shares": {str(h): v.hex() for h, v in chosen.items()},
-            "commits": {str(h): self.commits[dealer][h].hex() for h in chosen}}
+            "commits": {str(h): self.commits[dealer][h].hex() for h in self.holders[dealer]}}
         self.culprits[dealer] = (f"dealt shares of its {'self mask' if part == 'b' else 'key'} that rebuild a "
                                  f"secret other than the one it signed (checkable evidence in "
                                  f"secure-aggregation.json)")
@@ -165,21 +200,27 @@ class SecAggServer:
     def finish(self, answers: dict[int, dict]) -> np.ndarray:
         """The sum of the survivors' vectors, from the unmask answers of at least t survivors."""
         self._enough(len(answers), "answered the unmask request")
+        self._indexed = (answers, self._index(answers))
+        try:
+            return self._unmasked(answers)
+        finally:
+            self._indexed = None
+
+    def _unmasked(self, answers: dict[int, dict]) -> np.ndarray:
         total = np.zeros(self.length, dtype=np.uint64)
         for vector in self.masked.values():
             total += vector
         for j in self.masked:  # self masks
-            total -= expand_mask(self_mask_key(self._secret(j, "b", answers)), self.length)
+            add_mask(total, self_mask_key(self._secret(j, "b", answers)), -1)
         for d in sorted(set(self.holders) - set(self.masked)):  # pairwise masks a dropped client left
-            if not any(d in a["s"] for a in answers.values()):
+            if d not in self._index(answers)["s"]:
                 continue
             private = X25519PrivateKey.from_private_bytes(self._secret(d, "s", answers))
-            for j in self.masked:
-                if d in self.inbox.get(j, {}) and j != d:
+            for j in self.neighbours[d]:
+                if j in self.masked and d in self.inbox.get(j, {}) and j != d:
                     pair = _derive(private.exchange(_public(self.keys[j]["s"], "s key")),
                                    _info(self.round_id, "mask", min(j, d), max(j, d)))
-                    mask = expand_mask(pair, self.length)
-                    total = total - mask if pairwise_sign(j, d) > 0 else total + mask
+                    add_mask(total, pair, -pairwise_sign(j, d))
         self.bytes_in += sum(SELF_SEED_BYTES * len(a["b"]) + SEED_BYTES * len(a["s"]) for a in answers.values())
         if self.evidence:
             raise RoundAbandoned(f"secure aggregation: clients {sorted(self.evidence)} dealt shares that rebuild "

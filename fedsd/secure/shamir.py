@@ -39,6 +39,9 @@ def _tables() -> tuple[np.ndarray, np.ndarray]:
 
 
 _EXP, _LOG = _tables()
+# _PRODUCTS_FLAT[256 a + b] = a · b: one lookup a product in split's Horner steps (512 KiB)
+_PRODUCTS_FLAT = np.where((np.arange(256)[:, None] == 0) | (np.arange(256)[None, :] == 0), 0,
+                          _EXP[(_LOG[:, None] + _LOG[None, :]) % 255]).astype(np.intp).ravel()
 
 
 def _scaled(values: np.ndarray, log_factor: np.ndarray) -> np.ndarray:
@@ -63,11 +66,11 @@ def split(secret: bytes, threshold: int, count: int) -> list[bytes]:
         raise ValueError("Shamir: an empty secret")
     coefficients = np.frombuffer(secrets.token_bytes((threshold - 1) * len(data)), dtype=np.uint8)
     coefficients = coefficients.reshape(threshold - 1, len(data))
-    log_x = _LOG[np.arange(1, count + 1)][:, None]
-    value = np.zeros((count, len(data)), dtype=np.uint8)
-    for c in list(coefficients[::-1]) + [data]:  # Horner: value · x + c, highest degree first
-        value = _scaled(value, log_x) ^ c
-    return [row.tobytes() for row in value]
+    x = np.arange(1, count + 1, dtype=np.intp)[:, None]
+    value = np.zeros((count, len(data)), dtype=np.intp)
+    for c in list(coefficients[::-1].astype(np.intp)) + [data.astype(np.intp)]:  # Horner, highest degree first
+        value = _PRODUCTS_FLAT[(value << 8) | x] ^ c  # value · x + c
+    return [row.tobytes() for row in value.astype(np.uint8)]
 
 
 def combine(points: list[int], shares: list[bytes]) -> bytes:

@@ -19,6 +19,8 @@ STRATEGIES = ("fedavg", "fedadam", "fedprox")
 NOISE = ("local", "distributed")
 PRIVACY_UNITS = ("record", "client")
 SECURE_SUMS = ("protocol", "multi-round", "plain")
+SECAGG_GRAPHS = ("auto", "complete", "ring")
+RING_ABOVE = 40  # secagg-graph=auto: the ring above this many clients (results/README.md, the graphs measured)
 TEACHER_MODES = ("round-start", "local-previous", "global-ema")
 # An owner's default secagg-min-clients, declared beside the settings' machinery (the node config
 # imports it there without this module's, and with it torch's, import cost): a deployment's t where
@@ -81,6 +83,18 @@ class FedConfig:
     secagg_threshold: int = setting(0, "--secure-aggregation: the shares needed to unmask (each client's neighbours); "
                                     "0 = more than two thirds. An owner with secagg-max-colluders f refuses a "
                                     "threshold at or below (neighbours + f) / 2", cli=False)
+    secagg_graph: str = setting("auto", "--secure-aggregation: whom each client shares with and masks with. "
+                                "complete = every other client (each client's cost grows with the clients); ring = its "
+                                "k nearest on a ring every owner derives from the round and cohort, k from the "
+                                "clients, --honest-clients, --secagg-max-colluders and --secagg-dropout "
+                                f"(docs/design/sparse-secure-aggregation.md); auto = the ring above "
+                                f"{RING_ABOVE} clients where one fits, else complete", choices=SECAGG_GRAPHS)
+    secagg_max_colluders: int = setting(0, "--secure-aggregation on a ring: F, the most of a round's clients the "
+                                        "graph is planned against as the server's (each owner refuses a ring "
+                                        "planned for fewer than its own secagg-max-colluders)")
+    secagg_dropout: float = setting(0.05, "--secure-aggregation on a ring: the fraction of a round's clients the graph "
+                                    "is planned to lose at random between stages (k grows with it; a round still "
+                                    "goes through with probability 1 - 2^-20)")
     secagg_max_records: int = setting(60_000, "--secure-aggregation: the most training records a client is taken "
                                       "to hold, a public number. With local noise, the server bounds an honest "
                                       "update from the run's public numbers alone (no client's report moves the "

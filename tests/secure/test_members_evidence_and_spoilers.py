@@ -49,14 +49,12 @@ def _costly_evidence(t: int, extra: int):
     rid = secure_sum.round_id(7, "exp", 1)
     holders = list(range(1000, 1000 + t + extra))
     shares = {h: os.urandom(16) for h in holders}  # any bytes: consistent or not, the cost is paid
-    commits = {}
-    for h, share in shares.items():
-        hb = secagg_primitives._commitment(rid, colluder.id, h, "b", share)
-        hs = secagg_primitives._commitment(rid, colluder.id, h, "s", share)
-        commits[h] = hb + hs + colluder.sign(secagg_primitives._commit_message(rid, colluder.id, h, hb, hs))
+    commits = {h: secagg_primitives._commitment(rid, colluder.id, h, "b", share) +
+               secagg_primitives._commitment(rid, colluder.id, h, "s", share) for h, share in shares.items()}
+    root = secagg_primitives.commit_root(rid, colluder.id, b"".join(commits[h] for h in holders))
     item = {"round": 1, "round_id": rid.hex(), "dealer": colluder.id, "part": "b", "threshold": t, "holders": holders,
             "dealing": colluder.sign(secagg_primitives._dealing_message(rid, colluder.id, holders, t, bytes(32),
-                                                                        bytes(32))).hex(),
+                                                                        bytes(32), root)).hex(),
             "seed_digest": bytes(32).hex(), "s_public": bytes(32).hex(),
             "shares": {str(h): v.hex() for h, v in shares.items()},
             "commits": {str(h): v.hex() for h, v in commits.items()}}
@@ -99,7 +97,7 @@ def test_an_honest_dealer_cannot_be_framed_by_resplitting_its_signed_dealing():
     32 bytes now."""
     import numpy as np
 
-    from fedsd.secure import secagg, secagg_server
+    from fedsd.secure import secagg, secagg_primitives, secagg_server
     from fedsd.secure.identity import Identity, Roster
     from fedsd.secure.secagg_primitives import verify_blame
 
@@ -122,7 +120,16 @@ def test_an_honest_dealer_cannot_be_framed_by_resplitting_its_signed_dealing():
     evidence = {"round_id": rid.hex(), "dealer": dealer, "part": "b", "threshold": server.threshold,
                 "holders": server.holders[dealer], "dealing": server.dealings[dealer][0].hex(),
                 "shares": {str(h): v.hex() for h, v in chosen.items()},
-                "commits": {str(h): server.commits[dealer][h].hex() for h in chosen}}
+                "commits": {str(h): server.commits[dealer][h].hex() for h in server.holders[dealer]}}
     framed = dict(evidence, seed_digest=digest[:-1].hex(), s_public=(digest[-1:] + s_public).hex())
     assert not verify_blame(framed, roster.key(dealer))
+    # the evidence is well formed: the same shares with a made-up seed digest do rebuild "another secret"
+    # once the dealing is re-signed over it, which only the dealer's key does
+    dealing = secagg_primitives._dealing_message(rid, dealer, server.holders[dealer], server.threshold, bytes(32),
+                                                 s_public, secagg_primitives.commit_root(
+                                                     rid, dealer, b"".join(server.commits[dealer][h]
+                                                                          for h in server.holders[dealer])))
+    signer = next(i for i in identities if i.id == dealer)
+    resigned = dict(evidence, dealing=signer.sign(dealing).hex(), seed_digest=bytes(32).hex(), s_public=s_public.hex())
+    assert verify_blame(resigned, roster.key(dealer))
     assert not verify_blame(dict(evidence, seed_digest=digest.hex(), s_public=s_public.hex()), roster.key(dealer))

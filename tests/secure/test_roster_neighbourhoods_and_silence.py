@@ -13,8 +13,10 @@ from fedsd.app.client import secure_stages as service
 from fedsd.app.client.secure_owner import StageRefused
 from fedsd.secure.identity import Identity, Roster, RosterError, parse_public, public_line, read_roster, verify
 from fedsd.secure.secagg import SecAggClient
-from fedsd.secure.secagg_primitives import (NONCE, ProtocolError, _advert, _commit_message, _commitment, _derive, _info,
-                                            _public, _raw, _view_message, combine_secret, expand_mask, pairwise_sign)
+from fedsd.secure.secagg_primitives import (NONCE, SELF_SEED_BYTES, SHARE_BYTES, ProtocolError, _advert, _commitment,
+                                            _dealing_message, _derive, _info, _public, _raw, _view_message,
+                                            combine_secret, commit_root, expand_mask, pack_dealing, pairwise_sign,
+                                            self_mask_key)
 from fedsd.secure.secagg_server import RoundAbandoned, SecAggServer
 from tests.secure.test_roster_keys_shares_and_bounds import _round_to_unmask, members  # noqa: F401
 from tests.app.client.test_secure_aggregation import EXPERIMENT, IDS, owners, stage  # noqa: F401
@@ -31,27 +33,31 @@ class Colluder:
         self.c, self.s = X25519PrivateKey.generate(), X25519PrivateKey.generate()
         self.opened: dict[int, tuple[bytes, bytes]] = {}  # dealer → (its b share, its s share) held here
 
-    def advertise(self, cohort, threshold) -> dict:
+    def advertise(self, cohort, threshold, graph: bytes = b"") -> dict:
         c, s, v = _raw(self.c.public_key()), _raw(self.s.public_key()), self.identity.public
         return {"c": c, "s": s, "v": v,
-                "sig": self.identity.sign(_advert(self.rid, self.me, cohort, threshold, c, s, v))}
+                "sig": self.identity.sign(_advert(self.rid, self.me, cohort, threshold, c, s, v, b"", graph))}
 
     def _enc(self, keys: dict, other: int) -> bytes:
         return _derive(self.c.exchange(_public(keys["c"], "c")),
                        _info(self.rid, "enc", min(self.me, other), max(self.me, other)))
 
-    def deal(self, holder: int, keys: dict) -> tuple[bytes, bytes]:
-        plain, nonce = secrets.token_bytes(64), secrets.token_bytes(NONCE)
+    def deal(self, holder: int, keys: dict, threshold: int) -> tuple[bytes, bytes]:
+        """Any share for `holder`, in a dealing to it alone that this member signs (its b digest made up)."""
+        plain, nonce = secrets.token_bytes(SHARE_BYTES), secrets.token_bytes(NONCE)
         ciphertext = nonce + AESGCM(self._enc(keys, holder)).encrypt(nonce, plain,
                                                                      _info(self.rid, "share", self.me, holder))
-        hb = _commitment(self.rid, self.me, holder, "b", plain[:32])
-        hs = _commitment(self.rid, self.me, holder, "s", plain[32:])
-        return ciphertext, hb + hs + self.identity.sign(_commit_message(self.rid, self.me, holder, hb, hs))
+        pair = _commitment(self.rid, self.me, holder, "b", plain[:SELF_SEED_BYTES]) + \
+            _commitment(self.rid, self.me, holder, "s", plain[SELF_SEED_BYTES:])
+        digest, s_public = bytes(32), _raw(self.s.public_key())
+        dealing = self.identity.sign(_dealing_message(self.rid, self.me, [holder], threshold, digest, s_public,
+                                                      commit_root(self.rid, self.me, pair)))
+        return ciphertext, pack_dealing(digest, dealing, [holder], {holder: pair})
 
     def open(self, dealer: int, keys: dict, ciphertext: bytes) -> None:
         plain = AESGCM(self._enc(keys, dealer)).decrypt(ciphertext[:NONCE], ciphertext[NONCE:],
                                                         _info(self.rid, "share", dealer, self.me))
-        self.opened[dealer] = (plain[:32], plain[32:])
+        self.opened[dealer] = (plain[:SELF_SEED_BYTES], plain[SELF_SEED_BYTES:])
 
     def pair(self, keys: dict, other: int) -> bytes:
         return _derive(self.s.exchange(_public(keys["s"], "s")),
@@ -100,7 +106,7 @@ def sparse_graph_attack():
             if n == "i" and name[j] in ("o1", "o2"):
                 continue
             if name[j] in evil:
-                cts[j], commits[j] = evil[name[j]].deal(me[n], keys[me[n]])
+                cts[j], commits[j] = evil[name[j]].deal(me[n], keys[me[n]], 5)
             else:
                 cts[j], commits[j] = dealt[name[j]]["shares"][me[n]], dealt[name[j]]["commits"][me[n]]
         y[n] = clients[n].masked_input(cts, commits, xs[n])
@@ -118,7 +124,7 @@ def sparse_graph_attack():
     b_i = combine_secret({me["i"]: answers["i"]["b"][me["i"]], me["o1"]: answers["o1"]["b"][me["i"]],
                           me["o2"]: answers["o2"]["b"][me["i"]],
                           **{c.me: c.opened[me["i"]][0] for c in evil.values()}}, hood["i"], t)
-    x = y["i"] - expand_mask(b_i, D)
+    x = y["i"] - expand_mask(self_mask_key(b_i), D)
     for k, helpers in (("k1", ("o1", "w1", "w2")), ("k2", ("o2", "w3", "w4"))):
         s_k = combine_secret({**{me[h]: answers[h]["s"][me[k]] for h in helpers},
                               **{c.me: c.opened[me[k]][1] for c in evil.values()}}, hood[k], t)

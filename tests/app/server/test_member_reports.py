@@ -227,7 +227,7 @@ def test_an_honest_round_names_no_dealer_and_a_framed_one_fails_the_check(monkey
               "holders": server.holders[dealer][::-1], "dealing": server.dealings[dealer][0].hex(),
               "seed_digest": server.dealings[dealer][1].hex(), "s_public": bytes(server.keys[dealer]["s"]).hex(),
               "shares": {str(h): v.hex() for h, v in chosen.items()},
-              "commits": {str(h): server.commits[dealer][h].hex() for h in chosen}}
+              "commits": {str(h): server.commits[dealer][h].hex() for h in server.holders[dealer]}}
     assert not verify_blame(framed, keys[dealer])
     framed["holders"] = server.holders[dealer]
     assert not verify_blame(framed, keys[dealer])  # its true order: the shares rebuild the signed seed
