@@ -162,8 +162,11 @@ class SecAggClient:
         """The ids a stage message names, sorted: in this client's neighbourhood, this client
         among them, and at least `needed` of them."""
         holders = _ids(ids, stage)
-        if not set(holders) <= set(self.neighbours) or self.me not in holders:
-            raise ProtocolError(f"{stage}: {what} outside this client's neighbourhood")
+        outside = sorted(set(holders) - set(self.neighbours))
+        if outside:
+            raise ProtocolError(f"{stage}: {what} outside this client's neighbourhood (culprit: {outside[0]})")
+        if self.me not in holders:
+            raise ProtocolError(f"{stage}: {what} without this client")
         if len(holders) < self.needed:
             raise ProtocolError(f"{stage}: {len(holders)} clients {went_on}, below the threshold")
         return holders

@@ -13,7 +13,8 @@ from fedsd.secure.identity import verify
 from fedsd.secure.ring import neighbourhoods
 from fedsd.secure.secagg_primitives import (SEED_BYTES, SELF_SEED_BYTES, _commitment, _dealing_message, _derive, _info,
                                             _public, _rebuilt_mismatch, add_mask, combine_secret, commit_root,
-                                            minimum_threshold, pack_dealing, pairwise_sign, self_mask_key)
+                                            masked_with_message, minimum_threshold, pack_dealing, pairwise_sign,
+                                            self_mask_key)
 
 
 class RoundAbandoned(Exception):
@@ -81,6 +82,12 @@ class SecAggServer:
                 self.culprits[sender] = "a dealing (its holders, t and commitments) it did not sign"
                 del shares[sender]
                 continue
+            if not set(holders) <= set(self.neighbours.get(sender, ())):
+                # shares for owners outside its neighbourhood, which each would refuse after its
+                # neighbours had paid (a review's member spoiled rounds so, unnamed): left out
+                self.culprits[sender] = "dealt shares to owners outside its neighbourhood"
+                del shares[sender]
+                continue
             self.holders[sender] = holders
             self.commits[sender] = dict(pairs)
             self.dealings[sender] = (dealt["dealing"], digest)
@@ -113,9 +120,19 @@ class SecAggServer:
         return {"ciphertexts": out, "commits": commits}
 
     def collect_masked(self, masked: dict[int, np.ndarray], masked_sets: dict[int, dict] | None = None) -> None:
-        """The survivors' masked vectors and, on a ring, each one's signed M (relayed as it came)."""
-        self.masked = {c: np.asarray(v, dtype=np.uint64) for c, v in masked.items() if c in self.inbox}
+        """The survivors' masked vectors and, on a ring, each one's signed M. A survivor whose M is
+        not, signed by it, exactly the dealers whose shares reached it is named and counted as
+        dropped: otherwise no holder would reveal its b, and one member could abandon every round
+        after the owners paid (a review found it)."""
+        self.masked = {c: np.asarray(v, dtype=np.uint64) for c, v in masked.items()
+                       if c in self.inbox and c in self.holders}
         self.masked_sets = {c: m for c, m in (masked_sets or {}).items() if c in self.masked}
+        if self.graph is not None:
+            for c in list(self.masked):
+                if not self._masked_with_holds(c, self.masked_sets.get(c)):
+                    self.culprits[c] = "a masked input without its signed set of the neighbours it masked with"
+                    del self.masked[c]
+                    self.masked_sets.pop(c, None)
         self.bytes_in += 8 * self.length * len(self.masked) + sum(
             8 * len(m.get("with", ())) + 64 for m in self.masked_sets.values())
         self._enough(len(self.masked), "sent masked inputs")
@@ -131,6 +148,13 @@ class SecAggServer:
         self.bytes_in += 64 * len(signatures)
         self.bytes_out += sum(64 * len(v) for v in out.values())
         return out
+
+    def _masked_with_holds(self, client: int, entry: object) -> bool:
+        """Whether `entry` is `client`'s signature of M, the dealers whose shares it was sent."""
+        expected = sorted(self.inbox.get(client, {}))
+        return isinstance(entry, dict) and entry.get("with") == expected and verify(
+            self.keys.get(client, {}).get("v", b""), entry.get("sig"),
+            masked_with_message(self.round_id, client, expected))
 
     def masked_sets_for(self, client: int) -> dict[int, dict]:
         """On a ring, its neighbours' signed M, for `client`'s unmask (empty on the complete graph)."""

@@ -6,19 +6,23 @@ Each defence has a test here that fails without it; the review's attack C is rep
 from __future__ import annotations
 
 import dataclasses
+import secrets
 
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from fedsd.errors import ConfigError
 from fedsd.secure.distributed_step import secure_round
 from fedsd.secure.identity import Identity, Roster
 from fedsd.secure.ring import graph_parameters, neighbourhoods, ring_order, sparse_threshold
 from fedsd.secure.secagg import SecAggClient
-from fedsd.secure.secagg_primitives import (ProtocolError, _derive, _info, _public, combine_secret, expand_mask,
-                                            graph_tag, pack_dealing, pairwise_sign, self_mask_key)
-from fedsd.secure.secagg_server import RoundAbandoned
+from fedsd.secure.secagg_primitives import (NONCE, SELF_SEED_BYTES, ProtocolError, _dealing_message, _derive, _info,
+                                            _public, _raw, combine_secret, commit_root, commitments, expand_mask,
+                                            graph_tag, masked_with_message, pack_dealing, pairwise_sign, seed_digest,
+                                            self_mask_key, split_secret)
+from fedsd.secure.secagg_server import RoundAbandoned, SecAggServer
 from fedsd.settings.federation import FedConfig
 from fedsd.simulation.secure_federation import secure_graph
 from tests.secure.test_roster_neighbourhoods_and_silence import Colluder
@@ -128,6 +132,77 @@ def test_a_ring_round_survives_the_dropouts_its_threshold_tolerates_and_sums_exa
         else:
             with pytest.raises((ProtocolError, RoundAbandoned)):
                 run()
+
+
+# -- a member spoiling ring rounds unnamed (the second review's findings) -------------------------
+class Member(Colluder):
+    """A member that deals one consistent, signed dealing to any list of holders."""
+
+    def deal_many(self, holders: list[int], keys: dict, threshold: int) -> dict:
+        holders = sorted(holders)
+        b = secrets.token_bytes(SELF_SEED_BYTES)
+        both = split_secret(b + self.s.private_bytes_raw(), threshold, holders)
+        shares, commits = {}, {}
+        for h in holders:
+            nonce = secrets.token_bytes(NONCE)
+            shares[h] = nonce + AESGCM(self._enc(keys[h], h)).encrypt(nonce, both[h], _info(self.rid, "share",
+                                                                                             self.me, h))
+            commits[h] = commitments(self.rid, self.me, h, both[h])
+        digest = seed_digest(self.rid, self.me, b)
+        root = commit_root(self.rid, self.me, b"".join(commits[h] for h in holders))
+        return {"shares": shares, "commits": commits, "digest": digest, "dealing": self.identity.sign(
+            _dealing_message(self.rid, self.me, holders, threshold, digest, _raw(self.s.public_key()), root))}
+
+
+def member_round(rid: bytes, deal_to_all: bool = False, masked_with_itself: bool = False):
+    """A ring of 40 (k = 8, t = 3, F = 1) with one member; the honest server. Returns (the sum, the
+    honest owners' sum, the server)."""
+    n, k, t, f = 40, 8, 3, 1
+    threshold = sparse_threshold(k, f, t)
+    identities, roster = federation(n)
+    cohort = sorted(i.id for i in identities)
+    server = SecAggServer(rid, cohort, D, threshold=threshold, graph={"k": k, "honest": t, "colluders": f})
+    x = cohort[7]
+    member = Member(next(i for i in identities if i.id == x), rid)
+    clients = clients_of(rid, identities, roster, t, f, skip={x})
+    keys = {i: c.advertise(**server.setup(i)) for i, c in clients.items()}
+    keys[x] = member.advertise(cohort, threshold, graph_tag(k, t, f))
+    server.collect_keys(keys)
+    dealt = {i: c.share_keys(server.keys_for(i)) for i, c in clients.items()}
+    dealt[x] = member.deal_many(cohort if deal_to_all else server.neighbours[x], server.keys, threshold)
+    server.collect_shares(dealt)
+    rng = np.random.default_rng(5)
+    xs = {i: rng.integers(0, 2 ** 40, D, dtype=np.uint64) for i in cohort}
+    masked = {i: c.masked_input(*server.shares_for(i).values(), xs[i]) for i, c in clients.items()}
+    sets = {i: c.masked_set() for i, c in clients.items()}
+    masked[x] = xs[x]  # whatever it likes
+    if masked_with_itself:
+        sets[x] = {"with": [x], "sig": member.identity.sign(masked_with_message(rid, x, [x]))}
+    server.collect_masked(masked, sets)
+    signatures = server.route_confirmations({i: c.confirm(**server.unmask_request(i)) for i, c in clients.items()})
+    answers = {i: c.unmask(signatures[i], server.masked_sets_for(i)) for i, c in clients.items()}
+    return server.finish(answers), sum(xs[i] for i in clients), server, x
+
+
+def test_a_member_dealing_outside_its_neighbourhood_is_named_and_left_out_before_anyone_pays():
+    """MEDIUM (a second review): a member signed a dealing to the whole cohort; the server relayed
+    it, every owner outside its neighbourhood refused at masked-input naming no one, after the
+    member's neighbours had paid, and the round was abandoned unnamed, every round. Now the server
+    leaves such a dealing out and names its dealer; every owner goes on and the sum is theirs."""
+    total, honest, server, member = member_round(b"ring-f1", deal_to_all=True)
+    assert "outside its neighbourhood" in server.culprits[member]
+    assert member not in server.masked and np.array_equal(total, honest)
+
+
+def test_a_member_whose_signed_masked_set_is_not_what_it_was_sent_counts_as_dropped_and_is_named():
+    """HIGH (a second review): a member that signs M naming only itself (or none) leaves no holder
+    that reveals its b; the server counted it a survivor and abandoned every ring round after every
+    owner paid, naming no one. Now the server checks each M against the shares it relayed: the
+    member is named and counted as dropped (its pairwise masks removed through its s), and the sum
+    is the honest owners' exactly."""
+    total, honest, server, member = member_round(b"ring-f2", masked_with_itself=True)
+    assert "signed set" in server.culprits[member] and member not in server.masked
+    assert np.array_equal(total, honest)
 
 
 # -- the review's attack C -------------------------------------------------------------------------
