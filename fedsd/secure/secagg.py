@@ -248,10 +248,7 @@ class SecAggClient:
         parsed = {}
         for j in holders:
             entry = keys[j] if isinstance(keys[j], dict) else {}
-            try:
-                c, s = _public(entry.get("c"), "c key"), _public(entry.get("s"), "s key")
-            except ProtocolError as error:
-                raise ProtocolError(f"{self.name(j)}'s {error} (culprit: {j})") from None
+            c, s = (self._neighbour_key(entry.get(part), part, j) for part in "cs")
             v = entry.get("v")
             if not isinstance(v, (bytes, bytearray)) or len(v) != 32:
                 raise ProtocolError(f"share-keys: {self.name(j)} sent no signing key (culprit: {j})")
@@ -271,6 +268,14 @@ class SecAggClient:
             raise ProtocolError("share-keys: two clients advertised the same key")
         return parsed
 
+    def _neighbour_key(self, raw: object, part: str, j: int):
+        """Neighbour j's c or s public key, parsed; a refusal names it (built only when refused)."""
+        try:
+            return _public(raw, "")
+        except ProtocolError as error:
+            reason = str(error).split(": ", 1)[-1]
+            raise ProtocolError(f"{self.name(j)}'s {part} key (culprit: {j}): {reason}") from None
+
     def _agreement(self, kind: str, j: int, private: X25519PrivateKey, public) -> bytes:
         """The key HKDF derives from X25519(mine, j's) for this round and pair. With `agreements` (one
         process holding both ends: a simulation), the end that comes second finds it there."""
@@ -282,8 +287,8 @@ class SecAggClient:
         try:
             secret = private.exchange(public)
         except ValueError:  # a low-order point: the shared secret would be all zeros
-            raise ProtocolError(f"{self.name(j)}'s {'cs'[which]} key: a key that agrees on no secret "
-                                f"(culprit: {j})") from None
+            raise ProtocolError(f"{self.name(j)}'s {'cs'[which]} key (culprit: {j}): a key that agrees on no "
+                                f"secret") from None
         key = _derive(secret, _info(self.round_id, kind, min(self.me, j), max(self.me, j)))
         if self.agreements is not None:
             self.agreements[slot] = key
