@@ -272,9 +272,8 @@ class SecAggClient:
         """Neighbour j's c or s public key, parsed; a refusal names it (built only when refused)."""
         try:
             return _public(raw, "")
-        except ProtocolError as error:
-            reason = str(error).split(": ", 1)[-1]
-            raise ProtocolError(f"{self.name(j)}'s {part} key (culprit: {j}): {reason}") from None
+        except ProtocolError:  # again, to be refused with the neighbour named
+            return _public(raw, f"{self.name(j)}'s {part} key (culprit: {j})")
 
     def _agreement(self, kind: str, j: int, private: X25519PrivateKey, public) -> bytes:
         """The key HKDF derives from X25519(mine, j's) for this round and pair. With `agreements` (one

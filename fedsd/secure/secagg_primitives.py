@@ -40,9 +40,14 @@ class ProtocolError(Exception):
 def expand_mask(seed: bytes, length: int) -> np.ndarray:
     """`length` uint64 words of AES-256-CTR keystream under `seed` (32 bytes). Each seed masks
     one vector of one round, so the zero nonce is never reused under a key."""
-    words = np.empty(length + 2, dtype="<u8")  # update_into may ask for a block's room beyond the data
-    encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
-    encryptor.update_into(_zeros(8 * length), memoryview(words).cast("B"))
+    return _keystream(seed, np.empty(length + 2, dtype="<u8"), length)
+
+
+def _keystream(seed: bytes, words: np.ndarray, length: int) -> np.ndarray:
+    """`length` words of the keystream written into `words` (at least length + 2 long: update_into
+    may ask for a block's room beyond the data); returns them."""
+    encryptor = Cipher(algorithms.AES(seed), _CTR_ZERO).encryptor()
+    encryptor.update_into(_zeros(8 * length), memoryview(words[:length + 2]).cast("B"))
     encryptor.finalize()
     return words[:length]
 
@@ -54,10 +59,7 @@ def add_mask(total: np.ndarray, seed: bytes, sign: int = 1) -> np.ndarray:
     words = getattr(_SCRATCH, "words", None)
     if words is None or len(words) < length + 2:
         words = _SCRATCH.words = np.empty(length + 2, dtype="<u8")
-    encryptor = Cipher(algorithms.AES(seed), _CTR_ZERO).encryptor()
-    encryptor.update_into(_zeros(8 * length), memoryview(words[:length + 2]).cast("B"))
-    encryptor.finalize()
-    mask = words[:length]
+    mask = _keystream(seed, words, length)
     return np.add(total, mask, out=total) if sign > 0 else np.subtract(total, mask, out=total)
 
 

@@ -44,7 +44,6 @@ class SecAggServer:
             self.neighbours, size = neighbourhoods(round_id, self.cohort, graph["k"]), graph["k"] + 1
         self.threshold = threshold if threshold is not None else minimum_threshold(size)
         self.masked_sets: dict[int, dict] = {}  # on a ring: survivor → its signed M (SecAggClient.masked_set)
-        self._indexed: tuple | None = None  # the last unmask answers and their index (_index)
         self.keys: dict[int, dict] = {}
         self.inbox: dict[int, dict[int, bytes]] = {}
         self.commits: dict[int, dict[int, bytes]] = {}  # dealer → holder → signed commitment
@@ -162,14 +161,14 @@ class SecAggServer:
         self.bytes_out += sum(8 * len(m.get("with", ())) + 64 for m in out.values())
         return out
 
-    def _secret(self, dealer: int, part: str, answers: dict[int, dict]) -> bytes:
+    def _secret(self, dealer: int, part: str, index: dict) -> bytes:
         """One client's b or s from the shares its holders sent, each checked against the
         dealer's commitment (a holder that sent another share is named, and its share set
         aside, as is a share from a holder the dealer did not deal to). Fewer than t good shares
         abandon the round. The secret rebuilt is checked against the dealer's signed dealing (b's
         digest, s's public key): another one is the dealer's doing, recorded with its evidence
         (`_blame`), and `finish` abandons the round."""
-        good = self._good_shares(dealer, part, answers)
+        good = self._good_shares(dealer, part, index=index)
         self._enough(len(good), f"sent a good share of client {dealer}'s {'self mask' if part == 'b' else 'key'}")
         chosen = {h: good[h] for h in sorted(good)[:self.threshold]}
         secret = combine_secret(chosen, self.holders[dealer], self.threshold)
@@ -178,11 +177,12 @@ class SecAggServer:
             self._blame(dealer, part, chosen)
         return secret
 
-    def _good_shares(self, dealer: int, part: str, answers: dict[int, dict]) -> dict[int, bytes]:
-        """The shares of `dealer`'s b or s its holders sent that match its commitments; a holder
-        that sent another share, or one it was not dealt, is named."""
+    def _good_shares(self, dealer: int, part: str, answers: dict[int, dict] | None = None,
+                     index: dict | None = None) -> dict[int, bytes]:
+        """The shares of `dealer`'s b or s its holders sent (the unmask answers, or their `_index`)
+        that match its commitments; a holder that sent another share, or one it was not dealt, is named."""
         good, dealt_to = {}, set(self.holders.get(dealer, ()))
-        sent = self._index(answers)[part].get(dealer, {})
+        sent = (index if index is not None else _index(answers))[part].get(dealer, {})
         for holder, share in sent.items():
             if holder not in dealt_to:  # a commitment the dealer made outside the holders it listed
                 self.culprits[holder] = f"sent a share of client {dealer}'s {part} it was not dealt"
@@ -194,18 +194,6 @@ class SecAggServer:
             else:
                 self.culprits[holder] = f"sent a share of client {dealer}'s {part} other than the one committed to"
         return good
-
-    def _index(self, answers: dict[int, dict]) -> dict[str, dict[int, dict[int, bytes]]]:
-        """The unmask answers by part and dealer (part → dealer → holder → share): made once in
-        `finish`, so that each dealer's shares are found in O(k), not by reading every answer."""
-        if self._indexed is not None and self._indexed[0] is answers:
-            return self._indexed[1]
-        index: dict[str, dict[int, dict[int, bytes]]] = {"b": {}, "s": {}}
-        for holder, answer in answers.items():
-            for part in ("b", "s"):
-                for dealer, share in answer.get(part, {}).items():
-                    index[part].setdefault(dealer, {})[holder] = share
-        return index
 
     def _blame(self, dealer: int, part: str, chosen: dict[int, bytes]) -> None:
         """`dealer`'s t committed shares rebuild a secret other than the one its dealing signed:
@@ -224,22 +212,16 @@ class SecAggServer:
     def finish(self, answers: dict[int, dict]) -> np.ndarray:
         """The sum of the survivors' vectors, from the unmask answers of at least t survivors."""
         self._enough(len(answers), "answered the unmask request")
-        self._indexed = (answers, self._index(answers))
-        try:
-            return self._unmasked(answers)
-        finally:
-            self._indexed = None
-
-    def _unmasked(self, answers: dict[int, dict]) -> np.ndarray:
+        index = _index(answers)  # each dealer's shares found in O(k), not by reading every answer
         total = np.zeros(self.length, dtype=np.uint64)
         for vector in self.masked.values():
             total += vector
         for j in self.masked:  # self masks
-            add_mask(total, self_mask_key(self._secret(j, "b", answers)), -1)
+            add_mask(total, self_mask_key(self._secret(j, "b", index)), -1)
         for d in sorted(set(self.holders) - set(self.masked)):  # pairwise masks a dropped client left
-            if d not in self._index(answers)["s"]:
+            if d not in index["s"]:
                 continue
-            private = X25519PrivateKey.from_private_bytes(self._secret(d, "s", answers))
+            private = X25519PrivateKey.from_private_bytes(self._secret(d, "s", index))
             for j in self.neighbours[d]:
                 if j in self.masked and d in self.inbox.get(j, {}) and j != d:
                     pair = _derive(private.exchange(_public(self.keys[j]["s"], "s key")),
@@ -256,3 +238,13 @@ class SecAggServer:
         if count < self.threshold:
             raise RoundAbandoned(f"secure aggregation: {count} clients {what}, below the threshold "
                                  f"{self.threshold}; the round is abandoned and nothing was unmasked", self.culprits)
+
+
+def _index(answers: dict[int, dict]) -> dict[str, dict[int, dict[int, bytes]]]:
+    """Unmask answers by part and dealer: part → dealer → holder → share."""
+    index: dict[str, dict[int, dict[int, bytes]]] = {"b": {}, "s": {}}
+    for holder, answer in answers.items():
+        for part in ("b", "s"):
+            for dealer, share in answer.get(part, {}).items():
+                index[part].setdefault(dealer, {})[holder] = share
+    return index
