@@ -4,7 +4,9 @@ the round id both sides derive, maps of client id to bytes as ConfigRecord lists
 update as the uint64 vector the protocol sums (fedsd.secure.secagg), and back.
 
 A map {id: bytes} travels as two lists of one length, "<name>-ids" and "<name>-values"; what
-comes from the other side is hostile, so `read_map` checks both before anything uses them.
+comes from the other side is hostile, so `read_map` checks both before anything uses them. On a
+ring, a member's signed set of the neighbours it masked with travels as one bytes value
+(`packed_set`).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import hashlib
 import math
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 # The stages as Flower message types ("query.<action>") and as the data service's kinds.
 STAGES = ("identify", "advertise", "share", "masked", "confirm", "unmask")
@@ -25,6 +27,7 @@ KEY_FIELDS = ("c", "s", "v", "sig")  # a client's stage-0 keys: its two X25519 k
 RECORD = "secagg"  # the stage's own fields, beside a masked-input message's "config" and "arrays"
 SCALE = 2 ** 20  # a float update's fixed point: x → round(x · 2^20), as int64 in a uint64
 MAX_ID = (1 << 63) - 1
+MASKED_SET = "secagg-masked-set"  # a ring member's masked reply: its signed M (`packed_set`), as "set"
 
 
 class BadMessage(ValueError):
@@ -85,6 +88,24 @@ def unwired(record: ConfigRecord, name: str, limit: int):
         return decoded(json.loads(raw))
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         raise BadMessage(f"{name}: not the protocol's encoding") from None
+
+
+def packed_set(entry: dict) -> bytes:
+    """A ring member's signed M (fedsd.secure.secagg.SecAggClient.masked_set) as one bytes value:
+    its 64-byte signature, then the ids it masked with, 8 bytes each, big-endian."""
+    return bytes(entry["sig"]) + np.asarray(entry["with"], dtype=">u8").tobytes()
+
+
+def unpacked_set(value: object) -> dict | None:
+    """`packed_set` read back (from its bytes, or a masked reply's MASKED_SET record), or None for
+    anything that is not one (64 bytes and a whole number of ids, at most 256 of them); the
+    signature is for the protocol to check."""
+    if isinstance(value, RecordDict):
+        record = value.get(MASKED_SET) if MASKED_SET in value else None
+        value = record.get("set") if isinstance(record, ConfigRecord) else None
+    if not isinstance(value, bytes) or len(value) < 64 or (len(value) - 64) % 8 or len(value) > 64 + 8 * 256:
+        return None
+    return {"sig": value[:64], "with": [int(i) for i in np.frombuffer(value[64:], dtype=">u8")]}
 
 
 def read_map(record: ConfigRecord, name: str, max_items: int = 1 << 16) -> dict[int, bytes]:

@@ -93,3 +93,38 @@ def _neighbourhoods(round_id: bytes, members: tuple, k: int) -> dict[int, list[i
     if k + 1 >= n:
         return {m: list(members) for m in members}
     return {m: sorted(order[(p + d) % n] for d in range(-half, half + 1)) for p, m in enumerate(order)}
+
+
+
+FLAGS = {"clients": "--clients", "honest": "--honest-clients", "colluders": "--secagg-max-colluders",
+         "dropout": "--secagg-dropout", "graph": "--secagg-graph"}
+
+
+def choose_graph(setting: str, n: int, honest: int, colluders: int, dropout: float, *, most: int, ring_above: int,
+                 spelled: str = "{} {}", names: dict | None = None, plain: str = "--secure-sum plain"
+                 ) -> Graph | None:
+    """The graph a round of n runs on under `setting` (complete | ring | auto: the ring above
+    `ring_above`): None for the complete graph, else the ring of `graph_parameters`, each owner at
+    most `most` neighbours. ValueError where none fits, naming each setting as `spelled` (name,
+    value) with `names` (`fedsd simulate`'s flags by default), and `plain`, the way round it."""
+    name = {**FLAGS, **(names or {})}
+    clients, t, f, d = (spelled.format(name[key], value) for key, value in
+                        (("clients", n), ("honest", honest), ("colluders", colluders), ("dropout", dropout)))
+    if not 0 <= dropout < 0.5:
+        raise ValueError(f"{d}: a fraction in [0, 0.5)")
+    if colluders < 0 or honest + 2 * colluders > n:
+        raise ValueError(f"{f}: at most ({clients} - t {honest}) / 2 (t honest inputs in any sum, with F members' "
+                         f"shares withheld)")
+    if setting == "complete" or (setting == "auto" and n <= ring_above):
+        if n > most:
+            raise ValueError(f"{clients}: on the complete graph a client shares with every other, and with at most "
+                             f"{most}; take {spelled.format(name['graph'], 'ring')} (or auto), or {plain}")
+        return None
+    graph = graph_parameters(n, colluders, honest, dropout)
+    if not graph.complete and graph.k + 1 <= most:
+        return graph
+    if setting == "auto" and n <= most:
+        return None
+    raise ValueError(f"{clients}: with {t}, {f} and {d}, no ring below the cohort with at most {most} neighbours a "
+                     f"client fits (its threshold is at least t + F and at most k + 1 - F); lower {name['honest']} "
+                     f"or {name['colluders']}, or take {plain}")

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from fedsd.secure import client_level
 from fedsd.data import datasets as data_lib
 from fedsd.secure import distributed_noise
-from fedsd.secure.ring import Graph, graph_parameters
+from fedsd.secure.ring import Graph, choose_graph
 from fedsd.secure.secagg import MAX_NEIGHBOURS
 from fedsd.data.client_data import input_stats, with_custom_task, task_for
 from fedsd.settings.run import TrainConfig
@@ -93,29 +93,13 @@ def check_options(cfg: TrainConfig, fed: FedConfig) -> None:
 def secure_graph(fed: FedConfig) -> Graph | None:
     """The graph a simulated round of the protocol runs on (--secagg-graph): None for the complete
     graph, else the ring's k and threshold from the clients, t, F and the dropout rate
-    (fedsd.secure.ring.graph_parameters). ConfigError, naming the settings, where none fits."""
-    n, t, f, dropout = fed.num_clients, honest_count(fed), fed.secagg_max_colluders, fed.secagg_dropout
-    if not 0 <= dropout < 0.5:
-        raise ConfigError(f"--secagg-dropout {dropout}: a fraction in [0, 0.5)")
-    if not 0 <= f or t + 2 * f > n:
-        raise ConfigError(f"--secagg-max-colluders {f}: in [0, (--clients {n} - t {t}) / 2] (t honest inputs in any "
-                          f"sum, with F members' shares withheld)")
-    if fed.secagg_graph == "complete" or (fed.secagg_graph == "auto" and n <= RING_ABOVE):
-        if n > MAX_NEIGHBOURS:
-            raise ConfigError(f"--clients {n}: on the complete graph a client shares with every other, and with at "
-                              f"most {MAX_NEIGHBOURS}; take --secagg-graph ring (or auto), or --secure-sum plain for a "
-                              f"study of the sum alone")
-        return None
-    graph = graph_parameters(n, f, t, dropout)
-    if not graph.complete and graph.k + 1 <= MAX_NEIGHBOURS:
-        return graph
-    if fed.secagg_graph == "auto" and n <= MAX_NEIGHBOURS:
-        return None
-    raise ConfigError(f"--clients {n}: with --honest-clients {t}, --secagg-max-colluders {f} and --secagg-dropout "
-                      f"{dropout}, no ring below the cohort with at most {MAX_NEIGHBOURS} neighbours a client fits "
-                      f"(its threshold is at least t + F and at most k + 1 - F); lower --honest-clients or "
-                      f"--secagg-max-colluders, "
-                      f"or add --secure-sum plain (the same sum, added in the clear)")
+    (fedsd.secure.ring.choose_graph). ConfigError, naming the settings, where none fits."""
+    try:
+        return choose_graph(fed.secagg_graph, fed.num_clients, honest_count(fed), fed.secagg_max_colluders,
+                            fed.secagg_dropout, most=MAX_NEIGHBOURS, ring_above=RING_ABOVE,
+                            plain="--secure-sum plain (the same sum, added in the clear) for a study of the sum alone")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def honest_count(fed: FedConfig) -> int:

@@ -115,7 +115,8 @@ def advertise_reply(content: RecordDict, context: Context) -> RecordDict:
         admitted_at_advertise(content, context, owner)
         client = owner.client(_round_id(key))
         keys = client.advertise(list(record.get("cohort", [])), list(record.get("neighbours", [])),
-                                record.get("threshold"), secure_sum.settings_digest(content.get("config")))
+                                record.get("threshold"), secure_sum.settings_digest(content.get("config")),
+                                _graph(record.get("graph")))
         owner.join(key)  # a refused round leaves nothing behind; a joined one is remembered, on disk
     except (BadMessage, ProtocolError, ConfigError, TypeError) as e:
         raise _refused(e) from None
@@ -123,6 +124,16 @@ def advertise_reply(content: RecordDict, context: Context) -> RecordDict:
     while len(_SESSIONS) > MAX_SESSIONS:
         _SESSIONS.popitem(last=False)
     return RecordDict({secure_sum.RECORD: ConfigRecord(keys)})
+
+
+def _graph(value: object) -> dict | None:
+    """Stage 0's "graph": none for the complete graph, else a ring's [k, t, F] (checked by the
+    protocol against this owner's own, and its neighbourhood derived: SecAggClient._ring)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 3:
+        raise BadMessage("graph: a ring's [k, t, F], three integers, or none for the complete graph")
+    return dict(zip(("k", "honest", "colluders"), value))
 
 
 def share_reply(content: RecordDict, context: Context) -> RecordDict:
@@ -168,7 +179,10 @@ def masked_reply(content: RecordDict, context: Context) -> RecordDict:
     if owner.node.secagg_keep_inputs:
         keep_input(owner, key, vector)
     log.info("secure aggregation: round %d's masked input (%d values) sent", key[3], len(vector))
-    return RecordDict({secure_sum.RECORD: ArrayRecord({"masked": Array(masked)}), "metrics": metrics})
+    reply = RecordDict({secure_sum.RECORD: ArrayRecord({"masked": Array(masked)}), "metrics": metrics})
+    if client.degree:  # on a ring: the neighbours it masked with, signed (the server relays them at unmask)
+        reply[secure_sum.MASKED_SET] = ConfigRecord({"set": secure_sum.packed_set(client.masked_set())})
+    return reply
 
 
 def confirm_reply(content: RecordDict, context: Context) -> RecordDict:
@@ -190,7 +204,8 @@ def unmask_reply(content: RecordDict, context: Context) -> RecordDict:
     try:
         key, record, _ = _stage_fields(content, context)
         client = _session(key)
-        answer = client.unmask(read_map(record, "confirmations"))
+        sets = {j: secure_sum.unpacked_set(v) for j, v in read_map(record, "masked-sets").items()}
+        answer = client.unmask(read_map(record, "confirmations"), sets if client.degree else None)
     except (BadMessage, ProtocolError, ConfigError) as e:
         raise _refused(e) from None
     out = ConfigRecord({})

@@ -1,7 +1,8 @@
 """What the server plans and bounds under secure aggregation (the rounds: fedsd.app.server.secure_rounds):
 under noise=distributed, the run's noise plan and the server's optimizer (`distributed_plan`;
 at privacy-unit=client, `client_level_plan`), refused before any round when the run cannot be
-one; with local noise, the bound the survivors' mean update stays below (`local_noise_bound`).
+one; with local noise, the bound the survivors' mean update stays below (`local_noise_bound`); the
+graph a round's cohort runs on (`round_graph`).
 """
 from __future__ import annotations
 
@@ -9,8 +10,34 @@ import math
 
 from fedsd.secure import distributed_noise, sum_bound
 from fedsd.errors import ConfigError
-from fedsd.settings.federation import deployed_honest_clients
+from fedsd.secure.ring import Graph, choose_graph
+from fedsd.secure.secagg import MAX_NEIGHBOURS
+from fedsd.settings.federation import RING_ABOVE, deployed_honest_clients
 from fedsd.app import secure_sum
+
+RUN_CONFIG = {"clients": "num-clients", "honest": "honest-clients", "colluders": "secagg-max-colluders",
+              "dropout": "secagg-dropout", "graph": "secagg-graph"}
+
+
+def round_graph(fed, n: int) -> Graph | None:
+    """The graph a deployed round's cohort of n runs on (secagg-graph, as `fedsd simulate` picks it:
+    fedsd.secure.ring.choose_graph): None for the complete graph, else the ring, its t
+    honest-clients (0: the owners' default secagg-min-clients) and F secagg-max-colluders, which
+    every owner checks against its own. ConfigError naming the run config where none fits. The
+    multi-round protocol (secure-sum=multi-round) is set up on the complete graph: auto is complete there."""
+    setting = fed.secagg_graph
+    if fed.secure_sum == "multi-round":
+        if setting == "ring":
+            raise ConfigError("secagg-graph=ring: secure-sum=multi-round sets its run up on the complete graph; take "
+                              "secagg-graph=complete (or auto), or secure-sum=protocol for a ring")
+        setting = "complete"
+    try:
+        return choose_graph(setting, n, deployed_honest_clients(fed), fed.secagg_max_colluders, fed.secagg_dropout,
+                            most=MAX_NEIGHBOURS, ring_above=RING_ABOVE, spelled="{}={}", names=RUN_CONFIG,
+                            plain="secure-sum=protocol (multi-round's setup is on the complete graph)"
+                            if fed.secure_sum == "multi-round" else "fewer owners a run")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def local_noise_bound(cfg, fed, dim: int) -> float:

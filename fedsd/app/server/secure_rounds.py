@@ -37,13 +37,15 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
+from fedsd.errors import ConfigError
 from fedsd.secure import client_level, distributed_noise, sum_bound
 from fedsd.secure.identity import read_roster
 from fedsd.secure.secagg_server import RoundAbandoned, SecAggServer
+from fedsd.settings.federation import deployed_honest_clients
 from fedsd.app import secure_sum
 from fedsd.app.records import model_to_record, record_to_model, with_frozen
 from fedsd.app.server.run_exchange import RunExchange
-from fedsd.app.server.secure_plans import distributed_plan, local_noise_bound
+from fedsd.app.server.secure_plans import distributed_plan, local_noise_bound, round_graph
 from fedsd.app.server.stage_exchange import Exchange, cohort_threshold, identify, protocol, refusals, reported
 from fedsd.app.server.strategy import NoClientCanTrain
 
@@ -87,6 +89,7 @@ class SecureRounds:
             if self.optimizer.update_clip is not None:
                 self.adaptive = client_level.AdaptiveUpdateClip.of(launch.fed, self.noise)
         self.roster = read_roster(launch.fed.secagg_roster) if launch.fed.secagg_roster else None
+        round_graph(launch.fed, launch.fed.num_clients)  # a federation no graph fits: refused before round 1
         self.out = Path(launch.out) if launch.out is not None else None
         self.records: list[dict] = []
         self.barred: dict[int, str] = {}  # protocol id → the round it spoiled, with checkable evidence
@@ -147,11 +150,8 @@ class SecureRounds:
             cohort = sorted(exchange.nodes)
             self.names.update({client: exchange.name(client) for client in cohort})
             plain = sorted(exchange.nodes[c] for c, who in identities.items() if not who["authenticated"])
-            n = len(cohort)
-            threshold = cohort_threshold(n, fed.secagg_threshold)
             length = self.round_plan().dim if self.distributed else secure_sum.vector_length(arrays)
-            server = SecAggServer(rid, cohort, length, threshold=threshold) if self.runs is None else \
-                self.runs.facts(cohort)
+            server = self._server(rid, cohort, length, record)
             record.update(cohort=cohort, threshold=server.threshold, nodes_without_roster=plain)
             if plain:
                 log(WARNING, "secure aggregation round %d: %d nodes take part without a roster: they are protected "
@@ -190,6 +190,24 @@ class SecureRounds:
         if stop:
             raise NoClientCanTrain(stop)
         return arrays
+
+    def _server(self, rid: bytes, cohort: list[int], length: int, record: dict):
+        """The round's server: on the graph this cohort runs on (`round_graph`; a cohort no graph fits,
+        after owners left, abandons the round), or the run's multi-round protocol."""
+        fed = self.launch.fed
+        try:
+            graph = round_graph(fed, len(cohort))
+        except ConfigError as e:
+            raise RoundAbandoned(f"secure aggregation: a cohort of {len(cohort)}: {e}") from None
+        if self.runs is not None:
+            record["graph"] = "complete"
+            return self.runs.facts(cohort)
+        if graph is None:
+            record["graph"] = "complete"
+            return SecAggServer(rid, cohort, length, threshold=cohort_threshold(len(cohort), fed.secagg_threshold))
+        record["graph"] = dict(k=graph.k, threshold=graph.threshold)
+        numbers = {"k": graph.k, "honest": deployed_honest_clients(fed), "colluders": fed.secagg_max_colluders}
+        return SecAggServer(rid, cohort, length, threshold=graph.threshold, graph=numbers)
 
     def _summed(self, exchange: Exchange, server, base: dict, train: RecordDict, record: dict,
                 length: int) -> tuple[np.ndarray, list]:

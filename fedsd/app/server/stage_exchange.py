@@ -275,6 +275,19 @@ def _told(exchange: Exchange, base: dict, roster: Roster | None, round_id: bytes
     return out
 
 
+def _setup(fields: dict) -> dict:
+    """Stage 0's fields as a ConfigRecord carries them: a ring's numbers as "graph", [k, t, F]."""
+    graph = fields.pop("graph", None)
+    return fields if graph is None else {**fields, "graph": [graph["k"], graph["honest"], graph["colluders"]]}
+
+
+def _masked_sets(server: SecAggServer, client: int) -> dict:
+    """On a ring, the signed M of `client`'s neighbours, for its unmask (none on the complete graph)."""
+    if server.graph is None:
+        return {}
+    return {"masked-sets": {j: secure_sum.packed_set(m) for j, m in server.masked_sets_for(client).items()}}
+
+
 def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: RecordDict,
              evidence: str = "") -> tuple[np.ndarray, list]:
     """The five stages after identify; the sum and the survivors' replies (RoundAbandoned below
@@ -284,7 +297,7 @@ def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: Record
     # (fedsd.secure.secagg, stage 0), and its masked input is refused under any other settings.
     # `evidence`: the run's spoilers so far, with what proves it: each owner checks it and refuses them
     extra = {"evidence": evidence} if evidence else {}
-    keys = _parsed(ask("advertise", {n: _with_config(_stage_record(base, **server.setup(n), **extra),
+    keys = _parsed(ask("advertise", {n: _with_config(_stage_record(base, **_setup(server.setup(n)), **extra),
                                                      train["config"]) for n in server.cohort}), _keys)
     server.collect_keys(keys)
     requests = {}
@@ -303,12 +316,15 @@ def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: Record
     masked = {n: v for n, v in _parsed(replies, _masked(server.length)).items() if reported(replies[n]) is not None}
     for n in set(replies) - set(masked):
         exchange.stages["masked"]["failed"].setdefault(str(n), "a masked input without a metrics record")
-    server.collect_masked(masked)
+    # On a ring each survivor's signed M comes with its masked input (a survivor without it is
+    # named and counted as dropped by collect_masked), and goes to its neighbours at unmask.
+    sets = {n: secure_sum.unpacked_set(replies[n]) for n in masked} if server.graph is not None else None
+    server.collect_masked(masked, sets)
     signatures = _parsed(ask("confirm", {n: _stage_record(base, **server.unmask_request(n)) for n in server.masked}),
                          _signature)
     routed = server.route_confirmations(signatures)
-    answers = _parsed(ask("unmask", {n: _map_record(base, confirmations=routed.get(n, {})) for n in signatures}),
-                      _unmask_answer)
+    answers = _parsed(ask("unmask", {n: _map_record(base, confirmations=routed.get(n, {}), **_masked_sets(server, n))
+                                     for n in signatures}), _unmask_answer)
     total = server.finish(answers)
     return total, [replies[n] for n in sorted(server.masked)]
 

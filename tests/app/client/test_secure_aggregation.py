@@ -22,26 +22,32 @@ IDS = (101, 102, 103)
 EXPERIMENT = "secagg-test"
 
 
-@pytest.fixture
-def owners(tmp_path, monkeypatch):
+def services(tmp_path, monkeypatch, ids, cfg: TrainConfig, **node) -> tuple:
+    """Owners' services for `ids` in this process, each with its shard of `cfg`'s data written to its
+    folder, a ledger of ε 3 and `node` in its node config; their contexts, the round's flat settings
+    and the initial model."""
     from flwr.supercore.task_identity import TaskIdentity
 
     from fedsd.simulation.client_folders import write_client_folders
 
     for name, value in (("_run_id", 7), ("_node_id", 1), ("_task_id", 1)):  # as a ServerApp's process has them
         monkeypatch.setattr(TaskIdentity, name, value)
-
     require("fmnist")
-    cfg = TrainConfig(dataset="fmnist", method="dp3sd", batch_size=50, subset=300, threads=1)
-    fed = FedConfig(num_clients=3, rounds=2, client_data="own")
+    fed = FedConfig(num_clients=len(ids), rounds=2, client_data="own")
     write_client_folders(cfg, fed, tmp_path / "data", "npz", echo=lambda line: None)
-    flat = {**to_flat(cfg, fed), "experiment-id": EXPERIMENT}
-    contexts = {node: Context(run_id=7, node_id=node, state=RecordDict(), run_config={}, node_config={
-        "partition-id": k, "num-partitions": 3, "data": str(tmp_path / "data" / f"client-{k}"), "max-epsilon": 3.0,
-        "state-dir": str(tmp_path / f"state-{k}"), "secagg-min-clients": 3, "secagg-keep-inputs": True})
-        for k, node in enumerate(IDS)}
+    contexts = {n: Context(run_id=7, node_id=n, state=RecordDict(), run_config={}, node_config={
+        "partition-id": k, "num-partitions": len(ids), "data": str(tmp_path / "data" / f"client-{k}"),
+        "max-epsilon": 3.0, "state-dir": str(tmp_path / f"state-{k}"), "secagg-keep-inputs": True, **node})
+        for k, n in enumerate(ids)}
     service._SESSIONS.clear()
-    arrays = model_to_record(initial_model(client_config(cfg, fed), 10))
+    return contexts, {**to_flat(cfg, fed), "experiment-id": EXPERIMENT}, \
+        model_to_record(initial_model(client_config(cfg, fed), 10))
+
+
+@pytest.fixture
+def owners(tmp_path, monkeypatch):
+    cfg = TrainConfig(dataset="fmnist", method="dp3sd", batch_size=50, subset=300, threads=1)
+    contexts, flat, arrays = services(tmp_path, monkeypatch, IDS, cfg, **{"secagg-min-clients": 3})
     yield contexts, flat, arrays, tmp_path
     service._SESSIONS.clear()
 
