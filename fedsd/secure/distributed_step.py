@@ -149,14 +149,17 @@ def run_roster(clients, identities: dict | None = None) -> tuple[dict, Roster]:
 
 def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min_cohort: int = 2,
                  degree: int = 0, drop_before_masking: frozenset = frozenset(),
-                 max_colluders: int = 0, identities: dict | None = None) -> tuple[np.ndarray, dict]:
+                 max_colluders: int = 0, identities: dict | None = None,
+                 silent_after_masking: frozenset = frozenset()) -> tuple[np.ndarray, dict]:
     """One round of SecAgg+ in process: every client's stages and the server's, each client
     with its identity on the run's roster (`identities`: client → fedsd.secure.identity.Identity, made
     here where absent). `degree` > 0 below the cohort: the round's ring of that k (fedsd.secure.ring),
     its threshold `sparse_threshold(k, max_colluders, min_cohort)`; else the complete graph.
     `vectors`: client → a function that computes its vector (called at the masked-input stage, as a
-    service would). Returns the unmasked sum and the round's cost (bytes each way, seconds outside
-    the vectors' computation). RoundAbandoned when too few clients go on."""
+    service would). `drop_before_masking`: clients that send no masked input; `silent_after_masking`:
+    clients that send theirs, then neither confirm nor unmask (as members may). Returns the unmasked
+    sum and the round's cost (bytes each way, seconds outside the vectors' computation).
+    RoundAbandoned when too few clients go on."""
     started, computing = time.perf_counter(), 0.0
     identities, roster = run_roster(vectors, identities)
     ids = {k: identities[k].id for k in vectors}
@@ -182,8 +185,9 @@ def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min
         computing += time.perf_counter() - t
         masked[i] = clients[i].masked_input(shares["ciphertexts"], shares["commits"], vector)
     server.collect_masked(masked, {i: clients[i].masked_set() for i in masked} if graph else None)
-    signatures = server.route_confirmations({i: clients[i].confirm(**server.unmask_request(i)) for i in server.masked})
-    answers = {i: clients[i].unmask(signatures.get(i, {}), server.masked_sets_for(i)) for i in server.masked}
+    talking = [i for k, i in ids.items() if i in server.masked and k not in silent_after_masking]
+    signatures = server.route_confirmations({i: clients[i].confirm(**server.unmask_request(i)) for i in talking})
+    answers = {i: clients[i].unmask(signatures.get(i, {}), server.masked_sets_for(i)) for i in talking}
     total = server.finish(answers)
     cost = dict(bytes_to_server=server.bytes_in, bytes_from_server=server.bytes_out,
                 protocol_seconds=time.perf_counter() - started - computing, survivors=len(server.masked))

@@ -4,9 +4,10 @@ import pytest
 from fedsd.secure.ring import Graph, graph_parameters, neighbourhood, ring_order, sparse_threshold
 
 
-@pytest.mark.parametrize("n,colluders,honest,dropout,k,t", [(100, 5, 5, 0.05, 16, 12), (100, 10, 10, 0.1, 30, 21),
-                                                            (1000, 10, 10, 0.05, 40, 28), (1000, 20, 20, 0.05, 60, 41),
-                                                            (1000, 50, 50, 0.05, 150, 101)])
+@pytest.mark.parametrize("n,colluders,honest,dropout,k,t", [(100, 5, 5, 0.05, 30, 21), (100, 10, 10, 0.1, 60, 41),
+                                                            (1000, 10, 10, 0.05, 88, 60), (1000, 20, 20, 0.05, 130, 88),
+                                                            (1000, 50, 50, 0.05, 246, 165), (1000, 0, 10, 0.05, 40, 28),
+                                                            (100, 0, 10, 0.05, 16, 12)])
 def test_the_parameters_of_the_design_table(n, colluders, honest, dropout, k, t):
     graph = graph_parameters(n, colluders, honest, dropout)
     assert graph == Graph(k, t, False)
@@ -15,7 +16,7 @@ def test_the_parameters_of_the_design_table(n, colluders, honest, dropout, k, t)
 
 def test_a_cohort_too_small_for_a_ring_gets_the_complete_graph():
     assert graph_parameters(4, 0, 1, 0.1) == Graph(3, 0, True)
-    assert graph_parameters(10, 1, 1, 0.05) == Graph(4, 4, False)  # one dropped of ten: neighbourhoods of 5 survive it
+    assert graph_parameters(10, 1, 1, 0.05) == Graph(6, 5, False)  # one dropped of ten and one silent member
 
 
 @pytest.mark.parametrize("bad", [(-1, 0, 1, 0.0), (10, -1, 1, 0.0), (10, 1, 1, 0.5), (10, 1, 1, float("nan")),

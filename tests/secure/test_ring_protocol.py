@@ -6,6 +6,7 @@ Each defence has a test here that fails without it; the review's attack C is rep
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 
 import numpy as np
@@ -295,6 +296,33 @@ def test_the_reviews_attack_c_leaves_the_server_short_of_the_targets_self_masks(
     assert recovered is None and all(len(s) == 7 for s in b_shares.values()), {k: len(s) for k, s in b_shares.items()}
     truth, recovered, b_shares = attack_c(defended=False)  # the script is live: without M, 12 shares each
     assert all(len(s) == 12 for s in b_shares.values()) and np.array_equal(recovered, truth)
+
+
+def test_F_members_silent_after_masking_beside_the_dropouts_the_plan_expects_do_not_abandon_the_round():
+    """Liveness against members (the second review's third finding): F members send their masked
+    inputs and then fall silent, in one neighbourhood with as many honest dropouts as the plan's
+    dropout rate makes plausible there (more than 2^-20 / n likely). `graph_parameters` sizes k for
+    both, so the round sums exactly; sized for random dropouts alone (k = 12 here), the same round is
+    abandoned after every owner paid."""
+    from scipy.stats import hypergeom
+
+    n, f, t, dropout = 40, 1, 3, 0.1
+    graph = graph_parameters(n, f, t, dropout)
+    tail = hypergeom(n - 1, math.ceil(dropout * n), graph.k)
+    plausible = max(d for d in range(graph.k + 1) if tail.sf(d - 1) > 2.0 ** -20 / n)
+    identities, _ = federation(n)
+    rid = b"ring-silent"
+    ids = [i.id for i in identities]
+    order, by_id = ring_order(rid, ids, graph.k), {i.id: k for k, i in enumerate(identities)}
+    dropped = frozenset(by_id[order[p]] for p in range(5, 5 + plausible))
+    silent = frozenset(by_id[order[p]] for p in range(5 + plausible, 5 + plausible + f))
+    rng = np.random.default_rng(9)
+    xs = {k: rng.integers(0, 2 ** 40, D, dtype=np.uint64) for k in range(n)}
+    total, cost = secure_round(rid, {k: (lambda v=v: v) for k, v in xs.items()}, D, min_cohort=t, degree=graph.k,
+                               drop_before_masking=dropped, max_colluders=f, identities=dict(enumerate(identities)),
+                               silent_after_masking=silent)
+    assert np.array_equal(total, sum(v for k, v in xs.items() if k not in dropped))  # the silent ones' inputs too
+    assert cost["survivors"] == n - plausible
 
 
 # -- a simulation's graph ------------------------------------------------------------------------
