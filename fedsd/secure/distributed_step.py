@@ -25,9 +25,9 @@ import torch
 
 from fedsd.secure import distributed_noise as noise
 from fedsd.methods import Weights
+from fedsd.secure.client_groups import Groups, Workers, release, vector_rows
 from fedsd.secure.identity import Identity, Roster
-from fedsd.secure.ring import sparse_threshold
-from fedsd.secure.secagg import SecAggClient
+from fedsd.secure.ring import ring_order, sparse_threshold
 from fedsd.secure.secagg_primitives import lowest_threshold
 from fedsd.secure.secagg_server import RoundAbandoned, SecAggServer
 from fedsd.training.loop import DPTrainer, TrainState
@@ -150,47 +150,53 @@ def run_roster(clients, identities: dict | None = None) -> tuple[dict, Roster]:
 def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min_cohort: int = 2,
                  degree: int = 0, drop_before_masking: frozenset = frozenset(),
                  max_colluders: int = 0, identities: dict | None = None,
-                 silent_after_masking: frozenset = frozenset()) -> tuple[np.ndarray, dict]:
+                 silent_after_masking: frozenset = frozenset(), workers: Workers | None = None
+                 ) -> tuple[np.ndarray, dict]:
     """One round of SecAgg+ in process: every client's stages and the server's, each client
     with its identity on the run's roster (`identities`: client → fedsd.secure.identity.Identity, made
     here where absent). `degree` > 0 below the cohort: the round's ring of that k (fedsd.secure.ring),
     its threshold `sparse_threshold(k, max_colluders, min_cohort)`; else the complete graph.
-    `vectors`: client → a function that computes its vector (called at the masked-input stage, as a
-    service would). `drop_before_masking`: clients that send no masked input; `silent_after_masking`:
-    clients that send theirs, then neither confirm nor unmask (as members may). Returns the unmasked
-    sum and the round's cost (bytes each way, seconds outside the vectors' computation).
-    RoundAbandoned when too few clients go on."""
-    started, computing = time.perf_counter(), 0.0
-    identities, roster = run_roster(vectors, identities)
+    `vectors`: client → a function that computes its vector (called before the masked-input stage,
+    in this process). `drop_before_masking`: clients that send no masked input; `silent_after_masking`:
+    clients that send theirs, then neither confirm nor unmask (as members may). `workers`
+    (fedsd.secure.client_groups.Workers): the clients' stages run there, spread over the cores.
+    Returns the unmasked sum and the round's cost (bytes each way, seconds outside the vectors'
+    computation). RoundAbandoned when too few clients go on."""
+    started = time.perf_counter()
+    identities, _ = run_roster(vectors, identities)
     ids = {k: identities[k].id for k in vectors}
     if 0 < degree < len(vectors) - 1:
         graph = {"k": degree, "honest": min_cohort, "colluders": max_colluders}
         threshold = sparse_threshold(degree, max_colluders, min_cohort)
+        order = ring_order(round_id, list(ids.values()), degree)
     else:
-        graph = None
+        graph, order = None, sorted(ids.values())
         threshold = min(lowest_threshold(len(vectors), max_colluders), len(vectors) - max_colluders)
     server = SecAggServer(round_id, list(ids.values()), length, threshold=threshold, graph=graph)
-    agreements = {}  # every client in this process: each pair's agreement made once, for both ends
-    clients = {ids[k]: SecAggClient(ids[k], round_id, min_cohort=min_cohort, max_colluders=max_colluders,
-                                    identity=identities[k], roster=roster, agreements=agreements) for k in vectors}
-    server.collect_keys({i: c.advertise(**server.setup(i)) for i, c in clients.items()})
-    server.collect_shares({i: clients[i].share_keys(server.keys_for(i)) for i in server.keys})
-    masked = {}
-    for k, i in ids.items():
-        if i not in server.inbox or k in drop_before_masking:
-            continue
-        shares = server.shares_for(i)
-        t = time.perf_counter()
-        vector = vectors[k]()
-        computing += time.perf_counter() - t
-        masked[i] = clients[i].masked_input(shares["ciphertexts"], shares["commits"], vector)
-    server.collect_masked(masked, {i: clients[i].masked_set() for i in masked} if graph else None)
-    talking = [i for k, i in ids.items() if i in server.masked and k not in silent_after_masking]
-    signatures = server.route_confirmations({i: clients[i].confirm(**server.unmask_request(i)) for i in talking})
-    answers = {i: clients[i].unmask(signatures.get(i, {}), server.masked_sets_for(i)) for i in talking}
-    total = server.finish(answers)
-    cost = dict(bytes_to_server=server.bytes_in, bytes_from_server=server.bytes_out,
-                protocol_seconds=time.perf_counter() - started - computing, survivors=len(server.masked))
+    going = [(k, i) for k, i in ids.items() if k not in drop_before_masking]
+    rows, memory = vector_rows(len(going), length, shared=workers is not None)
+    groups = Groups(round_id, order, {ids[k]: identities[k] for k in vectors}, min_cohort, max_colluders,
+                    workers if memory is not None else None)
+    try:
+        server.collect_keys(groups.call("advertise", {i: server.setup(i) for i in order}))
+        server.collect_shares(groups.call("share_keys", {i: {"keys": server.keys_for(i)} for i in server.keys}))
+        going = [(k, i) for k, i in going if i in server.inbox]
+        computing = time.perf_counter()
+        for row, (k, _) in enumerate(going):
+            rows[row] = vectors[k]()
+        computing = time.perf_counter() - computing
+        sets = groups.masked({i: (server.shares_for(i), row) for row, (_, i) in enumerate(going)}, rows, memory)
+        server.collect_masked({i: rows[row] for row, (_, i) in enumerate(going)}, sets if graph else None)
+        talking = [i for k, i in going if i in server.masked and k not in silent_after_masking]
+        signatures = server.route_confirmations(groups.call("confirm", {i: server.unmask_request(i) for i in talking}))
+        total = server.finish(groups.call("unmask", {i: {"confirmations": signatures.get(i, {}), "masked_sets":
+                                                         server.masked_sets_for(i)} for i in talking}))
+        cost = dict(bytes_to_server=server.bytes_in, bytes_from_server=server.bytes_out,
+                    protocol_seconds=time.perf_counter() - started - computing, survivors=len(server.masked))
+    finally:
+        server.masked = {}  # views of the rows, which go with the shared memory
+        del rows
+        release(memory)
     return total, cost
 
 

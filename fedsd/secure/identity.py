@@ -130,6 +130,11 @@ class Identity:
     def sign(self, message: bytes) -> bytes:
         return self._key.sign(message)
 
+    def private_bytes(self) -> bytes:
+        """The private key's 32 bytes: only for a simulation's worker processes, which hold its
+        simulated clients (fedsd.secure.client_groups); an owner's never leaves its state folder."""
+        return self._key.private_bytes_raw()
+
 
 def load_identity(state: StateFolder) -> Identity:
     """The owner's identity in its state folder (fedsd.files.state_folder, held open): read, or made on

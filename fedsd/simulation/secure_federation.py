@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from fedsd.secure import client_level
 from fedsd.data import datasets as data_lib
 from fedsd.secure import distributed_noise
+from fedsd.secure.client_groups import Workers
 from fedsd.secure.ring import Graph, choose_graph
 from fedsd.secure.secagg import MAX_NEIGHBOURS
 from fedsd.data.client_data import input_stats, with_custom_task, task_for
@@ -115,6 +116,9 @@ class SecureFederation:
         self.cfg, self.fed, self.out = cfg, fed, out
         self.plain = plain or fed.secure_sum == "plain"  # the same sum, added in the clear (--secure-sum plain)
         self.graph = secure_graph(fed) if fed.secure_sum == "protocol" and not self.plain else None
+        # the clients' stages spread over the cores from WORKERS_FROM clients (fedsd.secure.client_groups)
+        self.workers = Workers.for_cohort(fed.num_clients) if fed.secure_sum == "protocol" and not self.plain \
+            else None
         images, indices, shards = cut_shards(cfg, fed)
         n = len(indices)
         self.sample_rate = min(1.0, cfg.batch_size / n)
@@ -177,10 +181,11 @@ class SecureFederation:
             total, cost = self.runs.round(r, vectors, plan.dim, digest)
         elif self.graph is None:  # every client must survive (a simulation has no dropouts): every share in the sum
             total, cost = secure_round(f"{self.cfg.seed}:{r}".encode(), vectors, plan.dim,
-                                       min_cohort=len(self.shards))
+                                       min_cohort=len(self.shards), workers=self.workers)
         else:  # the ring: each client's k nearest, every owner's t and F the run's
             total, cost = secure_round(f"{self.cfg.seed}:{r}".encode(), vectors, plan.dim, min_cohort=honest,
-                                       degree=self.graph.k, max_colluders=self.fed.secagg_max_colluders)
+                                       degree=self.graph.k, max_colluders=self.fed.secagg_max_colluders,
+                                       workers=self.workers)
         noisy_sum = distributed_noise.decode(total, plan)
         unit = self.update_clip if self.fed.update_clip_normalize else 1.0  # this round's S (--update-clip-normalize)
         record = dict(round=r, train_loss=float(np.mean(list(losses.values()))),
@@ -332,13 +337,19 @@ def simulate_secure(cfg: TrainConfig, fed: FedConfig, out: str | Path | None = N
     clock = time.perf_counter() - run.seconds_before
     bar = tqdm(total=fed.rounds, initial=len(run.rounds), unit="round", disable=not progress,
                desc=f"{cfg.dataset} {cfg.method} distributed ε={cfg.epsilon}", dynamic_ncols=True)
-    for r in range(len(run.rounds) + 1, fed.rounds + 1):
-        record = run.take_round(r)
-        bar.update(1)
-        if "test_accuracy" in record:
-            bar.set_postfix(acc=f"{record['test_accuracy']:.4f}", eps=f"{record['epsilon']:.3f}")
-        if out is not None and (r % CHECKPOINT_EVERY == 0):
-            run.save(time.perf_counter() - clock)
+    if run.workers is not None:  # started once, outside the rounds' protocol seconds (in the run's wall time)
+        run.workers.start()
+    try:
+        for r in range(len(run.rounds) + 1, fed.rounds + 1):
+            record = run.take_round(r)
+            bar.update(1)
+            if "test_accuracy" in record:
+                bar.set_postfix(acc=f"{record['test_accuracy']:.4f}", eps=f"{record['epsilon']:.3f}")
+            if out is not None and (r % CHECKPOINT_EVERY == 0):
+                run.save(time.perf_counter() - clock)
+    finally:
+        if run.workers is not None:
+            run.workers.close()
     bar.close()
     result = run.result(time.perf_counter() - clock)
     weights = {k: v.cpu() for k, v in released(run.model).items()}

@@ -343,3 +343,31 @@ def test_a_simulation_picks_the_ring_above_its_size_and_refuses_what_fits_no_gra
         secure_graph(dataclasses.replace(base, num_clients=1000, secagg_dropout=0.5))
     with pytest.raises(ConfigError, match="--secagg-max-colluders 600"):
         secure_graph(dataclasses.replace(base, num_clients=1000, secagg_max_colluders=600))
+
+
+@pytest.mark.slow  # starts two worker processes
+def test_a_round_whose_clients_run_in_two_worker_processes_sums_as_one_process_does():
+    """fedsd.secure.client_groups: the clients spread over two processes (cut from the ring's order,
+    their vectors masked in shared memory) give the exact sum, with dropouts before masking and a
+    member silent after it; and a client's refusal in a worker reaches the caller as it would here."""
+    from fedsd.secure.client_groups import Workers
+
+    n, f, t = 70, 1, 3
+    graph = graph_parameters(n, f, t, 0.05)
+    identities, _ = federation(n)
+    rng = np.random.default_rng(11)
+    xs = {k: rng.integers(0, 2 ** 40, D, dtype=np.uint64) for k in range(n)}
+    workers = Workers(2)
+    try:
+        total, cost = secure_round(b"ring-workers", {k: (lambda v=v: v) for k, v in xs.items()}, D, min_cohort=t,
+                                   degree=graph.k, max_colluders=f, identities=dict(enumerate(identities)),
+                                   drop_before_masking=frozenset({3}), silent_after_masking=frozenset({40}),
+                                   workers=workers)
+        assert np.array_equal(total, sum(v for k, v in xs.items() if k != 3)) and cost["survivors"] == n - 1
+        assert len(workers.processes) == 2 and all(p.is_alive() for p in workers.processes)
+        with pytest.raises(ProtocolError, match="below the 71 this owner requires"):
+            secure_round(b"ring-workers-2", {k: (lambda v=v: v) for k, v in xs.items()}, D, min_cohort=71,
+                         identities=dict(enumerate(identities)), workers=workers)
+    finally:
+        workers.close()
+    assert not workers.processes
