@@ -42,7 +42,7 @@ CLIENT_LIFETIME = 10.0  # each owner's max-epsilon there: each record's ε is th
 
 
 def run_config(rounds: int, seed: int, clients: int, roster: Path, out: Path, unit: str = "record",
-               secure_sum: str = "multi-round") -> dict:
+               secure_sum: str = "multi-round", honest: int = 0) -> dict:
     """The features recipe of results/table-distributed.md as a deployment's run config; with
     unit client, README's whole-client recipe (every owner every round, q = 1)."""
     if unit == "client":
@@ -51,7 +51,7 @@ def run_config(rounds: int, seed: int, clients: int, roster: Path, out: Path, un
         recipe = {k.replace("_", "-"): v for k, v in FEATURES_RECIPE.items()}
         recipe["sample-rate"] = FEATURES_RECIPE["batch_size"] / RECORDS
     return {**recipe, "seed": seed, "num-clients": clients, "num-server-rounds": rounds, "client-data": "own",
-            "secure-aggregation": True, "noise": "distributed", "honest-clients": clients,
+            "secure-aggregation": True, "noise": "distributed", "honest-clients": honest or clients,
             "secagg-roster": str(roster), "out-dir": str(out), "secure-sum": secure_sum}
 
 
@@ -104,6 +104,13 @@ def parser() -> argparse.ArgumentParser:
                    help="multi-round: the protocol set up once a run, two exchanges a round; protocol: the whole "
                         "protocol every round (six exchanges)")
     p.add_argument("--clients", type=int, default=10)
+    p.add_argument("--honest-clients", type=int, default=0,
+                   help="t, the fewest owners whose noise alone gives the run's σ (each owner requires it as its "
+                        "secagg-min-clients); 0: every owner. Below the owners, from 41 of them, the round runs on "
+                        "the ring (secagg-graph auto) under --secure-sum protocol")
+    p.add_argument("--plain", action="store_true",
+                   help="the owners' services without --isolate's uids and network namespaces (a deployment too "
+                        "large for this machine's memory so)")
     p.add_argument("--rounds", type=int, default=FEATURES_ROUNDS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", required=True, help="the deployment's folder (owners' state, logs); kept")
@@ -120,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     work, out = Path(args.work).absolute(), Path(args.out).absolute()
     if refusal := out_refusal(out, work):
         p.error(refusal)
+    if not 0 <= args.honest_clients <= args.clients:
+        p.error(f"--honest-clients {args.honest_clients}: in [0, --clients {args.clients}] (0: every owner)")
+    honest = args.honest_clients or args.clients
     data = work / "data"
     split(data, args.clients, args.partition, args.dirichlet_alpha, args.seed)
     lifetime = CLIENT_LIFETIME if args.privacy_unit == "client" else 3
@@ -127,17 +137,18 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     stop_on_sigterm()  # `kill -TERM` stops every process and namespace it started; the run resumes later
     try:
-        with LocalDeployment(work / "deployment", args.clients, client_data=data, isolate=True,
+        with LocalDeployment(work / "deployment", args.clients, client_data=data, isolate=not args.plain,
                              **nodes) as deployment:
             roster = deployment.shared_dir() / "roster"
             # each owner's bound on its records, its folder's count: its step padded to q times that
             bounds = [f" max-records={training_records(data / f'client-{k}')}" if args.privacy_unit == "record"
                       else "" for k in range(args.clients)]
-            deployment.node_config = [owners.format(t=args.clients, roster=roster) + b for b in bounds]
+            deployment.node_config = [owners.format(t=honest, roster=roster) + b for b in bounds]
             deployment.write_roster()
             deployment.start()
             ready = time.perf_counter() - started
-            config = run_config(args.rounds, args.seed, args.clients, roster, out, args.privacy_unit, args.secure_sum)
+            config = run_config(args.rounds, args.seed, args.clients, roster, out, args.privacy_unit, args.secure_sum,
+                                honest)
             resumed = checkpoint.path_in(out).is_file() and not (out / "result.json").is_file()
             deployment.run({"resume-dir": str(out)} if resumed else config, timeout=args.timeout,
                            echo=echo_to(work / "rounds.jsonl"))

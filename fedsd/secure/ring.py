@@ -39,8 +39,9 @@ def graph_parameters(n: int, colluders: int, honest: int, dropout: float) -> Gra
     `dropout` of members dropping at random: the threshold at most k + 1 − F (F members that
     withhold their shares leave enough, as `check_threshold` asks), and an honest server's round
     going through with probability 1 − 2^-20 even where F members mask and then fall silent in one
-    neighbourhood (no owner with more than k + 1 − threshold − F of its neighbours dropped: sized
-    for random dropouts alone, a review's members abandoned 3.6 % of rounds at n = 100, F = 5 after
+    neighbourhood (no survivor with more than k + 1 − threshold − F of its neighbours dropped, no
+    dropped owner with more than k − threshold − F, by the union bound over the owners: sized for
+    random dropouts alone, a review's members abandoned 3.6 % of rounds at n = 100, F = 5 after
     the owners paid). The complete graph where no k + 1 < n does (small cohorts)."""
     from scipy.stats import hypergeom  # a heavy import, needed only here
 
@@ -54,7 +55,12 @@ def graph_parameters(n: int, colluders: int, honest: int, dropout: float) -> Gra
         t = sparse_threshold(k, colluders, honest)
         if t > k + 1 - colluders:
             continue
-        if hypergeom(n - 1, dropped, k).sf(k + 1 - t - colluders) > 2.0 ** -CORRECTNESS_BITS / n:
+        # the union bound over the owners: a survivor's b needs t of its k + 1 holders (its own share
+        # among them), a dropped owner's s t of its k neighbours, F of whom may be silent
+        stuck = (n - dropped) * hypergeom(n - 1, dropped, k).sf(k + 1 - t - colluders)
+        if dropped:
+            stuck += dropped * hypergeom(n - 1, dropped - 1, k).sf(k - t - colluders)
+        if stuck > 2.0 ** -CORRECTNESS_BITS:
             continue
         return Graph(k, t, False)
     return Graph(max(n - 1, 0), 0, True)

@@ -80,7 +80,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from fedsd.secure.identity import Identity, Roster, verify
-from fedsd.secure.ring import neighbourhoods, sparse_threshold
+from fedsd.secure.ring import neighbourhood, ring_order, sparse_threshold
 from fedsd.secure.secagg_primitives import (NONCE, SELF_SEED_BYTES, SHARE_BYTES, ProtocolError, _advert,
                                             _dealing_message, _derive, _ids, _info, _public, _raw, _view_message,
                                             add_mask, check_threshold, cohort_digest, commit_root, commitments,
@@ -235,7 +235,8 @@ class SecAggClient:
             raise ProtocolError(f"threshold: {threshold!r}, below the {least} a ring of k = {k} needs with t = "
                                 f"{honest} and F = {colluders} (t + F, and above (k + 1 + F) / 2)")
         check_threshold(k + 1, threshold, honest, colluders)
-        if neighbours != neighbourhoods(self.round_id, cohort, k)[self.me]:
+        # only its own neighbourhood: every member's would cost O(n·k) for a cohort the server names
+        if neighbours != neighbourhood(ring_order(self.round_id, cohort, k), self.me, k):
             raise ProtocolError("neighbours: not this client's neighbourhood on the round's ring (every owner derives "
                                 "it from the round and cohort; a neighbourhood the server chooses is refused)")
         self.degree, self._graph = k, graph_tag(k, honest, colluders)

@@ -11,10 +11,10 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedsd.secure.identity import verify
 from fedsd.secure.ring import neighbourhoods
-from fedsd.secure.secagg_primitives import (SEED_BYTES, SELF_SEED_BYTES, _commitment, _dealing_message, _derive, _info,
-                                            _public, _rebuilt_mismatch, add_mask, combine_secret, commit_root,
-                                            masked_with_message, minimum_threshold, pack_dealing, pairwise_sign,
-                                            self_mask_key)
+from fedsd.secure.secagg_primitives import (SEED_BYTES, SELF_SEED_BYTES, ProtocolError, _advert, _commitment,
+                                            _dealing_message, _derive, _info, _public, _rebuilt_mismatch, add_mask,
+                                            combine_secret, commit_root, graph_tag, masked_with_message,
+                                            minimum_threshold, pack_dealing, pairwise_sign, self_mask_key)
 
 
 class RoundAbandoned(Exception):
@@ -35,8 +35,10 @@ class SecAggServer:
     other than the one its dealer committed to."""
 
     def __init__(self, round_id: bytes, cohort: list[int], length: int, threshold: int | None = None,
-                 graph: dict | None = None):
+                 graph: dict | None = None, signers: dict[int, bytes] | None = None):
         self.round_id, self.cohort, self.length, self.graph = round_id, sorted(cohort), length, graph
+        self.signers = dict(signers or {})  # client → the signing key its adverts must carry (identify's, checked)
+        self.context = b""  # the digest of the round's settings every advert signs (the deployed round's)
         if graph is None:
             self.neighbours = {c: self.cohort for c in self.cohort}
             size = len(self.cohort)
@@ -60,9 +62,48 @@ class SecAggServer:
         return out if self.graph is None else {**out, "graph": self.graph}
 
     def collect_keys(self, keys: dict[int, dict]) -> None:
-        self.keys = dict(keys)
+        """The cohort's adverts, each checked as its neighbours will check it (`_advert_fault`); one
+        that would fail is left out and its sender named, before anyone deals: on a ring only its
+        neighbours would refuse it, and the owners beyond them would pay for a round their refusals
+        then abandon (a review had a member spoil rounds so, unnamed). Adverts that share a key are
+        all left out: which of them copied it, no one can tell."""
+        probe = X25519PrivateKey.generate()  # one agreement with each key: a low-order one agrees on no secret
+        self.keys, owners = {}, {}
+        for client, entry in keys.items():
+            fault = self._advert_fault(client, entry, probe)
+            if fault:
+                self.culprits[client] = fault
+                continue
+            self.keys[client] = entry
+            for part in "csv":
+                owners.setdefault(bytes(entry[part]), []).append(client)
+        for shared in (clients for clients in owners.values() if len(clients) > 1):
+            for client in shared:
+                self.keys.pop(client, None)
+                self.culprits.setdefault(client, "advertised a key another client of the round advertised too "
+                                                 "(one of them copied it: both left out)")
         self.bytes_in += 160 * len(keys)
         self._enough(len(self.keys), "advertised keys")
+
+    def _advert_fault(self, client: int, entry: object, probe: X25519PrivateKey) -> str:
+        """Why `client`'s advert would be refused by its neighbours ("" if it would not): its keys
+        canonical and agreeing on a secret, its signing key the one it identified with, its signature
+        over this round, cohort, threshold, graph and settings."""
+        if client not in self.neighbours or not isinstance(entry, dict) or not all(
+                isinstance(entry.get(f), bytes) for f in ("c", "s", "v", "sig")) or len(entry["v"]) != 32:
+            return "an advert without its keys and signature"
+        try:
+            for part in "cs":
+                probe.exchange(_public(entry[part], f"its {part} key"))
+        except (ProtocolError, ValueError):
+            return "an advert with a key that is not a usable X25519 public key"
+        if client in self.signers and self.signers[client] != entry["v"]:
+            return "an advert signed with another key than the one it identified with"
+        tag = graph_tag(self.graph["k"], self.graph["honest"], self.graph["colluders"]) if self.graph else b""
+        if not verify(entry["v"], entry["sig"], _advert(self.round_id, client, self.cohort, self.threshold,
+                                                        entry["c"], entry["s"], entry["v"], self.context, tag)):
+            return "an advert not signed by it for this round, cohort, threshold, graph and settings"
+        return ""
 
     def keys_for(self, client: int) -> dict[int, dict]:
         out = {j: self.keys[j] for j in self.neighbours[client] if j in self.keys}
@@ -74,6 +115,9 @@ class SecAggServer:
         commitments, "dealing": its signature of them (`commit_root`), "digest": b's digest}."""
         self.inbox, shares = {}, dict(shares)
         for sender, dealt in list(shares.items()):
+            if sender not in self.keys:  # left out at collect_keys (named there): its dealing is not relayed
+                del shares[sender]
+                continue
             holders = sorted(dealt["shares"])
             pairs, digest = dealt.get("commits"), dealt.get("digest")
             if not self._signed(sender, holders, pairs, digest, dealt.get("dealing")):
@@ -85,6 +129,12 @@ class SecAggServer:
                 # shares for owners outside its neighbourhood, which each would refuse after its
                 # neighbours had paid (a review's member spoiled rounds so, unnamed): left out
                 self.culprits[sender] = "dealt shares to owners outside its neighbourhood"
+                del shares[sender]
+                continue
+            if holders != sorted(j for j in self.neighbours[sender] if j in self.keys):
+                # shares for fewer than its neighbours that advertised: its b could not be rebuilt
+                # after every owner paid (a review's member abandoned rounds so, unnamed): left out
+                self.culprits[sender] = "dealt shares to other holders than its neighbours that advertised"
                 del shares[sender]
                 continue
             self.holders[sender] = holders

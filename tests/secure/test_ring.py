@@ -6,7 +6,7 @@ from fedsd.secure.ring import Graph, graph_parameters, neighbourhood, ring_order
 
 @pytest.mark.parametrize("n,colluders,honest,dropout,k,t", [(100, 5, 5, 0.05, 30, 21), (100, 10, 10, 0.1, 60, 41),
                                                             (1000, 10, 10, 0.05, 88, 60), (1000, 20, 20, 0.05, 130, 88),
-                                                            (1000, 50, 50, 0.05, 246, 165), (1000, 0, 10, 0.05, 40, 28),
+                                                            (1000, 50, 50, 0.05, 246, 165), (1000, 0, 10, 0.05, 42, 29),
                                                             (100, 0, 10, 0.05, 16, 12)])
 def test_the_parameters_of_the_design_table(n, colluders, honest, dropout, k, t):
     graph = graph_parameters(n, colluders, honest, dropout)

@@ -158,7 +158,9 @@ def test_a_members_all_zero_key_is_refused_before_training_and_costs_no_epsilon(
     keys[evil.me] = {**honest, "s": bytes(32)}
     keys[evil.me]["sig"] = m.sybils[0].sign(_advert(rid, evil.me, cohort, server.threshold, keys[evil.me]["c"],
                                                      bytes(32), keys[evil.me]["v"]))
-    server.collect_keys(keys)
+    server.collect_keys(keys)  # an honest server leaves it out and names it before anyone deals
+    assert evil.me not in server.keys and "not a usable X25519 public key" in server.culprits[evil.me]
+    server.keys = keys  # one that relays it all the same: every owner refuses it itself
     for n in IDS:
         with pytest.raises(StageRefused, match=r"member-0's s key \(culprit: \d+\): a key that agrees on no"):
             service.share_reply(keys_message(base, server, m.ids[n]), m.contexts[n])

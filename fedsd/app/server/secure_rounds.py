@@ -151,7 +151,8 @@ class SecureRounds:
             self.names.update({client: exchange.name(client) for client in cohort})
             plain = sorted(exchange.nodes[c] for c, who in identities.items() if not who["authenticated"])
             length = self.round_plan().dim if self.distributed else secure_sum.vector_length(arrays)
-            server = self._server(rid, cohort, length, record)
+            server = self._server(rid, cohort, length, record, {c: who["v"] for c, who in identities.items()
+                                                                if who["v"]})
             record.update(cohort=cohort, threshold=server.threshold, nodes_without_roster=plain)
             if plain:
                 log(WARNING, "secure aggregation round %d: %d nodes take part without a roster: they are protected "
@@ -191,9 +192,10 @@ class SecureRounds:
             raise NoClientCanTrain(stop)
         return arrays
 
-    def _server(self, rid: bytes, cohort: list[int], length: int, record: dict):
+    def _server(self, rid: bytes, cohort: list[int], length: int, record: dict, signers: dict[int, bytes]):
         """The round's server: on the graph this cohort runs on (`round_graph`; a cohort no graph fits,
-        after owners left, abandons the round), or the run's multi-round protocol."""
+        after owners left, abandons the round), each advert signed by the key its sender identified
+        with (`signers`), or the run's multi-round protocol."""
         fed = self.launch.fed
         try:
             graph = round_graph(fed, len(cohort))
@@ -204,10 +206,11 @@ class SecureRounds:
             return self.runs.facts(cohort)
         if graph is None:
             record["graph"] = "complete"
-            return SecAggServer(rid, cohort, length, threshold=cohort_threshold(len(cohort), fed.secagg_threshold))
+            return SecAggServer(rid, cohort, length, threshold=cohort_threshold(len(cohort), fed.secagg_threshold),
+                                signers=signers)
         record["graph"] = dict(k=graph.k, threshold=graph.threshold)
         numbers = {"k": graph.k, "honest": deployed_honest_clients(fed), "colluders": fed.secagg_max_colluders}
-        return SecAggServer(rid, cohort, length, threshold=graph.threshold, graph=numbers)
+        return SecAggServer(rid, cohort, length, threshold=graph.threshold, graph=numbers, signers=signers)
 
     def _summed(self, exchange: Exchange, server, base: dict, train: RecordDict, record: dict,
                 length: int) -> tuple[np.ndarray, list]:

@@ -36,7 +36,7 @@ def _size(content: RecordDict) -> int:
     return recorddict_to_proto(content).ByteSize()
 
 
-CULPRIT = re.compile(r"\(culprit: (\d+)\)")
+CULPRIT = re.compile(r"\(culprit: (\d+)[;)]")
 
 
 class Exchange:
@@ -297,11 +297,12 @@ def protocol(exchange: Exchange, server: SecAggServer, base: dict, train: Record
     # (fedsd.secure.secagg, stage 0), and its masked input is refused under any other settings.
     # `evidence`: the run's spoilers so far, with what proves it: each owner checks it and refuses them
     extra = {"evidence": evidence} if evidence else {}
+    server.context = secure_sum.settings_digest(train["config"])  # what every advert signs: checked at collect_keys
     keys = _parsed(ask("advertise", {n: _with_config(_stage_record(base, **_setup(server.setup(n)), **extra),
                                                      train["config"]) for n in server.cohort}), _keys)
     server.collect_keys(keys)
     requests = {}
-    for n in keys:
+    for n in server.keys:  # an advert its neighbours would refuse was left out there, its sender named
         theirs = server.keys_for(n)
         requests[n] = _map_record(base, **{f"keys-{f}": {j: k[f] for j, k in theirs.items()} for f in KEY_FIELDS})
     server.collect_shares(_parsed(ask("share", requests), _dealt))

@@ -106,7 +106,7 @@ def test_a_deployed_round_takes_the_ring_above_forty_owners_and_refuses_what_fit
     base = FedConfig(secure_aggregation=True, noise="distributed", num_clients=40, honest_clients=10)
     assert round_graph(base, 40) is None
     assert (round_graph(base, 100).k, round_graph(base, 100).threshold) == (16, 12)  # as the simulation's
-    assert round_graph(dataclasses.replace(base, honest_clients=0), 1000).k == 40  # t: the owners' default, 2
+    assert round_graph(dataclasses.replace(base, honest_clients=0), 1000).k == 42  # t: the owners' default, 2
     with pytest.raises(ConfigError, match="num-clients=200: on the complete graph"):
         round_graph(dataclasses.replace(base, secagg_graph="complete"), 200)
     with pytest.raises(ConfigError, match="secagg-graph=ring: secure-sum=multi-round"):

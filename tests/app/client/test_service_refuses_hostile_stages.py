@@ -147,6 +147,7 @@ def test_a_later_release_does_not_overwrite_the_owners_kept_input(owners):
         content = stage(other, **server2.setup(n))
         content["config"] = settings  # the round's settings, as the server sends them with stage 0
         return content
+    server2.context = secure_sum.settings_digest(settings)  # what each advert signs
     server2.collect_keys({n: dict(service.advertise_reply(advertised(n), contexts[n])["secagg"]) for n in IDS})
     server2.collect_shares({n: dealt(service.share_reply(keys_message(other, server2, n), contexts[n])) for n in IDS})
     content = masked_message(other, flat, arrays, server2.shares_for(101))
