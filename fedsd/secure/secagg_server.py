@@ -13,7 +13,7 @@ from fedsd.secure.identity import verify
 from fedsd.secure.ring import neighbourhoods
 from fedsd.secure.secagg_primitives import (SEED_BYTES, SELF_SEED_BYTES, ProtocolError, _advert, _commitment,
                                             _dealing_message, _derive, _info, _public, _rebuilt_mismatch, add_mask,
-                                            combine_secret, commit_root, graph_tag, masked_with_message,
+                                            cohort_digest, combine_secret, commit_root, graph_tag, masked_with_message,
                                             minimum_threshold, pack_dealing, pairwise_sign, self_mask_key)
 
 
@@ -39,6 +39,7 @@ class SecAggServer:
         self.round_id, self.cohort, self.length, self.graph = round_id, sorted(cohort), length, graph
         self.signers = dict(signers or {})  # client → the signing key its adverts must carry (identify's, checked)
         self.context = b""  # the digest of the round's settings every advert signs (the deployed round's)
+        self._cohort = cohort_digest(self.cohort)  # what every advert signs of the cohort
         if graph is None:
             self.neighbours = {c: self.cohort for c in self.cohort}
             size = len(self.cohort)
@@ -100,7 +101,7 @@ class SecAggServer:
         if client in self.signers and self.signers[client] != entry["v"]:
             return "an advert signed with another key than the one it identified with"
         tag = graph_tag(self.graph["k"], self.graph["honest"], self.graph["colluders"]) if self.graph else b""
-        if not verify(entry["v"], entry["sig"], _advert(self.round_id, client, self.cohort, self.threshold,
+        if not verify(entry["v"], entry["sig"], _advert(self.round_id, client, self._cohort, self.threshold,
                                                         entry["c"], entry["s"], entry["v"], self.context, tag)):
             return "an advert not signed by it for this round, cohort, threshold, graph and settings"
         return ""
