@@ -172,12 +172,13 @@ def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min
     else:
         graph, order = None, sorted(ids.values())
         threshold = min(lowest_threshold(len(vectors), max_colluders), len(vectors) - max_colluders)
-    server = SecAggServer(round_id, list(ids.values()), length, threshold=threshold, graph=graph)
+    server = SecAggServer(round_id, list(ids.values()), length, threshold=threshold, graph=graph,
+                          signers={ids[k]: identities[k].public for k in vectors})  # the roster's keys
     going = [(k, i) for k, i in ids.items() if k not in drop_before_masking]
     rows, memory = vector_rows(len(going), length, shared=workers is not None)
-    groups = Groups(round_id, order, {ids[k]: identities[k] for k in vectors}, min_cohort, max_colluders,
-                    workers if memory is not None else None)
     try:
+        groups = Groups(round_id, order, {ids[k]: identities[k] for k in vectors}, min_cohort, max_colluders,
+                        workers if memory is not None else None)
         server.collect_keys(groups.call("advertise", {i: server.setup(i) for i in order}))
         server.collect_shares(groups.call("share_keys", {i: {"keys": server.keys_for(i)} for i in server.keys}))
         going = [(k, i) for k, i in going if i in server.inbox]

@@ -63,21 +63,30 @@ class SecAggServer:
         return out if self.graph is None else {**out, "graph": self.graph}
 
     def collect_keys(self, keys: dict[int, dict]) -> None:
-        """The cohort's adverts, each checked as its neighbours will check it (`_advert_fault`); one
-        that would fail is left out and its sender named, before anyone deals: on a ring only its
-        neighbours would refuse it, and the owners beyond them would pay for a round their refusals
-        then abandon (a review had a member spoil rounds so, unnamed). Adverts that share a key are
-        all left out: which of them copied it, no one can tell."""
+        """The cohort's adverts, each checked as its neighbours will (`_advert_fault`); one that would
+        fail is left out and its sender named, before anyone deals: on a ring only its neighbours would
+        refuse it, and the owners beyond them would pay for a round their refusals then abandon (a
+        review had a member spoil rounds so, unnamed). An identity key (public: any advert's, any the
+        round's clients identified with) given as a round key is its sender's fault alone; a round key
+        in two adverts, which a member sees only after the round's adverts are in, leaves both out."""
         probe = X25519PrivateKey.generate()  # one agreement with each key: a low-order one agrees on no secret
-        self.keys, owners = {}, {}
+        checked = {}
         for client, entry in keys.items():
             fault = self._advert_fault(client, entry, probe)
             if fault:
                 self.culprits[client] = fault
+            else:
+                checked[client] = entry
+        identities = {bytes(e["v"]) for e in checked.values()} | {bytes(v) for v in self.signers.values()}
+        self.keys, owners = {}, {}
+        for client, entry in checked.items():
+            c, s = bytes(entry["c"]), bytes(entry["s"])
+            if c == s or c in identities or s in identities:  # a review's member excluded honest owners so
+                self.culprits[client] = "advertised an identity key, or one key twice, as a round key"
                 continue
             self.keys[client] = entry
-            for part in "csv":
-                owners.setdefault(bytes(entry[part]), []).append(client)
+            for key in (c, s, bytes(entry["v"])):
+                owners.setdefault(key, []).append(client)
         for shared in (clients for clients in owners.values() if len(clients) > 1):
             for client in shared:
                 self.keys.pop(client, None)

@@ -165,7 +165,8 @@ def member_round(rid: bytes, deal_to_all: bool = False, masked_with_itself: bool
     threshold = sparse_threshold(k, f, t)
     identities, roster = federation(n)
     cohort = sorted(i.id for i in identities)
-    server = SecAggServer(rid, cohort, D, threshold=threshold, graph={"k": k, "honest": t, "colluders": f})
+    server = SecAggServer(rid, cohort, D, threshold=threshold, graph={"k": k, "honest": t, "colluders": f},
+                          signers={i.id: i.public for i in identities})  # as identify gives a deployed server
     x = cohort[7]
     member = Member(next(i for i in identities if i.id == x), rid)
     clients = clients_of(rid, identities, roster, t, f, skip={x})
@@ -225,6 +226,22 @@ def test_a_members_advert_its_neighbours_would_refuse_is_left_out_and_named_befo
     total, honest, server, member = member_round(b"ring-advert", advert=spoil)
     assert named in server.culprits[member] and member not in server.keys
     assert np.array_equal(total, honest) and len(server.masked) >= len(server.cohort) - 2
+
+
+def test_a_member_that_gives_honest_owners_identity_keys_as_its_round_keys_is_named_alone():
+    """HIGH (a fourth review): identity keys are public, and about half are usable X25519 keys; a
+    member that advertised two honest neighbours' identity keys as its c and s had all three left
+    out as copies of one another, every round, and with two neighbours gone from one neighbourhood
+    the round was abandoned after 30 of 39 owners paid. An identity key given as a round key is its
+    sender's fault alone: the member is named, every honest owner is summed."""
+    def with_their_identity_keys(mine, keys, hood, sign):
+        theirs = [keys[j]["v"] for j in hood if keys.get(j) not in (None, mine)]
+        usable = [v for v in theirs if v[31] < 0x80][:2]  # canonical as X25519 keys: about half of them
+        return sign({**mine, "c": usable[0], "s": usable[1]})
+
+    total, honest, server, member = member_round(b"ring-identity", advert=with_their_identity_keys)
+    assert set(server.culprits) == {member} and "identity key" in server.culprits[member]
+    assert np.array_equal(total, honest) and len(server.masked) == len(server.cohort) - 1
 
 
 def test_a_member_dealing_to_fewer_than_its_neighbours_is_named_and_left_out_before_anyone_pays():
