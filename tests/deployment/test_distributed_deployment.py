@@ -331,18 +331,24 @@ def test_a_service_killed_after_its_masked_input_leaves_the_round_abandoned_and_
 
 
 @pytest.mark.slow  # three owners' rounds (real data, real ledgers)
-def test_a_sum_with_fewer_shares_than_the_plans_t_is_refused_and_nothing_applied(federation):
+def test_a_sum_with_fewer_shares_than_the_plans_t_is_refused_and_nothing_applied(federation, monkeypatch):
     """The server's plan counts on t = 4 honest shares, above each owner's own t of 3: each owner
     refuses it (the others' shares, sized by the plan's t, would be below what its t counts on),
-    and the round is abandoned, nothing applied. The server's own check: a sum of three shares
-    under the plan's t = 4 is refused, nothing applied."""
+    and the round is abandoned, nothing applied. The server's own checks: it refuses a t above its
+    three owners before round 1 (skipped here, to play a server that goes on), and a sum of three
+    shares under the plan's t = 4, nothing applied."""
+    from fedsd.app.server import secure_rounds
     from fedsd.app.server.secure_rounds import SecureRounds
+    from fedsd.errors import ConfigError
 
     f = federation
     fed = FedConfig(**{**f.fed.__dict__, "honest_clients": 4})
     side = f.rounds.side
-    rounds = SecureRounds(f.rounds.grid, side, SimpleNamespace(fed=fed, experiment_id=EXPERIMENT, round=0,
-                                                                out=f.tmp_path))
+    launch = SimpleNamespace(fed=fed, experiment_id=EXPERIMENT, round=0, out=f.tmp_path)
+    with pytest.raises(ConfigError, match="num-clients=3 - t 4"):
+        SecureRounds(f.rounds.grid, side, launch)
+    monkeypatch.setattr(secure_rounds, "round_graph", lambda fed, n: None)  # a server that goes on all the same
+    rounds = SecureRounds(f.rounds.grid, side, launch)
     assert rounds.noise.honest == 4 and rounds.noise.noise_multiplier == f.plan.noise_multiplier  # z: not t's
     with pytest.raises(StageRefused, match="above this owner's own 3"):  # this grid passes it on as raised
         rounds.one_round(1, f.arrays)
