@@ -157,7 +157,7 @@ def share_reply(content: RecordDict, context: Context) -> RecordDict:
 def masked_reply(content: RecordDict, context: Context) -> RecordDict:
     """Stage 2: the shares sent to this client with their dealers' commitments, and the round's
     model and settings; its vector, masked (the ledger charged by `contribution`, after every
-    check)."""
+    check), and on a ring its signed M, the neighbours it masked with."""
     try:
         key, record, owner = _stage_fields(content, context)
         client = _session(key)
@@ -198,9 +198,9 @@ def confirm_reply(content: RecordDict, context: Context) -> RecordDict:
 
 
 def unmask_reply(content: RecordDict, context: Context) -> RecordDict:
-    """Stage 4: the neighbours' signatures of the view; once enough of them signed this client's
-    view, its shares of the survivors' self masks and of the dropped clients' keys, never both
-    for one client."""
+    """Stage 4: the neighbours' signatures of the view (and on a ring their signed M); once enough
+    of them signed this client's view, its shares of the survivors' self masks (on a ring only of
+    those whose M names it) and of the dropped clients' keys, never both for one client."""
     try:
         key, record, _ = _stage_fields(content, context)
         client = _session(key)

@@ -7,7 +7,9 @@ id, its identity's key; with the server's copy of the roster, run config `secagg
 stranger is left out and named; what a node told is kept for the run and asked again only of a
 node that missed the previous round's advertise stage); the identified nodes are the cohort; stage messages
 (fedsd.app.secure_sum.MESSAGE_TYPES) go to the nodes still in, each through its ClientApp to its
-owner's data service, which answers. A node that does not answer a stage, or answers with
+owner's data service, which answers. The round runs on the graph its cohort takes (run config
+`secagg-graph`: the complete graph, or the ring every owner derives; fedsd.app.server.secure_plans.round_graph).
+A node that does not answer a stage, or answers with
 anything but what the stage carries, is dropped; a refusal that names a culprit is kept. Below
 the threshold at any stage the round is abandoned and logged, nothing is unmasked, and the global
 model stays as it was. Under noise=distributed the masked-input stage carries the round's noise
