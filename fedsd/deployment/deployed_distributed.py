@@ -108,9 +108,6 @@ def parser() -> argparse.ArgumentParser:
                    help="t, the fewest owners whose noise alone gives the run's σ (each owner requires it as its "
                         "secagg-min-clients); 0: every owner. Below the owners, from 41 of them, the round runs on "
                         "the ring (secagg-graph auto) under --secure-sum protocol")
-    p.add_argument("--plain", action="store_true",
-                   help="the owners' services without --isolate's uids and network namespaces (a deployment too "
-                        "large for this machine's memory so)")
     p.add_argument("--rounds", type=int, default=FEATURES_ROUNDS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", required=True, help="the deployment's folder (owners' state, logs); kept")
@@ -137,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     stop_on_sigterm()  # `kill -TERM` stops every process and namespace it started; the run resumes later
     try:
-        with LocalDeployment(work / "deployment", args.clients, client_data=data, isolate=not args.plain,
+        with LocalDeployment(work / "deployment", args.clients, client_data=data, isolate=True,
                              **nodes) as deployment:
             roster = deployment.shared_dir() / "roster"
             # each owner's bound on its records, its folder's count: its step padded to q times that

@@ -127,13 +127,13 @@ class Workers:
 
 
 class Groups:
-    """A round's clients: one group in this process (`workers` None), or one in each worker, cut from
-    `order` (the ring's, so that few pairs span two groups). Each stage goes to every group before
-    any answer is read."""
+    """A round's clients (`identities`, on the run's `roster`): one group in this process (`workers`
+    None), or one in each worker, cut from `order` (the ring's, so that few pairs span two groups).
+    Each stage goes to every group before any answer is read."""
 
-    def __init__(self, round_id: bytes, order: list[int], identities: dict[int, Identity], min_cohort: int,
-                 max_colluders: int, workers: Workers | None = None):
-        roster = {f"client-{i}": identity.public for i, identity in identities.items()}
+    def __init__(self, round_id: bytes, order: list[int], identities: dict[int, Identity], roster: Roster,
+                 min_cohort: int, max_colluders: int, workers: Workers | None = None):
+        roster = {m.name: m.public for m in roster.by_id.values()}  # the run's, as a worker is sent it
         members = {i: identities[i].private_bytes() for i in order}
         self.workers = workers
         if workers is None:

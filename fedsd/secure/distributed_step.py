@@ -163,7 +163,7 @@ def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min
     Returns the unmasked sum and the round's cost (bytes each way, seconds outside the vectors'
     computation). RoundAbandoned when too few clients go on."""
     started = time.perf_counter()
-    identities, _ = run_roster(vectors, identities)
+    identities, roster = run_roster(vectors, identities)
     ids = {k: identities[k].id for k in vectors}
     if 0 < degree < len(vectors) - 1:
         graph = {"k": degree, "honest": min_cohort, "colluders": max_colluders}
@@ -177,8 +177,8 @@ def secure_round(round_id: bytes, vectors: dict[int, callable], length: int, min
     going = [(k, i) for k, i in ids.items() if k not in drop_before_masking]
     rows, memory = vector_rows(len(going), length, shared=workers is not None)
     try:
-        groups = Groups(round_id, order, {ids[k]: identities[k] for k in vectors}, min_cohort, max_colluders,
-                        workers if memory is not None else None)
+        groups = Groups(round_id, order, {ids[k]: identities[k] for k in vectors}, roster, min_cohort,
+                        max_colluders, workers if memory is not None else None)
         server.collect_keys(groups.call("advertise", {i: server.setup(i) for i in order}))
         server.collect_shares(groups.call("share_keys", {i: {"keys": server.keys_for(i)} for i in server.keys}))
         going = [(k, i) for k, i in going if i in server.inbox]

@@ -103,7 +103,6 @@ def _neighbourhoods(round_id: bytes, members: tuple, k: int) -> dict[int, list[i
     return {m: sorted(order[(p + d) % n] for d in range(-half, half + 1)) for p, m in enumerate(order)}
 
 
-
 FLAGS = {"clients": "--clients", "honest": "--honest-clients", "colluders": "--secagg-max-colluders",
          "dropout": "--secagg-dropout", "graph": "--secagg-graph"}
 

@@ -228,7 +228,7 @@ class SecAggServer:
         abandon the round. The secret rebuilt is checked against the dealer's signed dealing (b's
         digest, s's public key): another one is the dealer's doing, recorded with its evidence
         (`_blame`), and `finish` abandons the round."""
-        good = self._good_shares(dealer, part, index=index)
+        good = self._good_shares(dealer, part, index)
         self._enough(len(good), f"sent a good share of client {dealer}'s {'self mask' if part == 'b' else 'key'}")
         chosen = {h: good[h] for h in sorted(good)[:self.threshold]}
         secret = combine_secret(chosen, self.holders[dealer], self.threshold)
@@ -237,12 +237,11 @@ class SecAggServer:
             self._blame(dealer, part, chosen)
         return secret
 
-    def _good_shares(self, dealer: int, part: str, answers: dict[int, dict] | None = None,
-                     index: dict | None = None) -> dict[int, bytes]:
-        """The shares of `dealer`'s b or s its holders sent (the unmask answers, or their `_index`)
-        that match its commitments; a holder that sent another share, or one it was not dealt, is named."""
+    def _good_shares(self, dealer: int, part: str, index: dict) -> dict[int, bytes]:
+        """The shares of `dealer`'s b or s its holders sent (the unmask answers' `_index`) that match
+        its commitments; a holder that sent another share, or one it was not dealt, is named."""
         good, dealt_to = {}, set(self.holders.get(dealer, ()))
-        sent = (index if index is not None else _index(answers))[part].get(dealer, {})
+        sent = index[part].get(dealer, {})
         for holder, share in sent.items():
             if holder not in dealt_to:  # a commitment the dealer made outside the holders it listed
                 self.culprits[holder] = f"sent a share of client {dealer}'s {part} it was not dealt"

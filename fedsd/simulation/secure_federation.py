@@ -115,10 +115,10 @@ class SecureFederation:
     def __init__(self, cfg: TrainConfig, fed: FedConfig, out: Path | None, plain: bool = False):
         self.cfg, self.fed, self.out = cfg, fed, out
         self.plain = plain or fed.secure_sum == "plain"  # the same sum, added in the clear (--secure-sum plain)
-        self.graph = secure_graph(fed) if fed.secure_sum == "protocol" and not self.plain else None
+        protocol = fed.secure_sum == "protocol" and not self.plain  # the per-round protocol, simulated
+        self.graph = secure_graph(fed) if protocol else None
         # the clients' stages spread over the cores from WORKERS_FROM clients (fedsd.secure.client_groups)
-        self.workers = Workers.for_cohort(fed.num_clients) if fed.secure_sum == "protocol" and not self.plain \
-            else None
+        self.workers = Workers.for_cohort(fed.num_clients) if protocol else None
         images, indices, shards = cut_shards(cfg, fed)
         n = len(indices)
         self.sample_rate = min(1.0, cfg.batch_size / n)

@@ -114,7 +114,7 @@ def test_an_honest_dealer_cannot_be_framed_by_resplitting_its_signed_dealing():
     answers = {i: c.unmask(signatures[i]) for i, c in clients.items()}
     server.finish(answers)
     dealer = sorted(clients)[0]
-    good = server._good_shares(dealer, "b", answers)
+    good = server._good_shares(dealer, "b", secagg_server._index(answers))
     chosen = {h: good[h] for h in sorted(good)[:server.threshold]}
     digest, s_public = server.dealings[dealer][1], bytes(server.keys[dealer]["s"])
     evidence = {"round_id": rid.hex(), "dealer": dealer, "part": "b", "threshold": server.threshold,

@@ -216,12 +216,13 @@ def test_a_dealer_with_a_consistent_sharing_of_another_secret_is_named_too(monke
 
 def test_an_honest_round_names_no_dealer_and_a_framed_one_fails_the_check(monkeypatch):
     from fedsd.secure.secagg_primitives import verify_blame
+    from fedsd.secure.secagg_server import _index
 
     server, total, xs, dealer, keys = _spoiled_round(monkeypatch, spoil=False)
     assert np.array_equal(total, sum(xs.values())) and server.evidence == {} and not server.culprits
     # A server that frames an honest dealer with its real shares and signatures, holders re-ordered
     answers = {h: {"b": {dealer: share}} for h, share in _honest_shares(server, dealer).items()}
-    good = server._good_shares(dealer, "b", answers)
+    good = server._good_shares(dealer, "b", _index(answers))
     chosen = {h: good[h] for h in sorted(good)[:server.threshold]}
     framed = {"round_id": server.round_id.hex(), "dealer": dealer, "part": "b", "threshold": server.threshold,
               "holders": server.holders[dealer][::-1], "dealing": server.dealings[dealer][0].hex(),
