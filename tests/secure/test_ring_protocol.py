@@ -235,7 +235,8 @@ def test_a_member_that_gives_honest_owners_identity_keys_as_its_round_keys_is_na
     the round was abandoned after 30 of 39 owners paid. An identity key given as a round key is its
     sender's fault alone: the member is named, every honest owner is summed."""
     def with_their_identity_keys(mine, keys, hood, sign):
-        theirs = [keys[j]["v"] for j in hood if keys.get(j) not in (None, mine)]
+        # neighbours' first, then the cohort's (8 neighbours hold two usable ones but 96 % of the time)
+        theirs = [keys[j]["v"] for j in sorted(keys, key=lambda j: j not in hood) if keys[j] is not mine]
         usable = [v for v in theirs if v[31] < 0x80][:2]  # canonical as X25519 keys: about half of them
         return sign({**mine, "c": usable[0], "s": usable[1]})
 
