@@ -54,6 +54,7 @@ def deploy_local(num_clients: int, rounds: int, out: Path, run_config: dict, wor
         superlink=deployment.address, supernodes=num_clients,
         clientapps="warm" if deployment.warm_clientapps else "cold",
         pull_interval=deployment.pull_interval, superlink_state="file" if deployment.durable_superlink else "memory",
+        shared_pages=deployment.shared_pages is not None,
         processes=("separate, each client in its own network namespace, its data service and its SuperNode under "
                    "uids of their own" if isolate else "separate, loopback"),
         isolation=dict(node_addresses=[deployment.isolation.address(k) for k in range(num_clients)],

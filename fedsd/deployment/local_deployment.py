@@ -26,6 +26,7 @@ from pathlib import Path
 
 from fedsd.deployment.processes import DeploymentError, descendants, running, stop_children
 from fedsd.deployment.isolation import Isolation
+from fedsd.deployment.shared_pages import SharedPages
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (fedsd/deployment/ is two below it)
 FLOOR_APP = ROOT / "scripts" / "floor"  # Flower's floor: a round that only sends and returns a model
@@ -78,6 +79,10 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--superlink-state", choices=["memory", "file"], default="memory",
                    help="memory (default): Flower's in-memory SuperLink state (the SuperLink starts once a "
                         "command); file: its SQLite database in the work folder")
+    p.add_argument("--share-pages", action="store_true",
+                   help="a trial of many clients in one machine's memory (about a hundred in 24 GiB): the kernel "
+                        "merges the processes' identical pages, which start without address randomisation; weaker "
+                        "isolation, never for a real deployment (fedsd/deployment/shared_pages.py; needs root)")
 
 
 def node_start(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
@@ -85,7 +90,8 @@ def node_start(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     if args.clientapps == "cold" and args.pull_interval is not None:
         p.error("--pull-interval: only with --clientapps warm (cold is Flower's own SuperNode, which waits 3 s)")
     return dict(warm_clientapps=args.clientapps == "warm", durable_superlink=args.superlink_state == "file",
-                pull_interval=PULL_SECONDS if args.pull_interval is None else args.pull_interval)
+                pull_interval=PULL_SECONDS if args.pull_interval is None else args.pull_interval,
+                share_pages=args.share_pages)
 
 
 def stop_on_sigterm() -> None:
@@ -113,7 +119,8 @@ class LocalDeployment:
 
     def __init__(self, work: Path, num_clients: int, env: dict | None = None, client_data: Path | None = None,
                  node_config: str | list[str] = "", isolate: bool = False, warm_clientapps: bool = True,
-                 pull_interval: float | None = PULL_SECONDS, durable_superlink: bool = True):
+                 pull_interval: float | None = PULL_SECONDS, durable_superlink: bool = True,
+                 share_pages: bool = False):
         self.work = Path(work).absolute()
         # The SuperLink's state in work/superlink.db, so that a SuperLink started again within this
         # deployment (the resume test, the soak) still knows the registered nodes; False: Flower's
@@ -132,6 +139,10 @@ class LocalDeployment:
         self.isolation = Isolation(self.work, num_clients) if isolate else None
         if self.isolation is not None:
             self.isolation.check()
+        # many clients in one machine's memory, for a trial (fedsd/deployment/shared_pages.py)
+        self.shared_pages = SharedPages() if share_pages else None
+        if self.shared_pages is not None:
+            self.shared_pages.check()
         self.host = self.isolation.host if self.isolation else "127.0.0.1"
         self.port = free_port()
         self.address = f"{self.host}:{self.port}"
@@ -150,7 +161,9 @@ class LocalDeployment:
         # where set): the ServerApp scores each round's model while the nodes wait for the next
         # round, and on one thread that took 0.85 s of a 4.5 s ten-owner round (the features recipe).
         self._server_env = {**self.env, "OMP_NUM_THREADS": self.env.get("OMP_NUM_THREADS",
-                                                                         str(os.cpu_count() or 1))}
+                                                                         str(os.cpu_count() or 1)),
+                            **self._group_env("server")}
+        self.env.update(self._group_env("nodes"))
         self.env.setdefault("OMP_NUM_THREADS", str(node_threads(num_clients)))
         self.node_threads = int(self.env["OMP_NUM_THREADS"])
         self.superlink: subprocess.Popen | None = None
@@ -164,6 +177,8 @@ class LocalDeployment:
     # -- processes ---------------------------------------------------------------------------
     def _start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "ab")
+        if self.shared_pages is not None:
+            cmd = self.shared_pages.command(cmd)
         # its own group: stop it with its children
         proc = subprocess.Popen(cmd, env=self.env if env is None else env, cwd=self.work, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -213,6 +228,12 @@ class LocalDeployment:
         if self.isolation is not None and self._network_up:
             self.isolation.down()
             self._network_up = False
+        if self.shared_pages is not None:
+            self.shared_pages.stop()
+
+    def _group_env(self, group: str) -> dict:
+        """--share-pages: the hash secret of the group (owners, nodes, server) a process is in."""
+        return self.shared_pages.env(group) if self.shared_pages is not None else {}
 
     def __enter__(self):
         return self
@@ -320,7 +341,7 @@ class LocalDeployment:
                                                                           self.owner_dir(k), self.owner_needs(k)))
             self._wait_for_socket(own["socket"], self.services[k], f"data-service-{k}")
         env = {"PATH": self.env["PATH"], "HOME": str(own["home"]), "FLWR_HOME": str(own["home"] / "flwr"),
-               **self._kept_env()}
+               **self._kept_env(), **self._group_env("nodes")}
         node_config = f"{owner} service='{own['socket']}'"
         cmd = iso.wrap(k, iso.node_uid(k), self._supernode_cmd(own["key"], own["ca"], node_config, max_retries), env,
                        self.node_dir(k), self.node_needs(k))
@@ -343,7 +364,8 @@ class LocalDeployment:
         owner_config = f"{owner} state-dir='{own['state']}'" + (f" data='{own['data']}'" if own["data"] else "")
         if self.node_config[k]:
             owner_config += " " + self.node_config[k]
-        env = {"PATH": self.env["PATH"], "HOME": str(own["owner_home"]), "PYTHONPATH": str(ROOT), **self._kept_env()}
+        env = {"PATH": self.env["PATH"], "HOME": str(own["owner_home"]), "PYTHONPATH": str(ROOT), **self._kept_env(),
+               **self._group_env("owners")}
         return own, owner_config, env
 
     def identities(self) -> dict[int, str]:
@@ -365,8 +387,10 @@ class LocalDeployment:
                                                f"partition-id={k} num-partitions={self.num_clients}")
             cmd = [sys.executable, "-P", "-m", "fedsd.cli.main", "data-service", "--identity", "--node-config",
                    owner_config]
-            proc = subprocess.run(iso.wrap(k, iso.uid(k), cmd, env, self.owner_dir(k), self.owner_needs(k)),
-                                  capture_output=True, text=True, timeout=120)
+            cmd = iso.wrap(k, iso.uid(k), cmd, env, self.owner_dir(k), self.owner_needs(k))
+            if self.shared_pages is not None:
+                cmd = self.shared_pages.command(cmd)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if proc.returncode != 0 or not proc.stdout.strip():
                 raise DeploymentError(f"owner {k}'s identity (fedsd data-service --identity): {proc.stderr.strip()}")
             lines[k] = proc.stdout.strip().splitlines()[-1]
@@ -398,6 +422,10 @@ class LocalDeployment:
         return path
 
     def _network(self) -> None:
+        """What the clients' machines share, up before the first process starts: the bridge and
+        namespaces (--isolate), the kernel's page merging (--share-pages)."""
+        if self.shared_pages is not None:
+            self.shared_pages.start()  # idempotent; stop_all restores ksmd's settings
         if self.isolation is not None and not self._network_up:
             self._network_up = True  # from here on stop_all takes the network down, whatever fails
             self.isolation.up()
