@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         run_config=config, resumed=resumed, startup_seconds=round(ready, 1),
         total_seconds=round(time.perf_counter() - started, 1), supernodes=args.clients, clientapps=args.clientapps,
         pull_interval=deployment.pull_interval, superlink_state="file" if deployment.durable_superlink else "memory",
-        node_threads=deployment.node_threads))
+        node_threads=deployment.node_threads, shared_pages=deployment.shared_pages is not None))
     return 0
 
 

@@ -96,12 +96,15 @@ class Isolation:
             _run(["ip", "netns", "del", ns])  # takes its veth pair with it
         _run(["ip", "link", "del", self.bridge])
 
-    def wrap(self, k: int, uid: int, cmd: list[str], env: dict, home: Path, needs: list[Path]) -> list[str]:
+    def wrap(self, k: int, uid: int, cmd: list[str], env: dict, home: Path, needs: list[Path],
+             from_env: tuple[str, ...] = ()) -> list[str]:
         """`cmd` as `uid` on client k's machine: in its network namespace and a mount namespace of
         its own, with only `env`. A folder on the way to what it `needs` (the interpreter, the
         project, its own folders) that other users cannot pass (a home such as /root, a private
         temporary folder) is covered there by an empty one, with just the needed paths put back:
-        the process sees none of the rest, other clients' folders included."""
+        the process sees none of the rest, other clients' folders included. `env` is on the
+        command line, which any uid can read (/proc/PID/cmdline); a variable named in `from_env`
+        is passed on from the environment the wrapper is started in instead (a secret)."""
         script = ["set -e", "umask 022"]  # the folders made to put needed paths back must be passable
         for closed, paths in _closed_ancestors(needs).items():
             for i, path in enumerate(paths):
@@ -110,7 +113,8 @@ class Isolation:
             for i, path in enumerate(paths):
                 script.append(f'mkdir -p "{path}" && mount --move "$stage{i}" "{path}" && rmdir "$stage{i}"')
         script.append(f'cd "{home}"')
-        script.append(f'exec setpriv --reuid={uid} --regid={uid} --clear-groups -- env -i "$@"')
+        kept = "".join(f' {name}="${name}"' for name in from_env if name.isidentifier())
+        script.append(f'exec setpriv --reuid={uid} --regid={uid} --clear-groups -- env -i{kept} "$@"')
         variables = [f"{name}={value}" for name, value in env.items()]
         return ["ip", "netns", "exec", self.namespace(k), "unshare", "--mount", "--propagation", "private", "--",
                 "sh", "-c", "\n".join(script), "sh", *variables, *cmd]

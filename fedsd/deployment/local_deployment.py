@@ -223,13 +223,15 @@ class LocalDeployment:
         stop_children(children, grace)
 
     def stop_all(self) -> None:
-        for proc in reversed(self._all):
-            self.stop(proc, grace=2.0, known=self._children.get(proc.pid, []))
-        if self.isolation is not None and self._network_up:
-            self.isolation.down()
-            self._network_up = False
-        if self.shared_pages is not None:
-            self.shared_pages.stop()
+        try:
+            for proc in reversed(self._all):
+                self.stop(proc, grace=2.0, known=self._children.get(proc.pid, []))
+            if self.isolation is not None and self._network_up:
+                self.isolation.down()
+                self._network_up = False
+        finally:  # also when a second Ctrl-C cuts the stop short
+            if self.shared_pages is not None:
+                self.shared_pages.stop()
 
     def _group_env(self, group: str) -> dict:
         """--share-pages: the hash secret of the group (owners, nodes, server) a process is in."""
@@ -337,18 +339,25 @@ class LocalDeployment:
         if key_index is None:  # a stand-in with a stray key (tests) needs no service of its own
             service = [sys.executable, "-P", "-m", "fedsd.cli.main", "data-service", "--socket", str(own["socket"]),
                        "--node-config", owner_config, "--allow-uid", str(iso.node_uid(k))]
-            self.services[k] = self._start(f"data-service-{k}", iso.wrap(k, iso.uid(k), service, env,
-                                                                          self.owner_dir(k), self.owner_needs(k)))
+            self.services[k] = self._start(f"data-service-{k}", *self._as_client(
+                k, iso.uid(k), service, env, self.owner_dir(k), self.owner_needs(k), "owners"))
             self._wait_for_socket(own["socket"], self.services[k], f"data-service-{k}")
         env = {"PATH": self.env["PATH"], "HOME": str(own["home"]), "FLWR_HOME": str(own["home"] / "flwr"),
-               **self._kept_env(), **self._group_env("nodes")}
+               **self._kept_env()}
         node_config = f"{owner} service='{own['socket']}'"
-        cmd = iso.wrap(k, iso.node_uid(k), self._supernode_cmd(own["key"], own["ca"], node_config, max_retries), env,
-                       self.node_dir(k), self.node_needs(k))
-        proc = self._start(name or f"supernode-{k}", cmd)
+        proc = self._start(name or f"supernode-{k}", *self._as_client(
+            k, iso.node_uid(k), self._supernode_cmd(own["key"], own["ca"], node_config, max_retries), env,
+            self.node_dir(k), self.node_needs(k), "nodes"))
         if key_index is None:
             self.supernodes[k] = proc
         return proc
+
+    def _as_client(self, k: int, uid: int, cmd: list[str], env: dict, home: Path, needs: list[Path],
+                   group: str) -> tuple[list[str], dict]:
+        """`cmd` as `uid` on client k's machine (Isolation.wrap) and the environment to start that
+        in: the group's hash secret (--share-pages) goes through it, never a command line."""
+        secret = self._group_env(group)
+        return (self.isolation.wrap(k, uid, cmd, env, home, needs, from_env=tuple(secret)), {**self.env, **secret})
 
     def _kept_env(self) -> dict:
         """What a client's processes keep of this one's environment; an owner's record folder is
@@ -364,8 +373,7 @@ class LocalDeployment:
         owner_config = f"{owner} state-dir='{own['state']}'" + (f" data='{own['data']}'" if own["data"] else "")
         if self.node_config[k]:
             owner_config += " " + self.node_config[k]
-        env = {"PATH": self.env["PATH"], "HOME": str(own["owner_home"]), "PYTHONPATH": str(ROOT), **self._kept_env(),
-               **self._group_env("owners")}
+        env = {"PATH": self.env["PATH"], "HOME": str(own["owner_home"]), "PYTHONPATH": str(ROOT), **self._kept_env()}
         return own, owner_config, env
 
     def identities(self) -> dict[int, str]:
@@ -387,10 +395,10 @@ class LocalDeployment:
                                                f"partition-id={k} num-partitions={self.num_clients}")
             cmd = [sys.executable, "-P", "-m", "fedsd.cli.main", "data-service", "--identity", "--node-config",
                    owner_config]
-            cmd = iso.wrap(k, iso.uid(k), cmd, env, self.owner_dir(k), self.owner_needs(k))
+            cmd, outer = self._as_client(k, iso.uid(k), cmd, env, self.owner_dir(k), self.owner_needs(k), "owners")
             if self.shared_pages is not None:
                 cmd = self.shared_pages.command(cmd)
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            proc = subprocess.run(cmd, env=outer, capture_output=True, text=True, timeout=120)
             if proc.returncode != 0 or not proc.stdout.strip():
                 raise DeploymentError(f"owner {k}'s identity (fedsd data-service --identity): {proc.stderr.strip()}")
             lines[k] = proc.stdout.strip().splitlines()[-1]
@@ -516,7 +524,7 @@ class LocalDeployment:
         n = 1 + max((int(p.stem.rpartition("-")[2]) for p in self.logs.glob("flwr-run-*.log")
                      if p.stem.rpartition("-")[2].isdigit()), default=0)  # the work folder may be reused
         proc = self._start(f"flwr-run-{n}", ["flwr", "run", str(app), FEDERATION, "--stream",
-                                             "--run-config", run_config_arg(run_config)])
+                                             "--run-config", run_config_arg(run_config)], env=self._server_env)
         proc.log = self.logs / f"flwr-run-{n}.log"
         return proc
 

@@ -10,35 +10,50 @@ the data service's code): 312 MiB private each as they start, 216 MiB with the k
 identical pages (KSM), 30 MiB with KSM and the same layout and hash secret in each.
 
 What it does (each part the kernel's own mechanism; nothing here copies or compares memory):
-- Starts the kernel's page merging (`/sys/kernel/mm/ksm`, restored on the way out) and marks
-  every process the deployment starts as mergeable (`prctl(PR_SET_MEMORY_MERGE)`, Linux 6.4+,
-  inherited by children and kept across exec since 6.7).
+- Starts the kernel's page merging (`/sys/kernel/mm/ksm`; its settings given back when the last
+  deployment using it stops, also after one that was killed: `KsmSettings`) and marks every
+  process the deployment starts as mergeable (`prctl(PR_SET_MEMORY_MERGE)`; kept across exec,
+  and so for everything the process starts, since Linux 6.7: `check` asks the kernel, through
+  /proc/self/ksm_stat, that a process started so is mergeable).
 - Starts them without address-space randomisation (`personality(ADDR_NO_RANDOMIZE)`, as
   `setarch -R` does), so that the same imports lay out the same pages.
 - Gives each group of processes (the owners' data services; the SuperNodes and their
-  ClientApps; the SuperLink and ServerApp) one Python hash secret (PYTHONHASHSEED), drawn from
-  the OS for this deployment: no group learns another's.
+  ClientApps; the SuperLink, ServerApp and `flwr run`) one Python hash secret (PYTHONHASHSEED),
+  drawn from the OS for this deployment. It reaches a process through the environment, which
+  only that process's uid (and root) can read, never through a command line, which every uid
+  can (Isolation.wrap's `from_env`).
 
-What it costs, and why it is a trial's option and never a deployment's: every process of the
-deployment has the same addresses as the others, so a flaw in one would be easier to exploit
-in another; the processes of a group share one hash secret (a ClientApp the server ships could
-learn its own group's, and flood a dict of another process of that group: a denial of service
-only); and merged pages leak, through the time a write to one takes, whether another process
-holds a page of the same content (the known deduplication side channel: a guess of a whole
-4 KiB page at a time). On separate machines, as real owners run, none of this applies, and
-none of it is needed.
+What it costs, and why it is a trial's option and never a deployment's:
+- Every process of the deployment has the same addresses as the others, so a flaw in one
+  would be easier to exploit in another.
+- A group's processes share one hash secret, owners that do not trust each other included, and
+  PYTHONHASHSEED is 32 bits where Python draws 128: a process that sees the order of a set can
+  search for it, and then flood a dict of another process of its group (a denial of service).
+- Merged pages leak, across uids and so across `--isolate`'s boundaries, whether another
+  process holds a page of the same content: a write to a merged page takes longer (the known
+  deduplication side channel). A ClientApp the server ships could confirm a guess of a whole
+  4 KiB page of an owner's records, keys or ledger, which no privacy accounting covers; and
+  merged pages are the target of rowhammer attacks on shared memory (Flip Feng Shui).
+So a run with it shows what many clients cost and how the protocol behaves, not the isolation.
+On separate machines, as real owners run, none of this applies, and none of it is needed.
 """
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import secrets
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from fedsd.deployment.processes import DeploymentError
 
 KSM = Path("/sys/kernel/mm/ksm")
+# The settings ksmd had before the first deployment that changed them, and the deployments (pids)
+# using them now: root's alone (0700), locked while read and written.
+KSM_STATE = Path("/run/fedsd-share-pages")
 # ksmd's pace while a deployment runs: 2,000 pages every 10 ms (up to about 800 MB/s scanned), so
 # merging keeps up with a hundred services importing torch at once (the default, 100 pages every
 # 20 ms, takes minutes to go once over 20 GiB)
@@ -54,38 +69,38 @@ LAUNCH = (
     f"libc.personality(libc.personality(0xffffffff) | {ADDR_NO_RANDOMIZE})\n"
     "os.execvp(sys.argv[1], sys.argv[1:])\n")
 GROUPS = ("owners", "nodes", "server")
+# A probe that the launcher's mark holds after exec: what the kernel says of the process
+PROBE = ("import sys; stat = open('/proc/self/ksm_stat').read()\n"
+         "sys.exit(0 if 'ksm_merge_any: yes' in stat else 'the mark did not survive exec (Linux 6.7 and later keep "
+         "it)')")
 
 
 class SharedPages:
     """The kernel's page merging for one deployment: `check` before anything starts, `start`
     and `stop` around it, `command` and `env` for each process it starts."""
 
-    def __init__(self):
-        self.seeds = {group: str(secrets.randbelow(2**32)) for group in GROUPS}
-        self._saved: dict[str, str] = {}
+    def __init__(self, ksm: Path = KSM, state: Path = KSM_STATE):
+        # 1 to 2**32 - 1: PYTHONHASHSEED=0 would turn the hash secret off
+        self.seeds = {group: str(1 + secrets.randbelow(2**32 - 1)) for group in GROUPS}
+        self.settings = KsmSettings(ksm, state)
 
     @staticmethod
-    def check() -> None:
+    def check(ksm: Path = KSM) -> None:
         if os.geteuid() != 0:
             raise DeploymentError("--share-pages needs root: it starts the kernel's page merging (/sys/kernel/mm/ksm)")
-        if not (KSM / "run").is_file():
+        if not (ksm / "run").is_file():
             raise DeploymentError("--share-pages: this kernel has no page merging (/sys/kernel/mm/ksm; CONFIG_KSM)")
-        probe = subprocess.run([sys.executable, "-I", "-c", LAUNCH, "true"], capture_output=True, text=True)
+        probe = subprocess.run(SharedPages.command([sys.executable, "-I", "-c", PROBE]), capture_output=True,
+                               text=True)
         if probe.returncode != 0:
-            raise DeploymentError(f"--share-pages: this kernel cannot mark a process mergeable (Linux 6.4+): "
-                                  f"{probe.stderr.strip()}")
+            raise DeploymentError(f"--share-pages: this kernel cannot keep a process mergeable across exec (Linux "
+                                  f"6.7 and later): {probe.stderr.strip().splitlines()[-1:]}")
 
     def start(self) -> None:
-        for name, value in KSM_SETTINGS.items():
-            path = KSM / name
-            self._saved.setdefault(name, path.read_text().strip())
-            path.write_text(value)
+        self.settings.use()
 
     def stop(self) -> None:
-        """ksmd's settings as they were (`run` last: merged pages stay merged until written)."""
-        for name in ("pages_to_scan", "sleep_millisecs", "run"):
-            if name in self._saved:
-                (KSM / name).write_text(self._saved.pop(name))
+        self.settings.release()
 
     @staticmethod
     def command(cmd: list[str]) -> list[str]:
@@ -95,10 +110,61 @@ class SharedPages:
         return {"PYTHONHASHSEED": self.seeds[group]}
 
 
-def merged_mib() -> float:
-    """What the merging saves now: pages_sharing (mappings of a merged page beyond its first) in MiB."""
-    try:
-        return int((KSM / "pages_sharing").read_text()) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        return 0.0
+class KsmSettings:
+    """ksmd's pace for the deployments that use it, and its own settings back after the last:
+    the first saves them (in `state`, root's), each adds its entry (pid, start, token), the last that stops (or a later
+    one that finds only dead pids) writes them back. So two deployments that overlap, or one that
+    was killed, leave ksmd as the machine had it."""
 
+    def __init__(self, ksm: Path, state: Path):
+        self.ksm, self.state = ksm, state
+        self.using = False
+        self.token = secrets.token_hex(8)  # this deployment's entry (a process may run more than one)
+
+    @contextmanager
+    def _locked(self):
+        self.state.mkdir(mode=0o700, exist_ok=True)
+        with open(self.state / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            path = self.state / "state.json"
+            record = json.loads(path.read_text()) if path.is_file() else {}
+            record["pids"] = [p for p in record.get("pids", []) if _started(p[0]) == p[1]]  # a pid reused is dead
+            yield record
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record))
+            tmp.replace(path)
+
+    def use(self) -> None:
+        if self.using:
+            return
+        with self._locked() as record:
+            if not record["pids"] and record.get("saved"):  # the last user was killed: its originals stand
+                self._write(record["saved"])
+            if not record["pids"]:
+                record["saved"] = {name: (self.ksm / name).read_text().strip() for name in KSM_SETTINGS}
+            record["pids"].append([os.getpid(), _started(os.getpid()), self.token])
+            self._write(KSM_SETTINGS)
+            self.using = True
+
+    def release(self) -> None:
+        """Back to the saved settings when no other deployment uses them (`run` last: merged pages
+        stay merged until written)."""
+        if not self.using:
+            return
+        with self._locked() as record:
+            record["pids"] = [p for p in record["pids"] if p[2] != self.token]
+            if not record["pids"] and record.get("saved"):
+                self._write(record.pop("saved"))
+            self.using = False
+
+    def _write(self, settings: dict) -> None:
+        for name in ("pages_to_scan", "sleep_millisecs", "run"):
+            (self.ksm / name).write_text(settings[name])
+
+
+def _started(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot, /proc/PID/stat), None if there is none."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None

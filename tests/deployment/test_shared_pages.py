@@ -1,25 +1,30 @@
 """--share-pages (fedsd/deployment/shared_pages.py): the processes a deployment starts are
-mergeable by the kernel and laid out alike, each group with a hash secret of its own, and
-ksmd's settings come back as they were."""
+mergeable by the kernel and laid out alike, each group with a hash secret of its own that no
+command line shows, and ksmd's settings come back as they were, however deployments overlap or
+end."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
 
 from fedsd.deployment.local_deployment import LocalDeployment
 from fedsd.deployment.processes import DeploymentError
-from fedsd.deployment.shared_pages import GROUPS, KSM, SharedPages
+from fedsd.deployment.shared_pages import GROUPS, KSM_SETTINGS, KsmSettings, SharedPages, _started
+from tests.deployment.test_deploy import isolation_unavailable
 
 # What a started process reports of itself: KSM's merge-any flag (PR_GET_MEMORY_MERGE), its
-# personality, where its executable was mapped, and its hash secret.
+# personality, where its executable was mapped, its hash secret and its uid.
 REPORT = ("import ctypes, json, os; libc = ctypes.CDLL(None); "
           "print(json.dumps([libc.prctl(68, 0, 0, 0, 0), libc.personality(0xffffffff), "
-          "open('/proc/self/maps').readline().split('-')[0], os.environ.get('PYTHONHASHSEED')]))")
+          "open('/proc/self/maps').readline().split('-')[0], os.environ.get('PYTHONHASHSEED'), os.getuid()]))")
+NO_RANDOMIZE = 0x0040000
 
 
-def unavailable() -> str | None:
+def _unavailable() -> str | None:
     try:
         SharedPages.check()
     except DeploymentError as e:
@@ -27,43 +32,100 @@ def unavailable() -> str | None:
     return None
 
 
-needs_ksm = pytest.mark.skipif(unavailable() is not None, reason=f"{unavailable()}")
+UNAVAILABLE = _unavailable() if os.geteuid() == 0 else "not root"
+needs_ksm = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"{UNAVAILABLE}")
+
+
+def report(cmd: list[str], env: dict | None = None) -> list:
+    return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, env=env,
+                                     timeout=60).stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 @needs_ksm
-def test_a_started_process_is_mergeable_and_laid_out_as_the_others(tmp_path):
-    import subprocess
+def test_a_started_process_is_mergeable_and_laid_out_as_the_others():
+    first, second = (report(SharedPages.command([sys.executable, "-c", REPORT])) for _ in range(2))
+    assert first[0] == 1 and first[1] & NO_RANDOMIZE
+    assert first[2] == second[2]  # the same address twice: no randomisation
+    plain = report([sys.executable, "-c", REPORT])  # without the launcher: as this process is
+    assert (plain[0], plain[1] & NO_RANDOMIZE) == _own_flags()
 
-    reports = [json.loads(subprocess.run(SharedPages.command([sys.executable, "-c", REPORT]), capture_output=True,
-                                         text=True, check=True).stdout) for _ in range(2)]
-    merge, personality, base, _ = reports[0]
-    assert merge == 1
-    assert personality & 0x0040000  # ADDR_NO_RANDOMIZE
-    assert base == reports[1][2]  # the same address twice: no randomisation
-    plain = json.loads(subprocess.run([sys.executable, "-c", REPORT], capture_output=True, text=True,
-                                      check=True).stdout)
-    assert plain[0] == 0 and not plain[1] & 0x0040000  # without it, neither
+
+def _own_flags() -> tuple[int, int]:
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    return libc.prctl(68, 0, 0, 0, 0), libc.personality(0xffffffff) & NO_RANDOMIZE
 
 
 def test_each_group_has_a_hash_secret_of_its_own_drawn_for_each_deployment():
     one, two = SharedPages(), SharedPages()
     seeds = [one.env(g)["PYTHONHASHSEED"] for g in GROUPS]
-    assert len(set(seeds)) == len(GROUPS) and all(s.isdigit() and int(s) < 2**32 for s in seeds)
+    assert len(set(seeds)) == len(GROUPS) and all(s.isdigit() and 1 <= int(s) < 2**32 for s in seeds)
     assert seeds != [two.env(g)["PYTHONHASHSEED"] for g in GROUPS]
+
+
+@pytest.fixture
+def ksm(tmp_path):
+    """A stand-in for /sys/kernel/mm/ksm with a machine's own settings, and a state folder."""
+    folder = tmp_path / "ksm"
+    folder.mkdir()
+    for name, value in {"run": "0", "pages_to_scan": "100", "sleep_millisecs": "20"}.items():
+        (folder / name).write_text(value + "\n")
+    return folder, tmp_path / "state"
+
+
+def _settings(folder) -> dict:
+    return {name: (folder / name).read_text().strip() for name in KSM_SETTINGS}
+
+
+ORIGINAL = {"run": "0", "pages_to_scan": "100", "sleep_millisecs": "20"}
+
+
+def test_ksmd_gets_its_settings_back_after_the_last_of_two_overlapping_deployments(ksm):
+    folder, state = ksm
+    first, second = KsmSettings(folder, state), KsmSettings(folder, state)
+    first.use()
+    assert _settings(folder) == KSM_SETTINGS
+    second.use()
+    second.use()  # twice: the same
+    first.release()
+    assert _settings(folder) == KSM_SETTINGS  # the other still runs
+    second.release()
+    assert _settings(folder) == ORIGINAL
+
+
+def test_a_killed_deployments_settings_do_not_become_the_machines(ksm):
+    folder, state = ksm
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    KsmSettings(folder, state).use()  # a deployment that was then killed: its pid no longer runs
+    record = json.loads((state / "state.json").read_text())
+    record["pids"] = [[gone.pid, 1, "killed"]]
+    (state / "state.json").write_text(json.dumps(record))
+    later = KsmSettings(folder, state)
+    later.use()
+    later.release()
+    assert _settings(folder) == ORIGINAL
+    assert _started(gone.pid) != 1
 
 
 @pytest.mark.slow
 @needs_ksm
-def test_a_deployment_starts_its_processes_so_and_gives_ksmd_back_its_settings(tmp_path):
-    before = {name: (KSM / name).read_text() for name in ("run", "pages_to_scan", "sleep_millisecs")}
-    with LocalDeployment(tmp_path / "work", 1, share_pages=True) as deployment:
+@pytest.mark.skipif(isolation_unavailable() is not None, reason=f"{isolation_unavailable()}")
+def test_an_isolated_owners_service_starts_so_with_its_groups_secret_on_no_command_line(tmp_path):
+    with LocalDeployment(tmp_path / "work", 1, isolate=True, share_pages=True) as deployment:
+        deployment.make_credentials()
         deployment._network()
-        assert (KSM / "run").read_text().strip() == "1"
-        proc = deployment._start("report", [sys.executable, "-c", REPORT])
-        proc.wait(timeout=60)
-        merge, personality, _, seed = json.loads((deployment.logs / "report.log").read_text())
-        assert merge == 1 and personality & 0x0040000
-        assert seed == deployment.shared_pages.env("nodes")["PYTHONHASHSEED"]  # a node's, by default
+        iso = deployment.isolation
+        _, _, env = deployment._owner(0, deployment.credentials / "keys" / "node-0", None,
+                                      "partition-id=0 num-partitions=1")
+        cmd, outer = deployment._as_client(0, iso.uid(0), [sys.executable, "-P", "-c", REPORT], env,
+                                           deployment.owner_dir(0), deployment.owner_needs(0), "owners")
+        cmd = deployment.shared_pages.command(cmd)
+        seed = deployment.shared_pages.env("owners")["PYTHONHASHSEED"]
+        assert not any(seed in part for part in cmd)  # every uid reads a command line (/proc/PID/cmdline)
+        merge, personality, _, got, uid = report(cmd, env=outer)
+        assert (merge, bool(personality & NO_RANDOMIZE), got, uid) == (1, True, seed, iso.uid(0))
+        assert seed != deployment.shared_pages.env("nodes")["PYTHONHASHSEED"] == deployment.env["PYTHONHASHSEED"]
         assert deployment._server_env["PYTHONHASHSEED"] == deployment.shared_pages.env("server")["PYTHONHASHSEED"]
-    assert {name: (KSM / name).read_text() for name in before} == before
