@@ -48,7 +48,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from fedsd.deployment.processes import DeploymentError
+from fedsd.deployment.processes import DeploymentError, started
 
 KSM = Path("/sys/kernel/mm/ksm")
 # The settings ksmd had before the first deployment that changed them, and the deployments (pids)
@@ -94,7 +94,7 @@ class SharedPages:
                                text=True)
         if probe.returncode != 0:
             raise DeploymentError(f"--share-pages: this kernel cannot keep a process mergeable across exec (Linux "
-                                  f"6.7 and later): {probe.stderr.strip().splitlines()[-1:]}")
+                                  f"6.7 and later): {(probe.stderr.strip().splitlines() or [''])[-1]}")
 
     def start(self) -> None:
         self.settings.use()
@@ -128,7 +128,7 @@ class KsmSettings:
             fcntl.flock(lock, fcntl.LOCK_EX)
             path = self.state / "state.json"
             record = json.loads(path.read_text()) if path.is_file() else {}
-            record["pids"] = [p for p in record.get("pids", []) if _started(p[0]) == p[1]]  # a pid reused is dead
+            record["pids"] = [p for p in record.get("pids", []) if started(p[0]) == p[1]]  # a pid reused is dead
             yield record
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(record))
@@ -138,11 +138,9 @@ class KsmSettings:
         if self.using:
             return
         with self._locked() as record:
-            if not record["pids"] and record.get("saved"):  # the last user was killed: its originals stand
-                self._write(record["saved"])
-            if not record["pids"]:
-                record["saved"] = {name: (self.ksm / name).read_text().strip() for name in KSM_SETTINGS}
-            record["pids"].append([os.getpid(), _started(os.getpid()), self.token])
+            if not record["pids"]:  # the first user; after one that was killed, its saved originals stand
+                record.setdefault("saved", {name: (self.ksm / name).read_text().strip() for name in KSM_SETTINGS})
+            record["pids"].append([os.getpid(), started(os.getpid()), self.token])
             self._write(KSM_SETTINGS)
             self.using = True
 
@@ -161,10 +159,3 @@ class KsmSettings:
         for name in ("pages_to_scan", "sleep_millisecs", "run"):
             (self.ksm / name).write_text(settings[name])
 
-
-def _started(pid: int) -> int | None:
-    """When process `pid` started (clock ticks after boot, /proc/PID/stat), None if there is none."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None

@@ -13,7 +13,8 @@ import pytest
 
 from fedsd.deployment.local_deployment import LocalDeployment
 from fedsd.deployment.processes import DeploymentError
-from fedsd.deployment.shared_pages import GROUPS, KSM_SETTINGS, KsmSettings, SharedPages, _started
+from fedsd.deployment.processes import started
+from fedsd.deployment.shared_pages import GROUPS, KSM_SETTINGS, KsmSettings, SharedPages
 from tests.deployment.test_deploy import isolation_unavailable
 
 # What a started process reports of itself: KSM's merge-any flag (PR_GET_MEMORY_MERGE), its
@@ -101,13 +102,13 @@ def test_a_killed_deployments_settings_do_not_become_the_machines(ksm):
     gone.wait()
     KsmSettings(folder, state).use()  # a deployment that was then killed: its pid no longer runs
     record = json.loads((state / "state.json").read_text())
-    record["pids"] = [[gone.pid, 1, "killed"]]
+    record["pids"] = [[gone.pid, "1", "killed"]]
     (state / "state.json").write_text(json.dumps(record))
     later = KsmSettings(folder, state)
     later.use()
     later.release()
     assert _settings(folder) == ORIGINAL
-    assert _started(gone.pid) != 1
+    assert started(gone.pid) != "1"
 
 
 @pytest.mark.slow
