@@ -22,9 +22,10 @@ import ssl
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from fedsd.deployment.processes import DeploymentError, descendants, running, stop_children
+from fedsd.deployment.processes import DeploymentError, descendants, stop_groups
 from fedsd.deployment.isolation import Isolation
 from fedsd.deployment.shared_pages import SharedPages
 
@@ -63,6 +64,18 @@ def node_threads(nodes: int, cores: int | None = None) -> int:
 # SuperNode: a fixed 3 s, so each stage of a round waited up to 3 s for its slowest node); 0.5 s,
 # as the SuperExec's and the ServerApp grid's polls (fedsd/app/server/grid.py).
 PULL_SECONDS = 0.5
+# By default the nodes' pulls add up to at most this many a second, each node's interval longer with
+# more nodes (20 nodes: 0.5 s; 100: 2.5 s): a hundred nodes at 0.5 s each, 200 TLS requests a second
+# with their heartbeats on a two-core SuperLink, cut heartbeats off and broke the ServerApp's first push
+# (results/runs/secure-aggregation-scale/2026-12-07-deployed-100/).
+PULLS_PER_SECOND = 40
+
+
+def spread_pulls(nodes: int) -> float:
+    """The default --pull-interval for `nodes` SuperNodes on one SuperLink (3 s at most: Flower's own)."""
+    from fedsd.deployment.warm_supernode import PULL_INTERVALS
+
+    return min(PULL_INTERVALS[1], max(PULL_SECONDS, nodes / PULLS_PER_SECOND))
 
 
 def add_node_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,7 +88,9 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                         "message, and Flower's own SuperNode command")
     p.add_argument("--pull-interval", type=seconds, default=None, metavar="S",
                    help=f"with warm ClientApps: the longest a SuperNode waits before it asks the SuperLink again "
-                        f"after finding no message (default {PULL_SECONDS:g}; 3 is Flower's own)")
+                        f"after finding no message (default {PULL_SECONDS:g}, or longer with more than "
+                        f"{PULL_SECONDS * PULLS_PER_SECOND:g} nodes, so that all pull {PULLS_PER_SECOND} times a "
+                        f"second at most; 3 is Flower's own)")
     p.add_argument("--superlink-state", choices=["memory", "file"], default="memory",
                    help="memory (default): Flower's in-memory SuperLink state (the SuperLink starts once a "
                         "command); file: its SQLite database in the work folder")
@@ -90,7 +105,7 @@ def node_start(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     if args.clientapps == "cold" and args.pull_interval is not None:
         p.error("--pull-interval: only with --clientapps warm (cold is Flower's own SuperNode, which waits 3 s)")
     return dict(warm_clientapps=args.clientapps == "warm", durable_superlink=args.superlink_state == "file",
-                pull_interval=PULL_SECONDS if args.pull_interval is None else args.pull_interval,
+                pull_interval="spread" if args.pull_interval is None else args.pull_interval,
                 share_pages=args.share_pages)
 
 
@@ -119,7 +134,7 @@ class LocalDeployment:
 
     def __init__(self, work: Path, num_clients: int, env: dict | None = None, client_data: Path | None = None,
                  node_config: str | list[str] = "", isolate: bool = False, warm_clientapps: bool = True,
-                 pull_interval: float | None = PULL_SECONDS, durable_superlink: bool = True,
+                 pull_interval: float | str | None = "spread", durable_superlink: bool = True,
                  share_pages: bool = False):
         self.work = Path(work).absolute()
         # The SuperLink's state in work/superlink.db, so that a SuperLink started again within this
@@ -129,9 +144,10 @@ class LocalDeployment:
         # (results/deploy-distributed.md, "Where a stage's time goes").
         self.durable_superlink = durable_superlink
         # each SuperNode's ClientApp tasks forked from a warm process (fedsd/deployment/warm_supernode.py),
-        # its pull loop's sleeps capped at pull_interval seconds (None: Flower's 3 s); cold: Flower's command
+        # its pull loop's sleeps capped at pull_interval seconds (None: Flower's 3 s; "spread": PULL_SECONDS,
+        # longer with many nodes, spread_pulls); cold: Flower's command
         self.warm_clientapps = warm_clientapps
-        self._pull_interval = pull_interval
+        self._pull_interval = spread_pulls(num_clients) if pull_interval == "spread" else pull_interval
         self.num_clients = num_clients
         self.client_data = Path(client_data).absolute() if client_data else None  # client k: client_data/client-k
         # more k=v pairs for every SuperNode (max-epsilon=3 ...), or a list of them, one per SuperNode
@@ -198,34 +214,12 @@ class LocalDeployment:
     def stop(proc: subprocess.Popen | None, grace: float = 5.0, known: list[tuple[int, str]] = ()) -> None:
         """Stops proc's process group, then its descendants outside the group that still run,
         those found now and those `known` from before (each checked by its start time)."""
-        if proc is None:
-            return
-        if not running(proc):
-            stop_children(list(known), grace)
-            return
-        # taken before the signal: a child in a session of its own (Flower's SuperLink starts its
-        # SuperExec so) is not in the group, and under load it outlived the SuperLink's stop
-        children = sorted({*descendants(proc.pid), *known})
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and running(proc):
-                time.sleep(0.1)
-            if not running(proc):
-                break
-        try:
-            proc.wait(timeout=1)
-        except subprocess.TimeoutExpired:
-            pass
-        stop_children(children, grace)
+        if proc is not None:
+            stop_groups([(proc, list(known))], grace)
 
     def stop_all(self) -> None:
         try:
-            for proc in reversed(self._all):
-                self.stop(proc, grace=2.0, known=self._children.get(proc.pid, []))
+            stop_groups([(proc, self._children.get(proc.pid, [])) for proc in self._all], grace=2.0)
             if self.isolation is not None and self._network_up:
                 self.isolation.down()
                 self._network_up = False
@@ -388,20 +382,26 @@ class LocalDeployment:
             raise DeploymentError("identities: an owner's identity is made by its own uid (--isolate)")
         self.make_credentials()
         self._network()
-        lines = {}
+        commands = {}
         for k in range(self.num_clients):
             data = self.client_data / f"client-{k}" if self.client_data is not None else None
             _, owner_config, env = self._owner(k, self.credentials / "keys" / f"node-{k}", data,
                                                f"partition-id={k} num-partitions={self.num_clients}")
-            cmd = [sys.executable, "-P", "-m", "fedsd.cli.main", "data-service", "--identity", "--node-config",
-                   owner_config]
+            # `fedsd data-service --identity` without the command line's imports (torch: 8 s an owner,
+            # 11 minutes for a hundred made one after another)
+            cmd = [sys.executable, "-P", "-c", "import sys; from fedsd.app.client.owner_service import identity_main; "
+                   "sys.exit(identity_main(sys.argv[1:]))", owner_config]
             cmd, outer = self._as_client(k, iso.uid(k), cmd, env, self.owner_dir(k), self.owner_needs(k), "owners")
-            if self.shared_pages is not None:
-                cmd = self.shared_pages.command(cmd)
-            proc = subprocess.run(cmd, env=outer, capture_output=True, text=True, timeout=120)
+            commands[k] = (self.shared_pages.command(cmd) if self.shared_pages is not None else cmd, outer)
+
+        def identity(k: int) -> str:
+            proc = subprocess.run(commands[k][0], env=commands[k][1], capture_output=True, text=True, timeout=120)
             if proc.returncode != 0 or not proc.stdout.strip():
                 raise DeploymentError(f"owner {k}'s identity (fedsd data-service --identity): {proc.stderr.strip()}")
-            lines[k] = proc.stdout.strip().splitlines()[-1]
+            return proc.stdout.strip().splitlines()[-1]
+
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # a process each, as many at once as cores
+            lines = dict(zip(commands, pool.map(identity, commands)))
         return lines
 
     def write_roster(self) -> Path:
@@ -513,6 +513,8 @@ class LocalDeployment:
             self.node_ids[k] = self.register(k)
         for k in range(self.num_clients):
             self.start_supernode(k)
+            if self.shared_pages is not None:  # each client once the merging has caught up
+                self.shared_pages.pace()
         self.wait_online(self.num_clients)
         self.remember_children()
 

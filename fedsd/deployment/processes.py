@@ -72,3 +72,32 @@ def group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
 
+
+
+def stop_groups(procs: list[tuple[subprocess.Popen, list[tuple[int, str]]]], grace: float) -> None:
+    """Stops each proc's process group, then its descendants outside the group that still run:
+    those found now and those known from before (each checked by its start time). Every group is
+    signalled before any is waited for, so a stop of a hundred clients takes one grace, not a
+    hundred (two seconds each, one after another, took minutes)."""
+    # taken before the signal: a child in a session of its own (Flower's SuperLink starts its
+    # SuperExec so) is not in the group, and under load it outlived the SuperLink's stop
+    children = sorted({c for proc, known in procs for c in [*known, *(descendants(proc.pid) if running(proc) else [])]})
+    alive = [proc for proc, _ in procs if running(proc)]
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        for proc in alive:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [proc for proc in alive if running(proc)]
+        if not alive:
+            break
+    for proc, _ in procs:
+        try:
+            proc.wait(timeout=0.1 if alive else 1)
+        except subprocess.TimeoutExpired:
+            pass
+    stop_children(children, grace)

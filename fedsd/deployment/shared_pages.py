@@ -45,6 +45,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -69,6 +70,9 @@ LAUNCH = (
     f"libc.personality(libc.personality(0xffffffff) | {ADDR_NO_RANDOMIZE})\n"
     "os.execvp(sys.argv[1], sys.argv[1:])\n")
 GROUPS = ("owners", "nodes", "server")
+# `pace`: a client's processes start at once while this share of the memory is available; under it,
+# each waits for ksmd's next full scan, at most PACE_SECONDS
+FREE_FLOOR, PACE_SECONDS, MEMINFO = 0.25, 30.0, Path("/proc/meminfo")
 # A probe that the launcher's mark holds after exec: what the kernel says of the process
 PROBE = ("import sys; stat = open('/proc/self/ksm_stat').read()\n"
          "sys.exit(0 if 'ksm_merge_any: yes' in stat else 'the mark did not survive exec (Linux 6.7 and later keep "
@@ -99,6 +103,21 @@ class SharedPages:
     def start(self) -> None:
         self.settings.use()
 
+    def pace(self, floor: float = FREE_FLOOR, most: float = PACE_SECONDS, meminfo: Path = MEMINFO) -> float:
+        """Before the next client's processes start: while less than `floor` of the machine's memory
+        is available, wait for ksmd to go once more over every mergeable page (a page the same as one
+        merged already is merged at its first scan), `most` seconds at the longest. Started faster
+        than that, a hundred services importing torch went to swap before ksmd had seen their pages,
+        and a page swapped out is not merged (4 MiB merged, against 32.7 GiB paced). Returns the
+        seconds it waited."""
+        began = time.monotonic()
+        scans = self.settings.read("full_scans")
+        while time.monotonic() - began < most and available(meminfo) < floor:
+            if self.settings.read("full_scans") > scans:
+                break
+            time.sleep(0.5)
+        return time.monotonic() - began
+
     def stop(self) -> None:
         self.settings.release()
 
@@ -108,6 +127,12 @@ class SharedPages:
 
     def env(self, group: str) -> dict:
         return {"PYTHONHASHSEED": self.seeds[group]}
+
+
+def available(meminfo: Path = MEMINFO) -> float:
+    """The share of the machine's memory available (MemAvailable over MemTotal, /proc/meminfo)."""
+    fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
+    return int(fields["MemAvailable"].split()[0]) / int(fields["MemTotal"].split()[0])
 
 
 class KsmSettings:
@@ -154,6 +179,10 @@ class KsmSettings:
             if not record["pids"] and record.get("saved"):
                 self._write(record.pop("saved"))
             self.using = False
+
+    def read(self, name: str) -> int:
+        """One of ksmd's counters (full_scans, pages_sharing, ...)."""
+        return int((self.ksm / name).read_text())
 
     def _write(self, settings: dict) -> None:
         for name in ("pages_to_scan", "sleep_millisecs", "run"):

@@ -130,3 +130,30 @@ def test_an_isolated_owners_service_starts_so_with_its_groups_secret_on_no_comma
         assert (merge, bool(personality & NO_RANDOMIZE), got, uid) == (1, True, seed, iso.uid(0))
         assert seed != deployment.shared_pages.env("nodes")["PYTHONHASHSEED"] == deployment.env["PYTHONHASHSEED"]
         assert deployment._server_env["PYTHONHASHSEED"] == deployment.shared_pages.env("server")["PYTHONHASHSEED"]
+
+
+def _meminfo(path, available_share: float):
+    path.write_text(f"MemTotal: 1000000 kB\nMemFree: 1 kB\nMemAvailable: {int(available_share * 1e6)} kB\n")
+    return path
+
+
+def test_starts_are_paced_by_the_merging_only_while_memory_is_short(tmp_path):
+    """`pace`, between one client's start and the next: at once while a quarter of the memory is
+    free; under that, until ksmd's next full scan, and at most its limit (a stand-in ksm folder and
+    /proc/meminfo)."""
+    import threading
+    import time
+
+    ksm = tmp_path / "ksm"
+    ksm.mkdir()
+    (ksm / "full_scans").write_text("7\n")
+    pages = SharedPages(ksm=ksm, state=tmp_path / "state")
+    assert pages.pace(meminfo=_meminfo(tmp_path / "plenty", 0.6), most=30) < 0.5
+    short = _meminfo(tmp_path / "short", 0.1)
+    assert 1.0 <= pages.pace(meminfo=short, most=1.0) < 5  # no scan came: its limit
+    timer = threading.Timer(1.0, lambda: (ksm / "full_scans").write_text("8\n"))
+    timer.start()
+    began = time.monotonic()
+    waited = pages.pace(meminfo=short, most=30)
+    timer.join()
+    assert 1.0 <= waited < 10 and time.monotonic() - began < 10  # up to the scan, not its 30 s

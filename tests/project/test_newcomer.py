@@ -423,3 +423,24 @@ def test_deployed_distributed_refuses_an_out_it_can_neither_start_nor_resume_bef
     assert out_refusal(resumable, work) is None
     ledger_path(state, "0").write_text("{")  # a ledger that cannot be read is no proof that nobody was charged
     assert "no checkpoint to resume from" in out_refusal(tmp_path / "new", work)
+
+
+def test_a_deployments_stop_signals_every_process_before_it_waits_for_any():
+    """LocalDeployment.stop_all: twenty processes that take their grace to end on SIGTERM end
+    within about one grace, where one after another took twenty (a hundred clients' stop took
+    minutes)."""
+    import time
+    from fedsd.deployment.local_deployment import LocalDeployment
+
+    slow = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), sys.exit(0))); " \
+           "print(flush=True); time.sleep(600)"
+    deployment = LocalDeployment.__new__(LocalDeployment)
+    deployment._all = [subprocess.Popen([sys.executable, "-c", slow], stdout=subprocess.PIPE, start_new_session=True)
+                       for _ in range(20)]
+    deployment._children, deployment.isolation, deployment.shared_pages = {}, None, None
+    for proc in deployment._all:
+        proc.stdout.readline()  # its handler is set
+    began = time.monotonic()
+    deployment.stop_all()
+    assert all(proc.returncode == 0 for proc in deployment._all)  # each ended on its own, within its grace
+    assert time.monotonic() - began < 10

@@ -463,6 +463,18 @@ def print_identity(node_config: str | None) -> int:
     return 0
 
 
+def identity_main(argv: list[str]) -> int:
+    """`fedsd data-service --identity --node-config CONFIG` without the command line's imports (torch),
+    `python -P -c` calls it with [CONFIG] (a harness making a hundred owners' identities): the same
+    mask, the same identity, the same line."""
+    os.umask(0o077)
+    try:
+        return print_identity(argv[0] if argv else None)
+    except NodeConfigError as e:
+        print(f"fedsd data-service --identity: error: {e}", file=sys.stderr)
+        return 2
+
+
 def run_service(args: argparse.Namespace) -> int:
     """`fedsd data-service` (the owner's service: its node config, then its state folder resolved,
     held open and locked for its life) and `python -P -m fedsd.app.client.owner_service` (a warm worker):

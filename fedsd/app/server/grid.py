@@ -57,6 +57,18 @@ OFFLINE_CHECK_SECONDS = 5.0
 OBJECT_BACKOFF = 0.05
 
 
+# Messages pushed in one request, with one object-push session (the SuperLink's, which it drops
+# 180 s after its last object, or on a second session for the same message): a stage's messages to
+# more nodes than this go in several, so that a session the SuperLink refuses costs those nodes alone.
+PUSH_BATCH = 25
+try:
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
+
+    PUSH_ERRORS: tuple[type[BaseException], ...] = (ObjectPushError,)
+except ImportError:  # another Flower: its errors stop the run, as they did
+    PUSH_ERRORS = ()
+
+
 def shorten_object_backoff() -> None:
     """Flower's deployed Grid pulls objects with OBJECT_BACKOFF as its first wait. Process-wide
     (the module Flower's Grid calls): the ServerApp's main sets it, once, at its start."""
@@ -115,9 +127,9 @@ class PollingGrid(Grid):
         contract of Flower's Grid.send_and_receive); a message not taken, or a reply dropped,
         answered at once by an error reply naming its node."""
         messages = list(messages)
-        with packed(messages if self.packs else []):
-            ids = list(self.grid.push_messages(messages))
-        replies = [missing(m, "the SuperLink did not take the message for it") for m, i in zip(messages, ids) if not i]
+        ids, refused = self._push(messages)
+        replies = [missing(m, refused.get(n, "the SuperLink did not take the message for it"))
+                   for n, (m, i) in enumerate(zip(messages, ids)) if not i]
         asked = {i: m for m, i in zip(messages, ids) if i}
         outstanding = set(asked)
         deadline = time.monotonic() + (timeout if timeout is not None else 0.0)
@@ -142,6 +154,26 @@ class PollingGrid(Grid):
                     time.sleep(self.poll_seconds)
         replies = [unpacked(reply, asked.get(reply.metadata.reply_to_message_id)) for reply in replies]
         return [reply for reply in replies if reply is not None]
+
+    def _push(self, messages: list[Message]) -> tuple[list[str], dict[int, str]]:
+        """Push the messages PUSH_BATCH at a time (one Flower object-push session each); returns each
+        message's id ("" where not taken) and, by position, why a batch was not taken. A batch whose
+        objects the SuperLink refused (Flower's ObjectPushError: its push session expired or was
+        replaced, as a SuperLink under a hundred nodes' polls did) leaves its messages unsent, each
+        answered as missing, and the other batches go on: the round goes on without those nodes,
+        as without any that drop out, where the whole ServerApp stopped."""
+        ids, refused = [], {}
+        with packed(messages if self.packs else []):
+            for start in range(0, len(messages), PUSH_BATCH):
+                batch = messages[start:start + PUSH_BATCH]
+                try:
+                    ids += list(self.grid.push_messages(batch))
+                except PUSH_ERRORS as e:
+                    logging.getLogger(__name__).warning("%d message(s) not sent: %s", len(batch), e)
+                    ids += [""] * len(batch)
+                    refused.update({start + n: f"the SuperLink refused the message's objects ({e})"
+                                    for n in range(len(batch))})
+        return ids, refused
 
     def _pull(self, ids: set[str], replies: list[Message]) -> set[str]:
         """Pull the replies to `ids` into `replies`; the ids answered."""

@@ -240,6 +240,52 @@ def test_a_failed_push_and_a_dropped_reply_are_missing_at_once_and_the_round_goe
     assert np.allclose(arrays["student/0.weight"].numpy(), 12.5)  # nodes 11 and 14, 100 samples each
 
 
+class RefusedBatchGrid(NextFlowerGrid):
+    """Flower's Grid where the SuperLink refuses the objects of one push (its push session expired or
+    was replaced, as under a hundred nodes' polls): the push with node 12's message raises Flower's
+    ObjectPushError. Nodes 13 and 14 reply; node 11 would, had its message gone."""
+
+    def push_messages(self, messages):
+        from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
+
+        if any(m.metadata.dst_node_id == 12 for m in messages):
+            raise ObjectPushError("an-object", 1, "a-session")
+        sent = getattr(self, "sent", {})
+        ids = super().push_messages(messages)
+        self.sent.update(sent)
+        return ids
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        return [Message(reply(0, good(float(self.sent[i].metadata.dst_node_id))).content, reply_to=self.sent[i])
+                for i in message_ids]
+
+
+def test_a_push_the_superlink_refuses_costs_its_batch_of_nodes_and_the_round_goes_on(monkeypatch):
+    """A stage's messages go PUSH_BATCH at a time; a batch whose objects the SuperLink refuses is
+    answered as missing, naming why, and the others' replies come in (where the ServerApp stopped)."""
+    from flwr.app import ConfigRecord
+
+    import fedsd.app.server.grid
+    from fedsd.app.server.grid import PollingGrid
+
+    monkeypatch.setattr(fedsd.app.server.grid, "PUSH_BATCH", 2)
+    fed = FedConfig(num_clients=4)
+    strategy = RecordingStrategy(base_strategy(fed), fed, SHAPES)
+    grid, arrays = Nodes(11, 12, 13, 14), ArrayRecord({k: Array(v) for k, v in good().items()})
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord({}), grid))
+    replies = PollingGrid(RefusedBatchGrid(), poll_seconds=0.05).send_and_receive(messages, timeout=30)
+    arrays, _ = strategy.aggregate_train(1, replies)
+    batches = [{m.metadata.dst_node_id for m in messages[i:i + 2]} for i in (0, 2)]
+    refused = next(batch for batch in batches if 12 in batch)
+    missed = {m["node_id"]: m["reason"] for m in strategy.missed[1]}
+    assert set(missed) == refused
+    assert all("the SuperLink refused the message's objects (Failed to push object with ID 'an-object'" in why
+               for why in missed.values())
+    others = {11, 12, 13, 14} - refused
+    assert np.allclose(arrays["student/0.weight"].numpy(), sum(others) / 2)  # the other batch's two nodes alone
+
+
 class OfflineNodeGrid(NextFlowerGrid):
     """Flower 1.43's SuperLink with a node that went offline mid-round: the error reply it makes
     for node 13 is cancelled on its side (no objects in its store), so the ServerApp never sees
