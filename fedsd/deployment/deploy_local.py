@@ -20,8 +20,8 @@ from fedsd.files.results import RunResult, check_out_dir
 from fedsd.settings.declared import add_options, given_flat
 from fedsd import dry_run
 from fedsd.settings.recipe_files import add_recipe_option, blamed_on, with_recipe
-from fedsd.deployment.local_deployment import (DeploymentError, LocalDeployment, add_node_arguments, node_start,
-                                               stop_on_sigterm)
+from fedsd.deployment.local_deployment import DeploymentError, LocalDeployment, stop_on_sigterm
+from fedsd.deployment.node_options import add_node_arguments, node_start
 from fedsd.training.summary import nothing_trained, run_summary
 from fedsd.app.simulated_shards import build_federation
 

@@ -25,7 +25,8 @@ from fedsd.simulation.secure_federation import FEATURES_RECIPE, FEATURES_ROUNDS
 from fedsd.simulation.client_folders import write_client_folders
 from fedsd.data.client_data import training_records
 from fedsd.deployment.stage_links import stage_links, table
-from fedsd.deployment.local_deployment import LocalDeployment, add_node_arguments, node_start, stop_on_sigterm
+from fedsd.deployment.local_deployment import LocalDeployment, stop_on_sigterm
+from fedsd.deployment.node_options import add_node_arguments, node_start
 from fedsd.errors import OutputExistsError
 from fedsd.files.results import check_out_dir, write_json
 from fedsd.privacy.lifetime_ledger import read_all

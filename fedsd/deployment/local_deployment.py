@@ -12,7 +12,6 @@ the installed app, logs, credentials, each client's privacy state) goes under on
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from fedsd.deployment.processes import DeploymentError, descendants, stop_groups
 from fedsd.deployment.isolation import Isolation
+from fedsd.deployment.node_options import spread_pulls
 from fedsd.deployment.shared_pages import SharedPages
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (fedsd/deployment/ is two below it)
@@ -58,55 +58,6 @@ def flower_tool_env(flwr_home: Path) -> dict:
 def node_threads(nodes: int, cores: int | None = None) -> int:
     """Threads for each of `nodes` nodes sharing `cores` (this machine's): their share, at least 1."""
     return max(1, (cores or os.cpu_count() or 1) // nodes)
-
-
-# A warm SuperNode's pull loop sleeps at most this long after a pull that found no message (Flower's
-# SuperNode: a fixed 3 s, so each stage of a round waited up to 3 s for its slowest node); 0.5 s,
-# as the SuperExec's and the ServerApp grid's polls (fedsd/app/server/grid.py).
-PULL_SECONDS = 0.5
-# By default the nodes' pulls add up to at most this many a second, each node's interval longer with
-# more nodes (20 nodes: 0.5 s; 100: 2.5 s): a hundred nodes at 0.5 s each, 200 TLS requests a second
-# with their heartbeats on a two-core SuperLink, cut heartbeats off and broke the ServerApp's first push
-# (results/runs/secure-aggregation-scale/2026-12-07-deployed-100/).
-PULLS_PER_SECOND = 40
-
-
-def spread_pulls(nodes: int) -> float:
-    """The default --pull-interval for `nodes` SuperNodes on one SuperLink (3 s at most: Flower's own)."""
-    from fedsd.deployment.warm_supernode import PULL_INTERVALS
-
-    return min(PULL_INTERVALS[1], max(PULL_SECONDS, nodes / PULLS_PER_SECOND))
-
-
-def add_node_arguments(p: argparse.ArgumentParser) -> None:
-    """How a deployment starts its SuperNodes (deploy-local's and deployed_distributed's options)."""
-    from fedsd.deployment.warm_supernode import seconds
-
-    p.add_argument("--clientapps", choices=["warm", "cold"], default="warm",
-                   help="warm (default): each SuperNode's ClientApp tasks forked from a process that imported Flower "
-                        "once (fedsd/deployment/warm_supernode.py); cold: Flower's own start, a new interpreter a "
-                        "message, and Flower's own SuperNode command")
-    p.add_argument("--pull-interval", type=seconds, default=None, metavar="S",
-                   help=f"with warm ClientApps: the longest a SuperNode waits before it asks the SuperLink again "
-                        f"after finding no message (default {PULL_SECONDS:g}, or longer with more than "
-                        f"{PULL_SECONDS * PULLS_PER_SECOND:g} nodes, so that all pull {PULLS_PER_SECOND} times a "
-                        f"second at most; 3 is Flower's own)")
-    p.add_argument("--superlink-state", choices=["memory", "file"], default="memory",
-                   help="memory (default): Flower's in-memory SuperLink state (the SuperLink starts once a "
-                        "command); file: its SQLite database in the work folder")
-    p.add_argument("--share-pages", action="store_true",
-                   help="a trial of many clients in one machine's memory (about a hundred in 24 GiB): the kernel "
-                        "merges the processes' identical pages, which start without address randomisation; weaker "
-                        "isolation, never for a real deployment (fedsd/deployment/shared_pages.py; needs root)")
-
-
-def node_start(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
-    """LocalDeployment's keywords for add_node_arguments' options."""
-    if args.clientapps == "cold" and args.pull_interval is not None:
-        p.error("--pull-interval: only with --clientapps warm (cold is Flower's own SuperNode, which waits 3 s)")
-    return dict(warm_clientapps=args.clientapps == "warm", durable_superlink=args.superlink_state == "file",
-                pull_interval="spread" if args.pull_interval is None else args.pull_interval,
-                share_pages=args.share_pages)
 
 
 def stop_on_sigterm() -> None:
@@ -189,6 +140,7 @@ class LocalDeployment:
         self._all: list[subprocess.Popen] = []
         self._children: dict[int, list[tuple[int, str]]] = {}  # pid → its descendants when last looked at
         self._network_up = False
+        self._staged = False  # this checkout's app copied for `flwr run` (_staged_app)
 
     # -- processes ---------------------------------------------------------------------------
     def _start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
@@ -525,10 +477,25 @@ class LocalDeployment:
         `flwr run` whose SuperLink was stopped may still be printing while a later one runs."""
         n = 1 + max((int(p.stem.rpartition("-")[2]) for p in self.logs.glob("flwr-run-*.log")
                      if p.stem.rpartition("-")[2].isdigit()), default=0)  # the work folder may be reused
+        if Path(app) == ROOT:
+            app = self._staged_app()
         proc = self._start(f"flwr-run-{n}", ["flwr", "run", str(app), FEDERATION, "--stream",
                                              "--run-config", run_config_arg(run_config)], env=self._server_env)
         proc.log = self.logs / f"flwr-run-{n}.log"
         return proc
+
+    def _staged_app(self) -> Path:
+        """This checkout's app as `flwr run` bundles it (pyproject.toml and the fedsd package, whose
+        fab-include and fab-exclude it reads), copied to work/app at a deployment's first submission:
+        `flwr run` on the checkout itself walks and resolves every file under it before it filters
+        (the venv's, the results'; 53,000 files, 4.5 CPU-seconds a submission here), for the same bundle."""
+        staged = self.work / "app"
+        if not self._staged:  # once a deployment: a work folder used again gets the checkout as it is now
+            shutil.rmtree(staged, ignore_errors=True)
+            shutil.copytree(ROOT / "fedsd", staged / "fedsd", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            shutil.copy(ROOT / "pyproject.toml", staged / "pyproject.toml")
+            self._staged = True
+        return staged
 
     def run(self, run_config: dict, timeout: float = 3600, echo=None, app: Path = ROOT) -> None:
         """Submit the run and wait for it. `echo(line)` gets each round's line as the ServerApp

@@ -13,7 +13,9 @@ What a task gets is what `flwr-clientapp` would have: a process of its own, run 
 user, running Flower's `run_clientapp` unchanged, with the program name and the log line of
 Flower's command. The warm process is a fresh interpreter (`python -P -c ZYGOTE`) that imported
 Flower and nothing of fedsd (so the app bundle's own `fedsd` modules load in the task, as in
-Flower's start), holds no task's state, key or data, and takes its launch requests on a pipe
+Flower's start; where the node's tasks train, with no owner's service, it also imports the training
+libraries the tasks import, torch, torchvision and opacus: `preloads`), holds no task's state, key or
+data, and takes its launch requests on a pipe
 from this process alone: a task cannot reach it (its end of the pipe is closed in the task, and
 the warm process, like this one, is not dumpable: no process of the node's uid opens its files
 under /proc or traces it, as Flower's own SuperExec guards itself).
@@ -95,6 +97,11 @@ import hashlib, pathlib
 # at a client's first use) and the standard modules the app's forwarder imports.
 import httpcore, h11, getpass, tomllib, termios, faulthandler  # noqa: F401
 from flwr.supercore.utils import get_flwr_home
+# A node whose tasks train (no owner's service): the libraries each task imported on its own
+# (preloads), about 5 s of CPU a task; fedsd itself still loads from the app bundle in the task.
+import importlib
+for name in sys.argv[1:]:
+    importlib.import_module(name)
 
 disable_process_dumping(strict=False)  # no task of this uid reopens its pipe or traces it (/proc, ptrace)
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)
@@ -297,16 +304,30 @@ def runtime_address(args: list[str]) -> str:
     return f"[{host}]:{given['port']}" if ":" in host else f"{host}:{given['port']}"
 
 
+# What a task that trains imports of the environment's libraries (the app bundle brings fedsd alone)
+TRAINING_LIBRARIES = ("torch", "torchvision", "opacus")
+
+
+def preloads(args: list[str]) -> tuple[str, ...]:
+    """The libraries the warm process imports for its tasks: those a training task imports where
+    the node's tasks train (its node config names no owner's service); none where each task only
+    forwards to the owner's service (under --isolate), whose warm process stays Flower's alone."""
+    config = next((a.partition("=")[2] or (args[i + 1] if i + 1 < len(args) else "")
+                   for i, a in enumerate(args) if a.split("=")[0] == "--node-config"), "")
+    return () if "service=" in config else TRAINING_LIBRARIES
+
+
 class ForkExecutor:
     """Flower's SubprocessExecutor for every task type but the ClientApp, which is forked warm;
     if the warm process cannot take a task (it died, and a new one failed too), that task is
     started as Flower starts it."""
 
-    def __init__(self):
+    def __init__(self, preload: tuple[str, ...] = ()):
         from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
 
         self.cold = SubprocessExecutor()
         self.zygote: subprocess.Popen | None = None
+        self.preload = preload  # modules the warm process imports before it forks (preloads)
         self._warm()  # it imports Flower while the SuperNode connects
 
     def get_eligible_capacity(self, supported_task_types, **kwargs):
@@ -334,7 +355,7 @@ class ForkExecutor:
 
     def _warm(self) -> subprocess.Popen:
         if self.zygote is None or self.zygote.poll() is not None:
-            self.zygote = subprocess.Popen([sys.executable, "-P", "-c", ZYGOTE], stdin=subprocess.PIPE)
+            self.zygote = subprocess.Popen([sys.executable, "-P", "-c", ZYGOTE, *self.preload], stdin=subprocess.PIPE)
         return self.zygote
 
     def reconcile(self) -> None:
@@ -409,7 +430,7 @@ def main(args: list[str] | None = None) -> None:
 
     # The changes to Flower's SuperExec: its executor (Flower picks it by name from two kinds), and,
     # with the node's bell, its wait between asking for a task: until the bell, its poll a fallback.
-    flower.get_executor = lambda *_args, **_kwargs: ForkExecutor()
+    flower.get_executor = lambda *_args, **_kwargs: ForkExecutor(preloads(args))
     if bell is not None:
         flower.time = types.SimpleNamespace(**{**vars_of(time), "sleep": lambda s: wait_for(rung, s)})
     try:

@@ -132,6 +132,6 @@ def test_the_nodes_pulls_are_spread_with_their_number():
     """--pull-interval's default: 0.5 s up to twenty nodes, then long enough that all of them pull
     the SuperLink 40 times a second at most (a hundred at 0.5 s broke a two-core SuperLink's first
     push), and never longer than Flower's own 3 s."""
-    from fedsd.deployment.local_deployment import spread_pulls
+    from fedsd.deployment.node_options import spread_pulls
 
     assert [spread_pulls(n) for n in (1, 10, 20, 40, 100, 1000)] == [0.5, 0.5, 0.5, 1.0, 2.5, 3.0]

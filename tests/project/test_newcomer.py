@@ -444,3 +444,16 @@ def test_a_deployments_stop_signals_every_process_before_it_waits_for_any():
     deployment.stop_all()
     assert all(proc.returncode == 0 for proc in deployment._all)  # each ended on its own, within its grace
     assert time.monotonic() - began < 10
+
+
+def test_a_warm_supernode_preloads_the_training_libraries_only_where_its_tasks_train():
+    """A node without an owner's service trains in its tasks: its warm process imports torch,
+    torchvision and opacus once, where each task imported them (about 5 s of CPU a task); a
+    node whose tasks forward to the owner's service (--isolate) keeps a warm process of Flower
+    alone."""
+    from fedsd.deployment.warm_supernode import TRAINING_LIBRARIES, preloads
+
+    assert TRAINING_LIBRARIES == ("torch", "torchvision", "opacus")
+    assert preloads(["--superlink", "x:1", "--node-config", "partition-id=0 num-partitions=2"]) == TRAINING_LIBRARIES
+    assert preloads(["--node-config=partition-id=0 num-partitions=2"]) == TRAINING_LIBRARIES
+    assert preloads(["--node-config", "partition-id=0 num-partitions=2 service='/run/owner.sock'"]) == ()
