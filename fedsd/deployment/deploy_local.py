@@ -217,8 +217,11 @@ def _distributed_defaults(args: argparse.Namespace, values: dict, fed: FedConfig
     bounds = {k: n for k, n in enumerate(sizes) if "max-records=" not in given[k]}
     args.node_config_for += [(str(k), f"max-records={n}") for k, n in bounds.items()]
     if bounds:
-        echo(f"deploy-local: max-records={','.join(str(n) for n in bounds.values())} for client(s) "
-             f"{','.join(map(str, bounds))}: each owner's bound on its records, its folder's count; its step is "
+        counts = set(bounds.values())  # one count for all (a hundred folders of a split): said once
+        which = (f"={counts.pop()} for each of the {len(bounds)} clients" if len(counts) == 1 and
+                 len(bounds) == fed.num_clients > 1 else
+                 f"={','.join(str(n) for n in bounds.values())} for client(s) {','.join(map(str, bounds))}")
+        echo(f"deploy-local: max-records{which}: each owner's bound on its records, its folder's count; its step is "
              f"padded to q times that many and its draw rate set from it, whatever it holds "
              f"(--node-config-for K 'max-records=…' sets another)")
 

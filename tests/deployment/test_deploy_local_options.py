@@ -46,6 +46,10 @@ def test_distributed_noise_takes_its_sample_rate_from_the_records_handed_out(tmp
     # each owner's bound on its records, its folder's count (its pad: q times that)
     assert dl.node_configs(args) == [f"max-epsilon=10 max-records={n}" for n in (500, 300, 200)]
     assert "max-records=500,300,200 for client(s) 0,1,2" in said[1]
+    (tmp_path / "same").mkdir()
+    same, said = secure(folders(tmp_path / "same", (100,) * 4), "--batch-size", "50", "--clients", "4"), []
+    dl.secure_owners(same, dl.run_config_from_args(same), echo=said.append)
+    assert "deploy-local: max-records=100 for each of the 4 clients: each owner's bound" in said[2]  # said once
     given = secure(str(tmp_path), "--batch-size", "50", "--run-config", "sample-rate=0.01 secure-sum=protocol",
                    "--node-config-for", "1", "max-records=900")
     values, said = dl.run_config_from_args(given), []
