@@ -143,10 +143,10 @@ class LocalDeployment:
         self._staged = False  # this checkout's app copied for `flwr run` (_staged_app)
 
     # -- processes ---------------------------------------------------------------------------
-    def _start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    def _start(self, name: str, cmd: list[str], env: dict | None = None, client: bool = False) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "ab")
         if self.shared_pages is not None:
-            cmd = self.shared_pages.command(cmd)
+            cmd = self.shared_pages.command(cmd, client)
         # its own group: stop it with its children
         proc = subprocess.Popen(cmd, env=self.env if env is None else env, cwd=self.work, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -256,7 +256,7 @@ class LocalDeployment:
         if self.node_config[partition_id]:
             node_config += " " + self.node_config[partition_id]
         proc = self._start(name or f"supernode-{partition_id}", self._supernode_cmd(key, self.ca, node_config,
-                                                                                    max_retries))
+                                                                                    max_retries), client=True)
         if key_index is None:
             self.supernodes[partition_id] = proc
         return proc
@@ -286,14 +286,14 @@ class LocalDeployment:
             service = [sys.executable, "-P", "-m", "fedsd.cli.main", "data-service", "--socket", str(own["socket"]),
                        "--node-config", owner_config, "--allow-uid", str(iso.node_uid(k))]
             self.services[k] = self._start(f"data-service-{k}", *self._as_client(
-                k, iso.uid(k), service, env, self.owner_dir(k), self.owner_needs(k), "owners"))
+                k, iso.uid(k), service, env, self.owner_dir(k), self.owner_needs(k), "owners"), client=True)
             self._wait_for_socket(own["socket"], self.services[k], f"data-service-{k}")
         env = {"PATH": self.env["PATH"], "HOME": str(own["home"]), "FLWR_HOME": str(own["home"] / "flwr"),
                **self._kept_env()}
         node_config = f"{owner} service='{own['socket']}'"
         proc = self._start(name or f"supernode-{k}", *self._as_client(
             k, iso.node_uid(k), self._supernode_cmd(own["key"], own["ca"], node_config, max_retries), env,
-            self.node_dir(k), self.node_needs(k), "nodes"))
+            self.node_dir(k), self.node_needs(k), "nodes"), client=True)
         if key_index is None:
             self.supernodes[k] = proc
         return proc
@@ -344,7 +344,8 @@ class LocalDeployment:
             cmd = [sys.executable, "-P", "-c", "import sys; from fedsd.app.client.owner_service import identity_main; "
                    "sys.exit(identity_main(sys.argv[1:]))", owner_config]
             cmd, outer = self._as_client(k, iso.uid(k), cmd, env, self.owner_dir(k), self.owner_needs(k), "owners")
-            commands[k] = (self.shared_pages.command(cmd) if self.shared_pages is not None else cmd, outer)
+            commands[k] = (self.shared_pages.command(cmd, client=True) if self.shared_pages is not None else cmd,
+                           outer)
 
         def identity(k: int) -> str:
             proc = subprocess.run(commands[k][0], env=commands[k][1], capture_output=True, text=True, timeout=120)

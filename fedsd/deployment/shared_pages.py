@@ -62,13 +62,23 @@ KSM_SETTINGS = {"pages_to_scan": "2000", "sleep_millisecs": "10", "run": "1"}
 PR_SET_MEMORY_MERGE, ADDR_NO_RANDOMIZE = 67, 0x0040000
 # Run by each started process's launcher: mark it mergeable, turn randomisation off, exec the command
 # (both kept across exec, so they hold for what the command starts too).
+# Its first argument: the nice value of the process's session (its autogroup, which the kernel
+# schedules as one: `start_new_session` gave each process one of its own), kept across exec.
 LAUNCH = (
     "import ctypes, os, sys\n"
     "libc = ctypes.CDLL(None, use_errno=True)\n"
     f"if libc.prctl({PR_SET_MEMORY_MERGE}, 1, 0, 0, 0) != 0:\n"
     "    sys.exit(f'--share-pages: prctl(PR_SET_MEMORY_MERGE): {os.strerror(ctypes.get_errno())}')\n"
     f"libc.personality(libc.personality(0xffffffff) | {ADDR_NO_RANDOMIZE})\n"
-    "os.execvp(sys.argv[1], sys.argv[1:])\n")
+    "if sys.argv[1] != '0' and os.path.exists('/proc/self/autogroup'):\n"
+    "    open('/proc/self/autogroup', 'w').write(sys.argv[1])\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n")
+# The clients' sessions' nice value: a hundred clients' sessions each weigh as much as the server's
+# in the kernel's scheduler, so when their round's work came at once (a load of 71 on two cores) the
+# ServerApp got a two-hundredth of the CPU, its heartbeat to the SuperLink lapsed (60 s) and the
+# SuperLink ended the run. At 19 each weighs 15 against the server's 1,024: the server stands for a
+# machine of its own.
+CLIENT_NICE = 19
 GROUPS = ("owners", "nodes", "server")
 # `pace`: a client's processes start at once while this share of the memory is available; under it,
 # each waits for ksmd's next full scan, at most PACE_SECONDS
@@ -122,8 +132,9 @@ class SharedPages:
         self.settings.release()
 
     @staticmethod
-    def command(cmd: list[str]) -> list[str]:
-        return [sys.executable, "-I", "-c", LAUNCH, *cmd]
+    def command(cmd: list[str], client: bool = False) -> list[str]:
+        """cmd, started mergeable and laid out as the others; a client's at CLIENT_NICE."""
+        return [sys.executable, "-I", "-c", LAUNCH, str(CLIENT_NICE if client else 0), *cmd]
 
     def env(self, group: str) -> dict:
         return {"PYTHONHASHSEED": self.seeds[group]}

@@ -157,3 +157,15 @@ def test_starts_are_paced_by_the_merging_only_while_memory_is_short(tmp_path):
     waited = pages.pace(meminfo=short, most=30)
     timer.join()
     assert 1.0 <= waited < 10 and time.monotonic() - began < 10  # up to the scan, not its 30 s
+
+
+@pytest.mark.slow
+@needs_ksm
+def test_a_clients_processes_yield_the_cpu_to_the_servers():
+    """A client's process starts in a session (the kernel's autogroup) of nice 19, the server's at 0:
+    a hundred clients' sessions at 0 left the ServerApp a two-hundredth of two cores when their work
+    came at once, and the SuperLink ended the run when its heartbeat lapsed."""
+    def autogroup(client: bool) -> str:
+        return subprocess.run(SharedPages.command(["cat", "/proc/self/autogroup"], client=client), capture_output=True,
+                              text=True, check=True, start_new_session=True, timeout=60).stdout
+    assert autogroup(True).endswith(" nice 19\n") and autogroup(False).endswith(" nice 0\n")
