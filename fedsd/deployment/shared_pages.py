@@ -81,8 +81,10 @@ LAUNCH = (
 CLIENT_NICE = 19
 GROUPS = ("owners", "nodes", "server")
 # `pace`: a client's processes start at once while this share of the memory is available; under it,
-# each waits for ksmd's next full scan, at most PACE_SECONDS
-FREE_FLOOR, PACE_SECONDS, MEMINFO = 0.25, 30.0, Path("/proc/meminfo")
+# each waits for the merging to give memory back, at most PACE_SECONDS, while it merges more pages
+# within STALL_SECONDS (ksmd's full scans say nothing here: since Linux 6.7 its smart scan skips pages
+# that did not merge before, and a scan ends in a second)
+FREE_FLOOR, PACE_SECONDS, STALL_SECONDS, MEMINFO = 0.25, 60.0, 10.0, Path("/proc/meminfo")
 # A probe that the launcher's mark holds after exec: what the kernel says of the process
 PROBE = ("import sys; stat = open('/proc/self/ksm_stat').read()\n"
          "sys.exit(0 if 'ksm_merge_any: yes' in stat else 'the mark did not survive exec (Linux 6.7 and later keep "
@@ -115,17 +117,20 @@ class SharedPages:
 
     def pace(self, floor: float = FREE_FLOOR, most: float = PACE_SECONDS, meminfo: Path = MEMINFO) -> float:
         """Before the next client's processes start: while less than `floor` of the machine's memory
-        is available, wait for ksmd to go once more over every mergeable page (a page the same as one
-        merged already is merged at its first scan), `most` seconds at the longest. Started faster
-        than that, a hundred services importing torch went to swap before ksmd had seen their pages,
-        and a page swapped out is not merged (4 MiB merged, against 32.7 GiB paced). Returns the
-        seconds it waited."""
-        began = time.monotonic()
-        scans = self.settings.read("full_scans")
+        is available, wait for ksmd's merging to give memory back, as long as it goes on merging
+        (more pages shared within STALL_SECONDS) and `most` seconds at the longest. Started faster
+        than ksmd merged, a hundred services importing torch went to swap before ksmd had seen their
+        pages, and a page swapped out is not merged (4 MiB merged, against 32.7 GiB paced). Returns
+        the seconds it waited."""
+        began = changed = time.monotonic()
+        shared = self.settings.read("pages_sharing")
         while time.monotonic() - began < most and available(meminfo) < floor:
-            if self.settings.read("full_scans") > scans:
-                break
             time.sleep(0.5)
+            now, sharing = time.monotonic(), self.settings.read("pages_sharing")
+            if sharing > shared:
+                shared, changed = sharing, now
+            elif now - changed > STALL_SECONDS:  # nothing more to merge: memory will not come back by waiting
+                break
         return time.monotonic() - began
 
     def stop(self) -> None:

@@ -137,26 +137,41 @@ def _meminfo(path, available_share: float):
     return path
 
 
-def test_starts_are_paced_by_the_merging_only_while_memory_is_short(tmp_path):
+def test_starts_are_paced_by_the_merging_only_while_memory_is_short(tmp_path, monkeypatch):
     """`pace`, between one client's start and the next: at once while a quarter of the memory is
-    free; under that, until ksmd's next full scan, and at most its limit (a stand-in ksm folder and
-    /proc/meminfo)."""
+    free; under that, while ksmd goes on merging (more pages shared), until memory is back, at most
+    its limit (a stand-in ksm folder and /proc/meminfo)."""
     import threading
     import time
 
+    import fedsd.deployment.shared_pages as shared_pages
+
+    monkeypatch.setattr(shared_pages, "STALL_SECONDS", 1.0)
     ksm = tmp_path / "ksm"
     ksm.mkdir()
-    (ksm / "full_scans").write_text("7\n")
+    (ksm / "pages_sharing").write_text("7\n")
     pages = SharedPages(ksm=ksm, state=tmp_path / "state")
     assert pages.pace(meminfo=_meminfo(tmp_path / "plenty", 0.6), most=30) < 0.5
     short = _meminfo(tmp_path / "short", 0.1)
-    assert 1.0 <= pages.pace(meminfo=short, most=1.0) < 5  # no scan came: its limit
-    timer = threading.Timer(1.0, lambda: (ksm / "full_scans").write_text("8\n"))
-    timer.start()
-    began = time.monotonic()
+    assert 1.0 <= pages.pace(meminfo=short, most=30) < 5  # nothing merging: it stops waiting after the stall
+    merging = threading.Event()
+
+    def merge():  # ksmd merging for 3 s, then the memory back
+        for n in range(6):
+            (ksm / "pages_sharing").write_text(f"{8 + n}\n")
+            time.sleep(0.5)
+        _meminfo(short, 0.5)
+        merging.set()
+
+    worker = threading.Thread(target=merge)
+    worker.start()
     waited = pages.pace(meminfo=short, most=30)
-    timer.join()
-    assert 1.0 <= waited < 10 and time.monotonic() - began < 10  # up to the scan, not its 30 s
+    worker.join()
+    assert merging.is_set() and 3.0 <= waited < 10  # until the memory came back, past the stall
+    _meminfo(short, 0.1)
+    (ksm / "pages_sharing").write_text("100\n")
+    threading.Timer(0.2, lambda: (ksm / "pages_sharing").write_text("101\n")).start()
+    assert pages.pace(meminfo=short, most=0.5) < 1.5  # its limit
 
 
 @pytest.mark.slow
