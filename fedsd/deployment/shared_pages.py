@@ -84,7 +84,7 @@ GROUPS = ("owners", "nodes", "server")
 # each waits for the merging to give memory back, at most PACE_SECONDS, while it merges more pages
 # within STALL_SECONDS (ksmd's full scans say nothing here: since Linux 6.7 its smart scan skips pages
 # that did not merge before, and a scan ends in a second)
-FREE_FLOOR, PACE_SECONDS, STALL_SECONDS, MEMINFO = 0.25, 60.0, 10.0, Path("/proc/meminfo")
+FREE_FLOOR, PACE_SECONDS, STALL_SECONDS, MEMINFO, STAT = 0.25, 60.0, 10.0, Path("/proc/meminfo"), Path("/proc/stat")
 # A probe that the launcher's mark holds after exec: what the kernel says of the process
 PROBE = ("import sys; stat = open('/proc/self/ksm_stat').read()\n"
          "sys.exit(0 if 'ksm_merge_any: yes' in stat else 'the mark did not survive exec (Linux 6.7 and later keep "
@@ -115,15 +115,24 @@ class SharedPages:
     def start(self) -> None:
         self.settings.use()
 
-    def pace(self, floor: float = FREE_FLOOR, most: float = PACE_SECONDS, meminfo: Path = MEMINFO) -> float:
-        """Before the next client's processes start: while less than `floor` of the machine's memory
-        is available, wait for ksmd's merging to give memory back, as long as it goes on merging
-        (more pages shared within STALL_SECONDS) and `most` seconds at the longest. Started faster
+    def pace(self, floor: float = FREE_FLOOR, most: float = PACE_SECONDS, meminfo: Path = MEMINFO,
+             stat: Path | None = None) -> float:
+        """Before the next client's processes start: wait until at most one other process runs, three
+        times in a row half a second apart (the last client is done with its start); then, while less
+        than `floor` of the machine's memory is available, for ksmd's merging to give memory back, as
+        long as it goes on merging (more pages shared within STALL_SECONDS); `most` seconds at the
+        longest in all. Started faster
         than ksmd merged, a hundred services importing torch went to swap before ksmd had seen their
         pages, and a page swapped out is not merged (4 MiB merged, against 32.7 GiB paced). Returns
         the seconds it waited."""
-        began = changed = time.monotonic()
-        shared = self.settings.read("pages_sharing")
+        began = time.monotonic()
+        # first the last client's start itself: its imports done, its pages no longer changing (pages
+        # still written are never merged: a hundred services importing at once left 13 GiB volatile)
+        quiet = 0  # samples in a row with at most one other process running (the caller is one)
+        while time.monotonic() - began < most and quiet < 3:
+            quiet = quiet + 1 if running(stat or STAT) <= 2 else 0
+            time.sleep(0.5)
+        shared, changed = self.settings.read("pages_sharing"), time.monotonic()
         while time.monotonic() - began < most and available(meminfo) < floor:
             time.sleep(0.5)
             now, sharing = time.monotonic(), self.settings.read("pages_sharing")
@@ -143,6 +152,11 @@ class SharedPages:
 
     def env(self, group: str) -> dict:
         return {"PYTHONHASHSEED": self.seeds[group]}
+
+
+def running(stat: Path = STAT) -> int:
+    """The processes running or ready to run now (/proc/stat's procs_running, this one among them)."""
+    return int(next(line for line in stat.read_text().splitlines() if line.startswith("procs_running")).split()[1])
 
 
 def available(meminfo: Path = MEMINFO) -> float:
