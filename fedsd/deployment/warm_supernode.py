@@ -99,9 +99,11 @@ import httpcore, h11, getpass, tomllib, termios, faulthandler  # noqa: F401
 from flwr.supercore.utils import get_flwr_home
 # A node whose tasks train (no owner's service): the libraries each task imported on its own
 # (preloads), about 5 s of CPU a task; fedsd itself still loads from the app bundle in the task.
-import importlib
+import importlib, logging
+handlers = logging.root.handlers[:]
 for name in sys.argv[1:]:
     importlib.import_module(name)
+logging.root.handlers[:] = handlers  # opacus' import adds a handler to the root logger: every line twice
 
 disable_process_dumping(strict=False)  # no task of this uid reopens its pipe or traces it (/proc, ptrace)
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)
