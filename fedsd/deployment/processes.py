@@ -73,7 +73,6 @@ def group_alive(pgid: int) -> bool:
         return True
 
 
-
 def stop_groups(procs: list[tuple[subprocess.Popen, list[tuple[int, str]]]], grace: float) -> None:
     """Stops each proc's process group, then its descendants outside the group that still run:
     those found now and those known from before (each checked by its start time). Every group is

@@ -121,16 +121,15 @@ class SharedPages:
         times in a row half a second apart (the last client is done with its start); then, while less
         than `floor` of the machine's memory is available, for ksmd's merging to give memory back, as
         long as it goes on merging (more pages shared within STALL_SECONDS); `most` seconds at the
-        longest in all. Started faster
-        than ksmd merged, a hundred services importing torch went to swap before ksmd had seen their
-        pages, and a page swapped out is not merged (4 MiB merged, against 32.7 GiB paced). Returns
-        the seconds it waited."""
+        longest in all. Started faster than ksmd merged, a hundred services importing torch went to
+        swap before ksmd had seen their pages, and a page swapped out is not merged (4 MiB merged,
+        against 32.7 GiB paced). Returns the seconds it waited."""
         began = time.monotonic()
         # first the last client's start itself: its imports done, its pages no longer changing (pages
         # still written are never merged: a hundred services importing at once left 13 GiB volatile)
         quiet = 0  # samples in a row with at most one other process running (the caller is one)
         while time.monotonic() - began < most and quiet < 3:
-            quiet = quiet + 1 if running(stat or STAT) <= 2 else 0
+            quiet = quiet + 1 if runnable(stat or STAT) <= 2 else 0
             time.sleep(0.5)
         shared, changed = self.settings.read("pages_sharing"), time.monotonic()
         while time.monotonic() - began < most and available(meminfo) < floor:
@@ -154,7 +153,7 @@ class SharedPages:
         return {"PYTHONHASHSEED": self.seeds[group]}
 
 
-def running(stat: Path = STAT) -> int:
+def runnable(stat: Path = STAT) -> int:
     """The processes running or ready to run now (/proc/stat's procs_running, this one among them)."""
     return int(next(line for line in stat.read_text().splitlines() if line.startswith("procs_running")).split()[1])
 
@@ -211,7 +210,7 @@ class KsmSettings:
             self.using = False
 
     def read(self, name: str) -> int:
-        """One of ksmd's counters (full_scans, pages_sharing, ...)."""
+        """One of ksmd's counters (pages_sharing, ...)."""
         return int((self.ksm / name).read_text())
 
     def _write(self, settings: dict) -> None:

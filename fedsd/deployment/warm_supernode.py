@@ -283,16 +283,22 @@ def pull_interval(args: list[str]) -> float | None:
         raise SystemExit(f"warm_supernode: --pull-interval {value!r}: {seconds.__name__} (Flower's own)") from None
 
 
+def supernode_options(args: list[str]) -> dict:
+    """args as `flower-supernode` reads them (its own parser, abbreviations included); --isolation
+    None where not given."""
+    from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode  # Flower's parser: its reading
+
+    parser = _parse_args_run_supernode()
+    parser.set_defaults(isolation=None)  # given at all, it is refused: this launcher's is `process`
+    return vars(parser.parse_args(args))
+
+
 def runtime_address(args: list[str]) -> str:
     """The SuperNode's Runtime API, where its SuperExec asks for tasks: its --host at its --port,
     as `flower-supernode` reads them (its own parser, abbreviations included). An option this
     launcher would not pass on to the SuperExec (the Runtime API's TLS, SuperExec authentication,
     run-time dependency installation, another isolation) is refused, naming it."""
-    from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode  # Flower's parser: its reading
-
-    parser = _parse_args_run_supernode()
-    parser.set_defaults(isolation=None)  # given at all, it is refused: this launcher's is `process`
-    given = vars(parser.parse_args(args))
+    given = supernode_options(args)
     unsupported = {"ssl_certfile": "--ssl-certfile", "ssl_keyfile": "--ssl-keyfile",
                    "ssl_ca_certfile": "--ssl-ca-certfile", "superexec_auth_secret_file": "--superexec-auth-secret-file",
                    "runtime_dependency_install": "--allow-runtime-dependency-installation"}
@@ -314,9 +320,10 @@ def preloads(args: list[str]) -> tuple[str, ...]:
     """The libraries the warm process imports for its tasks: those a training task imports where
     the node's tasks train (its node config names no owner's service); none where each task only
     forwards to the owner's service (under --isolate), whose warm process stays Flower's alone."""
-    config = next((a.partition("=")[2] or (args[i + 1] if i + 1 < len(args) else "")
-                   for i, a in enumerate(args) if a.split("=")[0] == "--node-config"), "")
-    return () if "service=" in config else TRAINING_LIBRARIES
+    from flwr.common.config import parse_config_args
+
+    config = supernode_options(args)["node_config"]
+    return () if "service" in parse_config_args([config] if config else None) else TRAINING_LIBRARIES
 
 
 class ForkExecutor:

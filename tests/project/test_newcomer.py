@@ -457,3 +457,4 @@ def test_a_warm_supernode_preloads_the_training_libraries_only_where_its_tasks_t
     assert preloads(["--superlink", "x:1", "--node-config", "partition-id=0 num-partitions=2"]) == TRAINING_LIBRARIES
     assert preloads(["--node-config=partition-id=0 num-partitions=2"]) == TRAINING_LIBRARIES
     assert preloads(["--node-config", "partition-id=0 num-partitions=2 service='/run/owner.sock'"]) == ()
+    assert preloads(["--node-conf", "service='/run/owner.sock'"]) == ()  # read as flower-supernode reads it
