@@ -134,13 +134,35 @@ def data_file(path: Path) -> Path:
     return path
 
 
-def load_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.PathLike,
-                     skip_bad_files: bool = False) -> HolderData:
-    """The holder's data prepared for `task`, from its cache when the files are unchanged.
-    Raises DataError naming the file and the problem; with `skip_bad_files` an unreadable
-    image is left out instead (HolderData.skipped names them), and the fingerprint, so the
-    ledger, is that of the readable files: the same samples are charged to the same ledger
-    whether or not an unreadable file lies beside them."""
+@dataclass(frozen=True)
+class DataIdentity:
+    """What a holder's files are, without their images: the fingerprints its ledger is kept
+    under and the files left out (HolderData's fields of the same names)."""
+
+    fingerprint: str
+    source: str
+    named_fingerprint: str = ""
+    skipped: list[str] = field(default_factory=list)
+
+
+def known_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.PathLike,
+                      skip_bad_files: bool = False) -> DataIdentity | None:
+    """The holder's data as its cache knows it, unchanged files and prepared for `task`, without
+    reading a file of it (a data service asks at every message, and trains from the data it
+    prepared once); None where `load_holder_data` would read or prepare. Raises as it does."""
+    path, index, _, _ = _index_of(data, task, cache_dir, skip_bad_files)
+    if not index.is_file():
+        return None
+    known = json.loads(index.read_text())
+    identity = DataIdentity(known["fingerprint"], str(path), known.get("named_fingerprint", ""),
+                            known.get("skipped", []))
+    prepared = Path(cache_dir) / f"prepared-{identity.fingerprint}-{task.key}.pt"
+    return identity if prepared.is_file() else None
+
+
+def _index_of(data, task: Task, cache_dir, skip_bad_files: bool) -> tuple[Path, Path, list[Path], bool]:
+    """The data's file, the cache index for its files' names, sizes and times, its files, and
+    whether unreadable images are left out; DataError where the data is not there or not a kind read here."""
     path = Path(data).expanduser()
     if not path.exists():
         raise DataError(f"data={path}: no such file or folder")
@@ -148,12 +170,21 @@ def load_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.Pa
     if path.is_file() and path.suffix != ".npz":
         raise DataError(f"data={path}: expected a folder (train/<class>/<image>, or <class>/<image>) or an .npz file")
     files = _listing(path)
-
-    cache = Path(cache_dir)
     # Names, sizes and times map to the content's fingerprint, so an unchanged folder is not
     # read and hashed again on every message; changed (or copied) files are hashed once more.
     skip = skip_bad_files and path.is_dir()
-    index = cache / f"index-v2-{_stat_key(files)}{'-skip' if skip else ''}.json"
+    return path, Path(cache_dir) / f"index-v2-{_stat_key(files)}{'-skip' if skip else ''}.json", files, skip
+
+
+def load_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.PathLike,
+                     skip_bad_files: bool = False) -> HolderData:
+    """The holder's data prepared for `task`, from its cache when the files are unchanged.
+    Raises DataError naming the file and the problem; with `skip_bad_files` an unreadable
+    image is left out instead (HolderData.skipped names them), and the fingerprint, so the
+    ledger, is that of the readable files: the same samples are charged to the same ledger
+    whether or not an unreadable file lies beside them."""
+    path, index, files, skip = _index_of(data, task, cache_dir, skip_bad_files)
+    cache = Path(cache_dir)
     arrays, skipped = None, []
     if index.is_file():
         known = json.loads(index.read_text())

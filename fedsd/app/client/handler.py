@@ -50,7 +50,8 @@ from fedsd.privacy import lifetime_ledger as ledgers
 from fedsd.privacy import owner_record
 from fedsd.privacy import accounting as privacy
 from fedsd.runtime import resolve_device
-from fedsd.data.client_data import HolderData, load_holder_data, normalised, task_for
+from fedsd.data.client_data import DataIdentity, HolderData, known_holder_data, load_holder_data, normalised, \
+    task_for
 from fedsd.data.features import inputs
 from fedsd.errors import (BudgetExhausted, BudgetRefused, ConfigError, DataError, LedgerSpent, StateRolledBack,
                           TrainingDiverged)
@@ -116,7 +117,14 @@ def trainer_for(flat: dict, partition_id: int) -> tuple[Federation, DPTrainer]:
 SKIPPED_NAMED = 5  # unreadable files named in a reply (with skip-bad-files); the count is always there
 
 
-def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedConfig, DPTrainer, HolderData]:
+Held = HolderData | DataIdentity  # the data as read, or as the cache's index knows it
+
+
+def _trainer_key(flat: dict, held: Held, partition_id: int) -> tuple:
+    return tuple(sorted(flat.items())), "own", held.fingerprint, partition_id
+
+
+def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedConfig, DPTrainer, Held]:
     """The trainer for the data this SuperNode names (`data` in its --node-config), prepared
     once for the run's task and cached on its disk. Returns (fed, trainer, the data as held:
     its fingerprint and the files left out). Raises DataError / ConfigError naming the file or
@@ -131,12 +139,15 @@ def own_trainer(flat: dict, node: NodeConfig, partition_id: int) -> tuple[FedCon
     pin_task(node, task)
     cache = private_state_folder(node, "data-cache")
     try:
-        held = load_holder_data(node.data, task, cache, skip_bad_files=node.skip_bad_files)
+        # while this process trains from the data, its fingerprints from the cache's index alone (read once)
+        held = known_holder_data(node.data, task, cache, skip_bad_files=node.skip_bad_files)
+        if held is None or _trainer_key(flat, held, partition_id) not in _TRAINERS:
+            held = load_holder_data(node.data, task, cache, skip_bad_files=node.skip_bad_files)
     except (DataError, ConfigError) as e:  # said in full to the owner alone
         log.warning("refused a round: %s", e)
         raise DataError(DATA_REFUSED) from None
     ledgers.adopt(node.state(), held.named_fingerprint, held.fingerprint)  # a ledger of fedsd 0.1.0's
-    key = (tuple(sorted(flat.items())), "own", held.fingerprint, partition_id)
+    key = _trainer_key(flat, held, partition_id)
     if key not in _TRAINERS:
         n = len(held.y_train)
         distributed = fed.noise == "distributed"

@@ -76,7 +76,10 @@ def test_own_data_trains_and_both_formats_hold_the_same_samples(split, tmp_path)
 
 def test_prepared_data_is_cached_by_fingerprint(split, tmp_path, monkeypatch):
     task = builtin_task("fmnist")
+    assert client_data.known_holder_data(split / "imagefolder" / "client-1", task, tmp_path) is None  # not prepared
     first = load_holder_data(split / "imagefolder" / "client-1", task, tmp_path)
+    assert client_data.known_holder_data(split / "imagefolder" / "client-1", task, tmp_path) == \
+        client_data.DataIdentity(first.fingerprint, first.source, first.named_fingerprint, [])
     monkeypatch.setattr(client_data, "_load_folder", lambda *a: pytest.fail("decoded the images again"))
     again = load_holder_data(split / "imagefolder" / "client-1", task, tmp_path)
     assert again.fingerprint == first.fingerprint and torch.equal(again.x_train, first.x_train)
@@ -88,6 +91,28 @@ def test_prepared_data_is_cached_by_fingerprint(split, tmp_path, monkeypatch):
     monkeypatch.undo()
     assert load_holder_data(tmp_path / "copy", task, tmp_path / "other-cache").fingerprint == first.fingerprint
     assert load_holder_data(split / "imagefolder" / "client-0", task, tmp_path).fingerprint != first.fingerprint
+
+
+def test_a_later_round_reads_none_of_the_data_its_process_trains_from(split, tmp_path, monkeypatch):
+    """A data service answers every message of a run: after its first round it takes the data's
+    fingerprint from its cache's index and trains from what it prepared, without loading the
+    prepared images again (they were read, 6,000 images a message, at every round)."""
+    cfg, flat = run_config(rounds=3)
+    node = {"partition-id": 0, "data": str(split / "npz" / "client-0"), "state-dir": str(tmp_path), "max-epsilon": 3}
+    local._TRAINERS.clear()
+    model = initial_model(cfg.resolved(), 10)
+    reply, _ = send(flat, node, model, 1)
+    assert reply.content["metrics"]["num-examples"] == 300
+    trainer = next(iter(local._TRAINERS.values()))
+    loads = []
+    flower_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda path, *a, **k: loads.append(str(path)) or flower_load(path, *a, **k))
+    reply, _ = send(flat, node, record_to_model(reply.content["arrays"]), 2)
+    assert reply.content["metrics"]["num-examples"] == 300 and "refusal" not in reply.content
+    assert [p for p in loads if "prepared-" in p] == [] and next(iter(local._TRAINERS.values())) is trainer
+    local._TRAINERS.clear()  # a fresh process: the prepared images are read from the cache once
+    send(flat, node, record_to_model(reply.content["arrays"]), 3)
+    assert len([p for p in loads if "prepared-" in p]) == 1
 
 
 def test_run_asking_more_than_the_owner_allows_is_refused_before_any_step(split, tmp_path):
