@@ -132,8 +132,15 @@ def test_an_isolated_owners_service_starts_so_with_its_groups_secret_on_no_comma
         assert deployment._server_env["PYTHONHASHSEED"] == deployment.shared_pages.env("server")["PYTHONHASHSEED"]
 
 
+def _replaced(path, text: str):
+    """Written whole, as the kernel's files read: a thread's write_text, read half-done (empty)
+    by the pace beside it, failed a fresh clone's run."""
+    (path.parent / (path.name + ".tmp")).write_text(text)
+    os.replace(path.parent / (path.name + ".tmp"), path)
+
+
 def _meminfo(path, available_share: float):
-    path.write_text(f"MemTotal: 1000000 kB\nMemFree: 1 kB\nMemAvailable: {int(available_share * 1e6)} kB\n")
+    _replaced(path, f"MemTotal: 1000000 kB\nMemFree: 1 kB\nMemAvailable: {int(available_share * 1e6)} kB\n")
     return path
 
 
@@ -156,7 +163,7 @@ def test_starts_are_paced_by_the_merging_only_while_memory_is_short(tmp_path, mo
     monkeypatch.setattr(shared_pages, "STAT", stat)
     assert pages.pace(meminfo=_meminfo(tmp_path / "plenty", 0.6), most=30) < 2.5  # the machine quiet: 3 looks
     stat.write_text("procs_running 5\n")  # the last client still starting
-    threading.Timer(2.0, lambda: stat.write_text("procs_running 2\n")).start()
+    threading.Timer(2.0, lambda: _replaced(stat, "procs_running 2\n")).start()
     assert 3.0 <= pages.pace(meminfo=_meminfo(tmp_path / "plenty", 0.6), most=30) < 6  # until it was done
     short = _meminfo(tmp_path / "short", 0.1)
     assert 2.5 <= pages.pace(meminfo=short, most=30) < 7  # nothing merging: it stops waiting after the stall
@@ -164,7 +171,7 @@ def test_starts_are_paced_by_the_merging_only_while_memory_is_short(tmp_path, mo
 
     def merge():  # ksmd merging for 3 s, then the memory back
         for n in range(6):
-            (ksm / "pages_sharing").write_text(f"{8 + n}\n")
+            _replaced(ksm / "pages_sharing", f"{8 + n}\n")
             time.sleep(0.5)
         _meminfo(short, 0.5)
         merging.set()
