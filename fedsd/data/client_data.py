@@ -153,11 +153,19 @@ def known_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.P
     path, index, _, _ = _index_of(data, task, cache_dir, skip_bad_files)
     if not index.is_file():
         return None
+    fingerprint, named, skipped = _indexed(index)
+    return DataIdentity(fingerprint, str(path), named, skipped) if \
+        _prepared(cache_dir, fingerprint, task).is_file() else None
+
+
+def _indexed(index: Path) -> tuple[str, str, list[str]]:
+    """The fingerprint, fedsd 0.1.0's named fingerprint and the files left out, as an index keeps them."""
     known = json.loads(index.read_text())
-    identity = DataIdentity(known["fingerprint"], str(path), known.get("named_fingerprint", ""),
-                            known.get("skipped", []))
-    prepared = Path(cache_dir) / f"prepared-{identity.fingerprint}-{task.key}.pt"
-    return identity if prepared.is_file() else None
+    return known["fingerprint"], known.get("named_fingerprint", ""), known.get("skipped", [])
+
+
+def _prepared(cache_dir, fingerprint: str, task: Task) -> Path:
+    return Path(cache_dir) / f"prepared-{fingerprint}-{task.key}.pt"
 
 
 def _index_of(data, task: Task, cache_dir, skip_bad_files: bool) -> tuple[Path, Path, list[Path], bool]:
@@ -187,14 +195,13 @@ def load_holder_data(data: str | os.PathLike, task: Task, cache_dir: str | os.Pa
     cache = Path(cache_dir)
     arrays, skipped = None, []
     if index.is_file():
-        known = json.loads(index.read_text())
-        fingerprint, named, skipped = known["fingerprint"], known.get("named_fingerprint", ""), known.get("skipped", [])
+        fingerprint, named, skipped = _indexed(index)
     else:
         if skip:  # which files are readable is known only once they are decoded
             arrays, skipped = _load_folder(path, task, skip=True)
         readable = [f for f in files if str(f.relative_to(path) if f != path else f.name) not in skipped]
         fingerprint, named = _content_fingerprint(path, readable), _named_fingerprint(path, readable)
-    prepared = cache / f"prepared-{fingerprint}-{task.key}.pt"
+    prepared = _prepared(cache, fingerprint, task)
     if arrays is None and prepared.is_file():
         arrays = torch.load(prepared, weights_only=True)
     elif arrays is None:
