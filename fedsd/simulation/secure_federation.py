@@ -112,7 +112,10 @@ class SecureFederation:
     """A run as it goes: its clients' shards and states, the global model and the server's
     optimizer; `take_round` runs one, `save` checkpoints, `finish` writes the result."""
 
-    def __init__(self, cfg: TrainConfig, fed: FedConfig, out: Path | None, plain: bool = False):
+    def __init__(self, cfg: TrainConfig, fed: FedConfig, out: Path | None, plain: bool = False, data: bool = True):
+        """data=False: the run's plan alone (its σ, its network), as a dry run states it; the shards,
+        the test set and their features (ScatterNet's: a minute for Fashion-MNIST's 60,000 images
+        on one core) are made by `load_data`, which a dry run never reaches."""
         self.cfg, self.fed, self.out = cfg, fed, out
         self.plain = plain or fed.secure_sum == "plain"  # the same sum, added in the clear (--secure-sum plain)
         protocol = fed.secure_sum == "protocol" and not self.plain  # the per-round protocol, simulated
@@ -122,15 +125,10 @@ class SecureFederation:
         images, indices, shards = cut_shards(cfg, fed)
         n = len(indices)
         self.sample_rate = min(1.0, cfg.batch_size / n)
-        whole = data_lib.prepare(images, indices, "cpu", input_stats(cfg), cfg.features)
-        self.test, self.data_source = (whole.x_test, whole.y_test), images.source
-        self.validation = data_lib.validation_split(images, cfg.validation, input_stats(cfg), cfg.features) \
-            if cfg.validation else None  # --validation: the held-out samples, scored where the test set is
-        self.shards = [data_lib.TensorData(whole.x_train[s], whole.y_train[s], whole.x_test[:0], whole.y_test[:0],
-                                           whole.num_classes) for s in shards]
-        self.net = model_for(cfg, whole.num_classes)
+        self.data_source, self._cut = images.source, (images, indices, shards)
+        self.net = model_for(cfg, images.num_classes)
         dim = dimension(self.net)
-        self.model = initial_model(cfg, whole.num_classes)
+        self.model = initial_model(cfg, images.num_classes)
         self.states: list[TrainState | None] = [None] * len(shards)
         self.rounds: list[dict] = []
         self.num_train, self.seconds_before = n, 0.0
@@ -147,10 +145,26 @@ class SecureFederation:
                                                      self.sample_rate * n, fed.rounds, honest_count(fed), dim)
             # every client's trainer draws at the run's q; its noise is the distributed plan's, not Opacus'
             self.plan = PrivacyPlan(0.0, self.sample_rate, fed.rounds, cfg.epsilon, cfg.delta, "rdp")
-            self.trainer = planned_trainer(cfg, self.shards[0], self.plan)
             self.server = ServerOptimizer(self.net, cfg.lr, cfg.momentum)
         self.own = self.noise  # each client's own calibration, from its own settings (here the run's)
         self.runs = None  # --secure-sum multi-round: the run's protocol, set up at its first round in this process
+        self.shards, self.test, self.validation, self.trainer = [], None, None, None
+        if data:
+            self.load_data()
+
+    def load_data(self) -> None:
+        """The clients' shards and the test (and --validation) set, with the run's features; the
+        clients' trainer, planned on the first shard."""
+        images, indices, shards = self._cut
+        cfg = self.cfg
+        whole = data_lib.prepare(images, indices, "cpu", input_stats(cfg), cfg.features)
+        self.test = whole.x_test, whole.y_test
+        self.validation = data_lib.validation_split(images, cfg.validation, input_stats(cfg), cfg.features) \
+            if cfg.validation else None  # --validation: the held-out samples, scored where the test set is
+        self.shards = [data_lib.TensorData(whole.x_train[s], whole.y_train[s], whole.x_test[:0], whole.y_test[:0],
+                                           whole.num_classes) for s in shards]
+        if self.plan is not None:
+            self.trainer = planned_trainer(cfg, self.shards[0], self.plan)
 
     # -- one round ------------------------------------------------------------------------
     def take_round(self, r: int) -> dict:
@@ -324,7 +338,7 @@ def simulate_secure(cfg: TrainConfig, fed: FedConfig, out: str | Path | None = N
         check_out_dir(out, overwrite)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    run = SecureFederation(cfg, fed, out)
+    run = SecureFederation(cfg, fed, out, data=not dry_run.requested())
     dry_run.stop_here(plan_line(cfg, fed, run) + (f" into {out}" if out else ""))
     if saved is not None:
         run.load(saved)

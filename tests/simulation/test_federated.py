@@ -122,20 +122,6 @@ def test_unknown_strategy_or_partition_is_refused(capsys):
         assert flag in capsys.readouterr().err
 
 
-@pytest.mark.skipif(shutil.which("flwr", path=str(Path(os.sys.executable).parent)) is None, reason="no flwr CLI")
-def test_flwr_run_dot_runs_one_round(tmp_path, flower_env):
-    require("fmnist")
-    out = tmp_path / "flwr-run"
-    proc = subprocess.run(
-        ["flwr", "run", ".", "--stream", "--federation-config", "num-supernodes=2",
-         "--run-config", f"num-server-rounds=1 num-clients=2 subset=2000 batch-size=100 out-dir='{out}'"],
-        cwd=ROOT, env=flower_env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((out / "result.json").read_text())
-    assert len(result["rounds"]) == 1 and result["num_clients"] == 2
-    assert 0 < result["rounds"][0]["client_epsilon"]["0"] <= 3.0
-
-
 def test_server_side_dp_adds_the_noise_it_promises():
     """Flower's server-side fixed clipping on top: clipped client updates averaged, plus
     N(0, (z·c/n)²) per coordinate. With z = 0.5, c = 1, n = 2 that noise (std 0.25) dwarfs the

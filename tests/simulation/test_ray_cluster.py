@@ -89,21 +89,27 @@ def test_simulation_runs_as_a_job_on_a_running_ray_cluster(ray_cluster, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("flwr", path=str(Path(sys.executable).parent)) is None, reason="no flwr CLI")
-def test_flwr_run_attaches_through_ray_address(ray_cluster, flower_env):
+def test_flwr_run_attaches_through_ray_address(ray_cluster, flower_env, tmp_path):
     """Flower 1.41's simulation settings have no address: Ray's own RAY_ADDRESS, in the
     environment where flwr starts its local SuperLink, makes the simulation a job of the
-    cluster (simulations/README.md)."""
+    cluster (simulations/README.md). `flwr run .` with a run config: its result where out-dir
+    says, every client's ε within the run's."""
     require("fmnist")
     address, temp = ray_cluster
     drivers = lambda: set((temp / "session_latest" / "logs").glob("python-core-driver-*.log"))
-    before = drivers()
+    before, out = drivers(), tmp_path / "flwr-run"
     proc = subprocess.run(["flwr", "run", ".", "--stream", "--federation-config", "num-supernodes=2", "--run-config",
-                           "num-clients=2 num-server-rounds=1 dataset='fmnist' subset=2000 batch-size=100 lr=0.8"],
+                           "num-clients=2 num-server-rounds=1 dataset='fmnist' subset=2000 batch-size=100 lr=0.8 "
+                           f"out-dir='{out}'"],
                           cwd=Path(__file__).resolve().parents[2], env={**flower_env, "RAY_ADDRESS": address},
                           capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "fedsd round 1/1: test accuracy" in output, output[-3000:]
     assert len(drivers() - before) == 1, "the simulation did not run as a job of the cluster"
+    result = json.loads((out / "result.json").read_text())
+    assert len(result["rounds"]) == 1 and result["num_clients"] == 2
+    assert sorted(result["rounds"][0]["client_epsilon"]) == ["0", "1"]
+    assert all(0 < e <= 3.0 for e in result["rounds"][0]["client_epsilon"].values())
 
 
 def test_a_ray_address_where_no_cluster_answers_is_refused_before_any_work(tmp_path, capsys):

@@ -194,3 +194,24 @@ def test_the_simulate_command_of_a_distributed_run_that_trained_exits_zero(tmp_p
                  "--rounds", "1", "--secure-aggregation", "--noise", "distributed", "--threads", "1", "--quiet",
                  "--out", str(tmp_path / "out")]) == 0
     assert "no client trained" not in capsys.readouterr().err
+
+
+def test_a_dry_run_states_the_plan_and_computes_no_features(tmp_path, monkeypatch):
+    """A dry run of a features recipe (`FEDSD_DRY_RUN=1 fedsd simulate --recipe distributed-features`)
+    computed the whole data set's ScatterNet features before it stopped (a minute on one core, and
+    a cache file written): it states the same plan, σ included, and computes none."""
+    require("fmnist")
+    from fedsd import dry_run
+
+    cfg = TrainConfig(dataset="fmnist", method="dpsgd", features="scatter", model="scatter-linear", batch_size=64,
+                      lr=1.0, epsilon=3.0, subset=600, threads=1).resolved()
+    fed = FedConfig(num_clients=3, rounds=2, secure_aggregation=True, noise="distributed")
+    monkeypatch.setenv("FEDSD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FEDSD_DRY_RUN", "1")
+    with pytest.raises(dry_run.DryRun) as stopped:
+        simulate_secure(cfg, fed, tmp_path / "run", progress=False)
+    assert not (tmp_path / "cache" / "features").exists() and not (tmp_path / "run").exists()
+    monkeypatch.delenv("FEDSD_DRY_RUN")
+    whole = SecureFederation(cfg, fed, None)  # the plan of the run that would go on: the same σ
+    assert f"σ={whole.noise.noise_multiplier:.3f} " in str(stopped.value)
+    assert len(whole.shards) == 3 and whole.test[0].shape[1:] == whole.shards[0].x_train.shape[1:]
