@@ -113,10 +113,15 @@ def test_flwr_run_attaches_through_ray_address(ray_cluster, flower_env, tmp_path
 
 
 def test_a_ray_address_where_no_cluster_answers_is_refused_before_any_work(tmp_path, capsys):
-    port = free_port()
-    code = main(["simulate", "--ray-address", f"127.0.0.1:{port}", "--dataset", "fmnist", "--subset", "600",
-                 "--clients", "2", "--rounds", "1", "--batch-size", "100", "--epsilon", "3",
-                 "--out", str(tmp_path / "run")])
+    # The port held, bound and never listening, while fedsd asks it: a port only free when picked was
+    # taken by a process of a test beside this one (make test's other worker) and answered on the
+    # machine's address, to which Ray turns 127.0.0.1 (a fresh clone's make test failed so).
+    with socket.socket() as held:
+        held.bind(("", 0))
+        port = held.getsockname()[1]
+        code = main(["simulate", "--ray-address", f"127.0.0.1:{port}", "--dataset", "fmnist", "--subset", "600",
+                     "--clients", "2", "--rounds", "1", "--batch-size", "100", "--epsilon", "3",
+                     "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == 2 and f"--ray-address 127.0.0.1:{port}: no Ray cluster answers" in err, err
     assert "ray start --head" in err and not (tmp_path / "run").exists()
