@@ -156,7 +156,7 @@ class SecureFederation:
         """The clients' shards and the test (and --validation) set, with the run's features; the
         clients' trainer, planned on the first shard."""
         images, indices, shards = self._cut
-        cfg = self.cfg
+        self._cut, cfg = None, self.cfg  # the images let go once prepared, as before the split
         whole = data_lib.prepare(images, indices, "cpu", input_stats(cfg), cfg.features)
         self.test = whole.x_test, whole.y_test
         self.validation = data_lib.validation_split(images, cfg.validation, input_stats(cfg), cfg.features) \
