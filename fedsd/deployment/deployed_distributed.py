@@ -13,9 +13,15 @@ owner charged once a round. scripts/deployed-run-state.sh saves a stopped run's 
 what a start makes again) to carry it to another machine or session, and restores them. Each round's line and
 its wall-clock time go to W/rounds.jsonl (copied to O at the end); at the end O/result.json is
 the run's result (`fedsd simulate`'s schema) and O/deployment.json what the deployment was.
+
+With --floor-rounds N, the same deployment then runs Flower's floor (scripts/floor: every node sends
+the model's arrays back, nothing else) for N rounds: what one exchange with these nodes costs Flower
+itself, beside the rounds it is part of (O/floor/floor.json; deployment.json's floor_exchange_seconds
+and deployed_round_seconds, medians of rounds 2…).
 """
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,7 +31,7 @@ from fedsd.simulation.secure_federation import FEATURES_RECIPE, FEATURES_ROUNDS
 from fedsd.simulation.client_folders import write_client_folders
 from fedsd.data.client_data import training_records
 from fedsd.deployment.stage_links import stage_links, table
-from fedsd.deployment.local_deployment import LocalDeployment, stop_on_sigterm
+from fedsd.deployment.local_deployment import FLOOR_APP, LocalDeployment, stop_on_sigterm
 from fedsd.deployment.node_options import add_node_arguments, node_start
 from fedsd.errors import OutputExistsError
 from fedsd.files.results import check_out_dir, write_json
@@ -114,6 +120,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--work", required=True, help="the deployment's folder (owners' state, logs); kept")
     p.add_argument("--out", required=True, help="the run's result folder (its checkpoint: resumed from)")
     p.add_argument("--timeout", type=float, default=48 * 3600)
+    p.add_argument("--floor-rounds", type=int, default=0,
+                   help="after the run, Flower's floor on the same deployment for this many rounds (at least 2: "
+                        "round 1 starts the floor's tasks), each an exchange that only sends the model back; 0: none")
     add_node_arguments(p)
     return p
 
@@ -125,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     work, out = Path(args.work).absolute(), Path(args.out).absolute()
     if refusal := out_refusal(out, work):
         p.error(refusal)
+    if args.floor_rounds < 0 or args.floor_rounds == 1:
+        p.error(f"--floor-rounds {args.floor_rounds}: 0 (none) or at least 2 (round 1 starts the floor's tasks; "
+                "rounds 2… are timed)")
     if not 0 <= args.honest_clients <= args.clients:
         p.error(f"--honest-clients {args.honest_clients}: in [0, --clients {args.clients}] (0: every owner)")
     honest = args.honest_clients or args.clients
@@ -150,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             resumed = checkpoint.path_in(out).is_file() and not (out / "result.json").is_file()
             deployment.run({"resume-dir": str(out)} if resumed else config, timeout=args.timeout,
                            echo=echo_to(work / "rounds.jsonl"))
+            floor = flower_floor(deployment, out, args.clients, args.floor_rounds, args.timeout)
     except KeyboardInterrupt:
         refusal = out_refusal(out, work)
         print("deployed_distributed: interrupted; every process it started is stopped; " + (
@@ -168,8 +181,41 @@ def main(argv: list[str] | None = None) -> int:
         run_config=config, resumed=resumed, startup_seconds=round(ready, 1),
         total_seconds=round(time.perf_counter() - started, 1), supernodes=args.clients, clientapps=args.clientapps,
         pull_interval=deployment.pull_interval, superlink_state="file" if deployment.durable_superlink else "memory",
-        node_threads=deployment.node_threads, shared_pages=deployment.shared_pages is not None))
+        node_threads=deployment.node_threads, shared_pages=deployment.shared_pages is not None,
+        **floor_report(work / "rounds.jsonl", floor)))
     return 0
+
+
+def flower_floor(deployment: LocalDeployment, out: Path, clients: int, rounds: int, timeout: float) -> list[float]:
+    """Flower's floor on this deployment for `rounds` rounds (none for 0): each round the ServerApp
+    sends every node the run's model arrays (their shapes from O/model.pt) and waits for them back;
+    the seconds of each round, also in O/floor/floor.json."""
+    if not rounds:
+        return []
+    import torch
+
+    shapes = [list(v.shape) for v in torch.load(out / "model.pt", weights_only=True).values()]
+    print(f"deployed_distributed: Flower's floor (scripts/floor) on the same {clients} nodes, {rounds} rounds",
+          flush=True)
+    deployment.run({"num-server-rounds": rounds, "num-clients": clients, "out-dir": str(out / "floor"),
+                    "shapes": json.dumps(shapes, separators=(",", ":"))}, timeout=timeout, app=FLOOR_APP)
+    return json.loads((out / "floor" / "floor.json").read_text())["round_seconds"]
+
+
+def floor_report(rounds_log: Path, floor: list[float]) -> dict:
+    """deployment.json's floor fields: the floor's exchange and the deployed round, medians of rounds
+    2… (the deployed ones from rounds_log's lines, start to start), printed as a line too; {} with no floor."""
+    if not floor:
+        return {}
+    deployed = [json.loads(line)["seconds"] for line in rounds_log.read_text().splitlines()[1:]] \
+        if rounds_log.is_file() else []
+    report = dict(floor_round_seconds=[round(s, 3) for s in floor],
+                  floor_exchange_seconds=round(statistics.median(floor[1:]), 3),
+                  deployed_round_seconds=round(statistics.median(deployed), 3) if deployed else None)
+    print(f"Flower's floor: {report['floor_exchange_seconds']:.2f} s an exchange (median of rounds 2–{len(floor)}); "
+          f"a deployed round: " + (f"{report['deployed_round_seconds']:.2f} s" if deployed else "none timed") +
+          " (median of rounds 2…, two exchanges each in steady state under the multi-round protocol)", flush=True)
+    return report
 
 
 if __name__ == "__main__":
