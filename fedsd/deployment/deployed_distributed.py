@@ -45,6 +45,8 @@ RECORDS = 60000  # Fashion-MNIST's training records, all owners together
 # owner's work does not tell its records), its update clipped to S = 0.5, its share added
 CLIENT_RECIPE = {"dataset": "fmnist", "method": "dpsgd", "epsilon": 3.0, "batch-size": 32, "lr": 0.05,
                  "momentum": 0.0, "threads": 1, "local-steps": 188, "update-clip": 0.5, "privacy-unit": "client"}
+# the exchanges with every owner a round after the first, by --secure-sum (docs/algorithms.md's stage tables)
+STEADY_EXCHANGES = {"multi-round": 2, "protocol": 6}
 CLIENT_LIFETIME = 10.0  # each owner's max-epsilon there: each record's ε is the run's at z_e / 2 (above 3)
 
 
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         total_seconds=round(time.perf_counter() - started, 1), supernodes=args.clients, clientapps=args.clientapps,
         pull_interval=deployment.pull_interval, superlink_state="file" if deployment.durable_superlink else "memory",
         node_threads=deployment.node_threads, shared_pages=deployment.shared_pages is not None,
-        **floor_report(work / "rounds.jsonl", floor)))
+        **floor_report(work / "rounds.jsonl", floor, STEADY_EXCHANGES[args.secure_sum])))
     return 0
 
 
@@ -202,9 +204,10 @@ def flower_floor(deployment: LocalDeployment, out: Path, clients: int, rounds: i
     return json.loads((out / "floor" / "floor.json").read_text())["round_seconds"]
 
 
-def floor_report(rounds_log: Path, floor: list[float]) -> dict:
+def floor_report(rounds_log: Path, floor: list[float], exchanges: int) -> dict:
     """deployment.json's floor fields: the floor's exchange and the deployed round, medians of rounds
-    2… (the deployed ones from rounds_log's lines, start to start), printed as a line too; {} with no floor."""
+    2… (the deployed ones from rounds_log's lines, start to start), printed as a line too with the
+    protocol's `exchanges` a steady round; {} with no floor."""
     if not floor:
         return {}
     deployed = [json.loads(line)["seconds"] for line in rounds_log.read_text().splitlines()[1:]] \
@@ -214,7 +217,7 @@ def floor_report(rounds_log: Path, floor: list[float]) -> dict:
                   deployed_round_seconds=round(statistics.median(deployed), 3) if deployed else None)
     print(f"Flower's floor: {report['floor_exchange_seconds']:.2f} s an exchange (median of rounds 2–{len(floor)}); "
           f"a deployed round: " + (f"{report['deployed_round_seconds']:.2f} s" if deployed else "none timed") +
-          " (median of rounds 2…, two exchanges each in steady state under the multi-round protocol)", flush=True)
+          f" (median of rounds 2…, {exchanges} exchanges each after the first)", flush=True)
     return report
 
 

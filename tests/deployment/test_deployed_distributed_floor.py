@@ -13,12 +13,13 @@ def test_the_floor_report_takes_the_medians_of_rounds_two_on(tmp_path, capsys):
     # round 1 builds each owner's features and sets the run up: never timed
     log.write_text("".join(json.dumps({"line": f"fedsd round {r}/5", "seconds": s, "at": r}) + "\n"
                            for r, s in enumerate([84.0, 3.1, 2.9, 2.7, 3.5], start=1)))
-    report = dd.floor_report(log, [4.0, 1.2, 1.0, 1.1])
+    report = dd.floor_report(log, [4.0, 1.2, 1.0, 1.1], dd.STEADY_EXCHANGES["multi-round"])
     assert report["floor_exchange_seconds"] == 1.1 and report["deployed_round_seconds"] == 3.0
     assert report["floor_round_seconds"] == [4.0, 1.2, 1.0, 1.1]
     said = capsys.readouterr().out
     assert "1.10 s an exchange (median of rounds 2–4)" in said and "a deployed round: 3.00 s" in said
-    assert dd.floor_report(log, []) == {}  # no floor asked for: deployment.json as before
+    assert "2 exchanges each after the first" in said
+    assert dd.floor_report(log, [], 2) == {}  # no floor asked for: deployment.json as before
 
 
 @pytest.mark.parametrize("rounds", ["1", "-2"])
