@@ -35,6 +35,7 @@ from fedsd.benchmarks.deploy_timing import bench_deploy
 from fedsd.benchmarks.step_timing import BASELINE, bench_step, emit, every_epoch_distils, route_taken
 from fedsd.benchmarks.distill_share import measure, summary
 from fedsd.benchmarks.soak import plan_churn, plan_faults, soak
+from fedsd.deployment.local_deployment import stop_on_sigterm
 from fedsd import dry_run
 from fedsd.simulation.engine import simulate
 
@@ -326,6 +327,7 @@ def bench_soak(args) -> int:
     # --faults and --churn refused before any process starts
     plan_faults(args.clients, args.rounds, args.faults, args.seed)
     plan_churn(args.clients, args.rounds, args.churn, args.seed)
+    stop_on_sigterm()  # `kill -TERM` stops each deployment it started, as Ctrl-C does (else they run on)
     report = soak(args.clients, args.rounds, args.faults, args.seed, Path(args.work),
                   echo=lambda line: print(line, file=sys.stderr), churn=args.churn)
     print(json.dumps(report, indent=2))

@@ -21,7 +21,7 @@ from fedsd.benchmarks.step_timing import emit
 from fedsd import dry_run
 from fedsd.simulation.engine import simulate
 from fedsd.simulation.client_folders import write_client_folders
-from fedsd.deployment.local_deployment import FLOOR_APP, LocalDeployment
+from fedsd.deployment.local_deployment import FLOOR_APP, LocalDeployment, stop_on_sigterm
 from fedsd.app.simulated_shards import build_federation
 
 
@@ -70,6 +70,10 @@ def three_ways(cfg: TrainConfig, fed: FedConfig, work: Path, timeout: float) -> 
     _phase("simulated run (Ray)")
     simulated, simulated_weights = simulate(cfg, fed, progress=False)
     _phase("deployment: SuperLink, SuperNodes, TLS, node authentication")
+    # `kill -TERM` leaves through the deployment's stop (every process it started), as Ctrl-C does:
+    # the default action ended this process alone and left the SuperLink and SuperNodes running.
+    # Set here, after the simulated run: Ray's start sets a handler of its own.
+    stop_on_sigterm()
     # Seeded noise, the owner's word given: this bench owns both sides and checks that the
     # deployed clients train the simulated model exactly (a real owner keeps the default,
     # secret noise, which no server can predict).

@@ -584,3 +584,30 @@ def test_a_deployed_distributed_run_stopped_by_sigterm_leaves_no_process_or_netw
         proc.kill()
         subprocess.run(["pkill", "-9", "-f", str(work)])
         iso.down()
+
+
+@pytest.mark.parametrize("command, started", [
+    (["bench", "deploy", "--clients", "2", "--rounds", "8", "--subset", "1200", "--batch-size", "100",
+      "--threads", "1"], "deployment/logs/superlink.log"),
+    (["bench", "soak", "--clients", "2", "--rounds", "6", "--faults", "0"],
+     "baseline-seed0/deployment/logs/superlink.log"),
+], ids=["bench-deploy", "bench-soak"])
+def test_a_bench_stopped_by_sigterm_leaves_no_process_behind(tmp_path, command, started):
+    """`kill -TERM` on `fedsd bench deploy` or `fedsd bench soak` while its deployment runs: every
+    process it started stops with it. The default action ended the command alone and left its
+    SuperLink, SuperExec and SuperNodes running."""
+    require("fmnist")
+    work = tmp_path / "work"
+    proc = subprocess.Popen([sys.executable, "-m", "fedsd.cli.main", *command, "--work", str(work)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (work / started).exists() or proc.poll() is not None, 600, "the deployment's SuperLink")
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 130 and "interrupted" in err, err[-3000:]
+        assert processes_mentioning(str(work)) == []
+    finally:  # whatever the outcome, nothing of it stays on the machine
+        proc.kill()
+        subprocess.run(["pkill", "-9", "-f", str(work)])
+
