@@ -3,7 +3,6 @@ data) and Flower's floor (a round that only sends a model back), side by side in
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -21,7 +20,7 @@ from fedsd.benchmarks.step_timing import emit
 from fedsd import dry_run
 from fedsd.simulation.engine import simulate
 from fedsd.simulation.client_folders import write_client_folders
-from fedsd.deployment.local_deployment import FLOOR_APP, LocalDeployment, stop_on_sigterm
+from fedsd.deployment.local_deployment import LocalDeployment, stop_on_sigterm
 from fedsd.app.simulated_shards import build_federation
 
 
@@ -84,17 +83,15 @@ def three_ways(cfg: TrainConfig, fed: FedConfig, work: Path, timeout: float) -> 
         deployment.run({**to_flat(cfg, fed), "client-data": "own", "num-clients": fed.num_clients,
                         "num-server-rounds": fed.rounds, "out-dir": str(work / "deployed")}, timeout=timeout)
         # The floor sends what fedsd's ServerApp sends: the model's arrays, as many floats.
-        shapes = [list(v.shape) for v in simulated_weights.values()]
         _phase("Flower's floor (scripts/floor) on the same deployment")
-        deployment.run({"num-server-rounds": fed.rounds, "num-clients": fed.num_clients,
-                        "shapes": json.dumps(shapes, separators=(",", ":")),
-                        "out-dir": str(work / "floor")}, timeout=timeout, app=FLOOR_APP)
+        floor = deployment.run_floor([list(v.shape) for v in simulated_weights.values()], fed.rounds, work / "floor",
+                                     timeout)
         superexec_poll = float(deployment.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"])
         node_threads = deployment.node_threads
     return dict(simulated=simulated, simulated_weights=simulated_weights,
                 deployed=RunResult.read(work / "deployed" / "result.json"),
                 deployed_weights=torch.load(work / "deployed" / "model.pt", weights_only=True),
-                floor=json.loads((work / "floor" / "floor.json").read_text())["round_seconds"],
+                floor=floor,
                 superexec_poll=superexec_poll, node_threads=node_threads)
 
 

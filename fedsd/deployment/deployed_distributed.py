@@ -31,7 +31,7 @@ from fedsd.simulation.secure_federation import FEATURES_RECIPE, FEATURES_ROUNDS
 from fedsd.simulation.client_folders import write_client_folders
 from fedsd.data.client_data import training_records
 from fedsd.deployment.stage_links import stage_links, table
-from fedsd.deployment.local_deployment import FLOOR_APP, LocalDeployment, stop_on_sigterm
+from fedsd.deployment.local_deployment import LocalDeployment, stop_on_sigterm
 from fedsd.deployment.node_options import add_node_arguments, node_start
 from fedsd.errors import OutputExistsError
 from fedsd.files.results import check_out_dir, write_json
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             resumed = checkpoint.path_in(out).is_file() and not (out / "result.json").is_file()
             deployment.run({"resume-dir": str(out)} if resumed else config, timeout=args.timeout,
                            echo=echo_to(work / "rounds.jsonl"))
-            floor = flower_floor(deployment, out, args.clients, args.floor_rounds, args.timeout)
+            floor = flower_floor(deployment, out, args.floor_rounds, args.timeout)
     except KeyboardInterrupt:
         refusal = out_refusal(out, work)
         print("deployed_distributed: interrupted; every process it started is stopped; " + (
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def flower_floor(deployment: LocalDeployment, out: Path, clients: int, rounds: int, timeout: float) -> list[float]:
+def flower_floor(deployment: LocalDeployment, out: Path, rounds: int, timeout: float) -> list[float]:
     """Flower's floor on this deployment for `rounds` rounds (none for 0): each round the ServerApp
     sends every node the run's model arrays (their shapes from O/model.pt) and waits for them back;
     the seconds of each round, also in O/floor/floor.json."""
@@ -197,11 +197,9 @@ def flower_floor(deployment: LocalDeployment, out: Path, clients: int, rounds: i
     import torch
 
     shapes = [list(v.shape) for v in torch.load(out / "model.pt", weights_only=True).values()]
-    print(f"deployed_distributed: Flower's floor (scripts/floor) on the same {clients} nodes, {rounds} rounds",
-          flush=True)
-    deployment.run({"num-server-rounds": rounds, "num-clients": clients, "out-dir": str(out / "floor"),
-                    "shapes": json.dumps(shapes, separators=(",", ":"))}, timeout=timeout, app=FLOOR_APP)
-    return json.loads((out / "floor" / "floor.json").read_text())["round_seconds"]
+    print(f"deployed_distributed: Flower's floor (scripts/floor) on the same {deployment.num_clients} nodes, "
+          f"{rounds} rounds", flush=True)
+    return deployment.run_floor(shapes, rounds, out / "floor", timeout)
 
 
 def floor_report(rounds_log: Path, floor: list[float], exchanges: int) -> dict:

@@ -518,6 +518,13 @@ class LocalDeployment:
             raise DeploymentError((f"the run stopped: {reason}" if reason else
                                    f"the run failed (flwr run exit code {proc.returncode})") + f" (log: {log})")
 
+    def run_floor(self, shapes: list[list[int]], rounds: int, out: Path, timeout: float = 3600) -> list[float]:
+        """Flower's floor (scripts/floor) on this deployment: `rounds` rounds, each sending every node
+        float32 arrays of `shapes` and waiting for them back; each round's seconds (also out/floor.json)."""
+        self.run({"num-server-rounds": rounds, "num-clients": self.num_clients, "out-dir": str(out),
+                  "shapes": json.dumps(shapes, separators=(",", ":"))}, timeout=timeout, app=FLOOR_APP)
+        return json.loads((Path(out) / "floor.json").read_text())["round_seconds"]
+
     @staticmethod
     def _echo_rounds(log: Path, seen: int, echo) -> int:
         if echo is None or not log.exists():
